@@ -1,0 +1,72 @@
+"""The knobs of an epoch: every quantity the feedback service steers, with its fixed-schedule default.
+
+The trainer turns a `Knobs` into device tensors before the epoch (`copy_` into static buffers), so a
+captured training step reads them without a host sync. The evaluator reads the few that the policy
+itself uses (`gate_threshold`, `regime_confidence`). Feedback E1–E9 produce a `Knobs` for epoch e+1
+(services/feedback); with feedback off, `Knobs.fixed_schedule(epoch, ...)` is used instead.
+
+ML core: imports only the standard library (and numpy for validation).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+N_REGIMES = 9  # 3 volatility buckets × 3 trend buckets (shared/market.py)
+BRANCHES = ("direction", "size", "exit")
+
+
+@dataclass
+class Knobs:
+    epsilon: float = 0.10
+    """E2 — exploration rate of the ε-greedy policy during collection (per branch, independently)."""
+    gamma: float = 0.97
+    """E3 — discount factor per bar for bootstrap targets."""
+    q_bias: float = 0.0
+    """E1 — subtracted from bootstrap targets (return units): positive when Q over-predicts realised trades."""
+    lr_scale: dict[str, float] = field(default_factory=lambda: {b: 1.0 for b in BRANCHES})
+    """E4 — multiplier of the base LR for each branch's parameter group."""
+    gate_threshold: float = math.inf
+    """E5 — epistemic entry gate: no new entry where ensemble disagreement (std of Q, return units) exceeds it."""
+    priority_boost: list[tuple[int, float]] = field(default_factory=list)
+    """E6 — (bar index in the training split, multiplier ≥ 1) for replay transitions of top winning trades."""
+    hindsight: list[tuple[int, int]] = field(default_factory=list)
+    """E7 — (bar index in the training split, hindsight-optimal direction 0=short 1=flat 2=long) for losing trades."""
+    regime_weights: list[float] = field(default_factory=lambda: [1.0] * N_REGIMES)
+    """E8 — relative sampling weight of episode starts by regime label."""
+    regime_confidence: list[float] = field(default_factory=lambda: [1.0] * N_REGIMES)
+    """E9 — position-size multiplier in [0, 1] by regime (0 closes the regime to new entries)."""
+
+    def validate(self) -> "Knobs":
+        if not 0.0 <= self.epsilon <= 1.0:
+            raise ValueError(f"epsilon must be in [0, 1], got {self.epsilon}")
+        if not 0.0 < self.gamma < 1.0:
+            raise ValueError(f"gamma must be in (0, 1), got {self.gamma}")
+        if set(self.lr_scale) != set(BRANCHES) or any(v <= 0 for v in self.lr_scale.values()):
+            raise ValueError(f"lr_scale needs a positive value for each of {BRANCHES}, got {self.lr_scale}")
+        for name in ("regime_weights", "regime_confidence"):
+            v = getattr(self, name)
+            if len(v) != N_REGIMES or any((not math.isfinite(x)) or x < 0 for x in v):
+                raise ValueError(f"{name} needs {N_REGIMES} finite non-negative values, got {v}")
+        return self
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["gate_threshold"] = None if math.isinf(self.gate_threshold) else self.gate_threshold
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Knobs":
+        d = dict(d)
+        if d.get("gate_threshold") is None:
+            d["gate_threshold"] = math.inf
+        d["priority_boost"] = [tuple(x) for x in d.get("priority_boost", [])]
+        d["hindsight"] = [tuple(x) for x in d.get("hindsight", [])]
+        return cls(**d).validate()
+
+    @classmethod
+    def fixed_schedule(cls, epoch: int, *, eps_start: float = 0.3, eps_end: float = 0.02,
+                       eps_decay_epochs: int = 10, gamma: float = 0.97) -> "Knobs":
+        """The ablation's schedule (feedback off): ε decays linearly over `eps_decay_epochs`; the rest fixed."""
+        frac = min(1.0, max(0, epoch) / max(1, eps_decay_epochs))
+        return cls(epsilon=eps_start + (eps_end - eps_start) * frac, gamma=gamma)
