@@ -336,12 +336,15 @@ class BacktestResult:
 
 
 def run_positions(prices: Prices, targets, costs: CostModel = CostModel(), *, take_profit=None,
-                  stop_loss=None) -> BacktestResult:
+                  stop_loss=None, fast: bool = True) -> BacktestResult:
     """Replay target positions through the simulator: `targets[:, t]` is decided at the close of bar t.
 
     `targets` is [T] or [B, T] (the last column is unused: no bar follows it). Accounts start flat at bar 0;
     positions still open at the last bar close at its close. `take_profit` / `stop_loss` are fractions of the
     entry price ([B, T] like targets, or scalars), read when a trade opens.
+
+    Without target/stop levels the whole path is known in advance, and `fast=True` takes the vectorised
+    form of the same rules (`_run_positions_vectorized`, pinned to `Simulator.step` by an equivalence test).
     """
     tg = torch.as_tensor(targets, dtype=prices.dtype, device=prices.device)
     if tg.dim() == 1:
@@ -351,6 +354,9 @@ def run_positions(prices: Prices, targets, costs: CostModel = CostModel(), *, ta
         raise ValueError(f"targets cover {T} bars but the prices have {len(prices)}")
     if not torch.isfinite(tg).all():
         raise ValueError("targets must be finite")
+    tg = tg.clamp(-1.0, 1.0)
+    if take_profit is None and stop_loss is None and fast:
+        return _run_positions_vectorized(prices, tg, costs)
     sim = Simulator(prices, B, costs, record_ledger=True)
     sim.reset(torch.zeros(B, dtype=torch.long, device=prices.device))
 
@@ -369,3 +375,90 @@ def run_positions(prices: Prices, targets, costs: CostModel = CostModel(), *, ta
         r = sim.step(tg[:, t], per_bar(take_profit, t), per_bar(stop_loss, t))
         eq[:, t + 1], br[:, t + 1], pos[:, t + 1] = sim.equity, r.bar_return, r.position
     return BacktestResult(sim.ledger(), eq.cpu().numpy(), br.cpu().numpy(), pos.cpu().numpy())
+
+
+def _run_positions_vectorized(prices: Prices, tg: torch.Tensor, costs: CostModel,
+                              max_elements: int = 1 << 24) -> BacktestResult:
+    """`run_positions` without target/stop levels, vectorised over bars (and chunked over accounts).
+
+    With no intrabar exits the position held over bar t is the target decided at close t-1, so every bar's
+    factors are known at once; a trade's growth is a segment product, computed as a sum of log-factors:
+      gap_t    = 1 + p_{t-1}·(open_t/close_{t-1} - 1)        → the trade held into bar t
+      fill_t   = (1 - c|p_{t-1}|) on a close, (1 - c|Δ|) on a resize → the trade held into bar t
+      open_t   = (1 - c|p_t|) on an open                     → the trade held out of bar t
+      move_t   = 1 + p_t·(close_t/open_t - 1)                → the trade held out of bar t
+      end      = (1 - c|p_{T-1}|) at the last close          → the trade held out of the last bar
+    """
+    B, T = tg.shape
+    c = costs.rate
+    dev, dt = prices.device, prices.dtype
+    o, h, l, cl = prices.open, prices.high, prices.low, prices.close
+    gap_r = torch.zeros(T, device=dev, dtype=dt)
+    gap_r[1:] = o[1:] / cl[:-1] - 1.0                                  # [T] close t-1 → open t
+    move_r = cl / o - 1.0                                              # [T] open t → close t
+    rows = max(1, max_elements // T)
+    ledgers, equities, rets, poss = [], [], [], []
+    for b0 in range(0, B, rows):
+        cur = torch.zeros(min(rows, B - b0), T, device=dev, dtype=dt)  # [b, T] position held over bar t
+        cur[:, 1:] = tg[b0:b0 + rows, :-1]
+        prev = torch.zeros_like(cur)
+        prev[:, 1:] = cur[:, :-1]
+        s_prev, s_cur = torch.sign(prev), torch.sign(cur)
+        closes = (s_prev != 0) & (s_cur != s_prev)
+        opens = (s_cur != 0) & (s_cur != s_prev)
+        resize = (s_prev != 0) & (s_cur == s_prev)
+        f_gap = 1.0 + prev * gap_r
+        f_close = torch.where(closes, 1.0 - c * prev.abs(), torch.where(resize, 1.0 - c * (cur - prev).abs(), 1.0))
+        f_open = torch.where(opens, 1.0 - c * cur.abs(), 1.0)
+        f_move = 1.0 + cur * move_r
+        f_end = torch.ones_like(cur)
+        f_end[:, -1] = 1.0 - c * cur[:, -1].abs()
+        # account equity: product of every factor, bar by bar
+        f_bar = f_gap * f_close * f_open * f_move * f_end                # [b, T]
+        log_eq = torch.cumsum(torch.log(f_bar), dim=1)
+        equity = torch.exp(log_eq)
+        bar_ret = torch.zeros_like(cur)
+        bar_ret[:, 1:] = f_bar[:, 1:] - 1.0
+        # trades: ids in (account, bar) order; the trade held into bar t is the last one opened before t
+        flat_open = opens.reshape(-1)
+        trade_id = torch.cumsum(flat_open.long(), 0).reshape(cur.shape) - 1   # id of the trade opened at or before t
+        n = int(flat_open.sum())
+        log_g = torch.zeros(n + 1, device=dev, dtype=dt)                # slot n = "no trade"
+        into = torch.where(s_prev != 0, trade_id - opens.long(), n)      # trade held into bar t
+        outof = torch.where(s_cur != 0, trade_id, n)                     # trade held out of bar t
+        log_g.index_add_(0, into.reshape(-1), torch.log(f_gap * f_close).reshape(-1))
+        log_g.index_add_(0, outof.reshape(-1), torch.log(f_open * f_move * f_end).reshape(-1))
+        acct, entry_t = opens.nonzero(as_tuple=True)
+        # exits: at an open (signal or flip), and at the last close for what is still open (the "end")
+        xa, xt = closes.nonzero(as_tuple=True)
+        ea = (s_cur[:, -1] != 0).nonzero(as_tuple=True)[0]
+        et = torch.full_like(ea, T - 1)
+        exit_acct, exit_t = torch.cat([xa, ea]), torch.cat([xt, et])
+        is_end = torch.cat([torch.zeros_like(xa, dtype=torch.bool), torch.ones_like(ea, dtype=torch.bool)])
+        order = torch.argsort(exit_acct * (2 * T) + 2 * exit_t + is_end.long())  # a flip's close before the end
+        exit_acct, exit_t, is_end = exit_acct[order], exit_t[order], is_end[order]
+        reason = torch.where(is_end, _END, torch.where(s_cur[exit_acct, exit_t] == 0, _SIGNAL, _FLIP))
+        exit_px = torch.where(is_end, cl[exit_t], o[exit_t])
+        side = s_cur[acct, entry_t]
+        led = pd.DataFrame({
+            "account": (acct + b0).cpu().numpy().astype(np.int64),
+            "entry_t": entry_t.cpu().numpy().astype(np.int64),
+            "exit_t": exit_t.cpu().numpy().astype(np.int64),
+            "side": side.cpu().numpy().astype(np.int64),
+            "size": cur[acct, entry_t].abs().cpu().numpy(),
+            "entry_price": o[entry_t].cpu().numpy(),
+            "exit_price": exit_px.cpu().numpy(),
+            "net_return": torch.expm1(log_g[:n]).cpu().numpy(),
+        })
+        r = reason.cpu().numpy()
+        led["bars"] = led["exit_t"] - led["entry_t"] + (r >= _STOP).astype(np.int64)
+        led["exit_reason"] = pd.Categorical.from_codes(r, categories=list(EXIT_REASONS)).astype(str)
+        pos_close = cur.clone()
+        pos_close[:, -1] = 0.0
+        ledgers.append(led)
+        equities.append(equity.cpu().numpy())
+        rets.append(bar_ret.cpu().numpy())
+        poss.append(pos_close.cpu().numpy())
+    ledger = pd.concat(ledgers, ignore_index=True).sort_values(["account", "exit_t", "entry_t"], kind="stable")
+    return BacktestResult(ledger.reset_index(drop=True), np.concatenate(equities), np.concatenate(rets),
+                          np.concatenate(poss))

@@ -164,3 +164,26 @@ def test_costs_reduce_returns_monotonically():
 def test_bad_targets_are_refused(bad):
     with pytest.raises(ValueError):
         run_positions(prices([100, 101, 102, 103, 104]), bad)
+
+
+def test_vectorised_replay_matches_the_step_simulator():
+    """Fast path vs reference: the vectorised no-stop replay gives the step loop's ledger and equity."""
+    rng = np.random.default_rng(7)
+    T = 600
+    close = 50 * np.exp(np.cumsum(rng.normal(0, 0.01, T)))
+    open_ = np.r_[50, close[:-1]] * np.exp(rng.normal(0, 0.003, T))
+    p = Prices.from_arrays(open_, np.maximum(open_, close) * 1.004, np.minimum(open_, close) * 0.996, close)
+    tg = rng.choice([-1.0, -0.5, 0.0, 0.25, 1.0], size=(5, T))
+    tg[1, :] = 1.0                      # always long: one trade closed at the end
+    tg[2, -3:] = [1.0, -1.0, 1.0]       # a flip into the last bar, then the end close
+    costs = CostModel(cost_bps=3, slippage_bps=2)
+    fast = run_positions(p, tg, costs, fast=True)
+    slow = run_positions(p, tg, costs, fast=False)
+    assert len(fast.ledger) == len(slow.ledger) > 100
+    for col in ("account", "entry_t", "exit_t", "side", "bars", "exit_reason"):
+        assert (fast.ledger[col].to_numpy() == slow.ledger[col].to_numpy()).all(), col
+    for col in ("size", "entry_price", "exit_price", "net_return"):
+        np.testing.assert_allclose(fast.ledger[col], slow.ledger[col], rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(fast.equity, slow.equity, rtol=1e-9)
+    np.testing.assert_allclose(fast.bar_returns, slow.bar_returns, rtol=1e-9, atol=1e-12)
+    np.testing.assert_array_equal(fast.positions, slow.positions)
