@@ -29,9 +29,9 @@ class Knobs:
     gate_threshold: float = math.inf
     """E5 — epistemic entry gate: no new entry where ensemble disagreement (std of Q, return units) exceeds it."""
     priority_boost: list[tuple[int, float]] = field(default_factory=list)
-    """E6 — (bar index in the training split, multiplier ≥ 1) for replay transitions of top winning trades."""
+    """E6 — (absolute bar index of the dataset, inside the train range; multiplier ≥ 1) for replay transitions of top winning trades."""
     hindsight: list[tuple[int, int]] = field(default_factory=list)
-    """E7 — (bar index in the training split, hindsight-optimal direction 0=short 1=flat 2=long) for losing trades."""
+    """E7 — (absolute bar index of the dataset, inside the train range; hindsight-optimal direction 0=short 1=flat 2=long) for losing trades."""
     regime_weights: list[float] = field(default_factory=lambda: [1.0] * N_REGIMES)
     """E8 — relative sampling weight of episode starts by regime label."""
     regime_confidence: list[float] = field(default_factory=lambda: [1.0] * N_REGIMES)

@@ -1,0 +1,262 @@
+"""Trade autopsy: what the policy predicted when it entered each trade, and what went wrong.
+
+Pure functions over the simulator's ledger (`shared.execution`, columns `LEDGER_COLUMNS`), per-bar arrays of the
+policy's predictions, regime labels and the window's close prices. Everything is in the window's LOCAL bar
+indices (0 = first bar of the backtested window); `offset` is added to the bar indices written into the
+`TradeRecord`s so reports carry absolute dataset indices.
+
+Definitions (tested in tests/test_autopsy.py):
+
+- decision bar: the ledger's `entry_t` is the entry FILL bar (at its open); the decision was taken at the close
+  of `entry_t − 1`, so the predictions of a trade are read at `decision_t = entry_t − 1`.
+- cost factor: with c = (cost_bps + slippage_bps)·1e-4 and size p, a round trip multiplies equity by (1 − c·p)².
+- hindsight return of a fixed position (side s, size p) from the entry price E to an exit price X:
+      r(s, p, X) = (1 − c·p)² · (1 + s·p·(X/E − 1)) − 1
+  (a fixed notional from the entry; the simulator re-marks each bar, which differs by O(p(1−p)·r²)).
+- direction error: the trade lost money net (net_return < 0).
+- size error (only with more than one size level): a loser (net_return < −material) taken at the LARGEST size, or
+  a winner (net_return > material) taken at the SMALLEST size — a different size would have been materially
+  better.
+- exit error: the trade exited on its stop or target, and the best exit in the hindsight exit span was
+  materially better: best_exit_return − net_return > material, where
+      best_exit_return = max over closes C_k, k ∈ [entry_t, min(exit_t + bars, T − 1)], of r(s, p, C_k)
+  (the trade's own span extended by as many bars again: a stop the price recovered from, or a target the price
+  ran far past, or a trade that gave back an earlier gain, counts as an error). Signal/flip/end exits are the
+  direction head's decision and never count as exit errors.
+- hindsight-optimal direction (for losing trades, in-sample only): argmax of
+      [r(−1, p, X), 0, r(+1, p, X)]   (short, flat, long over the trade's own span, E and X the ledger's fills)
+  flat wins ties and wherever neither side beats the round-trip costs.
+- `material` defaults to 2·c (a full-size round trip's costs).
+- calibration: coverage_j = fraction of trades whose net_return ≤ predicted quantile q_{τ_j}; bias = mean(q_pred −
+  r); median_bias = median(q_0.5 − r); mae = mean |q_pred − r|.
+- top winners: the ceil(frac · n_winners) winning trades (net_return > 0) with the largest net returns.
+
+Imports numpy and pandas, plus the payload models of shared.report (the records it returns).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from shared.knobs import BRANCHES, N_REGIMES
+from shared.report import (TAUS, BranchStats, Calibration, GatePoint, RegimeStats, TradeRecord)
+
+LEDGER_NEEDED = ("account", "entry_t", "exit_t", "side", "size", "entry_price", "exit_price", "net_return", "bars",
+                 "exit_reason")
+GATE_LEVELS = (0.5, 0.6, 0.7, 0.8, 0.9)
+"""Quantiles of the trades' ensemble std tried as gate thresholds (plus "no gate")."""
+
+
+@dataclass
+class Predictions:
+    """The policy's outputs at every decision bar of a window (local index t = decision at the close of bar t).
+
+    Shapes: [T] for the per-bar scalars, [T, len(TAUS)] for quantiles, [T, 3] for the Q of each direction.
+    """
+
+    direction: np.ndarray
+    """int [T] chosen direction branch index (0 short, 1 flat, 2 long)."""
+    size: np.ndarray
+    """int [T] chosen size branch index (0 = smallest)."""
+    exit: np.ndarray
+    """int [T] chosen exit-plan branch index."""
+    q_mean: np.ndarray
+    """float [T] predicted Q (mean return) of the chosen action."""
+    q_quantiles: np.ndarray
+    """float [T, len(TAUS)] predicted quantiles of the chosen action's return distribution at TAUS."""
+    ensemble_std: np.ndarray
+    """float [T] std of Q across ensemble heads."""
+    q_dir: np.ndarray
+    """float [T, 3] Q of each direction (short, flat, long)."""
+    n_sizes: int = 1
+    """Number of size levels of the size branch."""
+
+    def validate(self, n_bars: int) -> "Predictions":
+        """Check shapes against the window's bar count and finiteness; ValueError naming the field."""
+        shapes = {"direction": (n_bars,), "size": (n_bars,), "exit": (n_bars,), "q_mean": (n_bars,),
+                  "q_quantiles": (n_bars, len(TAUS)), "ensemble_std": (n_bars,), "q_dir": (n_bars, 3)}
+        for name, shape in shapes.items():
+            a = np.asarray(getattr(self, name))
+            if a.shape != shape:
+                raise ValueError(f"predictions.{name} must have shape {shape}, got {a.shape}")
+            if not np.isfinite(a).all():
+                bad = np.argwhere(~np.isfinite(a))[0].tolist()
+                raise ValueError(f"predictions.{name} is not finite at index {bad}")
+        if self.n_sizes < 1:
+            raise ValueError(f"predictions.n_sizes must be >= 1, got {self.n_sizes}")
+        return self
+
+
+def check_ledger(ledger: pd.DataFrame, n_bars: int) -> None:
+    """ValueError naming the column and row when the ledger lacks a column or indexes outside [0, n_bars)."""
+    missing = [c for c in LEDGER_NEEDED if c not in ledger.columns]
+    if missing:
+        raise ValueError(f"ledger lacks columns {missing}")
+    for col in ("entry_t", "exit_t"):
+        bad = np.flatnonzero((ledger[col].to_numpy() < 0) | (ledger[col].to_numpy() >= n_bars))
+        if bad.size:
+            raise ValueError(f"ledger row {int(bad[0])}: {col}={ledger[col].iloc[bad[0]]} outside the window's "
+                             f"{n_bars} bars")
+
+
+def fixed_position_return(side: float, size: float, entry: float, exit_: np.ndarray | float, cost_rate: float):
+    """r(s, p, X) = (1 − c·p)²·(1 + s·p·(X/E − 1)) − 1: net return of a fixed position from E to X (see module)."""
+    keep = (1.0 - cost_rate * size) ** 2
+    return keep * (1.0 + side * size * (np.asarray(exit_, dtype=np.float64) / entry - 1.0)) - 1.0
+
+
+def hindsight_returns(side: int, size: float, entry: float, exit_: float, cost_rate: float) -> list[float]:
+    """Net returns of [short, flat, long] at the trade's size over its span E → X (flat = 0)."""
+    del side  # the counterfactual does not depend on the side taken
+    return [float(fixed_position_return(-1.0, size, entry, exit_, cost_rate)), 0.0,
+            float(fixed_position_return(+1.0, size, entry, exit_, cost_rate))]
+
+
+def hindsight_direction(returns: list[float]) -> int:
+    """argmax of [short, flat, long] returns; flat wins ties and when neither side is > 0."""
+    short, _, long = returns
+    if max(short, long) <= 0.0:
+        return 1
+    return 0 if short > long else 2
+
+
+def best_exit_return(side: int, size: float, entry: float, close: np.ndarray, entry_t: int, exit_t: int,
+                     bars: int, cost_rate: float) -> float:
+    """max of r(s, p, C_k) over k ∈ [entry_t, min(exit_t + bars, T − 1)] (the hindsight exit span)."""
+    end = min(exit_t + max(bars, 1), len(close) - 1)
+    return float(np.max(fixed_position_return(side, size, entry, close[entry_t:end + 1], cost_rate)))
+
+
+def build_trades(ledger: pd.DataFrame, preds: Predictions, regimes: np.ndarray, close: np.ndarray, *,
+                 cost_rate: float, offset: int = 0, account: int = 0, hindsight: bool = False,
+                 material: float | None = None) -> list[TradeRecord]:
+    """One TradeRecord per closed trade of `account`, with the predictions at its decision bar and its errors.
+
+    ledger: the simulator's ledger over the window (local bar indices); preds, regimes [T], close [T]: the
+    window's arrays; cost_rate: (cost_bps + slippage_bps)·1e-4; offset: added to every bar index written;
+    hindsight: fill `hindsight_returns` / `hindsight_dir` of losing trades (in-sample windows only).
+    """
+    close = np.asarray(close, dtype=np.float64)
+    T = close.shape[0]
+    preds.validate(T)
+    regimes = np.asarray(regimes)
+    if regimes.shape != (T,):
+        raise ValueError(f"regimes must have shape ({T},), got {regimes.shape}")
+    if regimes.size and (regimes.min() < 0 or regimes.max() >= N_REGIMES):
+        raise ValueError(f"regimes must be in [0, {N_REGIMES}), got range [{regimes.min()}, {regimes.max()}]")
+    check_ledger(ledger, T)
+    mat = 2.0 * cost_rate if material is None else float(material)
+    led = ledger[ledger["account"] == account].sort_values(["entry_t", "exit_t"], kind="stable")
+    out: list[TradeRecord] = []
+    for row in led.itertuples(index=False):
+        e, x, bars = int(row.entry_t), int(row.exit_t), int(row.bars)
+        d = max(e - 1, 0)                                          # decision at the close of entry_t − 1
+        side, size, r = int(row.side), float(row.size), float(row.net_return)
+        size_idx = int(preds.size[d])
+        best = best_exit_return(side, size, float(row.entry_price), close, e, x, bars, cost_rate)
+        reason = str(row.exit_reason)
+        h_ret = h_dir = None
+        if hindsight and r < 0.0:
+            h_ret = hindsight_returns(side, size, float(row.entry_price), float(row.exit_price), cost_rate)
+            h_dir = hindsight_direction(h_ret)
+        out.append(TradeRecord(
+            entry_t=e + offset, exit_t=x + offset, decision_t=d + offset, side=side, size=size,
+            entry_price=float(row.entry_price), exit_price=float(row.exit_price), net_return=r, bars=bars,
+            exit_reason=reason, regime=int(regimes[d]),
+            direction_idx=int(preds.direction[d]), size_idx=size_idx, exit_idx=int(preds.exit[d]),
+            q_pred=float(preds.q_mean[d]), q_quantiles=[float(v) for v in preds.q_quantiles[d]],
+            ensemble_std=float(preds.ensemble_std[d]), q_dir=[float(v) for v in preds.q_dir[d]],
+            direction_error=r < 0.0,
+            size_error=preds.n_sizes > 1 and ((r < -mat and size_idx == preds.n_sizes - 1)
+                                              or (r > mat and size_idx == 0)),
+            exit_error=reason in ("stop", "target") and best - r > mat,
+            best_exit_return=best, hindsight_returns=h_ret, hindsight_dir=h_dir,
+        ))
+    return out
+
+
+def _sharpe(r: np.ndarray) -> float:
+    """Un-annualized mean/std (ddof=1); 0 with fewer than 2 values or no dispersion."""
+    if r.size < 2:
+        return 0.0
+    sd = float(r.std(ddof=1))
+    return float(r.mean()) / sd if sd > 0 else 0.0
+
+
+def regime_stats(trades: list[TradeRecord], n_regimes: int = N_REGIMES) -> list[RegimeStats]:
+    """Per regime label (at the decision bar): trade count, mean/sum net return, win rate, per-trade Sharpe."""
+    reg = np.array([t.regime for t in trades], dtype=np.int64)
+    ret = np.array([t.net_return for t in trades], dtype=np.float64)
+    out = []
+    for k in range(n_regimes):
+        r = ret[reg == k]
+        out.append(RegimeStats(regime=k, n_trades=int(r.size), mean_return=float(r.mean()) if r.size else 0.0,
+                               sum_return=float(r.sum()), win_rate=float((r > 0).mean()) if r.size else 0.0,
+                               sharpe=_sharpe(r)))
+    return out
+
+
+def branch_stats(trades: list[TradeRecord]) -> dict[str, BranchStats]:
+    """Error count and rate per action branch (direction, size, exit) over the closed trades."""
+    ret = np.array([t.net_return for t in trades], dtype=np.float64)
+    out = {}
+    for b in BRANCHES:
+        err = np.array([getattr(t, f"{b}_error") for t in trades], dtype=bool)
+        n = int(err.size)
+        out[b] = BranchStats(n_trades=n, n_errors=int(err.sum()), error_rate=float(err.mean()) if n else 0.0,
+                             mean_return_when_error=float(ret[err].mean()) if err.any() else 0.0)
+    return out
+
+
+def calibration(trades: list[TradeRecord], taus: tuple[float, ...] = TAUS) -> Calibration:
+    """Quantile coverage, bias, median bias and MAE of the predicted return at entry vs the realised return."""
+    n = len(trades)
+    if n == 0:
+        return Calibration(n_trades=0, taus=list(taus), coverage=[0.0] * len(taus), bias=0.0, median_bias=0.0,
+                           mae=0.0)
+    r = np.array([t.net_return for t in trades])                       # [K]
+    q = np.array([t.q_pred for t in trades])                           # [K]
+    qs = np.array([t.q_quantiles for t in trades])                     # [K, len(taus)]
+    coverage = (r[:, None] <= qs).mean(axis=0)                         # [len(taus)]
+    mid = qs[:, list(taus).index(0.5)] if 0.5 in taus else q
+    return Calibration(n_trades=n, taus=list(taus), coverage=[float(c) for c in coverage],
+                       bias=float(np.mean(q - r)), median_bias=float(np.median(mid - r)),
+                       mae=float(np.mean(np.abs(q - r))))
+
+
+def gate_curve(trades: list[TradeRecord], levels: tuple[float, ...] = GATE_LEVELS) -> list[GatePoint]:
+    """Trades an epistemic gate would keep (ensemble_std ≤ θ) for θ at quantiles `levels` of the trades' std,
+    and for no gate (θ = None). Approximation: a gated entry is assumed not to be replaced by another trade."""
+    std = np.array([t.ensemble_std for t in trades], dtype=np.float64)
+    ret = np.array([t.net_return for t in trades], dtype=np.float64)
+    points = []
+    thresholds = sorted(set(float(v) for v in np.quantile(std, levels))) if std.size else []
+    for th in [*thresholds, None]:
+        keep = std <= th if th is not None else np.ones_like(std, dtype=bool)
+        k = ret[keep]
+        points.append(GatePoint(threshold=th, n_kept=int(k.size), sum_return=float(k.sum()),
+                                mean_return=float(k.mean()) if k.size else 0.0))
+    return points
+
+
+def top_winners(trades: list[TradeRecord], frac: float = 0.1) -> list[int]:
+    """Indices of the ceil(frac · n_winners) winning trades with the largest net returns, best first."""
+    win = [i for i, t in enumerate(trades) if t.net_return > 0.0]
+    k = math.ceil(frac * len(win))
+    return sorted(win, key=lambda i: -trades[i].net_return)[:k]
+
+
+def losing_with_hindsight(trades: list[TradeRecord]) -> list[int]:
+    """Indices of losing trades that carry a hindsight-optimal direction, worst first."""
+    idx = [i for i, t in enumerate(trades) if t.net_return < 0.0 and t.hindsight_dir is not None]
+    return sorted(idx, key=lambda i: trades[i].net_return)
+
+
+def disagreement(trades: list[TradeRecord]) -> tuple[float, float]:
+    """(mean ensemble std at entry of winners, of losers); 0 for an empty group."""
+    w = [t.ensemble_std for t in trades if t.net_return > 0]
+    lo = [t.ensemble_std for t in trades if t.net_return <= 0]
+    return (float(np.mean(w)) if w else 0.0, float(np.mean(lo)) if lo else 0.0)

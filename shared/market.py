@@ -1,0 +1,689 @@
+"""Market data: OHLCV bars, their validation, causal features, causal regime labels and splits.
+
+Conventions
+- A `Bars` holds T bars in time order: `timestamps` (a `pd.DatetimeIndex`, naive, or UTC when the input
+  carried a timezone) and float64 arrays `open, high, low, close, volume` of shape [T]. Volume is all
+  zeros when the input had none.
+- Everything computed from bars here is *causal*: row t of `compute_features`, `volatility` and
+  `regime_labels` depends on bars 0..t only (pandas `ewm`/`rolling` look backwards by construction; no
+  `bfill`, no centred windows, no whole-series statistics). `tests/test_market.py` perturbs future bars
+  and checks that nothing at or before t moves.
+- Returns are log returns; "vol units" means divided by `volatility(bars)`, the causal EWMA standard
+  deviation of per-bar log returns.
+- Bar ranges are half-open `(start, stop)` index pairs. A split is train | embargo | val | embargo | test.
+- Bad input raises `DataError`, which lists every problem (file, row, column, rule, message). CSV rows are
+  named by their line in the file as an editor shows it (header = line 1); Parquet rows by 0-based index.
+
+ML core: imports only numpy, pandas and the standard library.
+"""
+from __future__ import annotations
+
+import csv
+import hashlib
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from shared.knobs import N_REGIMES
+
+DATA_DIR = Path(__file__).parent / "data"
+BUNDLED = {
+    "sp500": DATA_DIR / "sp500_daily_1999_2018.csv",
+    "eurusd": DATA_DIR / "eurusd_1h_2017.csv",
+}
+DATASET_NAMES = ("synthetic", *BUNDLED)
+MAX_REPORTED_PROBLEMS = 20
+
+# ---------------------------------------------------------------------------------------------------------
+# Errors
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DataProblem:
+    """One problem in an input file. `row` is a 1-based line number (row_label "line", CSV) or a 0-based
+    row index (row_label "row", Parquet); None when the problem concerns the whole file."""
+
+    file: str
+    row: int | None
+    column: str | None
+    rule: str
+    message: str
+    row_label: str = "line"
+
+    def __str__(self) -> str:
+        if self.row is None:
+            where = f"{self.file}:"
+        elif self.row_label == "line":
+            where = f"{self.file}:{self.row}:"
+        else:
+            where = f"{self.file}: row {self.row}:"
+        col = f" column '{self.column}':" if self.column else ""
+        return f"{where}{col} {self.message} [{self.rule}]"
+
+
+class DataError(ValueError):
+    """Input data that cannot be used. `.problems` lists all of them; str() shows the first
+    `MAX_REPORTED_PROBLEMS` one per line and says how many more there are."""
+
+    def __init__(self, problems: list[DataProblem]):
+        self.problems = list(problems)
+        super().__init__(self._render())
+
+    def _render(self) -> str:
+        n = len(self.problems)
+        lines = [f"{n} problem{'s' if n != 1 else ''} in the input data:"]
+        lines += [f"  {p}" for p in self.problems[:MAX_REPORTED_PROBLEMS]]
+        if n > MAX_REPORTED_PROBLEMS:
+            lines.append(f"  ... and {n - MAX_REPORTED_PROBLEMS} more")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self._render()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Bars
+# ---------------------------------------------------------------------------------------------------------
+
+PRICE_COLUMNS = ("open", "high", "low", "close")
+
+
+@dataclass(frozen=True, eq=False)
+class Bars:
+    """T OHLCV bars in time order (see the module docstring for conventions)."""
+
+    timestamps: pd.DatetimeIndex
+    open: np.ndarray
+    high: np.ndarray
+    low: np.ndarray
+    close: np.ndarray
+    volume: np.ndarray
+    name: str = "bars"
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        ts = pd.DatetimeIndex(self.timestamps)
+        object.__setattr__(self, "timestamps", ts.as_unit("ns"))
+        n = len(ts)
+        for col in (*PRICE_COLUMNS, "volume"):
+            arr = np.ascontiguousarray(getattr(self, col), dtype=np.float64)
+            if arr.shape != (n,):
+                raise ValueError(f"Bars.{col} has shape {arr.shape}, expected ({n},) like the timestamps")
+            object.__setattr__(self, col, arr)
+
+    def __len__(self) -> int:
+        return len(self.timestamps)
+
+    def __repr__(self) -> str:
+        span = f"{self.timestamps[0]} → {self.timestamps[-1]}" if len(self) else "empty"
+        return f"Bars(name={self.name!r}, n={len(self)}, {span})"
+
+    @property
+    def has_volume(self) -> bool:
+        """True when the input carried a volume column with some non-zero value."""
+        return bool(np.any(self.volume > 0))
+
+    def slice(self, start: int, stop: int) -> "Bars":
+        """Bars [start, stop) as a new `Bars` (copies, so the parent is never aliased)."""
+        if not 0 <= start <= stop <= len(self):
+            raise ValueError(f"Bars.slice({start}, {stop}) out of range for {len(self)} bars")
+        return Bars(
+            timestamps=self.timestamps[start:stop],
+            **{c: getattr(self, c)[start:stop].copy() for c in (*PRICE_COLUMNS, "volume")},
+            name=self.name,
+            source=self.source,
+        )
+
+    def fingerprint(self) -> str:
+        """sha256 hex of the bar contents (timestamps in ns and the five float64 columns); name-independent."""
+        h = hashlib.sha256()
+        h.update(np.ascontiguousarray(self.timestamps.asi8, dtype="<i8").tobytes())
+        for col in (*PRICE_COLUMNS, "volume"):
+            h.update(np.ascontiguousarray(getattr(self, col), dtype="<f8").tobytes())
+        return h.hexdigest()
+
+    def infer_interval(self) -> pd.Timedelta:
+        """The median spacing between consecutive timestamps (robust to weekends and holidays)."""
+        if len(self) < 2:
+            raise ValueError("infer_interval needs at least 2 bars")
+        return pd.Timedelta(int(np.median(np.diff(self.timestamps.asi8))), unit="ns")
+
+    def to_frame(self) -> pd.DataFrame:
+        """The bars as a DataFrame indexed by timestamp with columns open, high, low, close, volume."""
+        return pd.DataFrame({c: getattr(self, c) for c in (*PRICE_COLUMNS, "volume")},
+                            index=self.timestamps.rename("timestamp"))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------------------------------------
+
+_TIME_NAMES = ("timestamp", "datetime", "date time", "date", "time", "gmt time", "local time", "ts")
+_NAN_TOKENS = {"", "nan", "na", "n/a", "null", "none", "-", "#n/a"}
+_INF_RE = re.compile(r"^[+-]?(inf|infinity)$", re.IGNORECASE)
+_TZ_RE = re.compile(r"\d{2}:\d{2}(?::\d{2}(?:\.\d+)?)?\s*(?:z|utc|[+-]\d{2}:?\d{2})$", re.IGNORECASE)
+_EPOCH_RE = re.compile(r"^\d{9,19}(\.\d+)?$")
+_DATE_FORMATS = (
+    "%m/%d/%Y", "%m/%d/%Y %H:%M", "%m/%d/%Y %H:%M:%S",
+    "%d/%m/%Y", "%d/%m/%Y %H:%M", "%d/%m/%Y %H:%M:%S",
+    "%d.%m.%Y", "%d.%m.%Y %H:%M", "%d.%m.%Y %H:%M:%S", "%d.%m.%Y %H:%M:%S.%f",
+    "%Y/%m/%d", "%Y/%m/%d %H:%M", "%Y/%m/%d %H:%M:%S", "%Y.%m.%d %H:%M", "%Y.%m.%d %H:%M:%S",
+    "%Y%m%d", "%Y%m%d %H:%M:%S", "%Y%m%d %H%M%S", "%d-%m-%Y", "%d-%m-%Y %H:%M", "%d-%b-%Y", "%b %d, %Y",
+)
+
+
+class _Collector:
+    """Accumulates `DataProblem`s for one file, turning positional row indices into the user's row names."""
+
+    def __init__(self, file: str, row_names: np.ndarray, row_label: str):
+        self.file, self.row_names, self.row_label = file, row_names, row_label
+        self.problems: list[DataProblem] = []
+
+    def add(self, i: int | None, column: str | None, rule: str, message: str) -> None:
+        row = None if i is None else int(self.row_names[i])
+        self.problems.append(DataProblem(self.file, row, column, rule, message, self.row_label))
+
+    def fatal(self, column: str | None, rule: str, message: str) -> DataError:
+        self.add(None, column, rule, message)
+        return DataError(self.problems)
+
+
+def _csv_line_numbers(path: Path, n_rows: int) -> np.ndarray:
+    """1-based line numbers of the data rows as an editor shows them (blank lines skipped like pandas)."""
+    try:
+        with open(path, "rb") as f:
+            lines = [i + 1 for i, line in enumerate(f.read().split(b"\n")) if line.strip()]
+    except OSError:
+        lines = []
+    data_lines = np.asarray(lines[1:], dtype=np.int64)
+    if len(data_lines) != n_rows:  # quoted newlines or a compressed file: fall back to "header + i"
+        data_lines = np.arange(n_rows, dtype=np.int64) + 2
+    return data_lines
+
+
+def _check_field_counts(path: Path, encoding: str) -> list[DataProblem]:
+    """Rows whose number of fields differs from the header's (pandas would shift or pad them silently)."""
+    problems: list[DataProblem] = []
+    with open(path, encoding=encoding, newline="") as f:
+        reader = csv.reader(f)
+        n_header = None
+        for fields in reader:
+            if not fields or all(not x.strip() for x in fields):
+                continue
+            if n_header is None:
+                n_header = len(fields)
+            elif len(fields) != n_header:
+                problems.append(DataProblem(str(path), reader.line_num, None, "wrong_field_count",
+                                            f"{len(fields)} fields, but the header has {n_header}"))
+    return problems
+
+
+def _read_table(path: Path) -> tuple[pd.DataFrame, np.ndarray, str]:
+    """Read a CSV (all cells as strings) or Parquet file; returns (frame, row names, row label)."""
+    f = str(path)
+    if not path.exists():
+        raise DataError([DataProblem(f, None, None, "file_not_found",
+                                     f"no such file (dataset names: {', '.join(DATASET_NAMES)})")])
+    if path.is_dir():
+        raise DataError([DataProblem(f, None, None, "unreadable_file", "is a directory, not a CSV or Parquet file")])
+    suffixes = [s.lower() for s in path.suffixes]
+    if suffixes and suffixes[-1] in (".parquet", ".pq"):
+        try:
+            df = pd.read_parquet(path)
+        except Exception as exc:  # pyarrow raises many types; all mean "not a readable Parquet file"
+            raise DataError([DataProblem(f, None, None, "unreadable_file",
+                                         f"cannot read as Parquet: {type(exc).__name__}: {exc}")]) from None
+        if isinstance(df.index, pd.DatetimeIndex) or df.index.name is not None:
+            df = df.reset_index()
+        if len(df.columns) == 0:
+            raise DataError([DataProblem(f, None, None, "empty_file", "the Parquet file has no columns")])
+        return df, np.arange(len(df), dtype=np.int64), "row"
+    try:
+        with open(path, "rb") as fb:
+            raw = fb.read()
+        try:
+            raw.decode("utf-8")
+            encoding = "utf-8-sig"
+        except UnicodeDecodeError:  # not UTF-8: read bytes as Latin-1 so bad cells are reported as such
+            encoding = "latin-1"
+        compressed = suffixes and suffixes[-1] in (".gz", ".bz2", ".zip", ".xz", ".zst")
+        ragged = [] if compressed else _check_field_counts(path, encoding)
+        if not ragged:
+            df = pd.read_csv(path, dtype=str, keep_default_na=False, skipinitialspace=True, encoding=encoding,
+                             index_col=False)
+    except pd.errors.EmptyDataError:
+        raise DataError([DataProblem(f, None, None, "empty_file", "the file is empty (no header, no rows)")]) from None
+    except (pd.errors.ParserError, UnicodeDecodeError, OSError, ValueError) as exc:
+        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        m = re.search(r"line (\d+)", msg)
+        row = int(m.group(1)) if m else None
+        raise DataError([DataProblem(f, row, None, "unreadable_file", f"cannot parse as CSV: {msg}")]) from None
+    if ragged:
+        raise DataError(ragged)
+    return df, _csv_line_numbers(path, len(df)), "line"
+
+
+def _normalise_columns(df: pd.DataFrame, col: _Collector) -> dict[str, str]:
+    """Map canonical names (timestamp, open, high, low, close, volume) to the frame's own column names."""
+    mapping: dict[str, str] = {}
+    seen: dict[str, str] = {}
+    for raw in df.columns:
+        key = str(raw).strip().lower().replace("_", " ")
+        key = "volume" if key == "vol" else key
+        mangled = re.fullmatch(r"(.+)\.\d+", key)  # pandas renames a repeated CSV column "open" to "open.1"
+        if mangled and mangled.group(1) in seen:
+            key = mangled.group(1)
+        if key in seen and key in (*PRICE_COLUMNS, "volume", *_TIME_NAMES):
+            col.add(None, seen[key], "duplicate_column",
+                    f"column '{seen[key]}' appears more than once (column names are case-insensitive)")
+        seen.setdefault(key, str(raw))
+        if key in (*PRICE_COLUMNS, "volume"):
+            mapping.setdefault(key, raw)
+    for name in _TIME_NAMES:
+        if name in seen:
+            mapping["timestamp"] = seen[name]
+            break
+    else:
+        first = str(df.columns[0]) if len(df.columns) else ""
+        if first == "" or first.lower().startswith("unnamed") or first.lower() == "index":
+            mapping["timestamp"] = df.columns[0]
+    missing = [c for c in ("timestamp", *PRICE_COLUMNS) if c not in mapping]
+    for c in missing:
+        hint = (" (expected a 'timestamp', 'date' or 'time' column, or an unnamed first index column)"
+                if c == "timestamp" else "")
+        col.add(None, c, "missing_column",
+                f"missing column '{c}'{hint}; found columns: {', '.join(map(str, df.columns))}")
+    if col.problems:
+        raise DataError(col.problems)
+    return mapping
+
+
+def _parse_numbers(s: pd.Series, name: str, col: _Collector) -> np.ndarray:
+    """Cells → float64, recording NaN / infinite / non-numeric cells as problems (those cells become NaN)."""
+    if pd.api.types.is_bool_dtype(s) or not (pd.api.types.is_numeric_dtype(s) or pd.api.types.is_object_dtype(s)
+                                              or pd.api.types.is_string_dtype(s)):
+        col.add(None, name, "non_numeric", f"column '{name}' has type {s.dtype}, expected numbers")
+        return np.full(len(s), np.nan)
+    if pd.api.types.is_numeric_dtype(s):
+        vals = np.array(s.to_numpy(dtype=np.float64, na_value=np.nan), dtype=np.float64)
+        for i in np.flatnonzero(np.isnan(vals)):
+            col.add(int(i), name, "nan", "missing value (NaN)")
+        for i in np.flatnonzero(np.isinf(vals)):
+            col.add(int(i), name, "infinite", f"infinite value ({vals[i]})")
+        vals[~np.isfinite(vals)] = np.nan
+        return vals
+    text = s.astype(object).where(s.notna(), "").astype(str).str.strip()
+    vals = np.array(pd.to_numeric(text, errors="coerce"), dtype=np.float64)  # strict: "1,5" is not a number
+    for i in np.flatnonzero(~np.isfinite(vals)):
+        cell = text.iat[i]
+        if cell.lower() in _NAN_TOKENS:
+            col.add(int(i), name, "nan", f"missing value (NaN){'' if cell == '' else f' {cell!r}'}")
+        elif _INF_RE.match(cell) or np.isinf(vals[i]):
+            col.add(int(i), name, "infinite", f"infinite value {cell!r}")
+        else:
+            col.add(int(i), name, "non_numeric", f"non-numeric value {cell!r}")
+    vals[~np.isfinite(vals)] = np.nan
+    return vals
+
+
+def _parse_timestamps(s: pd.Series, name: str, col: _Collector) -> pd.DatetimeIndex:
+    """Parse a timestamp column (datetime dtype, epoch numbers, ISO strings or a common date format).
+    Timezone-aware input is converted to UTC; naive input stays naive. Unparsed cells become NaT."""
+    if isinstance(s.dtype, pd.DatetimeTZDtype):
+        out = pd.DatetimeIndex(s).tz_convert("UTC")
+    elif pd.api.types.is_datetime64_dtype(s):
+        out = pd.DatetimeIndex(s)
+    elif pd.api.types.is_numeric_dtype(s) and not pd.api.types.is_bool_dtype(s):
+        out = _epoch(s.to_numpy(dtype=np.float64, na_value=np.nan))
+    else:
+        text = s.astype(object).where(s.notna(), "").astype(str).str.strip()
+        text = text.str.replace(r"\s*(?:UTC|GMT)$", "Z", regex=True, case=False)  # "10:00 UTC" → "10:00Z"
+        nonempty = text[text != ""]
+        if len(nonempty) and nonempty.str.match(_EPOCH_RE).all():
+            out = _epoch(pd.to_numeric(text, errors="coerce").to_numpy(dtype=np.float64))
+        else:
+            aware = bool(len(nonempty)) and nonempty.str.contains(_TZ_RE).mean() > 0.5
+            best = pd.DatetimeIndex(pd.to_datetime(text, format="ISO8601", errors="coerce", utc=True))
+            if best.isna().any():
+                for fmt in _DATE_FORMATS:
+                    cand = pd.DatetimeIndex(pd.to_datetime(text, format=fmt, errors="coerce", utc=True))
+                    if cand.notna().sum() > best.notna().sum():
+                        best = cand
+            out = best if aware else best.tz_localize(None)
+    out = pd.DatetimeIndex(out)
+    for i in np.flatnonzero(out.isna()):
+        cell = s.iat[i]
+        col.add(int(i), name, "unparseable_timestamp", f"cannot parse timestamp {str(cell)!r}"
+                if not (isinstance(cell, str) and cell.strip() == "") and not pd.isna(cell)
+                else "missing timestamp")
+    return out
+
+
+def _epoch(x: np.ndarray) -> pd.DatetimeIndex:
+    """Unix epoch numbers → DatetimeIndex (UTC), unit guessed from the magnitude (s, ms, µs or ns)."""
+    mag = np.nanmedian(np.abs(x)) if np.isfinite(x).any() else 0.0
+    unit = "ns" if mag > 1e17 else "us" if mag > 1e14 else "ms" if mag > 1e11 else "s"
+    return pd.DatetimeIndex(pd.to_datetime(x, unit=unit, errors="coerce", utc=True))
+
+
+def _fmt(x: float) -> str:
+    return f"{x:.10g}"
+
+
+def _check_rows(ts: pd.DatetimeIndex, px: dict[str, np.ndarray], col: _Collector, tname: str) -> None:
+    """The row rules: sorted unique timestamps, positive prices, low ≤ min(open, close) ≤ max(open, close) ≤ high,
+    non-negative volume. Rows with unparsed cells are skipped by the rules that need those cells."""
+    t = ts.asi8.astype(np.int64)
+    ok_t = ~ts.isna()
+    idx = np.flatnonzero(ok_t)
+    if len(idx) > 1:
+        prev, cur = idx[:-1], idx[1:]
+        for p, c in zip(prev[t[cur] < t[prev]], cur[t[cur] < t[prev]]):
+            col.add(int(c), tname, "unsorted_timestamp",
+                    f"timestamp {ts[c]} is earlier than the previous row's {ts[p]} (timestamps must increase)")
+    first_seen: dict[int, int] = {}
+    for i in idx:
+        j = first_seen.setdefault(int(t[i]), int(i))
+        if j != i:
+            col.add(int(i), tname, "duplicate_timestamp",
+                    f"duplicate timestamp {ts[i]} (same as {col.row_label} {int(col.row_names[j])})")
+    for name in PRICE_COLUMNS:
+        for i in np.flatnonzero(px[name] <= 0):
+            col.add(int(i), name, "non_positive_price", f"{name} must be > 0 (got {name}={_fmt(px[name][i])})")
+    o, h, l, c = px["open"], px["high"], px["low"], px["close"]
+    with np.errstate(invalid="ignore"):
+        for i in np.flatnonzero(h < np.maximum(o, c)):
+            col.add(int(i), "high", "high_below_open_close",
+                    f"high below max(open, close) (high={_fmt(h[i])}, open={_fmt(o[i])}, close={_fmt(c[i])})")
+        for i in np.flatnonzero(l > np.minimum(o, c)):
+            col.add(int(i), "low", "low_above_open_close",
+                    f"low above min(open, close) (low={_fmt(l[i])}, open={_fmt(o[i])}, close={_fmt(c[i])})")
+        if "volume" in px:
+            v = px["volume"]
+            for i in np.flatnonzero(v < 0):
+                col.add(int(i), "volume", "negative_volume", f"volume must be ≥ 0 (got volume={_fmt(v[i])})")
+
+
+def load_bars(path: str | Path, *, name: str | None = None) -> Bars:
+    """Load OHLCV bars from a CSV or Parquet file, validating every row.
+
+    Accepts a `timestamp`/`date`/`time`/`datetime` column (or an unnamed first index column), columns
+    open/high/low/close in any case, and an optional volume. Raises `DataError` listing every problem
+    (row ordering is checked on the timestamps as given: the file is never silently re-sorted)."""
+    path = Path(path)
+    df, row_names, row_label = _read_table(path)
+    col = _Collector(str(path), row_names, row_label)
+    mapping = _normalise_columns(df, col)
+    if len(df) == 0:
+        raise col.fatal(None, "no_rows", "the file has a header but no data rows")
+    tname = str(mapping["timestamp"]) or "timestamp"
+    ts = _parse_timestamps(df[mapping["timestamp"]], tname, col)
+    px = {c: _parse_numbers(df[mapping[c]], c, col) for c in (*PRICE_COLUMNS, "volume") if c in mapping}
+    _check_rows(ts, px, col, tname)
+    if col.problems:
+        order = sorted(range(len(col.problems)), key=lambda k: (col.problems[k].row is not None,
+                                                               col.problems[k].row or 0, k))
+        raise DataError([col.problems[k] for k in order])
+    volume = px.get("volume", np.zeros(len(df)))
+    return Bars(timestamps=ts, **{c: px[c] for c in PRICE_COLUMNS}, volume=volume,
+                name=name or path.name.split(".")[0], source=str(path))
+
+
+def load_dataset(name_or_path: str, *, seed: int = 0) -> Bars:
+    """A dataset by name — "synthetic" (seeded generator, `shared/synthetic.py`), "sp500", "eurusd" (bundled,
+    see `shared/data/SOURCES.md`) — or else a CSV/Parquet file path. Raises `DataError`."""
+    key = str(name_or_path).strip()
+    if key.lower() == "synthetic":
+        from shared.synthetic import generate  # local import: synthetic builds on this module
+
+        return generate(seed=seed).bars
+    if key.lower() in BUNDLED:
+        return load_bars(BUNDLED[key.lower()], name=key.lower())
+    return load_bars(key)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Causal volatility, features, regimes
+# ---------------------------------------------------------------------------------------------------------
+
+VOL_SPAN = 32          # EWMA span (bars) of the per-bar volatility
+VOL_FLOOR = 1e-5       # 0.1 bp: volatility() is never below this
+FEATURE_WARMUP = 64    # feature rows t < FEATURE_WARMUP are all 0
+FEATURE_CLIP = 8.0     # features are clipped to ±FEATURE_CLIP
+ADX_PERIOD = 14
+ADX_TREND = 22.0       # ADX above this: trending (up/down by the sign of +DI − −DI)
+REGIME_VOL_WINDOW = 500  # rolling window (bars) of the causal volatility terciles
+REGIME_WARMUP = 20     # before this many bars the vol bucket is "mid"
+
+FEATURE_NAMES: tuple[str, ...] = (
+    "ret_1", "ret_5", "ret_20", "ret_60",  # log returns over k bars / (vol·√k)
+    "gap",            # log(open_t / close_{t-1}) / vol
+    "vol_ratio",      # log(EWMA vol span 8 / EWMA vol span 128)
+    "range_pos_20",   # position of close in the 20-bar high-low range, in [-1, 1]
+    "bar_range",      # log(high / low) / vol − 1
+    "rsi_14",         # (Wilder RSI − 50) / 25
+    "adx_14",         # ADX / 25 − 1
+    "di_diff_14",     # (+DI − −DI) / 25
+    "dist_ema_20",    # log(close / EMA20(close)) / (vol·√20)
+    "dist_ema_100",   # log(close / EMA100(close)) / (vol·√100)
+    "volume_z",       # z-score of log(1 + volume) over 50 bars (0 without volume)
+)
+VOL_BUCKETS = ("low-vol", "mid-vol", "high-vol")
+TREND_BUCKETS = ("down", "range", "up")
+REGIME_NAMES: tuple[str, ...] = tuple(f"{v} {t}" for v in VOL_BUCKETS for t in TREND_BUCKETS)
+assert len(REGIME_NAMES) == N_REGIMES
+
+
+def _log_returns(bars: Bars) -> pd.Series:
+    """r_t = log(close_t / close_{t-1}); r_0 = NaN."""
+    return np.log(pd.Series(bars.close)).diff()
+
+
+def _ewm_vol(r: pd.Series, span: int, bars: Bars) -> np.ndarray:
+    """σ_t = sqrt(EWMA_t(r²)) (zero-mean, RiskMetrics-style; adjust=True so early rows average what exists).
+    Bar 0 has no return: its σ is the Parkinson estimate log(high/low)/sqrt(4 ln 2) of bar 0 itself."""
+    var = (r * r).ewm(span=span, adjust=True, ignore_na=True).mean().to_numpy()
+    park = np.log(bars.high / bars.low) / math.sqrt(4.0 * math.log(2.0))
+    sig = np.where(np.isfinite(var), np.sqrt(np.where(np.isfinite(var), var, 0.0)), park)
+    return np.maximum(sig, VOL_FLOOR)
+
+
+def volatility(bars: Bars) -> np.ndarray:
+    """Causal per-bar volatility of log returns, float64 [T], ≥ VOL_FLOOR: σ_t = sqrt(EWMA_{span=32}(r²))."""
+    return _ewm_vol(_log_returns(bars), VOL_SPAN, bars)
+
+
+def _adx(bars: Bars, period: int = ADX_PERIOD) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Wilder's ADX, +DI, −DI (smoothing α = 1/period, adjust=False: a recursive, causal filter).
+    +DM_t = up if up > down and up > 0 (up = high_t − high_{t−1}, down = low_{t−1} − low_t), likewise −DM;
+    TR_t = max(high − low, |high − close_{t−1}|, |low − close_{t−1}|); DI = 100·EMA(DM)/EMA(TR);
+    DX = 100·|+DI − −DI| / (+DI + −DI); ADX = EMA(DX)."""
+    h, l, c = pd.Series(bars.high), pd.Series(bars.low), pd.Series(bars.close)
+    up, down = h.diff().fillna(0.0), (-l.diff()).fillna(0.0)
+    pdm = up.where((up > down) & (up > 0), 0.0)
+    ndm = down.where((down > up) & (down > 0), 0.0)
+    pc = c.shift(1)
+    tr = pd.concat([h - l, (h - pc).abs(), (l - pc).abs()], axis=1).max(axis=1)  # row 0: high − low
+    alpha = 1.0 / period
+    atr = tr.ewm(alpha=alpha, adjust=False).mean()
+    atr = atr.where(atr > 0, np.nan)
+    pdi = (100.0 * pdm.ewm(alpha=alpha, adjust=False).mean() / atr).fillna(0.0)
+    ndi = (100.0 * ndm.ewm(alpha=alpha, adjust=False).mean() / atr).fillna(0.0)
+    s = pdi + ndi
+    dx = (100.0 * (pdi - ndi).abs() / s.where(s > 0, np.nan)).fillna(0.0)
+    adx = dx.ewm(alpha=alpha, adjust=False).mean()
+    return adx.to_numpy(), pdi.to_numpy(), ndi.to_numpy()
+
+
+def compute_features(bars: Bars) -> np.ndarray:
+    """Causal features, float32 [T, F] with F = len(FEATURE_NAMES); finite everywhere, roughly unit scale,
+    clipped to ±FEATURE_CLIP; rows t < FEATURE_WARMUP are 0. Row t uses bars 0..t only."""
+    T = len(bars)
+    logc = np.log(pd.Series(bars.close))
+    r = logc.diff()
+    sig = volatility(bars)  # [T]
+    feats: dict[str, pd.Series | np.ndarray] = {}
+    for k in (1, 5, 20, 60):
+        feats[f"ret_{k}"] = (logc - logc.shift(k)).to_numpy() / (sig * math.sqrt(k))
+    feats["gap"] = np.log(bars.open / np.r_[np.nan, bars.close[:-1]]) / sig
+    feats["vol_ratio"] = np.log(_ewm_vol(r, 8, bars) / _ewm_vol(r, 128, bars))
+    hh = pd.Series(bars.high).rolling(20, min_periods=1).max().to_numpy()
+    ll = pd.Series(bars.low).rolling(20, min_periods=1).min().to_numpy()
+    with np.errstate(invalid="ignore", divide="ignore"):
+        feats["range_pos_20"] = np.where(hh > ll, 2.0 * (bars.close - ll) / (hh - ll) - 1.0, 0.0)
+    feats["bar_range"] = np.log(bars.high / bars.low) / sig - 1.0
+    gain = r.clip(lower=0).ewm(alpha=1 / 14, adjust=False).mean()
+    loss = (-r).clip(lower=0).ewm(alpha=1 / 14, adjust=False).mean()
+    tot = (gain + loss).to_numpy()
+    with np.errstate(invalid="ignore", divide="ignore"):
+        rsi = np.where(tot > 0, 100.0 * gain.to_numpy() / tot, 50.0)  # RSI = 100·gain/(gain+loss)
+    feats["rsi_14"] = (rsi - 50.0) / 25.0
+    adx, pdi, ndi = _adx(bars)
+    feats["adx_14"] = adx / 25.0 - 1.0
+    feats["di_diff_14"] = (pdi - ndi) / 25.0
+    for n in (20, 100):
+        ema = logc.ewm(span=n, adjust=False).mean()
+        feats[f"dist_ema_{n}"] = (logc - ema).to_numpy() / (sig * math.sqrt(n))
+    if bars.has_volume:
+        lv = np.log1p(pd.Series(bars.volume))
+        m, s = lv.rolling(50, min_periods=10).mean(), lv.rolling(50, min_periods=10).std()
+        feats["volume_z"] = ((lv - m) / s.where(s > 1e-12, np.nan)).to_numpy()
+    else:
+        feats["volume_z"] = np.zeros(T)
+    assert tuple(feats) == FEATURE_NAMES
+    x = np.stack([np.asarray(feats[n], dtype=np.float64) for n in FEATURE_NAMES], axis=1)  # T × F
+    x = np.nan_to_num(x, nan=0.0, posinf=FEATURE_CLIP, neginf=-FEATURE_CLIP)
+    x = np.clip(x, -FEATURE_CLIP, FEATURE_CLIP)
+    x[:FEATURE_WARMUP] = 0.0
+    return x.astype(np.float32)
+
+
+def regime_labels(bars: Bars) -> np.ndarray:
+    """Causal regime label per bar, int64 [T] in [0, N_REGIMES): label = vol_bucket·3 + trend_bucket.
+
+    vol_bucket: where σ_t falls among the terciles of σ over the last REGIME_VOL_WINDOW bars (t included):
+    0 low, 1 mid, 2 high (1 during the first REGIME_WARMUP bars). trend_bucket: 1 (range) when ADX(14) ≤
+    ADX_TREND, else 2 (up) if +DI > −DI, 0 (down) otherwise. Names: REGIME_NAMES[label]."""
+    sig = pd.Series(volatility(bars))
+    roll = sig.rolling(REGIME_VOL_WINDOW, min_periods=1)
+    q1, q2 = roll.quantile(1 / 3).to_numpy(), roll.quantile(2 / 3).to_numpy()
+    s = sig.to_numpy()
+    vol_bucket = (s > q1).astype(np.int64) + (s > q2).astype(np.int64)
+    vol_bucket[:REGIME_WARMUP] = 1
+    adx, pdi, ndi = _adx(bars)
+    trend = np.where(adx > ADX_TREND, np.where(pdi > ndi, 2, 0), 1).astype(np.int64)
+    return vol_bucket * 3 + trend
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Splits
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Split:
+    """Half-open bar ranges train | embargo | val | embargo | test (the embargo gaps keep feature windows and
+    multi-bar targets of one part from overlapping the next)."""
+
+    train: tuple[int, int]
+    val: tuple[int, int]
+    test: tuple[int, int]
+    embargo: int
+
+    def window(self, which: str) -> tuple[int, int]:
+        """The (start, stop) range of "train", "val" or "test"."""
+        if which not in ("train", "val", "test"):
+            raise ValueError(f"split window must be 'train', 'val' or 'test', got {which!r}")
+        return getattr(self, which)
+
+    def window_hash(self, bars: Bars, which: str) -> str:
+        """sha256 hex of that window's bars (`Bars.fingerprint` of the slice)."""
+        return bars.slice(*self.window(which)).fingerprint()
+
+    def to_dict(self) -> dict:
+        """JSON-friendly form."""
+        return {"train": list(self.train), "val": list(self.val), "test": list(self.test), "embargo": self.embargo}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Split":
+        """Inverse of `to_dict`."""
+        return cls(tuple(d["train"]), tuple(d["val"]), tuple(d["test"]), int(d["embargo"]))
+
+
+def default_embargo(n_bars: int) -> int:
+    """max(20, 1% of n_bars) bars."""
+    return max(20, math.ceil(0.01 * n_bars))
+
+
+def chronological_split(n_bars: int, *, train: float = 0.6, val: float = 0.2, embargo: int | None = None) -> Split:
+    """Split n_bars into train | embargo | val | embargo | test. `train` and `val` are fractions of the bars
+    left after the two embargoes; test gets the rest. Raises ValueError when a part would be empty."""
+    if not (isinstance(n_bars, (int, np.integer)) and n_bars > 0):
+        raise ValueError(f"chronological_split: n_bars must be a positive integer, got {n_bars!r}")
+    if not (0 < train < 1 and 0 < val < 1 and train + val < 1):
+        raise ValueError(f"chronological_split: need 0 < train, 0 < val, train + val < 1 (got train={train}, val={val})")
+    emb = default_embargo(n_bars) if embargo is None else int(embargo)
+    if emb < 0:
+        raise ValueError(f"chronological_split: embargo must be ≥ 0, got {embargo}")
+    usable = n_bars - 2 * emb
+    n_train, n_val = int(round(train * usable)), int(round(val * usable))
+    n_test = usable - n_train - n_val
+    if min(n_train, n_val, n_test) < 1:
+        raise ValueError(f"chronological_split: {n_bars} bars with embargo {emb} leave train={n_train}, val={n_val}, "
+                         f"test={n_test} bars; every part needs at least 1 (use more bars or a smaller embargo)")
+    v0 = n_train + emb
+    t0 = v0 + n_val + emb
+    return Split(train=(0, n_train), val=(v0, v0 + n_val), test=(t0, n_bars), embargo=emb)
+
+
+def walk_forward_folds(n_bars: int, *, n_folds: int, train_bars: int | None = None, val_bars: int | None = None,
+                       test_bars: int | None = None, embargo: int | None = None, step: int | None = None) -> list[Split]:
+    """Rolling walk-forward folds: fold k is train | embargo | val | embargo | test starting at bar k·step.
+
+    Defaults: step = test_bars; sizes not given share what is left in the ratio train:val:test = 3:1:1 so
+    that the last fold ends at (or just before) n_bars. Raises ValueError on arguments that do not fit."""
+    if not (isinstance(n_folds, (int, np.integer)) and n_folds >= 1):
+        raise ValueError(f"walk_forward_folds: n_folds must be an integer ≥ 1, got {n_folds!r}")
+    if not (isinstance(n_bars, (int, np.integer)) and n_bars > 0):
+        raise ValueError(f"walk_forward_folds: n_bars must be a positive integer, got {n_bars!r}")
+    emb = default_embargo(n_bars) if embargo is None else int(embargo)
+    for nm, v in (("train_bars", train_bars), ("val_bars", val_bars), ("test_bars", test_bars), ("step", step)):
+        if v is not None and int(v) < 1:
+            raise ValueError(f"walk_forward_folds: {nm} must be ≥ 1, got {v}")
+    if emb < 0:
+        raise ValueError(f"walk_forward_folds: embargo must be ≥ 0, got {embargo}")
+    if train_bars is None or val_bars is None or test_bars is None:
+        # n_bars − 2·emb = train + val + test + (n_folds − 1)·step, with step = test unless given
+        weights = {"train": 3, "val": 1, "test": 1}
+        given = {"train": train_bars, "val": val_bars, "test": test_bars}
+        free = n_bars - 2 * emb - sum(v for v in given.values() if v is not None)
+        if step is not None:
+            free -= (n_folds - 1) * step
+        units = sum(w for k, w in weights.items() if given[k] is None)
+        if given["test"] is None and step is None:
+            units += n_folds - 1
+        elif given["test"] is not None and step is None:
+            free -= (n_folds - 1) * given["test"]
+        u = free // units if units else 0
+        sizes = {k: (given[k] if given[k] is not None else weights[k] * u) for k in weights}
+        train_bars, val_bars, test_bars = sizes["train"], sizes["val"], sizes["test"]
+        if min(train_bars, val_bars, test_bars) < 1:
+            raise ValueError(f"walk_forward_folds: {n_bars} bars are too few for {n_folds} folds with embargo {emb}")
+    step = test_bars if step is None else int(step)
+    span = train_bars + val_bars + test_bars + 2 * emb
+    need = span + (n_folds - 1) * step
+    if need > n_bars:
+        raise ValueError(f"walk_forward_folds: {n_folds} folds of train={train_bars}, val={val_bars}, test={test_bars}, "
+                         f"embargo={emb}, step={step} need {need} bars, but there are only {n_bars}")
+    folds = []
+    for k in range(n_folds):
+        s = k * step
+        v0 = s + train_bars + emb
+        t0 = v0 + val_bars + emb
+        folds.append(Split(train=(s, s + train_bars), val=(v0, v0 + val_bars), test=(t0, t0 + test_bars), embargo=emb))
+    return folds

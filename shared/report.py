@@ -1,0 +1,361 @@
+"""Payloads that cross services: the evaluator's report and the feedback service's bundle (pydantic v2).
+
+- `EvalReport` (evaluator → feedback, dashboard): metrics of the validation and OOS backtests, the in-sample
+  autopsy, the trade ledger with the policy's predictions at entry, equity curves, and the run's split
+  definition with the sha256 of every window, so the feedback's leakage guard can refuse a report whose windows
+  overlap the wrong split (`services/feedback/guard.py`).
+- `FeedbackBundle` (feedback → trainer): the nine signals E1–E9, each with its value, the inputs it was computed
+  from, its provenance (report, split, window hash, fields) and a one-line reason; `bundle.to_knobs()` gives the
+  `shared.knobs.Knobs` the trainer applies to the next epoch.
+
+Conventions:
+- Bar indices are absolute indices into the run's dataset (the same frame `Split` ranges index); windows are
+  half-open `(start, end)`.
+- Returns are simple fractions (0.01 = +1 %); every Sharpe is un-annualized, per trade unless named otherwise.
+- JSON is NaN-free: models refuse NaN/inf (`allow_inf_nan=False`); metrics that are undefined are `None`,
+  and an infinite gate threshold ("no gate") is `None`.
+- Directions are branch indices 0 = short, 1 = flat, 2 = long; a ledger `side` is −1 / +1.
+- `SCHEMA_VERSION` bumps on any incompatible change; readers refuse other versions.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from shared.knobs import BRANCHES, N_REGIMES, Knobs
+
+SCHEMA_VERSION = 1
+TAUS: tuple[float, ...] = (0.05, 0.25, 0.5, 0.75, 0.95)
+"""Quantile levels of the predicted return distribution carried in the report."""
+DIRECTIONS = ("short", "flat", "long")
+SIGNAL_IDS = ("E1", "E2", "E3", "E4", "E5", "E6", "E7", "E8", "E9")
+SplitName = Literal["insample", "val", "oos"]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(allow_inf_nan=False, extra="forbid", frozen=False)
+
+
+def _finite_or_none(x: Any) -> float | None:
+    """float(x) if finite, else None (for metrics that are undefined)."""
+    if x is None:
+        return None
+    x = float(x)
+    return x if math.isfinite(x) else None
+
+
+def window_hash(timestamps_ns: Any, open_: Any, high: Any, low: Any, close: Any, volume: Any, start: int,
+                end: int) -> str:
+    """sha256 hex of the bars [start, end): their int64 nanosecond timestamps, then the float64 open, high, low,
+    close, volume (little-endian, C order) — the definition of `shared.market.Bars.fingerprint` of the slice, so
+    it equals `shared.market.Split.window_hash`."""
+    h = hashlib.sha256()
+    h.update(np.ascontiguousarray(np.asarray(timestamps_ns, dtype="<i8")[start:end]).tobytes())
+    for a in (open_, high, low, close, volume):
+        h.update(np.ascontiguousarray(np.asarray(a, dtype="<f8")[start:end]).tobytes())
+    return h.hexdigest()
+
+
+def bars_window_hash(bars: Any, start: int, end: int) -> str:
+    """`window_hash` of a `shared.market.Bars`-like object (timestamps, open, high, low, close, volume)."""
+    ts = bars.timestamps
+    ts = np.asarray(ts.asi8 if hasattr(ts, "asi8") else ts, dtype=np.int64)
+    return window_hash(ts, bars.open, bars.high, bars.low, bars.close, bars.volume, start, end)
+
+
+# --- the report -------------------------------------------------------------------------------------------
+
+
+class TradeRecord(_Model):
+    """One closed trade of a backtest, with what the policy predicted when it decided to enter."""
+
+    entry_t: int
+    """Bar of the entry fill (at its open); the decision was taken at the close of `entry_t − 1`."""
+    exit_t: int
+    """Bar of the exit fill (at its open for signal/flip exits, inside the bar for stop/target, its close for end)."""
+    decision_t: int
+    """Bar at whose close the entry was decided (= entry_t − 1): where the predictions below were read."""
+    side: int = Field(ge=-1, le=1)
+    size: float = Field(ge=0.0)
+    entry_price: float
+    exit_price: float
+    net_return: float
+    """Net return of the trade, costs included (the simulator's ledger)."""
+    bars: int
+    exit_reason: Literal["signal", "flip", "stop", "target", "end"]
+    regime: int = Field(ge=0, lt=N_REGIMES)
+    """Regime label at the decision bar."""
+    direction_idx: int
+    size_idx: int
+    exit_idx: int
+    q_pred: float
+    """Predicted Q (mean of the chosen action's return distribution) at the decision bar."""
+    q_quantiles: list[float]
+    """Predicted quantiles of the chosen action's return at `TAUS`."""
+    ensemble_std: float = Field(ge=0.0)
+    """Std of Q across the ensemble heads (epistemic disagreement) at the decision bar."""
+    q_dir: list[float]
+    """Q of each direction (short, flat, long) at the decision bar."""
+    direction_error: bool
+    size_error: bool
+    exit_error: bool
+    best_exit_return: float
+    """Best net return the same position could have made exiting at a close in the hindsight exit span."""
+    hindsight_returns: list[float] | None = None
+    """Net return of short / flat / long over the trade's span (in-sample only)."""
+    hindsight_dir: int | None = None
+    """Hindsight-optimal direction (0 short, 1 flat, 2 long) for a losing trade (in-sample only)."""
+
+
+class RegimeStats(_Model):
+    """Closed trades grouped by the regime label at their decision bar."""
+
+    regime: int
+    n_trades: int
+    mean_return: float
+    """Mean net trade return (0 with no trade)."""
+    sum_return: float
+    win_rate: float
+    sharpe: float
+    """Un-annualized per-trade Sharpe within the regime (0 with fewer than 2 trades or no dispersion)."""
+
+
+class BranchStats(_Model):
+    """How often one action branch erred over the closed trades (definitions in services/evaluator/autopsy.py)."""
+
+    n_trades: int
+    n_errors: int
+    error_rate: float
+    mean_return_when_error: float
+
+
+class Calibration(_Model):
+    """Predicted return distribution at entry vs realised trade returns."""
+
+    n_trades: int
+    taus: list[float] = Field(default_factory=lambda: list(TAUS))
+    coverage: list[float]
+    """coverage[j] = fraction of trades whose realised return ≤ predicted quantile at taus[j] (ideal: taus[j])."""
+    bias: float
+    """mean(q_pred − realised): > 0 when Q over-predicts."""
+    median_bias: float
+    """median(q50 − realised): the same, robust to outliers."""
+    mae: float
+    """mean |q_pred − realised|."""
+
+
+class GatePoint(_Model):
+    """Trades kept by an epistemic entry gate at `threshold` (ensemble_std ≤ threshold; None = no gate)."""
+
+    threshold: float | None
+    n_kept: int
+    sum_return: float
+    mean_return: float
+
+
+class SplitReport(_Model):
+    """One backtest window: metrics, trades, equity, and its autopsy."""
+
+    split: SplitName
+    window: tuple[int, int]
+    window_hash: str
+    metrics: dict[str, float | None]
+    """`shared.metrics.compute_metrics` keys (un-annualized); None where undefined."""
+    trades: list[TradeRecord]
+    equity: list[float]
+    """Equity at each bar's close of the window (1.0 at the first)."""
+    regimes: list[RegimeStats]
+    branches: dict[str, BranchStats]
+    calibration: Calibration
+    gate_curve: list[GatePoint]
+    disagreement_winners: float
+    """Mean ensemble std at entry of winning trades (0 with none)."""
+    disagreement_losers: float
+    top_winners: list[int] = Field(default_factory=list)
+    """Indices into `trades` of the top-10 % winning trades (in-sample only)."""
+    losers: list[int] = Field(default_factory=list)
+    """Indices into `trades` of the losing trades with a hindsight action (in-sample only)."""
+
+    @field_validator("metrics", mode="before")
+    @classmethod
+    def _metrics_nan_free(cls, v: dict) -> dict:
+        return {str(k): _finite_or_none(x) for k, x in dict(v).items()}
+
+    @model_validator(mode="after")
+    def _check(self) -> "SplitReport":
+        s, e = self.window
+        if not 0 <= s < e:
+            raise ValueError(f"{self.split}: window must satisfy 0 <= start < end, got {self.window}")
+        for i, t in enumerate(self.trades):
+            if not (s <= t.entry_t <= t.exit_t < e):
+                raise ValueError(f"{self.split}: trade {i} spans bars [{t.entry_t}, {t.exit_t}] "
+                                 f"outside window {self.window}")
+        for name in ("top_winners", "losers"):
+            bad = [i for i in getattr(self, name) if not 0 <= i < len(self.trades)]
+            if bad:
+                raise ValueError(f"{self.split}: {name} has indices {bad[:5]} outside the {len(self.trades)} trades")
+        if self.split != "insample" and (self.top_winners or self.losers
+                                         or any(t.hindsight_dir is not None for t in self.trades)):
+            raise ValueError(f"{self.split}: sample-level autopsy (top winners, hindsight) is for the insample "
+                             "window only")
+        if set(self.branches) != set(BRANCHES):
+            raise ValueError(f"{self.split}: branches must be {BRANCHES}, got {sorted(self.branches)}")
+        if len(self.regimes) != N_REGIMES:
+            raise ValueError(f"{self.split}: regimes must have {N_REGIMES} entries, got {len(self.regimes)}")
+        return self
+
+    def metric(self, key: str, default: float = 0.0) -> float:
+        """A metric as a float, `default` when missing or undefined."""
+        v = self.metrics.get(key)
+        return default if v is None else float(v)
+
+
+class SplitDefinition(_Model):
+    """The run's chronological split (half-open bar ranges) and the sha256 of each range's bars."""
+
+    n_bars: int
+    train: tuple[int, int]
+    val: tuple[int, int]
+    test: tuple[int, int]
+    embargo: int = 0
+    train_hash: str = ""
+    val_hash: str = ""
+    test_hash: str = ""
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "SplitDefinition":
+        (a0, a1), (b0, b1), (c0, c1) = self.train, self.val, self.test
+        if not (0 <= a0 < a1 <= b0 < b1 <= c0 < c1 <= self.n_bars):
+            raise ValueError(f"split ranges must be ordered train < val < test inside [0, {self.n_bars}), "
+                             f"got train={self.train} val={self.val} test={self.test}")
+        return self
+
+
+class EvalReport(_Model):
+    """The evaluator's report of one checkpoint (epoch) of one run."""
+
+    schema_version: int = SCHEMA_VERSION
+    run_id: str
+    epoch: int = Field(ge=0)
+    checkpoint_sha256: str = ""
+    config_hash: str = ""
+    dataset: str = ""
+    split: SplitDefinition
+    n_trials: int = Field(ge=1)
+    """Checkpoints evaluated in the run so far, this one included: the DSR's number of trials."""
+    val: SplitReport
+    oos: SplitReport | None = None
+    insample: SplitReport | None = None
+    val_oos_gap: float | None = None
+    """1 − OOS per-trade Sharpe / val per-trade Sharpe (None without an OOS backtest)."""
+    knobs: dict[str, Any] | None = None
+    """The `Knobs.to_dict()` the checkpoint was trained under (None: defaults)."""
+    created_at: str = ""
+
+    @field_validator("schema_version")
+    @classmethod
+    def _version(cls, v: int) -> int:
+        if v != SCHEMA_VERSION:
+            raise ValueError(f"EvalReport schema_version {v} is not supported (this code reads {SCHEMA_VERSION})")
+        return v
+
+    @model_validator(mode="after")
+    def _splits_named(self) -> "EvalReport":
+        for name in ("val", "oos", "insample"):
+            sr = getattr(self, name)
+            if sr is not None and sr.split != name:
+                raise ValueError(f"EvalReport.{name} holds a SplitReport labelled {sr.split!r}")
+        return self
+
+    def trained_knobs(self) -> Knobs:
+        """The knobs this checkpoint trained under (`Knobs()` when the report does not say)."""
+        return Knobs() if self.knobs is None else Knobs.from_dict(self.knobs)
+
+
+# --- the bundle -------------------------------------------------------------------------------------------
+
+
+class Provenance(_Model):
+    """Where a signal came from: which report, which split window, which fields."""
+
+    run_id: str
+    epoch: int
+    split: Literal["val", "insample", "history", "config"]
+    window_hash: str = ""
+    fields: list[str] = Field(default_factory=list)
+
+
+class Signal(_Model):
+    """One feedback signal: its value for the next epoch, the previous value, the inputs and a reason."""
+
+    id: Literal["E1", "E2", "E3", "E4", "E5", "E6", "E7", "E8", "E9"]
+    knob: str
+    """The `Knobs` field it sets."""
+    value: Any
+    previous: Any = None
+    inputs: dict[str, Any] = Field(default_factory=dict)
+    provenance: list[Provenance] = Field(default_factory=list)
+    reason: str
+    clamped: bool = False
+    """True when a bound or the per-epoch step limit cut the raw value."""
+
+    @model_validator(mode="after")
+    def _nan_free(self) -> "Signal":
+        for name in ("value", "previous", "inputs"):
+            _check_json_finite(getattr(self, name), f"{self.id}.{name}")
+        return self
+
+
+def _check_json_finite(x: Any, where: str) -> None:
+    if isinstance(x, float) and not math.isfinite(x):
+        raise ValueError(f"{where} holds a non-finite number {x} (use None for 'none')")
+    if isinstance(x, dict):
+        for k, v in x.items():
+            _check_json_finite(v, f"{where}.{k}")
+    elif isinstance(x, (list, tuple)):
+        for i, v in enumerate(x):
+            _check_json_finite(v, f"{where}[{i}]")
+
+
+class FeedbackBundle(_Model):
+    """The signals for epoch `epoch + 1`, computed from the report of epoch `epoch`."""
+
+    schema_version: int = SCHEMA_VERSION
+    run_id: str
+    epoch: int
+    """The epoch whose report this bundle was computed from."""
+    for_epoch: int
+    """The epoch that trains under it (epoch + 1)."""
+    enabled: bool = True
+    rollback: bool = False
+    rollback_to_epoch: int | None = None
+    reason: str = ""
+    signals: dict[str, Signal]
+    knobs: dict[str, Any]
+    """`Knobs.to_dict()` of the result (gate_threshold None = no gate)."""
+    report_checkpoint_sha256: str = ""
+    created_at: str = ""
+
+    @field_validator("schema_version")
+    @classmethod
+    def _version(cls, v: int) -> int:
+        if v != SCHEMA_VERSION:
+            raise ValueError(f"FeedbackBundle schema_version {v} is not supported (this code reads {SCHEMA_VERSION})")
+        return v
+
+    @model_validator(mode="after")
+    def _check(self) -> "FeedbackBundle":
+        missing = [s for s in SIGNAL_IDS if s not in self.signals]
+        if missing:
+            raise ValueError(f"FeedbackBundle lacks signals {missing}")
+        _check_json_finite(self.knobs, "knobs")
+        Knobs.from_dict(self.knobs)  # raises ValueError naming the bad knob
+        return self
+
+    def to_knobs(self) -> Knobs:
+        """The `Knobs` the trainer applies to epoch `for_epoch`."""
+        return Knobs.from_dict(self.knobs)

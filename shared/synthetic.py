@@ -1,0 +1,113 @@
+"""The `synthetic` dataset: seeded regime-switching prices with a planted, learnable edge, and its oracle.
+
+Generative model (per bar t, all log returns):
+- a hidden Markov regime h_t ∈ {0 down, 1 range, 2 up} (the trend-bucket convention of `shared/market.py`),
+  staying with probability 1 − 1/MEAN_DURATION and otherwise jumping to one of the other two uniformly;
+- a slowly varying volatility σ_t = SIGMA_BASE · exp(x_t), x an AR(1) with persistence VOL_PERSISTENCE,
+  clipped to [SIGMA_MIN, SIGMA_MAX] (per-bar σ ≈ 0.5–1%);
+- the close-to-close return r_t = μ_t + σ_t ε_t with μ_t = ±DRIFT_SHARPE · σ_t in up/down regimes and the
+  mean-reverting pull μ_t = −KAPPA · (log c_{t−1} − anchor) in range regimes (anchor = log price on entry);
+- OHLC: open_t = c_{t−1}·exp(g_t) with a small gap g_t ~ N(0, (0.15σ_t)²), close_t = c_{t−1}·exp(r_t),
+  wicks beyond max/min(open, close) of |N(0, (0.4σ_t)²)|; volume log-normal, larger on big moves.
+
+The edge: trends last ~200 bars and carry DRIFT_SHARPE = 0.2 σ per bar, so a causal rule that recognises a
+trend after 10–20 bars earns it net of costs; the oracle (`oracle_positions`) knows h_t.
+
+ML core: numpy and pandas only.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from shared.market import Bars
+
+MEAN_DURATION = 200.0
+SIGMA_BASE = 0.007
+SIGMA_MIN, SIGMA_MAX = 0.004, 0.012
+VOL_PERSISTENCE = 0.995
+VOL_OF_LOGVOL = 0.25
+DRIFT_SHARPE = 0.20
+KAPPA = 0.02
+HIDDEN_NAMES = ("down", "range", "up")
+START = "2020-01-01"
+
+
+@dataclass
+class SyntheticMarket:
+    """Generated bars and the hidden regime that drove each bar's return (0 down, 1 range, 2 up)."""
+
+    bars: Bars
+    hidden_regime: np.ndarray  # int64 [T]
+    sigma: np.ndarray          # float64 [T], the true per-bar volatility σ_t
+
+
+def _regimes(rng: np.random.Generator, n: int) -> np.ndarray:
+    """Hidden Markov chain on {0, 1, 2}: stay w.p. 1 − 1/MEAN_DURATION, else jump to another state uniformly."""
+    h = np.empty(n, dtype=np.int64)
+    h[0] = rng.integers(3)
+    switch = rng.random(n) < 1.0 / MEAN_DURATION
+    jump = rng.integers(1, 3, size=n)  # +1 or +2 mod 3: one of the two other states
+    for t in range(1, n):
+        h[t] = (h[t - 1] + jump[t]) % 3 if switch[t] else h[t - 1]
+    return h
+
+
+def generate(n_bars: int = 6000, seed: int = 0) -> SyntheticMarket:
+    """Generate `n_bars` hourly bars (from 2020-01-01 00:00) with seed `seed`; deterministic per (n_bars, seed)."""
+    if n_bars < 2:
+        raise ValueError(f"generate: n_bars must be ≥ 2, got {n_bars}")
+    rng = np.random.default_rng(seed)
+    h = _regimes(rng, n_bars)
+    # log σ_t: AR(1) with stationary std VOL_OF_LOGVOL
+    eta = rng.standard_normal(n_bars)
+    x = np.empty(n_bars)
+    x[0] = VOL_OF_LOGVOL * eta[0]
+    c = np.sqrt(1.0 - VOL_PERSISTENCE**2) * VOL_OF_LOGVOL
+    for t in range(1, n_bars):
+        x[t] = VOL_PERSISTENCE * x[t - 1] + c * eta[t]
+    sigma = np.clip(SIGMA_BASE * np.exp(x), SIGMA_MIN, SIGMA_MAX)
+
+    eps = rng.standard_normal(n_bars)
+    gap = 0.15 * sigma * rng.standard_normal(n_bars)
+    logc = np.empty(n_bars)
+    r = np.empty(n_bars)
+    logc_prev = np.log(100.0)
+    anchor = logc_prev
+    for t in range(n_bars):
+        if t == 0 or h[t] != h[t - 1]:
+            anchor = logc_prev
+        if h[t] == 1:
+            mu = -KAPPA * (logc_prev - anchor)
+        else:
+            mu = (1.0 if h[t] == 2 else -1.0) * DRIFT_SHARPE * sigma[t]
+        r[t] = mu + sigma[t] * eps[t]
+        logc[t] = logc_prev + r[t]
+        logc_prev = logc[t]
+    close = np.exp(logc)
+    prev_close = np.r_[100.0, close[:-1]]
+    open_ = prev_close * np.exp(gap)
+    top, bot = np.maximum(open_, close), np.minimum(open_, close)
+    high = top * np.exp(np.abs(0.4 * sigma * rng.standard_normal(n_bars)))
+    low = bot * np.exp(-np.abs(0.4 * sigma * rng.standard_normal(n_bars)))
+    volume = np.round(1e6 * np.sqrt(sigma / SIGMA_BASE)
+                      * np.exp(0.3 * rng.standard_normal(n_bars) + 0.3 * np.abs(eps)))
+    bars = Bars(timestamps=pd.date_range(START, periods=n_bars, freq="h"), open=open_, high=high, low=low,
+                close=close, volume=volume, name="synthetic", source=f"synthetic(n_bars={n_bars}, seed={seed})")
+    return SyntheticMarket(bars=bars, hidden_regime=h, sigma=sigma)
+
+
+def oracle_positions(market: SyntheticMarket) -> np.ndarray:
+    """The oracle's target position decided at the close of each bar, float64 [T]: +1 in up regimes, −1 in
+    down, 0 in range — it reads hidden_regime[t] at close t, betting that bar t+1 stays in that regime."""
+    return np.array([-1.0, 0.0, 1.0])[market.hidden_regime]
+
+
+def momentum_positions(bars: Bars, lookback: int = 20) -> np.ndarray:
+    """A simple causal baseline, float64 [T]: sign(close_t / close_{t−lookback} − 1) at close t (0 before)."""
+    c = bars.close
+    pos = np.zeros(len(c))
+    pos[lookback:] = np.sign(c[lookback:] - c[:-lookback])
+    return pos
