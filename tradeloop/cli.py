@@ -17,6 +17,13 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
+
+
+@app.callback()
+def _root() -> None:
+    """Train, evaluate and backtest distributional RL trading agents in a closed loop."""
+
+
 COMMAND_MODULES = ("cmd_data", "cmd_backtest", "cmd_train", "cmd_evaluate", "cmd_up", "cmd_serve")
 
 for _name in COMMAND_MODULES:
