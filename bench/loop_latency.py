@@ -1,0 +1,75 @@
+"""Loop latency per stage: checkpoint published → report stored → bundle stored → knobs applied by the trainer.
+
+Runs `tradeloop up` (embedded Redis, tiny CPU config unless told otherwise) as a subprocess, then reopens the
+run's Redis (its AOF) and reads the events' `created_at` and the trainer's `knobs_applied_at`:
+
+  evaluate  = eval.completed.created_at   − checkpoint.published.created_at   (queue + load + backtests + store)
+  feedback  = feedback.ready.created_at   − eval.completed.created_at         (queue + E1–E9 + store)
+  apply     = epoch e+1 knobs_applied_at  − feedback.ready.created_at         (trainer's wait → apply)
+  total     = epoch e+1 knobs_applied_at  − checkpoint.published.created_at
+
+    .venv/bin/python bench/loop_latency.py [--epochs 3] [--data-bars 1000] [--iterations 6] [--evaluators 1]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from datetime import datetime
+from pathlib import Path
+
+import redis
+
+from shared.api import trainer_history_key
+from shared.redis_server import EmbeddedRedis
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--epochs", type=int, default=3)
+    ap.add_argument("--data-bars", type=int, default=1000)
+    ap.add_argument("--iterations", type=int, default=6)
+    ap.add_argument("--evaluators", type=int, default=1)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--full-size", action="store_true", help="the preset's sizes instead of the tiny test sizes")
+    a = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="tl-latency-"))
+    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "TL_REDIS_URL")}
+    cmd = [sys.executable, "-m", "tradeloop.cli", "up", "--epochs", str(a.epochs), "--device", a.device,
+           "--no-dashboard", "--no-live", "--free-ports", "--run-dir", str(tmp), "--run-id", "bench",
+           "--evaluators", str(a.evaluators)]
+    if not a.full_size:
+        env.update({"TL_TRAIN_LEARNING_STARTS": "32", "TL_TRAIN_BATCH_SIZE": "32", "TL_TRAIN_N_ENVS": "4"})
+        cmd += ["--data-bars", str(a.data_bars), "--iterations", str(a.iterations)]
+    rc = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL).returncode
+    if rc != 0:
+        sys.exit(f"tradeloop up exited with {rc}; logs in {tmp / 'bench' / 'logs'}")
+    server = EmbeddedRedis(tmp / "bench" / "redis").start()
+    r = redis.Redis.from_url(server.url, decode_responses=True)
+    try:
+        at: dict[tuple[str, int], float] = {}
+        for stream in ("checkpoints", "reports", "feedback"):
+            for _, f in r.xrange(f"tl:bench:stream:{stream}"):
+                ev = json.loads(f["data"])
+                at.setdefault((stream, ev["epoch"]), datetime.fromisoformat(ev["created_at"]).timestamp())
+        hist = {int(k): json.loads(v) for k, v in r.hgetall(trainer_history_key("bench")).items()}
+    finally:
+        r.close()
+        server.stop()
+    print(f"loop latency per stage (s), {a.evaluators} evaluator(s), device {a.device}, "
+          f"{'preset' if a.full_size else 'tiny'} config")
+    print(f"{'epoch':>5} {'evaluate':>9} {'feedback':>9} {'apply':>7} {'total':>7}")
+    for e in range(1, a.epochs + 1):
+        c, rp, fb = at.get(("checkpoints", e)), at.get(("reports", e)), at.get(("feedback", e))
+        ap_t = hist.get(e + 1, {}).get("knobs_applied_at")
+        cells = [rp - c if rp and c else None, fb - rp if fb and rp else None,
+                 ap_t - fb if ap_t and fb else None, ap_t - c if ap_t and c else None]
+        print(f"{e:>5} " + " ".join(f"{x:>{w}.2f}" if x is not None else f"{'-':>{w}}"
+                                    for x, w in zip(cells, (9, 9, 7, 7))))
+
+
+if __name__ == "__main__":
+    main()

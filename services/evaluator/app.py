@@ -1,0 +1,118 @@
+"""The evaluator service (FastAPI): the consumer of `worker.py` plus read-only access to the run's reports.
+
+    GET /health /ready /status /metrics /docs          (shared/api.py)
+    GET /reports                                       one summary row per stored report
+    GET /reports/{epoch}                               the full EvalReport as stored in Redis
+    GET /reports/{epoch}/trades?split=val|oos|insample the trade ledger of one backtest
+    GET /reports/{epoch}/equity?split=val|oos|insample the equity curve of one backtest
+
+Reports are read from Redis (the source of truth), so every replica answers the same.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from contextlib import asynccontextmanager
+from typing import Annotated, Literal
+
+from fastapi import FastAPI, HTTPException, Path, Query
+
+from services.evaluator.worker import EvaluatorServiceSettings, EvaluatorWorker
+from shared.api import ServiceState, create_service_app
+from shared.bus import Bus
+from shared.config import load_settings
+
+log = logging.getLogger("tradeloop.evaluator")
+EpochPath = Annotated[int, Path(ge=0, le=1_000_000, description="training epoch")]
+SplitQuery = Annotated[Literal["val", "oos", "insample"], Query(description="which backtest")]
+
+
+def report_summary(epoch: int, doc: dict) -> dict:
+    """The /reports row of one stored report (Sharpes un-annualized, per trade)."""
+    def m(split: str, key: str):
+        return ((doc.get(split) or {}).get("metrics") or {}).get(key)
+
+    return {"epoch": epoch, "checkpoint_sha256": doc.get("checkpoint_sha256"), "n_trials": doc.get("n_trials"),
+            "val_per_trade_sharpe": m("val", "per_trade_sharpe"), "oos_per_trade_sharpe": m("oos", "per_trade_sharpe"),
+            "val_dsr": m("val", "dsr"), "val_psr": m("val", "psr"), "val_n_trades": m("val", "n_trades"),
+            "oos_n_trades": m("oos", "n_trades"), "val_total_return": m("val", "total_return"),
+            "oos_total_return": m("oos", "total_return"), "val_oos_gap": doc.get("val_oos_gap"),
+            "created_at": doc.get("created_at")}
+
+
+def create_app(settings: EvaluatorServiceSettings | None = None) -> FastAPI:
+    """The evaluator app (settings default: TL_* environment)."""
+    settings = settings or load_settings(EvaluatorServiceSettings)
+    if not settings.redis_url:
+        raise ValueError("TL_REDIS_URL (or REDIS_URL) is required by the evaluator service")
+    state = ServiceState("evaluator", settings.run_id)
+    bus = Bus(settings.redis_url, settings.run_id, socket_timeout_s=settings.redis_socket_timeout_s,
+              keep_checkpoints=settings.keep_checkpoints)
+    worker = EvaluatorWorker(settings, bus, state)
+
+    async def run_worker() -> None:
+        while True:
+            try:
+                await worker.run()
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 — e.g. Redis not up yet: report, back off, retry
+                state.ready = False
+                state.error(f"{type(exc).__name__}: {exc}")
+                await asyncio.sleep(1.0)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        task = asyncio.create_task(run_worker(), name="evaluator-consumer")
+        try:
+            yield
+        finally:
+            worker.consumer.stop()
+            try:  # the entry in hand finishes (and is acked) or stays pending for another replica
+                await asyncio.wait_for(asyncio.shield(task), timeout=5)
+            except (asyncio.TimeoutError, Exception):  # noqa: BLE001
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+            await bus.close()
+
+    app = create_service_app("evaluator", settings, state, lifespan=lifespan,
+                             description="Backtests each checkpoint on validation and OOS data.")
+
+    async def get(epoch: int) -> dict:
+        doc = await bus.store.get_report(epoch)
+        if doc is None:
+            raise HTTPException(404, f"no report for epoch {epoch} of run {settings.run_id}")
+        return doc
+
+    def split_of(doc: dict, split: str, epoch: int) -> dict:
+        part = doc.get(split)
+        if part is None:
+            raise HTTPException(404, f"report of epoch {epoch} has no {split} backtest")
+        return part
+
+    @app.get("/reports", tags=["reports"], summary="One summary row per stored report")
+    async def reports() -> list[dict]:
+        out = []
+        for e in await bus.store.json_epochs("report"):
+            doc = await bus.store.get_report(e)
+            if doc is not None:
+                out.append(report_summary(e, doc))
+        return out
+
+    @app.get("/reports/{epoch}", tags=["reports"], summary="The full report of an epoch")
+    async def report(epoch: EpochPath) -> dict:
+        return await get(epoch)
+
+    @app.get("/reports/{epoch}/trades", tags=["reports"], summary="Trades of one backtest of an epoch")
+    async def trades(epoch: EpochPath, split: SplitQuery = "val") -> dict:
+        part = split_of(await get(epoch), split, epoch)
+        return {"epoch": epoch, "split": split, "window": part.get("window"), "trades": part.get("trades", [])}
+
+    @app.get("/reports/{epoch}/equity", tags=["reports"], summary="Equity curve of one backtest of an epoch")
+    async def equity(epoch: EpochPath, split: SplitQuery = "val") -> dict:
+        part = split_of(await get(epoch), split, epoch)
+        return {"epoch": epoch, "split": split, "window": part.get("window"), "equity": part.get("equity", [])}
+
+    app.state.worker, app.state.bus = worker, bus
+    return app

@@ -1,0 +1,172 @@
+"""The evaluator process's consumer: checkpoint.published → EvalReport → eval.completed.
+
+A member of the consumer group "evaluator" on `tl:{run}:stream:checkpoints` (N replicas share the work).
+Handling one event, idempotent on (run, epoch):
+  1. a report of that epoch is already stored → skip the evaluation (a redelivery after a crash, or a
+     duplicate publish) and only make sure eval.completed went out (SET NX marker `done:eval:{epoch}`).
+  2. else: the checkpoint bytes from Redis (sha256 checked against the event), the run's bars (the dataset
+     the checkpoint names, cut to its split; window hashes checked against the event), the earlier reports
+     (DSR trials and their Sharpe variance), the knobs the epoch trained under (trainer's epoch record), then
+     `services.evaluator.runner.evaluate_checkpoint` in a worker thread; store the report (first wins);
+     publish eval.completed once.
+The consumer acks only after the handler returned (shared/bus.py). Every evaluation is counted in
+`tl:{run}:evaluations` (hash epoch → count) and `tl:{run}:evaluated_by` (epoch → consumer), so
+"each checkpoint evaluated exactly once" can be checked from outside.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from functools import lru_cache
+
+from pydantic import Field
+
+from shared.api import ServiceState, report_id, trainer_history_key
+from shared.bus import Bus, Consumer
+from shared.config import EvaluatorSettings
+from shared.events import CheckpointPublished, EvalCompleted, Event
+from shared.knobs import Knobs
+from shared.report import EvalReport
+from shared.store import run_key
+
+log = logging.getLogger("tradeloop.evaluator")
+GROUP = "evaluator"
+
+
+class EvaluatorServiceSettings(EvaluatorSettings):
+    """Evaluator settings plus the seed of the synthetic dataset (must match the trainer's)."""
+
+    data_seed: int = Field(default=0, ge=0, description="seed of the synthetic dataset (shared by all services)")
+
+
+@lru_cache(maxsize=4)
+def _bars(dataset: str, data_seed: int, n_bars: int):
+    from shared.market import load_dataset
+
+    bars = load_dataset(dataset, seed=data_seed)
+    if n_bars > len(bars):
+        raise ValueError(f"checkpoint's split needs {n_bars} bars but dataset {dataset!r} has {len(bars)}")
+    return bars.slice(0, n_bars) if n_bars < len(bars) else bars
+
+
+def _features(bars):
+    from shared.market import compute_features
+
+    return compute_features(bars)
+
+
+class EvaluatorWorker:
+    """Consumes checkpoints, evaluates them, stores reports, publishes eval.completed."""
+
+    def __init__(self, settings: EvaluatorServiceSettings, bus: Bus, state: ServiceState):
+        import services.evaluator.runner  # noqa: F401 — torch loads here, not in a thread beside live requests
+
+        self.settings, self.bus, self.state = settings, bus, state
+        self.data_seed = settings.data_seed
+        self.consumer = Consumer(bus, bus.stream("checkpoints"), GROUP, settings.consumer_name, self.handle,
+                                 claim_idle_ms=settings.claim_idle_ms,
+                                 block_ms=int(min(1000, bus.socket_timeout_s * 500)))
+        self._features_cache: dict[str, object] = {}
+        state.extra.update(consumer=settings.consumer_name, evaluated=[], last_eval_s=None)
+
+    async def handle(self, event: Event) -> None:
+        """Handle one checkpoint.published (see the module docstring)."""
+        if not isinstance(event, CheckpointPublished):
+            raise ValueError(f"unexpected event {event.type} on the checkpoints stream")
+        store, epoch = self.bus.store, event.epoch
+        if not await store.has_report(epoch):
+            report = await self._evaluate(event)
+            if await store.put_report(epoch, report):
+                await self.bus.redis.hincrby(run_key(self.bus.run_id, "evaluations"), str(epoch), 1)
+                await self.bus.redis.hset(run_key(self.bus.run_id, "evaluated_by"), str(epoch), self.consumer.name)
+                self.state.extra["evaluated"] = [*self.state.extra["evaluated"], epoch][-100:]
+                self.state.count("reports_stored")
+        doc = await store.get_report(epoch)
+        if await self.bus.claim_once("eval", epoch):
+            await self._publish(event, doc)
+        self.state.epoch = max(self.state.epoch, epoch)
+
+    async def _evaluate(self, event: CheckpointPublished) -> EvalReport:
+        from shared.market import Split
+
+        data = await self.bus.store.get_checkpoint(event.epoch, event.sha256)
+        meta = _metadata(data)
+        split = Split.from_dict(meta["split"])
+        dataset = meta.get("dataset") or self.settings.data
+        bars = await asyncio.to_thread(_bars, dataset, self.data_seed, split.test[1])
+        for name, h in (event.split_hashes or {}).items():
+            if name in ("train", "val", "test") and split.window_hash(bars, name) != h:
+                raise ValueError(f"epoch {event.epoch}: the {name} window of dataset {dataset!r} does not match the "
+                                 "checkpoint's split hash (different data on this host?)")
+        earlier = [e for e in await self.bus.store.json_epochs("report") if e < event.epoch]
+        prior = []
+        for e in earlier:
+            doc = await self.bus.store.get_report(e)
+            s = ((doc or {}).get("val") or {}).get("metrics", {}).get("per_trade_sharpe")
+            if s is not None:
+                prior.append(float(s))
+        rec = await self.bus.redis.hget(trainer_history_key(self.bus.run_id), str(event.epoch))
+        knobs = Knobs.from_dict(json.loads(rec)["knobs"]) if rec and "knobs" in json.loads(rec) else None
+        key = bars.fingerprint()
+        if key not in self._features_cache:
+            self._features_cache = {key: await asyncio.to_thread(_features, bars)}
+        feats = self._features_cache[key]
+        t0 = time.perf_counter()
+        report = await asyncio.to_thread(_run_eval, data, event, bars, split, len(earlier) + 1, prior, knobs,
+                                         feats, self.settings.device, dataset)
+        dt = time.perf_counter() - t0
+        self.state.extra["last_eval_s"] = round(dt, 3)
+        self.state.gauges["last_eval_seconds"] = dt
+        self.state.count("evaluations")
+        log.info("epoch %d evaluated in %.1fs", event.epoch, dt)
+        return report
+
+    async def _publish(self, event: CheckpointPublished, doc: dict) -> None:
+        val = (doc.get("val") or {}).get("metrics", {})
+        oos = (doc.get("oos") or {}).get("metrics", {})
+        await self.bus.publish(EvalCompleted(
+            run_id=self.bus.run_id, epoch=event.epoch, report_id=report_id(self.bus.run_id, event.epoch, event.sha256),
+            checkpoint_id=event.checkpoint_id, report_key=self.bus.store.key("report", event.epoch),
+            val_per_trade_sharpe=val.get("per_trade_sharpe"), oos_per_trade_sharpe=oos.get("per_trade_sharpe"),
+            dsr=val.get("dsr"), n_trades=int(val.get("n_trades") or 0)))
+
+    async def run(self) -> None:
+        """Consume until cancelled; refresh the stream lag on /status."""
+        await self.bus.connect()
+        await self.bus.ensure_group(self.consumer.stream, GROUP)
+        self.state.ready = True
+        lag_task = asyncio.create_task(self._lag_loop())
+        try:
+            await self.consumer.run()
+        finally:
+            lag_task.cancel()
+
+    async def _lag_loop(self) -> None:
+        while True:
+            try:
+                self.state.stream_lag = await self.consumer.lag()
+                st = self.consumer.stats
+                if st.last_error and st.last_error_at != self.state.last_error_at:
+                    self.state.last_error, self.state.last_error_at = st.last_error, st.last_error_at
+                self.state.extra["consumer_stats"] = self.consumer.status()
+            except Exception as exc:  # noqa: BLE001
+                self.state.error(f"lag: {type(exc).__name__}: {exc}")
+            await asyncio.sleep(1.0)
+
+
+def _metadata(data: bytes) -> dict:
+    """The tradeloop metadata of a checkpoint (header only; the runner verifies and parses it fully)."""
+    from shared.checkpoints import load_checkpoint
+
+    _, meta = load_checkpoint(data)
+    return meta
+
+
+def _run_eval(data, event, bars, split, n_trials, prior, knobs, feats, device, dataset) -> EvalReport:
+    from services.evaluator.runner import evaluate_checkpoint
+
+    return evaluate_checkpoint(data, expected_sha256=event.sha256, bars=bars, split=split, run_id=event.run_id,
+                               epoch=event.epoch, n_trials=n_trials, prior_sharpes=prior, device=device,
+                               dataset=dataset, features=feats, knobs=knobs)

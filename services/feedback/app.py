@@ -1,0 +1,93 @@
+"""The feedback service (FastAPI): the consumer of `worker.py` plus read-only access to the bundles.
+
+    GET /health /ready /status /metrics /docs   (shared/api.py)
+    GET /signals            per epoch: the E1–E9 values, the resulting knobs, rollback flag
+    GET /signals/{epoch}    the full FeedbackBundle computed from that epoch's report, as stored in Redis
+"""
+from __future__ import annotations
+
+import asyncio
+from contextlib import asynccontextmanager
+from typing import Annotated
+
+from fastapi import FastAPI, HTTPException, Path
+
+from services.feedback.worker import FeedbackWorker
+from shared.api import ServiceState, bundle_id, create_service_app
+from shared.bus import Bus
+from shared.config import FeedbackSettings, load_settings
+
+EpochPath = Annotated[int, Path(ge=0, le=1_000_000, description="epoch whose report the bundle came from")]
+
+
+def bundle_summary(run_id: str, epoch: int, doc: dict) -> dict:
+    """The /signals row of one stored bundle."""
+    return {"epoch": epoch, "for_epoch": doc.get("for_epoch"),
+            "bundle_id": bundle_id(run_id, epoch, doc.get("report_checkpoint_sha256", "")),
+            "enabled": doc.get("enabled"), "rollback": doc.get("rollback"), "reason": doc.get("reason"),
+            "signals": {k: {"knob": s.get("knob"), "value": s.get("value"), "reason": s.get("reason"),
+                            "clamped": s.get("clamped")}
+                        for k, s in (doc.get("signals") or {}).items() if k not in ("E6", "E7")}
+            | {k: {"knob": s.get("knob"), "count": len(s.get("value") or []), "reason": s.get("reason")}
+               for k, s in (doc.get("signals") or {}).items() if k in ("E6", "E7")},
+            "knobs": {k: v for k, v in (doc.get("knobs") or {}).items() if k not in ("priority_boost", "hindsight")},
+            "created_at": doc.get("created_at")}
+
+
+def create_app(settings: FeedbackSettings | None = None) -> FastAPI:
+    """The feedback app (settings default: TL_* environment)."""
+    settings = settings or load_settings(FeedbackSettings)
+    if not settings.redis_url:
+        raise ValueError("TL_REDIS_URL (or REDIS_URL) is required by the feedback service")
+    state = ServiceState("feedback", settings.run_id)
+    bus = Bus(settings.redis_url, settings.run_id, socket_timeout_s=settings.redis_socket_timeout_s,
+              keep_checkpoints=settings.keep_checkpoints)
+    worker = FeedbackWorker(settings, bus, state)
+
+    async def run_worker() -> None:
+        while True:
+            try:
+                await worker.run()
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 — e.g. Redis not up yet: report, back off, retry
+                state.ready = False
+                state.error(f"{type(exc).__name__}: {exc}")
+                await asyncio.sleep(1.0)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        task = asyncio.create_task(run_worker(), name="feedback-consumer")
+        try:
+            yield
+        finally:
+            worker.consumer.stop()
+            try:
+                await asyncio.wait_for(asyncio.shield(task), timeout=5)
+            except (asyncio.TimeoutError, Exception):  # noqa: BLE001
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+            await bus.close()
+
+    app = create_service_app("feedback", settings, state, lifespan=lifespan,
+                             description="Turns each report into the E1–E9 signals of the next epoch.")
+
+    @app.get("/signals", tags=["signals"], summary="E1–E9 and knobs per epoch")
+    async def signals() -> list[dict]:
+        out = []
+        for e in await bus.store.json_epochs("bundle"):
+            doc = await bus.store.get_bundle(e)
+            if doc is not None:
+                out.append(bundle_summary(settings.run_id, e, doc))
+        return out
+
+    @app.get("/signals/{epoch}", tags=["signals"], summary="The full bundle computed from an epoch's report")
+    async def signals_of(epoch: EpochPath) -> dict:
+        doc = await bus.store.get_bundle(epoch)
+        if doc is None:
+            raise HTTPException(404, f"no feedback bundle for epoch {epoch} of run {settings.run_id}")
+        return doc
+
+    app.state.worker, app.state.bus = worker, bus
+    return app

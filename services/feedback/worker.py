@@ -1,0 +1,94 @@
+"""The feedback process's consumer: eval.completed → FeedbackBundle (E1–E9) → feedback.ready.
+
+A member of the consumer group "feedback" on `tl:{run}:stream:reports`. Handling one event, idempotent on
+(run, epoch): a bundle of that epoch already stored → only make sure feedback.ready went out (SET NX marker
+`done:feedback:{epoch}`); else read the report and the run's earlier reports from Redis,
+`compute_bundle(report, history, settings)` (the leakage guard runs inside it), store the bundle (first
+wins), publish feedback.ready for epoch + 1. With TL_ENABLED=false the bundle carries the fixed schedule
+(the ablation).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from shared.api import ServiceState, bundle_id, report_id
+from shared.bus import Bus, Consumer
+from shared.config import FeedbackSettings
+from shared.events import EvalCompleted, Event, FeedbackReady
+from shared.report import EvalReport
+
+log = logging.getLogger("tradeloop.feedback")
+GROUP = "feedback"
+
+
+class FeedbackWorker:
+    """Consumes reports, computes bundles, stores them, publishes feedback.ready."""
+
+    def __init__(self, settings: FeedbackSettings, bus: Bus, state: ServiceState, *, consumer_name: str | None = None):
+        import os
+        import socket
+
+        import services.feedback.signals  # noqa: F401 — loaded up front, not beside live requests
+
+        self.settings, self.bus, self.state = settings, bus, state
+        name = consumer_name or f"feedback-{socket.gethostname()}-{os.getpid()}"
+        self.consumer = Consumer(bus, bus.stream("reports"), GROUP, name, self.handle,
+                                 block_ms=int(min(1000, bus.socket_timeout_s * 500)))
+        state.extra.update(consumer=name, enabled=settings.enabled, bundled=[])
+
+    async def handle(self, event: Event) -> None:
+        """Handle one eval.completed (see the module docstring)."""
+        if not isinstance(event, EvalCompleted):
+            raise ValueError(f"unexpected event {event.type} on the reports stream")
+        store, epoch = self.bus.store, event.epoch
+        if not await store.has_bundle(epoch):
+            doc = await store.get_report(epoch)
+            if doc is None:
+                raise LookupError(f"eval.completed for epoch {epoch} but no report at {event.report_key}")
+            report = EvalReport.model_validate(doc)
+            history = []
+            for e in await store.json_epochs("report"):
+                if e < epoch:
+                    h = await store.get_report(e)
+                    if h is not None:
+                        history.append(EvalReport.model_validate(h))
+            from services.feedback.signals import compute_bundle
+
+            bundle = await asyncio.to_thread(compute_bundle, report, history, self.settings)
+            if await store.put_bundle(epoch, bundle):
+                self.state.count("bundles_stored")
+                self.state.extra["bundled"] = [*self.state.extra["bundled"], epoch][-100:]
+        doc = await store.get_bundle(epoch)
+        if await self.bus.claim_once("feedback", epoch):
+            sha = doc.get("report_checkpoint_sha256", "")
+            await self.bus.publish(FeedbackReady(
+                run_id=self.bus.run_id, epoch=epoch, for_epoch=epoch + 1,
+                bundle_id=bundle_id(self.bus.run_id, epoch, sha), report_id=report_id(self.bus.run_id, epoch, sha),
+                bundle_key=store.key("bundle", epoch)))
+        self.state.epoch = max(self.state.epoch, epoch)
+        self.state.extra["latest_knobs"] = {k: doc["knobs"].get(k) for k in ("epsilon", "gamma", "q_bias",
+                                                                              "gate_threshold")}
+
+    async def run(self) -> None:
+        """Consume until cancelled; refresh the stream lag on /status."""
+        await self.bus.connect()
+        await self.bus.ensure_group(self.consumer.stream, GROUP)
+        self.state.ready = True
+        lag_task = asyncio.create_task(self._lag_loop())
+        try:
+            await self.consumer.run()
+        finally:
+            lag_task.cancel()
+
+    async def _lag_loop(self) -> None:
+        while True:
+            try:
+                self.state.stream_lag = await self.consumer.lag()
+                st = self.consumer.stats
+                if st.last_error and st.last_error_at != self.state.last_error_at:
+                    self.state.last_error, self.state.last_error_at = st.last_error, st.last_error_at
+                self.state.extra["consumer_stats"] = self.consumer.status()
+            except Exception as exc:  # noqa: BLE001
+                self.state.error(f"lag: {type(exc).__name__}: {exc}")
+            await asyncio.sleep(1.0)

@@ -1,0 +1,103 @@
+"""The trainer service (FastAPI): the training loop of `worker.py` plus its REST face.
+
+    GET  /health /ready /status /metrics /docs     (shared/api.py)
+    GET  /api/history                              every epoch record: stats, checkpoint id + sha256, bundle applied
+    POST /control/pause | /control/resume | /control/stop    (bearer token)
+
+`create_app(settings)` builds the app; the lifespan connects to Redis, starts the worker as a task and, on
+shutdown (SIGTERM via uvicorn), stops it after the epoch in hand or cancels a feedback wait.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from services.trainer.worker import TrainerServiceSettings, TrainerWorker, read_history
+from shared.api import ServiceState, create_service_app, require_token
+from shared.bus import Bus
+from shared.config import load_settings
+
+log = logging.getLogger("tradeloop.trainer")
+
+
+def create_app(settings: TrainerServiceSettings | None = None) -> FastAPI:
+    """The trainer app (settings default: TL_* environment)."""
+    settings = settings or load_settings(TrainerServiceSettings)
+    if not settings.redis_url:
+        raise ValueError("TL_REDIS_URL (or REDIS_URL) is required by the trainer service")
+    state = ServiceState("trainer", settings.run_id)
+    bus = Bus(settings.redis_url, settings.run_id, socket_timeout_s=settings.redis_socket_timeout_s,
+              keep_checkpoints=settings.keep_checkpoints)
+    worker = TrainerWorker(settings, bus, state)
+
+    async def run_worker() -> None:
+        try:
+            await bus.connect()
+            await worker.run()
+        except asyncio.CancelledError:
+            raise
+        except ValueError as exc:  # bad data or settings (DataError is a ValueError): no traceback
+            log.error("trainer loop failed: %s", exc)
+            state.error(f"{type(exc).__name__}: {exc}")
+            state.extra["phase"] = "failed"
+        except Exception as exc:  # noqa: BLE001 — reported on /status
+            log.exception("trainer loop failed")
+            state.error(f"{type(exc).__name__}: {exc}")
+            state.extra["phase"] = "failed"
+
+    async def refresh_lag() -> None:
+        while True:
+            try:
+                state.stream_lag = await worker.lag()
+            except Exception as exc:  # noqa: BLE001
+                state.error(f"lag: {type(exc).__name__}: {exc}")
+            await asyncio.sleep(1.0)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        task = asyncio.create_task(run_worker(), name="trainer-loop")
+        lag = asyncio.create_task(refresh_lag(), name="trainer-lag")
+        app.state.worker_task = task
+        try:
+            yield
+        finally:
+            worker.stop()
+            lag.cancel()
+            if worker.phase in ("training", "publishing"):
+                try:  # finish the epoch in hand (bounded): its checkpoint is published
+                    await asyncio.wait_for(asyncio.shield(task), timeout=30)
+                except (asyncio.TimeoutError, Exception):  # noqa: BLE001
+                    pass
+            task.cancel()
+            await asyncio.gather(task, lag, return_exceptions=True)
+            await bus.close()
+
+    app = create_service_app("trainer", settings, state, lifespan=lifespan,
+                             description="Trains the agent epoch by epoch under the feedback bundles.")
+    token = require_token(app)
+
+    @app.get("/api/history", tags=["trainer"], summary="Epoch records of the run")
+    async def history() -> list[dict]:
+        return await read_history(bus)
+
+    @app.post("/control/pause", tags=["control"], dependencies=[token], summary="Pause before the next epoch")
+    def pause() -> dict:
+        worker.pause()
+        return {"ok": True, "paused": True}
+
+    @app.post("/control/resume", tags=["control"], dependencies=[token], summary="Resume a paused trainer")
+    def resume() -> dict:
+        worker.resume()
+        return {"ok": True, "paused": False}
+
+    @app.post("/control/stop", tags=["control"], dependencies=[token], summary="Stop after the current epoch")
+    def stop() -> dict:
+        worker.stop()
+        return {"ok": True, "stopping": True}
+
+    app.state.worker = worker
+    app.state.bus = bus
+    return app

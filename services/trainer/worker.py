@@ -1,0 +1,272 @@
+"""The trainer process's loop: wait for feedback → apply knobs → train an epoch → checkpoint → publish.
+
+    for epoch e = 1..N:
+        knobs   = bundle e−1's knobs (waited for, bounded by TL_FEEDBACK_TIMEOUT_S; on timeout the last
+                  bundle received, and the status says so; epoch 1: the fixed schedule)
+        stats   = train_epoch(state, knobs)                     (a worker thread: HTTP stays responsive)
+        ckpt    = save_epoch(...)  → DIR/checkpoints/epoch-NNNN.safetensors (+ trainer state, for resume)
+        Redis   ← checkpoint bytes (RunStore.put_checkpoint), the epoch record (history hash), then
+        publish   checkpoint.published
+
+The run directory is `TL_RUN_DIR/TL_RUN_ID/trainer` (run.json, checkpoints, history.jsonl). A restarted
+trainer resumes from its latest checkpoint on disk; an epoch saved but not yet published (a crash between
+the two) is published again — consumers are idempotent on (run, epoch).
+
+The epoch record (`tl:{run}:trainer:history`, hash epoch → JSON) holds the stats, the checkpoint id and
+sha256, and which bundle the epoch trained under (`bundle_epoch`, `bundle_id`, `feedback_timed_out`).
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field
+
+from shared.api import ServiceState, bundle_id, checkpoint_id, trainer_history_key
+from shared.bus import Bus
+from shared.config import TrainerSettings
+from shared.events import CheckpointPublished, EventError, FeedbackReady, decode_event
+from shared.knobs import Knobs
+from shared.store import run_key
+
+log = logging.getLogger("tradeloop.trainer")
+
+
+class TrainerServiceSettings(TrainerSettings):
+    """Trainer settings plus the size of a run (small values make a test run take seconds)."""
+
+    data_bars: int | None = Field(default=None, ge=500,
+                                  description="use only the first N bars of the dataset (None: all)")
+    train_iterations: int | None = Field(default=None, ge=1, description="iterations per epoch (None: preset)")
+    train_learning_starts: int | None = Field(default=None, ge=1,
+                                              description="transitions before the first update (None: preset)")
+    train_batch_size: int | None = Field(default=None, ge=2, description="transitions per update (None: preset)")
+    train_n_envs: int | None = Field(default=None, ge=1, description="parallel accounts (None: preset)")
+    data_seed: int = Field(default=0, ge=0, description="seed of the synthetic dataset (shared by all services)")
+
+
+history_key = trainer_history_key
+
+
+async def read_history(bus: Bus) -> list[dict]:
+    """Every epoch record of the run, ordered by epoch."""
+    raw = await bus.redis.hgetall(history_key(bus.run_id))
+    return sorted((json.loads(v) for v in raw.values()), key=lambda r: r["epoch"])
+
+
+class TrainerWorker:
+    """Runs the training loop inside the service's event loop; torch work happens in a worker thread."""
+
+    def __init__(self, settings: TrainerServiceSettings, bus: Bus, state: ServiceState):
+        import services.trainer.train  # noqa: F401 — torch loads here, not in a thread beside live requests
+
+        self.settings, self.bus, self.state = settings, bus, state
+        self.run_dir = Path(settings.run_path) / "trainer"
+        self._resume = asyncio.Event()
+        self._resume.set()
+        self._stop = asyncio.Event()
+        self.phase = "starting"
+        self.last_bundle: dict | None = None   # the latest bundle received (what a timed-out epoch trains on)
+        state.extra.update(phase=self.phase, epochs=settings.epochs, feedback=None, paused=False)
+
+    # -- control ----------------------------------------------------------------------------------------
+    def pause(self) -> None:
+        """Pause before the next epoch starts (the current one finishes)."""
+        self._resume.clear()
+        self.state.extra["paused"] = True
+
+    def resume(self) -> None:
+        """Resume after a pause."""
+        self._resume.set()
+        self.state.extra["paused"] = False
+
+    def stop(self) -> None:
+        """Stop after the current epoch (it is checkpointed and published)."""
+        self._stop.set()
+        self._resume.set()
+
+    def _phase(self, phase: str) -> None:
+        self.phase = phase
+        self.state.extra["phase"] = phase
+
+    # -- setup ------------------------------------------------------------------------------------------
+    def _build(self):
+        """Load data, build or resume the training state (blocking; run in a thread)."""
+        import torch
+
+        from services.trainer.train import TrainConfig, build_state, latest_epoch, restore_state
+        from shared.market import Split, chronological_split, compute_features, load_dataset
+
+        s = self.settings
+        if s.device == "cpu":
+            torch.set_num_threads(max(1, min(torch.get_num_threads(), 4)))
+        bars = load_dataset(s.data, seed=s.data_seed)
+        if s.data_bars is not None and s.data_bars < len(bars):
+            bars = bars.slice(0, s.data_bars)
+        feats = compute_features(bars)
+        run_json = self.run_dir / "run.json"
+        if run_json.exists():
+            meta = json.loads(run_json.read_text())
+            if meta.get("bars_fingerprint") != bars.fingerprint():
+                raise ValueError(f"{self.run_dir} holds a run on other data (dataset {meta.get('dataset')!r}); "
+                                 "use another TL_RUN_ID")
+            cfg, split, seed = TrainConfig.from_dict(meta["config"]), Split.from_dict(meta["split"]), meta["seed"]
+        else:
+            cfg = TrainConfig.preset(s.config, feats.shape[1])
+            over = {k: v for k, v in (("iterations", s.train_iterations), ("learning_starts", s.train_learning_starts),
+                                      ("batch_size", s.train_batch_size), ("n_envs", s.train_n_envs)) if v is not None}
+            cfg = dataclasses.replace(cfg, **over)
+            split, seed = chronological_split(len(bars)), s.seed
+            meta = {"dataset": s.data, "data_seed": s.data_seed, "seed": seed, "config": cfg.to_dict(),
+                    "split": split.to_dict(), "n_bars": len(bars), "config_hash": cfg.hash(),
+                    "split_hashes": {w: split.window_hash(bars, w) for w in ("train", "val", "test")},
+                    "bars_fingerprint": bars.fingerprint()}
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            run_json.write_text(json.dumps(meta, indent=2))
+        device = s.device if s.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        tstate = build_state(cfg, bars, split, seed, device, features=feats)
+        done = latest_epoch(self.run_dir)
+        if done:
+            restore_state(tstate, self.run_dir, done)
+        return tstate, meta
+
+    # -- feedback -----------------------------------------------------------------------------------------
+    async def _wait_bundle(self, epoch: int) -> tuple[dict | None, bool, float]:
+        """Bundle `epoch` (computed from that epoch's report): (bundle, timed_out, waited_s).
+
+        Reads the store first (the source of truth), then blocks on the feedback stream for news."""
+        t0 = time.monotonic()
+        deadline = t0 + self.settings.feedback_timeout_s
+        stream, last_id = self.bus.stream("feedback"), "0-0"
+        block_ms = int(min(1000, self.bus.socket_timeout_s * 500))
+        while not self._stop.is_set():
+            bundle = await self.bus.store.get_bundle(epoch)
+            if bundle is not None:
+                return bundle, False, time.monotonic() - t0
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None, True, time.monotonic() - t0
+            resp = await self.bus.redis.xread({stream: last_id}, count=100, block=max(1, min(block_ms, int(left * 1000))))
+            for _, entries in resp or []:
+                for entry_id, fields in entries:
+                    last_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+                    try:
+                        ev = decode_event(fields)
+                    except EventError:
+                        continue  # the consumers dead-letter bad entries; the trainer only listens
+                    if isinstance(ev, FeedbackReady) and ev.epoch == epoch:
+                        break
+        return None, False, time.monotonic() - t0
+
+    async def _knobs_for(self, epoch: int) -> tuple[Knobs, dict]:
+        """The knobs epoch `epoch` trains under, and the record of where they came from."""
+        if epoch == 1:
+            return Knobs.fixed_schedule(0), {"bundle_epoch": None, "bundle_id": None, "feedback_timed_out": False,
+                                             "feedback_wait_s": 0.0, "knobs_source": "fixed schedule (first epoch)"}
+        self._phase("waiting_feedback")
+        self.state.extra["feedback"] = {"waiting_for_bundle": epoch - 1, "timed_out": False}
+        bundle, timed_out, waited = await self._wait_bundle(epoch - 1)
+        if bundle is not None:
+            self.last_bundle = bundle
+            src = f"bundle of epoch {epoch - 1}"
+        elif self.last_bundle is not None:
+            src = (f"timeout after {waited:.1f}s waiting for bundle {epoch - 1}; "
+                   f"training on the last bundle (epoch {self.last_bundle['epoch']})")
+        else:
+            src = f"timeout after {waited:.1f}s waiting for bundle {epoch - 1}; no bundle yet: fixed schedule"
+        used = bundle if bundle is not None else self.last_bundle
+        if timed_out:
+            self.state.count("feedback_timeouts")
+            log.warning("epoch %d: %s", epoch, src)
+        knobs = Knobs.from_dict(used["knobs"]) if used is not None else Knobs.fixed_schedule(epoch - 1)
+        rec = {"bundle_epoch": None if used is None else int(used["epoch"]),
+               "bundle_id": None if used is None else bundle_id(self.bus.run_id, int(used["epoch"]),
+                                                                 used.get("report_checkpoint_sha256", "")),
+               "feedback_timed_out": timed_out, "feedback_wait_s": round(waited, 3), "knobs_source": src}
+        self.state.extra["feedback"] = {"epoch": epoch, **rec}
+        return knobs, rec
+
+    # -- publishing -----------------------------------------------------------------------------------------
+    async def _publish(self, epoch: int, path: Path, meta: dict, record: dict) -> None:
+        """Checkpoint bytes → Redis, the epoch record, then checkpoint.published (idempotent per epoch)."""
+        data = await asyncio.to_thread(path.read_bytes)
+        key, sha = await self.bus.store.put_checkpoint(epoch, data)
+        cid = checkpoint_id(self.bus.run_id, epoch, sha)
+        record = {**record, "epoch": epoch, "checkpoint_id": cid, "sha256": sha, "checkpoint_key": key}
+        await self.bus.redis.hset(history_key(self.bus.run_id), str(epoch), json.dumps(record, allow_nan=False))
+        await self.bus.publish(CheckpointPublished(
+            run_id=self.bus.run_id, epoch=epoch, checkpoint_id=cid, sha256=sha, key=key, size_bytes=len(data),
+            config_hash=meta["config_hash"], split_hashes=meta["split_hashes"], path=str(path.resolve())))
+        await self.bus.claim_once("published", epoch)
+        self.state.count("checkpoints_published")
+
+    # -- the loop -------------------------------------------------------------------------------------------
+    async def run(self) -> None:
+        """Train until TL_EPOCHS epochs exist, then idle (status phase "done") until the process stops."""
+        from services.trainer.train import save_epoch, train_epoch
+
+        self._phase("loading")
+        tstate, meta = await asyncio.to_thread(self._build)
+        self.state.epoch = tstate.epoch
+        self.state.extra["device"] = str(tstate.device)
+        if tstate.epoch and not await self.bus.redis.exists(run_key(self.bus.run_id, "done", "published", tstate.epoch)):
+            # resumed after a crash between saving and publishing: publish the saved epoch again
+            path = self.run_dir / "checkpoints" / f"epoch-{tstate.epoch:04d}.safetensors"
+            prev = await self.bus.redis.hget(history_key(self.bus.run_id), str(tstate.epoch))
+            await self._publish(tstate.epoch, path, meta, json.loads(prev) if prev else {"resumed": True})
+        self.state.ready = True
+        while tstate.epoch < self.settings.epochs and not self._stop.is_set():
+            if not self._resume.is_set():
+                self._phase("paused")
+                await self._resume.wait()
+                if self._stop.is_set():
+                    break
+            epoch = tstate.epoch + 1
+            knobs, rec = await self._knobs_for(epoch)
+            rec["knobs_applied_at"] = time.time()  # unix time: bundle e−1 → epoch e (bench/loop_latency.py)
+            if self._stop.is_set():
+                break
+            self._phase("training")
+            self.state.extra["training_epoch"] = epoch
+            stats = await asyncio.to_thread(train_epoch, tstate, knobs)
+            path, _ = await asyncio.to_thread(save_epoch, tstate, self.run_dir, meta)
+            record = {**_finite(asdict(stats)), **rec}
+            with open(self.run_dir / "history.jsonl", "a") as f:
+                f.write(json.dumps(record, allow_nan=False) + "\n")
+            self._phase("publishing")
+            await self._publish(epoch, path, meta, record)
+            self.state.epoch = epoch
+            self.state.gauges.update(loss=record["loss"] or 0.0, epoch_seconds=stats.seconds,
+                                     env_steps_per_s=stats.env_steps_per_s, updates_per_s=stats.updates_per_s)
+            self.state.count("epochs_trained")
+            log.info("epoch %d trained (loss %s, %s)", epoch, record["loss"], rec["knobs_source"])
+        self._phase("stopped" if self._stop.is_set() and tstate.epoch < self.settings.epochs else "done")
+
+    async def lag(self) -> int | None:
+        """Checkpoints published but not yet acked by the evaluator group (None before the group exists)."""
+        stream = self.bus.stream("checkpoints")
+        try:
+            groups = await self.bus.redis.xinfo_groups(stream)
+        except Exception:  # noqa: BLE001 — no stream yet
+            return None
+        g = next((g for g in groups if (g["name"].decode() if isinstance(g["name"], bytes) else g["name"]) == "evaluator"),
+                 None)
+        if g is None:
+            return await self.bus.redis.xlen(stream)
+        last = g["last-delivered-id"]
+        last = last.decode() if isinstance(last, bytes) else last
+        after = await self.bus.redis.xrange(stream, min=f"({last}", max="+", count=10_000)
+        return int(g["pending"]) + len(after)
+
+
+def _finite(d: dict[str, Any]) -> dict[str, Any]:
+    """NaN/inf floats → None (JSON on the wire is NaN-free)."""
+    import math
+
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in d.items()}

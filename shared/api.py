@@ -1,0 +1,231 @@
+"""Common FastAPI pieces of the three services: app factory, token check, body limit, CORS, metrics.
+
+`create_service_app(name, settings, state, lifespan=...)` returns a FastAPI app with:
+  GET /health   200 {"status": "ok"} while the process serves HTTP (liveness)
+  GET /ready    200 when `state.ready` (Redis reached, worker started), else 503 (readiness)
+  GET /status   JSON: service, pid, uptime_s, run_id, epoch, stream_lag, last_error, + `state.extra`
+  GET /metrics  Prometheus text format (prometheus-client), from `state.metrics()` on each scrape
+  GET /docs     OpenAPI (FastAPI's own)
+and these guards:
+  - `require_token(app)`: `Authorization: Bearer <token>` for mutating endpoints; missing → 401 (with
+    `WWW-Authenticate: Bearer`), wrong → 403; compared with `hmac.compare_digest` (constant time).
+  - `BodyLimitMiddleware`: a body over `settings.max_body_bytes` → 413, whether announced by
+    Content-Length or streamed (chunked) — the body is never read past the limit.
+  - CORS: only `settings.dashboard_origin`, GET/POST, the Authorization and Content-Type headers.
+Invalid path/query parameters get FastAPI's 422 with the field named.
+
+`ServiceState` is the mutable record a worker updates (epoch, lag, last error, counters); the app reads
+it, so endpoints stay three lines. Web stack only: the ML core never imports this module.
+"""
+from __future__ import annotations
+
+import hmac
+import os
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable
+
+from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from shared.config import CommonSettings
+
+
+@dataclass
+class ServiceState:
+    """What a service's worker reports: read by /ready, /status and /metrics."""
+
+    service: str
+    run_id: str
+    started_at: float = field(default_factory=time.time)
+    ready: bool = False
+    epoch: int = 0
+    """Last epoch this service finished (trainer: trained; evaluator: evaluated; feedback: bundled)."""
+    stream_lag: int | None = None
+    """Entries of this service's input stream not yet handled (None: not measured yet)."""
+    last_error: str = ""
+    last_error_at: float | None = None
+    counters: dict[str, float] = field(default_factory=dict)
+    """Monotonic counts, exported as Prometheus counters `tradeloop_<service>_<name>_total`."""
+    gauges: dict[str, float] = field(default_factory=dict)
+    """Current values, exported as Prometheus gauges `tradeloop_<service>_<name>`."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Service-specific JSON fields of /status."""
+
+    def error(self, message: str) -> None:
+        """Record the latest error (shown in /status)."""
+        self.last_error, self.last_error_at = message[:2000], time.time()
+
+    def count(self, name: str, n: float = 1) -> None:
+        """Add `n` to counter `name`."""
+        self.counters[name] = self.counters.get(name, 0) + n
+
+    def status(self) -> dict[str, Any]:
+        """The /status document."""
+        return {"service": self.service, "pid": os.getpid(), "uptime_s": round(time.time() - self.started_at, 3),
+                "run_id": self.run_id, "ready": self.ready, "epoch": self.epoch, "stream_lag": self.stream_lag,
+                "last_error": self.last_error or None, "last_error_at": self.last_error_at,
+                "counters": dict(self.counters), **self.extra}
+
+
+class _StateCollector:
+    """Prometheus collector reading a ServiceState at scrape time (no global registry)."""
+
+    def __init__(self, state: ServiceState):
+        self.state = state
+
+    def collect(self):
+        s, p = self.state, f"tradeloop_{self.state.service}"
+        base = [("up", 1.0, "1 while the process serves HTTP"),
+                ("ready", float(s.ready), "1 when the worker is ready"),
+                ("uptime_seconds", time.time() - s.started_at, "seconds since the process started"),
+                ("epoch", float(s.epoch), "last epoch this service finished"),
+                ("stream_lag", float(s.stream_lag if s.stream_lag is not None else -1),
+                 "input stream entries not yet handled (-1: unknown)")]
+        for name, value, doc in base:
+            g = GaugeMetricFamily(f"{p}_{name}", doc, labels=["run_id"])
+            g.add_metric([s.run_id], value)
+            yield g
+        for name, value in sorted(s.gauges.items()):
+            g = GaugeMetricFamily(f"{p}_{name}", name, labels=["run_id"])
+            g.add_metric([s.run_id], float(value))
+            yield g
+        for name, value in sorted(s.counters.items()):
+            c = CounterMetricFamily(f"{p}_{name}", name, labels=["run_id"])
+            c.add_metric([s.run_id], float(value))
+            yield c
+
+
+class BodyLimitMiddleware:
+    """Pure ASGI middleware: refuse request bodies over `max_bytes` with 413 (declared or streamed)."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        too_big = JSONResponse({"detail": f"request body larger than {self.max_bytes} bytes"}, status_code=413)
+        try:
+            if declared is not None and int(declared) > self.max_bytes:
+                return await too_big(scope, receive, send)
+        except ValueError:
+            return await JSONResponse({"detail": "invalid Content-Length"}, status_code=400)(scope, receive, send)
+        if declared is not None or scope.get("method") not in ("POST", "PUT", "PATCH"):
+            # declared within the limit (uvicorn stops at Content-Length), or a method without a body
+            return await self.app(scope, receive, send)
+        # streamed (chunked) body of unknown length: read it up to the limit before the app sees it
+        buffered, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                buffered.append(message)
+                break
+            size += len(message.get("body", b""))
+            if size > self.max_bytes:
+                return await too_big(scope, receive, send)
+            buffered.append(message)
+            if not message.get("more_body", False):
+                break
+
+        async def replay():
+            return buffered.pop(0) if buffered else await receive()
+
+        await self.app(scope, replay, send)
+
+
+def token_checker(settings: CommonSettings) -> Callable[[Request], None]:
+    """A dependency that accepts only `Authorization: Bearer <settings.api_token>` (401 missing, 403 wrong)."""
+    expected = settings.api_token.get_secret_value().encode()
+
+    def check(request: Request) -> None:
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if not header or scheme.lower() != "bearer" or not token.strip():
+            raise HTTPException(401, "missing bearer token (Authorization: Bearer <TL_API_TOKEN>)",
+                                headers={"WWW-Authenticate": "Bearer"})
+        if not hmac.compare_digest(token.strip().encode(), expected):
+            raise HTTPException(403, "invalid token")
+
+    return check
+
+
+def create_service_app(name: str, settings: CommonSettings, state: ServiceState, *,
+                       lifespan: Callable[[FastAPI], Any] | None = None, description: str = "") -> FastAPI:
+    """A FastAPI app with /health, /ready, /status, /metrics, the body limit and dashboard-only CORS.
+
+    `lifespan(app)` is an async context manager factory that starts/stops the service's worker.
+    The token dependency is at `app.state.require_token` (use `Depends(app.state.require_token)`).
+    """
+
+    @asynccontextmanager
+    async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if lifespan is None:
+            state.ready = True
+            yield
+        else:
+            async with lifespan(app):
+                yield
+
+    app = FastAPI(title=f"tradeloop {name}", description=description or f"The tradeloop {name} service.",
+                  version="1", lifespan=_lifespan)
+    app.state.settings, app.state.service = settings, state
+    app.state.require_token = token_checker(settings)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_StateCollector(state))
+    app.add_middleware(CORSMiddleware, allow_origins=[settings.dashboard_origin], allow_credentials=False,
+                       allow_methods=["GET", "POST"], allow_headers=["Authorization", "Content-Type"])
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+
+    @app.get("/health", tags=["ops"], summary="Liveness: the process serves HTTP")
+    def health() -> dict:
+        return {"status": "ok", "service": name}
+
+    @app.get("/ready", tags=["ops"], summary="Readiness: Redis reached and the worker running")
+    def ready() -> JSONResponse:
+        ok = state.ready
+        return JSONResponse({"ready": ok, "service": name}, status_code=200 if ok else 503)
+
+    @app.get("/status", tags=["ops"], summary="pid, uptime, run id, epoch, stream lag, last error")
+    def status() -> dict:
+        return state.status()
+
+    @app.get("/metrics", tags=["ops"], summary="Prometheus metrics")
+    def metrics() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def require_token(app: FastAPI):
+    """`Depends(...)` object for the app's bearer-token check (for mutating endpoints)."""
+    return Depends(app.state.require_token)
+
+
+
+# --- ids shared by the services (stable per (run, epoch, checkpoint), so a retried handler reuses them) ---
+def checkpoint_id(run_id: str, epoch: int, sha256: str) -> str:
+    """`{run}-e{epoch:04d}-{sha[:12]}`: the checkpoint of one epoch."""
+    return f"{run_id}-e{int(epoch):04d}-{sha256[:12]}"
+
+
+def report_id(run_id: str, epoch: int, checkpoint_sha256: str) -> str:
+    """`{run}-report-e{epoch:04d}-{sha[:12]}`: the evaluator report of a checkpoint."""
+    return f"{run_id}-report-e{int(epoch):04d}-{checkpoint_sha256[:12]}"
+
+
+def bundle_id(run_id: str, epoch: int, checkpoint_sha256: str) -> str:
+    """`{run}-bundle-e{epoch:04d}-{sha[:12]}`: the feedback bundle computed from that report."""
+    return f"{run_id}-bundle-e{int(epoch):04d}-{checkpoint_sha256[:12]}"
+
+
+def trainer_history_key(run_id: str) -> str:
+    """`tl:{run}:trainer:history` — hash epoch → JSON epoch record (stats, checkpoint, knobs, bundle applied)."""
+    from shared.store import run_key
+
+    return run_key(run_id, "trainer", "history")

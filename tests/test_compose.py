@@ -1,0 +1,352 @@
+"""docker-compose.yml / docker-compose.gpu.yml / .env.example / Dockerfile against the code.
+
+No Docker engine is needed: the compose files are parsed (a tiny parser for the YAML subset they are written
+in; PyYAML is not a dependency) and checked against the entry points (`tradeloop serve <service>`) and the
+settings models of shared/config.py: every TL_* variable is a real setting of that service, the values
+validate, container ports and healthcheck URLs are the ports the settings make the service bind, the
+dashboard's /config.json points at the ports compose publishes, and every ${VAR} is documented in
+.env.example.
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from shared import config as cfg
+
+ROOT = Path(__file__).resolve().parents[1]
+TL_SERVICES = ("trainer", "evaluator", "feedback", "dashboard")
+
+
+def settings_class(service: str):
+    """The settings model `tradeloop serve <service>` loads (the entry point's own choice)."""
+    from tradeloop.cmd_serve import _factory
+
+    cls, _ = _factory(service)
+    assert issubclass(cls, cfg.CommonSettings)
+    return cls
+
+
+# --------------------------------------------------------------------------------------------- tiny YAML
+def _strip_comment(line: str) -> str:
+    quote = None
+    for i, ch in enumerate(line):
+        if quote:
+            if ch == quote:
+                quote = None
+        elif ch in "\"'":
+            quote = ch
+        elif ch == "#" and (i == 0 or line[i - 1] in " \t"):
+            return line[:i].rstrip()
+    return line.rstrip()
+
+
+def _split_flow(s: str) -> list[str]:
+    parts, cur, quote = [], "", None
+    for ch in s:
+        if quote:
+            cur += ch
+            if ch == quote:
+                quote = None
+        elif ch in "\"'":
+            quote, cur = ch, cur + ch
+        elif ch == ",":
+            parts.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    if cur.strip():
+        parts.append(cur.strip())
+    return parts
+
+
+def _scalar(s: str):
+    s = s.strip()
+    if s.startswith('"'):
+        return json.loads(s)
+    if s.startswith("'"):
+        return s[1:-1].replace("''", "'")
+    if s.startswith("["):
+        assert s.endswith("]"), f"unterminated flow sequence {s!r}"
+        return [_scalar(p) for p in _split_flow(s[1:-1])]
+    return s if s else None
+
+
+_KEY = re.compile(r"^([A-Za-z0-9_.\-]+):(?:\s+(.*))?$")
+
+
+def parse_yaml(text: str):
+    """Parse the YAML subset of our compose files: block mappings and sequences, quoted/plain/flow scalars.
+
+    Every scalar stays a string (compose itself treats them so). No anchors, multi-line strings or tags:
+    what it cannot read, it refuses with the line number.
+    """
+    lines = []
+    for no, raw in enumerate(text.splitlines(), 1):
+        body = _strip_comment(raw)
+        if body.strip():
+            if "\t" in raw[: len(raw) - len(raw.lstrip())]:
+                raise ValueError(f"line {no}: tab in indentation")
+            lines.append([len(body) - len(body.lstrip()), body.strip(), no])
+
+    def block(i: int, ind: int):
+        if lines[i][1].startswith("-"):
+            out = []
+            while i < len(lines) and lines[i][0] == ind and lines[i][1].startswith("-"):
+                item = lines[i][1][1:].strip()
+                if not item:
+                    value, i = block(i + 1, lines[i + 1][0])
+                elif _KEY.match(item) and not item.startswith(("\"", "'")):
+                    lines[i] = [ind + 2, item, lines[i][2]]   # "- key: v" opens a mapping at ind + 2
+                    value, i = block(i, ind + 2)
+                else:
+                    value, i = _scalar(item), i + 1
+                out.append(value)
+            return out, i
+        out = {}
+        while i < len(lines) and lines[i][0] == ind:
+            m = _KEY.match(lines[i][1])
+            if not m:
+                raise ValueError(f"line {lines[i][2]}: cannot parse {lines[i][1]!r}")
+            key, rest = m.group(1), m.group(2)
+            if key in out:
+                raise ValueError(f"line {lines[i][2]}: duplicate key {key!r}")
+            if rest is None and i + 1 < len(lines) and lines[i + 1][0] > ind:
+                out[key], i = block(i + 1, lines[i + 1][0])
+            else:
+                out[key], i = _scalar(rest or ""), i + 1
+        if i < len(lines) and lines[i][0] > ind:
+            raise ValueError(f"line {lines[i][2]}: unexpected indentation")
+        return out, i
+
+    if not lines:
+        return {}
+    value, i = block(0, lines[0][0])
+    if i != len(lines):
+        raise ValueError(f"line {lines[i][2]}: unexpected dedent")
+    return value
+
+
+def test_tiny_parser_hand_case():
+    text = ('a:  # comment\n  b: "x # not a comment"\n  c:\n    - 1\n    - "two"\n  d: [e, "f g"]\n'
+            'list:\n  - k: v\n    k2: v2\n  - plain\nempty:\n')
+    assert parse_yaml(text) == {"a": {"b": "x # not a comment", "c": ["1", "two"], "d": ["e", "f g"]},
+                                "list": [{"k": "v", "k2": "v2"}, "plain"], "empty": None}
+    with pytest.raises(ValueError, match="line 2"):
+        parse_yaml("a: 1\n  b: 2\n")
+
+
+# --------------------------------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return parse_yaml((ROOT / "docker-compose.yml").read_text())
+
+
+@pytest.fixture(scope="module")
+def gpu() -> dict:
+    return parse_yaml((ROOT / "docker-compose.gpu.yml").read_text())
+
+
+@pytest.fixture(scope="module")
+def env_example() -> dict[str, str]:
+    out = {}
+    for no, line in enumerate((ROOT / ".env.example").read_text().splitlines(), 1):
+        if line.strip() and not line.lstrip().startswith("#"):
+            key, sep, value = line.partition("=")
+            assert sep and re.fullmatch(r"[A-Z][A-Z0-9_]*", key), f".env.example line {no}: not KEY=value: {line!r}"
+            out[key] = value
+    return out
+
+
+_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?])([^}]*))?\}")
+
+
+def substitute(value: str, env: dict[str, str]) -> str:
+    """Compose-style ${VAR}, ${VAR:-default}, ${VAR:?error} interpolation ($$ is a literal $)."""
+    def one(m: re.Match) -> str:
+        name, op, arg = m.group(1), m.group(2), m.group(3)
+        if name in env and (env[name] != "" or op not in (":-", ":?")):
+            return env[name]
+        if op in (":-", "-"):
+            return arg
+        raise AssertionError(f"${{{name}}} is required and unset: {arg}")
+    return _VAR.sub(one, value).replace("$$", "$")
+
+
+def service_env(svc: dict, env: dict[str, str]) -> dict[str, str]:
+    raw = svc.get("environment") or {}
+    assert isinstance(raw, dict), "environment must be a mapping"
+    return {k: substitute(v or "", env) for k, v in raw.items()}
+
+
+def settings_from(monkeypatch, cls, environ: dict[str, str]):
+    import os
+
+    for k in list(os.environ):
+        if k.startswith("TL_") or k == "REDIS_URL":
+            monkeypatch.delenv(k)
+    for k, v in environ.items():
+        monkeypatch.setenv(k, v)
+    return cfg.load_settings(cls)
+
+
+def env_names(cls) -> set[str]:
+    return {cfg._env_name(cls, f) for f in cls.model_fields}
+
+
+def port_of(mapping: str) -> tuple[str, int]:
+    """'127.0.0.1:8002-8011:8002' → ('8002-8011', 8002): (host port or range, container port)."""
+    parts = mapping.split(":")
+    return parts[-2], int(parts[-1])
+
+
+# --------------------------------------------------------------------------------------------- tests
+def test_services_and_entry_points(compose):
+    from typer.testing import CliRunner
+
+    from tradeloop.cli import app
+
+    assert set(compose["services"]) == {"redis", *TL_SERVICES}
+    help_text = CliRunner().invoke(app, ["serve", "--help"]).output
+    for name in TL_SERVICES:
+        svc = compose["services"][name]
+        assert svc["command"] == ["tradeloop", "serve", name], name
+        assert name in help_text, f"`tradeloop serve --help` does not offer {name!r}:\n{help_text}"
+        build = svc["build"]
+        assert build["context"] == "." and build["dockerfile"] == "Dockerfile", name
+        assert svc["image"] == "tradeloop:latest", f"{name}: all services share one image"
+        assert "container_name" not in svc, f"{name}: container_name prevents --scale"
+    assert (ROOT / "Dockerfile").is_file()
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert re.search(r'^tradeloop\s*=\s*"tradeloop\.cli:main"', pyproject, re.M), "console script `tradeloop` missing"
+
+
+@pytest.mark.parametrize("name", TL_SERVICES)
+def test_environment_is_the_settings_model(compose, env_example, monkeypatch, name):
+    svc = compose["services"][name]
+    cls = settings_class(name)
+    env = service_env(svc, env_example)
+    unknown = {k for k in env if k.startswith("TL_")} - env_names(cls)
+    assert not unknown, f"{name}: {sorted(unknown)} are not settings of {cls.__name__}"
+    non_tl = {k for k in env if not k.startswith("TL_")}
+    assert not non_tl, f"{name}: variables outside the TL_ namespace: {sorted(non_tl)}"
+    settings = settings_from(monkeypatch, cls, env)   # raises ConfigError naming a bad value
+    assert settings.embedded is False and settings.host == "0.0.0.0"
+    assert settings.api_token.get_secret_value() == env_example["TL_API_TOKEN"]
+    assert settings.dashboard_origin == env_example["TL_DASHBOARD_ORIGIN"]
+
+    # the port the service binds == the container port compose publishes == the healthcheck's port, on /ready
+    (host_ports, container_port), = [port_of(p) for p in svc["ports"]]
+    assert settings.port == container_port, f"{name}: binds {settings.port}, compose publishes {container_port}"
+    test = " ".join(svc["healthcheck"]["test"])
+    assert f"http://127.0.0.1:{settings.port}/ready" in test, f"{name}: healthcheck {test!r}"
+    if name != "dashboard":
+        url = settings.redis_url
+        assert url == f"redis://:{env_example['REDIS_PASSWORD']}@redis:6379/0", f"{name}: {url}"
+        assert svc["depends_on"]["redis"]["condition"] == "service_healthy"
+    if name == "trainer":
+        assert ("checkpoints:" + str(settings.run_dir)) in svc["volumes"], "checkpoints volume must hold TL_RUN_DIR"
+        assert settings.device == "cpu"
+
+
+def test_evaluator_scales(compose):
+    (host, container), = [port_of(p) for p in compose["services"]["evaluator"]["ports"]]
+    lo, _, hi = host.partition("-")
+    assert hi and int(hi) - int(lo) >= 3, f"evaluator host port {host!r}: a fixed port breaks --scale evaluator=N"
+
+
+def test_dashboard_config_points_at_published_ports(compose, env_example, monkeypatch):
+    from services.dashboard.app import page_config
+
+    settings = settings_from(monkeypatch, settings_class("dashboard"),
+                             service_env(compose["services"]["dashboard"], env_example))
+    page = page_config(settings)
+    for name in ("trainer", "evaluator", "feedback"):
+        host, _ = port_of(compose["services"][name]["ports"][0])
+        first = int(host.split("-")[0])
+        assert page[name] == f"http://127.0.0.1:{first}", f"the page would poll {page[name]} for {name}"
+    origin_port = int(env_example["TL_DASHBOARD_ORIGIN"].rsplit(":", 1)[1])
+    assert port_of(compose["services"]["dashboard"]["ports"][0])[0] == str(origin_port)
+
+
+def test_redis_service(compose):
+    redis = compose["services"]["redis"]
+    image = redis["image"]
+    assert re.fullmatch(r"redis:(\d+)\.(\d+)\.(\d+)(-[a-z0-9.]+)?", image), f"redis image not pinned: {image}"
+    major, minor = map(int, re.match(r"redis:(\d+)\.(\d+)", image).groups())
+    assert (major, minor) >= (6, 2), "tradeloop needs Redis >= 6.2 (XAUTOCLAIM)"
+    cmd = " ".join(redis["command"])
+    assert "--appendonly yes" in cmd and "--requirepass" in cmd and "$$REDIS_PASSWORD" in cmd
+    assert "ping" in " ".join(redis["healthcheck"]["test"]).lower()
+    assert redis["environment"]["REDIS_PASSWORD"].startswith("${REDIS_PASSWORD:?"), "no default password"
+    assert "ports" not in redis, "Redis is reachable only inside the compose network"
+    assert {"checkpoints", "redis-data"} <= set(compose["volumes"])
+    assert "redis-data:/data" in redis["volumes"], "AOF must live on a volume"
+
+
+def test_env_example_documents_every_variable(compose, env_example):
+    text = (ROOT / "docker-compose.yml").read_text() + (ROOT / "docker-compose.gpu.yml").read_text()
+    used = {m.group(1) for m in _VAR.finditer(text)}
+    assert used == set(env_example), (f"in compose, not in .env.example: {sorted(used - set(env_example))}; "
+                                      f"in .env.example, unused: {sorted(set(env_example) - used)}")
+    for secret in ("REDIS_PASSWORD", "TL_API_TOKEN"):
+        assert f"${{{secret}:?" in text, f"{secret} must be required (no default) in docker-compose.yml"
+        assert env_example[secret] != cfg.DEFAULT_API_TOKEN
+
+
+def test_gpu_override(gpu, env_example, compose, monkeypatch):
+    assert set(gpu["services"]) == {"trainer"}
+    trainer = gpu["services"]["trainer"]
+    device, = trainer["deploy"]["resources"]["reservations"]["devices"]
+    assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
+    merged = {**service_env(compose["services"]["trainer"], env_example), **service_env(trainer, env_example)}
+    assert settings_from(monkeypatch, settings_class("trainer"), merged).device == "cuda"
+    assert trainer["build"]["args"]["TORCH_INDEX_URL"].startswith("${TORCH_CUDA_INDEX_URL")
+    assert "ARG TORCH_INDEX_URL" in (ROOT / "Dockerfile").read_text()
+
+
+def test_services_agree_on_the_run(compose, env_example, monkeypatch):
+    """Trainer and evaluator must read the same data (same bars, same seed) of the same run on the same Redis."""
+    loaded = {name: settings_from(monkeypatch, settings_class(name), service_env(compose["services"][name], env_example))
+              for name in TL_SERVICES}
+    assert len({s.run_id for s in loaded.values()}) == 1
+    assert loaded["trainer"].redis_url == loaded["evaluator"].redis_url == loaded["feedback"].redis_url
+    for field in ("data", "data_seed"):
+        assert getattr(loaded["trainer"], field) == getattr(loaded["evaluator"], field), field
+    for name in TL_SERVICES:
+        for other in ("trainer", "evaluator", "feedback", "dashboard"):
+            assert getattr(loaded[name], f"{other}_port") == loaded[other].port, (name, other)
+
+
+def test_dashboard_app_serves_the_page_and_its_config(tmp_path):
+    """The image's dashboard process: the page's files, /config.json, /ready naming a missing file."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from fastapi.testclient import TestClient
+
+    from services.dashboard.app import PAGE_FILES, create_app
+
+    settings = cfg.DashboardSettings(trainer_port=18001, evaluator_port=18002, feedback_port=18003, run_id="r1")
+    client = TestClient(create_app(settings, poll_ms=750))
+    assert client.get("/config.json").json() == {
+        "trainer": "http://127.0.0.1:18001", "evaluator": "http://127.0.0.1:18002",
+        "feedback": "http://127.0.0.1:18003", "poll_ms": 750, "run_id": "r1"}
+    page = client.get("/")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    for src in re.findall(r'(?:src|href)="([^"]+)"', page.text):
+        assert not src.startswith(("http:", "https:", "//")), f"the page loads {src} from elsewhere (no CDN)"
+        assert client.get("/" + src).status_code == 200, src
+    assert client.get("/app.js").headers["content-type"].startswith("text/javascript")
+    assert client.get("/pyproject.toml").status_code == 404
+    assert client.get("/ready").status_code == 200
+
+    (tmp_path / "index.html").write_text("<html></html>")
+    partial = TestClient(create_app(settings, static_dir=tmp_path))
+    r = partial.get("/ready")
+    assert r.status_code == 503 and any(m.endswith("chart.js") for m in r.json()["missing"])
+    assert set(PAGE_FILES) == {"index.html", "app.js", "chart.js", "style.css"}

@@ -1,0 +1,210 @@
+"""The services' REST faces over real HTTP: real uvicorn servers on free ports, a real Redis.
+
+The evaluator and feedback apps run their consumers against the session's Redis (nothing is published to
+them except what a test writes); reports and bundles are put into the store directly, so the REST answers
+can be compared to what Redis holds. The trainer app is checked for its token guard, body limit and CORS
+without training (its loop waits for data it is never given: TL_DATA points to a missing file → the loop
+fails and says so on /status, which is itself checked).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+import uuid
+
+import httpx
+import pytest
+import uvicorn
+
+from shared.bus import Bus
+from shared.redis_server import free_port
+
+pytestmark = pytest.mark.redis
+TOKEN = "s3cret-token-for-tests"
+ORIGIN = "http://127.0.0.1:8999"
+
+
+class Server:
+    """A uvicorn server in a thread; `stop()` asks it to exit and waits."""
+
+    def __init__(self, app, port: int):
+        self.port = port
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                                    lifespan="on"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def start(self) -> "Server":
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            assert time.monotonic() < deadline, "uvicorn did not start"
+            assert self.thread.is_alive(), "uvicorn exited"
+            time.sleep(0.02)
+        return self
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=20)
+
+
+def _env(monkeypatch, redis_url: str, run_id: str, tmp_path) -> None:
+    for k, v in {"TL_REDIS_URL": redis_url, "TL_RUN_ID": run_id, "TL_API_TOKEN": TOKEN, "TL_EMBEDDED": "true",
+                 "TL_DASHBOARD_ORIGIN": ORIGIN, "TL_MAX_BODY_BYTES": "2048", "TL_RUN_DIR": str(tmp_path),
+                 "TL_DATA": str(tmp_path / "missing.csv"), "TL_CONSUMER_NAME": "ev-test"}.items():
+        monkeypatch.setenv(k, v)
+
+
+def _poll(fn, what: str, timeout_s: float = 20.0):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        v = fn()
+        if v:
+            return v
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def _store_docs(redis_url: str, run_id: str, docs: dict[tuple[str, int], dict]) -> None:
+    async def go():
+        async with Bus(redis_url, run_id) as bus:
+            for (kind, epoch), doc in docs.items():
+                await bus.store.put_json(kind, epoch, doc)
+    asyncio.run(go())
+
+
+@pytest.fixture(scope="module")
+def run_id():
+    """One run id for the module's servers (they are shared by its tests)."""
+    return f"api{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture(scope="module")
+def redis_url(redis_server):
+    """The session's Redis; this module's keys live under its own run id."""
+    return redis_server
+
+
+@pytest.fixture(scope="module")
+def services(redis_url, run_id, tmp_path_factory):
+    from services.evaluator.app import create_app as ev_app
+    from services.feedback.app import create_app as fb_app
+    from services.trainer.app import create_app as tr_app
+
+    with pytest.MonkeyPatch.context() as mp:
+        _env(mp, redis_url, run_id, tmp_path_factory.mktemp("api"))
+        servers = {name: Server(f(), free_port()).start()
+                   for name, f in (("trainer", tr_app), ("evaluator", ev_app), ("feedback", fb_app))}
+    try:
+        yield servers
+    finally:
+        for s in servers.values():
+            s.stop()
+
+
+def test_common_endpoints(services, run_id):
+    with httpx.Client() as c:
+        for name, s in services.items():
+            assert c.get(f"{s.url}/health").json() == {"status": "ok", "service": name}
+            st = c.get(f"{s.url}/status").json()
+            assert st["service"] == name and st["run_id"] == run_id and st["pid"] > 0 and st["uptime_s"] >= 0
+            assert {"epoch", "stream_lag", "last_error"} <= set(st)
+            m = c.get(f"{s.url}/metrics")
+            assert m.status_code == 200 and m.headers["content-type"].startswith("text/plain")
+            assert f'tradeloop_{name}_up{{run_id="{run_id}"}} 1.0' in m.text
+            assert c.get(f"{s.url}/openapi.json").json()["info"]["title"] == f"tradeloop {name}"
+            assert c.get(f"{s.url}/docs").status_code == 200
+        for name in ("evaluator", "feedback"):  # consumers reach Redis → ready, with a measured lag
+            url = services[name].url
+            _poll(lambda: c.get(f"{url}/ready").status_code == 200, f"{name} ready")
+            _poll(lambda: c.get(f"{url}/status").json()["stream_lag"] == 0, f"{name} lag")
+        # the trainer cannot load its (missing) dataset: not ready, and /status says why
+        tr = services["trainer"].url
+        st = _poll(lambda: (s := c.get(f"{tr}/status").json())["last_error"] and s, "trainer error")
+        assert "missing.csv" in st["last_error"] and st["phase"] == "failed"
+        assert c.get(f"{tr}/ready").status_code == 503
+
+
+def test_reports_and_signals_match_redis(services, redis_url, run_id):
+    report = {"epoch": 2, "checkpoint_sha256": "ab" * 32, "n_trials": 2, "val_oos_gap": 0.5,
+              "val": {"metrics": {"per_trade_sharpe": 0.2, "dsr": 0.7, "n_trades": 12}, "window": [10, 20],
+                      "trades": [{"entry_t": 11, "net_return": 0.01}], "equity": [1.0, 1.01]},
+              "oos": {"metrics": {"per_trade_sharpe": 0.1}, "window": [30, 40], "trades": [], "equity": [1.0]}}
+    bundle = {"epoch": 2, "for_epoch": 3, "report_checkpoint_sha256": "ab" * 32, "enabled": True, "rollback": False,
+              "signals": {"E2": {"knob": "epsilon", "value": 0.2, "reason": "r"},
+                          "E6": {"knob": "priority_boost", "value": [[5, 2.0]], "reason": "r"}},
+              "knobs": {"epsilon": 0.2, "gamma": 0.96, "priority_boost": [[5, 2.0]]}}
+    _store_docs(redis_url, run_id, {("report", 2): report, ("bundle", 2): bundle})
+    ev, fb = services["evaluator"].url, services["feedback"].url
+    with httpx.Client() as c:
+        assert c.get(f"{ev}/reports/2").json() == report
+        rows = c.get(f"{ev}/reports").json()
+        assert [(r["epoch"], r["val_per_trade_sharpe"], r["oos_per_trade_sharpe"], r["val_dsr"]) for r in rows] == \
+            [(2, 0.2, 0.1, 0.7)]
+        assert c.get(f"{ev}/reports/2/trades").json()["trades"] == report["val"]["trades"]
+        assert c.get(f"{ev}/reports/2/equity", params={"split": "oos"}).json()["equity"] == [1.0]
+        assert c.get(f"{ev}/reports/3").status_code == 404
+        assert c.get(f"{ev}/reports/2/trades", params={"split": "insample"}).status_code == 404
+        assert c.get(f"{fb}/signals/2").json() == bundle
+        (row,) = c.get(f"{fb}/signals").json()
+        assert row["for_epoch"] == 3 and row["bundle_id"] == f"{run_id}-bundle-e0002-{'ab' * 6}"
+        assert row["signals"]["E6"]["count"] == 1 and "priority_boost" not in row["knobs"]
+        assert c.get(f"{fb}/signals/9").status_code == 404
+
+
+@pytest.mark.parametrize("url_suffix,service", [
+    ("/reports/-1", "evaluator"), ("/reports/abc", "evaluator"), ("/reports/1/trades?split=train", "evaluator"),
+    ("/reports/1/equity?split=", "evaluator"), ("/signals/x", "feedback"), ("/signals/-3", "feedback")])
+def test_invalid_parameters_are_422(services, url_suffix, service):
+    r = httpx.get(f"{services[service].url}{url_suffix}")
+    assert r.status_code == 422
+    assert r.json()["detail"][0]["loc"][0] in ("path", "query")
+
+
+def test_control_needs_the_bearer_token(services):
+    tr = services["trainer"].url
+    with httpx.Client() as c:
+        for action in ("pause", "resume", "stop"):
+            r = c.post(f"{tr}/control/{action}")
+            assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+            assert c.post(f"{tr}/control/{action}", headers={"Authorization": "Basic " + TOKEN}).status_code == 401
+            assert c.post(f"{tr}/control/{action}", headers={"Authorization": "Bearer wrong"}).status_code == 403
+            assert c.post(f"{tr}/control/{action}",
+                          headers={"Authorization": f"Bearer {TOKEN}x"}).status_code == 403
+        ok = c.post(f"{tr}/control/pause", headers={"Authorization": f"Bearer {TOKEN}"})
+        assert ok.status_code == 200 and ok.json()["paused"] is True
+        assert c.get(f"{tr}/status").json()["paused"] is True
+        c.post(f"{tr}/control/resume", headers={"Authorization": f"Bearer {TOKEN}"})
+        assert c.get(f"{tr}/status").json()["paused"] is False
+        assert c.get(f"{tr}/control/pause").status_code == 405  # mutating endpoints are POST only
+
+
+def test_oversized_bodies_are_refused(services):
+    tr = services["trainer"].url
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    with httpx.Client() as c:
+        r = c.post(f"{tr}/control/pause", headers=auth, content=b"x" * 4096)
+        assert r.status_code == 413
+        chunks = (b"y" * 1024 for _ in range(4))  # no Content-Length: streamed (chunked) past the limit
+        assert c.post(f"{tr}/control/pause", headers=auth, content=chunks).status_code == 413
+        assert c.post(f"{tr}/control/pause", headers=auth, content=b"{}").status_code == 200
+
+
+def test_cors_allows_only_the_dashboard_origin(services):
+    ev, tr = services["evaluator"].url, services["trainer"].url
+    with httpx.Client() as c:
+        ok = c.get(f"{ev}/reports", headers={"Origin": ORIGIN})
+        assert ok.headers.get("access-control-allow-origin") == ORIGIN
+        other = c.get(f"{ev}/reports", headers={"Origin": "http://evil.example"})
+        assert "access-control-allow-origin" not in other.headers
+        pre = c.options(f"{tr}/control/pause", headers={"Origin": ORIGIN, "Access-Control-Request-Method": "POST",
+                                                        "Access-Control-Request-Headers": "authorization"})
+        assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == ORIGIN
+        bad = c.options(f"{tr}/control/pause", headers={"Origin": "http://evil.example",
+                                                        "Access-Control-Request-Method": "POST"})
+        assert bad.status_code == 400 and "access-control-allow-origin" not in bad.headers

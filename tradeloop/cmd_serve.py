@@ -1,0 +1,82 @@
+"""`tradeloop serve trainer|evaluator|feedback|dashboard`: run one service with uvicorn.
+
+Configuration comes from `TL_*` environment variables (shared/config.py; the trainer and evaluator add a
+few in their worker modules). Bad settings print the variables at fault and exit 2. The process binds
+`TL_HOST` on the service's port (`TL_TRAINER_PORT`, ...); SIGTERM / Ctrl-C stop it cleanly (uvicorn runs
+the app's shutdown: the worker stops after the item in hand).
+"""
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Callable
+
+import typer
+
+SERVICES = ("trainer", "evaluator", "feedback", "dashboard")
+
+
+def _factory(service: str) -> tuple[type, Callable]:
+    """(settings class, create_app) of a service — imported lazily so each process loads only its own."""
+    if service == "trainer":
+        from services.trainer.app import create_app
+        from services.trainer.worker import TrainerServiceSettings as S
+    elif service == "evaluator":
+        from services.evaluator.app import create_app
+        from services.evaluator.worker import EvaluatorServiceSettings as S
+    elif service == "feedback":
+        from services.feedback.app import create_app
+        from shared.config import FeedbackSettings as S
+    else:
+        from services.dashboard.app import create_app
+        from shared.config import DashboardSettings as S
+    return S, create_app
+
+
+def serve(service: str, *, log_level: str = "info") -> None:
+    """Load the service's settings, build its app, run uvicorn until SIGTERM/SIGINT."""
+    import uvicorn
+
+    from shared.config import ConfigError, load_settings
+
+    settings_cls, create_app = _factory(service)
+    try:
+        settings = load_settings(settings_cls)
+    except ConfigError as exc:
+        print(f"tradeloop serve {service}: {exc}", file=sys.stderr)
+        raise typer.Exit(2)
+    try:
+        app = create_app(settings)
+    except ValueError as exc:
+        print(f"tradeloop serve {service}: {exc}", file=sys.stderr)
+        raise typer.Exit(2)
+    logging.basicConfig(level=log_level.upper(), format=f"%(asctime)s {service} %(levelname)s %(name)s: %(message)s")
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=log_level, access_log=False,
+                timeout_graceful_shutdown=10)
+
+
+def register(app: typer.Typer) -> None:
+    """Add the `serve` command."""
+
+    @app.command("serve")
+    def serve_cmd(
+        service: str = typer.Argument(..., help="trainer, evaluator, feedback or dashboard"),
+        log_level: str = typer.Option("info", "--log-level", help="uvicorn/python log level"),
+    ) -> None:
+        """Run one tradeloop service (configured by TL_* environment variables)."""
+        if service not in SERVICES:
+            print(f"tradeloop serve: unknown service {service!r}; choose one of {', '.join(SERVICES)}",
+                  file=sys.stderr)
+            raise typer.Exit(2)
+        if log_level.lower() not in ("critical", "error", "warning", "info", "debug"):
+            print(f"tradeloop serve: --log-level {log_level!r} is not one of critical, error, warning, info, debug",
+                  file=sys.stderr)
+            raise typer.Exit(2)
+        if service == "dashboard":
+            import importlib.util
+
+            if importlib.util.find_spec("services.dashboard") is None or \
+                    importlib.util.find_spec("services.dashboard.app") is None:
+                print("tradeloop serve dashboard: services/dashboard/app.py is not installed", file=sys.stderr)
+                raise typer.Exit(2)
+        serve(service, log_level=log_level.lower())
