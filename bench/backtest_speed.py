@@ -1,6 +1,7 @@
 """Speed of the simulator (shared/execution.py) in account-bars per second, beside a plain Python loop and vectorbt.
 
     python bench/backtest_speed.py [--device cpu|cuda] [--T 1000000] [--B 1,64,1024] [--seconds 3]
+                                   [--replay-max-cells 100000000] [--T-replay-large 100000]
 
 Workload: one synthetic OHLC series of T bars (geometric random walk); B accounts, each with its own random
 target positions in {−1, 0, 1} held for 1–5 bars (a new trade or a flip every ~3 bars: the worst case for the
@@ -12,6 +13,11 @@ first `steps` bars of the T-bar series are timed — the step cost does not depe
 - `sim equity`: the same with record_ledger=False.
 - `graph ledger` / `graph equity` (CUDA only): the same step code, --graph-steps steps captured into one CUDA
   graph and replayed (the ledger buffer flushed to the host after each replay).
+- `replay (vectorised)`: `run_positions(prices, targets)` (the known-path replay, `_run_positions_vectorized`)
+  over the whole series at once, ledger DataFrame, equity, bar returns and positions included, on the same
+  per-step targets tiled into a [B, T] array; best of --replay-repeats runs after a warm-up on a prefix. When
+  B·T would pass --replay-max-cells (memory: the [B, T] inputs and outputs), it runs over --T-replay-large bars
+  instead and the cell says so. Its ledger is checked against the Python loop on a prefix (under the table).
 - `python loop`: the same fill and cost rules written as a per-bar Python loop for one account (over --T-python
   bars), ledger kept as a list; checked against the simulator on a prefix (printed under the table).
 - `vectorbt`: `vbt.Portfolio.from_orders(size_type="targetpercent")` on the same targets (fill at the next open,
@@ -30,7 +36,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from shared.execution import CostModel, Prices, Simulator  # noqa: E402
+from shared.execution import CostModel, Prices, Simulator, run_positions  # noqa: E402
 
 TABLE_ROWS = 4096
 STATE = ("t", "position", "equity", "entry_price", "entry_size", "growth", "tp_price", "sl_price", "entry_t",
@@ -207,6 +213,42 @@ def check_python_loop(ohlc, targets: np.ndarray, costs: CostModel, n: int) -> st
             f"max |Δ net_return| = {d_ret:.1e}, |Δ final equity| = {d_eq:.1e}")
 
 
+def bench_replay(ohlc, table: np.ndarray, costs: CostModel, T: int, device: torch.device,
+                 repeats: int) -> float:
+    """account-bars/s of `run_positions` (vectorised replay, ledger included) over T bars, best of `repeats`."""
+    B = table.shape[1]
+    prices = Prices.from_arrays(*(a[:T] for a in ohlc), device=device)
+    targets = torch.as_tensor(np.ascontiguousarray(np.resize(table, (T, B)).T), device=device)  # [B, T]
+    n = min(T, 5000)
+    run_positions(Prices.from_arrays(*(a[:n] for a in ohlc), device=device), targets[:, :n], costs)  # warm-up
+    best = math.inf
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        res = run_positions(prices, targets, costs)
+        _sync(device)
+        best = min(best, time.perf_counter() - t0)
+        del res
+    return B * T / best
+
+
+def check_replay(ohlc, targets: np.ndarray, costs: CostModel, n: int) -> str:
+    """The vectorised replay vs the Python loop on the first n bars, trade by trade."""
+    o, h, l, c = (a[:n] for a in ohlc)
+    eq_py, trades_py = python_loop(o.tolist(), h.tolist(), l.tolist(), c.tolist(), targets[:n].tolist(), costs.rate)
+    res = run_positions(Prices.from_arrays(o, h, l, c), targets[:n], costs)
+    led = res.ledger
+    cols = ("entry_t", "exit_t", "side", "size", "entry_price", "exit_price", "net_return")
+    py = np.array(trades_py, dtype=float).reshape(-1, len(cols))
+    vec = led[list(cols)].to_numpy(dtype=float)
+    same_len = len(py) == len(vec)
+    same_spans = same_len and bool((py[:, :3] == vec[:, :3]).all())
+    d = float(np.abs(py[:, 3:] - vec[:, 3:]).max()) if same_len and len(py) else float("nan")
+    return (f"Python loop vs replay (vectorised) on {n} bars: trades {len(trades_py)} vs {len(led)}, same "
+            f"entry/exit/side: {same_spans}, max |Δ| of size, prices, net_return = {d:.1e}, |Δ final equity| = "
+            f"{abs(float(res.equity[0, -1]) - eq_py):.1e}")
+
+
 def bench_python(ohlc, targets: np.ndarray, costs: CostModel, T: int) -> float:
     o, h, l, c = (a[:T].tolist() for a in ohlc)
     tg = targets[:T].tolist()
@@ -260,6 +302,11 @@ def main(argv: list[str] | None = None) -> None:
                                                            "(torch.compile) inside the CUDA graph, equity only")
     ap.add_argument("--cost-bps", type=float, default=1.0)
     ap.add_argument("--check-bars", type=int, default=2000, help="bars of the Python-loop vs simulator check")
+    ap.add_argument("--replay-max-cells", type=float, default=1e8,
+                    help="largest B·T of the replay column; above it the replay runs over --T-replay-large bars")
+    ap.add_argument("--T-replay-large", type=int, default=100_000, help="bars of the replay when B·T is too big")
+    ap.add_argument("--replay-repeats", type=int, default=2, help="timed replay runs per cell (best is shown)")
+    ap.add_argument("--replay-check-bars", type=int, default=20_000, help="bars of the Python-loop vs replay check")
     a = ap.parse_args(argv)
     if a.device == "cuda" and not torch.cuda.is_available():
         sys.exit("error: --device cuda but no CUDA device is available")
@@ -274,7 +321,7 @@ def main(argv: list[str] | None = None) -> None:
     if dev.type == "cuda":
         cols += [f"graph ledger (K={a.graph_steps})", f"graph equity (K={a.graph_steps})"]
         cols += ["compiled graph equity"] if a.compile else []
-    cols += ["python loop", "vectorbt"]
+    cols += ["replay (vectorised)", "python loop", "vectorbt"]
     rows, notes = [], []
     for B in Bs:
         table_np = make_targets(TABLE_ROWS, B, seed=B)
@@ -293,6 +340,10 @@ def main(argv: list[str] | None = None) -> None:
                 rate, steps = bench_graph(prices, table, costs, False, a.seconds, a.graph_steps, compiled=True)
                 cells.append(fmt(rate))
                 notes.append(f"B={B} compiled graph equity: {steps} steps timed")
+        T_rep = a.T if B * a.T <= a.replay_max_cells else min(a.T, a.T_replay_large)
+        rate = bench_replay(ohlc, table_np, costs, T_rep, dev, a.replay_repeats)
+        cells.append(fmt(rate) + ("" if T_rep == a.T else f" (T={T_rep})"))
+        notes.append(f"B={B} replay (vectorised): T={T_rep}, best of {a.replay_repeats}")
         cells.append(fmt(bench_python(ohlc, one, costs, a.T_python)) if B == 1 else "—")
         vb = bench_vectorbt(ohlc, table_np, costs, min(a.T, a.T_vectorbt))
         cells.append(fmt(vb))
@@ -312,6 +363,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"- {n}")
     print(f"- python loop: one account, {a.T_python} bars")
     print(f"- {check_python_loop(ohlc, one, costs, a.check_bars)}")
+    one_r = make_targets(a.replay_check_bars, 1)[:, 0]
+    print(f"- {check_replay(ohlc, one_r, costs, min(a.T, a.replay_check_bars))}")
     if math.isfinite(a.T_vectorbt):
         print(f"- vectorbt: {min(a.T, a.T_vectorbt)} bars, B accounts as columns, trades records included")
 

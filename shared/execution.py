@@ -377,88 +377,180 @@ def run_positions(prices: Prices, targets, costs: CostModel = CostModel(), *, ta
     return BacktestResult(sim.ledger(), eq.cpu().numpy(), br.cpu().numpy(), pos.cpu().numpy())
 
 
-def _run_positions_vectorized(prices: Prices, tg: torch.Tensor, costs: CostModel,
-                              max_elements: int = 1 << 24) -> BacktestResult:
-    """`run_positions` without target/stop levels, vectorised over bars (and chunked over accounts).
+def _block_shape(B: int, n_bars: int, block_elements: int) -> tuple[int, int]:
+    """Rows × bars of one replay block. Either whole rows (several accounts per block, when a row fits) or one
+    account per block: so that trades come out already in (account, time) order with no sort."""
+    block_elements = max(1, int(block_elements))
+    if n_bars <= block_elements:
+        return max(1, min(B, block_elements // max(1, n_bars))), max(1, n_bars)
+    return 1, block_elements
 
-    With no intrabar exits the position held over bar t is the target decided at close t-1, so every bar's
-    factors are known at once; a trade's growth is a segment product, computed as a sum of log-factors:
-      gap_t    = 1 + p_{t-1}·(open_t/close_{t-1} - 1)        → the trade held into bar t
-      fill_t   = (1 - c|p_{t-1}|) on a close, (1 - c|Δ|) on a resize → the trade held into bar t
-      open_t   = (1 - c|p_t|) on an open                     → the trade held out of bar t
-      move_t   = 1 + p_t·(close_t/open_t - 1)                → the trade held out of bar t
-      end      = (1 - c|p_{T-1}|) at the last close          → the trade held out of the last bar
+
+def _post_log(cv: torch.Tensor, mr: torch.Tensor, at_end: torch.Tensor, c: float) -> torch.Tensor:
+    """Log of the factors a trade opened at a bar's open owns on that bar: open cost, open → close move and,
+    on the last bar, the end-of-data exit cost. `cv` is the position held out of the bar (0 → 0)."""
+    cost = torch.log1p(-c * cv.abs())
+    return cost * (1.0 + at_end.to(cv.dtype)) + torch.log1p(cv * mr)
+
+
+def _run_positions_vectorized(prices: Prices, tg: torch.Tensor, costs: CostModel,
+                              block_elements: int | None = None) -> BacktestResult:
+    """`run_positions` without target/stop levels: the same rules vectorised over bars, in cache-sized blocks.
+
+    With no intrabar exits the position held over bar t is p_t = targets[:, t-1] (p_0 = 0), so every bar's
+    account factor is known at once (c = cost rate, ρg_t = open_t/close_{t-1} - 1, ρm_t = close_t/open_t - 1):
+      f_t = (1 + p_{t-1}·ρg_t) · fill_t · (1 + p_t·ρm_t)   [· (1 - c|p_{T-1}|) on the last bar: the end exit]
+      fill_t = 1 - c|p_t - p_{t-1}|, or (1 - c|p_{t-1}|)(1 - c|p_t|) on a flip
+             = 1 - c·(|p_t - p_{t-1}| + c·min(p_{t-1}·p_t, 0))
+    and log equity L_t = Σ_{s≤t} log f_s. A trade's growth is a segment of that sum: the trade opened at the
+    open of bar e and closed at the open of bar x owns everything in between except the part of bar e before
+    its fill (owned by the trade it flipped out of, if any) and the part of bar x after the exit fill (owned by
+    the next trade, if a flip). With post_t = log(1 - c|p_t|) + log(1 + p_t·ρm_t) [+ log(1 - c|p_t|) at T-1],
+    the part of an open bar after its fill,
+      log g = (L_x - post_x) - (L_e - post_e);   for the "end" exit at the last close, L_{T-1} - (L_e - post_e).
+    So the per-bar work is a handful of element-wise passes, one cumsum and one exp per block; entries and
+    exits are read off at the sign changes. Blocks are [rows, bars] of about `block_elements` (default 2^17 on
+    CPU, 2^25 on CUDA; tests force tiny ones), carrying the account's log equity (and, through the bar before
+    the block, its position) from one block to the next. Blocks are whole rows or one account wide, so entries
+    and exits come out in (account, time) order: the k-th exit of an account closes its k-th entry, no sort.
+    Precision: L is a running float64 sum, so a trade's log growth carries an absolute error ~1e-16·|L|.
     """
+    if prices.device.type != "cpu":
+        return _replay_blocks(prices, tg, costs, block_elements or (1 << 25))
+    # CPU: one intra-op thread. The blocks are cache-sized, and handing each small op to a thread pool costs
+    # more than it brings; with oversubscribed cores (a busy 2-core VM) the pool's barriers made it 10× slower.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _replay_blocks(prices, tg, costs, block_elements or (1 << 17))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _replay_blocks(prices: Prices, tg: torch.Tensor, costs: CostModel, block_elements: int) -> BacktestResult:
+    """The block loop of `_run_positions_vectorized` (see there)."""
     B, T = tg.shape
-    c = costs.rate
+    c = float(costs.rate)
     dev, dt = prices.device, prices.dtype
-    o, h, l, cl = prices.open, prices.high, prices.low, prices.close
+    o, cl = prices.open, prices.close
     gap_r = torch.zeros(T, device=dev, dtype=dt)
     gap_r[1:] = o[1:] / cl[:-1] - 1.0                                  # [T] close t-1 → open t
     move_r = cl / o - 1.0                                              # [T] open t → close t
-    rows = max(1, max_elements // T)
-    ledgers, equities, rets, poss = [], [], [], []
-    for b0 in range(0, B, rows):
-        cur = torch.zeros(min(rows, B - b0), T, device=dev, dtype=dt)  # [b, T] position held over bar t
-        cur[:, 1:] = tg[b0:b0 + rows, :-1]
-        prev = torch.zeros_like(cur)
-        prev[:, 1:] = cur[:, :-1]
-        s_prev, s_cur = torch.sign(prev), torch.sign(cur)
-        closes = (s_prev != 0) & (s_cur != s_prev)
-        opens = (s_cur != 0) & (s_cur != s_prev)
-        resize = (s_prev != 0) & (s_cur == s_prev)
-        f_gap = 1.0 + prev * gap_r
-        f_close = torch.where(closes, 1.0 - c * prev.abs(), torch.where(resize, 1.0 - c * (cur - prev).abs(), 1.0))
-        f_open = torch.where(opens, 1.0 - c * cur.abs(), 1.0)
-        f_move = 1.0 + cur * move_r
-        f_end = torch.ones_like(cur)
-        f_end[:, -1] = 1.0 - c * cur[:, -1].abs()
-        # account equity: product of every factor, bar by bar
-        f_bar = f_gap * f_close * f_open * f_move * f_end                # [b, T]
-        log_eq = torch.cumsum(torch.log(f_bar), dim=1)
-        equity = torch.exp(log_eq)
-        bar_ret = torch.zeros_like(cur)
-        bar_ret[:, 1:] = f_bar[:, 1:] - 1.0
-        # trades: ids in (account, bar) order; the trade held into bar t is the last one opened before t
-        flat_open = opens.reshape(-1)
-        trade_id = torch.cumsum(flat_open.long(), 0).reshape(cur.shape) - 1   # id of the trade opened at or before t
-        n = int(flat_open.sum())
-        log_g = torch.zeros(n + 1, device=dev, dtype=dt)                # slot n = "no trade"
-        into = torch.where(s_prev != 0, trade_id - opens.long(), n)      # trade held into bar t
-        outof = torch.where(s_cur != 0, trade_id, n)                     # trade held out of bar t
-        log_g.index_add_(0, into.reshape(-1), torch.log(f_gap * f_close).reshape(-1))
-        log_g.index_add_(0, outof.reshape(-1), torch.log(f_open * f_move * f_end).reshape(-1))
-        acct, entry_t = opens.nonzero(as_tuple=True)
-        # exits: at an open (signal or flip), and at the last close for what is still open (the "end")
-        xa, xt = closes.nonzero(as_tuple=True)
-        ea = (s_cur[:, -1] != 0).nonzero(as_tuple=True)[0]
-        et = torch.full_like(ea, T - 1)
-        exit_acct, exit_t = torch.cat([xa, ea]), torch.cat([xt, et])
-        is_end = torch.cat([torch.zeros_like(xa, dtype=torch.bool), torch.ones_like(ea, dtype=torch.bool)])
-        order = torch.argsort(exit_acct * (2 * T) + 2 * exit_t + is_end.long())  # a flip's close before the end
-        exit_acct, exit_t, is_end = exit_acct[order], exit_t[order], is_end[order]
-        reason = torch.where(is_end, _END, torch.where(s_cur[exit_acct, exit_t] == 0, _SIGNAL, _FLIP))
-        exit_px = torch.where(is_end, cl[exit_t], o[exit_t])
-        side = s_cur[acct, entry_t]
-        led = pd.DataFrame({
-            "account": (acct + b0).cpu().numpy().astype(np.int64),
-            "entry_t": entry_t.cpu().numpy().astype(np.int64),
-            "exit_t": exit_t.cpu().numpy().astype(np.int64),
-            "side": side.cpu().numpy().astype(np.int64),
-            "size": cur[acct, entry_t].abs().cpu().numpy(),
-            "entry_price": o[entry_t].cpu().numpy(),
-            "exit_price": exit_px.cpu().numpy(),
-            "net_return": torch.expm1(log_g[:n]).cpu().numpy(),
-        })
-        r = reason.cpu().numpy()
-        led["bars"] = led["exit_t"] - led["entry_t"] + (r >= _STOP).astype(np.int64)
-        led["exit_reason"] = pd.Categorical.from_codes(r, categories=list(EXIT_REASONS)).astype(str)
-        pos_close = cur.clone()
-        pos_close[:, -1] = 0.0
-        ledgers.append(led)
-        equities.append(equity.cpu().numpy())
-        rets.append(bar_ret.cpu().numpy())
-        poss.append(pos_close.cpu().numpy())
-    ledger = pd.concat(ledgers, ignore_index=True).sort_values(["account", "exit_t", "entry_t"], kind="stable")
-    return BacktestResult(ledger.reset_index(drop=True), np.concatenate(equities), np.concatenate(rets),
-                          np.concatenate(poss))
+    # outputs [B, T]: on CPU these are the returned numpy arrays themselves (written in place, block by block)
+    pos = torch.empty(B, T, device=dev, dtype=dt)                      # position held at each close
+    equity = torch.empty_like(pos)
+    bar_ret = torch.empty_like(pos)
+    pos[:, 0], equity[:, 0], bar_ret[:, 0] = 0.0, 1.0, 0.0
+    rows, width = _block_shape(B, T - 1, block_elements)               # bars 1..T-1 are replayed (bar 0: flat)
+    n = rows * width
+    fbuf = [torch.empty(n, device=dev, dtype=dt) for _ in range(4)]
+    sbuf = torch.empty(rows * (width + 1), device=dev, dtype=dt)
+    mbuf = [torch.empty(n, device=dev, dtype=torch.bool) for _ in range(4)]
+    one = torch.ones((), device=dev, dtype=dt)
+    ent_acct, ent_t, ent_p, ent_l, ex_t, ex_code, ex_l = [], [], [], [], [], [], []
+    for b0 in range(0, B, rows) if T > 1 else ():
+        nb = min(rows, B - b0)
+        lcarry = torch.zeros(nb, 1, device=dev, dtype=dt)                # log equity at the close before the block
+        for t0 in range(1, T, width):
+            t1 = min(T, t0 + width)
+            w = t1 - t0
+            last = t1 == T
+            view = lambda buf, k=w: buf[:nb * k].view(nb, k)  # noqa: E731  contiguous [nb, k] scratch
+            cur = pos[b0:b0 + nb, t0:t1]                                  # p_t, t in [t0, t1)
+            cur.copy_(tg[b0:b0 + nb, t0 - 1:t1 - 1])
+            prev = pos[b0:b0 + nb, t0 - 1:t1 - 1]                         # p_{t-1}
+            gr, mr = gap_r[t0:t1], move_r[t0:t1]
+            # f = (1 + p_{t-1}ρ^gap)(1 + p_tρ^mv)(1 - c·(|Δp| + c·min(p_{t-1}p_t, 0)))
+            d, q, f, lg = (view(b) for b in fbuf)
+            torch.sub(cur, prev, out=d).abs_()
+            torch.mul(prev, cur, out=q).clamp_(max=0.0)
+            d.add_(q, alpha=c)                                            # |Δp| + c·min(p_{t-1}p_t, 0)
+            torch.addcmul(one, prev, gr, out=f)
+            torch.addcmul(one, cur, mr, out=q)
+            f.mul_(q)
+            f.addcmul_(f, d, value=-c)
+            if last:                                                      # the end exit at the last close
+                f[:, -1].mul_(1.0 - c * cur[:, -1].abs())
+            torch.sub(f, 1.0, out=bar_ret[b0:b0 + nb, t0:t1])
+            torch.log(f, out=lg)
+            torch.cumsum(lg, dim=1, out=f)
+            f.add_(lcarry)                                                # f is now L_t
+            torch.exp(f, out=equity[b0:b0 + nb, t0:t1])
+            lcarry = f[:, -1:].clone()
+            L = f.view(-1)
+            # trades: sign changes of the position between bar t-1 and bar t
+            s = sbuf[:nb * (w + 1)].view(nb, w + 1)
+            torch.sign(pos[b0:b0 + nb, t0 - 1:t1], out=s)
+            sp, sc = s[:, :-1], s[:, 1:]
+            chg, held, opens, closes = (view(b) for b in mbuf)
+            torch.ne(sc, sp, out=chg)
+            torch.ne(sp, 0.0, out=held)
+            torch.logical_and(chg, held, out=closes)
+            torch.ne(sc, 0.0, out=held)
+            torch.logical_and(chg, held, out=opens)
+            oi = opens.view(-1).nonzero().view(-1)
+            ro = torch.div(oi, w, rounding_mode="floor")
+            to = oi - ro * w
+            cv = cur[ro, to]
+            ent_acct.append(ro + b0)
+            ent_t.append(to + t0)
+            ent_p.append(cv)
+            ent_l.append(L[oi] - _post_log(cv, mr[to], to + t0 == T - 1, c))
+            ci = closes.view(-1).nonzero().view(-1)
+            rc = torch.div(ci, w, rounding_mode="floor")
+            tc = ci - rc * w
+            cx = cur[rc, tc]                                              # 0: back to flat; else a flip
+            xt, xcode = tc + t0, torch.where(cx == 0, _SIGNAL, _FLIP)
+            xl = L[ci] - _post_log(cx, mr[tc], tc + t0 == T - 1, c)
+            if last:                                                      # still open at the last close: "end"
+                em = cur[:, -1] != 0
+                re = em.nonzero().view(-1)
+                if nb == 1:
+                    xt = torch.cat([xt, torch.full_like(re, T - 1)])
+                    xcode = torch.cat([xcode, torch.full_like(re, _END)])
+                    xl = torch.cat([xl, f[re, -1]])
+                else:                                                     # merge each row's end after its closes
+                    ends_before = torch.cumsum(em.long(), 0) - em.long()  # [nb] end exits in earlier rows
+                    closes_upto = torch.cumsum(torch.bincount(rc, minlength=nb), 0)
+                    dc = torch.arange(len(ci), device=dev) + ends_before[rc]
+                    de = closes_upto[re] + ends_before[re]
+                    m = len(ci) + len(re)
+                    xt = torch.empty(m, device=dev, dtype=torch.long).index_copy_(0, dc, xt).index_copy_(
+                        0, de, torch.full_like(re, T - 1))
+                    xcode = torch.empty(m, device=dev, dtype=torch.long).index_copy_(0, dc, xcode).index_copy_(
+                        0, de, torch.full_like(re, _END))
+                    xl = torch.empty(m, device=dev, dtype=dt).index_copy_(0, dc, xl).index_copy_(0, de, f[re, -1])
+            ex_t.append(xt)
+            ex_code.append(xcode)
+            ex_l.append(xl)
+        pos[b0:b0 + nb, T - 1] = 0.0                                      # closed at the last close
+    return BacktestResult(_ledger_frame(prices, ent_acct, ent_t, ent_p, ent_l, ex_t, ex_code, ex_l),
+                          equity.cpu().numpy(), bar_ret.cpu().numpy(), pos.cpu().numpy())
+
+
+def _ledger_frame(prices: Prices, ent_acct, ent_t, ent_p, ent_l, ex_t, ex_code, ex_l) -> pd.DataFrame:
+    """The ledger DataFrame from the replay's entry and exit lists (aligned row by row once concatenated)."""
+    dev, dt = prices.device, prices.dtype
+    cat = lambda xs, dtype: torch.cat(xs) if xs else torch.zeros(0, device=dev, dtype=dtype)  # noqa: E731
+    acct, et, ep, el = cat(ent_acct, torch.long), cat(ent_t, torch.long), cat(ent_p, dt), cat(ent_l, dt)
+    xt, code, xl = cat(ex_t, torch.long), cat(ex_code, torch.long), cat(ex_l, dt)
+    if len(et) != len(xt):  # cannot happen: every trade opened is closed (by a signal, a flip or the end)
+        raise AssertionError(f"replay ledger: {len(et)} entries but {len(xt)} exits")
+    is_end = code == _END
+    exit_px = torch.where(is_end, prices.close[xt], prices.open[xt])
+    bars = xt - et + (code >= _STOP).long()
+    host = lambda x: x.cpu().numpy()  # noqa: E731
+    code_np = host(code).astype(np.intp)
+    return pd.DataFrame({
+        "account": host(acct),
+        "entry_t": host(et),
+        "exit_t": host(xt),
+        "side": host(torch.sign(ep).long()),
+        "size": host(ep.abs().double()),
+        "entry_price": host(prices.open[et].double()),
+        "exit_price": host(exit_px.double()),
+        "net_return": host(torch.expm1(xl - el).double()),
+        "bars": host(bars),
+        # strings, typed as the step simulator's ledger; a take from 5 categories, not millions of str()
+        "exit_reason": pd.array(list(EXIT_REASONS), dtype="str").take(code_np),
+    }, copy=False)
