@@ -14,7 +14,9 @@ Failure handling:
     at once with the reason; the consumer goes on with the next entry.
   - consumer dies before its ack → the entry idles in its PEL; another consumer XAUTOCLAIMs it after
     `claim_idle_ms` (keep it above the longest handler time). A restarted consumer of the same name
-    first re-reads its own PEL.
+    first re-reads its own PEL, and so does a consumer after every reconnect (an entry whose handler met
+    the lost connection is in its PEL with no retry scheduled).
+  - follow-up events that must go out once per epoch: `Bus.publish_once` (marker + XADD in one script).
   - connection lost / timeout → exponential backoff with jitter, then reconnect; acks that failed are
     retried first. NOGROUP (FLUSHALL, or a restarted Redis without the group) → the group is created
     again (XGROUP CREATE … 0 MKSTREAM) and the loop goes on.
@@ -47,6 +49,8 @@ from shared.store import RunStore
 
 Handler = Callable[[Event], Awaitable[None]]
 _TRANSIENT = (RedisConnectionError, RedisTimeoutError, ConnectionError, TimeoutError, OSError)
+REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, ConnectionError, TimeoutError)
+"""Errors meaning "Redis is unreachable right now" (not a missing file, which is also an OSError)."""
 
 
 def _s(v: bytes | str) -> str:
@@ -55,6 +59,16 @@ def _s(v: bytes | str) -> str:
 
 def _is_nogroup(exc: BaseException) -> bool:
     return isinstance(exc, ResponseError) and str(exc).startswith("NOGROUP")
+
+
+# SET NX the marker; only if that set it, XADD the event (Redis runs a script atomically; Redis >= 5
+# replicates its effects, so the AOF holds the XADD with its real id).
+_PUBLISH_ONCE_LUA = """
+if redis.call('SET', KEYS[1], '1', 'NX') then
+  return redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[1], '*', 'data', ARGV[2])
+end
+return false
+"""
 
 
 class Backoff:
@@ -134,6 +148,30 @@ class Bus:
                     raise
                 await asyncio.sleep(backoff.next())
 
+    async def publish_once(self, kind: str, event: Event, *, retry_for_s: float = 30.0) -> str | None:
+        """Publish `event` only if marker `tl:{run}:done:{kind}:{epoch}` is unset, atomically (one Lua script).
+
+        The marker SET NX and the XADD happen together or not at all, so a process killed in between can
+        neither lose the event (marker set, nothing published) nor publish it twice. Returns the entry id,
+        or None when it was already published (by an earlier delivery, or by a retry whose reply was lost).
+        """
+        if event.run_id != self.run_id:
+            raise ValueError(f"event of run {event.run_id!r} published on the bus of run {self.run_id!r}")
+        data = encode_event(event)["data"]
+        if len(data.encode()) > self.max_event_bytes:
+            raise ValueError(f"{event.type} event is {len(data)} bytes > {self.max_event_bytes}")
+        keys = [self.store.key("done", kind, int(event.epoch)), stream_for(event)]
+        deadline = time.monotonic() + retry_for_s
+        backoff = Backoff()
+        while True:
+            try:
+                entry_id = await self.redis.eval(_PUBLISH_ONCE_LUA, 2, *keys, self.stream_maxlen, data)
+                return None if entry_id is None else _s(entry_id)
+            except _TRANSIENT:
+                if time.monotonic() >= deadline:
+                    raise
+                await asyncio.sleep(backoff.next())
+
     async def claim_once(self, kind: str, epoch: int) -> bool:
         """SET NX `tl:{run}:done:{kind}:{epoch}`: True only for the first caller (see RunStore.claim_once)."""
         return await self.store.claim_once(kind, epoch)
@@ -207,14 +245,14 @@ class Consumer:
     async def run(self) -> None:
         """Consume until `stop()`: never raises for Redis errors or bad entries (they are counted)."""
         self._stop.clear()
-        ready, first = False, True
+        ready = False
         while not self._stop.is_set():
             try:
                 if not ready:
                     await self._recover()
-                    if first:  # a restarted consumer of the same name: finish what it had taken
-                        await self._read_own_pel()
-                        first = False
+                    # a restarted consumer of the same name, or one whose connection broke while it handled
+                    # an entry (that entry is in our PEL with no retry scheduled): finish what it had taken
+                    await self._read_own_pel()
                     ready = True
                 await self._step(burst=False)
                 self._backoff.reset()

@@ -198,6 +198,8 @@ def loop_done(redis_url: str, run_id: str, epochs: int) -> bool:
     try:
         return bool(r.hexists(trainer_history_key(run_id), str(epochs))
                     and r.exists(run_key(run_id, "report", epochs)) and r.exists(run_key(run_id, "bundle", epochs)))
+    except redis.RedisError:  # Redis restarting: the services reconnect by themselves; so does this check
+        return False
     finally:
         r.close()
 

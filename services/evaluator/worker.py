@@ -8,7 +8,8 @@ Handling one event, idempotent on (run, epoch):
      the checkpoint names, cut to its split; window hashes checked against the event), the earlier reports
      (DSR trials and their Sharpe variance), the knobs the epoch trained under (trainer's epoch record), then
      `services.evaluator.runner.evaluate_checkpoint` in a worker thread; store the report (first wins);
-     publish eval.completed once.
+     publish eval.completed once (`Bus.publish_once`: the marker
+     `done:eval:{epoch}` and the event are written by one Lua script, so a kill between them is impossible).
 The consumer acks only after the handler returned (shared/bus.py). Every evaluation is counted in
 `tl:{run}:evaluations` (hash epoch → count) and `tl:{run}:evaluated_by` (epoch → consumer), so
 "each checkpoint evaluated exactly once" can be checked from outside.
@@ -63,6 +64,7 @@ class EvaluatorWorker:
     def __init__(self, settings: EvaluatorServiceSettings, bus: Bus, state: ServiceState):
         import services.evaluator.runner  # noqa: F401 — torch loads here, not in a thread beside live requests
 
+        _check_data_setting(settings.data)
         self.settings, self.bus, self.state = settings, bus, state
         self.data_seed = settings.data_seed
         self.consumer = Consumer(bus, bus.stream("checkpoints"), GROUP, settings.consumer_name, self.handle,
@@ -84,8 +86,7 @@ class EvaluatorWorker:
                 self.state.extra["evaluated"] = [*self.state.extra["evaluated"], epoch][-100:]
                 self.state.count("reports_stored")
         doc = await store.get_report(epoch)
-        if await self.bus.claim_once("eval", epoch):
-            await self._publish(event, doc)
+        await self._publish(event, doc)  # once per epoch: marker and event are written atomically
         self.state.epoch = max(self.state.epoch, epoch)
 
     async def _evaluate(self, event: CheckpointPublished) -> EvalReport:
@@ -126,7 +127,7 @@ class EvaluatorWorker:
     async def _publish(self, event: CheckpointPublished, doc: dict) -> None:
         val = (doc.get("val") or {}).get("metrics", {})
         oos = (doc.get("oos") or {}).get("metrics", {})
-        await self.bus.publish(EvalCompleted(
+        await self.bus.publish_once("eval", EvalCompleted(
             run_id=self.bus.run_id, epoch=event.epoch, report_id=report_id(self.bus.run_id, event.epoch, event.sha256),
             checkpoint_id=event.checkpoint_id, report_key=self.bus.store.key("report", event.epoch),
             val_per_trade_sharpe=val.get("per_trade_sharpe"), oos_per_trade_sharpe=oos.get("per_trade_sharpe"),
@@ -154,6 +155,22 @@ class EvaluatorWorker:
             except Exception as exc:  # noqa: BLE001
                 self.state.error(f"lag: {type(exc).__name__}: {exc}")
             await asyncio.sleep(1.0)
+
+
+def _check_data_setting(data: str) -> None:
+    """Refuse TL_DATA naming an existing file that is not valid bars, at start (`tradeloop serve` exits 2)."""
+    from pathlib import Path
+
+    from shared.market import BUNDLED, DataError, load_bars
+
+    if data.strip().lower() in ("synthetic", *BUNDLED) or not Path(data).exists():
+        return
+    try:
+        load_bars(data)
+    except DataError as exc:
+        raise ValueError(f"TL_DATA={data}: {exc}") from None
+    except OSError as exc:
+        raise ValueError(f"TL_DATA={data}: cannot read: {exc}") from None
 
 
 def _metadata(data: bytes) -> dict:

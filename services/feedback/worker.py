@@ -60,12 +60,11 @@ class FeedbackWorker:
                 self.state.count("bundles_stored")
                 self.state.extra["bundled"] = [*self.state.extra["bundled"], epoch][-100:]
         doc = await store.get_bundle(epoch)
-        if await self.bus.claim_once("feedback", epoch):
-            sha = doc.get("report_checkpoint_sha256", "")
-            await self.bus.publish(FeedbackReady(
-                run_id=self.bus.run_id, epoch=epoch, for_epoch=epoch + 1,
-                bundle_id=bundle_id(self.bus.run_id, epoch, sha), report_id=report_id(self.bus.run_id, epoch, sha),
-                bundle_key=store.key("bundle", epoch)))
+        sha = doc.get("report_checkpoint_sha256", "")
+        await self.bus.publish_once("feedback", FeedbackReady(  # marker + event atomically: exactly once
+            run_id=self.bus.run_id, epoch=epoch, for_epoch=epoch + 1,
+            bundle_id=bundle_id(self.bus.run_id, epoch, sha), report_id=report_id(self.bus.run_id, epoch, sha),
+            bundle_key=store.key("bundle", epoch)))
         self.state.epoch = max(self.state.epoch, epoch)
         self.state.extra["latest_knobs"] = {k: doc["knobs"].get(k) for k in ("epsilon", "gamma", "q_bias",
                                                                               "gate_threshold")}

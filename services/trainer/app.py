@@ -14,10 +14,13 @@ import logging
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
+from fastapi.responses import JSONResponse
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from services.trainer.worker import TrainerServiceSettings, TrainerWorker, read_history
 from shared.api import ServiceState, create_service_app, require_token
-from shared.bus import Bus
+from shared.bus import REDIS_DOWN, Backoff, Bus
 from shared.config import load_settings
 
 log = logging.getLogger("tradeloop.trainer")
@@ -34,19 +37,28 @@ def create_app(settings: TrainerServiceSettings | None = None) -> FastAPI:
     worker = TrainerWorker(settings, bus, state)
 
     async def run_worker() -> None:
-        try:
-            await bus.connect()
-            await worker.run()
-        except asyncio.CancelledError:
-            raise
-        except ValueError as exc:  # bad data or settings (DataError is a ValueError): no traceback
-            log.error("trainer loop failed: %s", exc)
-            state.error(f"{type(exc).__name__}: {exc}")
-            state.extra["phase"] = "failed"
-        except Exception as exc:  # noqa: BLE001 — reported on /status
-            log.exception("trainer loop failed")
-            state.error(f"{type(exc).__name__}: {exc}")
-            state.extra["phase"] = "failed"
+        backoff = Backoff()
+        while True:
+            try:
+                await bus.connect()
+                await worker.run()
+                return
+            except asyncio.CancelledError:
+                raise
+            except REDIS_DOWN as exc:  # Redis unreachable (at start, or mid-run): back off, resume from disk
+                state.ready = False
+                state.error(f"Redis unreachable ({type(exc).__name__}: {exc}); retrying")
+                await asyncio.sleep(backoff.next())
+            except ValueError as exc:  # bad data or settings (DataError is a ValueError): no traceback
+                log.error("trainer loop failed: %s", exc)
+                state.error(f"{type(exc).__name__}: {exc}")
+                state.extra["phase"] = "failed"
+                return
+            except Exception as exc:  # noqa: BLE001 — reported on /status
+                log.exception("trainer loop failed")
+                state.error(f"{type(exc).__name__}: {exc}")
+                state.extra["phase"] = "failed"
+                return
 
     async def refresh_lag() -> None:
         while True:
@@ -78,6 +90,11 @@ def create_app(settings: TrainerServiceSettings | None = None) -> FastAPI:
     app = create_service_app("trainer", settings, state, lifespan=lifespan,
                              description="Trains the agent epoch by epoch under the feedback bundles.")
     token = require_token(app)
+
+    @app.exception_handler(RedisConnectionError)
+    @app.exception_handler(RedisTimeoutError)
+    async def redis_down(request, exc):  # Redis restarting: a clear 503, not a 500 with a traceback
+        return JSONResponse({"detail": f"Redis unreachable: {exc}"}, status_code=503)
 
     @app.get("/api/history", tags=["trainer"], summary="Epoch records of the run")
     async def history() -> list[dict]:

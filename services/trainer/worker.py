@@ -29,7 +29,7 @@ from typing import Any
 from pydantic import Field
 
 from shared.api import ServiceState, bundle_id, checkpoint_id, trainer_history_key
-from shared.bus import Bus
+from shared.bus import REDIS_DOWN, Backoff, Bus
 from shared.config import TrainerSettings
 from shared.events import CheckpointPublished, EventError, FeedbackReady, decode_event
 from shared.knobs import Knobs
@@ -66,6 +66,7 @@ class TrainerWorker:
     def __init__(self, settings: TrainerServiceSettings, bus: Bus, state: ServiceState):
         import services.trainer.train  # noqa: F401 — torch loads here, not in a thread beside live requests
 
+        check_data_setting(settings.data)
         self.settings, self.bus, self.state = settings, bus, state
         self.run_dir = Path(settings.run_path) / "trainer"
         self._resume = asyncio.Event()
@@ -100,7 +101,7 @@ class TrainerWorker:
         """Load data, build or resume the training state (blocking; run in a thread)."""
         import torch
 
-        from services.trainer.train import TrainConfig, build_state, latest_epoch, restore_state
+        from services.trainer.train import TrainConfig, build_state, restore_state
         from shared.market import Split, chronological_split, compute_features, load_dataset
 
         s = self.settings
@@ -131,7 +132,7 @@ class TrainerWorker:
             run_json.write_text(json.dumps(meta, indent=2))
         device = s.device if s.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         tstate = build_state(cfg, bars, split, seed, device, features=feats)
-        done = latest_epoch(self.run_dir)
+        done = complete_epoch(self.run_dir)
         if done:
             restore_state(tstate, self.run_dir, done)
         return tstate, meta
@@ -145,14 +146,24 @@ class TrainerWorker:
         deadline = t0 + self.settings.feedback_timeout_s
         stream, last_id = self.bus.stream("feedback"), "0-0"
         block_ms = int(min(1000, self.bus.socket_timeout_s * 500))
+        backoff = Backoff(cap_s=1.0)
         while not self._stop.is_set():
-            bundle = await self.bus.store.get_bundle(epoch)
-            if bundle is not None:
-                return bundle, False, time.monotonic() - t0
             left = deadline - time.monotonic()
-            if left <= 0:
-                return None, True, time.monotonic() - t0
-            resp = await self.bus.redis.xread({stream: last_id}, count=100, block=max(1, min(block_ms, int(left * 1000))))
+            try:
+                bundle = await self.bus.store.get_bundle(epoch)
+                if bundle is not None:
+                    return bundle, False, time.monotonic() - t0
+                if left <= 0:
+                    return None, True, time.monotonic() - t0
+                resp = await self.bus.redis.xread({stream: last_id}, count=100,
+                                                  block=max(1, min(block_ms, int(left * 1000))))
+                backoff.reset()
+            except REDIS_DOWN as exc:  # Redis down: keep waiting (the timeout still bounds the wait)
+                self._redis_down(exc)
+                if left <= 0:
+                    return None, True, time.monotonic() - t0
+                await asyncio.sleep(min(backoff.next(), max(0.01, left)))
+                continue
             for _, entries in resp or []:
                 for entry_id, fields in entries:
                     last_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
@@ -185,25 +196,44 @@ class TrainerWorker:
             self.state.count("feedback_timeouts")
             log.warning("epoch %d: %s", epoch, src)
         knobs = Knobs.from_dict(used["knobs"]) if used is not None else Knobs.fixed_schedule(epoch - 1)
+        if bundle is None and used is not None:
+            # a stale bundle: its hyper-parameters carry on, but its sample-level signals (E6 replay boosts,
+            # E7 hindsight labels of that checkpoint's trades) were applied already — never apply them twice
+            knobs = dataclasses.replace(knobs, priority_boost=[], hindsight=[])
         rec = {"bundle_epoch": None if used is None else int(used["epoch"]),
                "bundle_id": None if used is None else bundle_id(self.bus.run_id, int(used["epoch"]),
                                                                  used.get("report_checkpoint_sha256", "")),
-               "feedback_timed_out": timed_out, "feedback_wait_s": round(waited, 3), "knobs_source": src}
+               "feedback_timed_out": timed_out, "feedback_wait_s": round(waited, 3), "knobs_source": src,
+               "stale_bundle": bundle is None and used is not None}
         self.state.extra["feedback"] = {"epoch": epoch, **rec}
         return knobs, rec
 
     # -- publishing -----------------------------------------------------------------------------------------
+    def _redis_down(self, exc: BaseException) -> None:
+        self.state.error(f"Redis unreachable ({type(exc).__name__}: {exc}); retrying")
+        self.state.count("redis_retries")
+
     async def _publish(self, epoch: int, path: Path, meta: dict, record: dict) -> None:
-        """Checkpoint bytes → Redis, the epoch record, then checkpoint.published (idempotent per epoch)."""
+        """`_publish_once`, retried with backoff while Redis is unreachable (every step is idempotent)."""
+        backoff = Backoff()
+        while True:
+            try:
+                return await self._publish_once(epoch, path, meta, record)
+            except REDIS_DOWN as exc:
+                self._redis_down(exc)
+                await asyncio.sleep(backoff.next())
+
+    async def _publish_once(self, epoch: int, path: Path, meta: dict, record: dict) -> None:
+        """Checkpoint bytes → Redis, the epoch record, then checkpoint.published (once per epoch)."""
         data = await asyncio.to_thread(path.read_bytes)
         key, sha = await self.bus.store.put_checkpoint(epoch, data)
         cid = checkpoint_id(self.bus.run_id, epoch, sha)
         record = {**record, "epoch": epoch, "checkpoint_id": cid, "sha256": sha, "checkpoint_key": key}
         await self.bus.redis.hset(history_key(self.bus.run_id), str(epoch), json.dumps(record, allow_nan=False))
-        await self.bus.publish(CheckpointPublished(
+        # marker done:published:{epoch} + event in one Lua script: never lost, never published twice
+        await self.bus.publish_once("published", CheckpointPublished(
             run_id=self.bus.run_id, epoch=epoch, checkpoint_id=cid, sha256=sha, key=key, size_bytes=len(data),
             config_hash=meta["config_hash"], split_hashes=meta["split_hashes"], path=str(path.resolve())))
-        await self.bus.claim_once("published", epoch)
         self.state.count("checkpoints_published")
 
     # -- the loop -------------------------------------------------------------------------------------------
@@ -216,10 +246,11 @@ class TrainerWorker:
         self.state.epoch = tstate.epoch
         self.state.extra["device"] = str(tstate.device)
         if tstate.epoch and not await self.bus.redis.exists(run_key(self.bus.run_id, "done", "published", tstate.epoch)):
-            # resumed after a crash between saving and publishing: publish the saved epoch again
+            # resumed after a crash between saving and publishing: publish the saved epoch (once)
             path = self.run_dir / "checkpoints" / f"epoch-{tstate.epoch:04d}.safetensors"
             prev = await self.bus.redis.hget(history_key(self.bus.run_id), str(tstate.epoch))
-            await self._publish(tstate.epoch, path, meta, json.loads(prev) if prev else {"resumed": True})
+            rec = json.loads(prev) if prev else _jsonl_record(self.run_dir / "history.jsonl", tstate.epoch)
+            await self._publish(tstate.epoch, path, meta, rec or {"resumed": True})
         self.state.ready = True
         while tstate.epoch < self.settings.epochs and not self._stop.is_set():
             if not self._resume.is_set():
@@ -263,6 +294,67 @@ class TrainerWorker:
         last = last.decode() if isinstance(last, bytes) else last
         after = await self.bus.redis.xrange(stream, min=f"({last}", max="+", count=10_000)
         return int(g["pending"]) + len(after)
+
+
+def check_data_setting(data: str) -> None:
+    """Refuse TL_DATA naming an existing file that is not valid bars (ValueError naming file, row, rule).
+
+    Checked when the service starts, so `tradeloop serve` exits 2 with the reason instead of starting a loop
+    that cannot train. A path that does not exist (yet: a volume not mounted) fails later, on /status."""
+    from shared.market import BUNDLED, DataError, load_bars
+
+    if data.strip().lower() in ("synthetic", *BUNDLED) or not Path(data).exists():
+        return
+    try:
+        load_bars(data)
+    except DataError as exc:
+        raise ValueError(f"TL_DATA={data}: {exc}") from None
+    except OSError as exc:
+        raise ValueError(f"TL_DATA={data}: cannot read: {exc}") from None
+
+
+def complete_epoch(run_dir: Path) -> int:
+    """Highest epoch whose checkpoint AND trainer state both exist and match their sha256 sidecars (0: none).
+
+    A trainer killed inside `save_epoch` can leave the weights of epoch e without its state, or the state file
+    renamed into place before its sidecar was written: such an epoch is incomplete and is trained again, never
+    loaded. (`train.latest_epoch` only checks that both files exist.)"""
+    from shared.checkpoints import CheckpointError, _read_sidecar, checkpoint_sha256
+
+    ck = Path(run_dir) / "checkpoints"
+    for tmp in ck.glob(".epoch-*.tmp"):  # temp files of a write that was killed (only this trainer writes here)
+        tmp.unlink(missing_ok=True)
+    epochs = sorted({int(p.name.split("-")[1].split(".")[0]) for p in ck.glob("epoch-[0-9]*.state.safetensors")},
+                    reverse=True)
+    for e in epochs:
+        ok = True
+        for p in (ck / f"epoch-{e:04d}.safetensors", ck / f"epoch-{e:04d}.state.safetensors"):
+            try:
+                want = _read_sidecar(p) if p.exists() else None
+            except CheckpointError:
+                want = None
+            if want is None or checkpoint_sha256(p.read_bytes()) != want:
+                ok = False
+                log.warning("%s is incomplete (kill during the checkpoint write?): resuming from an earlier epoch", p)
+                break
+        if ok:
+            return e
+    return 0
+
+
+def _jsonl_record(path: Path, epoch: int) -> dict | None:
+    """The last complete line of history.jsonl for `epoch` (a line cut by a kill is skipped)."""
+    if not path.exists():
+        return None
+    rec = None
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            d = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(d, dict) and d.get("epoch") == epoch:
+            rec = d
+    return rec
 
 
 def _finite(d: dict[str, Any]) -> dict[str, Any]:
