@@ -1,0 +1,385 @@
+"""The evaluator library: a checkpoint in, a full `shared.report.EvalReport` out.
+
+    evaluate_checkpoint(ckpt, expected_sha256=..., bars=..., split=..., run_id=..., epoch=...) -> EvalReport
+    run_split(agent, bars, window)    -> SplitRun   (one greedy continuous pass over one bar range)
+    run_windows(agent, bars, windows) -> [SplitRun] (several ranges at once, as accounts of one simulator)
+    report_for_cli(checkpoint, ...)   -> EvalReport (what `tradeloop evaluate` prints)
+
+How a window is backtested
+--------------------------
+- The checkpoint's sha256 is verified before anything is parsed (`shared.checkpoints.load_checkpoint`); the agent
+  is rebuilt from the metadata's `agent_config` and its tensors. The policy runs greedy (ε = 0) with the gates it
+  trained under: `gate_threshold` and `regime_confidence` of the checkpoint's knobs (metadata key "knobs"; absent
+  → no gate, confidence 1), and its own `maturity` buffer (the protection stack's scale).
+- One continuous pass per window: the account starts flat with equity 1 at the window's first bar and is never
+  reset; a position still open at the window's last bar is closed at its close (exit_reason "end").
+- The market encoder depends on bars only, so it is computed batched over every bar once; only the heads, which
+  read the portfolio state, are stepped bar by bar — by `shared.rollout.policy_step`, the trainer's own loop body
+  (this module never imports `services.trainer`).
+- Several windows are run together as accounts of one `Simulator` over the span that covers them (each account
+  at its own bar index). Windows of equal length share one sequential pass; different lengths get one pass per
+  length. The end close of a window that does not end the span is `Simulator.close_all()`, which applies the
+  same factors in the same order as the in-step end exit, so results are bit-identical to a pass over the window
+  alone (pinned by tests/test_evaluator.py against `shared.rollout.evaluate_policy` and the trainer's env).
+- Per-decision predictions for the autopsy (`services.evaluator.autopsy.Predictions`) are extracted after the
+  pass, batched, from the public `Agent` API on the recorded portfolio vectors: Q of each direction (ensemble
+  mean), IQN quantiles of the chosen direction at `shared.report.TAUS` (sorted: monotone rearrangement), and the
+  chosen action's Q and ensemble std as `act` reported them.
+
+Indices: a `SplitRun` is in the window's LOCAL bar indices (0 = the window's first bar); `window` holds the
+absolute (start, end) of the dataset. Sharpes are un-annualized (per trade unless named otherwise).
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import pandas as pd
+import torch
+
+from services.evaluator import autopsy as ap
+from services.evaluator.report_builder import build_eval_report, build_split_report, split_definition
+from shared.agent import FLAT, Agent, AgentConfig, PolicyControls
+from shared.checkpoints import CheckpointError, checkpoint_sha256, load_checkpoint, sidecar_path
+from shared.execution import CostModel, Simulator
+from shared.knobs import Knobs
+from shared.market import Bars, Split, chronological_split, compute_features, load_dataset
+from shared.report import TAUS, EvalReport, bars_window_hash
+from shared.rollout import MarketTensors, PortfolioTracker, policy_step
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Restoring the policy
+# ---------------------------------------------------------------------------------------------------------
+def restore_agent(ckpt: str | os.PathLike | bytes, *, expected_sha256: str | None,
+                  device: str | torch.device = "cpu") -> tuple[Agent, dict, str]:
+    """Verify and load a checkpoint; returns (agent in eval mode on `device`, metadata, sha256 of its bytes).
+
+    Bytes need `expected_sha256`; a path may rely on its `<path>.sha256` sidecar instead. Raises
+    `CheckpointError` on a sha256 mismatch, a pickle, a bad header, or metadata without an agent config.
+    """
+    if isinstance(ckpt, (bytes, bytearray, memoryview)):
+        data, source = bytes(ckpt), f"<{len(ckpt)} bytes>"
+        if expected_sha256 is None:
+            raise CheckpointError(source, "no expected sha256 given: the evaluator only runs verified checkpoints")
+        tensors, meta = load_checkpoint(data, expected_sha256)
+        sha = checkpoint_sha256(data)
+    else:
+        tensors, meta = load_checkpoint(ckpt, expected_sha256)
+        source = str(ckpt)
+        sha = checkpoint_sha256(Path(ckpt).read_bytes())
+    if "agent_config" not in meta:
+        raise CheckpointError(source, "metadata has no 'agent_config' (not an agent checkpoint: a trainer-state "
+                                      "file?)")
+    try:
+        agent = Agent(AgentConfig.from_dict(meta["agent_config"]))
+        agent.load_state_dict(tensors)
+    except (TypeError, KeyError, RuntimeError, ValueError) as exc:
+        raise CheckpointError(source, f"tensors do not fit the agent config: {str(exc).splitlines()[0]}") from None
+    return agent.to(device).eval(), meta, sha
+
+
+def trained_knobs(meta: dict) -> Knobs | None:
+    """The knobs the checkpoint trained under (metadata key "knobs"), None when the metadata does not say."""
+    k = meta.get("knobs")
+    return None if k is None else Knobs.from_dict(k)
+
+
+def eval_controls(knobs: Knobs | None, device: str | torch.device = "cpu") -> PolicyControls:
+    """Greedy controls with the gates as trained: ε = 0, the knobs' gate threshold and regime confidence."""
+    k = knobs or Knobs()
+    return PolicyControls.make(device, epsilon=0.0, gate_threshold=k.gate_threshold,
+                               regime_confidence=k.regime_confidence)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Running windows
+# ---------------------------------------------------------------------------------------------------------
+@dataclass
+class SplitRun:
+    """One greedy continuous pass over one window (local indices; see the module docstring)."""
+
+    window: tuple[int, int]
+    """(start, end) absolute bar indices of the window (half-open)."""
+    ledger: pd.DataFrame
+    """Closed trades (`shared.execution.LEDGER_COLUMNS`), account 0, bar indices local to the window."""
+    equity: np.ndarray
+    """[T] equity at each close (1.0 at the first bar)."""
+    bar_returns: np.ndarray
+    """[T] equity return over each bar (0 at the first)."""
+    positions: np.ndarray
+    """[T] position held at each close (0 at the last: closed there)."""
+    preds: ap.Predictions
+    """Per decision bar t (0..T−2) the policy's outputs; row T−1 (no decision) is flat with zero predictions."""
+    regimes: np.ndarray
+    """[T] regime label at each bar."""
+    targets: np.ndarray
+    """[T] target position decided at each close (0 at the last)."""
+
+
+def _run_group(agent: Agent, market: MarketTensors, emb: torch.Tensor, starts: list[int], length: int,
+               controls: PolicyControls, costs: CostModel, pred_chunk: int) -> list[dict[str, Any]]:
+    """B = len(starts) accounts of equal window `length`, local starts into `market`; one sequential pass."""
+    dev = emb.device
+    B, L, S = len(starts), length, length - 1
+    P = agent.cfg.n_portfolio
+    start_t = torch.tensor(starts, dtype=torch.long, device=dev)                          # B
+    sim = Simulator(market.prices, B, costs, record_ledger=True)
+    sim.reset(start_t)
+    tracker = PortfolioTracker(B, dev)
+    f64 = dict(dtype=torch.float64, device=dev)
+    eq, br, pos, tgt = (torch.ones(L, B, **f64), torch.zeros(L, B, **f64), torch.zeros(L, B, **f64),
+                        torch.zeros(L, B, **f64))                                          # L × B
+    port = torch.zeros(S, B, P, dtype=torch.float32, device=dev)                           # S × B × P
+    branches = torch.zeros(S, B, 3, dtype=torch.long, device=dev)                          # S × B × 3
+    q, q_std = torch.zeros(S, B, device=dev), torch.zeros(S, B, device=dev)                # S × B
+    # the sequential part: heads + simulator, bar by bar, no host sync (the ledger flushes in chunks)
+    for i in range(S):
+        rec = policy_step(agent, sim, tracker, market, controls, emb=emb[sim.t])
+        port[i], branches[i], tgt[i] = rec.portfolio, rec.action.branches, rec.action.target
+        q[i], q_std[i] = rec.action.q, rec.action.q_std
+        eq[i + 1], br[i + 1], pos[i + 1] = sim.equity, rec.result.bar_return, rec.result.position
+    # end of the windows: close what is still open at the last bar's close (exit_reason "end")
+    sim.close_all()
+    eq[L - 1] = sim.equity
+    br[L - 1] = eq[L - 1] / eq[L - 2] - 1.0
+    pos[L - 1] = 0.0
+
+    # predictions, batched over every decision of every account (S·B rows)
+    t_dec = (start_t.unsqueeze(0) + torch.arange(S, device=dev).unsqueeze(1)).reshape(-1)  # S·B
+    d_flat = branches[..., 0].reshape(-1)
+    taus = torch.tensor(TAUS, dtype=torch.float32, device=dev)
+    q_dir_parts, quant_parts = [], []
+    with torch.no_grad():
+        for a in range(0, S * B, pred_chunk):
+            b = min(a + pred_chunk, S * B)
+            out = agent.head(emb[t_dec[a:b]], port.reshape(-1, P)[a:b])
+            q_dir_parts.append(agent.q_values(out.logits)[0].mean(1))                       # n × 3
+            qt = agent.quantiles(out.hidden, taus)                                          # n × len(TAUS) × 3
+            d = d_flat[a:b].view(-1, 1, 1).expand(-1, len(TAUS), 1)
+            quant_parts.append(qt.gather(2, d).squeeze(2).sort(dim=1).values)              # n × len(TAUS)
+    q_dir = torch.cat(q_dir_parts).view(S, B, 3)
+    quant = torch.cat(quant_parts).view(S, B, len(TAUS))
+
+    ledger = sim.ledger()
+    regime_all = market.regime.cpu().numpy()
+    n_sizes = len(agent.cfg.size_levels)
+    to = lambda x: x.cpu().numpy()  # noqa: E731
+    eq, br, pos, tgt, branches, q, q_std, q_dir, quant = map(to, (eq, br, pos, tgt, branches, q, q_std, q_dir,
+                                                                  quant))
+    out_runs = []
+    for k, s0 in enumerate(starts):
+        led = ledger[ledger["account"] == k].copy()
+        led["account"] = 0
+        led["entry_t"] -= s0
+        led["exit_t"] -= s0
+        pad = lambda a, fill: np.concatenate([a, np.full((1, *a.shape[1:]), fill, dtype=a.dtype)])  # noqa: E731
+        preds = ap.Predictions(
+            direction=pad(branches[:, k, 0], FLAT), size=pad(branches[:, k, 1], 0), exit=pad(branches[:, k, 2], 0),
+            q_mean=pad(q[:, k].astype(np.float64), 0.0), q_quantiles=pad(quant[:, k].astype(np.float64), 0.0),
+            ensemble_std=pad(q_std[:, k].astype(np.float64), 0.0), q_dir=pad(q_dir[:, k].astype(np.float64), 0.0),
+            n_sizes=n_sizes)
+        out_runs.append(dict(ledger=led.reset_index(drop=True), equity=eq[:, k], bar_returns=br[:, k],
+                             positions=pos[:, k], preds=preds, regimes=regime_all[s0:s0 + L], targets=tgt[:, k]))
+    return out_runs
+
+
+@torch.no_grad()
+def run_windows(agent: Agent, bars: Bars, windows: Sequence[tuple[int, int]], *,
+                controls: PolicyControls | None = None, costs: CostModel = CostModel(),
+                features: np.ndarray | None = None, device: str | torch.device | None = None,
+                encode_chunk: int = 4096, pred_chunk: int = 65536) -> list[SplitRun]:
+    """Greedy continuous passes of `agent` over several windows [start, end) of `bars`, batched as accounts.
+
+    Encodes every bar of the covering span once, then steps one pass per distinct window length with all
+    windows of that length as accounts of one simulator. `controls` default: `eval_controls(None)` (no gate).
+    `features`: `compute_features(bars)` when already computed. Returns one `SplitRun` per window, in order.
+    """
+    agent.eval()
+    dev = torch.device(device) if device is not None else next(agent.parameters()).device
+    n = len(bars)
+    wins = [(int(s), int(e)) for s, e in windows]
+    for i, (s, e) in enumerate(wins):
+        if not 0 <= s < e <= n or e - s < 2:
+            raise ValueError(f"window {i} = ({s}, {e}) must satisfy 0 <= start, start + 2 <= end <= {n} bars")
+    if not wins:
+        return []
+    controls = controls if controls is not None else eval_controls(None, dev)
+    feats = compute_features(bars) if features is None else features
+    if feats.shape[1] != agent.cfg.n_features:
+        raise ValueError(f"the data have {feats.shape[1]} features per bar but the agent expects "
+                         f"{agent.cfg.n_features}")
+    lo, hi = min(s for s, _ in wins), max(e for _, e in wins)
+    market = MarketTensors.from_bars(bars, lo, hi, agent.cfg.window, dev, features=feats)
+    T = hi - lo
+    # the market encoder, batched over every bar of the span: T × W × F → T × D
+    emb = torch.cat([agent.encode(market.windows[i:i + encode_chunk]) for i in range(0, T, encode_chunk)])
+    runs: list[SplitRun | None] = [None] * len(wins)
+    for length in sorted({e - s for s, e in wins}):
+        idx = [i for i, (s, e) in enumerate(wins) if e - s == length]
+        res = _run_group(agent, market, emb, [wins[i][0] - lo for i in idx], length, controls, costs, pred_chunk)
+        for i, r in zip(idx, res):
+            runs[i] = SplitRun(window=wins[i], **r)
+    return runs  # type: ignore[return-value]
+
+
+def run_split(agent: Agent, bars: Bars, window: tuple[int, int], **kwargs: Any) -> SplitRun:
+    """One greedy continuous pass over `window` = (start, end) of `bars` (keywords: see `run_windows`)."""
+    return run_windows(agent, bars, [window], **kwargs)[0]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The report
+# ---------------------------------------------------------------------------------------------------------
+def insample_window(split: Split, n_bars: int | None) -> tuple[int, int] | None:
+    """The in-sample window: the last `n_bars` bars of the training split (None or ≥ its length: all of it;
+    0: none)."""
+    s, e = split.train
+    if n_bars is not None and n_bars <= 0:
+        return None
+    n = e - s if n_bars is None else min(int(n_bars), e - s)
+    return (e - n, e) if n >= 2 else None
+
+
+def evaluate_checkpoint(ckpt_bytes_or_path: str | os.PathLike | bytes, *, expected_sha256: str | None,
+                        bars: Bars, split: Split, run_id: str, epoch: int, n_trials: int = 1,
+                        prior_sharpes: Sequence[float] = (), insample_bars: int | None = -1,
+                        device: str | torch.device = "cpu", costs: CostModel | None = None, dataset: str = "",
+                        oos: bool = True, features: np.ndarray | None = None,
+                        knobs: Knobs | None = None) -> EvalReport:
+    """The full report of one checkpoint: val and OOS backtests (every metric, PSR, DSR deflated by `n_trials`
+    = checkpoints evaluated in the run so far, this one included, with `prior_sharpes` = the earlier
+    checkpoints' val per-trade Sharpes as the trials' variance), the val/OOS gap, ledgers with predictions,
+    equity curves and the autopsy, plus an in-sample backtest of the training split for E6/E7.
+
+    insample_bars: bars of the in-sample window at the end of the train split; −1 (default) = as many as the
+    validation window (so both share one pass), None = the whole train split, 0 = no in-sample backtest.
+    costs: default `CostModel(metadata["costs_bps"])` when the checkpoint says, else `CostModel()`.
+    knobs: the knobs the checkpoint trained under, when known from elsewhere (default: its metadata "knobs").
+    Raises CheckpointError (untrusted checkpoint) or ValueError (data that do not fit the agent / split).
+    """
+    agent, meta, sha = restore_agent(ckpt_bytes_or_path, expected_sha256=expected_sha256, device=device)
+    knobs = knobs if knobs is not None else trained_knobs(meta)
+    if costs is None:
+        costs = CostModel(float(meta.get("costs_bps", 1.0)))
+    if split.test[1] > len(bars):
+        raise ValueError(f"split ranges up to bar {split.test[1]} but the data have {len(bars)} bars")
+    val_len = split.val[1] - split.val[0]
+    ins = insample_window(split, val_len if insample_bars == -1 else insample_bars)
+    named = [("val", tuple(split.val))] + ([("oos", tuple(split.test))] if oos else []) + \
+            ([("insample", ins)] if ins is not None else [])
+    feats = compute_features(bars) if features is None else features
+    runs = run_windows(agent, bars, [w for _, w in named], controls=eval_controls(knobs, device), costs=costs,
+                       features=feats, device=device)
+    sreps = {}
+    for (name, w), run in zip(named, runs):
+        sreps[name] = build_split_report(
+            name, window=w, window_hash=bars_window_hash(bars, *w), ledger=run.ledger,
+            bar_returns=run.bar_returns, positions=run.positions, equity=run.equity, preds=run.preds,
+            regimes=run.regimes, close=np.asarray(bars.close)[w[0]:w[1]], cost_rate=costs.rate,
+            n_trials=n_trials, prior_sharpes=prior_sharpes if name == "val" else ())
+    return build_eval_report(
+        run_id=run_id, epoch=epoch, split=split_definition(split, bars), val=sreps["val"], oos=sreps.get("oos"),
+        insample=sreps.get("insample"), n_trials=n_trials, knobs=None if knobs is None else knobs.to_dict(),
+        checkpoint_sha256=sha, config_hash=str(meta.get("config_hash") or ""),
+        dataset=dataset or str(meta.get("dataset") or bars.name))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The command line's entry point
+# ---------------------------------------------------------------------------------------------------------
+class EvaluateInputError(ValueError):
+    """Bad input to `tradeloop evaluate` (message names the file and what is wrong); the CLI exits 2."""
+
+
+def _run_dir_of(checkpoint: Path) -> Path | None:
+    d = checkpoint.resolve().parent.parent
+    return d if (d / "run.json").exists() else None
+
+
+def _knobs_from_history(run_dir: Path, epoch: int) -> dict | None:
+    hist = run_dir / "history.jsonl"
+    if not hist.exists():
+        return None
+    found = None
+    for line in hist.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if rec.get("epoch") == epoch and isinstance(rec.get("knobs"), dict):
+            found = rec["knobs"]
+    return found
+
+
+def report_for_cli(checkpoint: str | os.PathLike, *, data: str | None = None, expected_sha256: str | None = None,
+                   run_id: str | None = None, device: str = "cpu", cost_bps: float | None = None,
+                   slippage_bps: float = 0.0, insample: bool = True) -> EvalReport:
+    """The full report of a checkpoint file for `tradeloop evaluate --json`.
+
+    data: a bundled dataset name or a CSV/Parquet path; default: the dataset the checkpoint trained on. On the
+    training data the run's split is used (metadata "split"); on other data a fresh chronological split.
+    The knobs come from the metadata, else from the run directory's history.jsonl (the checkpoint's
+    `<run>/checkpoints/` parent); n_trials = the checkpoint's epoch (one checkpoint per epoch so far).
+    Raises EvaluateInputError (message names the file / dataset and the problem) on bad input.
+    """
+    from shared.market import DataError
+
+    path = Path(checkpoint)
+    if not path.is_file():
+        raise EvaluateInputError(f"checkpoint {path}: file not found")
+    blob = path.read_bytes()
+    expected = expected_sha256
+    if expected is None:
+        side = sidecar_path(path)
+        if not side.is_file():
+            raise EvaluateInputError(f"checkpoint {path}: no sha256 to verify against (no --sha256 and no "
+                                     f"{side.name})")
+        expected = (side.read_text(errors="replace").split() or [""])[0]
+    try:
+        meta = load_checkpoint(blob, expected)[1]
+    except CheckpointError as exc:
+        raise EvaluateInputError(str(exc).replace(f"<{len(blob)} bytes>", str(path))) from None
+    run_dir = _run_dir_of(path)
+    run_meta = json.loads((run_dir / "run.json").read_text()) if run_dir else {}
+    trained_on = meta.get("dataset") or run_meta.get("dataset")
+    name = data or trained_on
+    if not name:
+        raise EvaluateInputError(f"checkpoint {path}: its metadata names no dataset; pass --data NAME|FILE")
+    seed = int(meta.get("seed") or run_meta.get("seed") or 0)
+    try:
+        bars = load_dataset(name, seed=seed)
+    except DataError as exc:
+        raise EvaluateInputError(str(exc)) from None
+    except (FileNotFoundError, OSError) as exc:
+        raise EvaluateInputError(f"dataset {name}: {exc}") from None
+    split_d = meta.get("split") or run_meta.get("split")
+    same_data = split_d is not None and name == trained_on
+    try:
+        split = Split.from_dict(split_d) if same_data else chronological_split(len(bars))
+    except ValueError as exc:
+        raise EvaluateInputError(f"dataset {name}: {exc}") from None
+    if same_data:
+        hashes = meta.get("split_hashes") or run_meta.get("split_hashes") or {}
+        if split.test[1] > len(bars) or (hashes.get("train") and hashes["train"] != split.window_hash(bars, "train")):
+            raise EvaluateInputError(f"dataset {name}: these bars differ from those checkpoint {path} trained on "
+                                     "(train window sha256 mismatch)")
+    epoch = int(meta.get("epoch") or 0)
+    knobs_d = meta.get("knobs")
+    if knobs_d is None and run_dir is not None:
+        knobs_d = _knobs_from_history(run_dir, epoch)
+    cfg_costs = (run_meta.get("config") or {}).get("costs_bps")
+    costs = CostModel(cost_bps if cost_bps is not None else float(cfg_costs if cfg_costs is not None else 1.0),
+                      slippage_bps)
+    try:
+        return evaluate_checkpoint(blob, expected_sha256=expected, bars=bars, split=split,
+                                   run_id=run_id or (run_dir.name if run_dir else path.stem), epoch=epoch,
+                                   n_trials=max(1, epoch), insample_bars=-1 if insample else 0, device=device,
+                                   costs=costs, dataset=str(name),
+                                   knobs=None if knobs_d is None else Knobs.from_dict(knobs_d))
+    except (CheckpointError, ValueError) as exc:
+        raise EvaluateInputError(str(exc)) from None

@@ -1,0 +1,97 @@
+"""Losses of the distributional agent: C51 projection and cross-entropy, IQN quantile Huber, expectile,
+multi-horizon n-step returns, and the adaptive entropy bonus.
+
+Every function is shape-static (no data-dependent control flow, no host syncs), so the update step that calls
+them can be captured in a CUDA graph. Shape comments: N batch, K ensemble, A atoms, M / M' quantiles,
+L reward steps, H horizons.
+
+ML core: imports only torch.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def project_distribution(tz: torch.Tensor, probs: torch.Tensor, support: torch.Tensor) -> torch.Tensor:
+    """C51 projection Φ of a distribution on atoms `tz` onto `support` (Bellemare et al. 2017, Eq. 7).
+
+    tz: ... × A' (target atoms T z_j = r + γ z_j), probs: ... × A' (their probabilities), support: A (uniform).
+    Closed form with fixed shapes (Dopamine):
+        (Φ p)_i = Σ_j clip(1 − |clip(T z_j, v_min, v_max) − z_i| / Δz, 0, 1) p_j
+    Returns ... × A.
+    """
+    v_min, v_max = support[0], support[-1]
+    dz = (v_max - v_min) / (support.shape[0] - 1)                                         # Δz
+    tz = tz.clamp(v_min, v_max).unsqueeze(-2)                                              # ... × 1 × A'
+    w = (1.0 - (tz - support.unsqueeze(-1)).abs() / dz).clamp(0.0, 1.0)                    # ... × A × A'
+    return (w * probs.unsqueeze(-2)).sum(-1)                                               # ... × A
+
+
+def c51_cross_entropy(logits: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:
+    """−Σ_i m_i log p_i(s, a): logits ... × A, target ... × A (no gradient through the target) → ...."""
+    return -(target_probs.detach() * F.log_softmax(logits, dim=-1)).sum(-1)
+
+
+def quantile_huber_loss(pred: torch.Tensor, target: torch.Tensor, taus: torch.Tensor,
+                        kappa: float = 1.0) -> torch.Tensor:
+    """IQN loss (Dabney et al. 2018, Eq. 3 and 10) for N samples.
+
+    pred N × M (θ at taus), target N × M' (no gradient), taus N × M.
+        u_ij = target_j − pred_i                                                           # N × M × M'
+        L_κ(u) = ½u² if |u| ≤ κ else κ(|u| − ½κ)
+        ρ_τ(u) = |τ − 1{u < 0}| L_κ(u) / κ
+    Loss per sample = Σ_i mean_j ρ_τi(u_ij). Returns N.
+    """
+    u = target.detach().unsqueeze(1) - pred.unsqueeze(2)                                  # N × M × M'
+    au = u.abs()
+    huber = torch.where(au <= kappa, 0.5 * u * u, kappa * (au - 0.5 * kappa))
+    weight = (taus.unsqueeze(2) - (u < 0).to(u.dtype)).abs()                              # N × M × M'
+    return (weight * huber / kappa).mean(2).sum(1)
+
+
+def expectile_loss(diff: torch.Tensor, expectile: float) -> torch.Tensor:
+    """IQL expectile loss L_τ(u) = |τ − 1{u < 0}| u², u = target − prediction (elementwise)."""
+    weight = torch.where(diff < 0, 1.0 - expectile, expectile)
+    return weight * diff * diff
+
+
+def nstep_returns(rewards: torch.Tensor, dones: torch.Tensor, gamma: torch.Tensor,
+                  horizons: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Discounted n-step returns and bootstrap discounts for several horizons at once.
+
+    rewards N × L, dones N × L (transition l ends its episode), gamma a scalar tensor, L ≥ max(horizons).
+        R^(h)  = Σ_{l<h} γ^l r_l Π_{j<l} (1 − d_j)      (rewards after an episode end are not counted)
+        disc^(h) = γ^h Π_{l<h} (1 − d_l)                (0 when the episode ended within h steps)
+    Returns (R N × H, disc N × H).
+    """
+    L = rewards.shape[1]
+    alive = torch.cumprod(1.0 - dones.to(rewards.dtype), dim=1)                            # N × L: alive after l
+    alive_before = torch.cat([torch.ones_like(alive[:, :1]), alive[:, :-1]], dim=1)        # N × L
+    powers = gamma ** torch.arange(L, device=rewards.device, dtype=rewards.dtype)          # L
+    disc_r = rewards * alive_before * powers                                               # N × L
+    csum = torch.cumsum(disc_r, dim=1)                                                     # N × L
+    idx = torch.tensor([h - 1 for h in horizons], device=rewards.device)
+    R = csum[:, idx]                                                                       # N × H
+    hs = torch.tensor(horizons, device=rewards.device, dtype=rewards.dtype)
+    disc = (gamma ** hs) * alive[:, idx]                                                   # N × H
+    return R, disc
+
+
+def atom_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy −Σ p log p of each C51 distribution: ... × A → ...."""
+    logp = F.log_softmax(logits, dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def atom_utilisation(logits: torch.Tensor, threshold: float = 0.5) -> torch.Tensor:
+    """Fraction of atoms holding more than `threshold / A` of the mass, averaged: ... × A → scalar."""
+    A = logits.shape[-1]
+    return (torch.softmax(logits, dim=-1) > threshold / A).float().mean()
+
+
+@torch.no_grad()
+def adapt_entropy_coef(coef: torch.Tensor, utilisation: torch.Tensor, target: float, rate: float,
+                       lo: float = 1e-5, hi: float = 1e-1) -> None:
+    """In place: β ← clamp(β · exp(rate · (target − utilisation)), lo, hi). Raises β while atoms go unused."""
+    coef.mul_(torch.exp(rate * (target - utilisation))).clamp_(lo, hi)

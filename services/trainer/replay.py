@@ -1,0 +1,148 @@
+"""Prioritised replay on the training device, laid out time-major per environment: a ring of L steps × E envs.
+
+Keeping each environment's transitions contiguous in time means n-step targets for every horizon are read at
+sample time (slots l, l+1, …, l+h of the same env), with no separate n-step buffer. An observation is stored
+compactly as the bar index (the encoder recomputes the feature window from the device feature tensor) plus the
+portfolio vector.
+
+Sampling probability of slot (l, e):  P ∝ priority[l, e]^α × bar_boost[bar[l, e]] × valid[l, e]
+  - `priority` is the PER priority (|TD| updated by the trainer, or written from outside with `set_priority`);
+  - `bar_boost` [T_train] is written from outside (E6: boosts for bars of top winning trades);
+  - `valid` excludes the newest `max_horizon` steps of the ring, whose n-step window is not yet written.
+Importance weights w = (N_valid · P)^−β / max w.
+
+ML core: imports only torch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Batch:
+    """A sampled batch of N transitions with their n-step windows."""
+
+    slot: torch.Tensor
+    """Flat ring index l·E + e of each sample, N (for priority updates)."""
+    bar: torch.Tensor
+    """Bar index of the decision, N."""
+    portfolio: torch.Tensor
+    """Portfolio vector at the decision, N × P."""
+    action: torch.Tensor
+    """Branch actions, N × 3."""
+    regime: torch.Tensor
+    """Regime label at the decision, N."""
+    rewards: torch.Tensor
+    """Rewards of steps l … l+L−1, N × L (L = max horizon)."""
+    dones: torch.Tensor
+    """Episode-end flags of those steps, N × L."""
+    next_bar: torch.Tensor
+    """Bootstrap bar index after h steps, N × H."""
+    next_portfolio: torch.Tensor
+    """Bootstrap portfolio after h steps, N × H × P."""
+    weight: torch.Tensor
+    """Importance-sampling weight, N."""
+
+
+class Replay:
+    """Ring buffer [L, E] of transitions on `device`, with priorities and per-bar boosts."""
+
+    def __init__(self, capacity: int, n_envs: int, n_portfolio: int, n_bars: int, horizons: tuple[int, ...],
+                 device, *, alpha: float = 0.5, beta: float = 0.4):
+        self.E = n_envs
+        self.L = max(capacity // n_envs, max(horizons) + 2)
+        self.horizons, self.max_h = tuple(horizons), max(horizons)
+        self.alpha, self.beta = alpha, beta
+        self.device = torch.device(device)
+        L, E = self.L, self.E
+        z = lambda *s, dt=torch.float32: torch.zeros(*s, dtype=dt, device=self.device)  # noqa: E731
+        self.bar = z(L, E, dt=torch.long)
+        self.portfolio = z(L, E, n_portfolio)
+        self.action = z(L, E, 3, dt=torch.long)
+        self.regime = z(L, E, dt=torch.long)
+        self.reward = z(L, E)
+        self.done = z(L, E, dt=torch.bool)
+        self.priority = z(L, E)
+        self.bar_boost = torch.ones(n_bars, device=self.device)
+        self.head = 0        # next ring row to write (host int: known without a sync)
+        self.count = 0       # rows written so far (capped at L)
+        self.max_priority = torch.ones((), device=self.device)   # device scalar: no host sync on update
+
+    def __len__(self) -> int:
+        return self.count * self.E
+
+    def add(self, bar, portfolio, action, regime, reward, done) -> None:
+        """Write one step for all E envs: bar E, portfolio E × P, action E × 3, regime E, reward E, done E."""
+        r = self.head
+        self.bar[r] = bar
+        self.portfolio[r] = portfolio
+        self.action[r] = action
+        self.regime[r] = regime
+        self.reward[r] = reward.to(torch.float32)
+        self.done[r] = done
+        self.priority[r] = self.max_priority
+        self.head = (r + 1) % self.L
+        self.count = min(self.count + 1, self.L)
+
+    def valid_mask(self) -> torch.Tensor:
+        """L × E bool: rows whose full n-step window (max horizon steps after them) is written."""
+        age = (self.head - 1 - torch.arange(self.L, device=self.device)) % self.L           # 0 = newest row
+        ok = (age >= self.max_h) & (age < self.count)
+        return ok.unsqueeze(1).expand(self.L, self.E)
+
+    def can_sample(self) -> bool:
+        return self.count > self.max_h
+
+    def sample(self, n: int, generator: torch.Generator | None = None) -> Batch:
+        """Sample n transitions by priority (with replacement) and gather their n-step windows."""
+        L, E = self.L, self.E
+        p = self.priority.pow(self.alpha) * self.bar_boost[self.bar] * self.valid_mask()     # L × E
+        probs = (p / p.sum()).flatten()
+        slot = torch.multinomial(probs, n, replacement=True, generator=generator)           # N
+        n_valid = self.valid_mask().sum()
+        w = (n_valid * probs[slot]).pow(-self.beta)
+        w = w / w.max()
+        l, e = slot // E, slot % E
+        steps = (l.unsqueeze(1) + torch.arange(self.max_h, device=self.device)) % L          # N × Lh
+        hs = torch.tensor(self.horizons, device=self.device)
+        nxt = (l.unsqueeze(1) + hs) % L                                                      # N × H
+        ee = e.unsqueeze(1)
+        return Batch(slot=slot, bar=self.bar[l, e], portfolio=self.portfolio[l, e], action=self.action[l, e],
+                     regime=self.regime[l, e], rewards=self.reward[steps, ee], dones=self.done[steps, ee],
+                     next_bar=self.bar[nxt, ee], next_portfolio=self.portfolio[nxt, ee], weight=w)
+
+    @torch.no_grad()
+    def update_priorities(self, slot: torch.Tensor, td: torch.Tensor, eps: float = 1e-3) -> None:
+        """PER: priority ← |td| + eps at the sampled slots."""
+        new = td.detach().abs().float() + eps
+        self.priority.view(-1).index_copy_(0, slot, new)
+        torch.maximum(self.max_priority, new.max(), out=self.max_priority)
+
+    @torch.no_grad()
+    def set_priority(self, slot: torch.Tensor, value: torch.Tensor) -> None:
+        """Write priorities from outside (flat slots l·E + e)."""
+        self.priority.view(-1).index_copy_(0, slot, value.float())
+
+    @torch.no_grad()
+    def set_bar_boost(self, bars, multipliers) -> None:
+        """E6: reset all boosts to 1, then multiply the sampling weight of transitions at `bars` by `multipliers`."""
+        self.bar_boost.fill_(1.0)
+        if len(bars):
+            b = torch.as_tensor(bars, dtype=torch.long, device=self.device)
+            m = torch.as_tensor(multipliers, dtype=torch.float32, device=self.device)
+            self.bar_boost[b] = m
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """All buffers, for a checkpoint (the host counters go in `state_meta`)."""
+        return {k: getattr(self, k) for k in ("bar", "portfolio", "action", "regime", "reward", "done",
+                                               "priority", "bar_boost", "max_priority")}
+
+    def state_meta(self) -> dict:
+        return {"head": self.head, "count": self.count}
+
+    def load_state(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+        for k, v in tensors.items():
+            getattr(self, k).copy_(v)
+        self.head, self.count = int(meta["head"]), int(meta["count"])

@@ -1,0 +1,638 @@
+"""The training loop: config, the update step, `train_epoch(state, knobs) -> EpochStats`, run directory, resume.
+
+Read top to bottom (CleanRL style): `TrainConfig` → parameter groups (weight-decay mask, per-branch groups) →
+`make_update` (the hot step: a closure `update(batch) -> detached metrics`, no `.item()`, no Python branch on
+tensor values, knobs as device tensors, target update with `lerp_`) → `TrainState` → `train_epoch` (apply knobs →
+collect ⇄ update → stats) → checkpoints (safetensors only; optimizer, replay and RNG state flattened into
+tensors + JSON metadata) → `train_run` (run directory, resume).
+
+Run directory: DIR/run.json (config, dataset, split, seed), DIR/checkpoints/epoch-NNNN.safetensors (agent
+weights + metadata, what the evaluator loads; sha256 sidecar), DIR/checkpoints/epoch-NNNN.state.safetensors
+(trainer state for resume), DIR/history.jsonl (one line of `EpochStats` per epoch).
+
+ML core: imports only torch, numpy, pandas and the standard library (plus `shared.checkpoints`, whose
+safetensors dependency is the checkpoint format itself).
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from shared.agent import Agent, AgentConfig, PolicyControls, agent_from_checkpoint
+from shared.checkpoints import load_checkpoint, save_checkpoint
+from shared.execution import CostModel
+from shared.knobs import BRANCHES, N_REGIMES, Knobs
+from shared.market import Bars, Split, chronological_split, compute_features
+from shared.rollout import MarketTensors, run_rollout
+from services.trainer.env import RewardConfig, TrainEnv
+from services.trainer.losses import (adapt_entropy_coef, atom_entropy, atom_utilisation, c51_cross_entropy,
+                                     expectile_loss, nstep_returns, project_distribution, quantile_huber_loss)
+from services.trainer.replay import Batch, Replay
+
+FEATURE_WARMUP = 64  # shared.market zeroes feature rows before this bar
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Config
+# ---------------------------------------------------------------------------------------------------------
+@dataclass
+class TrainConfig:
+    """Everything a training run needs besides the data, the seed and the knobs."""
+
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    """Network and action space."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """Reward terms and episode lengths."""
+    n_envs: int = 16
+    """E: accounts stepping through the training split in parallel."""
+    env_steps_per_iter: int = 4
+    """Rollout steps of all E accounts between update bursts."""
+    updates_per_iter: int = 1
+    """Gradient updates per iteration."""
+    iterations: int = 1500
+    """Iterations per epoch (collect → update)."""
+    batch_size: int = 256
+    """Transitions per update."""
+    replay_capacity: int = 200_000
+    """Transitions kept in replay."""
+    learning_starts: int = 2_000
+    """Transitions collected before the first update."""
+    horizons: tuple[int, ...] = (1, 5, 20)
+    """n-step horizons of the targets, blended per regime by `horizon_blend`."""
+    horizon_blend: tuple[tuple[float, float, float], ...] = ((0.2, 0.3, 0.5), (0.5, 0.3, 0.2), (0.2, 0.3, 0.5)) * 3
+    """Weight of each horizon per regime label (trend buckets down/range/up × 3 vol buckets): trends favour long
+    horizons, ranges short ones. Rows sum to 1."""
+    lr: float = 3e-4
+    """Base learning rate of every parameter group."""
+    weight_decay: float = 1e-4
+    """AdamW decay of the trunk and value-head weight matrices (the decay mask); 0 elsewhere."""
+    lr_warmup: int = 200
+    """Updates of linear LR warm-up of a parameter group from its creation."""
+    cosine_period: int = 1000
+    """Updates per cosine warm restart of the branch groups (their Adam momentum resets at each restart)."""
+    cosine_floor: float = 0.3
+    """Minimum of the branch cosine factor."""
+    grad_clip: float = 10.0
+    """Global gradient-norm clip."""
+    tau: float = 0.01
+    """Target network update θ' ← θ' + τ (θ − θ') each update (`lerp_`)."""
+    iqn_quantiles: int = 16
+    """τ samples of the IQN loss (online and target)."""
+    iqn_coef: float = 0.5
+    """Weight of the IQN loss."""
+    expectile: float = 0.7
+    """Expectile of the IQL value head."""
+    expectile_coef: float = 0.25
+    """Weight of the expectile loss."""
+    ensemble_mask_p: float = 0.8
+    """Bootstrap mask: probability that an ensemble member trains on a sample."""
+    entropy_target: float = 0.3
+    """Target atom utilisation (fraction of atoms holding > ½/A of the mass)."""
+    entropy_init: float = 1e-3
+    """Initial entropy-bonus coefficient β."""
+    entropy_rate: float = 0.01
+    """Adaptation rate of β per update."""
+    q_centre_coef: float = 0.1
+    """Q-mean centring: weight of ((mean Q − mean target) / v_max)²."""
+    q_gap_coef: float = 0.01
+    """Q-gap attractor: weight of ((gap − gap*) / v_max)², gap* = q_gap_frac · std(targets)."""
+    q_gap_frac: float = 0.5
+    """Target Q gap between the best and second direction, as a fraction of the targets' std."""
+    hindsight_coef: float = 0.1
+    """E7: weight of the hindsight-label cross-entropy on the direction Q."""
+    support_quantile: float = 0.99
+    """Adaptive support: v_max tracks this quantile of |20-step reward sums| in replay …"""
+    support_margin: float = 1.5
+    """… times this margin."""
+    maturity_updates: int = 5000
+    """Risk-head maturity m = 1 − exp(−updates / maturity_updates) scales the protection stack."""
+    costs_bps: float = 1.0
+    """Trading costs (bps of notional) in the training simulator."""
+    gamma: float = 0.99
+    """Fixed-schedule γ (feedback off): trends last ~100s of bars, so the horizon 1/(1−γ) should too."""
+    eps_start: float = 0.3
+    """Fixed-schedule ε of the first epoch …"""
+    eps_end: float = 0.02
+    """… decaying linearly to this …"""
+    eps_decay_epochs: int = 8
+    """… over this many epochs."""
+    emb_refresh: int = 50
+    """Updates between refreshes of the cached market embeddings of all training bars."""
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["agent"] = self.agent.to_dict()
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainConfig":
+        d = dict(d)
+        d["agent"] = AgentConfig.from_dict(d["agent"])
+        d["reward"] = RewardConfig(**d["reward"])
+        d["horizons"] = tuple(d["horizons"])
+        d["horizon_blend"] = tuple(tuple(r) for r in d["horizon_blend"])
+        return cls(**d)
+
+    def hash(self) -> str:
+        """sha256 of the canonical JSON of the config."""
+        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()
+
+    @classmethod
+    def preset(cls, name: str, n_features: int) -> "TrainConfig":
+        """`small` (CPU, an epoch of ~3600 training bars in tens of seconds) or `full` (GPU)."""
+        if name == "small":
+            return cls(agent=AgentConfig(n_features=n_features, window=32, d_model=32, n_heads=4, hidden=96,
+                                         ensemble=3), batch_size=128, iterations=600)
+        if name == "full":
+            return cls(agent=AgentConfig(n_features=n_features, window=64, d_model=128, n_heads=8, n_layers=2,
+                                         hidden=256, ensemble=5),
+                       n_envs=256, env_steps_per_iter=2, updates_per_iter=2, iterations=2000, batch_size=1024,
+                       replay_capacity=2_000_000, learning_starts=20_000)
+        raise ValueError(f"unknown config preset {name!r}: use 'small' or 'full'")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Parameter groups: weight-decay mask and per-branch groups
+# ---------------------------------------------------------------------------------------------------------
+def param_branch(name: str) -> str:
+    """The parameter group a parameter belongs to: trunk, value, direction, size, exit or risk."""
+    if name.startswith(("enc_", "port.", "trunk.")):
+        return "trunk"
+    if name.startswith("value_"):
+        return "value"
+    if name.startswith(("adv_w.", "adv_b.")):
+        return BRANCHES[int(name.split(".")[1])]
+    if name.startswith(("iqn_", "expectile")):
+        return "risk"
+    raise ValueError(f"parameter {name} has no group")
+
+
+def weight_decay_mask(model: torch.nn.Module) -> dict[str, bool]:
+    """True for the parameters that get weight decay: weight matrices (≥ 2-D) of the trunk and value head,
+    except the positional embedding. Biases, LayerNorms, branch heads and risk heads: no decay."""
+    return {n: param_branch(n) in ("trunk", "value") and p.dim() >= 2 and n != "enc_pos"
+            and not n.endswith(("bias", "_b")) for n, p in model.named_parameters()}
+
+
+def build_optimizer(agent: Agent, cfg: TrainConfig, device) -> torch.optim.AdamW:
+    """AdamW with one group per (branch, decay): the decay mask decides weight_decay; names in group['name']."""
+    mask = weight_decay_mask(agent)
+    groups: dict[tuple[str, bool], list] = {}
+    for n, p in agent.named_parameters():
+        groups.setdefault((param_branch(n), mask[n]), []).append(p)
+    cuda = torch.device(device).type == "cuda"
+    pg = [{"params": ps, "name": f"{b}{'' if d else '/nodecay'}", "branch": b,
+           "weight_decay": cfg.weight_decay if d else 0.0, "age": 0,
+           "lr": torch.tensor(cfg.lr, device=device) if cuda else cfg.lr}
+          for (b, d), ps in sorted(groups.items())]
+    return torch.optim.AdamW(pg, lr=cfg.lr, betas=(0.9, 0.999), eps=1e-6, capturable=cuda)
+
+
+def group_lr(group: dict, step: int, knobs_lr_scale: dict[str, float], cfg: TrainConfig) -> float:
+    """lr = base × E4 scale (branch groups) × warm-up(age) × cosine warm restart (branch groups)."""
+    warm = min(1.0, (group["age"] + 1) / cfg.lr_warmup)
+    lr = cfg.lr * warm
+    if group["branch"] in BRANCHES:
+        phase = (step % cfg.cosine_period) / cfg.cosine_period
+        lr *= knobs_lr_scale[group["branch"]] * (cfg.cosine_floor + (1 - cfg.cosine_floor) * 0.5 * (1 + math.cos(math.pi * phase)))
+    return lr
+
+
+def set_lrs(opt: torch.optim.Optimizer, step: int, lr_scale: dict[str, float], cfg: TrainConfig) -> None:
+    """Host-side schedule written into the groups (tensor LRs with `fill_` on CUDA); momentum reset of branch
+    groups at each cosine restart."""
+    restart = step > 0 and step % cfg.cosine_period == 0
+    for g in opt.param_groups:
+        lr = group_lr(g, step, lr_scale, cfg)
+        if torch.is_tensor(g["lr"]):
+            g["lr"].fill_(lr)
+        else:
+            g["lr"] = lr
+        if restart and g["branch"] in BRANCHES:
+            for p in g["params"]:
+                st = opt.state.get(p)
+                if st:
+                    st["exp_avg"].zero_()
+        g["age"] += 1
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The update step
+# ---------------------------------------------------------------------------------------------------------
+@dataclass
+class UpdateBuffers:
+    """Device tensors the update reads: knobs (γ, Q-bias), the entropy coefficient, lookup tables."""
+
+    gamma: torch.Tensor
+    q_bias: torch.Tensor
+    entropy_coef: torch.Tensor
+    horizon_blend: torch.Tensor
+    """N_REGIMES × H."""
+    hindsight: torch.Tensor
+    """T_train: E7 hindsight-optimal direction per bar, −1 where none."""
+    emb_online: torch.Tensor
+    """T_train × D: online-network market embedding of every training bar, refreshed every `emb_refresh`
+    updates (acting and double-Q selection at bootstrap states read it; the current state is encoded with
+    gradient inside the update)."""
+    emb_target: torch.Tensor
+    """T_train × D: the same for the target network (bootstrap evaluation)."""
+
+
+def make_update(agent: Agent, target: Agent, opt: torch.optim.Optimizer, replay: Replay, windows: torch.Tensor,
+                buf: UpdateBuffers, cfg: TrainConfig, generator: torch.Generator) -> Callable[[Batch], dict]:
+    """Build the hot step `update(batch) -> dict of detached metric tensors`."""
+    horizons = cfg.horizons
+    H, M = len(horizons), cfg.iqn_quantiles
+    params = [p for p in agent.parameters()]
+    tparams = [p for p in target.parameters()]
+
+    def update(b: Batch) -> dict[str, torch.Tensor]:
+        N, dev = b.bar.shape[0], b.bar.device
+        z, v_max = agent.support, agent.v_max                                              # A
+        # --- online network at s ---
+        out = agent.head(agent.encode(windows[b.bar]), b.portfolio)
+        # --- bootstrap states s_h, N·H of them: double-Q (online selects, target evaluates) ---
+        with torch.no_grad():
+            nb, npf = b.next_bar.reshape(-1), b.next_portfolio.reshape(N * H, -1)
+            on_n = agent.head(buf.emb_online[nb], npf)                                     # cached embeddings
+            tg_n = target.head(buf.emb_target[nb], npf)
+            a_star = [q.mean(1).argmax(-1) for q in agent.q_values(on_n.logits)]          # [N·H] per branch
+            R, disc = nstep_returns(b.rewards.double(), b.dones, buf.gamma.double(), horizons)  # N × H
+            R, disc = (R - buf.q_bias).float(), disc.float()
+            w_h = buf.horizon_blend[b.regime]                                              # N × H
+            tz = R.unsqueeze(-1) + disc.unsqueeze(-1) * z                                  # N × H × A
+            member = (torch.rand(N, agent.cfg.ensemble, device=dev, generator=generator)
+                      < cfg.ensemble_mask_p).float()                                       # N × K
+        # --- C51 loss per branch, blended over horizons ---
+        c51 = torch.zeros(N, device=dev)
+        for br, (lg, lg_n) in enumerate(zip(out.logits, tg_n.logits)):
+            K, A = lg.shape[1], lg.shape[3]
+            with torch.no_grad():
+                # the ensemble shares one target: the members' mean next distribution at the greedy action,
+                # blended over horizons before the projection (Φ is linear in the probabilities)
+                idx = a_star[br].view(N * H, 1, 1, 1).expand(N * H, K, 1, A)
+                p_next = torch.softmax(lg_n, -1).gather(2, idx).squeeze(2).mean(1).view(N, H, A)  # N × H × A
+                p_w = (p_next * w_h.unsqueeze(-1)).reshape(N, H * A)                       # N × H·A
+                m = project_distribution(tz.reshape(N, H * A), p_w, z)                     # N × A
+            a = b.action[:, br].view(N, 1, 1, 1).expand(N, K, 1, A)
+            logits_a = lg.gather(2, a).squeeze(2)                                          # N × K × A
+            ce = c51_cross_entropy(logits_a, m.unsqueeze(1))                               # N × K
+            c51 = c51 + (ce * member).sum(1) / member.sum(1).clamp(min=1.0)
+            if br == 0:
+                priority = ce.mean(1).detach()
+                ent = atom_entropy(logits_a).mean()
+                util = atom_utilisation(logits_a.detach())
+        # --- IQN quantile Huber on the direction branch (in units of v_max, κ = 1) ---
+        taus = torch.rand(N, M, device=dev, generator=generator)                           # N × M
+        th = agent.quantiles(out.hidden, taus)                                             # N × M × 3
+        th = th.gather(2, b.action[:, 0].view(N, 1, 1).expand(N, M, 1)).squeeze(2)         # N × M
+        with torch.no_grad():
+            taus_t = torch.rand(N * H, M, device=dev, generator=generator)
+            th_n = target.quantiles(tg_n.hidden, taus_t)                                   # N·H × M × 3
+            th_n = th_n.gather(2, a_star[0].view(N * H, 1, 1).expand(N * H, M, 1)).view(N, H, M)
+            y_q = R.unsqueeze(-1) + disc.unsqueeze(-1) * th_n                              # N × H × M'
+        qh = quantile_huber_loss((th / v_max).repeat_interleave(H, 0), (y_q / v_max).reshape(N * H, M),
+                                 taus.repeat_interleave(H, 0))                             # N·H
+        iqn = (qh.view(N, H) * w_h).sum(1)                                                 # N
+        # --- expectile value head on the blended scalar target of the direction branch ---
+        with torch.no_grad():
+            q_tn = target.q_values([tg_n.logits[0]])[0].mean(1)                            # N·H × 3
+            q_tn = q_tn.gather(1, a_star[0].view(-1, 1)).view(N, H)
+            y = ((R + disc * q_tn) * w_h).sum(1)                                           # N
+        expl = expectile_loss((y - out.value_e) / v_max, cfg.expectile)                   # N
+        # --- stability terms on the online direction Q ---
+        q_dir = agent.q_values([out.logits[0]])[0].mean(1)                                 # N × 3
+        centre = ((q_dir.mean() - y.mean()) / v_max) ** 2
+        top2 = q_dir.topk(2, dim=1).values
+        gap_star = cfg.q_gap_frac * y.std()
+        gap = (((top2[:, 0] - top2[:, 1]) - gap_star) / v_max).pow(2).mean()
+        lab = buf.hindsight[b.bar]                                                         # N
+        has = (lab >= 0).float()
+        hce = torch.nn.functional.cross_entropy(q_dir / (0.1 * v_max), lab.clamp(min=0), reduction="none")
+        hind = (hce * has).sum() / has.sum().clamp(min=1.0)
+        per_sample = c51 + cfg.iqn_coef * iqn + cfg.expectile_coef * expl
+        loss = ((b.weight * per_sample).mean() + cfg.q_centre_coef * centre + cfg.q_gap_coef * gap
+                + cfg.hindsight_coef * hind - buf.entropy_coef * ent)
+        opt.zero_grad(set_to_none=False)
+        loss.backward()
+        gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        opt.step()
+        with torch.no_grad():
+            torch._foreach_lerp_(tparams, params, cfg.tau)                                # θ' ← θ' + τ(θ − θ')
+            adapt_entropy_coef(buf.entropy_coef, util, cfg.entropy_target, cfg.entropy_rate)
+            replay.update_priorities(b.slot, priority)
+        return {"loss": loss.detach(), "c51": c51.mean().detach(), "iqn": iqn.mean().detach(),
+                "expectile": expl.mean().detach(), "q_mean": q_dir.mean().detach(), "entropy": ent.detach(),
+                "utilisation": util, "grad_norm": gnorm.detach()}
+
+    return update
+
+
+# ---------------------------------------------------------------------------------------------------------
+# State, epoch
+# ---------------------------------------------------------------------------------------------------------
+@dataclass
+class EpochStats:
+    """One line of history.jsonl."""
+
+    epoch: int
+    loss: float
+    c51: float
+    iqn: float
+    expectile: float
+    q_mean: float
+    entropy: float
+    utilisation: float
+    epsilon: float
+    gamma: float
+    v_max: float
+    maturity: float
+    env_steps: int
+    updates: int
+    env_steps_per_s: float
+    updates_per_s: float
+    seconds: float
+    train_per_trade_sharpe: float
+    """Un-annualized, per trade, of the trades closed while collecting this epoch (with exploration)."""
+    train_trades: int
+    knobs: dict
+
+
+@dataclass
+class TrainState:
+    """Everything that `train_epoch` mutates and a checkpoint restores."""
+
+    cfg: TrainConfig
+    device: torch.device
+    agent: Agent
+    target: Agent
+    opt: torch.optim.AdamW
+    replay: Replay
+    env: TrainEnv
+    controls: PolicyControls
+    buffers: UpdateBuffers
+    generator: torch.Generator
+    update: Callable[[Batch], dict]
+    epoch: int = 0
+    update_step: int = 0
+    env_steps: int = 0
+
+
+def build_state(cfg: TrainConfig, bars: Bars, split: Split, seed: int, device="cpu",
+                features: np.ndarray | None = None) -> TrainState:
+    """Fresh training state on the training split of `bars`, seeded."""
+    device = torch.device(device)
+    torch.manual_seed(seed)
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    feats = compute_features(bars) if features is None else features
+    market = MarketTensors.from_bars(bars, *split.train, cfg.agent.window, device, features=feats)
+    agent = Agent(cfg.agent).to(device)
+    target = copy.deepcopy(agent)
+    for p in target.parameters():
+        p.requires_grad_(False)
+    opt = build_optimizer(agent, cfg, device)
+    replay = Replay(cfg.replay_capacity, cfg.n_envs, cfg.agent.n_portfolio, len(market), cfg.horizons, device)
+    warmup = max(cfg.agent.window, FEATURE_WARMUP - split.train[0], 0)
+    env = TrainEnv(market, cfg.n_envs, warmup, cfg.reward, replay, CostModel(cfg.costs_bps), gen)
+    controls = PolicyControls.make(device)
+    buf = UpdateBuffers(gamma=torch.tensor(0.97, device=device), q_bias=torch.tensor(0.0, device=device),
+                        entropy_coef=torch.tensor(cfg.entropy_init, device=device),
+                        horizon_blend=torch.tensor(cfg.horizon_blend, dtype=torch.float32, device=device),
+                        hindsight=torch.full((len(market),), -1, dtype=torch.long, device=device),
+                        emb_online=torch.zeros(len(market), cfg.agent.d_model, device=device),
+                        emb_target=torch.zeros(len(market), cfg.agent.d_model, device=device))
+    update = make_update(agent, target, opt, replay, market.windows, buf, cfg, gen)
+    return TrainState(cfg, device, agent, target, opt, replay, env, controls, buf, gen, update)
+
+
+def apply_knobs(state: TrainState, knobs: Knobs) -> None:
+    """Write an epoch's knobs into the device tensors and tables the policy and the update read."""
+    knobs.validate()
+    state.controls.set(epsilon=knobs.epsilon, gate_threshold=knobs.gate_threshold,
+                       regime_confidence=knobs.regime_confidence)
+    state.buffers.gamma.fill_(knobs.gamma)
+    state.buffers.q_bias.fill_(knobs.q_bias)
+    T = len(state.env.market)
+    boost = [(b, m) for b, m in knobs.priority_boost if 0 <= b < T]
+    state.replay.set_bar_boost([b for b, _ in boost], [m for _, m in boost])
+    state.buffers.hindsight.fill_(-1)
+    hs = [(b, d) for b, d in knobs.hindsight if 0 <= b < T and d in (0, 1, 2)]
+    if hs:
+        state.buffers.hindsight[torch.tensor([b for b, _ in hs], device=state.device)] = torch.tensor(
+            [d for _, d in hs], device=state.device)
+    state.env.set_regime_weights(knobs.regime_weights)
+
+
+@torch.no_grad()
+def refresh_embeddings(state: TrainState, chunk: int = 4096) -> None:
+    """Recompute the cached market embeddings of every training bar (online and target networks), in place."""
+    w = state.env.market.windows
+    for net, out in ((state.agent, state.buffers.emb_online), (state.target, state.buffers.emb_target)):
+        for i in range(0, w.shape[0], chunk):
+            out[i:i + chunk] = net.encode(w[i:i + chunk])
+
+
+@torch.no_grad()
+def adapt_support(state: TrainState) -> None:
+    """v_max ← ½ v_max + ½ · margin · quantile(|20-step reward sums in replay|): the support follows the reward
+    scale (the update's projection re-maps old distributions onto the new support)."""
+    rp, cfg = state.replay, state.cfg
+    if rp.count < 64:
+        return
+    r = rp.reward[: rp.count]                                                              # L × E
+    h = min(max(cfg.horizons), rp.count)
+    sums = r.unfold(0, h, 1).sum(-1).abs().flatten()
+    q = torch.quantile(sums[torch.randperm(sums.numel(), generator=state.generator, device=sums.device)[:100_000]],
+                       cfg.support_quantile)
+    new = (0.5 * state.agent.v_max + 0.5 * (cfg.support_margin * q).clamp(0.005, 1.0))
+    state.agent.v_max.copy_(new)
+    state.target.v_max.copy_(new)
+
+
+def train_epoch(state: TrainState, knobs: Knobs, progress: Callable[[int, int], None] | None = None) -> EpochStats:
+    """One epoch: apply knobs → fresh episodes → iterations of (collect E × env_steps_per_iter, update) → stats."""
+    cfg, env = state.cfg, state.env
+    apply_knobs(state, knobs)
+    adapt_support(state)
+    env.reset_all()
+    env.pop_trade_stats()
+    refresh_embeddings(state)
+    sums: dict[str, torch.Tensor] = {}
+    n_upd, n_env0 = 0, state.env_steps
+    t0 = time.perf_counter()
+    t_env = t_upd = 0.0
+    state.agent.train()
+    for it in range(cfg.iterations):
+        ta = time.perf_counter()
+        run_rollout(state.agent, env.sim, env.tracker, env.market, state.controls, cfg.env_steps_per_iter,
+                    on_step=env.on_step, force_flat=env.force_flat, emb_table=state.buffers.emb_online,
+                    generator=state.generator)
+        state.env_steps += cfg.n_envs * cfg.env_steps_per_iter
+        tb = time.perf_counter()
+        t_env += tb - ta
+        if state.env_steps >= cfg.learning_starts and state.replay.can_sample():
+            for _ in range(cfg.updates_per_iter):
+                set_lrs(state.opt, state.update_step, knobs.lr_scale, cfg)
+                m = state.update(state.replay.sample(cfg.batch_size, state.generator))
+                for k, v in m.items():
+                    sums[k] = sums[k] + v if k in sums else v.clone()
+                n_upd += 1
+                state.update_step += 1
+                if state.update_step % cfg.emb_refresh == 0:
+                    refresh_embeddings(state)
+        t_upd += time.perf_counter() - tb
+        if progress is not None:
+            progress(it + 1, cfg.iterations)
+    mat = 1.0 - math.exp(-state.update_step / cfg.maturity_updates)
+    state.agent.maturity.fill_(mat)
+    state.target.maturity.fill_(mat)
+    means = {k: float(v) / max(n_upd, 1) for k, v in sums.items()}
+    sharpe, n_trades = env.pop_trade_stats()
+    state.epoch += 1
+    dt = time.perf_counter() - t0
+    env_steps = state.env_steps - n_env0
+    nan = float("nan")
+    return EpochStats(epoch=state.epoch, loss=means.get("loss", nan), c51=means.get("c51", nan),
+                      iqn=means.get("iqn", nan), expectile=means.get("expectile", nan),
+                      q_mean=means.get("q_mean", nan), entropy=means.get("entropy", nan),
+                      utilisation=means.get("utilisation", nan), epsilon=knobs.epsilon, gamma=knobs.gamma,
+                      v_max=float(state.agent.v_max), maturity=mat, env_steps=env_steps, updates=n_upd,
+                      env_steps_per_s=env_steps / max(t_env, 1e-9), updates_per_s=n_upd / max(t_upd, 1e-9),
+                      seconds=dt, train_per_trade_sharpe=sharpe, train_trades=int(n_trades), knobs=knobs.to_dict())
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Checkpoints (safetensors only) and resume
+# ---------------------------------------------------------------------------------------------------------
+def _rng_tensor(state_bytes: torch.Tensor) -> torch.Tensor:
+    return state_bytes.detach().cpu().to(torch.uint8).clone()
+
+
+def agent_metadata(state: TrainState, run_meta: dict) -> dict:
+    """Metadata of an agent checkpoint: what the evaluator needs to rebuild and trust it."""
+    return {"kind": "agent", "epoch": state.epoch, "agent_config": state.cfg.agent.to_dict(),
+            "config_hash": state.cfg.hash(), "dataset": run_meta.get("dataset"),
+            "split": run_meta.get("split"), "split_hashes": run_meta.get("split_hashes"),
+            "seed": run_meta.get("seed"), "update_step": state.update_step}
+
+
+def save_epoch(state: TrainState, run_dir: Path, run_meta: dict) -> tuple[Path, str]:
+    """Write DIR/checkpoints/epoch-NNNN.safetensors (+ .state.safetensors); returns (path, sha256)."""
+    ck = Path(run_dir) / "checkpoints"
+    ck.mkdir(parents=True, exist_ok=True)
+    path = ck / f"epoch-{state.epoch:04d}.safetensors"
+    weights = {k: v.detach().contiguous() for k, v in state.agent.state_dict().items()}
+    sha = save_checkpoint(path, weights, agent_metadata(state, run_meta))
+    # trainer state: target net, optimizer (flattened), replay, tracker, RNG
+    t: dict[str, torch.Tensor] = {f"target.{k}": v.detach().contiguous() for k, v in state.target.state_dict().items()}
+    names = {p: n for n, p in state.agent.named_parameters()}
+    for p, st in state.opt.state.items():
+        for k, v in st.items():
+            t[f"opt.{names[p]}.{k}"] = torch.as_tensor(v).detach().contiguous()
+    t.update({f"replay.{k}": v.contiguous() for k, v in state.replay.state_tensors().items()})
+    t.update({f"tracker.{k}": v.contiguous() for k, v in state.env.tracker.state_tensors().items()})
+    t["rng.generator"] = _rng_tensor(state.generator.get_state())
+    t["rng.torch"] = _rng_tensor(torch.get_rng_state())
+    t["buf.entropy_coef"] = state.buffers.entropy_coef.detach().clone()
+    meta = {"kind": "trainer_state", "epoch": state.epoch, "update_step": state.update_step,
+            "env_steps": state.env_steps, "replay": state.replay.state_meta(),
+            "group_ages": [g["age"] for g in state.opt.param_groups], "config_hash": state.cfg.hash()}
+    save_checkpoint(ck / f"epoch-{state.epoch:04d}.state.safetensors", t, meta)
+    return path, sha
+
+
+def load_agent(path, expected_sha256: str | None = None, device="cpu") -> tuple[Agent, dict]:
+    """Rebuild the agent of a checkpoint (file path or bytes); returns (agent in eval mode, metadata)."""
+    tensors, meta = load_checkpoint(path, expected_sha256)
+    return agent_from_checkpoint(tensors, meta, device), meta
+
+
+def restore_state(state: TrainState, run_dir: Path, epoch: int) -> None:
+    """Load epoch `epoch`'s agent and trainer state into a freshly built `state` (same config)."""
+    ck = Path(run_dir) / "checkpoints"
+    w, _ = load_checkpoint(ck / f"epoch-{epoch:04d}.safetensors")
+    t, meta = load_checkpoint(ck / f"epoch-{epoch:04d}.state.safetensors")
+    if meta["config_hash"] != state.cfg.hash():
+        raise ValueError(f"{run_dir}: the run's config changed since epoch {epoch} (config hash mismatch)")
+    dev = state.device
+    state.agent.load_state_dict({k: v.to(dev) for k, v in w.items()})
+    state.target.load_state_dict({k[len("target."):]: v.to(dev) for k, v in t.items() if k.startswith("target.")})
+    params = dict(state.agent.named_parameters())
+    cuda = dev.type == "cuda"
+    for key, v in t.items():
+        if key.startswith("opt."):
+            name, slot = key[len("opt."):].rsplit(".", 1)
+            st = state.opt.state.setdefault(params[name], {})
+            st[slot] = v.to(dev) if (slot != "step" or cuda) else v.clone()
+    for g, age in zip(state.opt.param_groups, meta["group_ages"]):
+        g["age"] = int(age)
+    state.replay.load_state({k[len("replay."):]: v.to(dev) for k, v in t.items() if k.startswith("replay.")},
+                            meta["replay"])
+    state.env.tracker.load_state({k[len("tracker."):]: v for k, v in t.items() if k.startswith("tracker.")})
+    state.generator.set_state(t["rng.generator"])
+    torch.set_rng_state(t["rng.torch"])
+    state.buffers.entropy_coef.copy_(t["buf.entropy_coef"].to(dev))
+    state.epoch, state.update_step, state.env_steps = int(meta["epoch"]), int(meta["update_step"]), int(meta["env_steps"])
+
+
+def latest_epoch(run_dir: Path) -> int:
+    """Highest epoch with both checkpoint files in DIR/checkpoints (0 when none)."""
+    ck = Path(run_dir) / "checkpoints"
+    best = 0
+    for p in ck.glob("epoch-*.state.safetensors"):
+        e = int(p.name.split("-")[1].split(".")[0])
+        if (ck / f"epoch-{e:04d}.safetensors").exists():
+            best = max(best, e)
+    return best
+
+
+def train_run(bars: Bars, dataset: str, run_dir: Path, epochs: int, *, config: str | TrainConfig = "small",
+              seed: int = 0, device="cpu", knobs_fn: Callable[[int], Knobs] | None = None,
+              on_epoch: Callable[[EpochStats], None] | None = None,
+              progress: Callable[[int, int], None] | None = None) -> TrainState:
+    """Train until `epochs` epochs exist in `run_dir`, resuming from its latest checkpoint when it holds a run.
+
+    Knobs of epoch e (1-based) come from `knobs_fn(e)`, by default `Knobs.fixed_schedule(e − 1, …)` with the
+    config's ε schedule and γ."""
+    run_dir = Path(run_dir)
+    feats = compute_features(bars)
+    run_json = run_dir / "run.json"
+    if run_json.exists():
+        meta = json.loads(run_json.read_text())
+        cfg = TrainConfig.from_dict(meta["config"])
+        split, seed = Split.from_dict(meta["split"]), int(meta["seed"])
+        if meta.get("bars_fingerprint") and meta["bars_fingerprint"] != bars.fingerprint():
+            raise ValueError(f"{run_dir} holds a run on other data (dataset {meta.get('dataset')!r}); "
+                             "use another --out directory")
+    else:
+        cfg = config if isinstance(config, TrainConfig) else TrainConfig.preset(config, feats.shape[1])
+        split = chronological_split(len(bars))
+        meta = {"dataset": dataset, "seed": seed, "config": cfg.to_dict(), "split": split.to_dict(),
+                "split_hashes": {w: split.window_hash(bars, w) for w in ("train", "val", "test")},
+                "bars_fingerprint": bars.fingerprint(), "n_bars": len(bars), "config_hash": cfg.hash()}
+        run_dir.mkdir(parents=True, exist_ok=True)
+        run_json.write_text(json.dumps(meta, indent=2))
+    state = build_state(cfg, bars, split, seed, device, features=feats)
+    done = latest_epoch(run_dir)
+    if done:
+        restore_state(state, run_dir, done)
+    knobs_fn = knobs_fn or (lambda e: Knobs.fixed_schedule(e - 1, eps_start=cfg.eps_start, eps_end=cfg.eps_end,
+                                                          eps_decay_epochs=cfg.eps_decay_epochs, gamma=cfg.gamma))
+    while state.epoch < epochs:
+        stats = train_epoch(state, knobs_fn(state.epoch + 1), progress)
+        save_epoch(state, run_dir, meta)
+        with open(run_dir / "history.jsonl", "a") as f:
+            f.write(json.dumps(asdict(stats)) + "\n")
+        if on_epoch is not None:
+            on_epoch(stats)
+    return state

@@ -1,0 +1,349 @@
+"""The distributional trading agent: network (`Agent`) and its policy step (`act`).
+
+Shared by the trainer and the evaluator so both step the very same policy through the very same simulator.
+
+Network (`Agent`)
+-----------------
+- `encode(windows [N, W, F]) -> emb [N, D]`: the market embedding of the causal feature window ending at a bar.
+  Linear input projection + learned positions, one (or more) pre-LN causal self-attention block(s), the last
+  token's state. Portfolio-independent, so the evaluator encodes every bar of a split at once.
+- `head(emb [N, D], portfolio [N, P]) -> HeadOut`: the portfolio-dependent part, stepped sequentially.
+  * trunk h = MLP([emb, MLP(portfolio)])                                       # N × H
+  * ensemble of K branching dueling C51 heads (Tavakoli et al. 2018 × Bellemare et al. 2017):
+        logits_b(s, a) = V(s) + A_b(s, a) − mean_a' A_b(s, a')                  # N × K × n_b × A (atoms)
+    one shared value distribution V and one advantage distribution per branch b ∈ {direction, size, exit};
+  * IQN quantile head over the direction actions (Dabney et al. 2018): θ(s, a, τ)  # N × M × 3
+  * expectile value head (IQL, Kostrikov et al. 2021): V_e(s)                     # N
+- Atom support z_i = linspace(−v_max, v_max, A) with `v_max` a buffer the trainer adapts to the reward scale.
+- Buffers that the policy reads: `maturity` (how trained the risk head is, in [0, 1]; scales the protection stack).
+
+Actions: direction {0 short, 1 flat, 2 long} × size level (`size_levels`) × exit plan (`exit_plans`: profit
+target and stop as multiples of the bar volatility, +inf = none). The simulator target is
+    target = side × size × kelly_scale × regime_confidence[regime]
+and an open trade in the chosen direction is held as it is (no resizing churn).
+
+Portfolio vector (`PORTFOLIO_FEATURES`, built in `shared/rollout.py`): position, unrealized P&L in volatility
+units, bars in trade (scaled), distance to the plan's target and stop in volatility units, Kelly fraction,
+win-rate accumulator, differential-Sharpe accumulator.
+
+ML core: imports only torch (and the standard library).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+BRANCH_NAMES = ("direction", "size", "exit")
+DIRECTION_SIDES = (-1.0, 0.0, 1.0)  # action index → side
+FLAT = 1
+PORTFOLIO_FEATURES = ("position", "upnl_vol", "bars_in_trade", "tp_dist_vol", "sl_dist_vol", "kelly_f",
+                      "win_rate", "diff_sharpe")
+
+
+@dataclass
+class AgentConfig:
+    """Shape of the network and of the action space (saved in every checkpoint's metadata)."""
+
+    n_features: int = 16
+    """F: features per bar (from `shared.market.compute_features`)."""
+    window: int = 32
+    """W: bars in the feature window of one decision."""
+    d_model: int = 48
+    """D: width of the temporal encoder."""
+    n_heads: int = 4
+    """Attention heads in each encoder block."""
+    n_layers: int = 1
+    """Causal attention blocks."""
+    hidden: int = 128
+    """H: width of the trunk (encoder + portfolio) MLP."""
+    n_atoms: int = 51
+    """A: atoms of each C51 distribution."""
+    v_max_init: float = 0.05
+    """Initial half-width of the atom support (return units); the trainer adapts it to the reward scale."""
+    ensemble: int = 3
+    """K: C51 heads of the ensemble (their disagreement is the epistemic uncertainty)."""
+    size_levels: tuple[float, ...] = (0.5, 1.0)
+    """Size branch: fraction of equity per level."""
+    exit_plans: tuple[tuple[float, float], ...] = ((math.inf, math.inf), (4.0, 4.0), (8.0, 4.0))
+    """Exit branch: (profit target, stop) in units of price × bar volatility; inf = none."""
+    iqn_embed: int = 64
+    """Cosine basis functions of the IQN τ embedding."""
+    iqn_quantiles_act: int = 32
+    """Fixed quantile grid used when acting (τ_i = (i + ½)/M)."""
+    cvar_alpha: float = 0.1
+    """Tail of the CVaR of the chosen direction."""
+    cvar_limit: float = 0.1
+    """Protection: no new entry where CVaR_α < −cvar_limit / maturity (return units)."""
+    min_hold: int = 10
+    """Protection (commitment): bars an open trade is held before a signal exit, × maturity."""
+    dsr_size_cut: float = 0.5
+    """Protection (differential Sharpe): size shrinks by up to this fraction when the account's DSR is negative."""
+    kelly_floor: float = 0.5
+    """Kelly scaling of size: scale = clamp(kelly_floor + f_kelly, kelly_floor, 1)."""
+
+    @property
+    def n_portfolio(self) -> int:
+        return len(PORTFOLIO_FEATURES)
+
+    @property
+    def branch_sizes(self) -> tuple[int, int, int]:
+        return (3, len(self.size_levels), len(self.exit_plans))
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["exit_plans"] = [[None if math.isinf(x) else x for x in p] for p in self.exit_plans]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "AgentConfig":
+        d = dict(d)
+        d["size_levels"] = tuple(d["size_levels"])
+        d["exit_plans"] = tuple(tuple(math.inf if x is None else float(x) for x in p) for p in d["exit_plans"])
+        return cls(**d)
+
+
+@dataclass
+class HeadOut:
+    """Outputs of `Agent.head` for N states."""
+
+    logits: list[torch.Tensor]
+    """Per branch b: C51 logits, N × K × n_b × A."""
+    hidden: torch.Tensor
+    """Trunk state h, N × H (the IQN and expectile heads read it)."""
+    value_e: torch.Tensor
+    """Expectile value V_e(s), N."""
+
+
+class CausalBlock(nn.Module):
+    """Pre-LN transformer block with causal self-attention: x + Attn(LN x), then x + MLP(LN x)."""
+
+    def __init__(self, d: int, n_heads: int):
+        super().__init__()
+        self.n_heads = n_heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.mlp = nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        N, W, D = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(D, dim=-1)                                    # N × W × D each
+        q, k, v = (y.view(N, W, self.n_heads, D // self.n_heads).transpose(1, 2) for y in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)                         # N × heads × W × D/h
+        x = x + self.proj(a.transpose(1, 2).reshape(N, W, D))
+        return x + self.mlp(self.ln2(x))
+
+
+class Agent(nn.Module):
+    """Encoder + branching dueling C51 ensemble + IQN risk head + expectile value head (see module docstring)."""
+
+    def __init__(self, cfg: AgentConfig):
+        super().__init__()
+        self.cfg = cfg
+        D, H, A, K = cfg.d_model, cfg.hidden, cfg.n_atoms, cfg.ensemble
+        # --- trunk: encoder + portfolio MLP (weight decay applies here) ---
+        self.enc_in = nn.Linear(cfg.n_features, D)
+        self.enc_pos = nn.Parameter(torch.zeros(cfg.window, D))
+        self.enc_blocks = nn.ModuleList(CausalBlock(D, cfg.n_heads) for _ in range(cfg.n_layers))
+        self.enc_ln = nn.LayerNorm(D)
+        self.port = nn.Sequential(nn.Linear(cfg.n_portfolio, D // 2), nn.ReLU())
+        self.trunk = nn.Sequential(nn.Linear(D + D // 2, H), nn.ReLU(), nn.Linear(H, H), nn.ReLU())
+        # --- value stream of the C51 ensemble (weight decay applies here) ---
+        self.value_w = nn.Parameter(torch.randn(K, H, A) * H ** -0.5)
+        self.value_b = nn.Parameter(torch.zeros(K, A))
+        # --- one advantage stream per branch (no weight decay) ---
+        self.adv_w = nn.ParameterList(nn.Parameter(torch.randn(K, H, n * A) * H ** -0.5) for n in cfg.branch_sizes)
+        self.adv_b = nn.ParameterList(nn.Parameter(torch.zeros(K, n * A)) for n in cfg.branch_sizes)
+        # --- risk: IQN over direction actions + expectile value (no weight decay) ---
+        self.iqn_tau = nn.Linear(cfg.iqn_embed, H)
+        self.iqn_out = nn.Sequential(nn.Linear(H, H), nn.ReLU(), nn.Linear(H, 3))
+        self.expectile = nn.Linear(H, 1)
+        # --- buffers ---
+        self.register_buffer("v_max", torch.tensor(float(cfg.v_max_init)))
+        self.register_buffer("maturity", torch.tensor(0.0))
+        self.register_buffer("iqn_i", torch.arange(cfg.iqn_embed, dtype=torch.float32))
+        M = cfg.iqn_quantiles_act
+        self.register_buffer("act_taus", (torch.arange(M, dtype=torch.float32) + 0.5) / M)
+
+    # --- support -----------------------------------------------------------------------------------------
+    @property
+    def support(self) -> torch.Tensor:
+        """z_i = −v_max + i Δz, Δz = 2 v_max / (A − 1)   (Eq. 1 of C51, symmetric support)."""
+        A = self.cfg.n_atoms
+        return self.v_max * torch.linspace(-1.0, 1.0, A, device=self.v_max.device)
+
+    # --- network -----------------------------------------------------------------------------------------
+    def encode(self, windows: torch.Tensor) -> torch.Tensor:
+        """Market embedding of feature windows: N × W × F → N × D (the last token of the causal encoder)."""
+        x = self.enc_in(windows) + self.enc_pos                                             # N × W × D
+        for blk in self.enc_blocks:
+            x = blk(x)
+        return self.enc_ln(x[:, -1])                                                        # N × D
+
+    def head(self, emb: torch.Tensor, portfolio: torch.Tensor) -> HeadOut:
+        """Portfolio-dependent heads: C51 logits per branch (N × K × n_b × A), trunk state, expectile value."""
+        N, A = emb.shape[0], self.cfg.n_atoms
+        h = self.trunk(torch.cat([emb, self.port(portfolio)], dim=-1))                     # N × H
+        value = torch.einsum("nh,kha->nka", h, self.value_w) + self.value_b                 # N × K × A
+        logits = []
+        for n_b, w, b in zip(self.cfg.branch_sizes, self.adv_w, self.adv_b):
+            adv = (torch.einsum("nh,khj->nkj", h, w) + b).view(N, -1, n_b, A)               # N × K × n_b × A
+            # dueling: V + A − mean_a A   (Wang et al. 2016, Eq. 9, per atom)
+            logits.append(value.unsqueeze(2) + adv - adv.mean(dim=2, keepdim=True))
+        return HeadOut(logits=logits, hidden=h, value_e=self.expectile(h).squeeze(-1))
+
+    def quantiles(self, hidden: torch.Tensor, taus: torch.Tensor) -> torch.Tensor:
+        """IQN: θ(s, a, τ) for the 3 direction actions. hidden N × H, taus N × M (or M) → N × M × 3."""
+        if taus.dim() == 1:
+            taus = taus.expand(hidden.shape[0], -1)
+        # φ(τ) = ReLU(Σ_i cos(π i τ) w_i + b)   (IQN Eq. 4)                                   # N × M × E
+        phi = F.relu(self.iqn_tau(torch.cos(math.pi * taus.unsqueeze(-1) * self.iqn_i)))   # N × M × H
+        return self.iqn_out(hidden.unsqueeze(1) * phi)                                      # N × M × 3
+
+    def q_values(self, logits: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Q_b(s, a) = Σ_i z_i p_i(s, a) per branch and ensemble member: N × K × n_b."""
+        z = self.support
+        return [(torch.softmax(lg, dim=-1) * z).sum(-1) for lg in logits]
+
+
+def agent_from_checkpoint(tensors: dict[str, torch.Tensor], metadata: dict, device="cpu") -> Agent:
+    """Rebuild an agent from `shared.checkpoints.load_checkpoint`'s (tensors, metadata); eval mode.
+
+    The metadata must hold "agent_config" (as written by the trainer's `save_epoch`)."""
+    if "agent_config" not in metadata:
+        raise ValueError("checkpoint metadata has no 'agent_config': not an agent checkpoint")
+    agent = Agent(AgentConfig.from_dict(metadata["agent_config"])).to(device)
+    agent.load_state_dict({k: v.to(device) for k, v in tensors.items()})
+    return agent.eval()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The policy step
+# ---------------------------------------------------------------------------------------------------------
+@dataclass
+class PolicyControls:
+    """Device tensors the policy reads (the knobs of `act`), changed in place with `copy_`."""
+
+    epsilon: torch.Tensor
+    """ε of the ε-greedy exploration (0 for evaluation), per branch independently. Scalar."""
+    gate_threshold: torch.Tensor
+    """E5: no new entry where the ensemble std of Q of the chosen direction exceeds it (inf = off). Scalar."""
+    regime_confidence: torch.Tensor
+    """E9: size multiplier per regime, [N_REGIMES]."""
+
+    @classmethod
+    def make(cls, device, epsilon: float = 0.0, gate_threshold: float = math.inf,
+             regime_confidence=None, n_regimes: int = 9) -> "PolicyControls":
+        rc = [1.0] * n_regimes if regime_confidence is None else list(regime_confidence)
+        f = lambda v: torch.tensor(v, dtype=torch.float32, device=device)  # noqa: E731
+        return cls(epsilon=f(float(epsilon)), gate_threshold=f(float(gate_threshold)), regime_confidence=f(rc))
+
+    def set(self, *, epsilon=None, gate_threshold=None, regime_confidence=None) -> None:
+        """Write new values into the device tensors (no reallocation, so a captured graph keeps reading them)."""
+        if epsilon is not None:
+            self.epsilon.fill_(float(epsilon))
+        if gate_threshold is not None:
+            self.gate_threshold.fill_(float(gate_threshold))
+        if regime_confidence is not None:
+            self.regime_confidence.copy_(torch.as_tensor(regime_confidence, dtype=torch.float32))
+
+
+@dataclass
+class Action:
+    """One decision for B accounts (all [B] unless noted)."""
+
+    branches: torch.Tensor
+    """Chosen action index per branch, B × 3 (direction, size, exit)."""
+    target: torch.Tensor
+    """Target position for `Simulator.step`, in [-1, 1]."""
+    take_profit: torch.Tensor
+    """Profit target as a fraction of the entry price (+inf = none); read by the simulator when a trade opens."""
+    stop_loss: torch.Tensor
+    """Stop as a fraction of the entry price (+inf = none)."""
+    q: torch.Tensor
+    """Ensemble-mean Q of the chosen direction (return units)."""
+    q_std: torch.Tensor
+    """Ensemble std of Q of the chosen direction: the epistemic uncertainty."""
+    edge: torch.Tensor
+    """Predicted edge of trading: max(Q_long, Q_short) − Q_flat (ensemble mean)."""
+    cvar: torch.Tensor
+    """CVaR_α of the chosen direction from the IQN quantiles."""
+    quantiles: torch.Tensor
+    """IQN quantiles of the chosen direction on the fixed grid `act_taus`, B × M."""
+    blocked: torch.Tensor
+    """A new entry was blocked by the protection stack (CVaR limit, E5 gate, regime confidence 0)."""
+
+
+@torch.no_grad()
+def act(agent: Agent, emb: torch.Tensor, portfolio: torch.Tensor, *, position: torch.Tensor,
+        bars_in_trade: torch.Tensor, vol: torch.Tensor, regime: torch.Tensor, controls: PolicyControls,
+        generator: torch.Generator | None = None) -> Action:
+    """The policy: greedy on the ensemble-mean Q per branch, ε-greedy per branch, then the protection stack.
+
+    emb B × D, portfolio B × P, position B (current simulator position), bars_in_trade B (long), vol B (bar
+    volatility, return units), regime B (long). No host syncs and no Python branches on tensor values.
+    Protection stack, each scaled by m = agent.maturity (loose while the risk head is untrained):
+      CVaR limit      — no new entry where CVaR_α(chosen direction) < −cvar_limit / m;
+      epistemic gate  — no new entry where std_K Q(chosen direction) > gate_threshold / m   (E5);
+      commitment      — an open trade is not exited by signal before min_hold · m bars;
+      diff. Sharpe    — size × (1 − dsr_size_cut · m · clamp(−DSR, 0, 1)).
+    """
+    cfg = agent.cfg
+    B, dev = emb.shape[0], emb.device
+    out = agent.head(emb, portfolio)
+    qs = agent.q_values(out.logits)                                                        # [B × K × n_b]
+    q_mean = [q.mean(1) for q in qs]                                                       # [B × n_b]
+    greedy = torch.stack([q.argmax(-1) for q in q_mean], dim=1)                             # B × 3
+    # ε-greedy per branch: uniform random action with probability ε
+    u = torch.rand(B, 3, device=dev, generator=generator)
+    rnd = torch.stack([torch.randint(0, n, (B,), device=dev, generator=generator) for n in cfg.branch_sizes], 1)
+    branches = torch.where(u < controls.epsilon, rnd, greedy)                               # B × 3
+    d, s, e = branches.unbind(1)
+
+    # predicted Q, disagreement and risk of the chosen direction
+    q_dir = qs[0]                                                                           # B × K × 3
+    q_chosen_k = q_dir.gather(2, d.view(B, 1, 1).expand(B, q_dir.shape[1], 1)).squeeze(2)   # B × K
+    q = q_chosen_k.mean(1)
+    q_std = q_chosen_k.std(1, unbiased=False)
+    edge = torch.maximum(q_mean[0][:, 0], q_mean[0][:, 2]) - q_mean[0][:, FLAT]
+    quant = agent.quantiles(out.hidden, agent.act_taus)                                     # B × M × 3
+    quant_d = quant.gather(2, d.view(B, 1, 1).expand(B, quant.shape[1], 1)).squeeze(2)      # B × M
+    tail = (agent.act_taus <= cfg.cvar_alpha).float()                                       # M
+    cvar = (quant_d * tail).sum(1) / tail.sum().clamp(min=1.0)
+
+    # target position
+    m = agent.maturity.clamp(1e-3, 1.0)
+    sides = torch.tensor(DIRECTION_SIDES, device=dev, dtype=position.dtype)
+    side = sides[d]                                                                         # B
+    sizes = torch.tensor(cfg.size_levels, device=dev, dtype=position.dtype)[s]
+    kelly = (cfg.kelly_floor + portfolio[:, 5].to(position.dtype)).clamp(cfg.kelly_floor, 1.0)
+    dsr = portfolio[:, 7].to(position.dtype)
+    dsr_scale = 1.0 - cfg.dsr_size_cut * m * (-dsr).clamp(0.0, 1.0)
+    conf = controls.regime_confidence[regime].to(position.dtype)
+    new_target = side * sizes * kelly * dsr_scale * conf
+
+    cur_side = torch.sign(position)
+    entering = (side != 0) & (side != cur_side)
+    blocked = entering & ((cvar < -cfg.cvar_limit / m) | (q_std > controls.gate_threshold / m) | (conf <= 0))
+    committed = (cur_side != 0) & (side != cur_side) & (bars_in_trade.float() < cfg.min_hold * m)
+    target = torch.where((side == cur_side) & (cur_side != 0), position, new_target)        # hold, no resize
+    target = torch.where(blocked, torch.zeros_like(target), target)
+    target = torch.where(committed, position, target)
+
+    # the direction actually taken (blocked → flat, committed → current side) is what is reported and learned
+    d_eff = torch.where(blocked, torch.full_like(d, FLAT), torch.where(committed, (cur_side + 1).long(), d))
+    branches = torch.stack([d_eff, s, e], dim=1)
+    q_chosen_k = q_dir.gather(2, d_eff.view(B, 1, 1).expand(B, q_dir.shape[1], 1)).squeeze(2)
+    q, q_std = q_chosen_k.mean(1), q_chosen_k.std(1, unbiased=False)
+    quant_d = quant.gather(2, d_eff.view(B, 1, 1).expand(B, quant.shape[1], 1)).squeeze(2)
+    cvar = (quant_d * tail).sum(1) / tail.sum().clamp(min=1.0)
+
+    plans = torch.tensor(cfg.exit_plans, device=dev, dtype=position.dtype)                  # n_exit × 2
+    scale = vol.to(position.dtype)
+    take_profit = plans[e, 0] * scale
+    stop_loss = plans[e, 1] * scale
+    return Action(branches=branches, target=target, take_profit=take_profit, stop_loss=stop_loss, q=q,
+                  q_std=q_std, edge=edge, cvar=cvar, quantiles=quant_d, blocked=blocked)

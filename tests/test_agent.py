@@ -1,0 +1,119 @@
+"""The network and the policy step: shapes, dueling identity, batch consistency, ε, gates, sizing."""
+import math
+
+import pytest
+import torch
+
+from shared.agent import Agent, AgentConfig, PolicyControls, act
+
+CFG = AgentConfig(n_features=5, window=8, d_model=16, n_heads=2, hidden=24, n_atoms=11, ensemble=3,
+                  iqn_embed=8, iqn_quantiles_act=10)
+
+
+def make(seed=0):
+    torch.manual_seed(seed)
+    return Agent(CFG)
+
+
+def test_shapes_and_dueling_identity():
+    ag = make()
+    emb = ag.encode(torch.randn(4, 8, 5))
+    assert emb.shape == (4, 16)
+    out = ag.head(emb, torch.randn(4, CFG.n_portfolio))
+    for lg, n in zip(out.logits, CFG.branch_sizes):
+        assert lg.shape == (4, 3, n, 11)
+    # dueling: mean over actions of V + A − mean A equals V, so the mean logit is the same for every branch
+    means = [lg.mean(2) for lg in out.logits]
+    assert torch.allclose(means[0], means[1], atol=1e-5) and torch.allclose(means[0], means[2], atol=1e-5)
+    assert ag.quantiles(out.hidden, torch.rand(4, 7)).shape == (4, 7, 3)
+    assert out.value_e.shape == (4,)
+
+
+def test_support_follows_v_max():
+    ag = make()
+    ag.v_max.fill_(0.2)
+    z = ag.support
+    assert z[0].item() == pytest.approx(-0.2) and z[-1].item() == pytest.approx(0.2) and z.shape == (11,)
+
+
+def test_encode_is_batch_consistent_and_causal_in_the_window():
+    ag = make()
+    w = torch.randn(6, 8, 5)
+    full = ag.encode(w)
+    single = torch.cat([ag.encode(w[i:i + 1]) for i in range(6)])
+    assert torch.allclose(full, single, atol=1e-5)
+    # the embedding depends on earlier bars of the window (attention reaches back)
+    w2 = w.clone()
+    w2[:, 0] += 3.0
+    assert not torch.allclose(ag.encode(w2), full)
+
+
+def _act(ag, emb, port, position, controls, **kw):
+    B = emb.shape[0]
+    return act(ag, emb, port, position=position, bars_in_trade=kw.get("bars", torch.zeros(B, dtype=torch.long)),
+               vol=torch.full((B,), 0.01, dtype=torch.float64), regime=torch.zeros(B, dtype=torch.long),
+               controls=controls, generator=torch.Generator().manual_seed(1))
+
+
+def test_greedy_policy_matches_argmax_of_ensemble_mean_q():
+    ag = make()
+    B = 32
+    emb, port = torch.randn(B, 16), torch.zeros(B, CFG.n_portfolio)
+    ctl = PolicyControls.make("cpu", epsilon=0.0)
+    a = _act(ag, emb, port, torch.zeros(B, dtype=torch.float64), ctl)
+    qs = ag.q_values(ag.head(emb, port).logits)
+    for b in range(3):
+        assert torch.equal(a.branches[:, b], qs[b].mean(1).argmax(-1))
+    # flat accounts: target = side × size × Kelly scale (f = 0 → kelly_floor) × confidence 1
+    side = a.branches[:, 0].double() - 1
+    size = torch.tensor(CFG.size_levels, dtype=torch.float64)[a.branches[:, 1]]
+    assert torch.allclose(a.target, side * size * CFG.kelly_floor)
+    # exit plans: take-profit / stop = multiples of the bar volatility (inf = none)
+    plans = torch.tensor(CFG.exit_plans, dtype=torch.float64)[a.branches[:, 2]]
+    assert torch.equal(a.take_profit, plans[:, 0] * 0.01) and torch.equal(a.stop_loss, plans[:, 1] * 0.01)
+
+
+def test_epsilon_one_explores_every_action():
+    ag = make()
+    B = 600
+    a = _act(ag, torch.randn(B, 16), torch.zeros(B, CFG.n_portfolio), torch.zeros(B, dtype=torch.float64),
+             PolicyControls.make("cpu", epsilon=1.0))
+    for b, n in enumerate(CFG.branch_sizes):
+        counts = torch.bincount(a.branches[:, b], minlength=n).float() / B
+        assert torch.all((counts - 1.0 / n).abs() < 0.08)
+
+
+def test_epistemic_gate_and_regime_confidence_block_new_entries():
+    ag = make()
+    ag.maturity.fill_(1.0)
+    B = 64
+    emb, port = torch.randn(B, 16), torch.zeros(B, CFG.n_portfolio)
+    flat = torch.zeros(B, dtype=torch.float64)
+    a = _act(ag, emb, port, flat, PolicyControls.make("cpu", epsilon=1.0, gate_threshold=0.0))
+    # every entry where the ensemble disagrees (std > 0) is blocked: flat target, direction reported as flat
+    assert torch.all(a.target == 0)
+    assert torch.all(a.branches[:, 0] == 1)
+    assert a.blocked.sum() > 0
+    a = _act(ag, emb, port, flat, PolicyControls.make("cpu", epsilon=1.0, regime_confidence=[0.0] * 9))
+    assert torch.all(a.target == 0)
+
+
+def test_open_trade_in_chosen_direction_is_held_without_resizing():
+    ag = make()
+    B = 200
+    emb, port = torch.randn(B, 16), torch.zeros(B, CFG.n_portfolio)
+    pos = torch.full((B,), 0.37, dtype=torch.float64)
+    a = _act(ag, emb, port, pos, PolicyControls.make("cpu", epsilon=1.0), bars=torch.full((B,), 100))
+    long_ = a.branches[:, 0] == 2
+    assert long_.any() and torch.all(a.target[long_] == 0.37)
+    assert torch.all(a.target[a.branches[:, 0] == 1] == 0)
+
+
+def test_commitment_holds_young_trades_when_mature():
+    ag = make()
+    ag.maturity.fill_(1.0)
+    B = 100
+    pos = torch.full((B,), -0.5, dtype=torch.float64)
+    a = _act(ag, torch.randn(B, 16), torch.zeros(B, CFG.n_portfolio), pos, PolicyControls.make("cpu", epsilon=1.0),
+             bars=torch.ones(B, dtype=torch.long))  # 1 bar < min_hold: no exit
+    assert torch.all(a.target == -0.5) and torch.all(a.branches[:, 0] == 0)

@@ -1,0 +1,111 @@
+"""Losses against small hand-computed cases: C51 projection, quantile Huber, expectile, n-step targets."""
+import math
+
+import pytest
+import torch
+
+from services.trainer.losses import (adapt_entropy_coef, atom_utilisation, c51_cross_entropy, expectile_loss,
+                                     nstep_returns, project_distribution, quantile_huber_loss)
+
+Z3 = torch.tensor([-1.0, 0.0, 1.0])  # 3-atom support, Δz = 1
+
+
+def test_projection_between_atoms_splits_mass_linearly():
+    # Tz = 0.5 lies halfway between z=0 and z=1
+    m = project_distribution(torch.tensor([[0.5]]), torch.tensor([[1.0]]), Z3)
+    assert torch.allclose(m, torch.tensor([[0.0, 0.5, 0.5]]))
+
+
+def test_projection_clips_at_v_max_and_v_min():
+    m = project_distribution(torch.tensor([[2.0, -3.0]]), torch.tensor([[0.7, 0.3]]), Z3)
+    assert torch.allclose(m, torch.tensor([[0.3, 0.0, 0.7]]))
+
+
+def test_projection_of_two_atoms_by_hand():
+    # −0.25 → 0.25 on −1, 0.75 on 0;  0.75 → 0.25 on 0, 0.75 on 1; probabilities 0.4, 0.6
+    m = project_distribution(torch.tensor([[-0.25, 0.75]]), torch.tensor([[0.4, 0.6]]), Z3)
+    assert torch.allclose(m, torch.tensor([[0.1, 0.45, 0.45]]))
+
+
+def test_projection_identity_and_shift_by_reward_gamma():
+    z = torch.linspace(-2.0, 2.0, 5)                       # Δz = 1
+    p = torch.tensor([[0.1, 0.2, 0.4, 0.2, 0.1]])
+    assert torch.allclose(project_distribution(z.expand(1, 5), p, z), p)
+    # r = 1, γ = 1: every atom moves up one; the top one clips onto z = 2
+    m = project_distribution((1.0 + z).expand(1, 5), p, z)
+    assert torch.allclose(m, torch.tensor([[0.0, 0.1, 0.2, 0.4, 0.3]]))
+    # r = 0, γ = 0.5: Tz = (−1, −.5, 0, .5, 1) → mass .1 to −1; .2 split −1/0; .4 to 0; .2 split 0/1; .1 to 1
+    m = project_distribution((0.5 * z).expand(1, 5), p, z)
+    assert torch.allclose(m, torch.tensor([[0.0, 0.2, 0.6, 0.2, 0.0]]))
+
+
+def test_projection_keeps_mass_and_mean_inside_support():
+    g = torch.Generator().manual_seed(0)
+    z = torch.linspace(-1, 1, 11)
+    p = torch.softmax(torch.randn(4, 11, generator=g), -1)
+    tz = 0.05 + 0.9 * z
+    m = project_distribution(tz.expand(4, 11), p, z)
+    assert torch.allclose(m.sum(-1), torch.ones(4))
+    assert torch.allclose((m * z).sum(-1), (p * tz).sum(-1), atol=1e-6)  # no clipping here: the mean is kept
+
+
+def test_c51_cross_entropy_by_hand():
+    logits = torch.log(torch.tensor([[0.2, 0.3, 0.5]]))
+    target = torch.tensor([[0.0, 0.5, 0.5]])
+    expected = -(0.5 * math.log(0.3) + 0.5 * math.log(0.5))
+    assert c51_cross_entropy(logits, target).item() == pytest.approx(expected, rel=1e-6)
+
+
+def test_quantile_huber_by_hand():
+    # pred 0 at τ = 0.25; targets 2 (u = 2 > κ: huber = 1.5, weight .25) and −0.5 (huber .125, weight .75)
+    loss = quantile_huber_loss(torch.tensor([[0.0]]), torch.tensor([[2.0, -0.5]]), torch.tensor([[0.25]]))
+    assert loss.item() == pytest.approx((0.25 * 1.5 + 0.75 * 0.125) / 2)
+
+
+def test_quantile_huber_sums_over_quantiles_and_minimiser_is_quantile():
+    pred = torch.tensor([[0.0, 1.0]])
+    taus = torch.tensor([[0.1, 0.9]])
+    target = torch.tensor([[0.5]])
+    # τ=.1: u = .5 ≥ 0 → weight .1; τ=.9: u = −.5 < 0 → weight |.9 − 1| = .1; huber(.5) = .125 each
+    assert quantile_huber_loss(pred, target, taus).item() == pytest.approx(0.1 * 0.125 * 2)
+    # gradient descent on one quantile converges near the τ-quantile of the targets {0..9}
+    th = torch.zeros(1, 1, requires_grad=True)
+    tgt = torch.arange(10.0).view(1, 10)
+    opt = torch.optim.SGD([th], lr=0.5)
+    for _ in range(400):
+        opt.zero_grad()
+        quantile_huber_loss(th, tgt, torch.tensor([[0.75]]), kappa=0.01).sum().backward()
+        opt.step()
+    assert 6.5 <= th.item() <= 7.5
+
+
+def test_expectile_loss_weights_by_sign():
+    d = torch.tensor([2.0, -2.0])
+    assert torch.allclose(expectile_loss(d, 0.7), torch.tensor([0.7 * 4, 0.3 * 4]))
+
+
+def test_nstep_returns_by_hand():
+    r = torch.tensor([[1.0, 2.0, 3.0, 4.0, 5.0]])
+    d = torch.zeros(1, 5, dtype=torch.bool)
+    R, disc = nstep_returns(r, d, torch.tensor(0.5), (1, 3, 5))
+    assert torch.allclose(R, torch.tensor([[1.0, 1 + 1 + 0.75, 1 + 1 + 0.75 + 0.5 + 0.3125]]))
+    assert torch.allclose(disc, torch.tensor([[0.5, 0.125, 0.03125]]))
+
+
+def test_nstep_done_mask_stops_rewards_and_bootstrap():
+    r = torch.tensor([[1.0, 2.0, 3.0, 4.0, 5.0]])
+    d = torch.tensor([[False, True, False, False, False]])  # the episode ends with transition 1
+    R, disc = nstep_returns(r, d, torch.tensor(0.5), (1, 3, 5))
+    assert torch.allclose(R, torch.tensor([[1.0, 2.0, 2.0]]))      # rewards 3, 4, 5 belong to the next episode
+    assert torch.allclose(disc, torch.tensor([[0.5, 0.0, 0.0]]))    # no bootstrap past the end
+
+
+def test_entropy_coefficient_rises_when_atoms_unused():
+    beta = torch.tensor(1e-3)
+    adapt_entropy_coef(beta, torch.tensor(0.1), target=0.3, rate=1.0)
+    assert beta.item() == pytest.approx(1e-3 * math.exp(0.2))
+    adapt_entropy_coef(beta, torch.tensor(0.9), target=0.3, rate=1.0)
+    assert beta.item() == pytest.approx(1e-3 * math.exp(0.2 - 0.6))
+    # utilisation: one-hot uses 1 of 4 atoms; uniform uses all
+    assert atom_utilisation(torch.tensor([[10.0, -10, -10, -10]])).item() == pytest.approx(0.25)
+    assert atom_utilisation(torch.zeros(1, 4)).item() == pytest.approx(1.0)
