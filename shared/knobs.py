@@ -66,7 +66,9 @@ class Knobs:
 
     @classmethod
     def fixed_schedule(cls, epoch: int, *, eps_start: float = 0.3, eps_end: float = 0.02,
-                       eps_decay_epochs: int = 10, gamma: float = 0.97) -> "Knobs":
-        """The ablation's schedule (feedback off): ε decays linearly over `eps_decay_epochs`; the rest fixed."""
-        frac = min(1.0, max(0, epoch) / max(1, eps_decay_epochs))
+                       eps_decay_epochs: int = 8, gamma: float = 0.99) -> "Knobs":
+        """The ablation's schedule (feedback off) for 1-based `epoch`: ε falls linearly from `eps_start` at
+        epoch 1 to `eps_end` at epoch 1 + `eps_decay_epochs`; everything else fixed. The defaults are the
+        trainer's (`TrainConfig`), so the trainer alone and the feedback service switched off agree."""
+        frac = min(1.0, max(0, epoch - 1) / max(1, eps_decay_epochs))
         return cls(epsilon=eps_start + (eps_end - eps_start) * frac, gamma=gamma)

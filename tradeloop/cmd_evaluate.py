@@ -97,10 +97,28 @@ def register(app) -> None:
         seed: int = typer.Option(0, "--seed", help="Seed of the synthetic data and of the random policy."),
         device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
         as_json: bool = typer.Option(False, "--json", help="Print the metrics as one JSON object."),
+        report: bool = typer.Option(False, "--report", help="Agent only: the evaluator's full report (val, OOS, "
+                                    "in-sample autopsy, calibration, ledgers, equity) as JSON, as the service "
+                                    "stores it."),
     ) -> None:
         """Run a policy over the validation or test split and print its metrics (Sharpes un-annualized)."""
         from shared.checkpoints import CheckpointError
         from shared.market import DataError, chronological_split, load_dataset
+
+        if report:
+            if policy in BASELINES:
+                typer.echo("error: --report needs a checkpoint or run directory (the autopsy reads the agent's "
+                           "predictions)", err=True)
+                raise typer.Exit(2)
+            from services.evaluator.runner import EvaluateInputError, report_for_cli
+
+            try:
+                rep = report_for_cli(resolve_checkpoint(policy), data=dataset, device=device)
+            except (EvaluateInputError, FileNotFoundError) as exc:
+                typer.echo(f"error: {exc}", err=True)
+                raise typer.Exit(2) from None
+            typer.echo(rep.model_dump_json())
+            return
 
         if split not in ("val", "test", "train"):
             typer.echo(f"error: --split must be val or test, got {split!r}", err=True)

@@ -47,8 +47,8 @@ class FeedbackConfig:
     # fixed schedule (feedback off)
     eps_start: float = 0.3
     eps_end: float = 0.02
-    eps_decay_epochs: int = 10
-    gamma_fixed: float = 0.97
+    eps_decay_epochs: int = 8
+    gamma_fixed: float = 0.99
     n0: float = 20.0
     """Shrinkage constant of w(n) = n / (n + n0) for E1, E4 (validation trade counts)."""
     # E1

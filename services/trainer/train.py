@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from shared.agent import Agent, AgentConfig, PolicyControls, agent_from_checkpoint
-from shared.checkpoints import load_checkpoint, save_checkpoint
+from shared.checkpoints import load_checkpoint, save_checkpoint, sidecar_path
 from shared.execution import CostModel
 from shared.knobs import BRANCHES, N_REGIMES, Knobs
 from shared.market import Bars, Split, chronological_split, compute_features
@@ -383,6 +383,8 @@ class TrainState:
     generator: torch.Generator
     update: Callable[[Batch], dict]
     epoch: int = 0
+    knobs: Knobs | None = None
+    """The knobs of the last `apply_knobs` (saved in the checkpoint: the evaluator gates as trained)."""
     update_step: int = 0
     env_steps: int = 0
 
@@ -418,15 +420,18 @@ def build_state(cfg: TrainConfig, bars: Bars, split: Split, seed: int, device="c
 def apply_knobs(state: TrainState, knobs: Knobs) -> None:
     """Write an epoch's knobs into the device tensors and tables the policy and the update read."""
     knobs.validate()
+    state.knobs = knobs
     state.controls.set(epsilon=knobs.epsilon, gate_threshold=knobs.gate_threshold,
                        regime_confidence=knobs.regime_confidence)
     state.buffers.gamma.fill_(knobs.gamma)
     state.buffers.q_bias.fill_(knobs.q_bias)
-    T = len(state.env.market)
-    boost = [(b, m) for b, m in knobs.priority_boost if 0 <= b < T]
+    # E6/E7 name absolute bars of the dataset (inside the train range); the replay and the label table are
+    # indexed from the start of the training window
+    T, t0 = len(state.env.market), state.env.market.start
+    boost = [(b - t0, m) for b, m in knobs.priority_boost if 0 <= b - t0 < T]
     state.replay.set_bar_boost([b for b, _ in boost], [m for _, m in boost])
     state.buffers.hindsight.fill_(-1)
-    hs = [(b, d) for b, d in knobs.hindsight if 0 <= b < T and d in (0, 1, 2)]
+    hs = [(b - t0, d) for b, d in knobs.hindsight if 0 <= b - t0 < T and d in (0, 1, 2)]
     if hs:
         state.buffers.hindsight[torch.tensor([b for b, _ in hs], device=state.device)] = torch.tensor(
             [d for _, d in hs], device=state.device)
@@ -523,7 +528,9 @@ def agent_metadata(state: TrainState, run_meta: dict) -> dict:
     return {"kind": "agent", "epoch": state.epoch, "agent_config": state.cfg.agent.to_dict(),
             "config_hash": state.cfg.hash(), "dataset": run_meta.get("dataset"),
             "split": run_meta.get("split"), "split_hashes": run_meta.get("split_hashes"),
-            "seed": run_meta.get("seed"), "update_step": state.update_step}
+            "seed": run_meta.get("seed"), "update_step": state.update_step,
+            "knobs": state.knobs.to_dict() if state.knobs is not None else None,
+            "costs_bps": state.cfg.costs_bps}
 
 
 def save_epoch(state: TrainState, run_dir: Path, run_meta: dict) -> tuple[Path, str]:
@@ -586,12 +593,17 @@ def restore_state(state: TrainState, run_dir: Path, epoch: int) -> None:
 
 
 def latest_epoch(run_dir: Path) -> int:
-    """Highest epoch with both checkpoint files in DIR/checkpoints (0 when none)."""
+    """Highest complete epoch in DIR/checkpoints (0 when none): both files and both sha256 sidecars present.
+
+    `save_checkpoint` writes a file atomically and then its sidecar; a kill between the two leaves an epoch
+    without a sidecar, which is not complete and is never resumed from (its sha256 could not be checked).
+    """
     ck = Path(run_dir) / "checkpoints"
     best = 0
     for p in ck.glob("epoch-*.state.safetensors"):
         e = int(p.name.split("-")[1].split(".")[0])
-        if (ck / f"epoch-{e:04d}.safetensors").exists():
+        files = [ck / f"epoch-{e:04d}.safetensors", p]
+        if all(f.exists() and sidecar_path(f).exists() for f in files):
             best = max(best, e)
     return best
 
@@ -602,7 +614,7 @@ def train_run(bars: Bars, dataset: str, run_dir: Path, epochs: int, *, config: s
               progress: Callable[[int, int], None] | None = None) -> TrainState:
     """Train until `epochs` epochs exist in `run_dir`, resuming from its latest checkpoint when it holds a run.
 
-    Knobs of epoch e (1-based) come from `knobs_fn(e)`, by default `Knobs.fixed_schedule(e − 1, …)` with the
+    Knobs of epoch e (1-based) come from `knobs_fn(e)`, by default `Knobs.fixed_schedule(e, …)` with the
     config's ε schedule and γ."""
     run_dir = Path(run_dir)
     feats = compute_features(bars)
@@ -626,7 +638,7 @@ def train_run(bars: Bars, dataset: str, run_dir: Path, epochs: int, *, config: s
     done = latest_epoch(run_dir)
     if done:
         restore_state(state, run_dir, done)
-    knobs_fn = knobs_fn or (lambda e: Knobs.fixed_schedule(e - 1, eps_start=cfg.eps_start, eps_end=cfg.eps_end,
+    knobs_fn = knobs_fn or (lambda e: Knobs.fixed_schedule(e, eps_start=cfg.eps_start, eps_end=cfg.eps_end,
                                                           eps_decay_epochs=cfg.eps_decay_epochs, gamma=cfg.gamma))
     while state.epoch < epochs:
         stats = train_epoch(state, knobs_fn(state.epoch + 1), progress)

@@ -178,7 +178,7 @@ class TrainerWorker:
     async def _knobs_for(self, epoch: int) -> tuple[Knobs, dict]:
         """The knobs epoch `epoch` trains under, and the record of where they came from."""
         if epoch == 1:
-            return Knobs.fixed_schedule(0), {"bundle_epoch": None, "bundle_id": None, "feedback_timed_out": False,
+            return Knobs.fixed_schedule(1), {"bundle_epoch": None, "bundle_id": None, "feedback_timed_out": False,
                                              "feedback_wait_s": 0.0, "knobs_source": "fixed schedule (first epoch)"}
         self._phase("waiting_feedback")
         self.state.extra["feedback"] = {"waiting_for_bundle": epoch - 1, "timed_out": False}
@@ -195,7 +195,7 @@ class TrainerWorker:
         if timed_out:
             self.state.count("feedback_timeouts")
             log.warning("epoch %d: %s", epoch, src)
-        knobs = Knobs.from_dict(used["knobs"]) if used is not None else Knobs.fixed_schedule(epoch - 1)
+        knobs = Knobs.from_dict(used["knobs"]) if used is not None else Knobs.fixed_schedule(epoch)
         if bundle is None and used is not None:
             # a stale bundle: its hyper-parameters carry on, but its sample-level signals (E6 replay boosts,
             # E7 hindsight labels of that checkpoint's trades) were applied already — never apply them twice
