@@ -1,10 +1,13 @@
-"""Does the agent learn? Train on `synthetic` (small config, CPU) per seed and compare with the baselines.
+"""Does the agent learn? Train on a dataset (default `synthetic`; small config, CPU) per seed and compare with the
+baselines.
 
-    .venv/bin/python bench/learning.py --seeds 0 1 2 --epochs 6
+    .venv/bin/python bench/learning.py --seeds 0 1 2 --epochs 10 --threads 1 --jobs 2
+    .venv/bin/python bench/learning.py --dataset sp500 --seeds 0 --epochs 6 --threads 1
 
 Prints, per seed, the val and OOS (test) per-trade Sharpe (un-annualized) and trade count of the agent, the
-oracle, random, flat and buy-and-hold, and checks the target: agent OOS per-trade Sharpe ≥ ½ oracle's and above
-random and flat (a policy with < 2 trades has Sharpe 0 by `shared.metrics`' convention).
+oracle (synthetic only), random, flat and buy-and-hold, and on `synthetic` checks the target: agent OOS per-trade
+Sharpe ≥ ½ oracle's and above random and flat (a policy with < 2 trades has Sharpe 0 by `shared.metrics`'
+convention). `--jobs N` trains N seeds at once in separate processes (each with `--threads` torch threads).
 """
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import argparse
 import sys
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -21,49 +25,71 @@ from shared.market import chronological_split, compute_features, load_dataset  #
 from tradeloop.cmd_evaluate import policy_metrics  # noqa: E402
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--epochs", type=int, default=6)
-    ap.add_argument("--iterations", type=int, default=None, help="override iterations per epoch")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--out", default=None, help="keep run directories here (default: a temp dir)")
-    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
-    args = ap.parse_args()
+def run_seed(seed: int, args: argparse.Namespace, root: Path) -> tuple[str, bool | None]:
+    """Train one seed and evaluate it with the baselines; (table text, target met — None off synthetic)."""
     if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)
-    root = Path(args.out or tempfile.mkdtemp(prefix="tl-learning-"))
-    ok_all = True
-    for seed in args.seeds:
-        bars = load_dataset("synthetic", seed=seed)
-        split = chronological_split(len(bars))
-        cfg = TrainConfig.preset("small", compute_features(bars).shape[1])
-        if args.iterations:
-            cfg.iterations = args.iterations
-        t0 = time.perf_counter()
-        run = root / f"seed{seed}"
-        train_run(bars, "synthetic", run, args.epochs, config=cfg, seed=seed, device=args.device,
-                  on_epoch=lambda s: print(f"  seed {seed} epoch {s.epoch}: loss {s.loss:.3f} train-sharpe "
-                                           f"{s.train_per_trade_sharpe:.3f} ({s.train_trades} trades) "
-                                           f"{s.seconds:.0f}s", flush=True))
-        train_s = time.perf_counter() - t0
-        rows = {}
-        for pol in ("agent", "oracle", "random", "flat", "buy-and-hold"):
-            p = str(run) if pol == "agent" else pol
-            rows[pol] = {w: policy_metrics(p, "synthetic", bars, split, w, seed=seed, device=args.device)
-                         for w in ("val", "test")}
-        print(f"\nseed {seed}  (train {train_s:.0f}s, {args.epochs} epochs; per-trade Sharpe un-annualized)")
-        print(f"  {'policy':<13} {'val SR':>8} {'val n':>6} {'OOS SR':>8} {'OOS n':>6}")
-        for pol, r in rows.items():
-            print(f"  {pol:<13} {r['val']['per_trade_sharpe']:>8.3f} {int(r['val']['n_trades']):>6} "
-                  f"{r['test']['per_trade_sharpe']:>8.3f} {int(r['test']['n_trades']):>6}")
+    synthetic = args.dataset.strip().lower() == "synthetic"
+    bars = load_dataset(args.dataset, seed=seed)
+    split = chronological_split(len(bars))
+    cfg = TrainConfig.preset("small", compute_features(bars).shape[1])
+    if args.iterations:
+        cfg.iterations = args.iterations
+    t0 = time.perf_counter()
+    run = root / f"{args.dataset}-seed{seed}"
+    train_run(bars, args.dataset, run, args.epochs, config=cfg, seed=seed, device=args.device,
+              on_epoch=lambda s: print(f"  seed {seed} epoch {s.epoch}: loss {s.loss:.3f} train-sharpe "
+                                       f"{s.train_per_trade_sharpe:.3f} ({s.train_trades} trades) "
+                                       f"{s.seconds:.0f}s", flush=True))
+    train_s = time.perf_counter() - t0
+    rows = {}
+    pols = ("agent", "oracle", "random", "flat", "buy-and-hold") if synthetic else ("agent", "random", "flat",
+                                                                                    "buy-and-hold")
+    for pol in pols:
+        p = str(run) if pol == "agent" else pol
+        rows[pol] = {w: policy_metrics(p, args.dataset, bars, split, w, seed=seed, device=args.device)
+                     for w in ("val", "test")}
+    lines = [f"\n{args.dataset} seed {seed}  (train {train_s:.0f}s, {args.epochs} epochs × {cfg.iterations} "
+             f"iterations; per-trade Sharpe un-annualized)",
+             f"  {'policy':<13} {'val SR':>8} {'val n':>6} {'OOS SR':>8} {'OOS n':>6}"]
+    for pol, r in rows.items():
+        lines.append(f"  {pol:<13} {r['val']['per_trade_sharpe']:>8.3f} {int(r['val']['n_trades']):>6} "
+                     f"{r['test']['per_trade_sharpe']:>8.3f} {int(r['test']['n_trades']):>6}")
+    ok = None
+    if synthetic:
         a, o = rows["agent"]["test"]["per_trade_sharpe"], rows["oracle"]["test"]["per_trade_sharpe"]
-        ok = a >= 0.5 * o and a > rows["random"]["test"]["per_trade_sharpe"] and a > rows["flat"]["test"]["per_trade_sharpe"]
-        ok_all &= ok
-        print(f"  target (OOS ≥ ½ oracle, > random, > flat): {'MET' if ok else 'NOT MET'}", flush=True)
-    print(f"\nall seeds: {'MET' if ok_all else 'NOT MET'}  (runs in {root})")
+        ok = bool(a >= 0.5 * o and a > rows["random"]["test"]["per_trade_sharpe"]
+                  and a > rows["flat"]["test"]["per_trade_sharpe"])
+        lines.append(f"  target (OOS ≥ ½ oracle, > random, > flat): {'MET' if ok else 'NOT MET'}")
+    return "\n".join(lines), ok
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dataset", default="synthetic", help="synthetic, sp500, eurusd or a file")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--epochs", type=int, default=10)
+    ap.add_argument("--iterations", type=int, default=None, help="override iterations per epoch")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--out", default=None, help="keep run directories here (default: a temp dir)")
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (per process)")
+    ap.add_argument("--jobs", type=int, default=1, help="seeds trained at once, in separate processes")
+    args = ap.parse_args()
+    root = Path(args.out or tempfile.mkdtemp(prefix="tl-learning-"))
+    if args.jobs > 1:
+        with ProcessPoolExecutor(args.jobs) as ex:
+            results = list(ex.map(run_seed, args.seeds, [args] * len(args.seeds), [root] * len(args.seeds)))
+    else:
+        results = [run_seed(s, args, root) for s in args.seeds]
+    for text, _ in results:
+        print(text, flush=True)
+    oks = [ok for _, ok in results if ok is not None]
+    if oks:
+        print(f"\nall seeds: {'MET' if all(oks) else 'NOT MET'}  (runs in {root})")
+    else:
+        print(f"\n(runs in {root})")
 
 
 if __name__ == "__main__":

@@ -19,12 +19,13 @@ it, so endpoints stay three lines. Web stack only: the ML core never imports thi
 """
 from __future__ import annotations
 
+import asyncio
 import hmac
 import os
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.middleware.cors import CORSMiddleware
@@ -33,6 +34,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from shared.config import CommonSettings
+
+if TYPE_CHECKING:
+    from shared.bus import Bus, Consumer
 
 
 @dataclass
@@ -229,3 +233,71 @@ def trainer_history_key(run_id: str) -> str:
     from shared.store import run_key
 
     return run_key(run_id, "trainer", "history")
+
+
+class ConsumerWorker:
+    """Base of a service that consumes one stream (evaluator, feedback): subclasses set `bus`, `state`,
+    `consumer` (a `shared.bus.Consumer`) and `group`, and implement the consumer's handler."""
+
+    bus: "Bus"
+    state: ServiceState
+    consumer: "Consumer"
+    group: str
+
+    async def run(self) -> None:
+        """Consume until cancelled; refresh the stream lag and the consumer's last error on /status."""
+        await self.bus.connect()
+        await self.bus.ensure_group(self.consumer.stream, self.group)
+        self.state.ready = True
+        lag_task = asyncio.create_task(self._lag_loop())
+        try:
+            await self.consumer.run()
+        finally:
+            lag_task.cancel()
+
+    async def _lag_loop(self) -> None:
+        while True:
+            try:
+                self.state.stream_lag = await self.consumer.lag()
+                st = self.consumer.stats
+                if st.last_error and st.last_error_at != self.state.last_error_at:
+                    self.state.last_error, self.state.last_error_at = st.last_error, st.last_error_at
+                self.state.extra["consumer_stats"] = self.consumer.status()
+            except Exception as exc:  # noqa: BLE001
+                self.state.error(f"lag: {type(exc).__name__}: {exc}")
+            await asyncio.sleep(1.0)
+
+
+def consumer_lifespan(worker: ConsumerWorker, name: str):
+    """FastAPI lifespan that runs `worker` in the background (retrying with backoff while Redis is not up)
+    and, on shutdown, stops taking work, lets the entry in hand finish (or stay pending for another
+    replica), then closes the bus."""
+    state, bus = worker.state, worker.bus
+
+    async def run_worker() -> None:
+        while True:
+            try:
+                await worker.run()
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 — e.g. Redis not up yet: report, back off, retry
+                state.ready = False
+                state.error(f"{type(exc).__name__}: {exc}")
+                await asyncio.sleep(1.0)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        task = asyncio.create_task(run_worker(), name=f"{name}-consumer")
+        try:
+            yield
+        finally:
+            worker.consumer.stop()
+            try:
+                await asyncio.wait_for(asyncio.shield(task), timeout=5)
+            except (asyncio.TimeoutError, Exception):  # noqa: BLE001
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+            await bus.close()
+
+    return lifespan

@@ -10,15 +10,13 @@ Reports are read from Redis (the source of truth), so every replica answers the 
 """
 from __future__ import annotations
 
-import asyncio
 import logging
-from contextlib import asynccontextmanager
 from typing import Annotated, Literal
 
 from fastapi import FastAPI, HTTPException, Path, Query
 
 from services.evaluator.worker import EvaluatorServiceSettings, EvaluatorWorker
-from shared.api import ServiceState, create_service_app
+from shared.api import ServiceState, consumer_lifespan, create_service_app
 from shared.bus import Bus
 from shared.config import load_settings
 
@@ -50,31 +48,7 @@ def create_app(settings: EvaluatorServiceSettings | None = None) -> FastAPI:
               keep_checkpoints=settings.keep_checkpoints)
     worker = EvaluatorWorker(settings, bus, state)
 
-    async def run_worker() -> None:
-        while True:
-            try:
-                await worker.run()
-                return
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # noqa: BLE001 — e.g. Redis not up yet: report, back off, retry
-                state.ready = False
-                state.error(f"{type(exc).__name__}: {exc}")
-                await asyncio.sleep(1.0)
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI):
-        task = asyncio.create_task(run_worker(), name="evaluator-consumer")
-        try:
-            yield
-        finally:
-            worker.consumer.stop()
-            try:  # the entry in hand finishes (and is acked) or stays pending for another replica
-                await asyncio.wait_for(asyncio.shield(task), timeout=5)
-            except (asyncio.TimeoutError, Exception):  # noqa: BLE001
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-            await bus.close()
+    lifespan = consumer_lifespan(worker, "evaluator")
 
     app = create_service_app("evaluator", settings, state, lifespan=lifespan,
                              description="Backtests each checkpoint on validation and OOS data.")

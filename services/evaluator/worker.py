@@ -24,7 +24,7 @@ from functools import lru_cache
 
 from pydantic import Field
 
-from shared.api import ServiceState, report_id, trainer_history_key
+from shared.api import ConsumerWorker, ServiceState, report_id, trainer_history_key
 from shared.bus import Bus, Consumer
 from shared.config import EvaluatorSettings
 from shared.events import CheckpointPublished, EvalCompleted, Event
@@ -58,7 +58,7 @@ def _features(bars):
     return compute_features(bars)
 
 
-class EvaluatorWorker:
+class EvaluatorWorker(ConsumerWorker):
     """Consumes checkpoints, evaluates them, stores reports, publishes eval.completed."""
 
     def __init__(self, settings: EvaluatorServiceSettings, bus: Bus, state: ServiceState):
@@ -67,6 +67,7 @@ class EvaluatorWorker:
         _check_data_setting(settings.data)
         self.settings, self.bus, self.state = settings, bus, state
         self.data_seed = settings.data_seed
+        self.group = GROUP
         self.consumer = Consumer(bus, bus.stream("checkpoints"), GROUP, settings.consumer_name, self.handle,
                                  claim_idle_ms=settings.claim_idle_ms,
                                  block_ms=int(min(1000, bus.socket_timeout_s * 500)))
@@ -132,29 +133,6 @@ class EvaluatorWorker:
             checkpoint_id=event.checkpoint_id, report_key=self.bus.store.key("report", event.epoch),
             val_per_trade_sharpe=val.get("per_trade_sharpe"), oos_per_trade_sharpe=oos.get("per_trade_sharpe"),
             dsr=val.get("dsr"), n_trades=int(val.get("n_trades") or 0)))
-
-    async def run(self) -> None:
-        """Consume until cancelled; refresh the stream lag on /status."""
-        await self.bus.connect()
-        await self.bus.ensure_group(self.consumer.stream, GROUP)
-        self.state.ready = True
-        lag_task = asyncio.create_task(self._lag_loop())
-        try:
-            await self.consumer.run()
-        finally:
-            lag_task.cancel()
-
-    async def _lag_loop(self) -> None:
-        while True:
-            try:
-                self.state.stream_lag = await self.consumer.lag()
-                st = self.consumer.stats
-                if st.last_error and st.last_error_at != self.state.last_error_at:
-                    self.state.last_error, self.state.last_error_at = st.last_error, st.last_error_at
-                self.state.extra["consumer_stats"] = self.consumer.status()
-            except Exception as exc:  # noqa: BLE001
-                self.state.error(f"lag: {type(exc).__name__}: {exc}")
-            await asyncio.sleep(1.0)
 
 
 def _check_data_setting(data: str) -> None:

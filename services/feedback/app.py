@@ -6,14 +6,12 @@
 """
 from __future__ import annotations
 
-import asyncio
-from contextlib import asynccontextmanager
 from typing import Annotated
 
 from fastapi import FastAPI, HTTPException, Path
 
 from services.feedback.worker import FeedbackWorker
-from shared.api import ServiceState, bundle_id, create_service_app
+from shared.api import ServiceState, consumer_lifespan, bundle_id, create_service_app
 from shared.bus import Bus
 from shared.config import FeedbackSettings, load_settings
 
@@ -44,31 +42,7 @@ def create_app(settings: FeedbackSettings | None = None) -> FastAPI:
               keep_checkpoints=settings.keep_checkpoints)
     worker = FeedbackWorker(settings, bus, state)
 
-    async def run_worker() -> None:
-        while True:
-            try:
-                await worker.run()
-                return
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # noqa: BLE001 — e.g. Redis not up yet: report, back off, retry
-                state.ready = False
-                state.error(f"{type(exc).__name__}: {exc}")
-                await asyncio.sleep(1.0)
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI):
-        task = asyncio.create_task(run_worker(), name="feedback-consumer")
-        try:
-            yield
-        finally:
-            worker.consumer.stop()
-            try:
-                await asyncio.wait_for(asyncio.shield(task), timeout=5)
-            except (asyncio.TimeoutError, Exception):  # noqa: BLE001
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-            await bus.close()
+    lifespan = consumer_lifespan(worker, "feedback")
 
     app = create_service_app("feedback", settings, state, lifespan=lifespan,
                              description="Turns each report into the E1–E9 signals of the next epoch.")

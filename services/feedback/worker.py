@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from shared.api import ServiceState, bundle_id, report_id
+from shared.api import ConsumerWorker, ServiceState, bundle_id, report_id
 from shared.bus import Bus, Consumer
 from shared.config import FeedbackSettings
 from shared.events import EvalCompleted, Event, FeedbackReady
@@ -22,7 +22,7 @@ log = logging.getLogger("tradeloop.feedback")
 GROUP = "feedback"
 
 
-class FeedbackWorker:
+class FeedbackWorker(ConsumerWorker):
     """Consumes reports, computes bundles, stores them, publishes feedback.ready."""
 
     def __init__(self, settings: FeedbackSettings, bus: Bus, state: ServiceState, *, consumer_name: str | None = None):
@@ -33,6 +33,7 @@ class FeedbackWorker:
 
         self.settings, self.bus, self.state = settings, bus, state
         name = consumer_name or f"feedback-{socket.gethostname()}-{os.getpid()}"
+        self.group = GROUP
         self.consumer = Consumer(bus, bus.stream("reports"), GROUP, name, self.handle,
                                  block_ms=int(min(1000, bus.socket_timeout_s * 500)))
         state.extra.update(consumer=name, enabled=settings.enabled, bundled=[])
@@ -68,26 +69,3 @@ class FeedbackWorker:
         self.state.epoch = max(self.state.epoch, epoch)
         self.state.extra["latest_knobs"] = {k: doc["knobs"].get(k) for k in ("epsilon", "gamma", "q_bias",
                                                                               "gate_threshold")}
-
-    async def run(self) -> None:
-        """Consume until cancelled; refresh the stream lag on /status."""
-        await self.bus.connect()
-        await self.bus.ensure_group(self.consumer.stream, GROUP)
-        self.state.ready = True
-        lag_task = asyncio.create_task(self._lag_loop())
-        try:
-            await self.consumer.run()
-        finally:
-            lag_task.cancel()
-
-    async def _lag_loop(self) -> None:
-        while True:
-            try:
-                self.state.stream_lag = await self.consumer.lag()
-                st = self.consumer.stats
-                if st.last_error and st.last_error_at != self.state.last_error_at:
-                    self.state.last_error, self.state.last_error_at = st.last_error, st.last_error_at
-                self.state.extra["consumer_stats"] = self.consumer.status()
-            except Exception as exc:  # noqa: BLE001
-                self.state.error(f"lag: {type(exc).__name__}: {exc}")
-            await asyncio.sleep(1.0)
