@@ -105,6 +105,25 @@ class CommonSettings(BaseSettings):
                              "set TL_EMBEDDED=false and a secret TL_API_TOKEN to bind other addresses")
         return self
 
+    def check_data(self) -> None:
+        """Refuse `TL_DATA` naming an existing file that is not valid bars (ValueError naming the file, row and
+        rule), so `tradeloop serve` exits 2 with the reason instead of starting a loop that cannot run. Dataset
+        names pass, and so does a path that does not exist yet (a volume not mounted): that fails later, on
+        /status."""
+        from pathlib import Path
+
+        from shared.market import BUNDLED, DataError, load_bars
+
+        data = self.data
+        if data.strip().lower() in ("synthetic", *BUNDLED) or not Path(data).exists():
+            return
+        try:
+            load_bars(data)
+        except DataError as exc:
+            raise ValueError(f"TL_DATA={data}: {exc}") from None
+        except OSError as exc:
+            raise ValueError(f"TL_DATA={data}: cannot read: {exc}") from None
+
     @property
     def run_path(self) -> Path:
         """This run's directory: run_dir / run_id."""

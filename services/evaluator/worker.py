@@ -64,7 +64,7 @@ class EvaluatorWorker(ConsumerWorker):
     def __init__(self, settings: EvaluatorServiceSettings, bus: Bus, state: ServiceState):
         import services.evaluator.runner  # noqa: F401 — torch loads here, not in a thread beside live requests
 
-        _check_data_setting(settings.data)
+        settings.check_data()
         self.settings, self.bus, self.state = settings, bus, state
         self.data_seed = settings.data_seed
         self.group = GROUP
@@ -133,22 +133,6 @@ class EvaluatorWorker(ConsumerWorker):
             checkpoint_id=event.checkpoint_id, report_key=self.bus.store.key("report", event.epoch),
             val_per_trade_sharpe=val.get("per_trade_sharpe"), oos_per_trade_sharpe=oos.get("per_trade_sharpe"),
             dsr=val.get("dsr"), n_trades=int(val.get("n_trades") or 0)))
-
-
-def _check_data_setting(data: str) -> None:
-    """Refuse TL_DATA naming an existing file that is not valid bars, at start (`tradeloop serve` exits 2)."""
-    from pathlib import Path
-
-    from shared.market import BUNDLED, DataError, load_bars
-
-    if data.strip().lower() in ("synthetic", *BUNDLED) or not Path(data).exists():
-        return
-    try:
-        load_bars(data)
-    except DataError as exc:
-        raise ValueError(f"TL_DATA={data}: {exc}") from None
-    except OSError as exc:
-        raise ValueError(f"TL_DATA={data}: cannot read: {exc}") from None
 
 
 def _metadata(data: bytes) -> dict:

@@ -66,7 +66,7 @@ class TrainerWorker:
     def __init__(self, settings: TrainerServiceSettings, bus: Bus, state: ServiceState):
         import services.trainer.train  # noqa: F401 — torch loads here, not in a thread beside live requests
 
-        check_data_setting(settings.data)
+        settings.check_data()
         self.settings, self.bus, self.state = settings, bus, state
         self.run_dir = Path(settings.run_path) / "trainer"
         self._resume = asyncio.Event()
@@ -294,23 +294,6 @@ class TrainerWorker:
         last = last.decode() if isinstance(last, bytes) else last
         after = await self.bus.redis.xrange(stream, min=f"({last}", max="+", count=10_000)
         return int(g["pending"]) + len(after)
-
-
-def check_data_setting(data: str) -> None:
-    """Refuse TL_DATA naming an existing file that is not valid bars (ValueError naming file, row, rule).
-
-    Checked when the service starts, so `tradeloop serve` exits 2 with the reason instead of starting a loop
-    that cannot train. A path that does not exist (yet: a volume not mounted) fails later, on /status."""
-    from shared.market import BUNDLED, DataError, load_bars
-
-    if data.strip().lower() in ("synthetic", *BUNDLED) or not Path(data).exists():
-        return
-    try:
-        load_bars(data)
-    except DataError as exc:
-        raise ValueError(f"TL_DATA={data}: {exc}") from None
-    except OSError as exc:
-        raise ValueError(f"TL_DATA={data}: cannot read: {exc}") from None
 
 
 def complete_epoch(run_dir: Path) -> int:
