@@ -1,8 +1,8 @@
 """Does the agent learn? Train on a dataset (default `synthetic`; small config, CPU) per seed and compare with the
 baselines.
 
-    .venv/bin/python bench/learning.py --seeds 0 1 2 --epochs 10 --threads 1 --jobs 2
-    .venv/bin/python bench/learning.py --dataset sp500 --seeds 0 --epochs 6 --threads 1
+    .venv/bin/python bench/learning.py --seeds 0 1 2 --epochs 4 --threads 1 --jobs 3
+    .venv/bin/python bench/learning.py --dataset sp500 --seeds 0 --epochs 4 --threads 1
 
 Prints, per seed, the val and OOS (test) per-trade Sharpe (un-annualized) and trade count of the agent, the
 oracle (synthetic only), random, flat and buy-and-hold, and on `synthetic` checks the target: agent OOS per-trade
@@ -70,7 +70,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dataset", default="synthetic", help="synthetic, sp500, eurusd or a file")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--epochs", type=int, default=10)
+    ap.add_argument("--epochs", type=int, default=4)
     ap.add_argument("--iterations", type=int, default=None, help="override iterations per epoch")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", default=None, help="keep run directories here (default: a temp dir)")

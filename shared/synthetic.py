@@ -10,8 +10,17 @@ Generative model (per bar t, all log returns):
 - OHLC: open_t = c_{t−1}·exp(g_t) with a small gap g_t ~ N(0, (0.15σ_t)²), close_t = c_{t−1}·exp(r_t),
   wicks beyond max/min(open, close) of |N(0, (0.4σ_t)²)|; volume log-normal, larger on big moves.
 
-The edge: trends last ~200 bars and carry DRIFT_SHARPE = 0.2 σ per bar, so a causal rule that recognises a
-trend after 10–20 bars earns it net of costs; the oracle (`oracle_positions`) knows h_t.
+The edge: trends last ~200 bars (MEAN_DURATION) and carry DRIFT_SHARPE = 0.4 σ per bar (raised from 0.2, at
+which only a slow, well-held causal rule kept a sizeable share of the oracle and a learner had little to find),
+so a causal rule that recognises a trend after 20–30 bars and holds it earns it net of costs; the oracle
+(`oracle_positions`) knows h_t. Measured per-trade Sharpe (un-annualized, 1 bp costs, whole 6000-bar series,
+seeds 0–5, the numpy backtest of tests/test_synthetic.py), oracle / `trend_positions` (30-bar z > 1.5 with
+hysteresis) / `momentum_positions` (20-bar sign, churny):
+    DRIFT_SHARPE 0.2: 0.84 / 0.37 / 0.11   (trend rule ≈ 0.44 × oracle)
+    DRIFT_SHARPE 0.4: 0.77 / 0.42 / 0.19   (trend rule ≈ 0.6 × oracle, 0.36–0.88 per seed)
+The oracle's per-trade Sharpe is capped near 1 by the exponential regime durations (a trade's mean return
+∝ its duration), not by the drift, so a stronger drift mainly makes the trend detectable sooner. No feature
+sees h_t: the causal learner must infer it from prices.
 
 ML core: numpy and pandas only.
 """
@@ -110,4 +119,21 @@ def momentum_positions(bars: Bars, lookback: int = 20) -> np.ndarray:
     c = bars.close
     pos = np.zeros(len(c))
     pos[lookback:] = np.sign(c[lookback:] - c[:-lookback])
+    return pos
+
+
+def trend_positions(bars: Bars, lookback: int = 30, z: float = 1.5, vol_window: int = 100) -> np.ndarray:
+    """A held causal baseline, float64 [T]: go long (short) at close t when the `lookback`-bar log return exceeds
+    +z (−z) times its causal noise scale vol_t·√lookback (vol_t: std of the last `vol_window` 1-bar log returns),
+    and otherwise keep the previous side (hysteresis: always in the market after the first signal; 0 before)."""
+    logc = np.log(bars.close)
+    r = np.diff(logc, prepend=logc[0])
+    vol = pd.Series(r).rolling(vol_window, min_periods=lookback).std().to_numpy()
+    pos = np.zeros(len(logc))
+    cur = 0.0
+    for t in range(lookback, len(logc)):
+        if np.isfinite(vol[t]) and vol[t] > 0:
+            m = (logc[t] - logc[t - lookback]) / (vol[t] * np.sqrt(lookback))
+            cur = 1.0 if m > z else -1.0 if m < -z else cur
+        pos[t] = cur
     return pos

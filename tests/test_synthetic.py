@@ -1,6 +1,7 @@
-"""shared/synthetic.py: valid bars, the planted edge (oracle and a causal momentum rule profit net of costs),
-and that the causal regime labels see the hidden trend. Trades are scored with a small numpy backtest written
-here (independent of shared/execution.py): decide at close t, fill at open t+1, cost per unit of position change."""
+"""shared/synthetic.py: valid bars, the planted edge (the oracle and causal momentum / held trend rules profit net
+of costs; the held rule keeps a sizeable share of the oracle), and that the causal regime labels see the hidden
+trend. Trades are scored with a small numpy backtest written here (independent of shared/execution.py): decide at
+close t, fill at open t+1, cost per unit of position change."""
 from __future__ import annotations
 
 import numpy as np
@@ -8,7 +9,7 @@ import pandas as pd
 import pytest
 
 from shared.market import load_dataset, regime_labels
-from shared.synthetic import MEAN_DURATION, generate, momentum_positions, oracle_positions
+from shared.synthetic import MEAN_DURATION, generate, momentum_positions, oracle_positions, trend_positions
 
 SEEDS = (0, 1, 2)
 
@@ -103,3 +104,20 @@ def test_causal_regime_labels_see_the_hidden_trend(markets):
         h = m.hidden_regime
         for k in (0, 2):  # labelled trend k is far more frequent inside hidden trend k than in the opposite one
             assert np.mean(trend[h == k] == k) > 2 * np.mean(trend[h == 2 - k] == k)
+
+
+def test_held_causal_trend_rule_keeps_a_sizeable_share_of_the_oracle(markets):
+    """The planted edge is learnable: a causal rule that detects a trend and holds it keeps, on average over the
+    seeds, at least a third of the oracle's per-trade Sharpe (≈ 0.6 measured), while never seeing h_t."""
+    ratios = []
+    for m in markets.values():
+        pos = trend_positions(m.bars)
+        # causal: the decision at close t uses only bars ≤ t (cutting off the future leaves it unchanged)
+        bars2 = m.bars.slice(0, 3000)
+        np.testing.assert_array_equal(trend_positions(bars2), pos[:3000])
+        assert pos[29] == 0 and set(np.unique(pos[200:])) <= {-1.0, 1.0}
+        tr = trade_returns(pos, m.bars.open, m.bars.close, cost_bps=1.0)
+        o = trade_returns(oracle_positions(m), m.bars.open, m.bars.close, cost_bps=1.0)
+        assert 10 <= len(tr) < 150 and tr.mean() > 0, (len(tr), tr.mean())
+        ratios.append((tr.mean() / tr.std(ddof=1)) / (o.mean() / o.std(ddof=1)))
+    assert np.mean(ratios) > 0.33 and min(ratios) > 0.15, ratios

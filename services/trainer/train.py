@@ -39,7 +39,7 @@ from services.trainer.losses import (adapt_entropy_coef, atom_entropy, atom_util
 from services.trainer.replay import Batch, Replay
 
 FEATURE_WARMUP = 64  # shared.market zeroes feature rows before this bar
-MIN_HOLD_SMALL = 48  # small preset: bars a trade is held before a signal exit (regimes last ~200 bars)
+MIN_HOLD_SMALL = 96  # small preset: bars a trade is held before a signal exit (regimes last ~200 bars)
 CHURN_SMALL = 1e-3  # small preset: reward cost per opened trade (return units, ~10× the 1 bp fill cost)
 
 
@@ -152,14 +152,14 @@ class TrainConfig:
     def preset(cls, name: str, n_features: int) -> "TrainConfig":
         """`small` (CPU, an epoch of ~3600 training bars in tens of seconds) or `full` (GPU)."""
         if name == "small":
-            # Commitment for ~200-bar regimes: trades held ≥ 48 bars before a signal exit, exit plans wider than
-            # a trend's noise (a 4σ stop is hit within ~16 bars of a trend), a churn cost per opened trade, and the
-            # protection stack mature within the short CPU run.
+            # Commitment for ~200-bar regimes: trades held ≥ MIN_HOLD_SMALL·m bars before a signal exit, exit
+            # plans wider than a trend's noise (a 4σ stop is hit within ~16 bars of a trend), a churn cost per
+            # opened trade, and the protection stack (m = maturity) mature within the short CPU run.
             return cls(agent=AgentConfig(n_features=n_features, window=32, d_model=32, n_heads=4, hidden=96,
                                          ensemble=3, min_hold=MIN_HOLD_SMALL,
                                          exit_plans=((math.inf, math.inf), (16.0, 10.0), (32.0, 12.0))),
                        reward=RewardConfig(churn=CHURN_SMALL), batch_size=128, iterations=600,
-                       maturity_updates=1500)
+                       maturity_updates=1000)
         if name == "full":
             return cls(agent=AgentConfig(n_features=n_features, window=64, d_model=128, n_heads=8, n_layers=2,
                                          hidden=256, ensemble=5),
