@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
 import typer
 
 BUNDLED = ("synthetic", "sp500", "eurusd")
@@ -92,9 +93,31 @@ class Supervisor:
         self.procs, self.max_backoff_s = procs, max_backoff_s
         self.stopping = False
 
-    def start_all(self) -> None:
-        for p in self.procs:
+    def start_all(self, ready_timeout_s: float = 120.0) -> None:
+        """Start the consumers (evaluators, feedback) and the dashboard, wait until the consumers answer /ready
+        (their consumer groups exist and they are reading), then start the trainer: no checkpoint is published
+        before every replica has joined its group."""
+        first = [p for p in self.procs if p.service != "trainer"]
+        for p in first:
             p.start()
+        deadline = time.monotonic() + ready_timeout_s
+        waiting = [p for p in first if p.service in ("evaluator", "feedback")]
+        with httpx.Client(timeout=1.0) as client:
+            while waiting and time.monotonic() < deadline:
+                still = []
+                for p in waiting:
+                    try:
+                        ok = client.get(f"{p.url}/ready").status_code == 200
+                    except httpx.HTTPError:
+                        ok = False
+                    if not ok and p.alive:
+                        still.append(p)
+                waiting = still
+                if waiting:
+                    time.sleep(0.2)
+        for p in self.procs:
+            if p.service == "trainer":
+                p.start()
 
     def poll(self) -> list[str]:
         """Restart processes that exited (after their backoff); returns messages about what happened."""
