@@ -13,18 +13,17 @@
 """
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import os
 import pickle
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import redis
 
+from polling import poll_until
 from shared.checkpoints import checkpoint_sha256, save_checkpoint
 from shared.redis_server import RedisServerError, free_port
 
@@ -207,10 +206,8 @@ def test_embedded_service_listens_on_loopback_only(redis_server, run_id):
     proc = subprocess.Popen([sys.executable, "-m", "tradeloop.cli", "serve", "feedback"], env=env, cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 60
-        while not _listening(port):
-            assert proc.poll() is None and time.monotonic() < deadline, "feedback service did not start listening"
-            time.sleep(0.05)
+        poll_until(lambda: _listening(port), "the feedback service to listen", timeout_s=60,
+                   alive=lambda: proc.poll() is None)
         assert _listening(port) == {"0100007F"}  # 127.0.0.1, little-endian hex; nothing on 0.0.0.0 or ::
     finally:
         proc.terminate()

@@ -9,15 +9,14 @@ fails and says so on /status, which is itself checked).
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
-import time
 import uuid
 
 import httpx
 import pytest
 import uvicorn
 
+from polling import poll_until
 from shared.bus import Bus
 from shared.redis_server import free_port
 
@@ -37,11 +36,7 @@ class Server:
 
     def start(self) -> "Server":
         self.thread.start()
-        deadline = time.monotonic() + 20
-        while not self.server.started:
-            assert time.monotonic() < deadline, "uvicorn did not start"
-            assert self.thread.is_alive(), "uvicorn exited"
-            time.sleep(0.02)
+        poll_until(lambda: self.server.started, "uvicorn to start", alive=self.thread.is_alive)
         return self
 
     @property
@@ -58,16 +53,6 @@ def _env(monkeypatch, redis_url: str, run_id: str, tmp_path) -> None:
                  "TL_DASHBOARD_ORIGIN": ORIGIN, "TL_MAX_BODY_BYTES": "2048", "TL_RUN_DIR": str(tmp_path),
                  "TL_DATA": str(tmp_path / "missing.csv"), "TL_CONSUMER_NAME": "ev-test"}.items():
         monkeypatch.setenv(k, v)
-
-
-def _poll(fn, what: str, timeout_s: float = 20.0):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        v = fn()
-        if v:
-            return v
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def _store_docs(redis_url: str, run_id: str, docs: dict[tuple[str, int], dict]) -> None:
@@ -121,11 +106,11 @@ def test_common_endpoints(services, run_id):
             assert c.get(f"{s.url}/docs").status_code == 200
         for name in ("evaluator", "feedback"):  # consumers reach Redis → ready, with a measured lag
             url = services[name].url
-            _poll(lambda: c.get(f"{url}/ready").status_code == 200, f"{name} ready")
-            _poll(lambda: c.get(f"{url}/status").json()["stream_lag"] == 0, f"{name} lag")
+            poll_until(lambda: c.get(f"{url}/ready").status_code == 200, f"{name} ready")
+            poll_until(lambda: c.get(f"{url}/status").json()["stream_lag"] == 0, f"{name} lag")
         # the trainer cannot load its (missing) dataset: not ready, and /status says why
         tr = services["trainer"].url
-        st = _poll(lambda: (s := c.get(f"{tr}/status").json())["last_error"] and s, "trainer error")
+        st = poll_until(lambda: (s := c.get(f"{tr}/status").json())["last_error"] and s, "trainer error")
         assert "missing.csv" in st["last_error"] and st["phase"] == "failed"
         assert c.get(f"{tr}/ready").status_code == 503
 
