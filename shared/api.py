@@ -301,3 +301,15 @@ def consumer_lifespan(worker: ConsumerWorker, name: str):
             await bus.close()
 
     return lifespan
+
+
+def service_plumbing(name: str, settings: CommonSettings) -> tuple[ServiceState, "Bus"]:
+    """The status holder and the Redis bus of service `name`; refuses settings with no Redis URL."""
+    from shared.bus import Bus
+
+    if not settings.redis_url:
+        raise ValueError(f"TL_REDIS_URL (or REDIS_URL) is required by the {name} service")
+    state = ServiceState(name, settings.run_id)
+    bus = Bus(settings.redis_url, settings.run_id, socket_timeout_s=settings.redis_socket_timeout_s,
+              keep_checkpoints=settings.keep_checkpoints)
+    return state, bus

@@ -16,8 +16,7 @@ from typing import Annotated, Literal
 from fastapi import FastAPI, HTTPException, Path, Query
 
 from services.evaluator.worker import EvaluatorServiceSettings, EvaluatorWorker
-from shared.api import ServiceState, consumer_lifespan, create_service_app
-from shared.bus import Bus
+from shared.api import service_plumbing, consumer_lifespan, create_service_app
 from shared.config import load_settings
 
 log = logging.getLogger("tradeloop.evaluator")
@@ -41,11 +40,7 @@ def report_summary(epoch: int, doc: dict) -> dict:
 def create_app(settings: EvaluatorServiceSettings | None = None) -> FastAPI:
     """The evaluator app (settings default: TL_* environment)."""
     settings = settings or load_settings(EvaluatorServiceSettings)
-    if not settings.redis_url:
-        raise ValueError("TL_REDIS_URL (or REDIS_URL) is required by the evaluator service")
-    state = ServiceState("evaluator", settings.run_id)
-    bus = Bus(settings.redis_url, settings.run_id, socket_timeout_s=settings.redis_socket_timeout_s,
-              keep_checkpoints=settings.keep_checkpoints)
+    state, bus = service_plumbing("evaluator", settings)
     worker = EvaluatorWorker(settings, bus, state)
 
     lifespan = consumer_lifespan(worker, "evaluator")

@@ -11,8 +11,7 @@ from typing import Annotated
 from fastapi import FastAPI, HTTPException, Path
 
 from services.feedback.worker import FeedbackWorker
-from shared.api import ServiceState, consumer_lifespan, bundle_id, create_service_app
-from shared.bus import Bus
+from shared.api import service_plumbing, consumer_lifespan, bundle_id, create_service_app
 from shared.config import FeedbackSettings, load_settings
 
 EpochPath = Annotated[int, Path(ge=0, le=1_000_000, description="epoch whose report the bundle came from")]
@@ -35,11 +34,7 @@ def bundle_summary(run_id: str, epoch: int, doc: dict) -> dict:
 def create_app(settings: FeedbackSettings | None = None) -> FastAPI:
     """The feedback app (settings default: TL_* environment)."""
     settings = settings or load_settings(FeedbackSettings)
-    if not settings.redis_url:
-        raise ValueError("TL_REDIS_URL (or REDIS_URL) is required by the feedback service")
-    state = ServiceState("feedback", settings.run_id)
-    bus = Bus(settings.redis_url, settings.run_id, socket_timeout_s=settings.redis_socket_timeout_s,
-              keep_checkpoints=settings.keep_checkpoints)
+    state, bus = service_plumbing("feedback", settings)
     worker = FeedbackWorker(settings, bus, state)
 
     lifespan = consumer_lifespan(worker, "feedback")

@@ -19,8 +19,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from services.trainer.worker import TrainerServiceSettings, TrainerWorker, read_history
-from shared.api import ServiceState, create_service_app, require_token
-from shared.bus import REDIS_DOWN, Backoff, Bus
+from shared.api import service_plumbing, create_service_app, require_token
+from shared.bus import REDIS_DOWN, Backoff
 from shared.config import load_settings
 
 log = logging.getLogger("tradeloop.trainer")
@@ -29,11 +29,7 @@ log = logging.getLogger("tradeloop.trainer")
 def create_app(settings: TrainerServiceSettings | None = None) -> FastAPI:
     """The trainer app (settings default: TL_* environment)."""
     settings = settings or load_settings(TrainerServiceSettings)
-    if not settings.redis_url:
-        raise ValueError("TL_REDIS_URL (or REDIS_URL) is required by the trainer service")
-    state = ServiceState("trainer", settings.run_id)
-    bus = Bus(settings.redis_url, settings.run_id, socket_timeout_s=settings.redis_socket_timeout_s,
-              keep_checkpoints=settings.keep_checkpoints)
+    state, bus = service_plumbing("trainer", settings)
     worker = TrainerWorker(settings, bus, state)
 
     async def run_worker() -> None:
