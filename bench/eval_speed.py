@@ -1,19 +1,26 @@
-"""Evaluator speed: validation bars per second of `services.evaluator.runner.run_windows`.
+"""Evaluator speed: validation bars per second of the evaluator's passes (`services.evaluator.runner`), per `accel` mode.
 
-    .venv/bin/python -m bench.eval_speed [--bars 100000 1000000] [--accounts 1 64] [--device cpu|cuda]
-                                         [--config small|full] [--max-steps N] [--threads N]
+    .venv/bin/python -m bench.eval_speed [--bars 100000 1000000] [--accounts 1 64 1024] [--device cpu|cuda]
+                                         [--accel eager graph compile+graph] [--config small|full]
+                                         [--max-steps N | MODE=N ...] [--graph-chunk C] [--threads N]
 
 A random agent of the trainer's `small` (default) or `full` preset shape runs greedy over a validation window of
 `--bars` synthetic bars; `--accounts` B runs B windows of that length at once (checkpoints × folds share the
-sequential pass as accounts of one simulator). Measured, per row:
-  encode_s   the market encoder over every bar of the covering span (batched)
-  step_s     run_windows: the sequential pass (heads + simulator, bar by bar), the prediction extraction, and
-             the encoder over the span its windows cover
+sequential pass as accounts of one simulator). Every mode of `--accel` (`shared.rollout.greedy_pass`: eager,
+compile, graph, compile+graph) is measured on the same data in the same run, one column group per mode:
+  encode_s   the market encoder over every bar of the `--bars` span (batched; once per row, all modes)
+  step_s     `runner.window_passes` (= `run_windows` without wrapping its arrays in the report's dataclasses, so
+             no pydantic is needed): the encoder over the span its windows cover, the sequential pass (heads +
+             simulator, bar by bar) and the batched prediction extraction
   bars/s     B × bars / (encode_s + step_s)   — account-bars evaluated per second
-With `--max-steps N` the windows are cut to N + 1 bars for the sequential part while the encoder still runs over
-all `--bars` bars; the table then says so and bars/s is B × (N + 1) / (encode_s·(N + 1)/bars + step_s), i.e. the
-rate of a full run extrapolated from the measured per-step cost (used where a full 10^6-bar sequential pass
-does not fit the time budget).
+A compiled mode first runs the same call once untimed (the compilation; its seconds are listed below the table,
+as is the error of a mode that fails).
+`--max-steps N` cuts the windows to N + 1 bars for the sequential part (`MODE=N` for one mode only, e.g.
+`--max-steps 2000 graph=20000`) while the encoder still runs over all `--bars` bars; the column then shows the
+steps measured and bars/s is B × (N + 1) / (encode_s·(N + 1)/bars + step_s): the rate of a full run
+extrapolated from the measured cost per step. That cost includes the fixed costs of the pass (a graph mode's
+warm-up chunk, capture and eager tail), so the extrapolation understates a graph mode's full-run rate; give
+graph modes enough steps for those to be small.
 """
 from __future__ import annotations
 
@@ -23,11 +30,14 @@ import time
 import numpy as np
 import torch
 
-from services.evaluator.runner import run_windows
+from services.evaluator.runner import window_passes
 from shared.agent import Agent
 from shared.market import compute_features
-from shared.rollout import MarketTensors
+from shared.rollout import ACCEL_MODES, MarketTensors
 from shared.synthetic import generate
+
+# as many quantile levels as the report's TAUS (importing shared.report needs pydantic, absent on GPU hosts)
+TAUS = tuple(np.linspace(0.05, 0.95, 5))
 
 
 def _sync(dev: torch.device) -> None:
@@ -35,51 +45,94 @@ def _sync(dev: torch.device) -> None:
         torch.cuda.synchronize()
 
 
+def _max_steps(items: list[str], modes: list[str]) -> dict[str, int | None]:
+    """`--max-steps` items ("N" for every mode, "MODE=N" for one) → per mode steps (None = the whole window)."""
+    out: dict[str, int | None] = {m: None for m in modes}
+    for it in items:
+        mode, _, n = it.rpartition("=")
+        for m in ([mode] if mode else modes):
+            if m not in out:
+                raise SystemExit(f"--max-steps {it}: {m} is not one of --accel {' '.join(modes)}")
+            if mode or out[m] is None:
+                out[m] = int(n)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bars", type=int, nargs="+", default=[100_000, 1_000_000])
     ap.add_argument("--accounts", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--accel", nargs="+", default=["eager"], choices=ACCEL_MODES)
     ap.add_argument("--config", default="small", choices=["small", "full"])
-    ap.add_argument("--max-steps", type=int, default=None)
+    ap.add_argument("--max-steps", nargs="+", default=[], metavar="N|MODE=N")
+    ap.add_argument("--graph-chunk", type=int, default=64)
     ap.add_argument("--threads", type=int, default=None)
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
     dev = torch.device(a.device)
+    steps = _max_steps(a.max_steps, a.accel)
     from services.trainer.train import TrainConfig  # only to take the preset's shape (bench, not the library)
 
-    print(f"device={dev} config={a.config} threads={torch.get_num_threads()} max_steps={a.max_steps}")
-    print(f"{'bars':>9} {'accounts':>8} {'seq bars':>9} {'encode_s':>9} {'step_s':>9} {'bars/s':>12}")
+    print(f"device={dev} config={a.config} threads={torch.get_num_threads()} graph_chunk={a.graph_chunk} "
+          f"max_steps: {' '.join(f'{m}={s}' for m, s in steps.items())}")
+    head = f"{'bars':>9} {'accounts':>8} {'encode_s':>9}"
+    for m in a.accel:
+        head += f" | {m + ' steps':>19} {'step_s':>8} {'bars/s':>10}"
+    print(head)
+    notes = []
+    agent = None
     for n in a.bars:
-        for B in a.accounts:
-            bars = generate(n_bars=n + 200, seed=0).bars
-            feats = compute_features(bars)
+        bars = generate(n_bars=n + 200, seed=0).bars
+        feats = compute_features(bars)
+        if agent is None:  # one agent for every row: a compiled step is reused, not recompiled per agent
             cfg = TrainConfig.preset(a.config, feats.shape[1]).agent
             torch.manual_seed(0)
             agent = Agent(cfg).to(dev).eval()
-            L = n if a.max_steps is None else min(n, a.max_steps + 1)
-            # B windows of L bars; the encoder covers the full n-bar span as it would in a real run
-            starts = np.linspace(200, 200 + n - L, B).astype(int) if B > 1 else np.array([200])
-            wins = [(int(s), int(s) + L) for s in starts]
-            span = (200, 200 + n)
-            _sync(dev)
-            t0 = time.perf_counter()
+        span = (200, 200 + n)
+        for B in a.accounts:
             with torch.no_grad():
-                m = MarketTensors.from_bars(bars, *span, cfg.window, dev, features=feats)
+                m = MarketTensors.from_bars(bars, *span, agent.cfg.window, dev, features=feats)
+                agent.encode(m.windows[:4096])                                   # warm-up (cuBLAS, allocator)
+                _sync(dev)
+                t0 = time.perf_counter()
                 torch.cat([agent.encode(m.windows[i:i + 4096]) for i in range(0, n, 4096)])
-            _sync(dev)
+                _sync(dev)
             enc = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            run_windows(agent, bars, wins, features=feats, device=dev, encode_chunk=4096)
-            _sync(dev)
-            total = time.perf_counter() - t0
-            # step_s includes run_windows' own encoding of the span its windows cover (conservative: that share
-            # of the encoder is counted twice in bars/s; subtracting a separately timed encode proved unreliable
-            # on a loaded machine)
-            step = total
-            rate = B * L / (enc * L / n + step)
-            print(f"{n:>9} {B:>8} {L:>9} {enc:>9.2f} {step:>9.2f} {rate:>12.0f}", flush=True)
+            line = f"{n:>9} {B:>8} {enc:>9.2f}"
+            for mode in a.accel:
+                L = n if steps[mode] is None else min(n, steps[mode] + 1)
+                # B windows of L bars; the encoder covers the full n-bar span as it would in a real run
+                starts = np.linspace(200, 200 + n - L, B).astype(int) if B > 1 else np.array([200])
+                wins = [(int(s), int(s) + L) for s in starts]
+                run = lambda: window_passes(agent, bars, wins, taus=TAUS, features=feats, device=dev,  # noqa: E731
+                                            accel=mode, graph_chunk=a.graph_chunk)
+                try:
+                    if "compile" in mode:
+                        t0 = time.perf_counter()
+                        run()
+                        _sync(dev)
+                        notes.append(f"{n} bars, {B} accounts, {mode}: untimed first call "
+                                     f"{time.perf_counter() - t0:.1f} s")
+                    _sync(dev)
+                    t0 = time.perf_counter()
+                    run()
+                    _sync(dev)
+                except Exception as exc:  # noqa: BLE001  one failing mode must not cost the other columns
+                    notes.append(f"{n} bars, {B} accounts, {mode}: FAILED {type(exc).__name__}: "
+                                 f"{str(exc).splitlines()[0] if str(exc) else ''}")
+                    line += f" | {'failed':>19} {'-':>8} {'-':>10}"
+                    continue
+                # step_s includes window_passes' own encoding of the span its windows cover (conservative: that
+                # share of the encoder is counted twice in bars/s; subtracting a separately timed encode proved
+                # unreliable on a loaded machine)
+                step = time.perf_counter() - t0
+                rate = B * L / (enc * L / n + step)
+                line += f" | {L - 1:>19} {step:>8.2f} {rate:>10.0f}"
+            print(line, flush=True)
+    for note in notes:
+        print("# " + note)
 
 
 if __name__ == "__main__":

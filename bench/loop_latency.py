@@ -7,8 +7,14 @@ run's Redis (its AOF) and reads the events' `created_at` and the trainer's `knob
   feedback  = feedback.ready.created_at   − eval.completed.created_at         (queue + E1–E9 + store)
   apply     = epoch e+1 knobs_applied_at  − feedback.ready.created_at         (trainer's wait → apply)
   total     = epoch e+1 knobs_applied_at  − checkpoint.published.created_at
+  wait      = how long the trainer waited for bundle e before epoch e+1 (its `feedback_wait_s`)
+  wait %    = wait / the trainer's epoch time (the goal: < 5 %)
 
-    .venv/bin/python bench/loop_latency.py [--epochs 3] [--data-bars 1000] [--iterations 6] [--evaluators 1]
+    .venv/bin/python bench/loop_latency.py [--epochs 3] [--data-bars 1000 | --val-bars 100000] [--iterations 6]
+                                           [--evaluators 1] [--device cpu|cuda] [--full-size]
+
+`--val-bars N` sizes the synthetic dataset so that its validation split holds about N bars (the evaluator's
+continuous pass covers that many bars, plus as many out of sample and an in-sample window).
 """
 from __future__ import annotations
 
@@ -31,11 +37,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--data-bars", type=int, default=1000)
+    ap.add_argument("--val-bars", type=int, default=None, help="size the data for about this many validation bars")
     ap.add_argument("--iterations", type=int, default=6)
     ap.add_argument("--evaluators", type=int, default=1)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--full-size", action="store_true", help="the preset's sizes instead of the tiny test sizes")
     a = ap.parse_args()
+    if a.val_bars:
+        a.data_bars = int(a.val_bars / 0.196) + 1   # chronological_split gives ~19.6 % of the bars to validation
     tmp = Path(tempfile.mkdtemp(prefix="tl-latency-"))
     env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "TL_REDIS_URL")}
     cmd = [sys.executable, "-m", "tradeloop.cli", "up", "--epochs", str(a.epochs), "--device", a.device,
@@ -60,15 +69,19 @@ def main() -> None:
         r.close()
         server.stop()
     print(f"loop latency per stage (s), {a.evaluators} evaluator(s), device {a.device}, "
-          f"{'preset' if a.full_size else 'tiny'} config")
-    print(f"{'epoch':>5} {'evaluate':>9} {'feedback':>9} {'apply':>7} {'total':>7}")
+          f"{'preset' if a.full_size else 'tiny'} config, {a.data_bars} bars (~{int(a.data_bars * 0.196)} validation)")
+    print(f"{'epoch':>5} {'evaluate':>9} {'feedback':>9} {'apply':>7} {'total':>7} {'epoch s':>8} {'wait':>7} "
+          f"{'wait %':>7}")
     for e in range(1, a.epochs + 1):
         c, rp, fb = at.get(("checkpoints", e)), at.get(("reports", e)), at.get(("feedback", e))
-        ap_t = hist.get(e + 1, {}).get("knobs_applied_at")
+        nxt = hist.get(e + 1, {})
+        ap_t = nxt.get("knobs_applied_at")
+        wait, ep_s = nxt.get("feedback_wait_s"), nxt.get("seconds")
         cells = [rp - c if rp and c else None, fb - rp if fb and rp else None,
-                 ap_t - fb if ap_t and fb else None, ap_t - c if ap_t and c else None]
+                 ap_t - fb if ap_t and fb else None, ap_t - c if ap_t and c else None, ep_s, wait,
+                 100.0 * wait / ep_s if wait is not None and ep_s else None]
         print(f"{e:>5} " + " ".join(f"{x:>{w}.2f}" if x is not None else f"{'-':>{w}}"
-                                    for x, w in zip(cells, (9, 9, 7, 7))))
+                                    for x, w in zip(cells, (9, 9, 7, 7, 8, 7, 7))))
 
 
 if __name__ == "__main__":

@@ -1,15 +1,24 @@
-"""Training speed per config: env-steps/s (rollout of all accounts) and updates/s (the update step).
+"""Training speed, eager vs compiled vs CUDA-graphed, side by side in one run (`StepRunner` modes).
 
-    .venv/bin/python bench/train_speed.py --configs small --device cpu --iterations 100
-    python3 bench/train_speed.py --configs small full --device cuda        # on the H200
+    python3 bench/train_speed.py --device cuda                      # on the H200: the issue's table
+    .venv/bin/python bench/train_speed.py --device cpu --config small --modes eager --batches 128 \\
+        --envs 16 --epoch-bars 0 --threads 1                         # CPU
 
-Each row: one short epoch of `--iterations` iterations on `synthetic` after a warm-up epoch that fills replay;
-the phases are timed separately by `train_epoch` (EpochStats.env_steps_per_s, updates_per_s).
+Rows (one column per mode, then each mode's ratio to eager):
+  updates/s @ batch N     the whole update step (sampling, C51 + IQN + expectile + auxiliary losses, backward, clip,
+                          AdamW, target lerp, priorities, LR schedule, rolling embedding refresh), steady state
+  account-steps/s @ B     collection: B accounts × steps of policy (ε, gates) + simulator + rewards + replay write
+  peak GPU memory         the largest `max_memory_allocated` of that mode's rows
+  epoch s @ T bars        one epoch of the config (iterations × n_envs × env_steps ≈ T env-steps) on a training
+                          split of T synthetic bars, after a short warm-up epoch (captures, compiles)
+  GPU busy %              kernel time / wall time over steady-state iterations (torch.profiler, `--profile`)
+Every figure is measured after a warm-up (captures and compiles excluded); times end with a device sync.
 """
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -18,32 +27,174 @@ import torch  # noqa: E402
 
 from services.trainer.train import TrainConfig, build_state, train_epoch  # noqa: E402
 from shared.knobs import Knobs  # noqa: E402
-from shared.market import chronological_split, compute_features, load_dataset  # noqa: E402
+from shared.market import chronological_split, compute_features  # noqa: E402
+from shared.synthetic import generate  # noqa: E402
+
+
+def sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+class Bench:
+    def __init__(self, args):
+        self.a, self.dev = args, torch.device(args.device)
+        self.data: dict[int, tuple] = {}
+
+    def dataset(self, n_train: int):
+        """Synthetic bars whose training split holds about n_train bars."""
+        if n_train not in self.data:
+            n = int(n_train / 0.588) + 500          # chronological_split keeps ~58.8 % for training
+            bars = generate(n_bars=n, seed=0).bars
+            self.data[n_train] = (bars, chronological_split(len(bars)), compute_features(bars))
+        return self.data[n_train]
+
+    def state(self, mode: str, n_train: int, **over):
+        bars, split, feats = self.dataset(n_train)
+        cfg = TrainConfig.preset(self.a.config, feats.shape[1])
+        cfg.tf32 = not self.a.no_tf32
+        for k, v in over.items():
+            setattr(cfg, k, v)
+        st = build_state(cfg, bars, split, 0, self.dev, features=feats, accel=mode)
+        st.env.reset_all()
+        return st
+
+    def timed(self, fn, n: int) -> float:
+        """Seconds per call of fn over n calls, after the caller's warm-up."""
+        sync(self.dev)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        sync(self.dev)
+        return (time.perf_counter() - t0) / n
+
+    def updates_per_s(self, mode: str, batch: int) -> float:
+        st = self.state(mode, self.a.bars, batch_size=batch, n_envs=256, env_steps_per_iter=2)
+        while st.replay.count <= max(st.cfg.horizons) + 2:
+            st.runner.collect()
+        for _ in range(3):
+            st.runner.update()                     # the first call captures / compiles
+        return 1.0 / self.timed(st.runner.update, self.a.updates)
+
+    def account_steps_per_s(self, mode: str, envs: int) -> float:
+        st = self.state(mode, self.a.bars, n_envs=envs, env_steps_per_iter=2)
+        for _ in range(3):
+            st.runner.collect()
+        return envs * st.cfg.env_steps_per_iter / self.timed(st.runner.collect, self.a.collects)
+
+    def epoch_seconds(self, mode: str, n_train: int) -> float:
+        st = self.state(mode, n_train)
+        iters = st.cfg.iterations
+        st.cfg.iterations, st.cfg.learning_starts = 20, 0
+        train_epoch(st, Knobs())                   # warm-up epoch: captures, compiles, fills replay
+        st.cfg.iterations = iters
+        s = train_epoch(st, Knobs())
+        return s.seconds
+
+    def busy(self, mode: str) -> float:
+        """Fraction of wall time the GPU runs kernels during steady-state iterations (union of kernel spans)."""
+        from torch.profiler import ProfilerActivity, profile
+        st = self.state(mode, self.a.bars)
+        for _ in range(30):
+            st.runner.collect()
+        for _ in range(3):
+            st.runner.update()
+        sync(self.dev)
+
+        def iteration():
+            st.runner.collect()
+            for _ in range(st.cfg.updates_per_iter):
+                st.runner.update()
+        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+            t0 = time.perf_counter()
+            for _ in range(20):
+                iteration()
+            sync(self.dev)
+            wall = time.perf_counter() - t0
+        spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                       if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start)
+        busy, cur_s, cur_e = 0.0, None, None
+        for s, e in spans:                          # µs
+            if cur_e is None or s > cur_e:
+                busy += 0 if cur_e is None else cur_e - cur_s
+                cur_s, cur_e = s, e
+            else:
+                cur_e = max(cur_e, e)
+        busy += 0 if cur_e is None else cur_e - cur_s
+        return busy * 1e-6 / wall
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--configs", nargs="+", default=["small"])
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--iterations", type=int, default=100)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--config", default="full", choices=["small", "full"])
+    ap.add_argument("--modes", nargs="+", default=["eager", "compile", "graph", "compile+graph"])
+    ap.add_argument("--batches", type=int, nargs="*", default=[256, 4096])
+    ap.add_argument("--envs", type=int, nargs="*", default=[4096, 65536])
+    ap.add_argument("--epoch-bars", type=int, default=1_000_000, help="training-split bars of the epoch row (0: skip)")
+    ap.add_argument("--epoch-modes", nargs="*", default=["graph", "compile+graph"],
+                    help="modes measured in the epoch row (an eager full epoch takes minutes)")
+    ap.add_argument("--bars", type=int, default=20_000, help="training-split bars of the other rows")
+    ap.add_argument("--updates", type=int, default=50)
+    ap.add_argument("--collects", type=int, default=20)
+    ap.add_argument("--profile", action="store_true", help="add the GPU busy % row")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--no-tf32", action="store_true", help="plain fp32 matmuls (the config's default is TF32)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    bars = load_dataset("synthetic", seed=0)
-    split = chronological_split(len(bars))
-    n_feat = compute_features(bars).shape[1]
-    print(f"device {args.device}, torch threads {torch.get_num_threads()}")
-    print(f"{'config':<8} {'envs':>5} {'batch':>6} {'env-steps/s':>12} {'updates/s':>10} {'epoch s':>8}")
-    for name in args.configs:
-        cfg = TrainConfig.preset(name, n_feat)
-        cfg.iterations = args.iterations
-        cfg.learning_starts = 0
-        st = build_state(cfg, bars, split, 0, args.device)
-        train_epoch(st, Knobs())                     # warm-up: fills replay, first kernels
-        s = train_epoch(st, Knobs())
-        print(f"{name:<8} {cfg.n_envs:>5} {cfg.batch_size:>6} {s.env_steps_per_s:>12,.0f} {s.updates_per_s:>10,.1f} "
-              f"{s.seconds:>8.1f}", flush=True)
+    b = Bench(args)
+    gpu = torch.cuda.get_device_name() if b.dev.type == "cuda" else "cpu"
+    print(f"# train_speed: config={args.config} device={gpu} torch={torch.__version__} tf32={not args.no_tf32} "
+          f"threads={torch.get_num_threads()}", flush=True)
+    rows: list[tuple[str, str, callable]] = []
+    rows += [(f"updates/s @ batch {n}", "{:,.0f}", lambda m, n=n: b.updates_per_s(m, n)) for n in args.batches]
+    rows += [(f"account-steps/s @ B={n}", "{:,.3g}", lambda m, n=n: b.account_steps_per_s(m, n)) for n in args.envs]
+    if args.epoch_bars:
+        rows.append((f"epoch s @ {args.epoch_bars:,} train bars", "{:.1f}",
+                     lambda m: b.epoch_seconds(m, args.epoch_bars) if m in args.epoch_modes else None))
+    if args.profile and b.dev.type == "cuda":
+        rows.append(("GPU busy %", "{:.0%}", b.busy))
+    peak = {m: 0.0 for m in args.modes}
+    table: dict[str, dict[str, str]] = {}
+    raw: dict[str, dict[str, float]] = {}
+    for label, fmt, fn in rows:
+        table[label], raw[label] = {}, {}
+        for m in args.modes:
+            if b.dev.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            try:
+                v = fn(m)
+                if v is None:
+                    table[label][m] = "–"
+                    continue
+                raw[label][m], table[label][m] = v, fmt.format(v)
+            except Exception as exc:                # a mode that cannot run here: say why, keep the rest
+                table[label][m] = "failed"
+                print(f"  {label} [{m}] failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}",
+                      flush=True)
+            if b.dev.type == "cuda":
+                peak[m] = max(peak[m], torch.cuda.max_memory_allocated() / 2 ** 30)
+                torch.cuda.empty_cache()
+            print(f"  {label} [{m}] = {table[label][m]}", flush=True)
+    if b.dev.type == "cuda":
+        table["peak GPU memory"] = {m: f"{peak[m]:.2f} GiB" for m in args.modes}
+    ratios = [m for m in args.modes if m != "eager"] if "eager" in args.modes else []
+    head = "| row | " + " | ".join(args.modes) + "".join(f" | {m} / eager" for m in ratios) + " |"
+    print()
+    print(head)
+    print("|" + "---|" * (1 + len(args.modes) + len(ratios)))
+    for label, cells in table.items():
+        r = raw.get(label, {})
+        rat = []
+        for m in ratios:
+            if m in r and "eager" in r and r["eager"] > 0:
+                x = r[m] / r["eager"]
+                rat.append(f"{1 / x:.1f}×" if label.startswith("epoch") else f"{x:.1f}×")
+            else:
+                rat.append("")
+        print(f"| {label} | " + " | ".join(cells.get(m, "") for m in args.modes)
+              + "".join(f" | {x}" for x in rat) + " |")
 
 
 if __name__ == "__main__":

@@ -272,19 +272,34 @@ class Action:
     cvar: torch.Tensor
     """CVaR_α of the chosen direction from the IQN quantiles."""
     quantiles: torch.Tensor
-    """IQN quantiles of the chosen direction on the fixed grid `act_taus`, B × M."""
+    """IQN quantiles of the chosen direction at the CVaR tail of the fixed grid (`act_taus` ≤ cvar_alpha), B × M_α:
+    all that acting needs. The full grid is computed after the fact, batched (`shared.rollout.chosen_outputs`)."""
     blocked: torch.Tensor
     """A new entry was blocked by the protection stack (CVaR limit, E5 gate, regime confidence 0)."""
+
+
+def _constants(agent: Agent, device, dtype) -> dict[str, torch.Tensor]:
+    """The action tables of `act` on (device, dtype), built once per agent (no host copies inside a graph)."""
+    cache = agent.__dict__.setdefault("_act_constants", {})
+    key = (str(device), dtype)
+    if key not in cache:
+        cfg = agent.cfg
+        f = lambda v: torch.tensor(v, device=device, dtype=dtype)  # noqa: E731
+        cache[key] = {"n_actions": torch.tensor(cfg.branch_sizes, device=device, dtype=torch.float32),
+                      "sides": f(DIRECTION_SIDES), "sizes": f(cfg.size_levels), "plans": f(cfg.exit_plans)}
+    return cache[key]
 
 
 @torch.no_grad()
 def act(agent: Agent, emb: torch.Tensor, portfolio: torch.Tensor, *, position: torch.Tensor,
         bars_in_trade: torch.Tensor, vol: torch.Tensor, regime: torch.Tensor, controls: PolicyControls,
-        generator: torch.Generator | None = None) -> Action:
+        generator: torch.Generator | None = None, noise: torch.Tensor | None = None) -> Action:
     """The policy: greedy on the ensemble-mean Q per branch, ε-greedy per branch, then the protection stack.
 
     emb B × D, portfolio B × P, position B (current simulator position), bars_in_trade B (long), vol B (bar
-    volatility, return units), regime B (long). No host syncs and no Python branches on tensor values.
+    volatility, return units), regime B (long). No host syncs, no Python branches on tensor values and no
+    host-to-device copies, so a CUDA graph can capture it. `noise` (B × 6 uniforms in [0, 1): three ε draws, three
+    random actions) is drawn from `generator` when not given; a captured step is handed noise drawn outside it.
     Protection stack, each scaled by m = agent.maturity (loose while the risk head is untrained):
       CVaR limit      — no new entry where CVaR_α(chosen direction) < −cvar_limit / m;
       epistemic gate  — no new entry where std_K Q(chosen direction) > gate_threshold / m   (E5);
@@ -298,9 +313,11 @@ def act(agent: Agent, emb: torch.Tensor, portfolio: torch.Tensor, *, position: t
     q_mean = [q.mean(1) for q in qs]                                                       # [B × n_b]
     greedy = torch.stack([q.argmax(-1) for q in q_mean], dim=1)                             # B × 3
     # ε-greedy per branch: uniform random action with probability ε
-    u = torch.rand(B, 3, device=dev, generator=generator)
-    rnd = torch.stack([torch.randint(0, n, (B,), device=dev, generator=generator) for n in cfg.branch_sizes], 1)
-    branches = torch.where(u < controls.epsilon, rnd, greedy)                               # B × 3
+    if noise is None:
+        noise = torch.rand(B, 6, device=dev, generator=generator)
+    k = _constants(agent, dev, position.dtype)
+    rnd = (noise[:, 3:] * k["n_actions"]).long().clamp(max=k["n_actions"].long() - 1)      # B × 3, uniform
+    branches = torch.where(noise[:, :3] < controls.epsilon, rnd, greedy)                    # B × 3
     d, s, e = branches.unbind(1)
 
     # predicted Q, disagreement and risk of the chosen direction
@@ -309,16 +326,18 @@ def act(agent: Agent, emb: torch.Tensor, portfolio: torch.Tensor, *, position: t
     q = q_chosen_k.mean(1)
     q_std = q_chosen_k.std(1, unbiased=False)
     edge = torch.maximum(q_mean[0][:, 0], q_mean[0][:, 2]) - q_mean[0][:, FLAT]
-    quant = agent.quantiles(out.hidden, agent.act_taus)                                     # B × M × 3
-    quant_d = quant.gather(2, d.view(B, 1, 1).expand(B, quant.shape[1], 1)).squeeze(2)      # B × M
-    tail = (agent.act_taus <= cfg.cvar_alpha).float()                                       # M
-    cvar = (quant_d * tail).sum(1) / tail.sum().clamp(min=1.0)
+    # CVaR_α = mean of the quantiles at the grid's tail τ_i ≤ α (the leading M_α of the M grid points: 3 of 32 by
+    # default), so only those are evaluated here; the full grid is for reporting (`shared.rollout.chosen_outputs`)
+    M = cfg.iqn_quantiles_act
+    n_tail = sum((i + 0.5) / M <= cfg.cvar_alpha for i in range(M))                          # M_α (a Python int)
+    quant = agent.quantiles(out.hidden, agent.act_taus[:n_tail])                            # B × M_α × 3
+    cvar_dir = quant.sum(1) / max(n_tail, 1)                                                # B × 3 (0 if M_α = 0)
+    cvar = cvar_dir.gather(1, d.view(B, 1)).squeeze(1)
 
     # target position
     m = agent.maturity.clamp(1e-3, 1.0)
-    sides = torch.tensor(DIRECTION_SIDES, device=dev, dtype=position.dtype)
-    side = sides[d]                                                                         # B
-    sizes = torch.tensor(cfg.size_levels, device=dev, dtype=position.dtype)[s]
+    side = k["sides"][d]                                                                    # B
+    sizes = k["sizes"][s]
     kelly = (cfg.kelly_floor + portfolio[:, 5].to(position.dtype)).clamp(cfg.kelly_floor, 1.0)
     dsr = portfolio[:, 7].to(position.dtype)
     dsr_scale = 1.0 - cfg.dsr_size_cut * m * (-dsr).clamp(0.0, 1.0)
@@ -338,12 +357,11 @@ def act(agent: Agent, emb: torch.Tensor, portfolio: torch.Tensor, *, position: t
     branches = torch.stack([d_eff, s, e], dim=1)
     q_chosen_k = q_dir.gather(2, d_eff.view(B, 1, 1).expand(B, q_dir.shape[1], 1)).squeeze(2)
     q, q_std = q_chosen_k.mean(1), q_chosen_k.std(1, unbiased=False)
-    quant_d = quant.gather(2, d_eff.view(B, 1, 1).expand(B, quant.shape[1], 1)).squeeze(2)
-    cvar = (quant_d * tail).sum(1) / tail.sum().clamp(min=1.0)
+    quant_d = quant.gather(2, d_eff.view(B, 1, 1).expand(B, quant.shape[1], 1)).squeeze(2)      # B × M_α
+    cvar = cvar_dir.gather(1, d_eff.view(B, 1)).squeeze(1)
 
-    plans = torch.tensor(cfg.exit_plans, device=dev, dtype=position.dtype)                  # n_exit × 2
     scale = vol.to(position.dtype)
-    take_profit = plans[e, 0] * scale
-    stop_loss = plans[e, 1] * scale
+    take_profit = k["plans"][e, 0] * scale
+    stop_loss = k["plans"][e, 1] * scale
     return Action(branches=branches, target=target, take_profit=take_profit, stop_loss=stop_loss, q=q,
                   q_std=q_std, edge=edge, cvar=cvar, quantiles=quant_d, blocked=blocked)

@@ -1,9 +1,10 @@
 """THE one rollout loop: steps `shared.agent`'s policy through `shared.execution.Simulator`.
 
 The trainer calls `run_rollout` with exploration on and an `on_step` callback (rewards, replay writes, episode
-resets: `services/trainer/env.py`); the evaluator calls `evaluate_policy` (one continuous greedy pass over a
-split, exploration and callbacks off), which returns the ledger, per-bar curves and, per decision bar, the
-predicted Q / IQN quantiles / ensemble disagreement of the chosen action.
+resets: `services/trainer/env.py`); the evaluator calls `greedy_pass` (continuous greedy passes of B accounts,
+exploration and callbacks off, with the same `policy_step` as its loop body; capturable in CUDA graphs), through
+`evaluate_policy` (one account over a whole range: the ledger, per-bar curves and, per decision bar, the
+predicted Q / IQN quantiles / ensemble disagreement of the chosen action) or `services.evaluator.runner`.
 
 Conventions
 -----------
@@ -26,7 +27,7 @@ import pandas as pd
 import torch
 
 from shared.agent import Action, Agent, PolicyControls, act
-from shared.execution import CostModel, Prices, Simulator, StepResult
+from shared.execution import CostModel, Prices, Simulator, StepResult, _LedgerBuffer
 from shared.market import Bars, compute_features, regime_labels, volatility
 
 
@@ -142,7 +143,8 @@ class StepRecord:
 
 def policy_step(agent: Agent, sim: Simulator, tracker: PortfolioTracker, market: MarketTensors,
                 controls: PolicyControls, *, emb: torch.Tensor | None = None,
-                force_flat: torch.Tensor | None = None, generator: torch.Generator | None = None) -> StepRecord:
+                force_flat: torch.Tensor | None = None, generator: torch.Generator | None = None,
+                noise: torch.Tensor | None = None) -> StepRecord:
     """The loop body: observe (window + portfolio) → `act` → `Simulator.step` → tracker update.
 
     `emb` (B × D) may be given when the embeddings were precomputed (evaluation); `force_flat` (B bool) sets the
@@ -153,7 +155,7 @@ def policy_step(agent: Agent, sim: Simulator, tracker: PortfolioTracker, market:
     port = portfolio_features(sim, tracker, market)
     regime = market.regime[t]
     a = act(agent, emb, port, position=sim.position, bars_in_trade=sim.bars_in_trade, vol=market.vol[t],
-            regime=regime, controls=controls, generator=generator)
+            regime=regime, controls=controls, generator=generator, noise=noise)
     if force_flat is not None:
         a.target = torch.where(force_flat, torch.zeros_like(a.target), a.target)
         a.branches[:, 0] = torch.where(force_flat & (a.target == 0), torch.ones_like(a.branches[:, 0]),
@@ -201,8 +203,9 @@ class PolicyRun:
 
 @torch.no_grad()
 def evaluate_policy(agent: Agent, market: MarketTensors, controls: PolicyControls | None = None, *,
-                    costs: CostModel = CostModel(), chunk: int = 2048) -> PolicyRun:
-    """One continuous greedy pass over the whole range: encode every bar at once, then step the heads bar by bar.
+                    costs: CostModel = CostModel(), chunk: int = 2048, accel: str = "auto") -> PolicyRun:
+    """One continuous greedy pass over the whole range: encode every bar at once, then `greedy_pass` (the heads and
+    the simulator bar by bar; `accel` as there), then the full quantile grid of every decision, batched.
 
     Open positions are closed at the last bar's close (exit_reason "end")."""
     agent.eval()
@@ -211,27 +214,184 @@ def evaluate_policy(agent: Agent, market: MarketTensors, controls: PolicyControl
         controls = PolicyControls.make(dev)
     T = len(market)
     emb = torch.cat([agent.encode(market.windows[i:i + chunk]) for i in range(0, T, chunk)])  # T × D
-    sim = Simulator(market.prices, 1, costs, record_ledger=True)
-    sim.reset(torch.zeros(1, dtype=torch.long, device=dev))
-    tracker = PortfolioTracker(1, dev)
-    eq = torch.ones(T, dtype=torch.float64, device=dev)
-    br, pos = torch.zeros_like(eq), torch.zeros_like(eq)
-    recs: list[StepRecord] = []
-    for t in range(T - 1):
-        rec = policy_step(agent, sim, tracker, market, controls, emb=emb[t:t + 1])
-        eq[t + 1], br[t + 1], pos[t + 1] = sim.equity[0], rec.result.bar_return[0], rec.result.position[0]
-        recs.append(rec)
-    sim.close_all()
-    cat = lambda f: torch.cat([f(r) for r in recs]).cpu().numpy() if recs else np.zeros(0)  # noqa: E731
+    p = greedy_pass(agent, market, emb, torch.zeros(1, dtype=torch.long, device=dev), T, controls, costs,
+                    accel=accel)
+    col = lambda x: x[:, 0].cpu().numpy()  # noqa: E731  account 0 of an S × 1 record
     decisions = pd.DataFrame({
-        "t": np.arange(T - 1), "direction": cat(lambda r: r.action.branches[:, 0]),
-        "size": cat(lambda r: r.action.branches[:, 1]), "exit": cat(lambda r: r.action.branches[:, 2]),
-        "target": cat(lambda r: r.action.target), "q": cat(lambda r: r.action.q),
-        "q_std": cat(lambda r: r.action.q_std), "edge": cat(lambda r: r.action.edge),
-        "cvar": cat(lambda r: r.action.cvar), "blocked": cat(lambda r: r.action.blocked),
-        "regime": cat(lambda r: r.regime),
+        "t": np.arange(T - 1), "direction": col(p.branches[..., 0]), "size": col(p.branches[..., 1]),
+        "exit": col(p.branches[..., 2]), "target": col(p.targets), "q": col(p.q), "q_std": col(p.q_std),
+        "edge": col(p.edge), "cvar": col(p.cvar), "blocked": col(p.blocked),
+        "regime": market.regime[:T - 1].cpu().numpy(),
     })
-    M = agent.cfg.iqn_quantiles_act
-    quant = torch.cat([r.action.quantiles for r in recs]).cpu().numpy() if recs else np.zeros((0, M))
-    return PolicyRun(ledger=sim.ledger(), equity=eq.cpu().numpy(), bar_returns=br.cpu().numpy(),
-                     positions=pos.cpu().numpy(), decisions=decisions, quantiles=quant, start=market.start)
+    _, quant = chosen_outputs(agent, emb, torch.arange(T - 1, device=dev), p.portfolio[:, 0], p.branches[:, 0, 0],
+                              agent.act_taus, chunk=chunk)
+    return PolicyRun(ledger=p.ledger, equity=col(p.equity), bar_returns=col(p.bar_returns),
+                     positions=col(p.positions), decisions=decisions, quantiles=quant.cpu().numpy(),
+                     start=market.start)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The evaluation pass: greedy, bar by bar, eager or compiled or captured in CUDA graphs
+# ---------------------------------------------------------------------------------------------------------
+@dataclass
+class GreedyPass:
+    """B accounts' continuous greedy passes of L bars each (`greedy_pass`): S = L − 1 decisions per account.
+
+    Device tensors, rows = steps, columns = accounts: row i of an S-row record is the decision at the close of
+    local bar starts[b] + i; row t of an L-row curve is the close of bar starts[b] + t."""
+
+    ledger: pd.DataFrame
+    """Closed trades of every account (`shared.execution.LEDGER_COLUMNS`), bar indices local to the market."""
+    equity: torch.Tensor
+    """L × B equity at each close (1 at the first; the last after the end close)."""
+    bar_returns: torch.Tensor
+    """L × B equity return over each bar (0 at the first)."""
+    positions: torch.Tensor
+    """L × B position held at each close (0 at the last: closed there)."""
+    targets: torch.Tensor
+    """S × B target position decided (`Action.target`), float64."""
+    branches: torch.Tensor
+    """S × B × 3 actions taken (direction after the protection stack, size, exit), long."""
+    q: torch.Tensor
+    """S × B `Action.q` (float32; likewise q_std, edge, cvar)."""
+    q_std: torch.Tensor
+    edge: torch.Tensor
+    cvar: torch.Tensor
+    blocked: torch.Tensor
+    """S × B `Action.blocked`, bool."""
+    portfolio: torch.Tensor
+    """S × B × P portfolio vector at each decision (what post hoc predictions re-read), float32."""
+
+
+ACCEL_MODES = ("eager", "compile", "graph", "compile+graph")
+
+
+def resolve_accel(accel: str, device: torch.device) -> str:
+    """'auto' → 'graph' on CUDA, 'eager' elsewhere; ValueError for an unknown mode or a graph mode off CUDA."""
+    if accel == "auto":
+        return "graph" if device.type == "cuda" else "eager"
+    if accel not in ACCEL_MODES:
+        raise ValueError(f"unknown accel mode {accel!r}: use auto or one of {', '.join(ACCEL_MODES)}")
+    if "graph" in accel and device.type != "cuda":
+        raise ValueError(f"accel={accel!r} needs a CUDA device (got {device}); use eager or compile")
+    return accel
+
+
+class _ChunkLedger(_LedgerBuffer):
+    """The simulator's own ledger recorder (the same rows, the same frame), minus the flush it schedules inside
+    `Simulator.step`: that flush reads the row count on the host, a sync a CUDA graph cannot capture. Sized for
+    `flush_every` steps; `greedy_pass` flushes it after each chunk of at most that many steps, outside any graph."""
+
+    def tick(self) -> None:
+        """No flush here: the pass flushes between chunks (see the class docstring)."""
+
+
+def _greedy_bar(agent: Agent, sim: Simulator, tracker: PortfolioTracker, market: MarketTensors,
+                controls: PolicyControls, emb: torch.Tensor,
+                noise: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One bar of every account (`policy_step` on the precomputed embeddings, T × D) as the three rows that
+    `greedy_pass` records: float64 B × 4 (target, equity, bar return, position), float32 B × (4 + P) (q, q_std, edge,
+    cvar, portfolio) and long B × 4 (direction, size, exit, blocked). Device ops only: compilable and capturable."""
+    rec = policy_step(agent, sim, tracker, market, controls, emb=emb[sim.t], noise=noise)
+    a, r = rec.action, rec.result
+    return (torch.stack([a.target, sim.equity, r.bar_return, r.position], dim=1),
+            torch.cat([torch.stack([a.q, a.q_std, a.edge, a.cvar], dim=1), rec.portfolio], dim=1),
+            torch.cat([a.branches, a.blocked.long().unsqueeze(1)], dim=1))
+
+
+@torch.no_grad()
+def greedy_pass(agent: Agent, market: MarketTensors, emb: torch.Tensor, starts: torch.Tensor, length: int,
+                controls: PolicyControls, costs: CostModel = CostModel(), *, accel: str = "auto",
+                chunk: int = 64) -> GreedyPass:
+    """B = len(starts) accounts of one `Simulator`, each flat with equity 1 at local bar starts[b], stepped greedily
+    for S = length − 1 bars; what is still open at each account's last bar is then closed at its close
+    (`Simulator.close_all`, exit_reason "end"). emb: T × D market embeddings of every bar of `market`.
+
+    One step = `_greedy_bar` (`policy_step`: portfolio vector → `act` → `Simulator.step` → tracker update) plus
+    three `index_copy_` writes at a device step counter into preallocated S × B records. Nothing in it syncs with
+    the host or copies from it, so the same code runs
+      eager          — step by step from Python (CPU, or CUDA when asked);
+      compile        — `_greedy_bar` through `torch.compile` (fuses its elementwise ops; not fullgraph: a piece
+                       dynamo cannot trace, such as `act`'s constant cache on torch 2.11, runs eagerly between
+                       the compiled parts, which a CUDA graph captures all the same);
+      graph          — CUDA: `chunk` steps recorded in one CUDA graph and replayed (one launch per chunk instead of
+                       ~100 per bar). The first chunk runs eagerly on a side stream as the capture's warm-up (real
+                       steps); the simulator's and tracker's state is pinned (`shared.graphs.StaticState`) so each
+                       replay continues where the last one stopped; the tail of S mod `chunk` steps runs eagerly
+                       (a graph replayed once would cost more to capture than to run). Fewer than two full chunks:
+                       all eager;
+      compile+graph  — both: the compiled bar captured in the graph.
+    "auto" = graph on CUDA, eager elsewhere. The ledger is recorded by the simulator's own recorder with its
+    flush moved out of the step (`_ChunkLedger`): one host read after each chunk, between replays.
+    The pass is greedy: `act` is handed zero uniforms, so `controls.epsilon` must be 0 (ValueError otherwise).
+    """
+    from shared.graphs import StaticState, capture
+
+    dev = emb.device
+    accel = resolve_accel(accel, dev)
+    if float(controls.epsilon) != 0.0:
+        raise ValueError(f"greedy_pass is greedy: controls.epsilon must be 0, got {float(controls.epsilon)}")
+    B, L, S, P = len(starts), length, length - 1, agent.cfg.n_portfolio
+    sim = Simulator(market.prices, B, costs)
+    sim.reset(starts)
+    sim.ledger_buf = _ChunkLedger(B, dev, market.prices.dtype, flush_every=chunk)
+    tracker = PortfolioTracker(B, dev)
+    noise = torch.zeros(B, 6, device=dev)                          # ε = 0: the greedy action whatever the uniforms
+    records = (torch.zeros(S, B, 4, dtype=torch.float64, device=dev),
+               torch.zeros(S, B, 4 + P, dtype=torch.float32, device=dev),
+               torch.zeros(S, B, 4, dtype=torch.long, device=dev))
+    i = torch.zeros(1, dtype=torch.long, device=dev)               # the step counter: the records' row
+    bar = torch.compile(_greedy_bar) if "compile" in accel else _greedy_bar
+
+    def steps(n: int) -> None:
+        for _ in range(n):
+            for rec, row in zip(records, bar(agent, sim, tracker, market, controls, emb, noise)):
+                rec.index_copy_(0, i, row.unsqueeze(0))
+            i.add_(1)
+
+    n_full, n_eager = S // chunk, S
+    if "graph" in accel and n_full >= 2:
+        pinned = StaticState(sim, tracker)
+
+        def one_chunk() -> None:
+            steps(chunk)
+            pinned.commit()
+
+        graphed = capture(one_chunk, warmup=1)                     # the warm-up ran the first chunk for real
+        sim.ledger_buf.flush()
+        for _ in range(n_full - 1):
+            graphed()
+            sim.ledger_buf.flush()
+        n_eager = S - n_full * chunk
+    for a in range(0, n_eager, chunk):
+        steps(min(chunk, n_eager - a))
+        sim.ledger_buf.flush()
+    sim.close_all()
+
+    r64, r32, rl = records
+    f64 = dict(dtype=torch.float64, device=dev)
+    eq, br, pos = torch.ones(L, B, **f64), torch.zeros(L, B, **f64), torch.zeros(L, B, **f64)
+    eq[1:], br[1:], pos[1:] = r64[..., 1], r64[..., 2], r64[..., 3]
+    eq[L - 1] = sim.equity                                         # after the end close
+    br[L - 1] = eq[L - 1] / eq[L - 2] - 1.0
+    pos[L - 1] = 0.0
+    return GreedyPass(ledger=sim.ledger(), equity=eq, bar_returns=br, positions=pos, targets=r64[..., 0],
+                      branches=rl[..., :3], q=r32[..., 0], q_std=r32[..., 1], edge=r32[..., 2], cvar=r32[..., 3],
+                      blocked=rl[..., 3].bool(), portfolio=r32[..., 4:])
+
+
+@torch.no_grad()
+def chosen_outputs(agent: Agent, emb: torch.Tensor, bars: torch.Tensor, portfolio: torch.Tensor,
+                   direction: torch.Tensor, taus: torch.Tensor, *,
+                   chunk: int = 65536) -> tuple[torch.Tensor, torch.Tensor]:
+    """Predictions of N recorded decisions, after the fact and batched (what acting itself does not need):
+    Q of each direction (ensemble mean, N × 3) and the IQN quantiles of the chosen `direction` at `taus`
+    (N × M, in τ order). emb T × D embeddings, bars N (rows of emb), portfolio N × P, direction N (long)."""
+    q_dir, quant = [], []
+    for a in range(0, bars.shape[0], chunk):
+        b = min(a + chunk, bars.shape[0])
+        out = agent.head(emb[bars[a:b]], portfolio[a:b])
+        q_dir.append(agent.q_values(out.logits)[0].mean(1))                                   # n × 3
+        qt = agent.quantiles(out.hidden, taus)                                                 # n × M × 3
+        quant.append(qt.gather(2, direction[a:b].view(-1, 1, 1).expand(-1, qt.shape[1], 1)).squeeze(2))
+    return torch.cat(q_dir), torch.cat(quant)

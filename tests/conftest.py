@@ -17,14 +17,16 @@ import os
 import uuid
 
 import pytest
-import redis
 
-from shared.redis_server import EmbeddedRedis, check_redis_url
+# the web/Redis stack is imported inside the fixtures that need it, so the ML-core tests (the GPU equivalence
+# tests among them) run on a machine that has only torch, numpy and pandas
 
 
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory):
     """URL of the session's Redis server (REDIS_URL, else an embedded one started here)."""
+    from shared.redis_server import EmbeddedRedis, check_redis_url
+
     external = os.environ.get("REDIS_URL")
     if external:
         check_redis_url(external)
@@ -42,6 +44,8 @@ def redis_server(tmp_path_factory):
 def redis_url(redis_server):
     """The session server's URL, flushed before the test when it is our embedded server."""
     if not os.environ.get("REDIS_URL"):
+        import redis
+
         client = redis.Redis.from_url(redis_server, socket_timeout=5)
         try:
             client.flushdb()

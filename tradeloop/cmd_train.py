@@ -1,6 +1,7 @@
 """`tradeloop train` — train the agent standalone (no services), resuming when --out already holds the run.
 
     tradeloop train --dataset synthetic --epochs 5 --out runs/demo [--device cpu|cuda] [--config small|full] [--seed 0]
+                    [--accel auto|eager|compile|graph|compile+graph]
 
 Progress on the terminal: a rich progress bar per epoch, then one line per epoch with loss, ε, γ, steps/s and the
 train per-trade Sharpe (un-annualized, trades closed while collecting, exploration included).
@@ -20,6 +21,8 @@ def train(
     device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
     config: str = typer.Option("small", "--config", help="Preset: small (CPU) or full (GPU)."),
     seed: int = typer.Option(0, "--seed", help="Seed of the run (and of the synthetic data)."),
+    accel: str = typer.Option("auto", "--accel",
+                              help="auto (CUDA graphs on a GPU, eager on CPU), eager, compile, graph or compile+graph."),
 ) -> None:
     """Train the distributional agent on the training split; checkpoints and history go to --out."""
     import torch
@@ -43,6 +46,12 @@ def train(
     if device.startswith("cuda") and not torch.cuda.is_available():
         err.print("error: --device cuda but no CUDA device is available here")
         raise typer.Exit(2)
+    from services.trainer.train import resolve_accel
+    try:
+        resolve_accel(accel, torch.device(device))
+    except ValueError as exc:
+        err.print(f"error: --accel: {exc}", markup=False)
+        raise typer.Exit(2) from None
     if out.exists() and not out.is_dir():
         err.print(f"error: --out {out} exists and is not a directory")
         raise typer.Exit(2)
@@ -75,7 +84,7 @@ def train(
 
         try:
             state = train_run(bars, dataset, out, epochs, config=config, seed=seed, device=device,
-                              on_epoch=on_epoch, progress=progress)
+                              accel=accel, on_epoch=on_epoch, progress=progress)
         except (CheckpointError, ValueError) as exc:
             err.print(f"error: {exc}", markup=False)
             raise typer.Exit(2) from None

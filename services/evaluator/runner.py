@@ -14,8 +14,10 @@ How a window is backtested
 - One continuous pass per window: the account starts flat with equity 1 at the window's first bar and is never
   reset; a position still open at the window's last bar is closed at its close (exit_reason "end").
 - The market encoder depends on bars only, so it is computed batched over every bar once; only the heads, which
-  read the portfolio state, are stepped bar by bar — by `shared.rollout.policy_step`, the trainer's own loop body
-  (this module never imports `services.trainer`).
+  read the portfolio state, are stepped bar by bar — by `shared.rollout.greedy_pass`, whose step is
+  `shared.rollout.policy_step`, the trainer's own loop body (this module never imports `services.trainer`). That
+  step never syncs with the host, so on CUDA it is replayed from CUDA graphs of `graph_chunk` bars each, and
+  optionally compiled (`accel`: "auto" = graph on CUDA, eager on CPU; every mode gives the same ledger).
 - Several windows are run together as accounts of one `Simulator` over the span that covers them (each account
   at its own bar index). Windows of equal length share one sequential pass; different lengths get one pass per
   length. The end close of a window that does not end the span is `Simulator.close_all()`, which applies the
@@ -35,21 +37,25 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 import pandas as pd
 import torch
 
-from services.evaluator import autopsy as ap
-from services.evaluator.report_builder import build_eval_report, build_split_report, split_definition
 from shared.agent import FLAT, Agent, AgentConfig, PolicyControls
 from shared.checkpoints import CheckpointError, checkpoint_sha256, load_checkpoint, sidecar_path
-from shared.execution import CostModel, Simulator
+from shared.execution import CostModel
 from shared.knobs import Knobs
 from shared.market import Bars, Split, chronological_split, compute_features, load_dataset
-from shared.report import TAUS, EvalReport, bars_window_hash
-from shared.rollout import MarketTensors, PortfolioTracker, policy_step
+from shared.rollout import MarketTensors, chosen_outputs, greedy_pass
+
+if TYPE_CHECKING:
+    from services.evaluator import autopsy as ap
+    from shared.report import EvalReport
+
+# The report stack (services.evaluator.autopsy / report_builder, shared.report: pydantic) is imported inside the
+# functions that build reports, so the passes themselves (`window_passes`) run where only torch is installed.
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -122,63 +128,37 @@ class SplitRun:
 
 
 def _run_group(agent: Agent, market: MarketTensors, emb: torch.Tensor, starts: list[int], length: int,
-               controls: PolicyControls, costs: CostModel, pred_chunk: int) -> list[dict[str, Any]]:
-    """B = len(starts) accounts of equal window `length`, local starts into `market`; one sequential pass."""
+               controls: PolicyControls, costs: CostModel, taus: Sequence[float], pred_chunk: int, accel: str,
+               graph_chunk: int) -> list[dict[str, Any]]:
+    """B = len(starts) accounts of equal window `length`, local starts into `market`: one `greedy_pass`, then the
+    predictions of every decision batched. Returns per window the `SplitRun` fields as plain arrays, with "preds"
+    the keywords of `autopsy.Predictions`."""
     dev = emb.device
     B, L, S = len(starts), length, length - 1
-    P = agent.cfg.n_portfolio
     start_t = torch.tensor(starts, dtype=torch.long, device=dev)                          # B
-    sim = Simulator(market.prices, B, costs, record_ledger=True)
-    sim.reset(start_t)
-    tracker = PortfolioTracker(B, dev)
-    f64 = dict(dtype=torch.float64, device=dev)
-    eq, br, pos, tgt = (torch.ones(L, B, **f64), torch.zeros(L, B, **f64), torch.zeros(L, B, **f64),
-                        torch.zeros(L, B, **f64))                                          # L × B
-    port = torch.zeros(S, B, P, dtype=torch.float32, device=dev)                           # S × B × P
-    branches = torch.zeros(S, B, 3, dtype=torch.long, device=dev)                          # S × B × 3
-    q, q_std = torch.zeros(S, B, device=dev), torch.zeros(S, B, device=dev)                # S × B
-    # the sequential part: heads + simulator, bar by bar, no host sync (the ledger flushes in chunks)
-    for i in range(S):
-        rec = policy_step(agent, sim, tracker, market, controls, emb=emb[sim.t])
-        port[i], branches[i], tgt[i] = rec.portfolio, rec.action.branches, rec.action.target
-        q[i], q_std[i] = rec.action.q, rec.action.q_std
-        eq[i + 1], br[i + 1], pos[i + 1] = sim.equity, rec.result.bar_return, rec.result.position
-    # end of the windows: close what is still open at the last bar's close (exit_reason "end")
-    sim.close_all()
-    eq[L - 1] = sim.equity
-    br[L - 1] = eq[L - 1] / eq[L - 2] - 1.0
-    pos[L - 1] = 0.0
+    p = greedy_pass(agent, market, emb, start_t, L, controls, costs, accel=accel, chunk=graph_chunk)
 
     # predictions, batched over every decision of every account (S·B rows)
     t_dec = (start_t.unsqueeze(0) + torch.arange(S, device=dev).unsqueeze(1)).reshape(-1)  # S·B
-    d_flat = branches[..., 0].reshape(-1)
-    taus = torch.tensor(TAUS, dtype=torch.float32, device=dev)
-    q_dir_parts, quant_parts = [], []
-    with torch.no_grad():
-        for a in range(0, S * B, pred_chunk):
-            b = min(a + pred_chunk, S * B)
-            out = agent.head(emb[t_dec[a:b]], port.reshape(-1, P)[a:b])
-            q_dir_parts.append(agent.q_values(out.logits)[0].mean(1))                       # n × 3
-            qt = agent.quantiles(out.hidden, taus)                                          # n × len(TAUS) × 3
-            d = d_flat[a:b].view(-1, 1, 1).expand(-1, len(TAUS), 1)
-            quant_parts.append(qt.gather(2, d).squeeze(2).sort(dim=1).values)              # n × len(TAUS)
-    q_dir = torch.cat(q_dir_parts).view(S, B, 3)
-    quant = torch.cat(quant_parts).view(S, B, len(TAUS))
+    q_dir, quant = chosen_outputs(agent, emb, t_dec, p.portfolio.reshape(S * B, -1), p.branches[..., 0].reshape(-1),
+                                  torch.tensor(taus, dtype=torch.float32, device=dev), chunk=pred_chunk)
+    quant = quant.sort(dim=1).values                                  # monotone rearrangement, S·B × len(taus)
 
-    ledger = sim.ledger()
     regime_all = market.regime.cpu().numpy()
     n_sizes = len(agent.cfg.size_levels)
     to = lambda x: x.cpu().numpy()  # noqa: E731
-    eq, br, pos, tgt, branches, q, q_std, q_dir, quant = map(to, (eq, br, pos, tgt, branches, q, q_std, q_dir,
-                                                                  quant))
+    eq, br, pos, branches, q, q_std = map(to, (p.equity, p.bar_returns, p.positions, p.branches, p.q, p.q_std))
+    tgt = np.concatenate([to(p.targets), np.zeros((1, B))])                                  # L × B
+    q_dir, quant = to(q_dir.view(S, B, 3)), to(quant.view(S, B, len(taus)))
+    bounds = np.searchsorted(p.ledger["account"].to_numpy(), np.arange(B + 1))  # the ledger is sorted by account
     out_runs = []
     for k, s0 in enumerate(starts):
-        led = ledger[ledger["account"] == k].copy()
+        led = p.ledger.iloc[bounds[k]:bounds[k + 1]].copy()
         led["account"] = 0
         led["entry_t"] -= s0
         led["exit_t"] -= s0
         pad = lambda a, fill: np.concatenate([a, np.full((1, *a.shape[1:]), fill, dtype=a.dtype)])  # noqa: E731
-        preds = ap.Predictions(
+        preds = dict(
             direction=pad(branches[:, k, 0], FLAT), size=pad(branches[:, k, 1], 0), exit=pad(branches[:, k, 2], 0),
             q_mean=pad(q[:, k].astype(np.float64), 0.0), q_quantiles=pad(quant[:, k].astype(np.float64), 0.0),
             ensemble_std=pad(q_std[:, k].astype(np.float64), 0.0), q_dir=pad(q_dir[:, k].astype(np.float64), 0.0),
@@ -189,16 +169,13 @@ def _run_group(agent: Agent, market: MarketTensors, emb: torch.Tensor, starts: l
 
 
 @torch.no_grad()
-def run_windows(agent: Agent, bars: Bars, windows: Sequence[tuple[int, int]], *,
-                controls: PolicyControls | None = None, costs: CostModel = CostModel(),
-                features: np.ndarray | None = None, device: str | torch.device | None = None,
-                encode_chunk: int = 4096, pred_chunk: int = 65536) -> list[SplitRun]:
-    """Greedy continuous passes of `agent` over several windows [start, end) of `bars`, batched as accounts.
-
-    Encodes every bar of the covering span once, then steps one pass per distinct window length with all
-    windows of that length as accounts of one simulator. `controls` default: `eval_controls(None)` (no gate).
-    `features`: `compute_features(bars)` when already computed. Returns one `SplitRun` per window, in order.
-    """
+def window_passes(agent: Agent, bars: Bars, windows: Sequence[tuple[int, int]], *, taus: Sequence[float],
+                  controls: PolicyControls | None = None, costs: CostModel = CostModel(),
+                  features: np.ndarray | None = None, device: str | torch.device | None = None,
+                  encode_chunk: int = 4096, pred_chunk: int = 65536, accel: str = "auto",
+                  graph_chunk: int = 64) -> list[dict[str, Any]]:
+    """`run_windows` without the report's types: per window a dict of the `SplitRun` fields as plain arrays
+    ("preds": the keywords of `autopsy.Predictions`, quantiles at `taus`). Imports no web stack (pydantic)."""
     agent.eval()
     dev = torch.device(device) if device is not None else next(agent.parameters()).device
     n = len(bars)
@@ -218,13 +195,31 @@ def run_windows(agent: Agent, bars: Bars, windows: Sequence[tuple[int, int]], *,
     T = hi - lo
     # the market encoder, batched over every bar of the span: T × W × F → T × D
     emb = torch.cat([agent.encode(market.windows[i:i + encode_chunk]) for i in range(0, T, encode_chunk)])
-    runs: list[SplitRun | None] = [None] * len(wins)
+    runs: list[dict[str, Any] | None] = [None] * len(wins)
     for length in sorted({e - s for s, e in wins}):
         idx = [i for i, (s, e) in enumerate(wins) if e - s == length]
-        res = _run_group(agent, market, emb, [wins[i][0] - lo for i in idx], length, controls, costs, pred_chunk)
+        res = _run_group(agent, market, emb, [wins[i][0] - lo for i in idx], length, controls, costs, taus,
+                         pred_chunk, accel, graph_chunk)
         for i, r in zip(idx, res):
-            runs[i] = SplitRun(window=wins[i], **r)
+            runs[i] = dict(window=wins[i], **r)
     return runs  # type: ignore[return-value]
+
+
+def run_windows(agent: Agent, bars: Bars, windows: Sequence[tuple[int, int]], **kwargs: Any) -> list[SplitRun]:
+    """Greedy continuous passes of `agent` over several windows [start, end) of `bars`, batched as accounts.
+
+    Encodes every bar of the covering span once, then steps one pass per distinct window length with all
+    windows of that length as accounts of one simulator. Keywords (see `window_passes`): `controls` (default
+    `eval_controls(None)`: no gate), `costs`, `features` (`compute_features(bars)` when already computed),
+    `device`, `encode_chunk`, `pred_chunk`, and `accel` = "auto" | "eager" | "compile" | "graph" | "compile+graph"
+    with `graph_chunk` bars per CUDA graph (`shared.rollout.greedy_pass`; "auto": graph on CUDA, eager on CPU).
+    Returns one `SplitRun` per window, in order.
+    """
+    from services.evaluator import autopsy as ap  # the report's types (pydantic): not needed by the passes
+    from shared.report import TAUS
+
+    runs = window_passes(agent, bars, windows, taus=TAUS, **kwargs)
+    return [SplitRun(**{**r, "preds": ap.Predictions(**r["preds"])}) for r in runs]
 
 
 def run_split(agent: Agent, bars: Bars, window: tuple[int, int], **kwargs: Any) -> SplitRun:
@@ -262,6 +257,9 @@ def evaluate_checkpoint(ckpt_bytes_or_path: str | os.PathLike | bytes, *, expect
     knobs: the knobs the checkpoint trained under, when known from elsewhere (default: its metadata "knobs").
     Raises CheckpointError (untrusted checkpoint) or ValueError (data that do not fit the agent / split).
     """
+    from services.evaluator.report_builder import build_eval_report, build_split_report, split_definition
+    from shared.report import bars_window_hash
+
     agent, meta, sha = restore_agent(ckpt_bytes_or_path, expected_sha256=expected_sha256, device=device)
     knobs = knobs if knobs is not None else trained_knobs(meta)
     if costs is None:

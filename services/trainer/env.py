@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from shared.execution import Simulator
-from shared.rollout import MarketTensors, PortfolioTracker, StepRecord
+from shared.rollout import MarketTensors, PortfolioTracker, StepRecord, policy_step
 from services.trainer.replay import Replay
 
 
@@ -54,6 +54,7 @@ class TrainEnv:
         self.tracker = PortfolioTracker(n_envs, dev)
         self.steps_in_episode = torch.zeros(n_envs, dtype=torch.long, device=dev)
         self.start_weights = torch.ones(len(market), device=dev)
+        self.start_cdf = torch.zeros(len(market), dtype=torch.float64, device=dev)
         self.set_regime_weights([1.0] * 9)
         # running statistics of the epoch (device tensors, read once per epoch)
         self.trade_sum = torch.zeros((), dtype=torch.float64, device=dev)
@@ -68,10 +69,26 @@ class TrainEnv:
         hi = max(self.warmup + 1, T - 64)
         ok[self.warmup:hi] = True
         w = torch.where(ok, w, torch.zeros_like(w))
-        self.start_weights = torch.where(w.sum() > 0, w, ok.float())
+        w = torch.where(w.sum() > 0, w, ok.float())
+        self.start_weights.copy_(w)              # in place: a captured collection step reads this memory
+        self.start_cdf.copy_(torch.cumsum(w.double(), 0))
 
-    def sample_starts(self, n: int) -> torch.Tensor:
-        return torch.multinomial(self.start_weights, n, replacement=True, generator=self.gen)
+    def sample_starts(self, n: int, u: torch.Tensor | None = None) -> torch.Tensor:
+        """n start bars ∝ `start_weights` by inverse CDF of uniforms u (drawn from the generator unless given)."""
+        if u is None:
+            u = torch.rand(n, device=self.start_cdf.device, generator=self.gen)
+        idx = torch.searchsorted(self.start_cdf, u.double() * self.start_cdf[-1], right=True)
+        return idx.clamp_(max=self.start_cdf.shape[0] - 1)
+
+    def collect(self, agent, controls, n_steps: int, emb_table: torch.Tensor, noise: torch.Tensor) -> None:
+        """`n_steps` steps of every account: policy → simulator → reward → replay → episode resets.
+
+        noise: n_steps × E × 7 uniforms (6 for the policy's ε draws, 1 for the episode-start draw), drawn by the
+        caller, so this body can be captured in a CUDA graph and replayed with fresh noise."""
+        for i in range(n_steps):
+            rec = policy_step(agent, self.sim, self.tracker, self.market, controls, emb=emb_table[self.sim.t],
+                              force_flat=self.force_flat(), noise=noise[i, :, :6])
+            self.on_step(rec, u_start=noise[i, :, 6])
 
     def reset_all(self) -> None:
         """Fresh episodes for every account (start of an epoch)."""
@@ -83,8 +100,8 @@ class TrainEnv:
         T = len(self.market)
         return (self.steps_in_episode >= self.rc.episode_bars + self.rc.grace_bars) | (self.sim.t >= T - 3)
 
-    def on_step(self, rec: StepRecord) -> None:
-        """Reward, episode end, replay write, soft reset of ended episodes."""
+    def on_step(self, rec: StepRecord, u_start: torch.Tensor | None = None) -> None:
+        """Reward, episode end, replay write, soft reset of ended episodes (new starts drawn with `u_start`)."""
         res, a, rc = rec.result, rec.action, self.rc
         prev_flat = rec.portfolio[:, 0] == 0
         stayed_flat = prev_flat & (res.position == 0) & (a.branches[:, 0] == 1)
@@ -101,7 +118,7 @@ class TrainEnv:
         self.trade_sq += torch.where(closed, tr * tr, torch.zeros_like(tr)).sum()
         self.trade_n += closed.double().sum()
         # soft reset of ended episodes
-        self.sim.reset(self.sample_starts(self.E), mask=done)
+        self.sim.reset(self.sample_starts(self.E, u_start), mask=done)
         self.tracker.soft_reset(done)
         self.steps_in_episode = torch.where(done, torch.zeros_like(self.steps_in_episode), self.steps_in_episode)
 

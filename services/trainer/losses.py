@@ -71,10 +71,9 @@ def nstep_returns(rewards: torch.Tensor, dones: torch.Tensor, gamma: torch.Tenso
     powers = gamma ** torch.arange(L, device=rewards.device, dtype=rewards.dtype)          # L
     disc_r = rewards * alive_before * powers                                               # N × L
     csum = torch.cumsum(disc_r, dim=1)                                                     # N × L
-    idx = torch.tensor([h - 1 for h in horizons], device=rewards.device)
-    R = csum[:, idx]                                                                       # N × H
-    hs = torch.tensor(horizons, device=rewards.device, dtype=rewards.dtype)
-    disc = (gamma ** hs) * alive[:, idx]                                                   # N × H
+    # horizons are static: basic indexing (views), no index tensor copied from the host inside a graph
+    R = torch.stack([csum[:, h - 1] for h in horizons], dim=1)                             # N × H
+    disc = torch.stack([gamma ** h * alive[:, h - 1] for h in horizons], dim=1)            # N × H
     return R, disc
 
 

@@ -66,48 +66,71 @@ class Replay:
         self.done = z(L, E, dt=torch.bool)
         self.priority = z(L, E)
         self.bar_boost = torch.ones(n_bars, device=self.device)
-        self.head = 0        # next ring row to write (host int: known without a sync)
-        self.count = 0       # rows written so far (capped at L)
+        # ring position and fill on the device, so a captured collection step writes and advances them
+        self.head_t = torch.zeros((), dtype=torch.long, device=self.device)   # next ring row to write
+        self.count_t = torch.zeros((), dtype=torch.long, device=self.device)  # rows written (capped at L)
         self.max_priority = torch.ones((), device=self.device)   # device scalar: no host sync on update
+        self._steps = torch.arange(self.max_h, device=self.device)           # 0 … max_h − 1
+        self._horizons = torch.tensor(self.horizons, device=self.device)     # H
+        self._rows = torch.arange(L, device=self.device)
+
+    @property
+    def head(self) -> int:
+        """Next ring row to write (a host sync: for checkpoints and tests, not the hot path)."""
+        return int(self.head_t)
+
+    @property
+    def count(self) -> int:
+        """Rows written so far, capped at L (a host sync: for checkpoints and tests, not the hot path)."""
+        return int(self.count_t)
 
     def __len__(self) -> int:
         return self.count * self.E
 
     def add(self, bar, portfolio, action, regime, reward, done) -> None:
-        """Write one step for all E envs: bar E, portfolio E × P, action E × 3, regime E, reward E, done E."""
-        r = self.head
-        self.bar[r] = bar
-        self.portfolio[r] = portfolio
-        self.action[r] = action
-        self.regime[r] = regime
-        self.reward[r] = reward.to(torch.float32)
-        self.done[r] = done
-        self.priority[r] = self.max_priority
-        self.head = (r + 1) % self.L
-        self.count = min(self.count + 1, self.L)
+        """Write one step for all E envs: bar E, portfolio E × P, action E × 3, regime E, reward E, done E.
+
+        The row index is the device tensor `head_t` (no host integer), so a CUDA graph can capture the write."""
+        r = self.head_t.view(1)
+        self.bar.index_copy_(0, r, bar.view(1, -1))
+        self.portfolio.index_copy_(0, r, portfolio.unsqueeze(0))
+        self.action.index_copy_(0, r, action.unsqueeze(0))
+        self.regime.index_copy_(0, r, regime.view(1, -1))
+        self.reward.index_copy_(0, r, reward.to(torch.float32).view(1, -1))
+        self.done.index_copy_(0, r, done.view(1, -1))
+        self.priority.index_copy_(0, r, self.max_priority.expand(1, self.E))
+        self.head_t.add_(1).remainder_(self.L)
+        self.count_t.add_(1).clamp_(max=self.L)
 
     def valid_mask(self) -> torch.Tensor:
         """L × E bool: rows whose full n-step window (max horizon steps after them) is written."""
-        age = (self.head - 1 - torch.arange(self.L, device=self.device)) % self.L           # 0 = newest row
-        ok = (age >= self.max_h) & (age < self.count)
+        age = (self.head_t - 1 - self._rows) % self.L                                       # 0 = newest row
+        ok = (age >= self.max_h) & (age < self.count_t)
         return ok.unsqueeze(1).expand(self.L, self.E)
 
     def can_sample(self) -> bool:
         return self.count > self.max_h
 
-    def sample(self, n: int, generator: torch.Generator | None = None) -> Batch:
-        """Sample n transitions by priority (with replacement) and gather their n-step windows."""
+    def sample(self, n: int, generator: torch.Generator | None = None, u: torch.Tensor | None = None) -> Batch:
+        """Sample n transitions by priority (with replacement) and gather their n-step windows.
+
+        Inverse-CDF sampling: slot = first index whose cumulative probability exceeds u, u ~ U[0, 1) (n of them,
+        drawn from `generator` unless given), so a captured update can be handed u drawn outside the graph."""
         L, E = self.L, self.E
-        p = self.priority.pow(self.alpha) * self.bar_boost[self.bar] * self.valid_mask()     # L × E
-        probs = (p / p.sum()).flatten()
-        slot = torch.multinomial(probs, n, replacement=True, generator=generator)           # N
-        n_valid = self.valid_mask().sum()
-        w = (n_valid * probs[slot]).pow(-self.beta)
+        if u is None:
+            u = torch.rand(n, device=self.device, generator=generator)
+        valid = self.valid_mask()
+        p = (self.priority.pow(self.alpha) * self.bar_boost[self.bar] * valid).flatten()      # L·E
+        cdf = torch.cumsum(p.double(), 0)
+        total = cdf[-1]
+        slot = torch.searchsorted(cdf, u.double() * total, right=True).clamp_(max=L * E - 1)  # N
+        probs_slot = p[slot].double() / total
+        n_valid = valid.sum()
+        w = (n_valid * probs_slot).pow(-self.beta).float()
         w = w / w.max()
         l, e = slot // E, slot % E
-        steps = (l.unsqueeze(1) + torch.arange(self.max_h, device=self.device)) % L          # N × Lh
-        hs = torch.tensor(self.horizons, device=self.device)
-        nxt = (l.unsqueeze(1) + hs) % L                                                      # N × H
+        steps = (l.unsqueeze(1) + self._steps) % L                                           # N × Lh
+        nxt = (l.unsqueeze(1) + self._horizons) % L                                          # N × H
         ee = e.unsqueeze(1)
         return Batch(slot=slot, bar=self.bar[l, e], portfolio=self.portfolio[l, e], action=self.action[l, e],
                      regime=self.regime[l, e], rewards=self.reward[steps, ee], dones=self.done[steps, ee],
@@ -145,4 +168,5 @@ class Replay:
     def load_state(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
         for k, v in tensors.items():
             getattr(self, k).copy_(v)
-        self.head, self.count = int(meta["head"]), int(meta["count"])
+        self.head_t.fill_(int(meta["head"]))
+        self.count_t.fill_(int(meta["count"]))

@@ -127,8 +127,16 @@ class TrainConfig:
     """… decaying linearly to this …"""
     eps_decay_epochs: int = 8
     """… over this many epochs."""
+    bf16: bool = False
+    """On CUDA, the forward passes of collection and update under bf16 autocast (losses and softmaxes in fp32)."""
+    encoder_batch: int = 0
+    """Samples of each update whose market encoding is computed with gradient (the encoder learns from them);
+    the rest read the cached online embeddings. 0 = the whole batch."""
+    tf32: bool = True
+    """On CUDA, float32 matmuls and convolutions on TF32 tensor cores (10-bit mantissa inputs, fp32 accumulate)."""
     emb_refresh: int = 50
-    """Updates between refreshes of the cached market embeddings of all training bars."""
+    """Updates over which the cached market embeddings of all training bars are refreshed once: each update
+    re-encodes the next ceil(T_train / emb_refresh) bars of a rolling window (plus a full refresh per epoch)."""
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -164,7 +172,8 @@ class TrainConfig:
             return cls(agent=AgentConfig(n_features=n_features, window=64, d_model=128, n_heads=8, n_layers=2,
                                          hidden=256, ensemble=5),
                        n_envs=256, env_steps_per_iter=2, updates_per_iter=2, iterations=2000, batch_size=1024,
-                       replay_capacity=2_000_000, learning_starts=20_000)
+                       replay_capacity=2_000_000, learning_starts=20_000, encoder_batch=1024, bf16=True,
+                       emb_refresh=500)
         raise ValueError(f"unknown config preset {name!r}: use 'small' or 'full'")
 
 
@@ -202,7 +211,8 @@ def build_optimizer(agent: Agent, cfg: TrainConfig, device) -> torch.optim.AdamW
            "weight_decay": cfg.weight_decay if d else 0.0, "age": 0,
            "lr": torch.tensor(cfg.lr, device=device) if cuda else cfg.lr}
           for (b, d), ps in sorted(groups.items())]
-    return torch.optim.AdamW(pg, lr=cfg.lr, betas=(0.9, 0.999), eps=1e-6, capturable=cuda)
+    # CUDA: one fused kernel per group, LR and step counters on the device (capturable in a graph)
+    return torch.optim.AdamW(pg, lr=cfg.lr, betas=(0.9, 0.999), eps=1e-6, capturable=cuda, fused=cuda or None)
 
 
 def group_lr(group: dict, step: int, knobs_lr_scale: dict[str, float], cfg: TrainConfig) -> float:
@@ -215,22 +225,37 @@ def group_lr(group: dict, step: int, knobs_lr_scale: dict[str, float], cfg: Trai
     return lr
 
 
-def set_lrs(opt: torch.optim.Optimizer, step: int, lr_scale: dict[str, float], cfg: TrainConfig) -> None:
-    """Host-side schedule written into the groups (tensor LRs with `fill_` on CUDA); momentum reset of branch
-    groups at each cosine restart."""
+def set_lrs(opt: torch.optim.Optimizer, step: int, lr_scale: dict[str, float], cfg: TrainConfig,
+            write_lr: bool = True) -> None:
+    """Host-side schedule written into the groups (`write_lr`; tensor LRs with `fill_`); momentum reset of branch
+    groups at each cosine restart; group ages. With `write_lr=False` the LRs come from `device_lrs` instead."""
     restart = step > 0 and step % cfg.cosine_period == 0
     for g in opt.param_groups:
-        lr = group_lr(g, step, lr_scale, cfg)
-        if torch.is_tensor(g["lr"]):
-            g["lr"].fill_(lr)
-        else:
-            g["lr"] = lr
+        if write_lr:
+            lr = group_lr(g, step, lr_scale, cfg)
+            if torch.is_tensor(g["lr"]):
+                g["lr"].fill_(lr)
+            else:
+                g["lr"] = lr
         if restart and g["branch"] in BRANCHES:
             for p in g["params"]:
                 st = opt.state.get(p)
                 if st:
                     st["exp_avg"].zero_()
         g["age"] += 1
+
+
+def device_lrs(opt: torch.optim.Optimizer, buf: "UpdateBuffers", cfg: TrainConfig) -> None:
+    """`group_lr` computed on the device from the update counter `buf.step` and written into the groups' LR
+    tensors (read by the capturable AdamW), then the counter advanced: no host value per update, so it is
+    captured with the step. Every group is created with the optimizer, so its age equals the update count."""
+    step = buf.step
+    warm = ((step + 1.0) / cfg.lr_warmup).clamp(max=1.0)
+    phase = torch.remainder(step, cfg.cosine_period) / cfg.cosine_period
+    cos_f = cfg.cosine_floor + (1 - cfg.cosine_floor) * 0.5 * (1.0 + torch.cos(math.pi * phase))
+    lr = cfg.lr * warm * torch.where(buf.lr_branch, buf.lr_scale * cos_f, torch.ones_like(buf.lr_scale))
+    torch._foreach_copy_([g["lr"] for g in opt.param_groups], list(lr.to(torch.float32).unbind()))
+    step.add_(1.0)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -253,6 +278,19 @@ class UpdateBuffers:
     gradient inside the update)."""
     emb_target: torch.Tensor
     """T_train × D: the same for the target network (bootstrap evaluation)."""
+    emb_offset: torch.Tensor
+    """First bar of the next rolling embedding refresh (device scalar)."""
+    step: torch.Tensor
+    """Updates done so far (device scalar, float64): the LR schedule of a captured step reads it."""
+    lr_scale: torch.Tensor
+    """Per optimizer group: the E4 scale of its branch (1 for non-branch groups), float64."""
+    lr_branch: torch.Tensor
+    """Per optimizer group: True for the branch groups (E4 scale and cosine restarts apply)."""
+    metric_sums: torch.Tensor
+    """Sum over the epoch's updates of each of `METRICS` (read once per epoch)."""
+
+
+METRICS = ("loss", "c51", "iqn", "expectile", "q_mean", "entropy", "utilisation", "grad_norm")
 
 
 def make_update(agent: Agent, target: Agent, opt: torch.optim.Optimizer, replay: Replay, windows: torch.Tensor,
@@ -263,11 +301,21 @@ def make_update(agent: Agent, target: Agent, opt: torch.optim.Optimizer, replay:
     params = [p for p in agent.parameters()]
     tparams = [p for p in target.parameters()]
 
-    def update(b: Batch) -> dict[str, torch.Tensor]:
+    n_ens = agent.cfg.ensemble
+
+    def update(b: Batch, noise: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """One gradient update on batch b. noise: N × (K + M + H·M) uniforms (ensemble mask, online τ, target τ),
+        drawn from the generator unless given (a captured step is handed noise drawn outside the graph)."""
         N, dev = b.bar.shape[0], b.bar.device
+        if noise is None:
+            noise = torch.rand(N, n_ens + M + H * M, device=dev, generator=generator)
         z, v_max = agent.support, agent.v_max                                              # A
-        # --- online network at s ---
-        out = agent.head(agent.encode(windows[b.bar]), b.portfolio)
+        # --- online network at s (the encoder learns from the first `encoder_batch` samples, a random subset) ---
+        n_enc = min(cfg.encoder_batch or N, N)
+        emb = agent.encode(windows[b.bar[:n_enc]])
+        if n_enc < N:
+            emb = torch.cat([emb, buf.emb_online[b.bar[n_enc:]].to(emb.dtype)])
+        out = agent.head(emb, b.portfolio)
         # --- bootstrap states s_h, N·H of them: double-Q (online selects, target evaluates) ---
         with torch.no_grad():
             nb, npf = b.next_bar.reshape(-1), b.next_portfolio.reshape(N * H, -1)
@@ -278,8 +326,7 @@ def make_update(agent: Agent, target: Agent, opt: torch.optim.Optimizer, replay:
             R, disc = (R - buf.q_bias).float(), disc.float()
             w_h = buf.horizon_blend[b.regime]                                              # N × H
             tz = R.unsqueeze(-1) + disc.unsqueeze(-1) * z                                  # N × H × A
-            member = (torch.rand(N, agent.cfg.ensemble, device=dev, generator=generator)
-                      < cfg.ensemble_mask_p).float()                                       # N × K
+            member = (noise[:, :n_ens] < cfg.ensemble_mask_p).float()                            # N × K
         # --- C51 loss per branch, blended over horizons ---
         c51 = torch.zeros(N, device=dev)
         for br, (lg, lg_n) in enumerate(zip(out.logits, tg_n.logits)):
@@ -300,12 +347,12 @@ def make_update(agent: Agent, target: Agent, opt: torch.optim.Optimizer, replay:
                 ent = atom_entropy(logits_a).mean()
                 util = atom_utilisation(logits_a.detach())
         # --- IQN quantile Huber on the direction branch (in units of v_max, κ = 1) ---
-        taus = torch.rand(N, M, device=dev, generator=generator)                           # N × M
-        th = agent.quantiles(out.hidden, taus)                                             # N × M × 3
+        taus = noise[:, n_ens:n_ens + M]                                                         # N × M
+        th = agent.quantiles(out.hidden, taus).float()                                     # N × M × 3
         th = th.gather(2, b.action[:, 0].view(N, 1, 1).expand(N, M, 1)).squeeze(2)         # N × M
         with torch.no_grad():
-            taus_t = torch.rand(N * H, M, device=dev, generator=generator)
-            th_n = target.quantiles(tg_n.hidden, taus_t)                                   # N·H × M × 3
+            taus_t = noise[:, n_ens + M:].reshape(N * H, M)                                    # n-major, like nb
+            th_n = target.quantiles(tg_n.hidden, taus_t).float()                           # N·H × M × 3
             th_n = th_n.gather(2, a_star[0].view(N * H, 1, 1).expand(N * H, M, 1)).view(N, H, M)
             y_q = R.unsqueeze(-1) + disc.unsqueeze(-1) * th_n                              # N × H × M'
         qh = quantile_huber_loss((th / v_max).repeat_interleave(H, 0), (y_q / v_max).reshape(N * H, M),
@@ -316,7 +363,7 @@ def make_update(agent: Agent, target: Agent, opt: torch.optim.Optimizer, replay:
             q_tn = target.q_values([tg_n.logits[0]])[0].mean(1)                            # N·H × 3
             q_tn = q_tn.gather(1, a_star[0].view(-1, 1)).view(N, H)
             y = ((R + disc * q_tn) * w_h).sum(1)                                           # N
-        expl = expectile_loss((y - out.value_e) / v_max, cfg.expectile)                   # N
+        expl = expectile_loss((y - out.value_e.float()) / v_max, cfg.expectile)           # N
         # --- stability terms on the online direction Q ---
         q_dir = agent.q_values([out.logits[0]])[0].mean(1)                                 # N × 3
         centre = ((q_dir.mean() - y.mean()) / v_max) ** 2
@@ -343,6 +390,102 @@ def make_update(agent: Agent, target: Agent, opt: torch.optim.Optimizer, replay:
                 "utilisation": util, "grad_norm": gnorm.detach()}
 
     return update
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The iteration, eager or captured: collection and update as step functions over static buffers
+# ---------------------------------------------------------------------------------------------------------
+ACCEL_MODES = ("eager", "compile", "graph", "compile+graph")
+
+
+def resolve_accel(accel: str, device: torch.device) -> str:
+    """'auto' → 'graph' on CUDA, 'eager' elsewhere; CUDA graphs need a CUDA device."""
+    if accel == "auto":
+        return "graph" if device.type == "cuda" else "eager"
+    if accel not in ACCEL_MODES:
+        raise ValueError(f"unknown accel mode {accel!r}: use auto or one of {', '.join(ACCEL_MODES)}")
+    if "graph" in accel and device.type != "cuda":
+        raise ValueError(f"accel={accel!r} needs a CUDA device (got {device}); use eager or compile")
+    return accel
+
+
+class StepRunner:
+    """The two halves of an iteration as step functions with static noise buffers, run eagerly, compiled,
+    captured in CUDA graphs, or both (`accel`). The same Python code runs in every mode.
+
+    collect(): n_envs × env_steps_per_iter environment steps (policy with ε and gates, simulator, rewards, replay
+               write, episode resets) — `TrainEnv.collect`.
+    update():  sampling from replay, the full update (C51 + IQN + expectile + stability + hindsight losses,
+               backward, clip, AdamW, target lerp, priorities), LR schedule on the device (CUDA), metric sums
+               and the rolling embedding refresh — `train_step`.
+    Each call first draws its uniforms from the run's generator into a static noise tensor (outside any graph),
+    so every mode consumes the same random stream. A graph is captured on the first call, whose warm-up run is
+    that call's real step; later calls replay it.
+    """
+
+    def __init__(self, state: "TrainState", accel: str):
+        from shared.graphs import StaticState, capture
+
+        self.state, self.accel = state, accel
+        cfg, dev, env = state.cfg, state.device, state.env
+        K, M, H = cfg.agent.ensemble, cfg.iqn_quantiles, len(cfg.horizons)
+        self.collect_noise = torch.zeros(cfg.env_steps_per_iter, cfg.n_envs, 7, device=dev)
+        self.update_noise = torch.zeros(cfg.batch_size, 1 + K + M + H * M, device=dev)
+        collect_body = lambda: env.collect(state.agent, state.controls, cfg.env_steps_per_iter,  # noqa: E731
+                                           state.buffers.emb_online, self.collect_noise)
+        update_body = lambda: train_step(state, self.update_noise)  # noqa: E731
+        if cfg.bf16 and dev.type == "cuda":
+            collect_body, update_body = _bf16(collect_body), _bf16(update_body)
+        if "compile" in accel:
+            collect_body, update_body = torch.compile(collect_body), torch.compile(update_body)
+        self.pinned = StaticState(env.sim, env.tracker, env)
+        if "graph" in accel:
+            def collect_pinned():
+                collect_body()
+                self.pinned.commit()
+            self._bodies = {"collect": collect_pinned, "update": update_body}
+        else:
+            self._bodies = {"collect": collect_body, "update": update_body}
+        self._capture = capture
+        self._graphs: dict[str, object] = {}
+
+    def _run(self, name: str) -> None:
+        if "graph" not in self.accel:
+            self._bodies[name]()
+        elif name in self._graphs:
+            self._graphs[name]()
+        else:
+            self._graphs[name] = self._capture(self._bodies[name], warmup=1)
+
+    def collect(self) -> None:
+        torch.rand(self.collect_noise.shape, generator=self.state.generator, out=self.collect_noise)
+        self.pinned.commit()      # eager code between steps (episode resets, resume) may have rebound state
+        self._run("collect")
+
+    def update(self) -> None:
+        torch.rand(self.update_noise.shape, generator=self.state.generator, out=self.update_noise)
+        self._run("update")
+
+
+def _bf16(fn: Callable[[], object]) -> Callable[[], object]:
+    """fn under bf16 autocast; the autocast weight cache is off, as CUDA-graph capture requires."""
+    def run():
+        with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
+            return fn()
+    return run
+
+
+def train_step(state: "TrainState", noise: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Sample a batch (inverse CDF with noise[:, 0]), update on it (noise[:, 1:]), add its metrics to the epoch's
+    sums, re-encode the next rolling chunk of embeddings. On CUDA the LR schedule runs on the device first."""
+    cfg, buf = state.cfg, state.buffers
+    if state.device.type == "cuda":
+        device_lrs(state.opt, buf, cfg)
+    b = state.replay.sample(cfg.batch_size, u=noise[:, 0])
+    m = state.update(b, noise[:, 1:])
+    buf.metric_sums.add_(torch.stack([m[k].float() for k in METRICS]))
+    refresh_rolling(state)
+    return m
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -395,12 +538,19 @@ class TrainState:
     """The knobs of the last `apply_knobs` (saved in the checkpoint: the evaluator gates as trained)."""
     update_step: int = 0
     env_steps: int = 0
+    accel: str = "eager"
+    """How the iteration runs: eager, compile, graph or compile+graph (`StepRunner`)."""
+    refresh_idx: torch.Tensor | None = None
+    """0 … C−1: the rolling embedding refresh re-encodes C bars per update."""
+    runner: "StepRunner | None" = None
 
 
 def build_state(cfg: TrainConfig, bars: Bars, split: Split, seed: int, device="cpu",
-                features: np.ndarray | None = None) -> TrainState:
-    """Fresh training state on the training split of `bars`, seeded."""
+                features: np.ndarray | None = None, accel: str = "auto") -> TrainState:
+    """Fresh training state on the training split of `bars`, seeded; `accel`: see `resolve_accel`."""
     device = torch.device(device)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cfg.tf32
     torch.manual_seed(seed)
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
@@ -420,9 +570,18 @@ def build_state(cfg: TrainConfig, bars: Bars, split: Split, seed: int, device="c
                         horizon_blend=torch.tensor(cfg.horizon_blend, dtype=torch.float32, device=device),
                         hindsight=torch.full((len(market),), -1, dtype=torch.long, device=device),
                         emb_online=torch.zeros(len(market), cfg.agent.d_model, device=device),
-                        emb_target=torch.zeros(len(market), cfg.agent.d_model, device=device))
+                        emb_target=torch.zeros(len(market), cfg.agent.d_model, device=device),
+                        emb_offset=torch.zeros((), dtype=torch.long, device=device),
+                        step=torch.zeros((), dtype=torch.float64, device=device),
+                        lr_scale=torch.ones(len(opt.param_groups), dtype=torch.float64, device=device),
+                        lr_branch=torch.tensor([g["branch"] in BRANCHES for g in opt.param_groups], device=device),
+                        metric_sums=torch.zeros(len(METRICS), device=device))
     update = make_update(agent, target, opt, replay, market.windows, buf, cfg, gen)
-    return TrainState(cfg, device, agent, target, opt, replay, env, controls, buf, gen, update)
+    chunk = -(-len(market) // max(cfg.emb_refresh, 1))
+    state = TrainState(cfg, device, agent, target, opt, replay, env, controls, buf, gen, update,
+                       accel=resolve_accel(accel, device), refresh_idx=torch.arange(chunk, device=device))
+    state.runner = StepRunner(state, state.accel)
+    return state
 
 
 def apply_knobs(state: TrainState, knobs: Knobs) -> None:
@@ -432,6 +591,8 @@ def apply_knobs(state: TrainState, knobs: Knobs) -> None:
     state.controls.set(epsilon=knobs.epsilon, gate_threshold=knobs.gate_threshold,
                        regime_confidence=knobs.regime_confidence)
     state.buffers.gamma.fill_(knobs.gamma)
+    state.buffers.lr_scale.copy_(torch.tensor([knobs.lr_scale.get(g["branch"], 1.0)
+                                               for g in state.opt.param_groups], dtype=torch.float64))
     state.buffers.q_bias.fill_(knobs.q_bias)
     # E6/E7 name absolute bars of the dataset (inside the train range); the replay and the label table are
     # indexed from the start of the training window
@@ -448,11 +609,26 @@ def apply_knobs(state: TrainState, knobs: Knobs) -> None:
 
 @torch.no_grad()
 def refresh_embeddings(state: TrainState, chunk: int = 4096) -> None:
-    """Recompute the cached market embeddings of every training bar (online and target networks), in place."""
+    """Recompute the cached market embeddings of every training bar (online and target networks), in place;
+    the rolling refresh restarts at bar 0."""
     w = state.env.market.windows
     for net, out in ((state.agent, state.buffers.emb_online), (state.target, state.buffers.emb_target)):
         for i in range(0, w.shape[0], chunk):
             out[i:i + chunk] = net.encode(w[i:i + chunk])
+    state.buffers.emb_offset.zero_()
+
+
+@torch.no_grad()
+def refresh_rolling(state: TrainState) -> None:
+    """Re-encode the next C bars (cyclically) of both embedding tables, in place: every bar's cached embedding
+    is at most `emb_refresh` updates old, at a constant cost per update (capturable: the offset is a device
+    scalar)."""
+    buf, T = state.buffers, state.buffers.emb_online.shape[0]
+    idx = (buf.emb_offset + state.refresh_idx) % T                                         # C
+    w = state.env.market.windows[idx]
+    buf.emb_online.index_copy_(0, idx, state.agent.encode(w))
+    buf.emb_target.index_copy_(0, idx, state.target.encode(w))
+    buf.emb_offset.add_(state.refresh_idx.shape[0]).remainder_(T)
 
 
 @torch.no_grad()
@@ -480,36 +656,36 @@ def train_epoch(state: TrainState, knobs: Knobs, progress: Callable[[int, int], 
     env.reset_all()
     env.pop_trade_stats()
     refresh_embeddings(state)
-    sums: dict[str, torch.Tensor] = {}
+    state.buffers.metric_sums.zero_()
+    state.buffers.step.fill_(float(state.update_step))
+    runner = state.runner
     n_upd, n_env0 = 0, state.env_steps
     t0 = time.perf_counter()
     t_env = t_upd = 0.0
     state.agent.train()
+    cuda = state.device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)   # per-phase timers measure work, not launches
     for it in range(cfg.iterations):
         ta = time.perf_counter()
-        run_rollout(state.agent, env.sim, env.tracker, env.market, state.controls, cfg.env_steps_per_iter,
-                    on_step=env.on_step, force_flat=env.force_flat, emb_table=state.buffers.emb_online,
-                    generator=state.generator)
+        runner.collect()
         state.env_steps += cfg.n_envs * cfg.env_steps_per_iter
+        sync()
         tb = time.perf_counter()
         t_env += tb - ta
-        if state.env_steps >= cfg.learning_starts and state.replay.can_sample():
+        if state.env_steps >= cfg.learning_starts and state.env_steps // cfg.n_envs > max(cfg.horizons):
             for _ in range(cfg.updates_per_iter):
-                set_lrs(state.opt, state.update_step, knobs.lr_scale, cfg)
-                m = state.update(state.replay.sample(cfg.batch_size, state.generator))
-                for k, v in m.items():
-                    sums[k] = sums[k] + v if k in sums else v.clone()
+                set_lrs(state.opt, state.update_step, knobs.lr_scale, cfg, write_lr=not cuda)
+                runner.update()
                 n_upd += 1
                 state.update_step += 1
-                if state.update_step % cfg.emb_refresh == 0:
-                    refresh_embeddings(state)
+        sync()
         t_upd += time.perf_counter() - tb
         if progress is not None:
             progress(it + 1, cfg.iterations)
     mat = 1.0 - math.exp(-state.update_step / cfg.maturity_updates)
     state.agent.maturity.fill_(mat)
     state.target.maturity.fill_(mat)
-    means = {k: float(v) / max(n_upd, 1) for k, v in sums.items()}
+    means = ({k: float(v) / n_upd for k, v in zip(METRICS, state.buffers.metric_sums.tolist())} if n_upd else {})
     sharpe, n_trades = env.pop_trade_stats()
     state.epoch += 1
     dt = time.perf_counter() - t0
@@ -617,7 +793,7 @@ def latest_epoch(run_dir: Path) -> int:
 
 
 def train_run(bars: Bars, dataset: str, run_dir: Path, epochs: int, *, config: str | TrainConfig = "small",
-              seed: int = 0, device="cpu", knobs_fn: Callable[[int], Knobs] | None = None,
+              seed: int = 0, device="cpu", accel: str = "auto", knobs_fn: Callable[[int], Knobs] | None = None,
               on_epoch: Callable[[EpochStats], None] | None = None,
               progress: Callable[[int, int], None] | None = None) -> TrainState:
     """Train until `epochs` epochs exist in `run_dir`, resuming from its latest checkpoint when it holds a run.
@@ -642,7 +818,7 @@ def train_run(bars: Bars, dataset: str, run_dir: Path, epochs: int, *, config: s
                 "bars_fingerprint": bars.fingerprint(), "n_bars": len(bars), "config_hash": cfg.hash()}
         run_dir.mkdir(parents=True, exist_ok=True)
         run_json.write_text(json.dumps(meta, indent=2))
-    state = build_state(cfg, bars, split, seed, device, features=feats)
+    state = build_state(cfg, bars, split, seed, device, features=feats, accel=accel)
     done = latest_epoch(run_dir)
     if done:
         restore_state(state, run_dir, done)

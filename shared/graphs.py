@@ -1,0 +1,73 @@
+"""CUDA-graph capture of a step function over stateful objects (the trainer's update and collection).
+
+Small distributional-RL networks leave a GPU idle when each of their hundreds of kernels is launched from
+Python; a CUDA graph replays the whole recorded sequence with one launch. A graph, though, replays fixed memory
+addresses: every tensor the step reads must live at the address it had at capture, and every state the step
+changes must be written back into that same memory. Our step code is written in the functional style that
+reads best (`self.equity = torch.where(...)` rebinds an attribute to a new tensor), so `StaticState` pins it:
+
+    state = StaticState(sim, tracker, env)        # remembers each tensor attribute of these objects
+    def step():
+        ...                                       # any code that rebinds attributes of those objects
+        state.commit()                            # copy each rebound attribute back into its pinned tensor
+    graphed = capture(step)                       # warm-up on a side stream, then record one graph
+    graphed()                                     # replay (eagerly: just call step)
+
+`commit` costs one device copy per rebound tensor, inside the graph, and leaves the objects pointing at their
+pinned tensors again, so eager code run between replays (episode bookkeeping, checkpoints) sees the same state.
+
+Randomness: the graphed steps take their uniforms from a noise tensor drawn *outside* the graph from the run's
+generator (`torch.rand(..., out=noise, generator=g)`), so eager and captured runs consume the same random stream
+and give the same results (the equivalence test), and no generator needs registering with the graph.
+
+ML core: imports only torch.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+
+class StaticState:
+    """Pins the tensor attributes of some objects so that a captured step updates them in place."""
+
+    def __init__(self, *objects: object, skip: tuple[str, ...] = ()):
+        self._pinned: list[tuple[object, str, torch.Tensor]] = [
+            (obj, name, value) for obj in objects for name, value in vars(obj).items()
+            if torch.is_tensor(value) and name not in skip]
+
+    def commit(self) -> None:
+        """Copy every rebound attribute into its pinned tensor and point the attribute back at it."""
+        for obj, name, pinned in self._pinned:
+            cur = getattr(obj, name)
+            if cur is not pinned:
+                pinned.copy_(cur)
+                setattr(obj, name, pinned)
+
+
+class Graphed:
+    """A step function recorded in one CUDA graph; calling it replays the graph (no Python in the hot path)."""
+
+    def __init__(self, fn: Callable[[], object], *, warmup: int = 3, pool=None):
+        self.fn = fn
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):                 # warm-up: allocator, cuBLAS handles, lazy init
+            for _ in range(warmup):
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.output = fn()
+
+    def __call__(self) -> object:
+        self.graph.replay()
+        return self.output
+
+
+def capture(fn: Callable[[], object], *, warmup: int = 3, pool=None) -> Graphed:
+    """Record `fn` in a CUDA graph after `warmup` eager calls on a side stream (which run for real: a step that
+    changes state advances it `warmup` times). Returns the replayable `Graphed`; its `output` is what `fn`
+    returned while captured (static tensors, overwritten by each replay)."""
+    return Graphed(fn, warmup=warmup, pool=pool)
