@@ -33,7 +33,8 @@ import torch
 from services.evaluator.runner import window_passes
 from shared.agent import Agent
 from shared.market import compute_features
-from shared.rollout import ACCEL_MODES, MarketTensors
+from shared.graphs import ACCEL_MODES
+from shared.rollout import MarketTensors
 from shared.synthetic import generate
 
 # as many quantile levels as the report's TAUS (importing shared.report needs pydantic, absent on GPU hosts)

@@ -43,16 +43,26 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--full-size", action="store_true", help="the preset's sizes instead of the tiny test sizes")
     a = ap.parse_args()
-    if a.val_bars:
-        a.data_bars = int(a.val_bars / 0.196) + 1   # chronological_split gives ~19.6 % of the bars to validation
     tmp = Path(tempfile.mkdtemp(prefix="tl-latency-"))
+    data: list[str] = []
+    if a.val_bars:
+        # a synthetic series long enough that its validation split (~19.6 % of the bars) holds --val-bars bars,
+        # written as a user CSV (the bundled `synthetic` has a fixed length)
+        from shared.synthetic import generate
+        a.data_bars = int(a.val_bars / 0.196) + 1
+        csv = tmp / "bars.csv"
+        generate(n_bars=a.data_bars, seed=0).bars.to_frame().rename_axis("timestamp").to_csv(csv)
+        data = ["--dataset", str(csv)]
     env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "TL_REDIS_URL")}
     cmd = [sys.executable, "-m", "tradeloop.cli", "up", "--epochs", str(a.epochs), "--device", a.device,
            "--no-dashboard", "--no-live", "--free-ports", "--run-dir", str(tmp), "--run-id", "bench",
-           "--evaluators", str(a.evaluators)]
+           "--evaluators", str(a.evaluators), *data]
+    env["TL_FEEDBACK_TIMEOUT_S"] = "7200"          # measure the whole wait, however long the evaluation takes
     if not a.full_size:
         env.update({"TL_TRAIN_LEARNING_STARTS": "32", "TL_TRAIN_BATCH_SIZE": "32", "TL_TRAIN_N_ENVS": "4"})
-        cmd += ["--data-bars", str(a.data_bars), "--iterations", str(a.iterations)]
+        cmd += ["--iterations", str(a.iterations)]
+    if not a.full_size and not a.val_bars:
+        cmd += ["--data-bars", str(a.data_bars)]
     rc = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL).returncode
     if rc != 0:
         sys.exit(f"tradeloop up exited with {rc}; logs in {tmp / 'bench' / 'logs'}")

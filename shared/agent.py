@@ -167,6 +167,13 @@ class Agent(nn.Module):
         self.register_buffer("iqn_i", torch.arange(cfg.iqn_embed, dtype=torch.float32))
         M = cfg.iqn_quantiles_act
         self.register_buffer("act_taus", (torch.arange(M, dtype=torch.float32) + 0.5) / M)
+        # action tables of `act` (not saved: they follow from the config); device tensors, so a captured or
+        # compiled step reads them without a host copy
+        f64 = dict(dtype=torch.float64)
+        self.register_buffer("act_n", torch.tensor(cfg.branch_sizes, dtype=torch.float32), persistent=False)
+        self.register_buffer("act_sides", torch.tensor(DIRECTION_SIDES, **f64), persistent=False)
+        self.register_buffer("act_sizes", torch.tensor(cfg.size_levels, **f64), persistent=False)
+        self.register_buffer("act_plans", torch.tensor(cfg.exit_plans, **f64), persistent=False)
 
     # --- support -----------------------------------------------------------------------------------------
     @property
@@ -278,18 +285,6 @@ class Action:
     """A new entry was blocked by the protection stack (CVaR limit, E5 gate, regime confidence 0)."""
 
 
-def _constants(agent: Agent, device, dtype) -> dict[str, torch.Tensor]:
-    """The action tables of `act` on (device, dtype), built once per agent (no host copies inside a graph)."""
-    cache = agent.__dict__.setdefault("_act_constants", {})
-    key = (str(device), dtype)
-    if key not in cache:
-        cfg = agent.cfg
-        f = lambda v: torch.tensor(v, device=device, dtype=dtype)  # noqa: E731
-        cache[key] = {"n_actions": torch.tensor(cfg.branch_sizes, device=device, dtype=torch.float32),
-                      "sides": f(DIRECTION_SIDES), "sizes": f(cfg.size_levels), "plans": f(cfg.exit_plans)}
-    return cache[key]
-
-
 @torch.no_grad()
 def act(agent: Agent, emb: torch.Tensor, portfolio: torch.Tensor, *, position: torch.Tensor,
         bars_in_trade: torch.Tensor, vol: torch.Tensor, regime: torch.Tensor, controls: PolicyControls,
@@ -315,8 +310,8 @@ def act(agent: Agent, emb: torch.Tensor, portfolio: torch.Tensor, *, position: t
     # ε-greedy per branch: uniform random action with probability ε
     if noise is None:
         noise = torch.rand(B, 6, device=dev, generator=generator)
-    k = _constants(agent, dev, position.dtype)
-    rnd = (noise[:, 3:] * k["n_actions"]).long().clamp(max=k["n_actions"].long() - 1)      # B × 3, uniform
+    n_act = agent.act_n
+    rnd = (noise[:, 3:] * n_act).long().clamp(max=n_act.long() - 1)                         # B × 3, uniform
     branches = torch.where(noise[:, :3] < controls.epsilon, rnd, greedy)                    # B × 3
     d, s, e = branches.unbind(1)
 
@@ -336,8 +331,8 @@ def act(agent: Agent, emb: torch.Tensor, portfolio: torch.Tensor, *, position: t
 
     # target position
     m = agent.maturity.clamp(1e-3, 1.0)
-    side = k["sides"][d]                                                                    # B
-    sizes = k["sizes"][s]
+    side = agent.act_sides.to(position.dtype)[d]                                            # B
+    sizes = agent.act_sizes.to(position.dtype)[s]
     kelly = (cfg.kelly_floor + portfolio[:, 5].to(position.dtype)).clamp(cfg.kelly_floor, 1.0)
     dsr = portfolio[:, 7].to(position.dtype)
     dsr_scale = 1.0 - cfg.dsr_size_cut * m * (-dsr).clamp(0.0, 1.0)
@@ -361,7 +356,8 @@ def act(agent: Agent, emb: torch.Tensor, portfolio: torch.Tensor, *, position: t
     cvar = cvar_dir.gather(1, d_eff.view(B, 1)).squeeze(1)
 
     scale = vol.to(position.dtype)
-    take_profit = k["plans"][e, 0] * scale
-    stop_loss = k["plans"][e, 1] * scale
+    plans = agent.act_plans.to(position.dtype)                                              # n_exit × 2
+    take_profit = plans[e, 0] * scale
+    stop_loss = plans[e, 1] * scale
     return Action(branches=branches, target=target, take_profit=take_profit, stop_loss=stop_loss, q=q,
                   q_std=q_std, edge=edge, cvar=cvar, quantiles=quant_d, blocked=blocked)

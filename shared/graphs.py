@@ -29,6 +29,21 @@ from typing import Callable
 import torch
 
 
+ACCEL_MODES = ("eager", "compile", "graph", "compile+graph")
+"""How a step function runs: eagerly, through torch.compile, captured in a CUDA graph, or compiled then captured."""
+
+
+def resolve_accel(accel: str, device: torch.device) -> str:
+    """'auto' → 'graph' on CUDA, 'eager' elsewhere; ValueError for an unknown mode or a graph mode off CUDA."""
+    if accel == "auto":
+        return "graph" if device.type == "cuda" else "eager"
+    if accel not in ACCEL_MODES:
+        raise ValueError(f"unknown accel mode {accel!r}: use auto or one of {', '.join(ACCEL_MODES)}")
+    if "graph" in accel and device.type != "cuda":
+        raise ValueError(f"accel={accel!r} needs a CUDA device (got {device}); use eager or compile")
+    return accel
+
+
 class StaticState:
     """Pins the tensor attributes of some objects so that a captured step updates them in place."""
 

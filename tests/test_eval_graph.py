@@ -6,7 +6,7 @@ CPU tests: the pass against a reference loop (`policy_step` + the simulator's ow
 accounts, exit plans tight enough that stops and targets fire; the chunk schedule of the graph modes with an
 eager stand-in for the capture. GPU tests (skipped without CUDA): graph and compile+graph against eager on CUDA.
 Runs where only torch, numpy, pandas and pytest are installed:
-    python3 -m pytest -q --noconftest tests/test_eval_graph.py
+    python3 -m pytest -q tests/test_eval_graph.py
 """
 from __future__ import annotations
 
@@ -128,7 +128,7 @@ def test_graph_chunk_schedule_with_an_eager_stand_in(bars, feats, monkeypatch):
         return fn
 
     monkeypatch.setattr(shared.graphs, "capture", fake_capture)
-    monkeypatch.setattr("shared.rollout.resolve_accel", lambda accel, device: accel)
+    monkeypatch.setattr("shared.graphs.resolve_accel", lambda accel, device: accel)
     for chunk in (389, 97, 20):   # S = 389 steps: one chunk (no capture), 4 chunks + 1 tail step, 19 + a tail of 9
         calls.clear()
         p = greedy_pass(agent, market, emb, st, 390, controls, COSTS, accel="graph", chunk=chunk)
@@ -162,6 +162,33 @@ def test_evaluate_policy_reports_the_full_grid(bars, feats):
     pr = evaluate_policy(agent, m, controls, costs=COSTS)
     assert pr.quantiles.shape == (299, agent.cfg.iqn_quantiles_act)
     np.testing.assert_allclose(pr.quantiles[:, :3].mean(1), pr.decisions["cvar"], rtol=1e-5, atol=1e-7)
+
+
+def test_auto_compiles_long_passes_only(bars, feats, monkeypatch):
+    """accel="auto" on a CPU: a pass of ≥ AUTO_COMPILE_STEPS steps goes through torch.compile (when it works
+    here), a shorter one runs eagerly; the compile is stood in by an identity wrapper that records the call."""
+    import shared.rollout as rollout
+    agent, market, emb, controls = setup(bars, feats)
+    compiled = []
+
+    def fake_compile(fn, **kw):
+        compiled.append(fn.__name__)
+        return fn
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    monkeypatch.setattr(rollout, "compile_works", lambda device: True)
+    monkeypatch.setattr(rollout, "AUTO_COMPILE_STEPS", 100)
+    base = greedy_pass(agent, market, emb, torch.tensor([10]), 101, controls, COSTS, accel="eager")
+    assert compiled == []
+    short = greedy_pass(agent, market, emb, torch.tensor([10]), 100, controls, COSTS)        # 99 steps: eager
+    assert compiled == []
+    long = greedy_pass(agent, market, emb, torch.tensor([10]), 101, controls, COSTS)         # 100 steps: compile
+    assert compiled == ["_greedy_bar"]
+    assert_same(long, base)
+    assert short.equity.shape == (100, 1)
+    monkeypatch.setattr(rollout, "compile_works", lambda device: False)                      # no toolchain: eager
+    greedy_pass(agent, market, emb, torch.tensor([10]), 101, controls, COSTS)
+    assert compiled == ["_greedy_bar"]
 
 
 def test_modes_are_checked(bars, feats):

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from services.trainer.train import (METRICS, TrainConfig, apply_knobs, build_state, device_lrs, group_lr,
-                                    resolve_accel, train_epoch)
+                                    train_epoch)
 from shared.agent import AgentConfig
-from shared.graphs import StaticState
+from shared.graphs import StaticState, resolve_accel
 from shared.knobs import Knobs
 from shared.market import chronological_split, compute_features
 from shared.synthetic import generate

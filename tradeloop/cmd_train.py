@@ -46,7 +46,7 @@ def train(
     if device.startswith("cuda") and not torch.cuda.is_available():
         err.print("error: --device cuda but no CUDA device is available here")
         raise typer.Exit(2)
-    from services.trainer.train import resolve_accel
+    from shared.graphs import resolve_accel
     try:
         resolve_accel(accel, torch.device(device))
     except ValueError as exc:

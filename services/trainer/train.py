@@ -30,6 +30,7 @@ import torch
 from shared.agent import Agent, AgentConfig, PolicyControls, agent_from_checkpoint
 from shared.checkpoints import load_checkpoint, save_checkpoint, sidecar_path
 from shared.execution import CostModel
+from shared.graphs import resolve_accel
 from shared.knobs import BRANCHES, Knobs
 from shared.market import Bars, Split, chronological_split, compute_features
 from shared.rollout import MarketTensors, run_rollout
@@ -395,20 +396,6 @@ def make_update(agent: Agent, target: Agent, opt: torch.optim.Optimizer, replay:
 # ---------------------------------------------------------------------------------------------------------
 # The iteration, eager or captured: collection and update as step functions over static buffers
 # ---------------------------------------------------------------------------------------------------------
-ACCEL_MODES = ("eager", "compile", "graph", "compile+graph")
-
-
-def resolve_accel(accel: str, device: torch.device) -> str:
-    """'auto' → 'graph' on CUDA, 'eager' elsewhere; CUDA graphs need a CUDA device."""
-    if accel == "auto":
-        return "graph" if device.type == "cuda" else "eager"
-    if accel not in ACCEL_MODES:
-        raise ValueError(f"unknown accel mode {accel!r}: use auto or one of {', '.join(ACCEL_MODES)}")
-    if "graph" in accel and device.type != "cuda":
-        raise ValueError(f"accel={accel!r} needs a CUDA device (got {device}); use eager or compile")
-    return accel
-
-
 class StepRunner:
     """The two halves of an iteration as step functions with static noise buffers, run eagerly, compiled,
     captured in CUDA graphs, or both (`accel`). The same Python code runs in every mode.
