@@ -30,7 +30,7 @@ import torch
 from shared.agent import Agent, AgentConfig, PolicyControls, agent_from_checkpoint
 from shared.checkpoints import load_checkpoint, save_checkpoint, sidecar_path
 from shared.execution import CostModel
-from shared.graphs import resolve_accel
+from shared.graphs import StaticState, capture, resolve_accel
 from shared.knobs import BRANCHES, Knobs
 from shared.market import Bars, Split, chronological_split, compute_features
 from shared.rollout import MarketTensors, run_rollout
@@ -327,7 +327,7 @@ def make_update(agent: Agent, target: Agent, opt: torch.optim.Optimizer, replay:
             R, disc = (R - buf.q_bias).float(), disc.float()
             w_h = buf.horizon_blend[b.regime]                                              # N × H
             tz = R.unsqueeze(-1) + disc.unsqueeze(-1) * z                                  # N × H × A
-            member = (noise[:, :n_ens] < cfg.ensemble_mask_p).float()                            # N × K
+            member = (noise[:, :n_ens] < cfg.ensemble_mask_p).float()                      # N × K
         # --- C51 loss per branch, blended over horizons ---
         c51 = torch.zeros(N, device=dev)
         for br, (lg, lg_n) in enumerate(zip(out.logits, tg_n.logits)):
@@ -348,7 +348,7 @@ def make_update(agent: Agent, target: Agent, opt: torch.optim.Optimizer, replay:
                 ent = atom_entropy(logits_a).mean()
                 util = atom_utilisation(logits_a.detach())
         # --- IQN quantile Huber on the direction branch (in units of v_max, κ = 1) ---
-        taus = noise[:, n_ens:n_ens + M]                                                         # N × M
+        taus = noise[:, n_ens:n_ens + M]                                                   # N × M
         th = agent.quantiles(out.hidden, taus).float()                                     # N × M × 3
         th = th.gather(2, b.action[:, 0].view(N, 1, 1).expand(N, M, 1)).squeeze(2)         # N × M
         with torch.no_grad():
@@ -411,8 +411,6 @@ class StepRunner:
     """
 
     def __init__(self, state: "TrainState", accel: str):
-        from shared.graphs import StaticState, capture
-
         self.state, self.accel = state, accel
         cfg, dev, env = state.cfg, state.device, state.env
         K, M, H = cfg.agent.ensemble, cfg.iqn_quantiles, len(cfg.horizons)
@@ -433,7 +431,6 @@ class StepRunner:
             self._bodies = {"collect": collect_pinned, "update": update_body}
         else:
             self._bodies = {"collect": collect_body, "update": update_body}
-        self._capture = capture
         self._graphs: dict[str, object] = {}
 
     def _run(self, name: str) -> None:
@@ -442,7 +439,7 @@ class StepRunner:
         elif name in self._graphs:
             self._graphs[name]()
         else:
-            self._graphs[name] = self._capture(self._bodies[name], warmup=1)
+            self._graphs[name] = capture(self._bodies[name], warmup=1)
 
     def collect(self) -> None:
         torch.rand(self.collect_noise.shape, generator=self.state.generator, out=self.collect_noise)
