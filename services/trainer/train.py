@@ -632,6 +632,33 @@ def adapt_support(state: TrainState) -> None:
     state.target.v_max.copy_(new)
 
 
+class PhaseClock:
+    """Seconds spent in the phases of an epoch without stalling the GPU: the host clock on a CPU; on CUDA, events
+    recorded on the stream between phases (no sync in the loop) and read once, in `totals`, at the epoch's end."""
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+        self.spans: list[tuple[str, object, object]] = []
+
+    def now(self):
+        if not self.cuda:
+            return time.perf_counter()
+        mark = torch.cuda.Event(enable_timing=True)
+        mark.record()
+        return mark
+
+    def add(self, phase: str, start, end) -> None:
+        self.spans.append((phase, start, end))
+
+    def totals(self) -> dict[str, float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+        out: dict[str, float] = {}
+        for phase, a, b in self.spans:
+            out[phase] = out.get(phase, 0.0) + (a.elapsed_time(b) / 1e3 if self.cuda else b - a)
+        return out
+
+
 def train_epoch(state: TrainState, knobs: Knobs, progress: Callable[[int, int], None] | None = None) -> EpochStats:
     """One epoch: apply knobs → fresh episodes → iterations of (collect E × env_steps_per_iter, update) → stats."""
     cfg, env = state.cfg, state.env
@@ -645,27 +672,26 @@ def train_epoch(state: TrainState, knobs: Knobs, progress: Callable[[int, int], 
     runner = state.runner
     n_upd, n_env0 = 0, state.env_steps
     t0 = time.perf_counter()
-    t_env = t_upd = 0.0
     state.agent.train()
     cuda = state.device.type == "cuda"
-    sync = torch.cuda.synchronize if cuda else (lambda: None)   # per-phase timers measure work, not launches
+    clock = PhaseClock(cuda)
     for it in range(cfg.iterations):
-        ta = time.perf_counter()
+        ta = clock.now()
         runner.collect()
         state.env_steps += cfg.n_envs * cfg.env_steps_per_iter
-        sync()
-        tb = time.perf_counter()
-        t_env += tb - ta
+        tb = clock.now()
         if state.env_steps >= cfg.learning_starts and state.env_steps // cfg.n_envs > max(cfg.horizons):
             for _ in range(cfg.updates_per_iter):
                 set_lrs(state.opt, state.update_step, knobs.lr_scale, cfg, write_lr=not cuda)
                 runner.update()
                 n_upd += 1
                 state.update_step += 1
-        sync()
-        t_upd += time.perf_counter() - tb
+        clock.add("env", ta, tb)
+        clock.add("update", tb, clock.now())
         if progress is not None:
             progress(it + 1, cfg.iterations)
+    spent = clock.totals()
+    t_env, t_upd = spent.get("env", 0.0), spent.get("update", 0.0)
     mat = 1.0 - math.exp(-state.update_step / cfg.maturity_updates)
     state.agent.maturity.fill_(mat)
     state.target.maturity.fill_(mat)
