@@ -108,9 +108,6 @@ class Replay:
         ok = (age >= self.max_h) & (age < self.count_t)
         return ok.unsqueeze(1).expand(self.L, self.E)
 
-    def can_sample(self) -> bool:
-        return self.count > self.max_h
-
     def sample(self, n: int, generator: torch.Generator | None = None, u: torch.Tensor | None = None) -> Batch:
         """Sample n transitions by priority (with replacement) and gather their n-step windows.
 
