@@ -332,6 +332,8 @@ def greedy_pass(agent: Agent, market: MarketTensors, emb: torch.Tensor, starts: 
     from shared.graphs import StaticState, capture, resolve_accel
 
     dev = emb.device
+    if accel == "fused":
+        return _fused_greedy_pass(agent, market, emb, starts, length, controls, costs)
     if accel == "auto" and length - 1 >= AUTO_COMPILE_STEPS and compile_works(dev):
         accel = "compile+graph" if dev.type == "cuda" else "compile"
     accel = resolve_accel(accel, dev)
@@ -374,6 +376,12 @@ def greedy_pass(agent: Agent, market: MarketTensors, emb: torch.Tensor, starts: 
         sim.ledger_buf.flush()
     sim.close_all()
 
+    return _assemble(sim, records, L, B, dev)
+
+
+def _assemble(sim: Simulator, records: tuple[torch.Tensor, torch.Tensor, torch.Tensor], L: int, B: int,
+              dev) -> GreedyPass:
+    """`GreedyPass` from the S-row records and the simulator after its end-of-pass `close_all`."""
     r64, r32, rl = records
     f64 = dict(dtype=torch.float64, device=dev)
     eq, br, pos = torch.ones(L, B, **f64), torch.zeros(L, B, **f64), torch.zeros(L, B, **f64)
@@ -384,6 +392,22 @@ def greedy_pass(agent: Agent, market: MarketTensors, emb: torch.Tensor, starts: 
     return GreedyPass(ledger=sim.ledger(), equity=eq, bar_returns=br, positions=pos, targets=r64[..., 0],
                       branches=rl[..., :3], q=r32[..., 0], q_std=r32[..., 1], edge=r32[..., 2], cvar=r32[..., 3],
                       blocked=rl[..., 3].bool(), portfolio=r32[..., 4:])
+
+
+@torch.no_grad()
+def _fused_greedy_pass(agent: Agent, market: MarketTensors, emb: torch.Tensor, starts: torch.Tensor, length: int,
+                       controls: PolicyControls, costs: CostModel, block: int | None = None) -> GreedyPass:
+    """`greedy_pass(accel="fused")`: the whole pass in one Triton kernel (`shared.fused`), then the same ledger,
+    end-of-pass close and records as every other mode. `block`: accounts per program (`fused.default_block`)."""
+    from shared import fused
+
+    if not fused.triton_available(emb.device):
+        raise ValueError("accel='fused' needs Triton and a CUDA device (or TRITON_INTERPRET=1 on a CPU)")
+    out = fused.run_kernel(agent, market, emb, starts, length, controls, costs, block=block)
+    rows = fused.ledger_rows(out, starts, market.prices.open)
+    sim = fused.finish_simulator(out, market, costs, rows)
+    sim.close_all()
+    return _assemble(sim, (out.r64, out.r32, out.rl.long()), length, len(starts), emb.device)
 
 
 @torch.no_grad()
