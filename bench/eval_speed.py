@@ -70,7 +70,7 @@ def main() -> None:
     ap.add_argument("--graph-chunk", type=int, default=64)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--fused-shape", default=None, metavar="BLOCK:BKxBNxWARPS",
-                    help="launch shape of the fused kernel (default shared.fused.TUNING; see bench/fused_tune.py)")
+                    help="launch shape of the fused kernel (default shared.fused.launch_shape; see bench/fused_tune.py)")
     a = ap.parse_args()
     if a.fused_shape:
         from shared import fused
@@ -118,7 +118,11 @@ def main() -> None:
                 try:
                     if "compile" in mode or mode == "fused":
                         t0 = time.perf_counter()
-                        run()
+                        if mode == "fused":   # Triton's JIT: a short pass compiles the kernel
+                            window_passes(agent, bars, [(w0, w0 + min(L, 300)) for w0, _ in wins], taus=TAUS,
+                                          features=feats, device=dev, accel=mode)
+                        else:
+                            run()
                         _sync(dev)
                         notes.append(f"{n} bars, {B} accounts, {mode}: untimed first call "
                                      f"{time.perf_counter() - t0:.1f} s")

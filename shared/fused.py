@@ -133,10 +133,26 @@ class FusedOutputs:
     """B × 10 float64: t, position, equity, growth, entry price, entry size, entry t, tp, sl, bars in trade."""
 
 
-TUNING = {"block": 1, "tiles": (32, 64, 4)}
-"""Defaults of `run_kernel`: accounts per program, and (BK, BN, num_warps) of its matrix-vector tiles. One
-account per program: the pass is latency-bound (each bar is a chain of dependent loads), so many small programs
-in flight on every SM beat fewer programs that batch accounts into tl.dot tiles (`bench/fused_tune.py`)."""
+TUNING: dict = {}
+"""Overrides of `launch_shape` ("block", "tiles"), for benchmarks."""
+
+
+def launch_shape(n_accounts: int) -> tuple[int, tuple[int, int, int]]:
+    """Accounts per program and (BK, BN, num_warps) of the matrix-vector tiles, measured on the H200
+    (`bench/fused_tune.py`, small and full presets): the pass is latency-bound (each bar is a chain of dependent
+    loads), so below a few hundred accounts one account per program with wide tiles and 8 warps is fastest; from
+    256 accounts, 16 accounts per program as tl.dot tiles (fewer programs, each weight load serving 16 rows)."""
+    if n_accounts >= 256:
+        shape = (16, (32, 128, 4))
+    else:
+        shape = (1, (128, 128, 8))
+    return TUNING.get("block", shape[0]), TUNING.get("tiles", shape[1])
+
+
+def supports(agent: Agent) -> bool:
+    """Whether the kernel covers this agent's action space (≤ 4 size levels, ≤ 4 exit plans)."""
+    _, ns, ne = agent.cfg.branch_sizes
+    return ns <= 4 and ne <= 4 and agent.cfg.n_portfolio == 8
 
 
 def run_kernel(agent: Agent, market, emb: torch.Tensor, starts: torch.Tensor, length: int,
@@ -144,8 +160,9 @@ def run_kernel(agent: Agent, market, emb: torch.Tensor, starts: torch.Tensor, le
                tiles: tuple[int, int, int] | None = None) -> FusedOutputs:
     """Launch the fused kernel for B = len(starts) accounts, S = length − 1 decisions each (see the module
     docstring); `emb` T × D market embeddings of every bar of `market`. `block` accounts per program (a power of
-    2; from 16 the products run as tl.dot tiles), `tiles` = (BK, BN, num_warps); defaults in `TUNING`."""
-    tiles = tiles or TUNING["tiles"]
+    2; from 16 the products run as tl.dot tiles), `tiles` = (BK, BN, num_warps); defaults: `launch_shape`."""
+    d_block, d_tiles = launch_shape(len(starts))
+    tiles, block = tiles or d_tiles, block or d_block
     from shared import _fused_kernel as fk
     from shared.agent import PORTFOLIO_FEATURES
 
@@ -156,11 +173,11 @@ def run_kernel(agent: Agent, market, emb: torch.Tensor, starts: torch.Tensor, le
     B, S, T = len(starts), length - 1, len(market)
     P, D, H, A, K = len(PORTFOLIO_FEATURES), cfg.d_model, cfg.hidden, cfg.n_atoms, cfg.ensemble
     NS, NE = cfg.branch_sizes[1], cfg.branch_sizes[2]
-    if NS > 4 or NE > 4 or P != 8 or 3 + NS + NE > 8:
+    if not supports(agent):
         raise ValueError("the fused pass supports at most 4 size levels and 4 exit plans")
     w = FusedWeights.from_agent(agent)
     e1 = torch.addmm(w.b1, emb.float(), w.w1e).contiguous()                              # T × H
-    BB = block or TUNING["block"]
+    BB = block
     DP = D // 2
     NH = K * (1 + 3 + NS + NE) * A
     # scratch columns per account row: x (P) | port hidden (DP) | h1 (H) | h2 (H) | logits (NH) | Q (K·8) |

@@ -322,16 +322,23 @@ def greedy_pass(agent: Agent, market: MarketTensors, emb: torch.Tensor, starts: 
                        replay continues where the last one stopped; the tail of S mod `chunk` steps runs eagerly
                        (a graph replayed once would cost more to capture than to run). Fewer than two full chunks:
                        all eager;
-      compile+graph  — both: the compiled bar captured in the graph.
-    "auto" = the fastest mode that pays for itself: a pass of at least `AUTO_COMPILE_STEPS` steps is compiled
-    (compile+graph on CUDA, compile on a CPU where `torch.compile` works — ~4× faster per bar there, for ~25 s of
-    compilation), a shorter one runs graph on CUDA, eager on a CPU. The ledger is recorded by the simulator's own recorder with its
+      compile+graph  — both: the compiled bar captured in the graph;
+      fused          — the whole pass in one Triton kernel (`shared.fused`): a persistent program per account (or
+                       per 16) loops over the bars; 20–30× the graph modes' bars/s on the H200 (bench/eval_speed.py).
+    "auto" = the fastest mode that pays for itself: on CUDA, fused where Triton is installed (it comes with
+    torch's CUDA wheels) and the agent's action space fits the kernel; otherwise a pass of at least
+    `AUTO_COMPILE_STEPS` steps is compiled (compile+graph on CUDA, compile on a CPU where `torch.compile` works —
+    ~4× faster per bar there, for ~25 s of compilation), a shorter one runs graph on CUDA, eager on a CPU. The ledger is recorded by the simulator's own recorder with its
     flush moved out of the step (`_ChunkLedger`): one host read after each chunk, between replays.
     The pass is greedy: `act` is handed zero uniforms, so `controls.epsilon` must be 0 (ValueError otherwise).
     """
     from shared.graphs import StaticState, capture, resolve_accel
 
     dev = emb.device
+    if accel == "auto" and dev.type == "cuda":
+        from shared import fused
+        if fused.supports(agent) and fused.triton_available(dev):
+            accel = "fused"
     if accel == "fused":
         return _fused_greedy_pass(agent, market, emb, starts, length, controls, costs)
     if accel == "auto" and length - 1 >= AUTO_COMPILE_STEPS and compile_works(dev):
