@@ -29,6 +29,9 @@ def main() -> None:
     ap.add_argument("--accounts", type=int, nargs="+", default=[1, 1024])
     ap.add_argument("--config", default="small", choices=["small", "full"])
     ap.add_argument("--shapes", nargs="+", default=["1:32x64x4", "1:64x128x4", "1:128x128x8", "16:32x64x4"])
+    ap.add_argument("--stages", action="store_true",
+                    help="instead: the default shape, timed as kernel alone / greedy_pass (+ ledger and records) / "
+                         "window_passes (+ encoder and the report's post hoc predictions of every decision)")
     a = ap.parse_args()
     from services.trainer.train import TrainConfig
 
@@ -42,6 +45,9 @@ def main() -> None:
         emb = torch.cat([agent.encode(market.windows[i:i + 4096]) for i in range(0, len(market), 4096)])
     controls = PolicyControls.make(dev)
     print(f"config={a.config} bars={a.bars} {torch.cuda.get_device_name()}")
+    if a.stages:
+        stages(agent, bars, feats, market, emb, controls, a)
+        return
     print(f"{'accounts':>8} {'block':>5} {'BKxBNxwarps':>12} {'s':>8} {'us/bar':>8} {'acct-bars/s':>12}")
     for B in a.accounts:
         starts = torch.as_tensor(np.linspace(0, 40, B).astype(np.int64), device=dev)
@@ -60,6 +66,31 @@ def main() -> None:
                       flush=True)
             except Exception as exc:  # noqa: BLE001 — one failing shape must not cost the others
                 print(f"{B:>8} {blk:>5} {t:>12} failed: {type(exc).__name__}: {str(exc).splitlines()[0][:80]}")
+
+
+def stages(agent, bars, feats, market, emb, controls, a) -> None:
+    from services.evaluator.runner import window_passes
+    from shared.rollout import greedy_pass
+
+    def timed(fn) -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    print(f"{'accounts':>8} {'kernel_s':>9} {'pass_s':>8} {'windows_s':>10} {'kernel acct-bars/s':>19}")
+    for B in a.accounts:
+        st = np.linspace(0, 40, B).astype(np.int64)
+        starts = torch.as_tensor(st, device=market.vol.device)
+        L = a.bars
+        run_kernel(agent, market, emb, starts, 200, controls, CostModel())                  # JIT
+        k = timed(lambda: run_kernel(agent, market, emb, starts, L, controls, CostModel()))
+        p = timed(lambda: greedy_pass(agent, market, emb, starts, L, controls, CostModel(), accel="fused"))
+        wins = [(200 + int(s), 200 + int(s) + L) for s in st]
+        w = timed(lambda: window_passes(agent, bars, wins, taus=tuple(np.linspace(0.05, 0.95, 5)), features=feats,
+                                        device=market.vol.device, accel="fused"))
+        print(f"{B:>8} {k:>9.2f} {p:>8.2f} {w:>10.2f} {B * (L - 1) / k:>19.0f}", flush=True)
 
 
 if __name__ == "__main__":

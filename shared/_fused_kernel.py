@@ -73,7 +73,7 @@ def _pick(x, cols, j):
     return tl.sum(tl.where(cols[None, :] == j[:, None], x, 0.0), axis=1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "B", "S"])   # one compiled kernel whatever the lengths
 def greedy_pass_kernel(
         open_ptr, high_ptr, low_ptr, close_ptr, vol_ptr, regime_ptr, e1_ptr, T,
         starts_ptr, B, S,
