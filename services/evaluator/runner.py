@@ -17,7 +17,8 @@ How a window is backtested
   read the portfolio state, are stepped bar by bar — by `shared.rollout.greedy_pass`, whose step is
   `shared.rollout.policy_step`, the trainer's own loop body (this module never imports `services.trainer`). That
   step never syncs with the host, so on CUDA it is replayed from CUDA graphs of `graph_chunk` bars each, and
-  optionally compiled (`accel`: "auto" = graph on CUDA, eager on CPU; every mode gives the same ledger).
+  optionally compiled, or run as one Triton kernel that steps every bar (`accel`: "auto" = fused on CUDA, eager or
+  compiled on CPU; every mode gives the same ledger — `tests/test_eval_graph.py`, `tests/test_fused_pass.py`).
 - Several windows are run together as accounts of one `Simulator` over the span that covers them (each account
   at its own bar index). Windows of equal length share one sequential pass; different lengths get one pass per
   length. The end close of a window that does not end the span is `Simulator.close_all()`, which applies the
@@ -211,8 +212,9 @@ def run_windows(agent: Agent, bars: Bars, windows: Sequence[tuple[int, int]], **
     Encodes every bar of the covering span once, then steps one pass per distinct window length with all
     windows of that length as accounts of one simulator. Keywords (see `window_passes`): `controls` (default
     `eval_controls(None)`: no gate), `costs`, `features` (`compute_features(bars)` when already computed),
-    `device`, `encode_chunk`, `pred_chunk`, and `accel` = "auto" | "eager" | "compile" | "graph" | "compile+graph"
-    with `graph_chunk` bars per CUDA graph (`shared.rollout.greedy_pass`; "auto": graph on CUDA, eager on CPU).
+    `device`, `encode_chunk`, `pred_chunk`, and `accel` = "auto" | "eager" | "compile" | "graph" | "compile+graph" |
+    "fused" with `graph_chunk` bars per CUDA graph (`shared.rollout.greedy_pass`; "auto": fused on CUDA, eager or
+    compiled on CPU).
     Returns one `SplitRun` per window, in order.
     """
     from services.evaluator import autopsy as ap  # the report's types (pydantic): not needed by the passes
