@@ -236,7 +236,8 @@ def ledger_rows(out: FusedOutputs, starts: torch.Tensor, open_prices: torch.Tens
     target = out.r64[..., 0].cpu().numpy()
     o_side = np.sign(target[o_step, o_acct])
     o_size = np.abs(np.clip(target[o_step, o_acct], -1.0, 1.0))
-    o_price = open_prices.cpu().numpy()[t1_open]
+    opens_np = open_prices.cpu().numpy()
+    o_price = opens_np[t1_open]
     ev = out.ev64.cpu().numpy()
     rows = []
     for kind in ("close1", "exit2"):
@@ -251,7 +252,7 @@ def ledger_rows(out: FusedOutputs, starts: torch.Tensor, open_prices: torch.Tens
         t1 = st[b_i] + s_i + 1
         if kind == "close1":
             reason = np.where((flags[s_i, b_i] & F_FLIP) != 0, _FLIP, _SIGNAL)
-            exit_px, ret = open_prices.cpu().numpy()[t1], ev[s_i, b_i, 0]
+            exit_px, ret = opens_np[t1], ev[s_i, b_i, 0]
         else:
             code = (flags[s_i, b_i] >> F_REASON2_SHIFT) & 3
             reason = np.choose(code, [_STOP, _TARGET, _END])
@@ -265,7 +266,6 @@ def finish_simulator(out: FusedOutputs, market, costs: CostModel, rows: np.ndarr
     """A `Simulator` holding the kernel's final state and the pass's ledger rows, on which `close_all` (the end
     of the pass) then runs as in every other mode."""
     B = out.final.shape[0]
-    dev = out.final.device
     sim = Simulator(market.prices, B, costs, record_ledger=True)
     f = out.final
     sim.t = f[:, 0].long()
@@ -274,5 +274,4 @@ def finish_simulator(out: FusedOutputs, market, costs: CostModel, rows: np.ndarr
     sim.tp_price, sim.sl_price, sim.bars_in_trade = f[:, 7].clone(), f[:, 8].clone(), f[:, 9].long()
     if len(rows):
         sim.ledger_buf.chunks.append(rows)
-    del dev
     return sim
