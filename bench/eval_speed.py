@@ -7,14 +7,15 @@
 A random agent of the trainer's `small` (default) or `full` preset shape runs greedy over a validation window of
 `--bars` synthetic bars; `--accounts` B runs B windows of that length at once (checkpoints × folds share the
 sequential pass as accounts of one simulator). Every mode of `--accel` (`shared.rollout.greedy_pass`: eager,
-compile, graph, compile+graph, fused — the whole pass in one Triton kernel, `shared.fused`) is measured on the same data in the same run, one column group per mode:
+compile, graph, compile+graph, fused — the whole pass in one Triton kernel, `shared.fused`) is measured on the
+same data in the same run, one column group per mode:
   encode_s   the market encoder over every bar of the `--bars` span (batched; once per row, all modes)
   step_s     `runner.window_passes` (= `run_windows` without wrapping its arrays in the report's dataclasses, so
              no pydantic is needed): the encoder over the span its windows cover, the sequential pass (heads +
              simulator, bar by bar) and the batched prediction extraction
   bars/s     B × bars / (encode_s + step_s)   — account-bars evaluated per second
-A compiled mode (and fused: Triton's JIT) first runs the same call once untimed (the compilation; its seconds are listed below the table,
-as is the error of a mode that fails).
+A compiled mode first runs the same call once untimed (the compilation; fused: a 300-bar pass, Triton's JIT); its
+seconds are listed below the table, as is the error of a mode that fails.
 `--max-steps N` cuts the windows to N + 1 bars for the sequential part (`MODE=N` for one mode only, e.g.
 `--max-steps 2000 graph=20000`) while the encoder still runs over all `--bars` bars; the column then shows the
 steps measured and bars/s is B × (N + 1) / (encode_s·(N + 1)/bars + step_s): the rate of a full run
@@ -70,12 +71,13 @@ def main() -> None:
     ap.add_argument("--graph-chunk", type=int, default=64)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--fused-shape", default=None, metavar="BLOCK:BKxBNxWARPS",
-                    help="launch shape of the fused kernel (default shared.fused.launch_shape; see bench/fused_tune.py)")
+                    help="launch shape of the fused kernel (default: shared.fused.launch_shape; "
+                         "see bench/fused_tune.py)")
     a = ap.parse_args()
     if a.fused_shape:
         from shared import fused
-        blk, _, t = a.fused_shape.partition(":")
-        fused.TUNING.update(block=int(blk), tiles=tuple(int(x) for x in t.split("x")))
+        blk, tiles = fused.parse_shape(a.fused_shape)
+        fused.TUNING.update(block=blk, tiles=tiles)
     if a.threads:
         torch.set_num_threads(a.threads)
     dev = torch.device(a.device)

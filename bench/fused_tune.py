@@ -17,7 +17,7 @@ import torch
 
 from shared.agent import Agent, PolicyControls
 from shared.execution import CostModel
-from shared.fused import run_kernel
+from shared.fused import parse_shape, run_kernel
 from shared.market import compute_features
 from shared.rollout import MarketTensors
 from shared.synthetic import generate
@@ -52,9 +52,9 @@ def main() -> None:
     for B in a.accounts:
         starts = torch.as_tensor(np.linspace(0, 40, B).astype(np.int64), device=dev)
         for shape in a.shapes:
-            blk, _, t = shape.partition(":")
-            tiles = tuple(int(x) for x in t.split("x"))
-            kw = dict(block=int(blk), tiles=tiles)
+            blk, tiles = parse_shape(shape)
+            t = "x".join(map(str, tiles))
+            kw = dict(block=blk, tiles=tiles)
             try:
                 run_kernel(agent, market, emb, starts, 200, controls, CostModel(), **kw)       # JIT
                 torch.cuda.synchronize()

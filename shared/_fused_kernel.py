@@ -77,7 +77,8 @@ def _pick(x, cols, j):
 def greedy_pass_kernel(
         open_ptr, high_ptr, low_ptr, close_ptr, vol_ptr, regime_ptr, e1_ptr, T,
         starts_ptr, B, S,
-        wp_ptr, bp_ptr, w1p_ptr, bz_ptr, w2_ptr, b2_ptr, wh_ptr, bh_ptr, z_ptr, phi_ptr, wi1_ptr, bi1_ptr, wi2_ptr, bi2_ptr,
+        wp_ptr, bp_ptr, w1p_ptr, bz_ptr, w2_ptr, b2_ptr, wh_ptr, bh_ptr, z_ptr, phi_ptr,
+        wi1_ptr, bi1_ptr, wi2_ptr, bi2_ptr,
         maturity_ptr, gate_ptr, rconf_ptr, sizes_ptr, plans_ptr,
         c_ptr,
         r64_ptr, r32_ptr, rl_ptr, ev64_ptr, evf_ptr, final_ptr, scratch_ptr,

@@ -149,6 +149,13 @@ def launch_shape(n_accounts: int) -> tuple[int, tuple[int, int, int]]:
     return TUNING.get("block", shape[0]), TUNING.get("tiles", shape[1])
 
 
+def parse_shape(text: str) -> tuple[int, tuple[int, int, int]]:
+    """"BLOCK:BKxBNxWARPS" (the benchmarks' notation of a launch shape) → (block, (BK, BN, num_warps))."""
+    blk, _, tiles = text.partition(":")
+    bk, bn, warps = (int(x) for x in tiles.split("x"))
+    return int(blk), (bk, bn, warps)
+
+
 def supports(agent: Agent) -> bool:
     """Whether the kernel covers this agent's action space (≤ 4 size levels, ≤ 4 exit plans)."""
     _, ns, ne = agent.cfg.branch_sizes

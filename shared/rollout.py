@@ -324,12 +324,14 @@ def greedy_pass(agent: Agent, market: MarketTensors, emb: torch.Tensor, starts: 
                        all eager;
       compile+graph  — both: the compiled bar captured in the graph;
       fused          — the whole pass in one Triton kernel (`shared.fused`): a persistent program per account (or
-                       per 16) loops over the bars; 20–30× the graph modes' bars/s on the H200 (bench/eval_speed.py).
+                       per 16) loops over the bars; ~20× the graph mode's bars/s for one account on the H200
+                       (bench/README.md, "The fused pass").
     "auto" = the fastest mode that pays for itself: on CUDA, fused where Triton is installed (it comes with
     torch's CUDA wheels) and the agent's action space fits the kernel; otherwise a pass of at least
     `AUTO_COMPILE_STEPS` steps is compiled (compile+graph on CUDA, compile on a CPU where `torch.compile` works —
-    ~4× faster per bar there, for ~25 s of compilation), a shorter one runs graph on CUDA, eager on a CPU. The ledger is recorded by the simulator's own recorder with its
-    flush moved out of the step (`_ChunkLedger`): one host read after each chunk, between replays.
+    ~4× faster per bar there, for ~25 s of compilation), a shorter one runs graph on CUDA, eager on a CPU.
+    The ledger is recorded by the simulator's own recorder with its flush moved out of the step (`_ChunkLedger`):
+    one host read after each chunk, between replays.
     The pass is greedy: `act` is handed zero uniforms, so `controls.epsilon` must be 0 (ValueError otherwise).
     """
     from shared.graphs import StaticState, capture, resolve_accel
@@ -405,7 +407,8 @@ def _assemble(sim: Simulator, records: tuple[torch.Tensor, torch.Tensor, torch.T
 def _fused_greedy_pass(agent: Agent, market: MarketTensors, emb: torch.Tensor, starts: torch.Tensor, length: int,
                        controls: PolicyControls, costs: CostModel, block: int | None = None) -> GreedyPass:
     """`greedy_pass(accel="fused")`: the whole pass in one Triton kernel (`shared.fused`), then the same ledger,
-    end-of-pass close and records as every other mode. `block`: accounts per program (`fused.default_block`)."""
+    end-of-pass close and records as every other mode. `block`: accounts per program
+    (default `fused.launch_shape`)."""
     from shared import fused
 
     if not fused.triton_available(emb.device):
