@@ -341,8 +341,14 @@ def greedy_pass(agent: Agent, market: MarketTensors, emb: torch.Tensor, starts: 
         from shared import fused
         if fused.supports(agent) and fused.triton_available(dev):
             accel = "fused"
+    if accel == "auto" and dev.type == "cpu":
+        from shared import fused, native
+        if fused.supports(agent) and native.available():
+            accel = "native"
     if accel == "fused":
         return _fused_greedy_pass(agent, market, emb, starts, length, controls, costs)
+    if accel == "native":
+        return _native_greedy_pass(agent, market, emb, starts, length, controls, costs)
     if accel == "auto" and length - 1 >= AUTO_COMPILE_STEPS and compile_works(dev):
         accel = "compile+graph" if dev.type == "cuda" else "compile"
     accel = resolve_accel(accel, dev)
@@ -414,10 +420,30 @@ def _fused_greedy_pass(agent: Agent, market: MarketTensors, emb: torch.Tensor, s
     if not fused.triton_available(emb.device):
         raise ValueError("accel='fused' needs Triton and a CUDA device (or TRITON_INTERPRET=1 on a CPU)")
     out = fused.run_kernel(agent, market, emb, starts, length, controls, costs, block=block)
+    return _pass_from_outputs(out, market, starts, length, costs, emb.device)
+
+
+@torch.no_grad()
+def _native_greedy_pass(agent: Agent, market: MarketTensors, emb: torch.Tensor, starts: torch.Tensor, length: int,
+                        controls: PolicyControls, costs: CostModel) -> GreedyPass:
+    """`greedy_pass(accel="native")`: the whole pass as one compiled CPU loop (`shared.native`), then the same
+    ledger, end-of-pass close and records as the fused pass."""
+    from shared import native
+
+    out = native.run_native(agent, market, emb, starts, length, controls, costs)
+    return _pass_from_outputs(out, market, starts, length, costs, emb.device)
+
+
+def _pass_from_outputs(out, market: MarketTensors, starts: torch.Tensor, length: int, costs: CostModel,
+                       dev) -> GreedyPass:
+    """`GreedyPass` from a whole-pass kernel's `shared.fused.FusedOutputs`: the simulator's ledger rows rebuilt
+    from the per-bar fills, its end-of-pass `close_all` on the final state, the records."""
+    from shared import fused
+
     rows = fused.ledger_rows(out, starts, market.prices.open)
     sim = fused.finish_simulator(out, market, costs, rows)
     sim.close_all()
-    return _assemble(sim, (out.r64, out.r32, out.rl.long()), length, len(starts), emb.device)
+    return _assemble(sim, (out.r64, out.r32, out.rl.long()), length, len(starts), dev)
 
 
 @torch.no_grad()
