@@ -11,6 +11,12 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 WORKDIR /app
 
+# A C compiler: the evaluator builds its compiled CPU pass (shared/native.py) at first use; without one it falls
+# back to the (much slower) torch modes.
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
+
 # torch first, in its own layer: the largest download, and unchanged by code edits.
 RUN pip install --index-url "${TORCH_INDEX_URL}" "torch>=2.11"
 

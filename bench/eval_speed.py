@@ -7,14 +7,15 @@
 A random agent of the trainer's `small` (default) or `full` preset shape runs greedy over a validation window of
 `--bars` synthetic bars; `--accounts` B runs B windows of that length at once (checkpoints × folds share the
 sequential pass as accounts of one simulator). Every mode of `--accel` (`shared.rollout.greedy_pass`: eager,
-compile, graph, compile+graph, fused — the whole pass in one Triton kernel, `shared.fused`) is measured on the
-same data in the same run, one column group per mode:
+compile, graph, compile+graph, fused — the whole pass in one Triton kernel, `shared.fused`; native — one compiled
+CPU loop, `shared.native`) is measured on the same data in the same run, one column group per mode:
   encode_s   the market encoder over every bar of the `--bars` span (batched; once per row, all modes)
   step_s     `runner.window_passes` (= `run_windows` without wrapping its arrays in the report's dataclasses, so
              no pydantic is needed): the encoder over the span its windows cover, the sequential pass (heads +
              simulator, bar by bar) and the batched prediction extraction
   bars/s     B × bars / (encode_s + step_s)   — account-bars evaluated per second
-A compiled mode first runs the same call once untimed (the compilation; fused: a 300-bar pass, Triton's JIT); its
+A compiled mode first runs the same call once untimed (the compilation; fused / native: a 300-bar pass, Triton's
+JIT / the C build, cached); its
 seconds are listed below the table, as is the error of a mode that fails.
 `--max-steps N` cuts the windows to N + 1 bars for the sequential part (`MODE=N` for one mode only, e.g.
 `--max-steps 2000 graph=20000`) while the encoder still runs over all `--bars` bars; the column then shows the
@@ -65,7 +66,7 @@ def main() -> None:
     ap.add_argument("--bars", type=int, nargs="+", default=[100_000, 1_000_000])
     ap.add_argument("--accounts", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--accel", nargs="+", default=["eager"], choices=ACCEL_MODES + ("fused",))
+    ap.add_argument("--accel", nargs="+", default=["eager"], choices=ACCEL_MODES + ("fused", "native"))
     ap.add_argument("--config", default="small", choices=["small", "full"])
     ap.add_argument("--max-steps", nargs="+", default=[], metavar="N|MODE=N")
     ap.add_argument("--graph-chunk", type=int, default=64)
@@ -118,9 +119,9 @@ def main() -> None:
                 run = lambda: window_passes(agent, bars, wins, taus=TAUS, features=feats, device=dev,  # noqa: E731
                                             accel=mode, graph_chunk=a.graph_chunk)
                 try:
-                    if "compile" in mode or mode == "fused":
+                    if "compile" in mode or mode in ("fused", "native"):
                         t0 = time.perf_counter()
-                        if mode == "fused":   # Triton's JIT: a short pass compiles the kernel
+                        if mode in ("fused", "native"):   # Triton's JIT / the C build: a short pass builds it
                             window_passes(agent, bars, [(w0, w0 + min(L, 300)) for w0, _ in wins], taus=TAUS,
                                           features=feats, device=dev, accel=mode)
                         else:

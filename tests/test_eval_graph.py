@@ -165,9 +165,12 @@ def test_evaluate_policy_reports_the_full_grid(bars, feats):
 
 
 def test_auto_compiles_long_passes_only(bars, feats, monkeypatch):
-    """accel="auto" on a CPU: a pass of ≥ AUTO_COMPILE_STEPS steps goes through torch.compile (when it works
-    here), a shorter one runs eagerly; the compile is stood in by an identity wrapper that records the call."""
+    """accel="auto" on a CPU without the compiled pass (no C compiler; `tests/test_native_pass.py` covers it): a
+    pass of ≥ AUTO_COMPILE_STEPS steps goes through torch.compile (when it works here), a shorter one runs eagerly;
+    the compile is stood in by an identity wrapper that records the call."""
+    import shared.native as native
     import shared.rollout as rollout
+    monkeypatch.setattr(native, "available", lambda: False)
     agent, market, emb, controls = setup(bars, feats)
     compiled = []
 
