@@ -10,8 +10,14 @@ run's Redis (its AOF) and reads the events' `created_at` and the trainer's `knob
   wait      = how long the trainer waited for bundle e before epoch e+1 (its `feedback_wait_s`)
   wait %    = wait / the trainer's epoch time (the goal: < 5 %)
 
+`--feedback-mode overlap` (the trainer's TL_FEEDBACK_MODE): epoch e+1 starts at once and applies bundle e at the
+first iteration boundary after it is stored; `apply` then ends at that application (`bundles_applied` of the
+epoch records), `at it` is that iteration, and `wait` is what the trainer waited for bundle e after epoch e+1
+(only when evaluation + feedback outlast a whole epoch).
+
     .venv/bin/python bench/loop_latency.py [--epochs 3] [--data-bars 1000 | --val-bars 100000] [--iterations 6]
                                            [--evaluators 1] [--device cpu|cuda] [--full-size]
+                                           [--feedback-mode sync|overlap]
 
 `--val-bars N` sizes the synthetic dataset so that its validation split holds about N bars (the evaluator's
 continuous pass covers that many bars, plus as many out of sample and an in-sample window).
@@ -42,6 +48,7 @@ def main() -> None:
     ap.add_argument("--evaluators", type=int, default=1)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--full-size", action="store_true", help="the preset's sizes instead of the tiny test sizes")
+    ap.add_argument("--feedback-mode", default="sync", choices=["sync", "overlap"])
     a = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="tl-latency-"))
     data: list[str] = []
@@ -56,7 +63,7 @@ def main() -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "TL_REDIS_URL")}
     cmd = [sys.executable, "-m", "tradeloop.cli", "up", "--epochs", str(a.epochs), "--device", a.device,
            "--no-dashboard", "--no-live", "--free-ports", "--run-dir", str(tmp), "--run-id", "bench",
-           "--evaluators", str(a.evaluators), *data]
+           "--evaluators", str(a.evaluators), "--feedback-mode", a.feedback_mode, *data]
     env["TL_FEEDBACK_TIMEOUT_S"] = "7200"          # measure the whole wait, however long the evaluation takes
     if not a.full_size:
         env.update({"TL_TRAIN_LEARNING_STARTS": "32", "TL_TRAIN_BATCH_SIZE": "32", "TL_TRAIN_N_ENVS": "4"})
@@ -79,19 +86,26 @@ def main() -> None:
         r.close()
         server.stop()
     print(f"loop latency per stage (s), {a.evaluators} evaluator(s), device {a.device}, "
-          f"{'preset' if a.full_size else 'tiny'} config, {a.data_bars} bars (~{int(a.data_bars * 0.196)} validation)")
-    print(f"{'epoch':>5} {'evaluate':>9} {'feedback':>9} {'apply':>7} {'total':>7} {'epoch s':>8} {'wait':>7} "
-          f"{'wait %':>7}")
+          f"{'preset' if a.full_size else 'tiny'} config, {a.data_bars} bars (~{int(a.data_bars * 0.196)} validation), "
+          f"feedback mode {a.feedback_mode}")
+    print(f"{'epoch':>5} {'evaluate':>9} {'feedback':>9} {'apply':>7} {'total':>7} {'at it':>6} {'epoch s':>8} "
+          f"{'wait':>7} {'wait %':>7}")
+    applied = {b["epoch"]: b for h in hist.values() for b in h.get("bundles_applied", [])}
     for e in range(1, a.epochs + 1):
         c, rp, fb = at.get(("checkpoints", e)), at.get(("reports", e)), at.get(("feedback", e))
         nxt = hist.get(e + 1, {})
-        ap_t = nxt.get("knobs_applied_at")
-        wait, ep_s = nxt.get("feedback_wait_s"), nxt.get("seconds")
+        ep_s = nxt.get("seconds")
+        if a.feedback_mode == "overlap":
+            ap_t, it = applied.get(e, {}).get("at"), applied.get(e, {}).get("iteration")
+            wait = hist.get(e + 2, {}).get("feedback_wait_s", 0.0 if e + 1 in hist and it is not None else None)
+        else:
+            ap_t, it, wait = nxt.get("knobs_applied_at"), (0 if nxt else None), nxt.get("feedback_wait_s")
         cells = [rp - c if rp and c else None, fb - rp if fb and rp else None,
-                 ap_t - fb if ap_t and fb else None, ap_t - c if ap_t and c else None, ep_s, wait,
+                 ap_t - fb if ap_t and fb else None, ap_t - c if ap_t and c else None, it, ep_s, wait,
                  100.0 * wait / ep_s if wait is not None and ep_s else None]
-        print(f"{e:>5} " + " ".join(f"{x:>{w}.2f}" if x is not None else f"{'-':>{w}}"
-                                    for x, w in zip(cells, (9, 9, 7, 7, 8, 7, 7))))
+        print(f"{e:>5} " + " ".join(
+            (f"{x:>{w}d}" if isinstance(x, int) else f"{x:>{w}.2f}") if x is not None else f"{'-':>{w}}"
+            for x, w in zip(cells, (9, 9, 7, 7, 6, 8, 7, 7))))
 
 
 if __name__ == "__main__":

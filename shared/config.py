@@ -140,6 +140,11 @@ class TrainerSettings(CommonSettings):
 
     feedback_timeout_s: float = Field(default=300.0, gt=0,
                                       description="longest wait for epoch e's feedback bundle before epoch e+1")
+    feedback_mode: Literal["sync", "overlap"] = Field(
+        default="sync",
+        description="sync: epoch e+1 starts once bundle e is in (the trainer waits for the evaluation); overlap: "
+                    "epoch e+1 starts at once and bundle e is applied at the first iteration boundary after it "
+                    "is stored (the trainer waits only when evaluation + feedback outlast a whole epoch)")
     config: Literal["small", "full"] = Field(default="small", description="model/training preset: small or full")
     seed: int = Field(default=0, ge=0, description="random seed of the run")
 

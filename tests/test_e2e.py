@@ -162,3 +162,44 @@ def test_up_scale_out_two_evaluators_evaluate_each_checkpoint_once(tmp_path):
     finally:
         r.close()
         server.stop()
+
+
+def test_up_overlap_mode_applies_every_bundle_once_without_waiting_for_it(tmp_path):
+    """--feedback-mode overlap: epoch e+1 starts without waiting for bundle e, which is applied at the first
+    iteration boundary after it is stored (or, when it comes after that epoch ended, at the start of the next).
+    Every bundle applied is applied exactly once, in a later epoch; only the last bundle before the end may find
+    no epoch left (stored after the last epoch trained); an epoch's final knobs are those of the last bundle it
+    applied."""
+    ports = {k: free_port() for k in ("trainer", "evaluator", "feedback", "dashboard")}
+    proc = _up(tmp_path, "e2e3", ports, "--feedback-mode", "overlap", "--iterations", "60")
+    _wait_and_capture(proc, ports, 290)
+    out = proc.stdout.read()
+    assert proc.returncode == 0, out
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    rows = summary["epochs"]
+    assert [r["epoch"] for r in rows] == [1, 2, 3]
+    for r in rows[:-1]:
+        assert r["bundle_id"]
+        if r["epoch"] < EPOCHS - 1:
+            assert r["bundle_applied_in_epoch"] is not None, rows
+        if r["bundle_applied_in_epoch"] is not None:
+            assert r["epoch"] < r["bundle_applied_in_epoch"] <= r["epoch"] + 2
+    server = _redis_of_run(tmp_path / "runs" / "e2e3")
+    r = redis.Redis.from_url(server.url, decode_responses=True)
+    try:
+        hist = sorted((json.loads(v) for v in r.hgetall(trainer_history_key("e2e3")).values()),
+                      key=lambda x: x["epoch"])
+        applied = [b["epoch"] for h in hist[1:] for b in h["bundles_applied"]]
+        assert sorted(applied) == sorted(set(applied)) and set(applied) <= {1, 2}, applied
+        assert all(h["feedback_mode"] == "overlap" for h in hist[1:])
+        iterations = 60
+        for h in hist[1:]:
+            for b in h["bundles_applied"]:
+                assert 0 <= b["iteration"] < iterations and b["at"] > 0
+            if h["bundles_applied"]:
+                last = json.loads(r.get(run_key("e2e3", "bundle", h["bundles_applied"][-1]["epoch"])))
+                assert h["knobs"] == last["knobs"] and h["bundle_epoch"] == last["epoch"]
+                assert h["bundle_id"] == summary["epochs"][last["epoch"] - 1]["bundle_id"]
+    finally:
+        r.close()
+        server.stop()

@@ -190,7 +190,10 @@ def collect_summary(redis_url: str, run_id: str) -> dict:
             report = r.get(run_key(run_id, "report", e))
             bundle = r.get(run_key(run_id, "bundle", e))
             rep = json.loads(report) if report else None
-            applied = next((h["epoch"] for h in hist if h.get("bundle_epoch") == e), None)
+            # sync mode: the epoch that trained under bundle e; overlap mode: the one whose record lists it applied
+            applied = next((h["epoch"] for h in hist
+                            if ([b["epoch"] for b in h["bundles_applied"]].count(e) if "bundles_applied" in h
+                                else h.get("bundle_epoch") == e)), None)
             val = ((rep or {}).get("val") or {}).get("metrics", {})
             oos = ((rep or {}).get("oos") or {}).get("metrics", {})
             rows.append({
@@ -498,6 +501,9 @@ def register(app: typer.Typer) -> None:
         free_ports: bool = typer.Option(False, "--free-ports", help="pick free ports instead of 8000-8003"),
         dashboard: bool = typer.Option(True, "--dashboard/--no-dashboard", help="start the dashboard"),
         feedback_timeout: float = typer.Option(300.0, "--feedback-timeout", help="trainer's longest wait for a bundle (s)"),
+        feedback_mode: str = typer.Option("sync", "--feedback-mode",
+                                          help="sync: epoch e+1 waits for bundle e; overlap: it starts at once and "
+                                               "applies bundle e when stored"),
         timeout: float = typer.Option(24 * 3600.0, "--timeout", help="stop if the loop has not finished after this (s)"),
         live: bool = typer.Option(None, "--live/--no-live", help="live table (default: when stdout is a terminal)"),
         data_bars: int = typer.Option(None, "--data-bars", help="use only the first N bars of the dataset"),
@@ -513,6 +519,8 @@ def register(app: typer.Typer) -> None:
             problems.append(f"--device must be cpu, cuda, cuda:N or auto, got {device!r}")
         if config not in ("small", "full"):
             problems.append(f"--config must be small or full, got {config!r}")
+        if feedback_mode not in ("sync", "overlap"):
+            problems.append(f"--feedback-mode must be sync or overlap, got {feedback_mode!r}")
         if feedback_timeout <= 0 or timeout <= 0:
             problems.append("--feedback-timeout and --timeout must be > 0")
         if data_bars is not None and data_bars < 500:
@@ -524,7 +532,7 @@ def register(app: typer.Typer) -> None:
                 _err(p)
             raise typer.Exit(2)
         _check_dataset(dataset)
-        extra = {}
+        extra = {"TL_FEEDBACK_MODE": feedback_mode}
         if data_bars is not None:
             extra["TL_DATA_BARS"] = str(data_bars)
         if iterations is not None:

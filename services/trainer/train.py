@@ -659,8 +659,12 @@ class PhaseClock:
         return out
 
 
-def train_epoch(state: TrainState, knobs: Knobs, progress: Callable[[int, int], None] | None = None) -> EpochStats:
-    """One epoch: apply knobs → fresh episodes → iterations of (collect E × env_steps_per_iter, update) → stats."""
+def train_epoch(state: TrainState, knobs: Knobs, progress: Callable[[int, int], None] | None = None,
+                between: Callable[[int], Knobs | None] | None = None) -> EpochStats:
+    """One epoch: apply knobs → fresh episodes → iterations of (collect E × env_steps_per_iter, update) → stats.
+
+    `between(it)` is asked before each iteration: new knobs it returns are applied there and rule the rest of the
+    epoch (the trainer's overlap mode: a bundle that arrives mid-epoch)."""
     cfg, env = state.cfg, state.env
     apply_knobs(state, knobs)
     adapt_support(state)
@@ -676,6 +680,9 @@ def train_epoch(state: TrainState, knobs: Knobs, progress: Callable[[int, int], 
     cuda = state.device.type == "cuda"
     clock = PhaseClock(cuda)
     for it in range(cfg.iterations):
+        if between is not None and (new := between(it)) is not None:
+            apply_knobs(state, new)
+            knobs = new
         ta = clock.now()
         runner.collect()
         state.env_steps += cfg.n_envs * cfg.env_steps_per_iter

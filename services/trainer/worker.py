@@ -3,6 +3,10 @@
     for epoch e = 1..N:
         knobs   = bundle e−1's knobs (waited for, bounded by TL_FEEDBACK_TIMEOUT_S; on timeout the last
                   bundle received, and the status says so; epoch 1: the fixed schedule)
+                  — TL_FEEDBACK_MODE=overlap: epoch e starts at once under the last bundle's knobs and bundle
+                  e−1 is applied at the first iteration boundary after it is stored (`_BundleWaiter`); the
+                  trainer waits only when evaluation + feedback outlast a whole epoch (then bundle e−1 starts
+                  epoch e+1). The record lists each bundle applied and the iteration (`bundles_applied`).
         stats   = train_epoch(state, knobs)                     (a worker thread: HTTP stays responsive)
         ckpt    = save_epoch(...)  → DIR/checkpoints/epoch-NNNN.safetensors (+ trainer state, for resume)
         Redis   ← checkpoint bytes (RunStore.put_checkpoint), the epoch record (history hash), then
@@ -74,6 +78,8 @@ class TrainerWorker:
         self._stop = asyncio.Event()
         self.phase = "starting"
         self.last_bundle: dict | None = None   # the latest bundle received (what a timed-out epoch trains on)
+        self._late: dict | None = None          # overlap: a bundle stored after its epoch ended, for the next start
+        self._carry: dict = {}                  # overlap: the wait between two epochs, for the next record
         state.extra.update(phase=self.phase, epochs=settings.epochs, feedback=None, paused=False)
 
     # -- control ----------------------------------------------------------------------------------------
@@ -208,6 +214,68 @@ class TrainerWorker:
         self.state.extra["feedback"] = {"epoch": epoch, **rec}
         return knobs, rec
 
+    async def _overlap_knobs(self, epoch: int) -> tuple[Knobs, dict, "_BundleWaiter | None"]:
+        """Overlap mode, epoch ≥ 2: the knobs the epoch starts under, its record, and the waiter for bundle
+        epoch − 1 when that is not stored yet (it is then applied mid-epoch by `_BundleWaiter.poll`)."""
+        try:
+            bundle = await self.bus.store.get_bundle(epoch - 1)
+        except REDIS_DOWN as exc:
+            self._redis_down(exc)
+            bundle = None
+        now = time.time()
+        applied: list[dict] = []
+        waiter = None
+        if self._late is not None:               # stored after the last epoch ended: it starts this one
+            applied.append({"epoch": int(self._late["epoch"]), "iteration": 0, "at": now})
+        if bundle is not None:
+            self.last_bundle = bundle
+            applied.append({"epoch": epoch - 1, "iteration": 0, "at": now})
+            knobs, src = Knobs.from_dict(bundle["knobs"]), f"bundle of epoch {epoch - 1} (stored before the epoch)"
+        else:
+            used = self._late or self.last_bundle
+            if used is None:
+                knobs, src = Knobs.fixed_schedule(epoch), "fixed schedule"
+            else:
+                knobs, src = Knobs.from_dict(used["knobs"]), f"bundle of epoch {used['epoch']}"
+                if self._late is None:           # already applied: its sample-level signals are not re-applied
+                    knobs = dataclasses.replace(knobs, priority_boost=[], hindsight=[])
+            src += f" until bundle {epoch - 1} is stored"
+            waiter = _BundleWaiter(self, epoch - 1)
+        self._late = None
+        rec = {"feedback_mode": "overlap", "feedback_timed_out": False, "feedback_wait_s": 0.0,
+               **self._carry, "knobs_source": src, "bundles_applied": applied, "stale_bundle": False}
+        self._carry = {}
+        self._set_bundle(rec)
+        if applied:
+            rec["knobs_applied_at"] = applied[-1]["at"]
+        self.state.extra["feedback"] = {"epoch": epoch, **rec}
+        return knobs, rec, waiter
+
+    def _set_bundle(self, rec: dict) -> None:
+        """bundle_epoch / bundle_id of a record: the last bundle applied in the epoch, else the one carried."""
+        b = rec["bundles_applied"][-1]["epoch"] if rec["bundles_applied"] else (
+            None if self.last_bundle is None else int(self.last_bundle["epoch"]))
+        src = self.last_bundle if self.last_bundle is not None and int(self.last_bundle["epoch"]) == b else None
+        rec["bundle_epoch"] = b
+        rec["bundle_id"] = None if b is None else bundle_id(self.bus.run_id, b,
+                                                            (src or {}).get("report_checkpoint_sha256", ""))
+
+    async def _overlap_finish(self, waiter: "_BundleWaiter", epoch: int) -> None:
+        """After epoch `epoch` is published: a bundle not yet applied is waited for now (bounded by the
+        timeout; the only wait of overlap mode) and then starts the next epoch."""
+        self._phase("waiting_feedback")
+        t0 = time.monotonic()
+        bundle, timed_out = await waiter.result_async()
+        waited = time.monotonic() - t0
+        if bundle is not None:
+            self.last_bundle = bundle
+            if waiter.applied is None:
+                self._late = bundle
+        if timed_out:
+            self.state.count("feedback_timeouts")
+            log.warning("epoch %d: timeout waiting for bundle %d", epoch + 1, epoch - 1)
+        self._carry = {"feedback_wait_s": round(waited, 3), "feedback_timed_out": timed_out}
+
     # -- publishing -----------------------------------------------------------------------------------------
     def _redis_down(self, exc: BaseException) -> None:
         self.state.error(f"Redis unreachable ({type(exc).__name__}: {exc}); retrying")
@@ -259,13 +327,26 @@ class TrainerWorker:
                 if self._stop.is_set():
                     break
             epoch = tstate.epoch + 1
-            knobs, rec = await self._knobs_for(epoch)
-            rec["knobs_applied_at"] = time.time()  # unix time: bundle e−1 → epoch e (bench/loop_latency.py)
+            waiter = None
+            if self.settings.feedback_mode == "overlap" and epoch > 1:
+                knobs, rec, waiter = await self._overlap_knobs(epoch)
+            else:
+                knobs, rec = await self._knobs_for(epoch)
+                rec["knobs_applied_at"] = time.time()  # unix time: bundle e−1 → epoch e (bench/loop_latency.py)
             if self._stop.is_set():
+                if waiter is not None:
+                    waiter.cancel()
                 break
             self._phase("training")
             self.state.extra["training_epoch"] = epoch
-            stats = await asyncio.to_thread(train_epoch, tstate, knobs)
+            stats = await asyncio.to_thread(train_epoch, tstate, knobs, None,
+                                            None if waiter is None else waiter.poll)
+            if waiter is not None and waiter.applied is not None:
+                self.last_bundle = waiter.bundle
+                rec["bundles_applied"].append(waiter.applied)
+                rec["knobs_applied_at"] = waiter.applied["at"]
+                self._set_bundle(rec)
+                rec["knobs_source"] += f"; bundle {waiter.epoch} applied at iteration {waiter.applied['iteration']}"
             path, _ = await asyncio.to_thread(save_epoch, tstate, self.run_dir, meta)
             record = {**_finite(asdict(stats)), **rec}
             with open(self.run_dir / "history.jsonl", "a") as f:
@@ -277,6 +358,11 @@ class TrainerWorker:
                                      env_steps_per_s=stats.env_steps_per_s, updates_per_s=stats.updates_per_s)
             self.state.count("epochs_trained")
             log.info("epoch %d trained (loss %s, %s)", epoch, record["loss"], rec["knobs_source"])
+            if waiter is not None:
+                if epoch < self.settings.epochs:
+                    await self._overlap_finish(waiter, epoch)
+                else:
+                    waiter.cancel()             # no epoch left to apply it to: nothing to wait for
         self._phase("stopped" if self._stop.is_set() and tstate.epoch < self.settings.epochs else "done")
 
     async def lag(self) -> int | None:
@@ -294,6 +380,44 @@ class TrainerWorker:
         last = last.decode() if isinstance(last, bytes) else last
         after = await self.bus.redis.xrange(stream, min=f"({last}", max="+", count=10_000)
         return int(g["pending"]) + len(after)
+
+
+class _BundleWaiter:
+    """Overlap mode: waits on the event loop for bundle `epoch` (`TrainerWorker._wait_bundle`, bounded by the
+    timeout) while the training thread polls it between iterations (`poll`, handed to `train_epoch`)."""
+
+    def __init__(self, worker: TrainerWorker, epoch: int):
+        self.epoch = epoch
+        self.applied: dict | None = None         # {"epoch", "iteration", "at"} once applied
+        self._result: tuple[dict | None, bool] | None = None
+        self._task = asyncio.get_running_loop().create_task(worker._wait_bundle(epoch))
+        self._task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is None:
+            bundle, timed_out, _ = task.result()
+            self._result = (bundle, timed_out)   # one assignment: the training thread reads it atomically
+
+    @property
+    def bundle(self) -> dict | None:
+        """The bundle, once stored (None before, or after a timeout)."""
+        return None if self._result is None else self._result[0]
+
+    def poll(self, iteration: int) -> Knobs | None:
+        """Training thread, before each iteration: the bundle's knobs the first time it is seen, else None."""
+        r = self._result
+        if self.applied is not None or r is None or r[0] is None:
+            return None
+        self.applied = {"epoch": self.epoch, "iteration": iteration, "at": time.time()}
+        return Knobs.from_dict(r[0]["knobs"])
+
+    async def result_async(self) -> tuple[dict | None, bool]:
+        """(bundle or None, timed out), waiting for it when it is not in yet."""
+        bundle, timed_out, _ = await self._task
+        return bundle, timed_out
+
+    def cancel(self) -> None:
+        self._task.cancel()
 
 
 def complete_epoch(run_dir: Path) -> int:
