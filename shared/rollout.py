@@ -326,8 +326,13 @@ def greedy_pass(agent: Agent, market: MarketTensors, emb: torch.Tensor, starts: 
       fused          — the whole pass in one Triton kernel (`shared.fused`): a persistent program per account (or
                        per 16) loops over the bars; ~20× the graph mode's bars/s for one account on the H200
                        (bench/README.md, "The fused pass").
-    "auto" = the fastest mode that pays for itself: on CUDA, fused where Triton is installed (it comes with
-    torch's CUDA wheels) and the agent's action space fits the kernel; otherwise a pass of at least
+      native         — the whole pass as one compiled CPU loop (`shared.native`), an OpenMP thread per account:
+                       ~30 µs a bar for one account of the small preset (the H200 host's Xeon and this project's
+                       2-core VM alike), 1.5× the fused kernel's bars/s for 1–3 accounts on the H200 machine.
+    "auto" = the fastest mode that pays for itself: native where a C compiler works and there are no more accounts
+    than CPU threads (on a CPU whatever the count: every torch mode is slower); else, on CUDA, fused where Triton
+    is installed (it comes with torch's CUDA wheels) and the agent's action space fits the kernel; otherwise a
+    pass of at least
     `AUTO_COMPILE_STEPS` steps is compiled (compile+graph on CUDA, compile on a CPU where `torch.compile` works —
     ~4× faster per bar there, for ~25 s of compilation), a shorter one runs graph on CUDA, eager on a CPU.
     The ledger is recorded by the simulator's own recorder with its flush moved out of the step (`_ChunkLedger`):
@@ -338,8 +343,10 @@ def greedy_pass(agent: Agent, market: MarketTensors, emb: torch.Tensor, starts: 
 
     dev = emb.device
     if accel == "auto" and dev.type == "cuda":
-        from shared import fused
-        if fused.supports(agent) and fused.triton_available(dev):
+        from shared import fused, native
+        if fused.supports(agent) and native.available() and len(starts) <= torch.get_num_threads():
+            accel = "native"      # a core per account beats one GPU program per account (bench/README.md)
+        elif fused.supports(agent) and fused.triton_available(dev):
             accel = "fused"
     if accel == "auto" and dev.type == "cpu":
         from shared import fused, native
