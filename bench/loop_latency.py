@@ -17,7 +17,7 @@ epoch records), `at it` is that iteration, and `wait` is what the trainer waited
 
     .venv/bin/python bench/loop_latency.py [--epochs 3] [--data-bars 1000 | --val-bars 100000] [--iterations 6]
                                            [--evaluators 1] [--device cpu|cuda] [--full-size]
-                                           [--feedback-mode sync|overlap]
+                                           [--feedback-mode sync|overlap] [--config small|full]
 
 `--val-bars N` sizes the synthetic dataset so that its validation split holds about N bars (the evaluator's
 continuous pass covers that many bars, plus as many out of sample and an in-sample window).
@@ -49,6 +49,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--full-size", action="store_true", help="the preset's sizes instead of the tiny test sizes")
     ap.add_argument("--feedback-mode", default="sync", choices=["sync", "overlap"])
+    ap.add_argument("--config", default="small", choices=["small", "full"], help="the trainer's preset")
     a = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="tl-latency-"))
     data: list[str] = []
@@ -63,7 +64,7 @@ def main() -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "TL_REDIS_URL")}
     cmd = [sys.executable, "-m", "tradeloop.cli", "up", "--epochs", str(a.epochs), "--device", a.device,
            "--no-dashboard", "--no-live", "--free-ports", "--run-dir", str(tmp), "--run-id", "bench",
-           "--evaluators", str(a.evaluators), "--feedback-mode", a.feedback_mode, *data]
+           "--evaluators", str(a.evaluators), "--feedback-mode", a.feedback_mode, "--config", a.config, *data]
     env["TL_FEEDBACK_TIMEOUT_S"] = "7200"          # measure the whole wait, however long the evaluation takes
     if not a.full_size:
         env.update({"TL_TRAIN_LEARNING_STARTS": "32", "TL_TRAIN_BATCH_SIZE": "32", "TL_TRAIN_N_ENVS": "4"})
@@ -86,7 +87,7 @@ def main() -> None:
         r.close()
         server.stop()
     print(f"loop latency per stage (s), {a.evaluators} evaluator(s), device {a.device}, "
-          f"{'preset' if a.full_size else 'tiny'} config, {a.data_bars} bars (~{int(a.data_bars * 0.196)} validation), "
+          f"{a.config + ' preset' if a.full_size else 'tiny'} config, {a.data_bars} bars (~{int(a.data_bars * 0.196)} validation), "
           f"feedback mode {a.feedback_mode}")
     print(f"{'epoch':>5} {'evaluate':>9} {'feedback':>9} {'apply':>7} {'total':>7} {'at it':>6} {'epoch s':>8} "
           f"{'wait':>7} {'wait %':>7}")
