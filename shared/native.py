@@ -107,6 +107,23 @@ def available() -> bool:
     return True
 
 
+def head_macs(agent: Agent) -> int:
+    """Multiply-adds of one bar of the loop: port MLP, trunk, every C51 stream, the IQN tail quantiles."""
+    cfg = agent.cfg
+    D, H, A, K, P = cfg.d_model, cfg.hidden, cfg.n_atoms, cfg.ensemble, cfg.n_portfolio
+    M = cfg.iqn_quantiles_act
+    n_tail = sum((i + 0.5) / M <= cfg.cvar_alpha for i in range(M))
+    NH = K * (1 + sum(cfg.branch_sizes)) * A
+    return P * (D // 2) + (D + D // 2) * H + H * H + H * NH + n_tail * (H * H + 3 * H)
+
+
+GPU_HOST_MAX_MACS = 400_000
+"""Beside a GPU, the compiled loop is the faster pass (a CPU core per account) only for heads up to about this many
+multiply-adds a bar; above, the fused Triton kernel is. Measured on the H200 machine (`bench/eval_speed.py`,
+10^5 bars, 1 and 3 accounts): `small` preset (175 k) native 1.2–1.5× fused's bars/s; `full` (902 k) fused 1.4–1.5×
+native's."""
+
+
 @torch.no_grad()
 def run_native(agent: Agent, market, emb: torch.Tensor, starts: torch.Tensor, length: int,
                controls: PolicyControls, costs: CostModel, *, threads: int | None = None):

@@ -328,9 +328,11 @@ def greedy_pass(agent: Agent, market: MarketTensors, emb: torch.Tensor, starts: 
                        (bench/README.md, "The fused pass").
       native         — the whole pass as one compiled CPU loop (`shared.native`), an OpenMP thread per account:
                        ~30 µs a bar for one account of the small preset (the H200 host's Xeon and this project's
-                       2-core VM alike), 1.5× the fused kernel's bars/s for 1–3 accounts on the H200 machine.
-    "auto" = the fastest mode that pays for itself: native where a C compiler works and there are no more accounts
-    than CPU threads (on a CPU whatever the count: every torch mode is slower); else, on CUDA, fused where Triton
+                       2-core VM alike), 1.2–1.5× the fused kernel's bars/s for 1–3 accounts on the H200 machine
+                       (the full preset: fused is 1.5× faster).
+    "auto" = the fastest mode that pays for itself: on a CPU native where a C compiler works (every torch mode is
+    slower); on CUDA native too for a small head (`native.GPU_HOST_MAX_MACS`) and no more accounts than CPU
+    threads, else fused where Triton
     is installed (it comes with torch's CUDA wheels) and the agent's action space fits the kernel; otherwise a
     pass of at least
     `AUTO_COMPILE_STEPS` steps is compiled (compile+graph on CUDA, compile on a CPU where `torch.compile` works —
@@ -344,8 +346,9 @@ def greedy_pass(agent: Agent, market: MarketTensors, emb: torch.Tensor, starts: 
     dev = emb.device
     if accel == "auto" and dev.type == "cuda":
         from shared import fused, native
-        if fused.supports(agent) and native.available() and len(starts) <= torch.get_num_threads():
-            accel = "native"      # a core per account beats one GPU program per account (bench/README.md)
+        if (fused.supports(agent) and native.available() and len(starts) <= torch.get_num_threads()
+                and native.head_macs(agent) <= native.GPU_HOST_MAX_MACS):
+            accel = "native"      # small heads: a core per account beats a GPU program per account
         elif fused.supports(agent) and fused.triton_available(dev):
             accel = "fused"
     if accel == "auto" and dev.type == "cpu":
