@@ -136,6 +136,21 @@ class CausalBlock(nn.Module):
         x = x + self.proj(a.transpose(1, 2).reshape(N, W, D))
         return x + self.mlp(self.ln2(x))
 
+    def last_token(self, x: torch.Tensor) -> torch.Tensor:
+        """forward(x)[:, −1] for what the encoder keeps of its last block: the last token's query against every
+        key (a causal mask lets the last row see the whole window), its projection and MLP — N × W × D → N × D.
+        The same arithmetic for that token, without the other W − 1 queries and MLP rows (~3× less work)."""
+        N, W, D = x.shape
+        h = self.ln1(x)
+        q = F.linear(h[:, -1], self.qkv.weight[:D], self.qkv.bias[:D])                     # N × D
+        k, v = F.linear(h, self.qkv.weight[D:], self.qkv.bias[D:]).split(D, dim=-1)       # N × W × D each
+        hd = D // self.n_heads
+        q = q.view(N, self.n_heads, 1, hd)
+        k, v = (y.view(N, W, self.n_heads, hd).transpose(1, 2) for y in (k, v))
+        a = F.scaled_dot_product_attention(q, k, v)                                         # N × heads × 1 × hd
+        y = x[:, -1] + self.proj(a.reshape(N, D))
+        return y + self.mlp(self.ln2(y))
+
 
 class Agent(nn.Module):
     """Encoder + branching dueling C51 ensemble + IQN risk head + expectile value head (see module docstring)."""
@@ -186,9 +201,11 @@ class Agent(nn.Module):
     def encode(self, windows: torch.Tensor) -> torch.Tensor:
         """Market embedding of feature windows: N × W × F → N × D (the last token of the causal encoder)."""
         x = self.enc_in(windows) + self.enc_pos                                             # N × W × D
-        for blk in self.enc_blocks:
+        blocks = list(self.enc_blocks)
+        for blk in blocks[:-1]:
             x = blk(x)
-        return self.enc_ln(x[:, -1])                                                        # N × D
+        # only the last token's state is kept: the last block computes that token alone (`CausalBlock.last_token`)
+        return self.enc_ln(blocks[-1].last_token(x) if blocks else x[:, -1])                # N × D
 
     def head(self, emb: torch.Tensor, portfolio: torch.Tensor) -> HeadOut:
         """Portfolio-dependent heads: C51 logits per branch (N × K × n_b × A), trunk state, expectile value."""
