@@ -216,6 +216,18 @@ def test_bad_input_names_the_field():
         ap.build_trades(led.assign(exit_t=T), _preds(), np.zeros(T, dtype=int), close, cost_rate=C)
     with pytest.raises(ValueError, match="regimes"):
         ap.build_trades(led, _preds(), np.full(T, 9), close, cost_rate=C)
+    # post hoc predictions may be absent (NaN) where no trade was entered, not at an entry decision (bar 4 here)
+    sparse = _preds()
+    sparse.q_dir[np.arange(T) != 4] = np.nan
+    sparse.q_quantiles[np.arange(T) != 4] = np.nan
+    assert len(ap.build_trades(led, sparse, np.zeros(T, dtype=int), close, cost_rate=C)) == 1
+    sparse.q_dir[4] = np.nan
+    with pytest.raises(ValueError, match="q_dir is not computed at decision bar 4"):
+        ap.build_trades(led, sparse, np.zeros(T, dtype=int), close, cost_rate=C)
+    inf = _preds()
+    inf.q_dir[7, 0] = np.inf
+    with pytest.raises(ValueError, match="q_dir is not finite"):
+        ap.build_trades(led, inf, np.zeros(T, dtype=int), close, cost_rate=C)
 
 
 def test_report_from_the_simulator_round_trips_as_json():

@@ -110,11 +110,18 @@ def test_batched_windows_equal_single_runs(bars, feats):
         assert r.window == w and r.ledger.equals(alone.ledger)
         np.testing.assert_array_equal(r.equity, alone.equity)
         np.testing.assert_array_equal(r.preds.direction, alone.preds.direction)
-    # the extracted predictions agree with themselves: Q of the chosen direction = the per-direction Q at it
-    r = together[0]
-    d = r.preds.direction[:-1]
-    np.testing.assert_allclose(r.preds.q_dir[np.arange(d.size), d], r.preds.q_mean[:-1], rtol=1e-5, atol=1e-7)
-    assert np.all(np.diff(r.preds.q_quantiles, axis=1) >= 0)
+    # the extracted predictions agree with themselves: Q of the chosen direction = the per-direction Q at it; they
+    # exist at every trade's entry decision (what the autopsy reads) and nowhere else
+    n_entries = 0
+    for r in together:
+        entries = np.unique(np.maximum(r.ledger["entry_t"].to_numpy() - 1, 0))
+        n_entries += len(entries)
+        d = r.preds.direction[entries]
+        np.testing.assert_allclose(r.preds.q_dir[entries, d], r.preds.q_mean[entries], rtol=1e-5, atol=1e-7)
+        assert np.all(np.diff(r.preds.q_quantiles[entries], axis=1) >= 0)
+        others = np.setdiff1d(np.arange(len(r.preds.q_dir)), entries)
+        assert np.isnan(r.preds.q_dir[others]).all() and np.isnan(r.preds.q_quantiles[others]).all()
+    assert n_entries >= 3
 
 
 def _checkpoint_meta(agent: Agent, knobs: Knobs | None) -> dict:

@@ -50,6 +50,10 @@ GATE_LEVELS = (0.5, 0.6, 0.7, 0.8, 0.9)
 """Quantiles of the trades' ensemble std tried as gate thresholds (plus "no gate")."""
 
 
+POST_HOC = ("q_quantiles", "q_dir")
+"""The `Predictions` fields extracted after the pass (the rest is recorded by the pass itself)."""
+
+
 @dataclass
 class Predictions:
     """The policy's outputs at every decision bar of a window (local index t = decision at the close of bar t).
@@ -66,11 +70,13 @@ class Predictions:
     q_mean: np.ndarray
     """float [T] predicted Q (mean return) of the chosen action."""
     q_quantiles: np.ndarray
-    """float [T, len(TAUS)] predicted quantiles of the chosen action's return distribution at TAUS."""
+    """float [T, len(TAUS)] predicted quantiles of the chosen action's return distribution at TAUS. NaN where not
+    computed: the evaluator extracts them (and `q_dir`) after the pass only at the decisions that opened a trade,
+    the rows the autopsy reads (`services.evaluator.runner`)."""
     ensemble_std: np.ndarray
     """float [T] std of Q across ensemble heads."""
     q_dir: np.ndarray
-    """float [T, 3] Q of each direction (short, flat, long)."""
+    """float [T, 3] Q of each direction (short, flat, long); NaN where not computed (see `q_quantiles`)."""
     n_sizes: int = 1
     """Number of size levels of the size branch."""
 
@@ -82,8 +88,9 @@ class Predictions:
             a = np.asarray(getattr(self, name))
             if a.shape != shape:
                 raise ValueError(f"predictions.{name} must have shape {shape}, got {a.shape}")
-            if not np.isfinite(a).all():
-                bad = np.argwhere(~np.isfinite(a))[0].tolist()
+            ok = np.isfinite(a) | (np.isnan(a) if name in POST_HOC else False)   # NaN = not computed there
+            if not ok.all():
+                bad = np.argwhere(~ok)[0].tolist()
                 raise ValueError(f"predictions.{name} is not finite at index {bad}")
         if self.n_sizes < 1:
             raise ValueError(f"predictions.n_sizes must be >= 1, got {self.n_sizes}")
@@ -156,6 +163,10 @@ def build_trades(ledger: pd.DataFrame, preds: Predictions, regimes: np.ndarray, 
         d = max(e - 1, 0)                                          # decision at the close of entry_t − 1
         side, size, r = int(row.side), float(row.size), float(row.net_return)
         size_idx = int(preds.size[d])
+        for name in POST_HOC:
+            if not np.isfinite(getattr(preds, name)[d]).all():
+                raise ValueError(f"predictions.{name} is not computed at decision bar {d}, the entry decision of "
+                                 f"the trade entered at bar {e}")
         best = best_exit_return(side, size, float(row.entry_price), close, e, x, bars, cost_rate)
         reason = str(row.exit_reason)
         h_ret = h_dir = None

@@ -24,10 +24,11 @@ How a window is backtested
   length. The end close of a window that does not end the span is `Simulator.close_all()`, which applies the
   same factors in the same order as the in-step end exit, so results are bit-identical to a pass over the window
   alone (pinned by tests/test_evaluator.py against `shared.rollout.evaluate_policy` and the trainer's env).
-- Per-decision predictions for the autopsy (`services.evaluator.autopsy.Predictions`) are extracted after the
-  pass, batched, from the public `Agent` API on the recorded portfolio vectors: Q of each direction (ensemble
-  mean), IQN quantiles of the chosen direction at `shared.report.TAUS` (sorted: monotone rearrangement), and the
-  chosen action's Q and ensemble std as `act` reported them.
+- Per-decision predictions for the autopsy (`services.evaluator.autopsy.Predictions`): the chosen action's Q and
+  ensemble std as `act` reported them (every decision, recorded by the pass); Q of each direction (ensemble mean)
+  and the IQN quantiles of the chosen direction at `shared.report.TAUS` (sorted: monotone rearrangement) are
+  extracted after the pass, batched, from the public `Agent` API on the recorded portfolio vectors — at the
+  decisions that opened a trade only (what the autopsy reads), NaN elsewhere.
 
 Indices: a `SplitRun` is in the window's LOCAL bar indices (0 = the window's first bar); `window` holds the
 absolute (start, end) of the dataset. Sharpes are un-annualized (per trade unless named otherwise).
@@ -139,11 +140,21 @@ def _run_group(agent: Agent, market: MarketTensors, emb: torch.Tensor, starts: l
     start_t = torch.tensor(starts, dtype=torch.long, device=dev)                          # B
     p = greedy_pass(agent, market, emb, start_t, L, controls, costs, accel=accel, chunk=graph_chunk)
 
-    # predictions, batched over every decision of every account (S·B rows)
-    t_dec = (start_t.unsqueeze(0) + torch.arange(S, device=dev).unsqueeze(1)).reshape(-1)  # S·B
-    q_dir, quant = chosen_outputs(agent, emb, t_dec, p.portfolio.reshape(S * B, -1), p.branches[..., 0].reshape(-1),
-                                  torch.tensor(taus, dtype=torch.float32, device=dev), chunk=pred_chunk)
-    quant = quant.sort(dim=1).values                                  # monotone rearrangement, S·B × len(taus)
+    # post hoc predictions (Q of each direction, quantiles of the chosen one), batched, at the decisions that
+    # opened a trade — the rows the autopsy and the calibration read; NaN elsewhere (`autopsy.POST_HOC`). Every
+    # decision would cost the heads once more per bar: most of the evaluation on a CPU.
+    led_acct = p.ledger["account"].to_numpy().astype(np.int64)
+    led_row = np.clip(p.ledger["entry_t"].to_numpy().astype(np.int64) - 1 - np.asarray(starts)[led_acct], 0, S - 1)
+    rows = np.unique(led_row * B + led_acct)                          # S·B flattening: row i, account k → i·B + k
+    q_dir = torch.full((S * B, 3), float("nan"), device=dev)
+    quant = torch.full((S * B, len(taus)), float("nan"), device=dev)
+    if len(rows):
+        r_t = torch.as_tensor(rows, device=dev)
+        t_dec = start_t[r_t % B] + r_t // B                           # the decisions' bars in `market`
+        qd, qt = chosen_outputs(agent, emb, t_dec, p.portfolio.reshape(S * B, -1)[r_t],
+                                p.branches[..., 0].reshape(-1)[r_t],
+                                torch.tensor(taus, dtype=torch.float32, device=dev), chunk=pred_chunk)
+        q_dir[r_t], quant[r_t] = qd, qt.sort(dim=1).values            # monotone rearrangement of the quantiles
 
     regime_all = market.regime.cpu().numpy()
     n_sizes = len(agent.cfg.size_levels)
@@ -161,8 +172,9 @@ def _run_group(agent: Agent, market: MarketTensors, emb: torch.Tensor, starts: l
         pad = lambda a, fill: np.concatenate([a, np.full((1, *a.shape[1:]), fill, dtype=a.dtype)])  # noqa: E731
         preds = dict(
             direction=pad(branches[:, k, 0], FLAT), size=pad(branches[:, k, 1], 0), exit=pad(branches[:, k, 2], 0),
-            q_mean=pad(q[:, k].astype(np.float64), 0.0), q_quantiles=pad(quant[:, k].astype(np.float64), 0.0),
-            ensemble_std=pad(q_std[:, k].astype(np.float64), 0.0), q_dir=pad(q_dir[:, k].astype(np.float64), 0.0),
+            q_mean=pad(q[:, k].astype(np.float64), 0.0), q_quantiles=pad(quant[:, k].astype(np.float64), np.nan),
+            ensemble_std=pad(q_std[:, k].astype(np.float64), 0.0),
+            q_dir=pad(q_dir[:, k].astype(np.float64), np.nan),
             n_sizes=n_sizes)
         out_runs.append(dict(ledger=led.reset_index(drop=True), equity=eq[:, k], bar_returns=br[:, k],
                              positions=pos[:, k], preds=preds, regimes=regime_all[s0:s0 + L], targets=tgt[:, k]))
