@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import time
 from functools import lru_cache
 
@@ -52,6 +53,15 @@ def _bars(dataset: str, data_seed: int, n_bars: int):
     return bars.slice(0, n_bars) if n_bars < len(bars) else bars
 
 
+def _file_signature(dataset: str) -> tuple[int, int] | None:
+    """(size, mtime_ns) of a dataset given as a file path; None for a bundled or generated dataset."""
+    try:
+        st = os.stat(dataset)
+    except (OSError, ValueError):
+        return None
+    return st.st_size, st.st_mtime_ns
+
+
 def _features(bars):
     from shared.market import compute_features
 
@@ -72,6 +82,7 @@ class EvaluatorWorker(ConsumerWorker):
                                  claim_idle_ms=settings.claim_idle_ms,
                                  block_ms=int(min(1000, bus.socket_timeout_s * 500)))
         self._features_cache: dict[str, object] = {}
+        self._bars_cache: dict[tuple, object] = {}
         state.extra.update(consumer=settings.consumer_name, evaluated=[], last_eval_s=None)
 
     async def handle(self, event: Event) -> None:
@@ -97,7 +108,12 @@ class EvaluatorWorker(ConsumerWorker):
         meta = _metadata(data)
         split = Split.from_dict(meta["split"])
         dataset = meta.get("dataset") or self.settings.data
-        bars = await asyncio.to_thread(_bars, dataset, self.data_seed, split.test[1])
+        # the loaded series is kept between events (a 5·10^5-bar CSV takes seconds to parse and check); a file
+        # is reloaded when its size or mtime changes, and the split hashes below still check what was loaded
+        bkey = (dataset, self.data_seed, split.test[1], _file_signature(dataset))
+        if bkey not in self._bars_cache:
+            self._bars_cache = {bkey: await asyncio.to_thread(_bars, dataset, self.data_seed, split.test[1])}
+        bars = self._bars_cache[bkey]
         for name, h in (event.split_hashes or {}).items():
             if name in ("train", "val", "test") and split.window_hash(bars, name) != h:
                 raise ValueError(f"epoch {event.epoch}: the {name} window of dataset {dataset!r} does not match the "
