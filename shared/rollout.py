@@ -327,8 +327,8 @@ def greedy_pass(agent: Agent, market: MarketTensors, emb: torch.Tensor, starts: 
                        per 16) loops over the bars; ~20× the graph mode's bars/s for one account on the H200
                        (bench/README.md, "The fused pass").
       native         — the whole pass as one compiled CPU loop (`shared.native`), an OpenMP thread per account:
-                       ~30 µs a bar for one account of the small preset (the H200 host's Xeon and this project's
-                       2-core VM alike), 1.2–1.5× the fused kernel's bars/s for 1–3 accounts on the H200 machine
+                       ~30 µs a bar for one account of the small preset on the H200 host's Xeon (10^6 bars in
+                       30.1 s, bench/README.md), 1.2–1.5× the fused kernel's bars/s for 1–3 accounts on the H200 machine
                        (the full preset: fused is 1.5× faster).
     "auto" = the fastest mode that pays for itself: on a CPU native where a C compiler works (every torch mode is
     slower); on CUDA native too for a small head (`native.GPU_HOST_MAX_MACS`) and no more accounts than CPU
