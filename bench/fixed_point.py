@@ -53,8 +53,7 @@ def main() -> None:
         ref = greedy_pass(agent, market, emb, torch.zeros(1, dtype=torch.long), T, ctl, accel="eager")
     ref_d = ref.branches[:, 0, 0]
     m = agent.maturity.clamp(1e-3, 1.0)
-    M = cfg.iqn_quantiles_act
-    n_tail = sum((i + 0.5) / M <= cfg.cvar_alpha for i in range(M))
+    n_tail = cfg.n_tail
 
     def decide(port: torch.Tensor) -> torch.Tensor:
         """`act`'s network half at every bar at once: greedy d, s, e and the risk block of d (S × 4)."""

@@ -90,6 +90,13 @@ class AgentConfig:
         return len(PORTFOLIO_FEATURES)
 
     @property
+    def n_tail(self) -> int:
+        """M_α: points of the acting τ grid (τ_i = (i + ½)/M) inside the CVaR tail, τ_i ≤ cvar_alpha — the IQN
+        quantiles `act` evaluates (a leading slice of `act_taus`)."""
+        M = self.iqn_quantiles_act
+        return sum((i + 0.5) / M <= self.cvar_alpha for i in range(M))
+
+    @property
     def branch_sizes(self) -> tuple[int, int, int]:
         return (3, len(self.size_levels), len(self.exit_plans))
 
@@ -340,8 +347,7 @@ def act(agent: Agent, emb: torch.Tensor, portfolio: torch.Tensor, *, position: t
     edge = torch.maximum(q_mean[0][:, 0], q_mean[0][:, 2]) - q_mean[0][:, FLAT]
     # CVaR_α = mean of the quantiles at the grid's tail τ_i ≤ α (the leading M_α of the M grid points: 3 of 32 by
     # default), so only those are evaluated here; the full grid is for reporting (`shared.rollout.chosen_outputs`)
-    M = cfg.iqn_quantiles_act
-    n_tail = sum((i + 0.5) / M <= cfg.cvar_alpha for i in range(M))                          # M_α (a Python int)
+    n_tail = cfg.n_tail                                                                     # M_α (a Python int)
     quant = agent.quantiles(out.hidden, agent.act_taus[:n_tail])                            # B × M_α × 3
     cvar_dir = quant.sum(1) / max(n_tail, 1)                                                # B × 3 (0 if M_α = 0)
     cvar = cvar_dir.gather(1, d.view(B, 1)).squeeze(1)

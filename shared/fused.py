@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from shared.agent import FLAT, Agent, PolicyControls
+from shared.agent import Agent, PolicyControls
 from shared.execution import _END, _FLIP, _SIGNAL, _STOP, _TARGET, CostModel, Simulator, _LedgerBuffer
 
 # bits of the per-bar fill flags the kernel writes
@@ -91,7 +91,7 @@ class FusedWeights:
     @torch.no_grad()
     def from_agent(cls, agent: Agent) -> "FusedWeights":
         cfg = agent.cfg
-        D, H, A, K = cfg.d_model, cfg.hidden, cfg.n_atoms, cfg.ensemble
+        D, H, K = cfg.d_model, cfg.hidden, cfg.ensemble
         f = lambda x: x.detach().float().contiguous()  # noqa: E731
         lin1, lin2 = agent.trunk[0], agent.trunk[2]
         cols = []
@@ -102,8 +102,7 @@ class FusedWeights:
             for w, b in zip(agent.adv_w, agent.adv_b):
                 cols.append(w[k])                                          # H × n_b·A
                 biases.append(b[k])
-        M = cfg.iqn_quantiles_act
-        n_tail = sum((i + 0.5) / M <= cfg.cvar_alpha for i in range(M))
+        n_tail = cfg.n_tail
         taus = agent.act_taus[:n_tail]
         phi = torch.relu(agent.iqn_tau(torch.cos(math.pi * taus.unsqueeze(-1) * agent.iqn_i)))   # M_α × H
         return cls(wp=f(agent.port[0].weight.t()), bp=f(agent.port[0].bias),

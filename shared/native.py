@@ -111,8 +111,7 @@ def head_macs(agent: Agent) -> int:
     """Multiply-adds of one bar of the loop: port MLP, trunk, every C51 stream, the IQN tail quantiles."""
     cfg = agent.cfg
     D, H, A, K, P = cfg.d_model, cfg.hidden, cfg.n_atoms, cfg.ensemble, cfg.n_portfolio
-    M = cfg.iqn_quantiles_act
-    n_tail = sum((i + 0.5) / M <= cfg.cvar_alpha for i in range(M))
+    n_tail = cfg.n_tail
     NH = K * (1 + sum(cfg.branch_sizes)) * A
     return P * (D // 2) + (D + D // 2) * H + H * H + H * NH + n_tail * (H * H + 3 * H)
 
