@@ -7,16 +7,17 @@
 A random agent of the trainer's `small` (default) or `full` preset shape runs greedy over a validation window of
 `--bars` synthetic bars; `--accounts` B runs B windows of that length at once (checkpoints × folds share the
 sequential pass as accounts of one simulator). Every mode of `--accel` (`shared.rollout.greedy_pass`: eager,
-compile, graph, compile+graph, fused — the whole pass in one Triton kernel, `shared.fused`; native — one compiled
-CPU loop, `shared.native`) is measured on the same data in the same run, one column group per mode:
-  encode_s   the market encoder over every bar of the `--bars` span (batched; once per row, all modes)
-  step_s     `runner.window_passes` (= `run_windows` without wrapping its arrays in the report's dataclasses, so
-             no pydantic is needed): the encoder over the span its windows cover, the sequential pass (heads +
-             simulator, bar by bar) and the batched prediction extraction
-  bars/s     B × bars / (encode_s + step_s)   — account-bars evaluated per second
-A compiled mode first runs the same call once untimed (the compilation; fused / native: a 300-bar pass, Triton's
-JIT / the C build, cached); its
-seconds are listed below the table, as is the error of a mode that fails.
+compile, graph, compile+graph; native — the sequential part as one compiled CPU loop, `shared.native`) is measured
+on the same data in the same run, one column group per mode:
+  encode_s   the batched part alone: the market encoder and `Agent.view_table` (every head that does not read the
+             portfolio) over every bar of the `--bars` span (once per row, all modes)
+  step_s     `runner.window_passes` end to end (= `run_windows` without wrapping its arrays in the report's
+             dataclasses, so no pydantic is needed): its own encoder and view over the span its windows cover, the
+             sequential pass (portfolio shift + policy + simulator, bar by bar), the ledger and the post hoc
+             predictions — the whole evaluation of those windows, inference included
+  bars/s     B × bars / step_s   — account-bars evaluated per second
+A compiled mode first runs the same call once untimed (the compilation; native: a 300-bar pass, the C build,
+cached); its seconds are listed below the table, as is the error of a mode that fails.
 `--max-steps N` cuts the windows to N + 1 bars for the sequential part (`MODE=N` for one mode only, e.g.
 `--max-steps 2000 graph=20000`) while the encoder still runs over all `--bars` bars; the column then shows the
 steps measured and bars/s is B × (N + 1) / (encode_s·(N + 1)/bars + step_s): the rate of a full run
@@ -66,19 +67,12 @@ def main() -> None:
     ap.add_argument("--bars", type=int, nargs="+", default=[100_000, 1_000_000])
     ap.add_argument("--accounts", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--accel", nargs="+", default=["eager"], choices=ACCEL_MODES + ("fused", "native"))
+    ap.add_argument("--accel", nargs="+", default=["eager"], choices=ACCEL_MODES + ("native",))
     ap.add_argument("--config", default="small", choices=["small", "full"])
     ap.add_argument("--max-steps", nargs="+", default=[], metavar="N|MODE=N")
     ap.add_argument("--graph-chunk", type=int, default=64)
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--fused-shape", default=None, metavar="BLOCK:BKxBNxWARPS",
-                    help="launch shape of the fused kernel (default: shared.fused.launch_shape; "
-                         "see bench/fused_tune.py)")
     a = ap.parse_args()
-    if a.fused_shape:
-        from shared import fused
-        blk, tiles = fused.parse_shape(a.fused_shape)
-        fused.TUNING.update(block=blk, tiles=tiles)
     if a.threads:
         torch.set_num_threads(a.threads)
     dev = torch.device(a.device)
@@ -104,10 +98,10 @@ def main() -> None:
         for B in a.accounts:
             with torch.no_grad():
                 m = MarketTensors.from_bars(bars, *span, agent.cfg.window, dev, features=feats)
-                agent.encode(m.windows[:4096])                                   # warm-up (cuBLAS, allocator)
+                agent.view(agent.encode(m.windows[:4096]))                      # warm-up (cuBLAS, allocator)
                 _sync(dev)
                 t0 = time.perf_counter()
-                torch.cat([agent.encode(m.windows[i:i + 4096]) for i in range(0, n, 4096)])
+                agent.view_table(torch.cat([agent.encode(m.windows[i:i + 4096]) for i in range(0, n, 4096)]))
                 _sync(dev)
             enc = time.perf_counter() - t0
             line = f"{n:>9} {B:>8} {enc:>9.2f}"
@@ -119,9 +113,9 @@ def main() -> None:
                 run = lambda: window_passes(agent, bars, wins, taus=TAUS, features=feats, device=dev,  # noqa: E731
                                             accel=mode, graph_chunk=a.graph_chunk)
                 try:
-                    if "compile" in mode or mode in ("fused", "native"):
+                    if "compile" in mode or mode == "native":
                         t0 = time.perf_counter()
-                        if mode in ("fused", "native"):   # Triton's JIT / the C build: a short pass builds it
+                        if mode == "native":              # the C build: a short pass builds it
                             window_passes(agent, bars, [(w0, w0 + min(L, 300)) for w0, _ in wins], taus=TAUS,
                                           features=feats, device=dev, accel=mode)
                         else:
@@ -138,11 +132,10 @@ def main() -> None:
                                  f"{str(exc).splitlines()[0] if str(exc) else ''}")
                     line += f" | {'failed':>19} {'-':>8} {'-':>10}"
                     continue
-                # step_s includes window_passes' own encoding of the span its windows cover (conservative: that
-                # share of the encoder is counted twice in bars/s; subtracting a separately timed encode proved
-                # unreliable on a loaded machine)
+                # step_s is the whole evaluation of the windows (its own encoder and view over the span they
+                # cover included); a cut pass adds the encoder share of the bars it skipped
                 step = time.perf_counter() - t0
-                rate = B * L / (enc * L / n + step)
+                rate = B * L / (step + (enc * (n - L) / n if L < n else 0.0))
                 line += f" | {L - 1:>19} {step:>8.2f} {rate:>10.0f}"
             print(line, flush=True)
     for note in notes:

@@ -1,15 +1,24 @@
-/* The evaluator's greedy pass as one compiled CPU loop (`shared.native`; built at first use by the system's C
- * compiler, loaded with ctypes).
+/* The sequential part of the evaluator's greedy pass as one compiled CPU loop (`shared.native`; built at first
+ * use by the system's C compiler, loaded with ctypes).
  *
- * The same transcription as the Triton kernel of `shared._fused_kernel` (which names its torch sources block by
- * block: `portfolio_features`, `Agent.head`, `Agent.q_values`, `Agent.quantiles`, `act`, `Simulator.step`,
- * `PortfolioTracker.update`), for one account at a time, the head's activations in small stack arrays and its
- * weights read from cache. `tests/test_native_pass.py` pins it to the eager torch path: the same decisions and
- * trades, curves to float64 rounding.
+ * What the loop reads of the network is precomputed for every bar at once (`Agent.view`, a `MarketView`): the Q
+ * values of every action of every branch per ensemble member q[t] (K × NB), the IQN quantiles of the CVaR tail
+ * tail[t] (MT × 3) and the market code code[t] (C). Per bar and account it computes only what reads the
+ * portfolio, transcribing the torch source block by block: the portfolio vector (`shared.rollout.
+ * portfolio_features`), the portfolio shift δ (`Agent.delta`: v_max · MLP([code, portfolio]), ~2 k multiply-adds),
+ * then `act` (Q = q + δ, ensemble means, greedy choice, CVaR of the shifted tail, protection stack),
+ * `Simulator.step` and `PortfolioTracker.update`. One account at a time, its state in locals; accounts side by
+ * side on OpenMP threads. Every size is a runtime argument (ensemble, size levels, exit plans, tail quantiles,
+ * code and hidden widths): no limits. `tests/test_native_pass.py` pins it to the eager torch pass: the same
+ * decisions and trades, curves to float64 rounding.
  *
- * Numerics: the heads in float32 (products fused with fmaf; sums in another order than oneDNN's), the portfolio,
- * simulator and tracker in float64 with no contraction (-ffp-contract=off), like torch's elementwise ops.
- * Outputs use the layouts of `shared.fused.FusedOutputs` (rows = step i · B + account).
+ * Numerics: δ in float32 (fused multiply-adds like a BLAS kernel, but not always in the order of torch's sgemm /
+ * sgemv, which depends on the shape and the CPU: δ agrees with torch's to the last bits, not always bit for bit;
+ * an exact tie between two actions' Q could resolve differently, so the tests check every decision), then `act`'s
+ * reductions in torch's own CPU order (`torch_sum_*`: the
+ * cascade sums of ATen's SumKernel; std by Welford in double, like ATen's std kernel), the portfolio, simulator
+ * and tracker in float64 with no contraction (-ffp-contract=off), like torch's elementwise ops.
+ * Outputs use the layouts of `shared.native.PassOutputs` (rows = step i · B + account).
  */
 #include <math.h>
 #include <stdint.h>
@@ -20,13 +29,21 @@ typedef struct {
     /* market, T bars */
     const double *open, *high, *low, *close, *vol;
     const int64_t *regime;
-    const float *emb;          /* T × D */
+    /* the market view of every bar (Agent.view), float32 */
+    const float *q;            /* T × K × NB */
+    const float *tail;         /* T × MT × 3 */
+    const float *code;         /* T × C */
     int64_t T;
     const int64_t *starts;     /* B */
     int64_t B, S;
-    /* head weights, row-major K_in × N (shared.fused.FusedWeights) */
-    const float *wp, *bp, *w1e, *w1p, *b1, *w2, *b2, *wh, *bh, *z, *phi, *wi1, *bi1, *wi2, *bi2;
-    int64_t P, D, DP, H, K, A, NS, NE, MT;
+    /* the portfolio shift MLP (Agent.shift): each layer's weight as torch holds it (N × K_in) and transposed */
+    const float *w1, *w1t;     /* S1 × (C + P), (C + P) × S1 */
+    const float *b1;           /* S1 */
+    const float *w2, *w2t;     /* (NB + 1) × S1, S1 × (NB + 1) */
+    const float *b2;           /* NB + 1 */
+    float v_max;
+    int64_t P, C, S1, K, NS, NE, MT;
+    int64_t VW;                /* floats in one of torch's CPU vectors (8: AVX2 / default, 16: AVX512) */
     /* policy */
     float maturity, gate;
     const float *rconf;        /* regimes */
@@ -48,91 +65,127 @@ static inline double clampd(double x, double lo, double hi) { return x < lo ? lo
 static inline double mind(double a, double b) { return a < b ? a : b; }
 static inline double maxd(double a, double b) { return a > b ? a : b; }
 
-/* y[0:N] = x[0:KD] · W (+ b), W row-major KD × N; optional ReLU. y must not alias x. Blocks of 64 outputs are
- * held in eight 8-float vector registers across the whole K loop (one load of W per multiply-add); the products
- * are fused multiply-adds (fp-contract on for this function only). */
+/* y[0:N] = W x + b (a torch Linear), optional ReLU; W in torch's layout (N × KD row-major) and Wt its transpose
+ * (KD × N). y must not alias x. The products are fused multiply-adds (fp-contract on for these functions only).
+ * Blocks of 64 outputs: eight 8-float vector accumulators held in registers across the whole K loop, one row of Wt
+ * per x[k] (the sum in k order, then the bias, as a BLAS gemm with beta = 1 does); the last N mod 64 outputs: one
+ * dot product each over a row of W, 8 lanes of partial sums then the lanes added pairwise — short dependency
+ * chains, where the same k-order loop would wait on one accumulator per output (δ's layer of NB + 1 outputs). */
 typedef float v8f __attribute__((vector_size(32)));
 
 __attribute__((optimize("fp-contract=fast")))
-static void dense(const float *x, int64_t KD, const float *W, const float *b, int64_t N, float *y, int relu) {
+static inline float dot(const float *x, const float *w, int64_t n) {
+    v8f acc = (v8f){0};
+    int64_t k = 0;
+    for (; k + 8 <= n; k += 8) {
+        v8f xv, wv;
+        memcpy(&xv, x + k, sizeof(v8f));
+        memcpy(&wv, w + k, sizeof(v8f));
+        acc = xv * wv + acc;
+    }
+    float s = 0.0f;
+    for (; k < n; k++) s = x[k] * w[k] + s;
+    return (((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]))) + s;
+}
+
+__attribute__((optimize("fp-contract=fast")))
+static void dense(const float *x, int64_t KD, const float *W, const float *Wt, const float *b, int64_t N, float *y,
+                  int relu) {
     int64_t n0 = 0;
     for (; n0 + 64 <= N; n0 += 64) {
         v8f acc[8];
-        for (int j = 0; j < 8; j++) {
-            if (b) memcpy(&acc[j], b + n0 + 8 * j, sizeof(v8f));
-            else acc[j] = (v8f){0};
-        }
+        for (int j = 0; j < 8; j++) acc[j] = (v8f){0};
         for (int64_t k = 0; k < KD; k++) {
             const v8f xk = (v8f){0} + x[k];
-            const float *w = W + k * N + n0;
+            const float *w = Wt + k * N + n0;
             for (int j = 0; j < 8; j++) {
                 v8f wj;
                 memcpy(&wj, w + 8 * j, sizeof(v8f));
                 acc[j] = xk * wj + acc[j];
             }
         }
-        for (int j = 0; j < 8; j++) memcpy(y + n0 + 8 * j, &acc[j], sizeof(v8f));
-        if (relu)
-            for (int j = 0; j < 64; j++) y[n0 + j] = y[n0 + j] > 0.0f ? y[n0 + j] : 0.0f;
-    }
-    if (n0 < N) {                              /* the last N mod 64 outputs: the same, row by row */
-        const int64_t r = N - n0;
-        for (int64_t j = 0; j < r; j++) y[n0 + j] = b ? b[n0 + j] : 0.0f;
-        for (int64_t k = 0; k < KD; k++) {
-            const float xk = x[k];
-            const float *w = W + k * N + n0;
-            for (int64_t j = 0; j < r; j++) y[n0 + j] = xk * w[j] + y[n0 + j];
+        for (int j = 0; j < 8; j++) {
+            v8f bj;
+            memcpy(&bj, b + n0 + 8 * j, sizeof(v8f));
+            acc[j] = acc[j] + bj;
+            memcpy(y + n0 + 8 * j, &acc[j], sizeof(v8f));
         }
-        if (relu)
-            for (int64_t j = 0; j < r; j++) y[n0 + j] = y[n0 + j] > 0.0f ? y[n0 + j] : 0.0f;
     }
+    for (int64_t n = n0; n < N; n++) y[n] = dot(x, W + n * KD, KD) + b[n];
+    if (relu)
+        for (int64_t n = 0; n < N; n++) y[n] = y[n] > 0.0f ? y[n] : 0.0f;
 }
 
-/* e^x for x ≤ 0 (softmax arguments), vectorizable: Cody–Waite reduction by ln 2 and the Cephes degree-6
- * polynomial, ~1 ulp like torch's own vectorized exp; below −87 (e^x < 2^−125, nothing next to the max's 1) it
- * returns e^−87. */
-static inline float exp_nonpos(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    const float n = floorf(x * 1.44269504088896341f + 0.5f);
-    float r = x - n * 0.693359375f;
-    r = r + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * (r * r) + r + 1.0f;
-    union { int32_t i; float f; } sc;
-    sc.i = ((int32_t)n + 127) << 23;
-    return p * sc.f;
+/* ---- torch's float32 sums on the CPU (aten/src/ATen/native/cpu/SumKernel.cpp), one output at a time ----
+ * cascade: `multi_row_sum` for one column: n elements at stride st added in order into level 0, every 16 of them
+ * moved up a level (levels of 2^4: exact for n < 2^20), the levels added at the end.
+ * row:     `row_sum`: the elements as an (n / 4) × 4 array, a cascade per column (4 partial sums), the n mod 4
+ *          left over added to the first, then the first + the second + the third + the fourth.
+ * Which one torch runs depends on the layout (`cascade_sum`'s four loops); the callers below name theirs. */
+static inline float torch_sum_cascade(const float *x, int64_t st, int64_t n) {
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    int64_t i = 0;
+    while (i + 16 <= n) {
+        for (int j = 0; j < 16; j++, i++) acc[0] += x[i * st];
+        for (int j = 1; j < 4; j++) {
+            acc[j] += acc[j - 1];
+            acc[j - 1] = 0.0f;
+            if ((i & ((int64_t)15 << (4 * j))) != 0) break;
+        }
+    }
+    for (; i < n; i++) acc[0] += x[i * st];
+    for (int j = 1; j < 4; j++) acc[0] += acc[j];
+    return acc[0];
 }
 
-/* One branch of one ensemble member: V + A − mean_a A, softmax over the atoms, Q = Σ z p (Agent.q_values).
- * tmp: 2·A floats. */
-static void c51_q(const float *v, const float *adv, int64_t nb, int64_t A, const float *z, float *tmp, float *q) {
-    float *mean = tmp, *lg = tmp + A;
-    for (int64_t a = 0; a < A; a++) {
+static inline float torch_sum_row(const float *x, int64_t st, int64_t n) {
+    if (n < 8) {                               /* partial sums of at most one element each */
         float s_ = 0.0f;
-        for (int64_t i = 0; i < nb; i++) s_ += adv[i * A + a];
-        mean[a] = s_ / (float)nb;
-    }
-    for (int64_t j = 0; j < nb; j++) {
-        float mx = -INFINITY;
-        for (int64_t a = 0; a < A; a++) {
-            const float l = v[a] + adv[j * A + a] - mean[a];
-            lg[a] = l;
-            if (l > mx) mx = l;
+        if (n < 4) {                           /* all in the first: 0 + x0 + x1 + … */
+            for (int64_t i = 0; i < n; i++) s_ += x[i * st];
+            return s_;
         }
-        float den = 0.0f, num = 0.0f;
-        for (int64_t a = 0; a < A; a++) {
-            const float e = exp_nonpos(lg[a] - mx);
-            den += e;
-            lg[a] = e;
-        }
-        for (int64_t a = 0; a < A; a++) num += (lg[a] / den) * z[a];
-        q[j] = num;
+        s_ += x[0];                            /* 4 ≤ n < 8: (((0 + x0) + x4 + …) + x1) + x2) + x3 */
+        for (int64_t i = 4; i < n; i++) s_ += x[i * st];
+        return ((s_ + x[st]) + x[2 * st]) + x[3 * st];
     }
+    const int64_t m = n / 4;
+    float part[4];
+    for (int k = 0; k < 4; k++) part[k] = torch_sum_cascade(x + k * st, 4 * st, m);
+    for (int64_t i = 4 * m; i < n; i++) part[0] += x[i * st];
+    for (int k = 1; k < 4; k++) part[0] += part[k];
+    return part[0];
+}
+
+/* Σ_k x[k · st + j] over the reduced dim of a B × n × NB tensor sliced to the w columns of a branch (`q.mean(1)` of
+ * q_all[:, :, slice]): torch's outer reduction — `vectorized_outer_sum` (w ≥ VW: blocks of 4 vectors by cascade,
+ * the rest by row_sum) or `scalar_outer_sum` (blocks of 4 columns by cascade, the rest by row_sum). */
+static inline float torch_sum_col(const float *x, int64_t st, int64_t n, int64_t j, int64_t w, int64_t VW) {
+    const int64_t lim = w >= VW ? (w / (4 * VW)) * (4 * VW) : (w / 4) * 4;
+    return j < lim ? torch_sum_cascade(x + j, st, n) : torch_sum_row(x + j, st, n);
+}
+
+/* Σ x[0:n] of a contiguous row (`q_chosen_k.mean(1)`, B × K contiguous): `vectorized_inner_sum` when n ≥ VW (a
+ * row_sum per vector lane, the n mod VW tail added in order to 0, then the lanes in order), else `row_sum`. */
+static inline float torch_sum_inner(const float *x, int64_t n, int64_t VW) {
+    if (n < VW) return torch_sum_row(x, 1, n);
+    const int64_t nv = n / VW;
+    float acc = 0.0f;
+    for (int64_t i = nv * VW; i < n; i++) acc += x[i];
+    for (int64_t l = 0; l < VW; l++) acc += torch_sum_row(x + l, VW, nv);
+    return acc;
+}
+
+/* x.std(unbiased=False) of n float32 values: Welford in double (ATen's WelfordOps<float, double>), √ in double,
+ * then rounded to float32. */
+static inline float torch_std(const float *x, int64_t n) {
+    double mean = 0.0, m2 = 0.0;
+    for (int64_t k = 0; k < n; k++) {
+        const double d = (double)x[k] - mean;
+        mean = mean + d / (double)(k + 1);
+        m2 = m2 + d * ((double)x[k] - mean);
+    }
+    return (float)sqrt(m2 / (double)n);
 }
 
 static int argmax_first(const float *x, int64_t n) {
@@ -142,13 +195,25 @@ static int argmax_first(const float *x, int64_t n) {
     return best;
 }
 
+/* Work floats one account needs: [code, port], shift hidden, δ, Q of every member, ensemble means, one column of
+ * Q, shifted tail quantiles; each rounded up to 16. */
+static int64_t round16(int64_t n) { return (n + 15) / 16 * 16; }
+
+int64_t native_work_floats(const Pass *p) {
+    const int64_t NB = 3 + p->NS + p->NE;
+    return round16(p->C + p->P) + round16(p->S1) + round16(NB + 1) + round16(p->K * NB) + round16(NB) +
+           round16(p->K) + round16(p->MT * 3 + 1);
+}
+
 static void run_account(const Pass *p, int64_t b, float *work) {
-    const int64_t P = p->P, D = p->D, DP = p->DP, H = p->H, K = p->K, A = p->A, NS = p->NS, NE = p->NE,
-                  MT = p->MT, B = p->B, T = p->T;
-    const int64_t NBR = 3 + NS + NE, WK = (1 + NBR) * A, NH = K * WK;
+    const int64_t P = p->P, C = p->C, S1 = p->S1, K = p->K, NS = p->NS, NE = p->NE, MT = p->MT, VW = p->VW,
+                  B = p->B, T = p->T;
+    const int64_t NB = 3 + NS + NE;
+    const int64_t off[3] = {0, 3, 3 + NS}, width[3] = {3, NS, NE};
     const double *c = p->c;
-    float *x = work, *p1 = x + 16, *in1 = p1 + DP, *h1 = in1 + D + DP, *h2 = h1 + H, *lg = h2 + H, *qk = lg + NH,
-          *tmp = qk + K * 8, *u = tmp + 2 * A, *v = u + H, *quant = v + H;   /* quant: MT × 3 */
+    float *xin = work, *hid = xin + round16(C + P), *dl = hid + round16(S1), *qa = dl + round16(NB + 1),
+          *qm = qa + round16(K * NB), *qk = qm + round16(NB), *quant = qk + round16(K);   /* quant: MT × 3 */
+    float *x = xin + C;                        /* the portfolio vector, after the code */
 
     /* state: Simulator.reset (flat, equity 1) and PortfolioTracker.__init__ priors */
     int64_t t = p->starts[b];
@@ -160,6 +225,7 @@ static void run_account(const Pass *p, int64_t b, float *work) {
     const float m = fminf(fmaxf(p->maturity, 1e-3f), 1.0f);              /* float32, as in act */
     const float cvar_floor = -((float)cvar_limit) / m, gate_m = p->gate / m, hold = (float)min_hold * m;
     const double cut = (double)((float)dsr_size_cut * m);
+    const float n_tail = (float)(MT > 1 ? MT : 1);                       /* max(n_tail, 1) */
 
     for (int64_t i = 0; i < p->S; i++) {
         const int64_t row = i * B + b;
@@ -181,48 +247,27 @@ static void run_account(const Pass *p, int64_t b, float *work) {
         float *rq = p->r32 + row * (4 + P);
         for (int64_t j = 0; j < P; j++) rq[4 + j] = x[j];
 
-        /* ---- Agent.head: port MLP, trunk [emb, port], C51 logits ---- */
-        dense(x, P, p->wp, p->bp, DP, p1, 1);
-        memcpy(in1, p->emb + t * D, (size_t)D * sizeof(float));
-        memcpy(in1 + D, p1, (size_t)DP * sizeof(float));
-        /* trunk layer 1: W1 = [w1e; w1p] stacked (D + DP) × H */
-        memcpy(h1, p->b1, (size_t)H * sizeof(float));
-        for (int64_t k = 0; k < D + DP; k++) {
-            const float xk = in1[k];
-            const float *w = k < D ? p->w1e + k * H : p->w1p + (k - D) * H;
-            for (int64_t n = 0; n < H; n++) h1[n] = fmaf(xk, w[n], h1[n]);
-        }
-        for (int64_t n = 0; n < H; n++) h1[n] = h1[n] > 0.0f ? h1[n] : 0.0f;
-        dense(h1, H, p->w2, p->b2, H, h2, 1);
-        dense(h2, H, p->wh, p->bh, NH, lg, 0);
-        for (int64_t k = 0; k < K; k++) {
-            const float *base = lg + k * WK;
-            c51_q(base, base + A, 3, A, p->z, tmp, qk + k * 8);
-            c51_q(base, base + 4 * A, NS, A, p->z, tmp, qk + k * 8 + 3);
-            c51_q(base, base + (4 + NS) * A, NE, A, p->z, tmp, qk + k * 8 + 3 + NS);
-        }
-        /* ---- IQN tail quantiles (Agent.quantiles at the act_taus ≤ α; φ precomputed) ---- */
-        for (int64_t j = 0; j < MT; j++) {
-            for (int64_t n = 0; n < H; n++) u[n] = h2[n] * p->phi[j * H + n];
-            dense(u, H, p->wi1, p->bi1, H, v, 1);
-            dense(v, H, p->wi2, p->bi2, 3, quant + j * 3, 0);
-        }
+        /* ---- Agent.delta: δ = v_max · (W2 relu(W1 [code, port] + b1) + b2), NB + 1 ---- */
+        memcpy(xin, p->code + t * C, (size_t)C * sizeof(float));
+        dense(xin, C + P, p->w1, p->w1t, p->b1, S1, hid, 1);
+        dense(hid, S1, p->w2, p->w2t, p->b2, NB + 1, dl, 0);
+        for (int64_t j = 0; j < NB + 1; j++) dl[j] = p->v_max * dl[j];
 
         /* ---- act (shared/agent.py) ---- */
-        float qm[3 + 4 + 4];
-        for (int64_t a = 0; a < NBR; a++) {
-            float s_ = 0.0f;
-            for (int64_t k = 0; k < K; k++) s_ += qk[k * 8 + a];
-            qm[a] = s_ / (float)K;
-        }
+        /* q_all = view.q + δ[:NB]; per branch the ensemble mean (sum over K, then / K) and its first argmax */
+        const float *qt = p->q + t * K * NB;
+        for (int64_t k = 0; k < K; k++)
+            for (int64_t j = 0; j < NB; j++) qa[k * NB + j] = qt[k * NB + j] + dl[j];
+        for (int br = 0; br < 3; br++)
+            for (int64_t j = 0; j < width[br]; j++)
+                qm[off[br] + j] = torch_sum_col(qa + off[br], NB, K, j, width[br], VW) / (float)K;
         const int d = argmax_first(qm, 3), s = argmax_first(qm + 3, NS), e = argmax_first(qm + 3 + NS, NE);
         const float edge = fmaxf(qm[0], qm[2]) - qm[1];
+        /* quant = view.tail + δ[:3]; CVaR per direction = quant.sum(1) / max(M_α, 1) */
+        const float *tt = p->tail + t * MT * 3;
+        for (int64_t j = 0; j < MT * 3; j++) quant[j] = tt[j] + dl[j % 3];
         float cvar_dir[3];
-        for (int a = 0; a < 3; a++) {
-            float s_ = 0.0f;
-            for (int64_t j = 0; j < MT; j++) s_ += quant[j * 3 + a];
-            cvar_dir[a] = MT > 0 ? s_ / (float)MT : 0.0f;
-        }
+        for (int a = 0; a < 3; a++) cvar_dir[a] = torch_sum_row(quant + a, 3, MT) / n_tail;
         const int64_t regime = p->regime[t];
         const double sidef = d == 0 ? -1.0 : (d == 2 ? 1.0 : 0.0);
         const double size = p->sizes[s];
@@ -232,11 +277,8 @@ static void run_account(const Pass *p, int64_t b, float *work) {
         const double conf = (double)conf32;
         const double new_target = sidef * size * kel * dsr_scale * conf;
         const double cur_side = side0;
-        float mean_d = 0.0f, var_d = 0.0f;
-        for (int64_t k = 0; k < K; k++) mean_d += qk[k * 8 + d];
-        mean_d /= (float)K;
-        for (int64_t k = 0; k < K; k++) var_d += (qk[k * 8 + d] - mean_d) * (qk[k * 8 + d] - mean_d);
-        const float q_std0 = sqrtf(var_d / (float)K);
+        for (int64_t k = 0; k < K; k++) qk[k] = qa[k * NB + d];
+        const float q_std0 = torch_std(qk, K);
         const int entering = (sidef != 0) && (sidef != cur_side);
         const int blocked = entering && ((cvar_dir[d] < cvar_floor) || (q_std0 > gate_m) || (conf32 <= 0.0f));
         const int committed = (cur_side != 0) && (sidef != cur_side) && ((float)bars < hold);
@@ -244,12 +286,10 @@ static void run_account(const Pass *p, int64_t b, float *work) {
         if (blocked) target = 0.0;
         if (committed) target = pos;
         const int d_eff = blocked ? 1 : (committed ? (int)(cur_side + 1.0) : d);
-        float q = 0.0f, var_e = 0.0f;
-        for (int64_t k = 0; k < K; k++) q += qk[k * 8 + d_eff];
-        q /= (float)K;
-        for (int64_t k = 0; k < K; k++) var_e += (qk[k * 8 + d_eff] - q) * (qk[k * 8 + d_eff] - q);
+        for (int64_t k = 0; k < K; k++) qk[k] = qa[k * NB + d_eff];
+        const float q = torch_sum_inner(qk, K, VW) / (float)K;
         const double tp = p->plans[e * 2] * vol_t, sl = p->plans[e * 2 + 1] * vol_t;
-        rq[0] = q; rq[1] = sqrtf(var_e / (float)K); rq[2] = edge; rq[3] = cvar_dir[d_eff];
+        rq[0] = q; rq[1] = torch_std(qk, K); rq[2] = edge; rq[3] = cvar_dir[d_eff];
         int32_t *rl = p->rl + row * 4;
         rl[0] = d_eff; rl[1] = s; rl[2] = e; rl[3] = blocked;
 
@@ -333,12 +373,6 @@ static void run_account(const Pass *p, int64_t b, float *work) {
     double *fp = p->final_ + b * 10;
     fp[0] = (double)t; fp[1] = pos; fp[2] = eq; fp[3] = growth; fp[4] = entry_price; fp[5] = entry_size;
     fp[6] = (double)entry_t; fp[7] = tp_price; fp[8] = sl_price; fp[9] = (double)bars;
-}
-
-/* Work floats one account needs (x, port hidden, trunk input, h1, h2, logits, Q, softmax, IQN). */
-int64_t native_work_floats(const Pass *p) {
-    const int64_t NH = p->K * (1 + 3 + p->NS + p->NE) * p->A;
-    return 16 + p->DP + p->D + p->DP + 2 * p->H + NH + p->K * 8 + 2 * p->A + 2 * p->H + p->MT * 3 + 16;
 }
 
 /* All B accounts, `threads` of them at a time (OpenMP). Returns 0, or −1 when out of memory. */

@@ -7,13 +7,26 @@ Network (`Agent`)
 - `encode(windows [N, W, F]) -> emb [N, D]`: the market embedding of the causal feature window ending at a bar.
   Linear input projection + learned positions, one (or more) pre-LN causal self-attention block(s), the last
   token's state. Portfolio-independent, so the evaluator encodes every bar of a split at once.
-- `head(emb [N, D], portfolio [N, P]) -> HeadOut`: the portfolio-dependent part, stepped sequentially.
-  * trunk h = MLP([emb, MLP(portfolio)])                                       # N × H
+- `market(emb [N, D]) -> MarketOut`: the heads of the market state alone (portfolio-independent, so batched over
+  every bar of a split at once, like the encoder):
+  * trunk h = MLP(emb)                                                          # N × H
   * ensemble of K branching dueling C51 heads (Tavakoli et al. 2018 × Bellemare et al. 2017):
         logits_b(s, a) = V(s) + A_b(s, a) − mean_a' A_b(s, a')                  # N × K × n_b × A (atoms)
     one shared value distribution V and one advantage distribution per branch b ∈ {direction, size, exit};
   * IQN quantile head over the direction actions (Dabney et al. 2018): θ(s, a, τ)  # N × M × 3
   * expectile value head (IQL, Kostrikov et al. 2021): V_e(s)                     # N
+  * a market code c = W_c h                                                     # N × C (C = `code_dim`, 16)
+- `delta(code [N, C], portfolio [N, P]) -> δ [N, n_actions + 1]`: the portfolio's effect, a location shift of the
+  return distribution of every action (and of V_e), the same for all ensemble members, in return units:
+        δ = v_max · MLP([c, portfolio])                                         # ~2 k multiply-adds a state
+  so Q_b(s, p, a) = Q_b(s, a) + δ_b,a(s, p), the IQN quantiles and CVaR shift by δ_direction,a, and the C51
+  distribution learned for (s, p, a) is the market one with its atoms moved by δ and projected back onto the
+  support (`services.trainer.losses.shift_distribution`).
+  Why this split (docs/design.md, "Agent"): everything the policy reads per bar except a ~2 k-MAC MLP is computed
+  for all bars at once (`view`, a `MarketView`), so the sequential part of a continuous pass — the only part that
+  cannot be batched — costs ~1 µs a bar instead of the 0.2–0.9 M multiply-adds of heads that read the portfolio
+  at their first layer (the earlier design).
+- `head(emb, portfolio) -> HeadOut`: `market` + `delta`, what the update trains.
 - Atom support z_i = linspace(−v_max, v_max, A) with `v_max` a buffer the trainer adapts to the reward scale.
 - Buffers that the policy reads: `maturity` (how trained the risk head is, in [0, 1]; scales the protection stack).
 
@@ -84,6 +97,10 @@ class AgentConfig:
     """Protection (differential Sharpe): size shrinks by up to this fraction when the account's DSR is negative."""
     kelly_floor: float = 0.5
     """Kelly scaling of size: scale = clamp(kelly_floor + f_kelly, kelly_floor, 1)."""
+    code_dim: int = 16
+    """C: width of the market code the portfolio shift reads."""
+    shift_hidden: int = 64
+    """Hidden width of the portfolio shift MLP."""
 
     @property
     def n_portfolio(self) -> int:
@@ -100,6 +117,19 @@ class AgentConfig:
     def branch_sizes(self) -> tuple[int, int, int]:
         return (3, len(self.size_levels), len(self.exit_plans))
 
+    @property
+    def n_actions(self) -> int:
+        """NB: actions of all branches together (3 + size levels + exit plans): the columns of `MarketView.q`."""
+        return sum(self.branch_sizes)
+
+    def branch_slices(self) -> list[slice]:
+        """Column range of each branch in an NB-wide tensor (direction, size, exit)."""
+        out, a = [], 0
+        for n in self.branch_sizes:
+            out.append(slice(a, a + n))
+            a += n
+        return out
+
     def to_dict(self) -> dict:
         d = asdict(self)
         d["exit_plans"] = [[None if math.isinf(x) else x for x in p] for p in self.exit_plans]
@@ -114,15 +144,58 @@ class AgentConfig:
 
 
 @dataclass
-class HeadOut:
-    """Outputs of `Agent.head` for N states."""
+class MarketOut:
+    """Outputs of `Agent.market` for N market states (no portfolio)."""
 
     logits: list[torch.Tensor]
-    """Per branch b: C51 logits, N × K × n_b × A."""
+    """Per branch b: C51 logits of the market distributions, N × K × n_b × A."""
     hidden: torch.Tensor
     """Trunk state h, N × H (the IQN and expectile heads read it)."""
     value_e: torch.Tensor
-    """Expectile value V_e(s), N."""
+    """Expectile value of the market state, N (before the portfolio shift)."""
+    code: torch.Tensor
+    """Market code c, N × C (what the portfolio shift reads)."""
+
+
+@dataclass
+class HeadOut:
+    """Outputs of `Agent.head` for N states (market state + portfolio)."""
+
+    logits: list[torch.Tensor]
+    """Per branch b: C51 logits of the market distributions, N × K × n_b × A (shifted by `delta` per action)."""
+    hidden: torch.Tensor
+    """Trunk state h, N × H (the IQN head reads it)."""
+    value_e: torch.Tensor
+    """Expectile value V_e(s, p) = V_e(s) + δ_V, N."""
+    delta: torch.Tensor
+    """Portfolio shift δ, N × (NB + 1): one column per action of every branch (direction, size, exit), then V_e's."""
+
+
+@dataclass
+class MarketView:
+    """What acting reads of N market states, portfolio-independent (`Agent.view`): computed for every bar of a split
+    at once, then read row by row by `act` — the sequential part of a pass is only the portfolio shift."""
+
+    q: torch.Tensor
+    """Q of every action of every branch per ensemble member, N × K × NB (branches side by side, `branch_slices`)."""
+    tail: torch.Tensor
+    """IQN quantiles of the three directions at the CVaR tail of the acting grid (`act_taus[:n_tail]`), N × M_α × 3."""
+    code: torch.Tensor
+    """Market code, N × C."""
+
+    def rows(self, idx: torch.Tensor) -> "MarketView":
+        return MarketView(q=self.q[idx], tail=self.tail[idx], code=self.code[idx])
+
+    def to(self, device) -> "MarketView":
+        return MarketView(q=self.q.to(device), tail=self.tail.to(device), code=self.code.to(device))
+
+    @staticmethod
+    def cat(views: list["MarketView"]) -> "MarketView":
+        return MarketView(q=torch.cat([v.q for v in views]), tail=torch.cat([v.tail for v in views]),
+                          code=torch.cat([v.code for v in views]))
+
+    def __len__(self) -> int:
+        return self.q.shape[0]
 
 
 class CausalBlock(nn.Module):
@@ -171,8 +244,13 @@ class Agent(nn.Module):
         self.enc_pos = nn.Parameter(torch.zeros(cfg.window, D))
         self.enc_blocks = nn.ModuleList(CausalBlock(D, cfg.n_heads) for _ in range(cfg.n_layers))
         self.enc_ln = nn.LayerNorm(D)
-        self.port = nn.Sequential(nn.Linear(cfg.n_portfolio, D // 2), nn.ReLU())
-        self.trunk = nn.Sequential(nn.Linear(D + D // 2, H), nn.ReLU(), nn.Linear(H, H), nn.ReLU())
+        self.trunk = nn.Sequential(nn.Linear(D, H), nn.ReLU(), nn.Linear(H, H), nn.ReLU())
+        # --- portfolio shift: market code + portfolio → δ per action and for V_e (weight decay on the code) ---
+        self.code = nn.Linear(H, cfg.code_dim)
+        self.shift = nn.Sequential(nn.Linear(cfg.code_dim + cfg.n_portfolio, cfg.shift_hidden), nn.ReLU(),
+                                   nn.Linear(cfg.shift_hidden, cfg.n_actions + 1))
+        nn.init.zeros_(self.shift[2].weight)                # δ = 0 at first: the market distributions as they are
+        nn.init.zeros_(self.shift[2].bias)
         # --- value stream of the C51 ensemble (weight decay applies here) ---
         self.value_w = nn.Parameter(torch.randn(K, H, A) * H ** -0.5)
         self.value_b = nn.Parameter(torch.zeros(K, A))
@@ -214,17 +292,41 @@ class Agent(nn.Module):
         # only the last token's state is kept: the last block computes that token alone (`CausalBlock.last_token`)
         return self.enc_ln(blocks[-1].last_token(x) if blocks else x[:, -1])                # N × D
 
-    def head(self, emb: torch.Tensor, portfolio: torch.Tensor) -> HeadOut:
-        """Portfolio-dependent heads: C51 logits per branch (N × K × n_b × A), trunk state, expectile value."""
+    def market(self, emb: torch.Tensor) -> MarketOut:
+        """The market heads (no portfolio): C51 logits per branch (N × K × n_b × A), trunk state, V_e, code."""
         N, A = emb.shape[0], self.cfg.n_atoms
-        h = self.trunk(torch.cat([emb, self.port(portfolio)], dim=-1))                     # N × H
+        h = self.trunk(emb)                                                                 # N × H
         value = torch.einsum("nh,kha->nka", h, self.value_w) + self.value_b                 # N × K × A
         logits = []
         for n_b, w, b in zip(self.cfg.branch_sizes, self.adv_w, self.adv_b):
             adv = (torch.einsum("nh,khj->nkj", h, w) + b).view(N, -1, n_b, A)               # N × K × n_b × A
             # dueling: V + A − mean_a A   (Wang et al. 2016, Eq. 9, per atom)
             logits.append(value.unsqueeze(2) + adv - adv.mean(dim=2, keepdim=True))
-        return HeadOut(logits=logits, hidden=h, value_e=self.expectile(h).squeeze(-1))
+        return MarketOut(logits=logits, hidden=h, value_e=self.expectile(h).squeeze(-1), code=self.code(h))
+
+    def delta(self, code: torch.Tensor, portfolio: torch.Tensor) -> torch.Tensor:
+        """Portfolio shift δ = v_max · MLP([code, portfolio]): N × (NB + 1) in return units, float32."""
+        x = torch.cat([code.float(), portfolio.float()], dim=-1)                            # N × (C + P)
+        return self.v_max * self.shift(x).float()
+
+    def head(self, emb: torch.Tensor, portfolio: torch.Tensor) -> HeadOut:
+        """Market heads + portfolio shift (what the update trains)."""
+        m = self.market(emb)
+        d = self.delta(m.code, portfolio)
+        return HeadOut(logits=m.logits, hidden=m.hidden, value_e=m.value_e.float() + d[:, -1], delta=d)
+
+    @torch.no_grad()
+    def view(self, emb: torch.Tensor) -> MarketView:
+        """What `act` reads of N market states (`MarketView`), float32."""
+        m = self.market(emb)
+        q = torch.cat(self.q_values(m.logits), dim=2).float()                               # N × K × NB
+        tail = self.quantiles(m.hidden, self.act_taus[:self.cfg.n_tail]).float()            # N × M_α × 3
+        return MarketView(q=q, tail=tail, code=m.code.float())
+
+    @torch.no_grad()
+    def view_table(self, emb: torch.Tensor, chunk: int = 65536) -> MarketView:
+        """`view` of T states in chunks (every bar of a split)."""
+        return MarketView.cat([self.view(emb[i:i + chunk]) for i in range(0, emb.shape[0], chunk)])
 
     def quantiles(self, hidden: torch.Tensor, taus: torch.Tensor) -> torch.Tensor:
         """IQN: θ(s, a, τ) for the 3 direction actions. hidden N × H, taus N × M (or M) → N × M × 3."""
@@ -234,10 +336,14 @@ class Agent(nn.Module):
         phi = F.relu(self.iqn_tau(torch.cos(math.pi * taus.unsqueeze(-1) * self.iqn_i)))   # N × M × H
         return self.iqn_out(hidden.unsqueeze(1) * phi)                                      # N × M × 3
 
-    def q_values(self, logits: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Q_b(s, a) = Σ_i z_i p_i(s, a) per branch and ensemble member: N × K × n_b."""
+    def q_values(self, logits: list[torch.Tensor], delta: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """Q_b(s, a) = Σ_i z_i p_i(s, a) per branch and ensemble member: N × K × n_b (float32); plus the portfolio
+        shift δ_b,a when `delta` (N × (NB + 1), `head`) is given. A list of the branches given (a prefix)."""
         z = self.support
-        return [(torch.softmax(lg, dim=-1) * z).sum(-1) for lg in logits]
+        qs = [(torch.softmax(lg.float(), dim=-1) * z).sum(-1) for lg in logits]
+        if delta is not None:
+            qs = [q + delta[:, sl].unsqueeze(1) for q, sl in zip(qs, self.cfg.branch_slices())]
+        return qs
 
 
 def agent_from_checkpoint(tensors: dict[str, torch.Tensor], metadata: dict, device="cpu") -> Agent:
@@ -310,15 +416,17 @@ class Action:
 
 
 @torch.no_grad()
-def act(agent: Agent, emb: torch.Tensor, portfolio: torch.Tensor, *, position: torch.Tensor,
+def act(agent: Agent, view: MarketView, portfolio: torch.Tensor, *, position: torch.Tensor,
         bars_in_trade: torch.Tensor, vol: torch.Tensor, regime: torch.Tensor, controls: PolicyControls,
         generator: torch.Generator | None = None, noise: torch.Tensor | None = None) -> Action:
     """The policy: greedy on the ensemble-mean Q per branch, ε-greedy per branch, then the protection stack.
 
-    emb B × D, portfolio B × P, position B (current simulator position), bars_in_trade B (long), vol B (bar
-    volatility, return units), regime B (long). No host syncs, no Python branches on tensor values and no
-    host-to-device copies, so a CUDA graph can capture it. `noise` (B × 6 uniforms in [0, 1): three ε draws, three
-    random actions) is drawn from `generator` when not given; a captured step is handed noise drawn outside it.
+    view: the B market states' `MarketView` (rows of `Agent.view`), portfolio B × P, position B (current simulator
+    position), bars_in_trade B (long), vol B (bar volatility, return units), regime B (long). The only network work
+    here is the portfolio shift δ (`Agent.delta`, ~2 k multiply-adds a state): Q = view.q + δ, quantiles =
+    view.tail + δ_direction. No host syncs, no Python branches on tensor values and no host-to-device copies, so a
+    CUDA graph can capture it. `noise` (B × 6 uniforms in [0, 1): three ε draws, three random actions) is drawn from
+    `generator` when not given; a captured step is handed noise drawn outside it.
     Protection stack, each scaled by m = agent.maturity (loose while the risk head is untrained):
       CVaR limit      — no new entry where CVaR_α(chosen direction) < −cvar_limit / m;
       epistemic gate  — no new entry where std_K Q(chosen direction) > gate_threshold / m   (E5);
@@ -326,9 +434,10 @@ def act(agent: Agent, emb: torch.Tensor, portfolio: torch.Tensor, *, position: t
       diff. Sharpe    — size × (1 − dsr_size_cut · m · clamp(−DSR, 0, 1)).
     """
     cfg = agent.cfg
-    B, dev = emb.shape[0], emb.device
-    out = agent.head(emb, portfolio)
-    qs = agent.q_values(out.logits)                                                        # [B × K × n_b]
+    B, dev = portfolio.shape[0], portfolio.device
+    delta = agent.delta(view.code, portfolio)                                               # B × (NB + 1)
+    q_all = view.q + delta[:, :cfg.n_actions].unsqueeze(1)                                  # B × K × NB
+    qs = [q_all[:, :, sl] for sl in cfg.branch_slices()]                                    # [B × K × n_b]
     q_mean = [q.mean(1) for q in qs]                                                       # [B × n_b]
     greedy = torch.stack([q.argmax(-1) for q in q_mean], dim=1)                             # B × 3
     # ε-greedy per branch: uniform random action with probability ε
@@ -346,9 +455,9 @@ def act(agent: Agent, emb: torch.Tensor, portfolio: torch.Tensor, *, position: t
     q_std = q_chosen_k.std(1, unbiased=False)
     edge = torch.maximum(q_mean[0][:, 0], q_mean[0][:, 2]) - q_mean[0][:, FLAT]
     # CVaR_α = mean of the quantiles at the grid's tail τ_i ≤ α (the leading M_α of the M grid points: 3 of 32 by
-    # default), so only those are evaluated here; the full grid is for reporting (`shared.rollout.chosen_outputs`)
+    # default, `view.tail`); the full grid is for reporting (`shared.rollout.chosen_outputs`)
     n_tail = cfg.n_tail                                                                     # M_α (a Python int)
-    quant = agent.quantiles(out.hidden, agent.act_taus[:n_tail])                            # B × M_α × 3
+    quant = view.tail + delta[:, :3].unsqueeze(1)                                           # B × M_α × 3
     cvar_dir = quant.sum(1) / max(n_tail, 1)                                                # B × 3 (0 if M_α = 0)
     cvar = cvar_dir.gather(1, d.view(B, 1)).squeeze(1)
 
@@ -364,14 +473,16 @@ def act(agent: Agent, emb: torch.Tensor, portfolio: torch.Tensor, *, position: t
 
     cur_side = torch.sign(position)
     entering = (side != 0) & (side != cur_side)
-    blocked = entering & ((cvar < -cfg.cvar_limit / m) | (q_std > controls.gate_threshold / m) | (conf <= 0))
     committed = (cur_side != 0) & (side != cur_side) & (bars_in_trade.float() < cfg.min_hold * m)
+    # commitment comes first: a young trade is held whatever the signal, so no entry is blocked there
+    blocked = entering & ~committed & ((cvar < -cfg.cvar_limit / m) | (q_std > controls.gate_threshold / m)
+                                       | (conf <= 0))
     target = torch.where((side == cur_side) & (cur_side != 0), position, new_target)        # hold, no resize
     target = torch.where(blocked, torch.zeros_like(target), target)
     target = torch.where(committed, position, target)
 
-    # the direction actually taken (blocked → flat, committed → current side) is what is reported and learned
-    d_eff = torch.where(blocked, torch.full_like(d, FLAT), torch.where(committed, (cur_side + 1).long(), d))
+    # the direction actually taken (committed → current side, blocked → flat) is what is reported and learned
+    d_eff = torch.where(committed, (cur_side + 1).long(), torch.where(blocked, torch.full_like(d, FLAT), d))
     branches = torch.stack([d_eff, s, e], dim=1)
     q_chosen_k = q_dir.gather(2, d_eff.view(B, 1, 1).expand(B, q_dir.shape[1], 1)).squeeze(2)
     q, q_std = q_chosen_k.mean(1), q_chosen_k.std(1, unbiased=False)

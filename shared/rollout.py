@@ -27,7 +27,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from shared.agent import Action, Agent, PolicyControls, act
+from shared.agent import Action, Agent, MarketView, PolicyControls, act
 from shared.execution import CostModel, Prices, Simulator, StepResult, _LedgerBuffer
 from shared.market import Bars, compute_features, regime_labels, volatility
 
@@ -143,19 +143,20 @@ class StepRecord:
 
 
 def policy_step(agent: Agent, sim: Simulator, tracker: PortfolioTracker, market: MarketTensors,
-                controls: PolicyControls, *, emb: torch.Tensor | None = None,
+                controls: PolicyControls, *, emb: torch.Tensor | None = None, view: MarketView | None = None,
                 force_flat: torch.Tensor | None = None, generator: torch.Generator | None = None,
                 noise: torch.Tensor | None = None) -> StepRecord:
-    """The loop body: observe (window + portfolio) → `act` → `Simulator.step` → tracker update.
+    """The loop body: observe (market view + portfolio) → `act` → `Simulator.step` → tracker update.
 
-    `emb` (B × D) may be given when the embeddings were precomputed (evaluation); `force_flat` (B bool) sets the
-    target to 0 (episode ends, end of data)."""
+    The B accounts' market view (`Agent.view`) may be given precomputed (`view`, evaluation: every bar at once), or
+    their embeddings (`emb`, B × D: the trainer's cached ones); else the windows are encoded here. `force_flat`
+    (B bool) sets the target to 0 (episode ends, end of data)."""
     t = sim.t.clone()
-    if emb is None:
-        emb = agent.encode(market.windows[t])
+    if view is None:
+        view = agent.view(agent.encode(market.windows[t]) if emb is None else emb)
     port = portfolio_features(sim, tracker, market)
     regime = market.regime[t]
-    a = act(agent, emb, port, position=sim.position, bars_in_trade=sim.bars_in_trade, vol=market.vol[t],
+    a = act(agent, view, port, position=sim.position, bars_in_trade=sim.bars_in_trade, vol=market.vol[t],
             regime=regime, controls=controls, generator=generator, noise=noise)
     if force_flat is not None:
         a.target = torch.where(force_flat, torch.zeros_like(a.target), a.target)
@@ -205,8 +206,8 @@ class PolicyRun:
 @torch.no_grad()
 def evaluate_policy(agent: Agent, market: MarketTensors, controls: PolicyControls | None = None, *,
                     costs: CostModel = CostModel(), chunk: int = 2048, accel: str = "auto") -> PolicyRun:
-    """One continuous greedy pass over the whole range: encode every bar at once, then `greedy_pass` (the heads and
-    the simulator bar by bar; `accel` as there), then the full quantile grid of every decision, batched.
+    """One continuous greedy pass over the whole range: encode every bar and compute its market view at once, then
+    `greedy_pass` (the portfolio shift, the policy and the simulator bar by bar; `accel` as there), then the full quantile grid of every decision, batched.
 
     Open positions are closed at the last bar's close (exit_reason "end")."""
     agent.eval()
@@ -215,7 +216,8 @@ def evaluate_policy(agent: Agent, market: MarketTensors, controls: PolicyControl
         controls = PolicyControls.make(dev)
     T = len(market)
     emb = torch.cat([agent.encode(market.windows[i:i + chunk]) for i in range(0, T, chunk)])  # T × D
-    p = greedy_pass(agent, market, emb, torch.zeros(1, dtype=torch.long, device=dev), T, controls, costs,
+    p = greedy_pass(agent, market, agent.view_table(emb), torch.zeros(1, dtype=torch.long, device=dev), T, controls,
+                    costs,
                     accel=accel)
     col = lambda x: x[:, 0].cpu().numpy()  # noqa: E731  account 0 of an S × 1 record
     decisions = pd.DataFrame({
@@ -274,12 +276,12 @@ class _ChunkLedger(_LedgerBuffer):
 
 
 def _greedy_bar(agent: Agent, sim: Simulator, tracker: PortfolioTracker, market: MarketTensors,
-                controls: PolicyControls, emb: torch.Tensor,
+                controls: PolicyControls, view: MarketView,
                 noise: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One bar of every account (`policy_step` on the precomputed embeddings, T × D) as the three rows that
+    """One bar of every account (`policy_step` on the precomputed market view of every bar) as the three rows that
     `greedy_pass` records: float64 B × 4 (target, equity, bar return, position), float32 B × (4 + P) (q, q_std, edge,
     cvar, portfolio) and long B × 4 (direction, size, exit, blocked). Device ops only: compilable and capturable."""
-    rec = policy_step(agent, sim, tracker, market, controls, emb=emb[sim.t], noise=noise)
+    rec = policy_step(agent, sim, tracker, market, controls, view=view.rows(sim.t), noise=noise)
     a, r = rec.action, rec.result
     return (torch.stack([a.target, sim.equity, r.bar_return, r.position], dim=1),
             torch.cat([torch.stack([a.q, a.q_std, a.edge, a.cvar], dim=1), rec.portfolio], dim=1),
@@ -287,8 +289,8 @@ def _greedy_bar(agent: Agent, sim: Simulator, tracker: PortfolioTracker, market:
 
 
 AUTO_COMPILE_STEPS = 20_000
-"""Steps from which `greedy_pass(accel="auto")` compiles the bar: compiling costs ~20–30 s, eager ~4 ms a bar on a
-CPU core (~1 ms compiled), so a pass this long gains more than the compilation costs."""
+"""Steps from which `greedy_pass(accel="auto")` compiles the bar where the native loop is unavailable: compiling costs
+~20–30 s, so only a pass this long gains more than the compilation costs."""
 
 
 @functools.lru_cache(maxsize=None)
@@ -302,68 +304,50 @@ def compile_works(device: torch.device) -> bool:
 
 
 @torch.no_grad()
-def greedy_pass(agent: Agent, market: MarketTensors, emb: torch.Tensor, starts: torch.Tensor, length: int,
+def greedy_pass(agent: Agent, market: MarketTensors, view: MarketView, starts: torch.Tensor, length: int,
                 controls: PolicyControls, costs: CostModel = CostModel(), *, accel: str = "auto",
                 chunk: int = 64) -> GreedyPass:
     """B = len(starts) accounts of one `Simulator`, each flat with equity 1 at local bar starts[b], stepped greedily
     for S = length − 1 bars; what is still open at each account's last bar is then closed at its close
-    (`Simulator.close_all`, exit_reason "end"). emb: T × D market embeddings of every bar of `market`.
+    (`Simulator.close_all`, exit_reason "end"). view: the `MarketView` of every bar of `market` (`Agent.view_table`
+    of the encoder's embeddings: all the network work that does not read the portfolio, done batched).
 
-    One step = `_greedy_bar` (`policy_step`: portfolio vector → `act` → `Simulator.step` → tracker update) plus
-    three `index_copy_` writes at a device step counter into preallocated S × B records. Nothing in it syncs with
-    the host or copies from it, so the same code runs
+    One step = `_greedy_bar` (`policy_step`: portfolio vector → `act` (portfolio shift, choice, protection) →
+    `Simulator.step` → tracker update) plus three `index_copy_` writes at a device step counter into preallocated
+    S × B records. Nothing in it syncs with the host or copies from it, so the same code runs
       eager          — step by step from Python (CPU, or CUDA when asked);
-      compile        — `_greedy_bar` through `torch.compile` (fuses its elementwise ops; not fullgraph: a piece
-                       dynamo cannot trace runs eagerly between the compiled parts, which a CUDA graph captures
-                       all the same);
+      compile        — `_greedy_bar` through `torch.compile` (not fullgraph: a piece dynamo cannot trace runs eagerly
+                       between the compiled parts, which a CUDA graph captures all the same);
       graph          — CUDA: `chunk` steps recorded in one CUDA graph and replayed (one launch per chunk instead of
                        ~100 per bar). The first chunk runs eagerly on a side stream as the capture's warm-up (real
                        steps); the simulator's and tracker's state is pinned (`shared.graphs.StaticState`) so each
-                       replay continues where the last one stopped; the tail of S mod `chunk` steps runs eagerly
-                       (a graph replayed once would cost more to capture than to run). Fewer than two full chunks:
-                       all eager;
+                       replay continues where the last one stopped; the tail of S mod `chunk` steps runs eagerly.
+                       Fewer than two full chunks: all eager;
       compile+graph  — both: the compiled bar captured in the graph;
-      fused          — the whole pass in one Triton kernel (`shared.fused`): a persistent program per account (or
-                       per 16) loops over the bars; ~20× the graph mode's bars/s for one account on the H200
-                       (bench/README.md, "The fused pass").
-      native         — the whole pass as one compiled CPU loop (`shared.native`), an OpenMP thread per account:
-                       ~30 µs a bar for one account of the small preset on the H200 host's Xeon (10^6 bars in
-                       30.1 s, bench/README.md), 1.2–1.5× the fused kernel's bars/s for 1–3 accounts on the H200 machine
-                       (the full preset: fused is 1.5× faster).
-    "auto" = the fastest mode that pays for itself: on a CPU native where a C compiler works (every torch mode is
-    slower); on CUDA native too for a small head (`native.GPU_HOST_MAX_MACS`) and no more accounts than CPU
-    threads, else fused where Triton
-    is installed (it comes with torch's CUDA wheels) and the agent's action space fits the kernel; otherwise a
-    pass of at least
-    `AUTO_COMPILE_STEPS` steps is compiled (compile+graph on CUDA, compile on a CPU where `torch.compile` works —
-    ~4× faster per bar there, for ~25 s of compilation), a shorter one runs graph on CUDA, eager on a CPU.
+      native         — the whole sequential part as one compiled C loop on the host CPU (`shared.native`), an OpenMP
+                       thread per account, reading the view's rows (copied to the host once): the portfolio shift is
+                       ~2 k multiply-adds a bar, so the loop runs ~1 µs a bar (bench/README.md, eval_speed).
+    "auto" = native wherever a C compiler works (CPU or CUDA: the view is computed on the device, the loop runs on the
+    host); otherwise a pass of at least `AUTO_COMPILE_STEPS` steps is compiled (compile+graph on CUDA, compile on a
+    CPU where `torch.compile` works), a shorter one runs graph on CUDA, eager on a CPU.
     The ledger is recorded by the simulator's own recorder with its flush moved out of the step (`_ChunkLedger`):
     one host read after each chunk, between replays.
     The pass is greedy: `act` is handed zero uniforms, so `controls.epsilon` must be 0 (ValueError otherwise).
     """
     from shared.graphs import StaticState, capture, resolve_accel
 
-    dev = emb.device
-    if accel == "auto" and dev.type == "cuda":
-        from shared import fused, native
-        if (fused.supports(agent) and native.available() and len(starts) <= torch.get_num_threads()
-                and native.head_macs(agent) <= native.GPU_HOST_MAX_MACS):
-            accel = "native"      # small heads: a core per account beats a GPU program per account
-        elif fused.supports(agent) and fused.triton_available(dev):
-            accel = "fused"
-    if accel == "auto" and dev.type == "cpu":
-        from shared import fused, native
-        if fused.supports(agent) and native.available():
+    dev = view.q.device
+    if float(controls.epsilon) != 0.0:
+        raise ValueError(f"greedy_pass is greedy: controls.epsilon must be 0, got {float(controls.epsilon)}")
+    if accel == "auto":
+        from shared import native
+        if native.available():
             accel = "native"
-    if accel == "fused":
-        return _fused_greedy_pass(agent, market, emb, starts, length, controls, costs)
     if accel == "native":
-        return _native_greedy_pass(agent, market, emb, starts, length, controls, costs)
+        return _native_greedy_pass(agent, market, view, starts, length, controls, costs)
     if accel == "auto" and length - 1 >= AUTO_COMPILE_STEPS and compile_works(dev):
         accel = "compile+graph" if dev.type == "cuda" else "compile"
     accel = resolve_accel(accel, dev)
-    if float(controls.epsilon) != 0.0:
-        raise ValueError(f"greedy_pass is greedy: controls.epsilon must be 0, got {float(controls.epsilon)}")
     B, L, S, P = len(starts), length, length - 1, agent.cfg.n_portfolio
     sim = Simulator(market.prices, B, costs)
     sim.reset(starts)
@@ -378,7 +362,7 @@ def greedy_pass(agent: Agent, market: MarketTensors, emb: torch.Tensor, starts: 
 
     def steps(n: int) -> None:
         for _ in range(n):
-            for rec, row in zip(records, bar(agent, sim, tracker, market, controls, emb, noise)):
+            for rec, row in zip(records, bar(agent, sim, tracker, market, controls, view, noise)):
                 rec.index_copy_(0, i, row.unsqueeze(0))
             i.add_(1)
 
@@ -420,38 +404,17 @@ def _assemble(sim: Simulator, records: tuple[torch.Tensor, torch.Tensor, torch.T
 
 
 @torch.no_grad()
-def _fused_greedy_pass(agent: Agent, market: MarketTensors, emb: torch.Tensor, starts: torch.Tensor, length: int,
-                       controls: PolicyControls, costs: CostModel, block: int | None = None) -> GreedyPass:
-    """`greedy_pass(accel="fused")`: the whole pass in one Triton kernel (`shared.fused`), then the same ledger,
-    end-of-pass close and records as every other mode. `block`: accounts per program
-    (default `fused.launch_shape`)."""
-    from shared import fused
-
-    if not fused.triton_available(emb.device):
-        raise ValueError("accel='fused' needs Triton and a CUDA device (or TRITON_INTERPRET=1 on a CPU)")
-    out = fused.run_kernel(agent, market, emb, starts, length, controls, costs, block=block)
-    return _pass_from_outputs(out, market, starts, length, costs, emb.device)
-
-
-@torch.no_grad()
-def _native_greedy_pass(agent: Agent, market: MarketTensors, emb: torch.Tensor, starts: torch.Tensor, length: int,
+def _native_greedy_pass(agent: Agent, market: MarketTensors, view: MarketView, starts: torch.Tensor, length: int,
                         controls: PolicyControls, costs: CostModel) -> GreedyPass:
-    """`greedy_pass(accel="native")`: the whole pass as one compiled CPU loop (`shared.native`), then the same
-    ledger, end-of-pass close and records as the fused pass."""
+    """`greedy_pass(accel="native")`: the sequential part as one compiled CPU loop (`shared.native`), then the
+    simulator's ledger rows rebuilt from the loop's per-bar fills, its end-of-pass `close_all` on the final state,
+    and the same records as every other mode."""
     from shared import native
 
-    out = native.run_native(agent, market, emb, starts, length, controls, costs)
-    return _pass_from_outputs(out, market, starts, length, costs, emb.device)
-
-
-def _pass_from_outputs(out, market: MarketTensors, starts: torch.Tensor, length: int, costs: CostModel,
-                       dev) -> GreedyPass:
-    """`GreedyPass` from a whole-pass kernel's `shared.fused.FusedOutputs`: the simulator's ledger rows rebuilt
-    from the per-bar fills, its end-of-pass `close_all` on the final state, the records."""
-    from shared import fused
-
-    rows = fused.ledger_rows(out, starts, market.prices.open)
-    sim = fused.finish_simulator(out, market, costs, rows)
+    dev = view.q.device
+    out = native.run_native(agent, market, view, starts, length, controls, costs)
+    rows = native.ledger_rows(out, starts, market.prices.open)
+    sim = native.finish_simulator(out, market, costs, rows)
     sim.close_all()
     return _assemble(sim, (out.r64, out.r32, out.rl.long()), length, len(starts), dev)
 
@@ -467,7 +430,7 @@ def chosen_outputs(agent: Agent, emb: torch.Tensor, bars: torch.Tensor, portfoli
     for a in range(0, bars.shape[0], chunk):
         b = min(a + chunk, bars.shape[0])
         out = agent.head(emb[bars[a:b]], portfolio[a:b])
-        q_dir.append(agent.q_values(out.logits)[0].mean(1))                                   # n × 3
-        qt = agent.quantiles(out.hidden, taus)                                                 # n × M × 3
+        q_dir.append(agent.q_values(out.logits[:1], out.delta)[0].mean(1))                    # n × 3
+        qt = agent.quantiles(out.hidden, taus).float() + out.delta[:, :3].unsqueeze(1)        # n × M × 3
         quant.append(qt.gather(2, direction[a:b].view(-1, 1, 1).expand(-1, qt.shape[1], 1)).squeeze(2))
     return torch.cat(q_dir), torch.cat(quant)

@@ -10,9 +10,15 @@ CFG = AgentConfig(n_features=5, window=8, d_model=16, n_heads=2, hidden=24, n_at
                   iqn_embed=8, iqn_quantiles_act=10)
 
 
-def make(seed=0):
+def make(seed=0, shift=True):
+    """A random agent; `shift`: randomise the portfolio shift's last layer (zero in a fresh agent)."""
     torch.manual_seed(seed)
-    return Agent(CFG)
+    ag = Agent(CFG)
+    if shift:
+        with torch.no_grad():
+            ag.shift[2].weight.normal_(0.0, 0.5)
+            ag.shift[2].bias.normal_(0.0, 0.2)
+    return ag
 
 
 def test_shapes_and_dueling_identity():
@@ -26,7 +32,38 @@ def test_shapes_and_dueling_identity():
     means = [lg.mean(2) for lg in out.logits]
     assert torch.allclose(means[0], means[1], atol=1e-5) and torch.allclose(means[0], means[2], atol=1e-5)
     assert ag.quantiles(out.hidden, torch.rand(4, 7)).shape == (4, 7, 3)
-    assert out.value_e.shape == (4,)
+    assert out.value_e.shape == (4,) and out.delta.shape == (4, sum(CFG.branch_sizes) + 1)
+
+
+def test_portfolio_enters_only_as_a_shift_of_the_market_distributions():
+    """Logits, trunk state and IQN read the market alone; the portfolio moves Q (and V_e) by δ, the same for every
+    member; δ scales with v_max; a fresh agent starts with δ = 0."""
+    ag = make()
+    emb = ag.encode(torch.randn(5, 8, 5))
+    p1, p2 = torch.randn(5, CFG.n_portfolio), torch.randn(5, CFG.n_portfolio)
+    o1, o2 = ag.head(emb, p1), ag.head(emb, p2)
+    for a, b in zip(o1.logits, o2.logits):
+        assert torch.equal(a, b)
+    assert torch.equal(o1.hidden, o2.hidden) and not torch.allclose(o1.delta, o2.delta)
+    q1, q2 = ag.q_values(o1.logits, o1.delta), ag.q_values(o2.logits, o2.delta)
+    for b, sl in enumerate(CFG.branch_slices()):
+        torch.testing.assert_close(q1[b] - q2[b], (o1.delta - o2.delta)[:, sl].unsqueeze(1).expand_as(q1[b]))
+    ag.v_max.fill_(2 * float(ag.v_max))
+    torch.testing.assert_close(ag.head(emb, p1).delta, 2 * o1.delta)
+    assert torch.equal(make(shift=False).head(emb, p1).delta, torch.zeros(5, sum(CFG.branch_sizes) + 1))
+
+
+def test_view_is_what_acting_reads():
+    """`Agent.view` of a batch = the same Q (no shift), tail quantiles and code as the heads, row by row."""
+    ag = make()
+    emb = ag.encode(torch.randn(6, 8, 5))
+    v = ag.view(emb)
+    m = ag.market(emb)
+    torch.testing.assert_close(v.q, torch.cat(ag.q_values(m.logits), dim=2))
+    torch.testing.assert_close(v.tail, ag.quantiles(m.hidden, ag.act_taus[:CFG.n_tail]))
+    torch.testing.assert_close(v.code, m.code)
+    r = v.rows(torch.tensor([4, 1]))
+    torch.testing.assert_close(r.q, v.q[[4, 1]])
 
 
 def test_support_follows_v_max():
@@ -50,7 +87,7 @@ def test_encode_is_batch_consistent_and_causal_in_the_window():
 
 def _act(ag, emb, port, position, controls, **kw):
     B = emb.shape[0]
-    return act(ag, emb, port, position=position, bars_in_trade=kw.get("bars", torch.zeros(B, dtype=torch.long)),
+    return act(ag, ag.view(emb), port, position=position, bars_in_trade=kw.get("bars", torch.zeros(B, dtype=torch.long)),
                vol=torch.full((B,), 0.01, dtype=torch.float64), regime=torch.zeros(B, dtype=torch.long),
                controls=controls, generator=torch.Generator().manual_seed(1))
 
@@ -58,10 +95,11 @@ def _act(ag, emb, port, position, controls, **kw):
 def test_greedy_policy_matches_argmax_of_ensemble_mean_q():
     ag = make()
     B = 32
-    emb, port = torch.randn(B, 16), torch.zeros(B, CFG.n_portfolio)
+    emb, port = torch.randn(B, 16), torch.zeros(B, CFG.n_portfolio)   # δ ≠ 0 all the same (the shift's bias)
     ctl = PolicyControls.make("cpu", epsilon=0.0)
     a = _act(ag, emb, port, torch.zeros(B, dtype=torch.float64), ctl)
-    qs = ag.q_values(ag.head(emb, port).logits)
+    out = ag.head(emb, port)
+    qs = ag.q_values(out.logits, out.delta)
     for b in range(3):
         assert torch.equal(a.branches[:, b], qs[b].mean(1).argmax(-1))
     # flat accounts: target = side × size × Kelly scale (f = 0 → kelly_floor) × confidence 1

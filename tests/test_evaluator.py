@@ -54,6 +54,8 @@ def test_alignment_trainer_env_and_evaluator(bars, feats):
     and the evaluator give identical trades, curves and metrics; so does shared.rollout.evaluate_policy."""
     agent = tiny_agent(feats.shape[1], seed=2)
     agent.maturity.fill_(0.6)  # protection stack active (CVaR limit, commitment, differential Sharpe)
+    with torch.no_grad():      # a portfolio shift that matters (zero in a fresh agent)
+        agent.shift[2].weight.normal_(0.0, 0.05)
     s, e = 300, 480
     L = e - s
     controls = eval_controls(Knobs(gate_threshold=0.05, regime_confidence=[1.0, 0.8, 1.0, 0.6, 1.0, 1.0, 0.9,

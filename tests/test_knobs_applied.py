@@ -111,7 +111,7 @@ def test_epsilon_is_the_exploration_of_collection(data):
         bar, port, act = st.replay.bar[:n].flatten(), st.replay.portfolio[:n].flatten(0, 1), st.replay.action[:n]
         with torch.no_grad():
             out = st.agent.head(st.agent.encode(st.env.market.windows[bar]), port)
-            greedy = st.agent.q_values(out.logits)[2].mean(1).argmax(-1)
+            greedy = st.agent.q_values(out.logits, out.delta)[2].mean(1).argmax(-1)
         match = (act[:, :, 2].flatten() == greedy).float().mean().item()
         n_exit = len(st.cfg.agent.exit_plans)
         assert match == pytest.approx(1 - eps + eps / n_exit, abs=0.001 if eps == 0 else 0.07), eps

@@ -109,3 +109,21 @@ def test_entropy_coefficient_rises_when_atoms_unused():
     # utilisation: one-hot uses 1 of 4 atoms; uniform uses all
     assert atom_utilisation(torch.tensor([[10.0, -10, -10, -10]])).item() == pytest.approx(0.25)
     assert atom_utilisation(torch.zeros(1, 4)).item() == pytest.approx(1.0)
+
+
+def test_shift_distribution_moves_the_mean_by_delta_and_is_differentiable():
+    """Φ(z + δ): identity at δ = 0; the mean moves by exactly δ while no mass reaches an end of the support; mass
+    past an end piles there; the result is a distribution with a gradient in δ."""
+    from services.trainer.losses import shift_distribution
+    z = torch.linspace(-1.0, 1.0, 21)
+    p = torch.softmax(torch.randn(4, 3, 21) * 0.3, -1) * 0.0
+    p[..., 8:13] = torch.softmax(torch.randn(4, 3, 5), -1)                       # mass well inside the support
+    delta = torch.tensor([0.0, 0.05, -0.13, 0.31], requires_grad=True)
+    q = shift_distribution(p, delta, z)
+    torch.testing.assert_close(q[0], p[0])
+    torch.testing.assert_close(q.sum(-1), torch.ones(4, 3))
+    torch.testing.assert_close((q * z).sum(-1), (p * z).sum(-1) + delta.detach().view(4, 1).expand(4, 3))
+    (q * z).sum().backward()
+    assert delta.grad is not None and torch.all(delta.grad != 0)
+    far = shift_distribution(p[:1], torch.tensor([5.0]), z)                      # everything past the top
+    torch.testing.assert_close(far[..., -1], torch.ones(1, 3))

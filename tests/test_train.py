@@ -26,8 +26,8 @@ def test_weight_decay_mask_is_trunk_and_value_matrices_only():
     mask = weight_decay_mask(Agent(TINY_AGENT))
     decayed = {n for n, d in mask.items() if d}
     assert decayed == {"enc_in.weight", "enc_blocks.0.qkv.weight", "enc_blocks.0.proj.weight",
-                       "enc_blocks.0.mlp.0.weight", "enc_blocks.0.mlp.2.weight", "port.0.weight",
-                       "trunk.0.weight", "trunk.2.weight", "value_w"}
+                       "enc_blocks.0.mlp.0.weight", "enc_blocks.0.mlp.2.weight", "trunk.0.weight",
+                       "trunk.2.weight", "code.weight", "shift.0.weight", "shift.2.weight", "value_w"}
     assert not mask["enc_pos"] and not mask["value_b"] and not mask["adv_w.0"] and not mask["iqn_tau.weight"]
 
 

@@ -13,12 +13,12 @@ How a window is backtested
   → no gate, confidence 1), and its own `maturity` buffer (the protection stack's scale).
 - One continuous pass per window: the account starts flat with equity 1 at the window's first bar and is never
   reset; a position still open at the window's last bar is closed at its close (exit_reason "end").
-- The market encoder depends on bars only, so it is computed batched over every bar once; only the heads, which
-  read the portfolio state, are stepped bar by bar — by `shared.rollout.greedy_pass`, whose step is
-  `shared.rollout.policy_step`, the trainer's own loop body (this module never imports `services.trainer`). That
-  step never syncs with the host, so on CUDA it is replayed from CUDA graphs of `graph_chunk` bars each, and
-  optionally compiled, or run as one Triton kernel that steps every bar (`accel`: "auto" = fused on CUDA, eager or
-  compiled on CPU; every mode gives the same ledger — `tests/test_eval_graph.py`, `tests/test_fused_pass.py`).
+- The market encoder and every head depend on bars only (`Agent.view`), so they are computed batched over every
+  bar once; only the portfolio shift and the policy, which read the portfolio state, are stepped bar by bar — by
+  `shared.rollout.greedy_pass`, whose step is `shared.rollout.policy_step`, the trainer's own loop body (this
+  module never imports `services.trainer`). `accel` "auto" runs that step as a compiled C loop on the host
+  (`shared.native`) where a C compiler works; the torch modes (eager, compiled, CUDA graphs of `graph_chunk` bars)
+  give the same ledger — `tests/test_eval_graph.py`, `tests/test_native_pass.py`.
 - Several windows are run together as accounts of one `Simulator` over the span that covers them (each account
   at its own bar index). Windows of equal length share one sequential pass; different lengths get one pass per
   length. The end close of a window that does not end the span is `Simulator.close_all()`, which applies the
@@ -45,7 +45,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from shared.agent import FLAT, Agent, AgentConfig, PolicyControls
+from shared.agent import FLAT, Agent, AgentConfig, MarketView, PolicyControls
 from shared.checkpoints import CheckpointError, checkpoint_sha256, load_checkpoint, sidecar_path
 from shared.execution import CostModel
 from shared.knobs import Knobs
@@ -129,16 +129,16 @@ class SplitRun:
     """[T] target position decided at each close (0 at the last)."""
 
 
-def _run_group(agent: Agent, market: MarketTensors, emb: torch.Tensor, starts: list[int], length: int,
-               controls: PolicyControls, costs: CostModel, taus: Sequence[float], pred_chunk: int, accel: str,
-               graph_chunk: int) -> list[dict[str, Any]]:
-    """B = len(starts) accounts of equal window `length`, local starts into `market`: one `greedy_pass`, then the
-    predictions of every decision batched. Returns per window the `SplitRun` fields as plain arrays, with "preds"
+def _run_group(agent: Agent, market: MarketTensors, emb: torch.Tensor, view: MarketView, starts: list[int],
+               length: int, controls: PolicyControls, costs: CostModel, taus: Sequence[float], pred_chunk: int,
+               accel: str, graph_chunk: int) -> list[dict[str, Any]]:
+    """B = len(starts) accounts of equal window `length`, local starts into `market` (emb, view: every bar's
+    embedding and market view): one `greedy_pass`, then the post hoc predictions batched. Returns per window the `SplitRun` fields as plain arrays, with "preds"
     the keywords of `autopsy.Predictions`."""
     dev = emb.device
     B, L, S = len(starts), length, length - 1
     start_t = torch.tensor(starts, dtype=torch.long, device=dev)                          # B
-    p = greedy_pass(agent, market, emb, start_t, L, controls, costs, accel=accel, chunk=graph_chunk)
+    p = greedy_pass(agent, market, view, start_t, L, controls, costs, accel=accel, chunk=graph_chunk)
 
     # post hoc predictions (Q of each direction, quantiles of the chosen one), batched, at the decisions that
     # opened a trade — the rows the autopsy and the calibration read; NaN elsewhere (`autopsy.POST_HOC`). Every
@@ -208,10 +208,11 @@ def window_passes(agent: Agent, bars: Bars, windows: Sequence[tuple[int, int]], 
     T = hi - lo
     # the market encoder, batched over every bar of the span: T × W × F → T × D
     emb = torch.cat([agent.encode(market.windows[i:i + encode_chunk]) for i in range(0, T, encode_chunk)])
+    view = agent.view_table(emb, chunk=encode_chunk * 4)          # every head that does not read the portfolio
     runs: list[dict[str, Any] | None] = [None] * len(wins)
     for length in sorted({e - s for s, e in wins}):
         idx = [i for i, (s, e) in enumerate(wins) if e - s == length]
-        res = _run_group(agent, market, emb, [wins[i][0] - lo for i in idx], length, controls, costs, taus,
+        res = _run_group(agent, market, emb, view, [wins[i][0] - lo for i in idx], length, controls, costs, taus,
                          pred_chunk, accel, graph_chunk)
         for i, r in zip(idx, res):
             runs[i] = dict(window=wins[i], **r)
@@ -224,9 +225,9 @@ def run_windows(agent: Agent, bars: Bars, windows: Sequence[tuple[int, int]], **
     Encodes every bar of the covering span once, then steps one pass per distinct window length with all
     windows of that length as accounts of one simulator. Keywords (see `window_passes`): `controls` (default
     `eval_controls(None)`: no gate), `costs`, `features` (`compute_features(bars)` when already computed),
-    `device`, `encode_chunk`, `pred_chunk`, and `accel` = "auto" | "eager" | "compile" | "graph" | "compile+graph" |
-    "fused" with `graph_chunk` bars per CUDA graph (`shared.rollout.greedy_pass`; "auto": fused on CUDA, eager or
-    compiled on CPU).
+    `device`, `encode_chunk`, `pred_chunk`, and `accel` = "auto" | "native" | "eager" | "compile" | "graph" |
+    "compile+graph" with `graph_chunk` bars per CUDA graph (`shared.rollout.greedy_pass`; "auto": the native loop
+    where a C compiler works).
     Returns one `SplitRun` per window, in order.
     """
     from services.evaluator import autopsy as ap  # the report's types (pydantic): not needed by the passes

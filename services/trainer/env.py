@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from shared.agent import MarketView
 from shared.execution import Simulator
 from shared.rollout import MarketTensors, PortfolioTracker, StepRecord, policy_step
 from services.trainer.replay import Replay
@@ -80,13 +81,18 @@ class TrainEnv:
         idx = torch.searchsorted(self.start_cdf, u.double() * self.start_cdf[-1], right=True)
         return idx.clamp_(max=self.start_cdf.shape[0] - 1)
 
-    def collect(self, agent, controls, n_steps: int, emb_table: torch.Tensor, noise: torch.Tensor) -> None:
+    def collect(self, agent, controls, n_steps: int, emb_table: torch.Tensor, noise: torch.Tensor,
+                view_table: MarketView | None = None) -> None:
         """`n_steps` steps of every account: policy → simulator → reward → replay → episode resets.
 
-        noise: n_steps × E × 7 uniforms (6 for the policy's ε draws, 1 for the episode-start draw), drawn by the
-        caller, so this body can be captured in a CUDA graph and replayed with fresh noise."""
+        The policy reads each account's bar from `view_table` (every training bar's `MarketView`) when given, else
+        runs the heads on `emb_table` (every training bar's embedding). noise: n_steps × E × 7 uniforms (6 for the
+        policy's ε draws, 1 for the episode-start draw), drawn by the caller, so this body can be captured in a CUDA
+        graph and replayed with fresh noise."""
         for i in range(n_steps):
-            rec = policy_step(agent, self.sim, self.tracker, self.market, controls, emb=emb_table[self.sim.t],
+            t = self.sim.t
+            rec = policy_step(agent, self.sim, self.tracker, self.market, controls,
+                              **(dict(view=view_table.rows(t)) if view_table is not None else dict(emb=emb_table[t])),
                               force_flat=self.force_flat(), noise=noise[i, :, :6])
             self.on_step(rec, u_start=noise[i, :, 6])
 

@@ -27,7 +27,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from shared.agent import Agent, AgentConfig, PolicyControls, agent_from_checkpoint
+from shared.agent import Agent, AgentConfig, MarketView, PolicyControls, agent_from_checkpoint
 from shared.checkpoints import load_checkpoint, save_checkpoint, sidecar_path
 from shared.execution import CostModel
 from shared.graphs import StaticState, capture, resolve_accel
@@ -35,8 +35,9 @@ from shared.knobs import BRANCHES, Knobs
 from shared.market import Bars, Split, chronological_split, compute_features
 from shared.rollout import MarketTensors, run_rollout
 from services.trainer.env import RewardConfig, TrainEnv
-from services.trainer.losses import (adapt_entropy_coef, atom_entropy, atom_utilisation, c51_cross_entropy,
-                                     expectile_loss, nstep_returns, project_distribution, quantile_huber_loss)
+from services.trainer.losses import (adapt_entropy_coef, atom_entropy, atom_utilisation, c51_cross_entropy_probs,
+                                     expectile_loss, nstep_returns, project_distribution, quantile_huber_loss,
+                                     shift_distribution)
 from services.trainer.replay import Batch, Replay
 
 FEATURE_WARMUP = 64  # shared.market zeroes feature rows before this bar
@@ -138,6 +139,13 @@ class TrainConfig:
     emb_refresh: int = 50
     """Updates over which the cached market embeddings of all training bars are refreshed once: each update
     re-encodes the next ceil(T_train / emb_refresh) bars of a rolling window (plus a full refresh per epoch)."""
+    act_view_cache: bool = True
+    """Collection reads each bar's market view (`Agent.view`: the members' Q of every action, the IQN tail, the code)
+    from a table refreshed with the cached embeddings, so acting costs only the portfolio shift and the policy per
+    account-step (the heads run once per bar and refresh, not once per account and step); the policy's market part
+    is then as stale as the embeddings (≤ `emb_refresh` updates), its portfolio shift is current. The update's
+    double-Q selection at the bootstrap states reads the same table. False: the heads run on the cached embeddings
+    at every step and for the selection."""
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -183,7 +191,7 @@ class TrainConfig:
 # ---------------------------------------------------------------------------------------------------------
 def param_branch(name: str) -> str:
     """The parameter group a parameter belongs to: trunk, value, direction, size, exit or risk."""
-    if name.startswith(("enc_", "port.", "trunk.")):
+    if name.startswith(("enc_", "trunk.", "code.", "shift.")):
         return "trunk"
     if name.startswith("value_"):
         return "value"
@@ -281,6 +289,9 @@ class UpdateBuffers:
     """T_train × D: the same for the target network (bootstrap evaluation)."""
     emb_offset: torch.Tensor
     """First bar of the next rolling embedding refresh (device scalar)."""
+    view_online: MarketView | None
+    """T_train rows: the online network's `MarketView` of every training bar, refreshed with `emb_online` (what
+    collection acts on when `act_view_cache`), else None."""
     step: torch.Tensor
     """Updates done so far (device scalar, float64): the LR schedule of a captured step reads it."""
     lr_scale: torch.Tensor
@@ -317,17 +328,26 @@ def make_update(agent: Agent, target: Agent, opt: torch.optim.Optimizer, replay:
         if n_enc < N:
             emb = torch.cat([emb, buf.emb_online[b.bar[n_enc:]].to(emb.dtype)])
         out = agent.head(emb, b.portfolio)
+        slices = agent.cfg.branch_slices()
         # --- bootstrap states s_h, N·H of them: double-Q (online selects, target evaluates) ---
         with torch.no_grad():
             nb, npf = b.next_bar.reshape(-1), b.next_portfolio.reshape(N * H, -1)
-            on_n = agent.head(buf.emb_online[nb], npf)                                     # cached embeddings
-            tg_n = target.head(buf.emb_target[nb], npf)
-            a_star = [q.mean(1).argmax(-1) for q in agent.q_values(on_n.logits)]          # [N·H] per branch
+            tg_n = target.head(buf.emb_target[nb], npf)                                    # cached embeddings
+            if buf.view_online is not None:
+                # the online selection reads the cached market view of the next bars (as stale as the cached
+                # embeddings it would otherwise run the heads on) plus the current portfolio shift
+                vn = buf.view_online.rows(nb)
+                q_on = vn.q + agent.delta(vn.code, npf)[:, :agent.cfg.n_actions].unsqueeze(1)  # N·H × K × NB
+                a_star = [q_on[:, :, sl].mean(1).argmax(-1) for sl in slices]             # [N·H] per branch
+            else:
+                on_n = agent.head(buf.emb_online[nb], npf)
+                a_star = [q.mean(1).argmax(-1) for q in agent.q_values(on_n.logits, on_n.delta)]
             R, disc = nstep_returns(b.rewards.double(), b.dones, buf.gamma.double(), horizons)  # N × H
             R, disc = (R - buf.q_bias).float(), disc.float()
             w_h = buf.horizon_blend[b.regime]                                              # N × H
-            tz = R.unsqueeze(-1) + disc.unsqueeze(-1) * z                                  # N × H × A
             member = (noise[:, :n_ens] < cfg.ensemble_mask_p).float()                      # N × K
+            # the target's portfolio shift of the greedy next action, per branch: its atoms sit at z + δ'
+            d_star = [tg_n.delta[:, sl].gather(1, a.view(-1, 1)).view(N, H) for sl, a in zip(slices, a_star)]
         # --- C51 loss per branch, blended over horizons ---
         c51 = torch.zeros(N, device=dev)
         for br, (lg, lg_n) in enumerate(zip(out.logits, tg_n.logits)):
@@ -336,24 +356,28 @@ def make_update(agent: Agent, target: Agent, opt: torch.optim.Optimizer, replay:
                 # the ensemble shares one target: the members' mean next distribution at the greedy action,
                 # blended over horizons before the projection (Φ is linear in the probabilities)
                 idx = a_star[br].view(N * H, 1, 1, 1).expand(N * H, K, 1, A)
-                p_next = torch.softmax(lg_n, -1).gather(2, idx).squeeze(2).mean(1).view(N, H, A)  # N × H × A
+                p_next = torch.softmax(lg_n.float(), -1).gather(2, idx).squeeze(2).mean(1).view(N, H, A)
                 p_w = (p_next * w_h.unsqueeze(-1)).reshape(N, H * A)                       # N × H·A
+                tz = R.unsqueeze(-1) + disc.unsqueeze(-1) * (z + d_star[br].unsqueeze(-1))  # N × H × A
                 m = project_distribution(tz.reshape(N, H * A), p_w, z)                     # N × A
             a = b.action[:, br].view(N, 1, 1, 1).expand(N, K, 1, A)
             logits_a = lg.gather(2, a).squeeze(2)                                          # N × K × A
-            ce = c51_cross_entropy(logits_a, m.unsqueeze(1))                               # N × K
+            # the distribution of (s, p, a): the market one with its atoms moved by the portfolio shift δ_a
+            d_a = out.delta[:, slices[br]].gather(1, b.action[:, br].view(N, 1)).squeeze(1)  # N
+            probs = shift_distribution(torch.softmax(logits_a.float(), -1), d_a, z)       # N × K × A
+            ce = c51_cross_entropy_probs(probs, m.unsqueeze(1))                            # N × K
             c51 = c51 + (ce * member).sum(1) / member.sum(1).clamp(min=1.0)
             if br == 0:
                 priority = ce.mean(1).detach()
                 ent = atom_entropy(logits_a).mean()
                 util = atom_utilisation(logits_a.detach())
-        # --- IQN quantile Huber on the direction branch (in units of v_max, κ = 1) ---
+        # --- IQN quantile Huber on the direction branch (in units of v_max, κ = 1), shifted by δ_direction ---
         taus = noise[:, n_ens:n_ens + M]                                                   # N × M
-        th = agent.quantiles(out.hidden, taus).float()                                     # N × M × 3
+        th = agent.quantiles(out.hidden, taus).float() + out.delta[:, :3].unsqueeze(1)     # N × M × 3
         th = th.gather(2, b.action[:, 0].view(N, 1, 1).expand(N, M, 1)).squeeze(2)         # N × M
         with torch.no_grad():
             taus_t = noise[:, n_ens + M:].reshape(N * H, M)                                    # n-major, like nb
-            th_n = target.quantiles(tg_n.hidden, taus_t).float()                           # N·H × M × 3
+            th_n = target.quantiles(tg_n.hidden, taus_t).float() + tg_n.delta[:, :3].unsqueeze(1)  # N·H × M × 3
             th_n = th_n.gather(2, a_star[0].view(N * H, 1, 1).expand(N * H, M, 1)).view(N, H, M)
             y_q = R.unsqueeze(-1) + disc.unsqueeze(-1) * th_n                              # N × H × M'
         qh = quantile_huber_loss((th / v_max).repeat_interleave(H, 0), (y_q / v_max).reshape(N * H, M),
@@ -361,12 +385,12 @@ def make_update(agent: Agent, target: Agent, opt: torch.optim.Optimizer, replay:
         iqn = (qh.view(N, H) * w_h).sum(1)                                                 # N
         # --- expectile value head on the blended scalar target of the direction branch ---
         with torch.no_grad():
-            q_tn = target.q_values([tg_n.logits[0]])[0].mean(1)                            # N·H × 3
+            q_tn = target.q_values([tg_n.logits[0]], tg_n.delta)[0].mean(1)                # N·H × 3
             q_tn = q_tn.gather(1, a_star[0].view(-1, 1)).view(N, H)
             y = ((R + disc * q_tn) * w_h).sum(1)                                           # N
         expl = expectile_loss((y - out.value_e.float()) / v_max, cfg.expectile)           # N
         # --- stability terms on the online direction Q ---
-        q_dir = agent.q_values([out.logits[0]])[0].mean(1)                                 # N × 3
+        q_dir = agent.q_values([out.logits[0]], out.delta)[0].mean(1)                      # N × 3
         centre = ((q_dir.mean() - y.mean()) / v_max) ** 2
         top2 = q_dir.topk(2, dim=1).values
         gap_star = cfg.q_gap_frac * y.std()
@@ -417,7 +441,8 @@ class StepRunner:
         self.collect_noise = torch.zeros(cfg.env_steps_per_iter, cfg.n_envs, 7, device=dev)
         self.update_noise = torch.zeros(cfg.batch_size, 1 + K + M + H * M, device=dev)
         collect_body = lambda: env.collect(state.agent, state.controls, cfg.env_steps_per_iter,  # noqa: E731
-                                           state.buffers.emb_online, self.collect_noise)
+                                           state.buffers.emb_online, self.collect_noise,
+                                           view_table=state.buffers.view_online)
         update_body = lambda: train_step(state, self.update_noise)  # noqa: E731
         if cfg.bf16 and dev.type == "cuda":
             collect_body, update_body = _bf16(collect_body), _bf16(update_body)
@@ -556,6 +581,7 @@ def build_state(cfg: TrainConfig, bars: Bars, split: Split, seed: int, device="c
                         emb_online=torch.zeros(len(market), cfg.agent.d_model, device=device),
                         emb_target=torch.zeros(len(market), cfg.agent.d_model, device=device),
                         emb_offset=torch.zeros((), dtype=torch.long, device=device),
+                        view_online=_view_table(cfg.agent, len(market), device) if cfg.act_view_cache else None,
                         step=torch.zeros((), dtype=torch.float64, device=device),
                         lr_scale=torch.ones(len(opt.param_groups), dtype=torch.float64, device=device),
                         lr_branch=torch.tensor([g["branch"] in BRANCHES for g in opt.param_groups], device=device),
@@ -566,6 +592,22 @@ def build_state(cfg: TrainConfig, bars: Bars, split: Split, seed: int, device="c
                        accel=resolve_accel(accel, device), refresh_idx=torch.arange(chunk, device=device))
     state.runner = StepRunner(state, state.accel)
     return state
+
+
+def _view_table(cfg: AgentConfig, T: int, device) -> MarketView:
+    """A zeroed T-row `MarketView` table (filled by `refresh_embeddings`)."""
+    z = lambda *shape: torch.zeros(T, *shape, device=device)  # noqa: E731
+    return MarketView(q=z(cfg.ensemble, cfg.n_actions), tail=z(cfg.n_tail, 3), code=z(cfg.code_dim))
+
+
+def _store_view(table: MarketView, idx, v: MarketView) -> None:
+    """table[idx] = v for each field, in place (a slice or an index tensor)."""
+    for name in ("q", "tail", "code"):
+        dst, src = getattr(table, name), getattr(v, name).to(getattr(table, name).dtype)
+        if isinstance(idx, slice):
+            dst[idx] = src
+        else:
+            dst.index_copy_(0, idx, src)
 
 
 def apply_knobs(state: TrainState, knobs: Knobs) -> None:
@@ -595,23 +637,28 @@ def apply_knobs(state: TrainState, knobs: Knobs) -> None:
 def refresh_embeddings(state: TrainState, chunk: int = 4096) -> None:
     """Recompute the cached market embeddings of every training bar (online and target networks), in place;
     the rolling refresh restarts at bar 0."""
-    w = state.env.market.windows
-    for net, out in ((state.agent, state.buffers.emb_online), (state.target, state.buffers.emb_target)):
+    w, buf = state.env.market.windows, state.buffers
+    for net, out in ((state.agent, buf.emb_online), (state.target, buf.emb_target)):
         for i in range(0, w.shape[0], chunk):
             out[i:i + chunk] = net.encode(w[i:i + chunk])
-    state.buffers.emb_offset.zero_()
+            if buf.view_online is not None and net is state.agent:
+                _store_view(buf.view_online, slice(i, i + chunk), net.view(out[i:i + chunk]))
+    buf.emb_offset.zero_()
 
 
 @torch.no_grad()
 def refresh_rolling(state: TrainState) -> None:
-    """Re-encode the next C bars (cyclically) of both embedding tables, in place: every bar's cached embedding
-    is at most `emb_refresh` updates old, at a constant cost per update (capturable: the offset is a device
-    scalar)."""
+    """Re-encode the next C bars (cyclically) of both embedding tables (and the online view table), in place: every
+    bar's cached embedding is at most `emb_refresh` updates old, at a constant cost per update (capturable: the
+    offset is a device scalar)."""
     buf, T = state.buffers, state.buffers.emb_online.shape[0]
     idx = (buf.emb_offset + state.refresh_idx) % T                                         # C
     w = state.env.market.windows[idx]
-    buf.emb_online.index_copy_(0, idx, state.agent.encode(w))
-    buf.emb_target.index_copy_(0, idx, state.target.encode(w))
+    emb = state.agent.encode(w)
+    buf.emb_online.index_copy_(0, idx, emb.to(buf.emb_online.dtype))
+    buf.emb_target.index_copy_(0, idx, state.target.encode(w).to(buf.emb_target.dtype))
+    if buf.view_online is not None:
+        _store_view(buf.view_online, idx, state.agent.view(emb))
     buf.emb_offset.add_(state.refresh_idx.shape[0]).remainder_(T)
 
 
