@@ -28,6 +28,9 @@ graph modes enough steps for those to be small.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import pstats
 import time
 
 import numpy as np
@@ -37,7 +40,7 @@ from services.evaluator.runner import window_passes
 from shared.agent import Agent
 from shared.market import compute_features
 from shared.graphs import ACCEL_MODES
-from shared.rollout import MarketTensors
+from shared.rollout import MarketTensors, market_view
 from shared.synthetic import generate
 
 # as many quantile levels as the report's TAUS (importing shared.report needs pydantic, absent on GPU hosts)
@@ -72,6 +75,8 @@ def main() -> None:
     ap.add_argument("--max-steps", nargs="+", default=[], metavar="N|MODE=N")
     ap.add_argument("--graph-chunk", type=int, default=64)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--profile", action="store_true",
+                    help="print where the timed calls spent their time (cProfile, top 25 by cumulative time)")
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -98,10 +103,10 @@ def main() -> None:
         for B in a.accounts:
             with torch.no_grad():
                 m = MarketTensors.from_bars(bars, *span, agent.cfg.window, dev, features=feats)
-                agent.view(agent.encode(m.windows[:4096]))                      # warm-up (cuBLAS, allocator)
+                market_view(agent, m.windows[:4096])                             # warm-up (cuBLAS, allocator)
                 _sync(dev)
                 t0 = time.perf_counter()
-                agent.view_table(torch.cat([agent.encode(m.windows[i:i + 4096]) for i in range(0, n, 4096)]))
+                market_view(agent, m.windows)
                 _sync(dev)
             enc = time.perf_counter() - t0
             line = f"{n:>9} {B:>8} {enc:>9.2f}"
@@ -124,9 +129,17 @@ def main() -> None:
                         notes.append(f"{n} bars, {B} accounts, {mode}: untimed first call "
                                      f"{time.perf_counter() - t0:.1f} s")
                     _sync(dev)
+                    prof = cProfile.Profile() if a.profile else None
                     t0 = time.perf_counter()
+                    if prof:
+                        prof.enable()
                     run()
                     _sync(dev)
+                    if prof:
+                        prof.disable()
+                        out = io.StringIO()
+                        pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(25)
+                        notes.append(f"{n} bars, {B} accounts, {mode}: profile\n" + out.getvalue())
                 except Exception as exc:  # noqa: BLE001  one failing mode must not cost the other columns
                     notes.append(f"{n} bars, {B} accounts, {mode}: FAILED {type(exc).__name__}: "
                                  f"{str(exc).splitlines()[0] if str(exc) else ''}")

@@ -50,6 +50,8 @@ class Bench:
         return self.data[n_train]
 
     def state(self, mode: str, n_train: int, **over):
+        if "compile" in mode:
+            torch._dynamo.reset()   # each row compiles for its own shapes (no dynamic-shape recompile of the last)
         bars, split, feats = self.dataset(n_train)
         cfg = TrainConfig.preset(self.a.config, feats.shape[1])
         cfg.tf32 = not self.a.no_tf32

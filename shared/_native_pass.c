@@ -1,12 +1,12 @@
 /* The sequential part of the evaluator's greedy pass as one compiled CPU loop (`shared.native`; built at first
  * use by the system's C compiler, loaded with ctypes).
  *
- * What the loop reads of the network is precomputed for every bar at once (`Agent.view`, a `MarketView`): the Q
- * values of every action of every branch per ensemble member q[t] (K × NB), the IQN quantiles of the CVaR tail
- * tail[t] (MT × 3) and the market code code[t] (C). Per bar and account it computes only what reads the
+ * What the loop reads of the network is precomputed for every bar at once (`Agent.view`, a `MarketView`): the
+ * ensemble-mean Q of every action of every branch q[t] (NB), the ensemble std of each direction's Q q_std[t] (3),
+ * the IQN quantiles of the CVaR tail tail[t] (MT × 3) and the market code code[t] (C). Per bar and account it computes only what reads the
  * portfolio, transcribing the torch source block by block: the portfolio vector (`shared.rollout.
  * portfolio_features`), the portfolio shift δ (`Agent.delta`: v_max · MLP([code, portfolio]), ~2 k multiply-adds),
- * then `act` (Q = q + δ, ensemble means, greedy choice, CVaR of the shifted tail, protection stack),
+ * then `act` (Q = q + δ, greedy choice, CVaR of the shifted tail, protection stack),
  * `Simulator.step` and `PortfolioTracker.update`. One account at a time, its state in locals; accounts side by
  * side on OpenMP threads. Every size is a runtime argument (ensemble, size levels, exit plans, tail quantiles,
  * code and hidden widths): no limits. `tests/test_native_pass.py` pins it to the eager torch pass: the same
@@ -15,9 +15,8 @@
  * Numerics: δ in float32 (fused multiply-adds like a BLAS kernel, but not always in the order of torch's sgemm /
  * sgemv, which depends on the shape and the CPU: δ agrees with torch's to the last bits, not always bit for bit;
  * an exact tie between two actions' Q could resolve differently, so the tests check every decision), then `act`'s
- * reductions in torch's own CPU order (`torch_sum_*`: the
- * cascade sums of ATen's SumKernel; std by Welford in double, like ATen's std kernel), the portfolio, simulator
- * and tracker in float64 with no contraction (-ffp-contract=off), like torch's elementwise ops.
+ * CVaR sum in torch's own CPU order (`torch_sum_row`: the cascade sum of ATen's SumKernel), the portfolio,
+ * simulator and tracker in float64 with no contraction (-ffp-contract=off), like torch's elementwise ops.
  * Outputs use the layouts of `shared.native.PassOutputs` (rows = step i · B + account).
  */
 #include <math.h>
@@ -30,7 +29,8 @@ typedef struct {
     const double *open, *high, *low, *close, *vol;
     const int64_t *regime;
     /* the market view of every bar (Agent.view), float32 */
-    const float *q;            /* T × K × NB */
+    const float *q;            /* T × NB: ensemble-mean Q */
+    const float *q_std;        /* T × 3: ensemble std of each direction's Q */
     const float *tail;         /* T × MT × 3 */
     const float *code;         /* T × C */
     int64_t T;
@@ -42,8 +42,7 @@ typedef struct {
     const float *w2, *w2t;     /* (NB + 1) × S1, S1 × (NB + 1) */
     const float *b2;           /* NB + 1 */
     float v_max;
-    int64_t P, C, S1, K, NS, NE, MT;
-    int64_t VW;                /* floats in one of torch's CPU vectors (8: AVX2 / default, 16: AVX512) */
+    int64_t P, C, S1, NS, NE, MT;
     /* policy */
     float maturity, gate;
     const float *rconf;        /* regimes */
@@ -157,37 +156,6 @@ static inline float torch_sum_row(const float *x, int64_t st, int64_t n) {
     return part[0];
 }
 
-/* Σ_k x[k · st + j] over the reduced dim of a B × n × NB tensor sliced to the w columns of a branch (`q.mean(1)` of
- * q_all[:, :, slice]): torch's outer reduction — `vectorized_outer_sum` (w ≥ VW: blocks of 4 vectors by cascade,
- * the rest by row_sum) or `scalar_outer_sum` (blocks of 4 columns by cascade, the rest by row_sum). */
-static inline float torch_sum_col(const float *x, int64_t st, int64_t n, int64_t j, int64_t w, int64_t VW) {
-    const int64_t lim = w >= VW ? (w / (4 * VW)) * (4 * VW) : (w / 4) * 4;
-    return j < lim ? torch_sum_cascade(x + j, st, n) : torch_sum_row(x + j, st, n);
-}
-
-/* Σ x[0:n] of a contiguous row (`q_chosen_k.mean(1)`, B × K contiguous): `vectorized_inner_sum` when n ≥ VW (a
- * row_sum per vector lane, the n mod VW tail added in order to 0, then the lanes in order), else `row_sum`. */
-static inline float torch_sum_inner(const float *x, int64_t n, int64_t VW) {
-    if (n < VW) return torch_sum_row(x, 1, n);
-    const int64_t nv = n / VW;
-    float acc = 0.0f;
-    for (int64_t i = nv * VW; i < n; i++) acc += x[i];
-    for (int64_t l = 0; l < VW; l++) acc += torch_sum_row(x + l, VW, nv);
-    return acc;
-}
-
-/* x.std(unbiased=False) of n float32 values: Welford in double (ATen's WelfordOps<float, double>), √ in double,
- * then rounded to float32. */
-static inline float torch_std(const float *x, int64_t n) {
-    double mean = 0.0, m2 = 0.0;
-    for (int64_t k = 0; k < n; k++) {
-        const double d = (double)x[k] - mean;
-        mean = mean + d / (double)(k + 1);
-        m2 = m2 + d * ((double)x[k] - mean);
-    }
-    return (float)sqrt(m2 / (double)n);
-}
-
 static int argmax_first(const float *x, int64_t n) {
     int best = 0;
     for (int64_t i = 1; i < n; i++)
@@ -195,24 +163,21 @@ static int argmax_first(const float *x, int64_t n) {
     return best;
 }
 
-/* Work floats one account needs: [code, port], shift hidden, δ, Q of every member, ensemble means, one column of
- * Q, shifted tail quantiles; each rounded up to 16. */
+/* Work floats one account needs: [code, port], shift hidden, δ, shifted Q, shifted tail quantiles; each rounded
+ * up to 16. */
 static int64_t round16(int64_t n) { return (n + 15) / 16 * 16; }
 
 int64_t native_work_floats(const Pass *p) {
     const int64_t NB = 3 + p->NS + p->NE;
-    return round16(p->C + p->P) + round16(p->S1) + round16(NB + 1) + round16(p->K * NB) + round16(NB) +
-           round16(p->K) + round16(p->MT * 3 + 1);
+    return round16(p->C + p->P) + round16(p->S1) + round16(NB + 1) + round16(NB) + round16(p->MT * 3 + 1);
 }
 
 static void run_account(const Pass *p, int64_t b, float *work) {
-    const int64_t P = p->P, C = p->C, S1 = p->S1, K = p->K, NS = p->NS, NE = p->NE, MT = p->MT, VW = p->VW,
-                  B = p->B, T = p->T;
+    const int64_t P = p->P, C = p->C, S1 = p->S1, NS = p->NS, NE = p->NE, MT = p->MT, B = p->B, T = p->T;
     const int64_t NB = 3 + NS + NE;
-    const int64_t off[3] = {0, 3, 3 + NS}, width[3] = {3, NS, NE};
     const double *c = p->c;
-    float *xin = work, *hid = xin + round16(C + P), *dl = hid + round16(S1), *qa = dl + round16(NB + 1),
-          *qm = qa + round16(K * NB), *qk = qm + round16(NB), *quant = qk + round16(K);   /* quant: MT × 3 */
+    float *xin = work, *hid = xin + round16(C + P), *dl = hid + round16(S1), *qm = dl + round16(NB + 1),
+          *quant = qm + round16(NB);                                                       /* quant: MT × 3 */
     float *x = xin + C;                        /* the portfolio vector, after the code */
 
     /* state: Simulator.reset (flat, equity 1) and PortfolioTracker.__init__ priors */
@@ -254,13 +219,9 @@ static void run_account(const Pass *p, int64_t b, float *work) {
         for (int64_t j = 0; j < NB + 1; j++) dl[j] = p->v_max * dl[j];
 
         /* ---- act (shared/agent.py) ---- */
-        /* q_all = view.q + δ[:NB]; per branch the ensemble mean (sum over K, then / K) and its first argmax */
-        const float *qt = p->q + t * K * NB;
-        for (int64_t k = 0; k < K; k++)
-            for (int64_t j = 0; j < NB; j++) qa[k * NB + j] = qt[k * NB + j] + dl[j];
-        for (int br = 0; br < 3; br++)
-            for (int64_t j = 0; j < width[br]; j++)
-                qm[off[br] + j] = torch_sum_col(qa + off[br], NB, K, j, width[br], VW) / (float)K;
+        /* q_all = view.q + δ[:NB] (the ensemble-mean Q, shifted); per branch its first argmax */
+        const float *qt = p->q + t * NB, *qs = p->q_std + t * 3;
+        for (int64_t j = 0; j < NB; j++) qm[j] = qt[j] + dl[j];
         const int d = argmax_first(qm, 3), s = argmax_first(qm + 3, NS), e = argmax_first(qm + 3 + NS, NE);
         const float edge = fmaxf(qm[0], qm[2]) - qm[1];
         /* quant = view.tail + δ[:3]; CVaR per direction = quant.sum(1) / max(M_α, 1) */
@@ -277,19 +238,19 @@ static void run_account(const Pass *p, int64_t b, float *work) {
         const double conf = (double)conf32;
         const double new_target = sidef * size * kel * dsr_scale * conf;
         const double cur_side = side0;
-        for (int64_t k = 0; k < K; k++) qk[k] = qa[k * NB + d];
-        const float q_std0 = torch_std(qk, K);
+        const float q_std0 = qs[d];
         const int entering = (sidef != 0) && (sidef != cur_side);
-        const int blocked = entering && ((cvar_dir[d] < cvar_floor) || (q_std0 > gate_m) || (conf32 <= 0.0f));
+        /* commitment first: a young trade is held whatever the signal, so no entry is blocked there */
         const int committed = (cur_side != 0) && (sidef != cur_side) && ((float)bars < hold);
+        const int blocked = entering && !committed &&
+                            ((cvar_dir[d] < cvar_floor) || (q_std0 > gate_m) || (conf32 <= 0.0f));
         double target = ((sidef == cur_side) && (cur_side != 0)) ? pos : new_target;
         if (blocked) target = 0.0;
         if (committed) target = pos;
-        const int d_eff = blocked ? 1 : (committed ? (int)(cur_side + 1.0) : d);
-        for (int64_t k = 0; k < K; k++) qk[k] = qa[k * NB + d_eff];
-        const float q = torch_sum_inner(qk, K, VW) / (float)K;
+        const int d_eff = committed ? (int)(cur_side + 1.0) : (blocked ? 1 : d);
+        const float q = qm[d_eff];
         const double tp = p->plans[e * 2] * vol_t, sl = p->plans[e * 2 + 1] * vol_t;
-        rq[0] = q; rq[1] = torch_std(qk, K); rq[2] = edge; rq[3] = cvar_dir[d_eff];
+        rq[0] = q; rq[1] = qs[d_eff]; rq[2] = edge; rq[3] = cvar_dir[d_eff];
         int32_t *rl = p->rl + row * 4;
         rl[0] = d_eff; rl[1] = s; rl[2] = e; rl[3] = blocked;
 

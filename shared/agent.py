@@ -174,25 +174,30 @@ class HeadOut:
 @dataclass
 class MarketView:
     """What acting reads of N market states, portfolio-independent (`Agent.view`): computed for every bar of a split
-    at once, then read row by row by `act` — the sequential part of a pass is only the portfolio shift."""
+    at once, then read row by row by `act` — the sequential part of a pass is only the portfolio shift. The shift
+    is the same for every ensemble member, so the members' mean Q moves by δ and their spread does not: the view
+    keeps the mean and the spread, not the members."""
 
     q: torch.Tensor
-    """Q of every action of every branch per ensemble member, N × K × NB (branches side by side, `branch_slices`)."""
+    """Ensemble-mean Q of every action of every branch, N × NB (branches side by side, `branch_slices`)."""
+    q_std: torch.Tensor
+    """Ensemble std (population) of the Q of each direction, N × 3: the epistemic uncertainty."""
     tail: torch.Tensor
     """IQN quantiles of the three directions at the CVaR tail of the acting grid (`act_taus[:n_tail]`), N × M_α × 3."""
     code: torch.Tensor
     """Market code, N × C."""
 
+    FIELDS = ("q", "q_std", "tail", "code")
+
     def rows(self, idx: torch.Tensor) -> "MarketView":
-        return MarketView(q=self.q[idx], tail=self.tail[idx], code=self.code[idx])
+        return MarketView(*(getattr(self, f)[idx] for f in self.FIELDS))
 
     def to(self, device) -> "MarketView":
-        return MarketView(q=self.q.to(device), tail=self.tail.to(device), code=self.code.to(device))
+        return MarketView(*(getattr(self, f).to(device) for f in self.FIELDS))
 
     @staticmethod
     def cat(views: list["MarketView"]) -> "MarketView":
-        return MarketView(q=torch.cat([v.q for v in views]), tail=torch.cat([v.tail for v in views]),
-                          code=torch.cat([v.code for v in views]))
+        return MarketView(*(torch.cat([getattr(v, f) for v in views]) for f in MarketView.FIELDS))
 
     def __len__(self) -> int:
         return self.q.shape[0]
@@ -321,7 +326,7 @@ class Agent(nn.Module):
         m = self.market(emb)
         q = torch.cat(self.q_values(m.logits), dim=2).float()                               # N × K × NB
         tail = self.quantiles(m.hidden, self.act_taus[:self.cfg.n_tail]).float()            # N × M_α × 3
-        return MarketView(q=q, tail=tail, code=m.code.float())
+        return MarketView(q=q.mean(1), q_std=q[:, :, :3].std(1, unbiased=False), tail=tail, code=m.code.float())
 
     @torch.no_grad()
     def view_table(self, emb: torch.Tensor, chunk: int = 65536) -> MarketView:
@@ -436,9 +441,8 @@ def act(agent: Agent, view: MarketView, portfolio: torch.Tensor, *, position: to
     cfg = agent.cfg
     B, dev = portfolio.shape[0], portfolio.device
     delta = agent.delta(view.code, portfolio)                                               # B × (NB + 1)
-    q_all = view.q + delta[:, :cfg.n_actions].unsqueeze(1)                                  # B × K × NB
-    qs = [q_all[:, :, sl] for sl in cfg.branch_slices()]                                    # [B × K × n_b]
-    q_mean = [q.mean(1) for q in qs]                                                       # [B × n_b]
+    q_all = view.q + delta[:, :cfg.n_actions]                                               # B × NB
+    q_mean = [q_all[:, sl] for sl in cfg.branch_slices()]                                   # [B × n_b]
     greedy = torch.stack([q.argmax(-1) for q in q_mean], dim=1)                             # B × 3
     # ε-greedy per branch: uniform random action with probability ε
     if noise is None:
@@ -448,11 +452,9 @@ def act(agent: Agent, view: MarketView, portfolio: torch.Tensor, *, position: to
     branches = torch.where(noise[:, :3] < controls.epsilon, rnd, greedy)                    # B × 3
     d, s, e = branches.unbind(1)
 
-    # predicted Q, disagreement and risk of the chosen direction
-    q_dir = qs[0]                                                                           # B × K × 3
-    q_chosen_k = q_dir.gather(2, d.view(B, 1, 1).expand(B, q_dir.shape[1], 1)).squeeze(2)   # B × K
-    q = q_chosen_k.mean(1)
-    q_std = q_chosen_k.std(1, unbiased=False)
+    # predicted Q, disagreement and risk of the chosen direction (the shift moves every member alike: the std is
+    # the market state's)
+    q_std = view.q_std.gather(1, d.view(B, 1)).squeeze(1)
     edge = torch.maximum(q_mean[0][:, 0], q_mean[0][:, 2]) - q_mean[0][:, FLAT]
     # CVaR_α = mean of the quantiles at the grid's tail τ_i ≤ α (the leading M_α of the M grid points: 3 of 32 by
     # default, `view.tail`); the full grid is for reporting (`shared.rollout.chosen_outputs`)
@@ -484,8 +486,8 @@ def act(agent: Agent, view: MarketView, portfolio: torch.Tensor, *, position: to
     # the direction actually taken (committed → current side, blocked → flat) is what is reported and learned
     d_eff = torch.where(committed, (cur_side + 1).long(), torch.where(blocked, torch.full_like(d, FLAT), d))
     branches = torch.stack([d_eff, s, e], dim=1)
-    q_chosen_k = q_dir.gather(2, d_eff.view(B, 1, 1).expand(B, q_dir.shape[1], 1)).squeeze(2)
-    q, q_std = q_chosen_k.mean(1), q_chosen_k.std(1, unbiased=False)
+    q = q_mean[0].gather(1, d_eff.view(B, 1)).squeeze(1)
+    q_std = view.q_std.gather(1, d_eff.view(B, 1)).squeeze(1)
     quant_d = quant.gather(2, d_eff.view(B, 1, 1).expand(B, quant.shape[1], 1)).squeeze(2)      # B × M_α
     cvar = cvar_dir.gather(1, d_eff.view(B, 1)).squeeze(1)
 

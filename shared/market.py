@@ -493,9 +493,21 @@ def _ewm_vol(r: pd.Series, span: int, bars: Bars) -> np.ndarray:
     return np.maximum(sig, VOL_FLOOR)
 
 
+def _derived(bars: Bars, name: str, compute) -> np.ndarray:
+    """A per-bar array derived from `bars`, computed once per `Bars` object and kept on it, read-only (a `Bars` is
+    immutable: the evaluator keeps a loaded series between evaluations and reuses its volatility and regimes)."""
+    cache = bars.__dict__.setdefault("_derived", {})
+    if name not in cache:
+        arr = compute()
+        arr.flags.writeable = False
+        cache[name] = arr
+    return cache[name]
+
+
 def volatility(bars: Bars) -> np.ndarray:
-    """Causal per-bar volatility of log returns, float64 [T], ≥ VOL_FLOOR: σ_t = sqrt(EWMA_{span=32}(r²))."""
-    return _ewm_vol(_log_returns(bars), VOL_SPAN, bars)
+    """Causal per-bar volatility of log returns, float64 [T], ≥ VOL_FLOOR: σ_t = sqrt(EWMA_{span=32}(r²)).
+    Computed once per `Bars` (read-only)."""
+    return _derived(bars, "volatility", lambda: _ewm_vol(_log_returns(bars), VOL_SPAN, bars))
 
 
 def _adx(bars: Bars, period: int = ADX_PERIOD) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -568,7 +580,12 @@ def regime_labels(bars: Bars) -> np.ndarray:
 
     vol_bucket: where σ_t falls among the terciles of σ over the last REGIME_VOL_WINDOW bars (t included):
     0 low, 1 mid, 2 high (1 during the first REGIME_WARMUP bars). trend_bucket: 1 (range) when ADX(14) ≤
-    ADX_TREND, else 2 (up) if +DI > −DI, 0 (down) otherwise. Names: REGIME_NAMES[label]."""
+    ADX_TREND, else 2 (up) if +DI > −DI, 0 (down) otherwise. Names: REGIME_NAMES[label]. Computed once per
+    `Bars` (read-only)."""
+    return _derived(bars, "regime_labels", lambda: _regime_labels(bars))
+
+
+def _regime_labels(bars: Bars) -> np.ndarray:
     sig = pd.Series(volatility(bars))
     roll = sig.rolling(REGIME_VOL_WINDOW, min_periods=1)
     q1, q2 = roll.quantile(1 / 3).to_numpy(), roll.quantile(2 / 3).to_numpy()

@@ -1,8 +1,8 @@
 """The sequential part of the evaluator's greedy pass as one compiled CPU loop: `greedy_pass(accel="native")`.
 
 Everything the policy reads of the network that does not depend on the portfolio is computed for every bar of a
-split at once, batched (`Agent.view_table` → a `MarketView`: ensemble Q of every action, the IQN quantiles of the
-CVaR tail, the market code). What is left per bar cannot be batched, since it reads the portfolio the previous
+split at once, batched (`Agent.view_table` → a `MarketView`: ensemble-mean Q of every action, the ensemble std of each
+direction's Q, the IQN quantiles of the CVaR tail, the market code). What is left per bar cannot be batched, since it reads the portfolio the previous
 bars made: the portfolio vector, the portfolio shift δ (`Agent.delta`, ~2 k multiply-adds), `act`'s greedy
 choice and protection stack, `Simulator.step`, `PortfolioTracker.update`. Torch runs that as ~100 small ops a bar
 (~2 ms a bar eager on a core of a 2-core AMD EPYC VM); `_native_pass.c` runs it as one plain C loop over the bars
@@ -57,12 +57,12 @@ class NativeUnavailable(RuntimeError):
 class _Pass(ctypes.Structure):
     """Mirror of `Pass` in `_native_pass.c` (same order)."""
 
-    _fields_ = ([(n, ctypes.c_void_p) for n in ("open", "high", "low", "close", "vol", "regime", "q", "tail",
-                                                 "code")]
+    _fields_ = ([(n, ctypes.c_void_p) for n in ("open", "high", "low", "close", "vol", "regime", "q", "q_std",
+                                                 "tail", "code")]
                 + [("T", ctypes.c_int64), ("starts", ctypes.c_void_p), ("B", ctypes.c_int64), ("S", ctypes.c_int64)]
                 + [(n, ctypes.c_void_p) for n in ("w1", "w1t", "b1", "w2", "w2t", "b2")]
                 + [("v_max", ctypes.c_float)]
-                + [(n, ctypes.c_int64) for n in ("P", "C", "S1", "K", "NS", "NE", "MT", "VW")]
+                + [(n, ctypes.c_int64) for n in ("P", "C", "S1", "NS", "NE", "MT")]
                 + [("maturity", ctypes.c_float), ("gate", ctypes.c_float)]
                 + [(n, ctypes.c_void_p) for n in ("rconf", "sizes", "plans", "c", "r64", "r32", "rl", "ev64",
                                                   "flags", "final_")]
@@ -146,17 +146,12 @@ def available() -> bool:
     return True
 
 
-def _torch_vector_floats() -> int:
-    """Floats in one of the vectors torch's CPU kernels run on here (the loop mirrors the order of their sums)."""
-    return 16 if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else 8
-
-
 @torch.no_grad()
 def run_native(agent: Agent, market, view: MarketView, starts: torch.Tensor, length: int,
                controls: PolicyControls, costs: CostModel, *, threads: int | None = None) -> PassOutputs:
     """Run the compiled loop for B = len(starts) accounts, S = length − 1 decisions each, on the host CPU.
 
-    view: the `MarketView` of every bar of `market` (`Agent.view_table`), on any device: its q, tail and code are
+    view: the `MarketView` of every bar of `market` (`Agent.view_table`), on any device: its fields are
     copied to the host once (float32, contiguous); the other inputs likewise. The outputs come back on the view's
     device. `threads`: accounts stepped at once (default: torch's CPU threads). Greedy only (ε = 0)."""
     cfg = agent.cfg
@@ -168,11 +163,11 @@ def run_native(agent: Agent, market, view: MarketView, starts: torch.Tensor, len
     lib = library()
     dev, cpu = view.q.device, torch.device("cpu")
     B, S, T = len(starts), max(length - 1, 0), len(market)
-    K, NB, C, MT = cfg.ensemble, cfg.n_actions, cfg.code_dim, cfg.n_tail
+    NB, C, MT = cfg.n_actions, cfg.code_dim, cfg.n_tail
     NS, NE = cfg.branch_sizes[1], cfg.branch_sizes[2]
     lin1, lin2 = agent.shift[0], agent.shift[2]
     S1 = lin1.out_features
-    want = {"q": (T, K, NB), "tail": (T, MT, 3), "code": (T, C)}
+    want = {"q": (T, NB), "q_std": (T, 3), "tail": (T, MT, 3), "code": (T, C)}
     for name, shape in want.items():
         if tuple(getattr(view, name).shape) != shape:
             raise ValueError(f"view.{name} is {tuple(getattr(view, name).shape)}, expected {shape} "
@@ -196,12 +191,13 @@ def run_native(agent: Agent, market, view: MarketView, starts: torch.Tensor, len
     pr = market.prices
     p = _Pass(open=ptr(pr.open, f64), high=ptr(pr.high, f64), low=ptr(pr.low, f64), close=ptr(pr.close, f64),
               vol=ptr(market.vol, f64), regime=ptr(market.regime, i64),
-              q=ptr(view.q, f32), tail=ptr(view.tail, f32), code=ptr(view.code, f32), T=T,
+              q=ptr(view.q, f32), q_std=ptr(view.q_std, f32), tail=ptr(view.tail, f32), code=ptr(view.code, f32),
+              T=T,
               starts=ptr(starts, i64), B=B, S=S,
               w1=ptr(lin1.weight, f32), w1t=ptr(lin1.weight.t(), f32), b1=ptr(lin1.bias, f32),
               w2=ptr(lin2.weight, f32), w2t=ptr(lin2.weight.t(), f32), b2=ptr(lin2.bias, f32),
               v_max=float(agent.v_max),
-              P=P, C=C, S1=S1, K=K, NS=NS, NE=NE, MT=MT, VW=_torch_vector_floats(),
+              P=P, C=C, S1=S1, NS=NS, NE=NE, MT=MT,
               maturity=float(agent.maturity), gate=float(controls.gate_threshold),
               rconf=ptr(controls.regime_confidence, f32), sizes=ptr(agent.act_sizes, f64),
               plans=ptr(agent.act_plans, f64), c=ptr(consts, f64),

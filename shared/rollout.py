@@ -19,6 +19,7 @@ ML core: imports only torch, numpy and pandas.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
 from typing import Callable
@@ -59,8 +60,8 @@ class MarketTensors:
         ft = torch.as_tensor(f, dtype=torch.float32, device=device)                          # (T + W − 1) × F
         windows = ft.unfold(0, window, 1).transpose(1, 2)                                    # T × W × F
         return cls(prices=Prices.from_bars(bars.slice(start, stop), device=device), windows=windows,
-                   vol=torch.as_tensor(volatility(bars)[start:stop], dtype=torch.float64, device=device),
-                   regime=torch.as_tensor(regime_labels(bars)[start:stop], dtype=torch.long, device=device),
+                   vol=torch.tensor(volatility(bars)[start:stop], dtype=torch.float64, device=device),
+                   regime=torch.tensor(regime_labels(bars)[start:stop], dtype=torch.long, device=device),
                    start=start)
 
     def __len__(self) -> int:
@@ -183,6 +184,32 @@ def run_rollout(agent: Agent, sim: Simulator, tracker: PortfolioTracker, market:
             on_step(rec)
 
 
+@contextlib.contextmanager
+def tf32_matmuls(device):
+    """On CUDA, float32 matmuls on TF32 tensor cores inside the block (as the trainer runs them, `TrainConfig.tf32`),
+    the previous setting restored after: the batched encoder and heads of an evaluation. No effect on a CPU."""
+    if torch.device(device).type != "cuda":
+        yield
+        return
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+
+
+@torch.no_grad()
+def market_view(agent: Agent, windows: torch.Tensor, chunk: int | None = None) -> tuple[torch.Tensor, MarketView]:
+    """The batched part of a pass: every bar's embedding (T × D) and `MarketView`, in chunks of `chunk` windows
+    (default 4 096 on a CPU, 32 768 on CUDA: fewer, larger kernels; TF32 matmuls on CUDA)."""
+    if chunk is None:
+        chunk = 32768 if windows.device.type == "cuda" else 4096
+    with tf32_matmuls(windows.device):
+        emb = torch.cat([agent.encode(windows[i:i + chunk]) for i in range(0, windows.shape[0], chunk)])
+        return emb, agent.view_table(emb, chunk=4 * chunk)
+
+
 @dataclass
 class PolicyRun:
     """A greedy pass of the agent over one bar range (one account)."""
@@ -205,7 +232,7 @@ class PolicyRun:
 
 @torch.no_grad()
 def evaluate_policy(agent: Agent, market: MarketTensors, controls: PolicyControls | None = None, *,
-                    costs: CostModel = CostModel(), chunk: int = 2048, accel: str = "auto") -> PolicyRun:
+                    costs: CostModel = CostModel(), chunk: int | None = None, accel: str = "auto") -> PolicyRun:
     """One continuous greedy pass over the whole range: encode every bar and compute its market view at once, then
     `greedy_pass` (the portfolio shift, the policy and the simulator bar by bar; `accel` as there), then the full quantile grid of every decision, batched.
 
@@ -215,9 +242,8 @@ def evaluate_policy(agent: Agent, market: MarketTensors, controls: PolicyControl
     if controls is None:
         controls = PolicyControls.make(dev)
     T = len(market)
-    emb = torch.cat([agent.encode(market.windows[i:i + chunk]) for i in range(0, T, chunk)])  # T × D
-    p = greedy_pass(agent, market, agent.view_table(emb), torch.zeros(1, dtype=torch.long, device=dev), T, controls,
-                    costs,
+    emb, view = market_view(agent, market.windows, chunk)                                    # T × D, T rows
+    p = greedy_pass(agent, market, view, torch.zeros(1, dtype=torch.long, device=dev), T, controls, costs,
                     accel=accel)
     col = lambda x: x[:, 0].cpu().numpy()  # noqa: E731  account 0 of an S × 1 record
     decisions = pd.DataFrame({
@@ -227,7 +253,7 @@ def evaluate_policy(agent: Agent, market: MarketTensors, controls: PolicyControl
         "regime": market.regime[:T - 1].cpu().numpy(),
     })
     _, quant = chosen_outputs(agent, emb, torch.arange(T - 1, device=dev), p.portfolio[:, 0], p.branches[:, 0, 0],
-                              agent.act_taus, chunk=chunk)
+                              agent.act_taus)
     return PolicyRun(ledger=p.ledger, equity=col(p.equity), bar_returns=col(p.bar_returns),
                      positions=col(p.positions), decisions=decisions, quantiles=quant.cpu().numpy(),
                      start=market.start)

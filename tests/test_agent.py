@@ -59,7 +59,9 @@ def test_view_is_what_acting_reads():
     emb = ag.encode(torch.randn(6, 8, 5))
     v = ag.view(emb)
     m = ag.market(emb)
-    torch.testing.assert_close(v.q, torch.cat(ag.q_values(m.logits), dim=2))
+    q = torch.cat(ag.q_values(m.logits), dim=2)                                    # N × K × NB
+    torch.testing.assert_close(v.q, q.mean(1))
+    torch.testing.assert_close(v.q_std, q[:, :, :3].std(1, unbiased=False))
     torch.testing.assert_close(v.tail, ag.quantiles(m.hidden, ag.act_taus[:CFG.n_tail]))
     torch.testing.assert_close(v.code, m.code)
     r = v.rows(torch.tensor([4, 1]))
@@ -155,3 +157,19 @@ def test_commitment_holds_young_trades_when_mature():
     a = _act(ag, torch.randn(B, 16), torch.zeros(B, CFG.n_portfolio), pos, PolicyControls.make("cpu", epsilon=1.0),
              bars=torch.ones(B, dtype=torch.long))  # 1 bar < min_hold: no exit
     assert torch.all(a.target == -0.5) and torch.all(a.branches[:, 0] == 0)
+
+
+def test_commitment_comes_before_the_entry_block():
+    """A young trade asked to flip into an entry the protection stack would block is held: the direction reported
+    (and learned) is its own side, and no block is reported — the account never left the trade."""
+    ag = make()
+    ag.maturity.fill_(1.0)
+    B = 300
+    pos = torch.full((B,), -0.5, dtype=torch.float64)
+    no_entries = PolicyControls.make("cpu", epsilon=1.0, regime_confidence=[0.0] * 9)   # every entry would block
+    a = _act(ag, torch.randn(B, 16), torch.zeros(B, CFG.n_portfolio), pos, no_entries,
+             bars=torch.ones(B, dtype=torch.long))
+    assert torch.all(a.target == -0.5) and torch.all(a.branches[:, 0] == 0) and not a.blocked.any()
+    old = _act(ag, torch.randn(B, 16), torch.zeros(B, CFG.n_portfolio), pos, no_entries,
+               bars=torch.full((B,), 1000))                                            # mature trades: flips block
+    assert old.blocked.any() and torch.all(old.branches[old.blocked, 0] == 1)

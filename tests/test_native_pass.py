@@ -179,3 +179,39 @@ def test_native_pass_reads_a_cuda_view():
     for k in ("r64", "r32", "rl", "ev64", "flags", "final"):
         assert getattr(out, k).device.type == "cuda", k
         assert torch.equal(getattr(out, k).cpu(), getattr(host, k)), k
+
+
+def flip_happy(agent, strength: float = 10.0):
+    """Make the portfolio shift push every open trade toward the opposite side (δ_short = k·v_max·relu(position),
+    δ_long = k·v_max·relu(−position)): each trade is asked to flip at every bar, so the commitment holds it and the
+    protection stack judges the flip."""
+    C = agent.cfg.code_dim
+    with torch.no_grad():
+        w1, w2 = agent.shift[0].weight, agent.shift[2].weight
+        w1[:2].zero_()
+        agent.shift[0].bias[:2].zero_()
+        w1[0, C + 0], w1[1, C + 0] = 1.0, -1.0                # hidden 0 = relu(position), 1 = relu(−position)
+        w2[:, :2].zero_()
+        w2[0, 0], w2[2, 1] = strength, strength               # short when long, long when short
+
+
+@NATIVE
+def test_native_pass_commitment_before_the_entry_block():
+    """A trade asked to flip while young is held (commitment), and the flip it asks for would often be blocked (the
+    epistemic gate): the loop must apply commitment first, as `act` does — reported direction = the trade's side,
+    no block reported."""
+    from test_eval_graph import COSTS
+
+    from shared.rollout import greedy_pass
+
+    agent, market, view, controls = make(700, 3, gate=0.0008,      # trades end by signal or flip: held for long
+                                         exit_plans=((math.inf, math.inf), (math.inf, math.inf), (8.0, 8.0)))
+    flip_happy(agent)
+    st = torch.tensor([10, 200, 305, 321])
+    eager = greedy_pass(agent, market, view, st, 300, controls, COSTS, accel="eager")
+    torch.set_num_threads(2)
+    nat = greedy_pass(agent, market, view, st, 300, controls, COSTS, accel="native")
+    check_same(nat, eager)
+    pos = eager.positions[:-1]                                   # position at each decision (S × B)
+    held = (pos != 0) & (eager.targets == pos)                   # open trades kept as they are
+    assert int(held.sum()) > 100 and "flip" in set(eager.ledger["exit_reason"]) and int(eager.blocked.sum()) > 0

@@ -50,7 +50,7 @@ from shared.checkpoints import CheckpointError, checkpoint_sha256, load_checkpoi
 from shared.execution import CostModel
 from shared.knobs import Knobs
 from shared.market import Bars, Split, chronological_split, compute_features, load_dataset
-from shared.rollout import MarketTensors, chosen_outputs, greedy_pass
+from shared.rollout import MarketTensors, chosen_outputs, greedy_pass, market_view
 
 if TYPE_CHECKING:
     from services.evaluator import autopsy as ap
@@ -185,7 +185,7 @@ def _run_group(agent: Agent, market: MarketTensors, emb: torch.Tensor, view: Mar
 def window_passes(agent: Agent, bars: Bars, windows: Sequence[tuple[int, int]], *, taus: Sequence[float],
                   controls: PolicyControls | None = None, costs: CostModel = CostModel(),
                   features: np.ndarray | None = None, device: str | torch.device | None = None,
-                  encode_chunk: int = 4096, pred_chunk: int = 65536, accel: str = "auto",
+                  encode_chunk: int | None = None, pred_chunk: int = 65536, accel: str = "auto",
                   graph_chunk: int = 64) -> list[dict[str, Any]]:
     """`run_windows` without the report's types: per window a dict of the `SplitRun` fields as plain arrays
     ("preds": the keywords of `autopsy.Predictions`, quantiles at `taus`). Imports no web stack (pydantic)."""
@@ -205,10 +205,8 @@ def window_passes(agent: Agent, bars: Bars, windows: Sequence[tuple[int, int]], 
                          f"{agent.cfg.n_features}")
     lo, hi = min(s for s, _ in wins), max(e for _, e in wins)
     market = MarketTensors.from_bars(bars, lo, hi, agent.cfg.window, dev, features=feats)
-    T = hi - lo
     # the market encoder, batched over every bar of the span: T × W × F → T × D
-    emb = torch.cat([agent.encode(market.windows[i:i + encode_chunk]) for i in range(0, T, encode_chunk)])
-    view = agent.view_table(emb, chunk=encode_chunk * 4)          # every head that does not read the portfolio
+    emb, view = market_view(agent, market.windows, encode_chunk)  # every head that does not read the portfolio
     runs: list[dict[str, Any] | None] = [None] * len(wins)
     for length in sorted({e - s for s, e in wins}):
         idx = [i for i, (s, e) in enumerate(wins) if e - s == length]

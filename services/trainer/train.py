@@ -337,8 +337,8 @@ def make_update(agent: Agent, target: Agent, opt: torch.optim.Optimizer, replay:
                 # the online selection reads the cached market view of the next bars (as stale as the cached
                 # embeddings it would otherwise run the heads on) plus the current portfolio shift
                 vn = buf.view_online.rows(nb)
-                q_on = vn.q + agent.delta(vn.code, npf)[:, :agent.cfg.n_actions].unsqueeze(1)  # N·H × K × NB
-                a_star = [q_on[:, :, sl].mean(1).argmax(-1) for sl in slices]             # [N·H] per branch
+                q_on = vn.q + agent.delta(vn.code, npf)[:, :agent.cfg.n_actions]          # N·H × NB
+                a_star = [q_on[:, sl].argmax(-1) for sl in slices]                        # [N·H] per branch
             else:
                 on_n = agent.head(buf.emb_online[nb], npf)
                 a_star = [q.mean(1).argmax(-1) for q in agent.q_values(on_n.logits, on_n.delta)]
@@ -597,12 +597,12 @@ def build_state(cfg: TrainConfig, bars: Bars, split: Split, seed: int, device="c
 def _view_table(cfg: AgentConfig, T: int, device) -> MarketView:
     """A zeroed T-row `MarketView` table (filled by `refresh_embeddings`)."""
     z = lambda *shape: torch.zeros(T, *shape, device=device)  # noqa: E731
-    return MarketView(q=z(cfg.ensemble, cfg.n_actions), tail=z(cfg.n_tail, 3), code=z(cfg.code_dim))
+    return MarketView(q=z(cfg.n_actions), q_std=z(3), tail=z(cfg.n_tail, 3), code=z(cfg.code_dim))
 
 
 def _store_view(table: MarketView, idx, v: MarketView) -> None:
     """table[idx] = v for each field, in place (a slice or an index tensor)."""
-    for name in ("q", "tail", "code"):
+    for name in MarketView.FIELDS:
         dst, src = getattr(table, name), getattr(v, name).to(getattr(table, name).dtype)
         if isinstance(idx, slice):
             dst[idx] = src
