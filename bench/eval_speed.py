@@ -75,6 +75,7 @@ def main() -> None:
     ap.add_argument("--max-steps", nargs="+", default=[], metavar="N|MODE=N")
     ap.add_argument("--graph-chunk", type=int, default=64)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--bf16-encoder", action="store_true", help="the batched encoder under bf16 autocast (CUDA)")
     ap.add_argument("--profile", action="store_true",
                     help="print where the timed calls spent their time (cProfile, top 25 by cumulative time)")
     a = ap.parse_args()
@@ -103,10 +104,10 @@ def main() -> None:
         for B in a.accounts:
             with torch.no_grad():
                 m = MarketTensors.from_bars(bars, *span, agent.cfg.window, dev, features=feats)
-                market_view(agent, m.windows[:4096])                             # warm-up (cuBLAS, allocator)
+                market_view(agent, m.windows[:4096], bf16_encoder=a.bf16_encoder)  # warm-up (cuBLAS, allocator)
                 _sync(dev)
                 t0 = time.perf_counter()
-                market_view(agent, m.windows)
+                market_view(agent, m.windows, bf16_encoder=a.bf16_encoder)
                 _sync(dev)
             enc = time.perf_counter() - t0
             line = f"{n:>9} {B:>8} {enc:>9.2f}"
@@ -116,7 +117,7 @@ def main() -> None:
                 starts = np.linspace(200, 200 + n - L, B).astype(int) if B > 1 else np.array([200])
                 wins = [(int(s), int(s) + L) for s in starts]
                 run = lambda: window_passes(agent, bars, wins, taus=TAUS, features=feats, device=dev,  # noqa: E731
-                                            accel=mode, graph_chunk=a.graph_chunk)
+                                            accel=mode, graph_chunk=a.graph_chunk, bf16_encoder=a.bf16_encoder)
                 try:
                     if "compile" in mode or mode == "native":
                         t0 = time.perf_counter()

@@ -59,7 +59,8 @@ def main() -> None:
         from shared.synthetic import generate
         a.data_bars = int(a.val_bars / 0.196) + 1
         csv = tmp / "bars.csv"
-        generate(n_bars=a.data_bars, seed=0).bars.to_frame().rename_axis("timestamp").to_csv(csv)
+        freq = "h" if a.data_bars < 2_000_000 else "min"       # hourly stamps past 2262 overflow nanoseconds
+        generate(n_bars=a.data_bars, seed=0, freq=freq).bars.to_frame().rename_axis("timestamp").to_csv(csv)
         data = ["--dataset", str(csv)]
     env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "TL_REDIS_URL")}
     cmd = [sys.executable, "-m", "tradeloop.cli", "up", "--epochs", str(a.epochs), "--device", a.device,

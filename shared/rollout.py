@@ -200,13 +200,18 @@ def tf32_matmuls(device):
 
 
 @torch.no_grad()
-def market_view(agent: Agent, windows: torch.Tensor, chunk: int | None = None) -> tuple[torch.Tensor, MarketView]:
+def market_view(agent: Agent, windows: torch.Tensor, chunk: int | None = None,
+                bf16_encoder: bool = False) -> tuple[torch.Tensor, MarketView]:
     """The batched part of a pass: every bar's embedding (T × D) and `MarketView`, in chunks of `chunk` windows
-    (default 4 096 on a CPU, 32 768 on CUDA: fewer, larger kernels; TF32 matmuls on CUDA)."""
+    (default 4 096 on a CPU, 32 768 on CUDA: fewer, larger kernels; TF32 matmuls on CUDA). `bf16_encoder` (CUDA):
+    the encoder under bf16 autocast, as the trainer's `bf16` runs it; the heads stay float32/TF32."""
+    cuda = windows.device.type == "cuda"
     if chunk is None:
-        chunk = 32768 if windows.device.type == "cuda" else 4096
+        chunk = 32768 if cuda else 4096
     with tf32_matmuls(windows.device):
-        emb = torch.cat([agent.encode(windows[i:i + chunk]) for i in range(0, windows.shape[0], chunk)])
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda and bf16_encoder):
+            emb = torch.cat([agent.encode(windows[i:i + chunk]).float()
+                             for i in range(0, windows.shape[0], chunk)])
         return emb, agent.view_table(emb, chunk=4 * chunk)
 
 

@@ -64,8 +64,10 @@ def _regimes(rng: np.random.Generator, n: int) -> np.ndarray:
     return h
 
 
-def generate(n_bars: int = 6000, seed: int = 0) -> SyntheticMarket:
-    """Generate `n_bars` hourly bars (from 2020-01-01 00:00) with seed `seed`; deterministic per (n_bars, seed)."""
+def generate(n_bars: int = 6000, seed: int = 0, freq: str = "h") -> SyntheticMarket:
+    """Generate `n_bars` bars (hourly by default, `freq` a pandas frequency: "min" for series longer than the
+    ~2.1·10^6 hours nanosecond timestamps reach from 2020) from 2020-01-01 00:00 with seed `seed`; deterministic
+    per (n_bars, seed) — the prices do not depend on `freq`."""
     if n_bars < 2:
         raise ValueError(f"generate: n_bars must be ≥ 2, got {n_bars}")
     rng = np.random.default_rng(seed)
@@ -103,7 +105,7 @@ def generate(n_bars: int = 6000, seed: int = 0) -> SyntheticMarket:
     low = bot * np.exp(-np.abs(0.4 * sigma * rng.standard_normal(n_bars)))
     volume = np.round(1e6 * np.sqrt(sigma / SIGMA_BASE)
                       * np.exp(0.3 * rng.standard_normal(n_bars) + 0.3 * np.abs(eps)))
-    bars = Bars(timestamps=pd.date_range(START, periods=n_bars, freq="h"), open=open_, high=high, low=low,
+    bars = Bars(timestamps=pd.date_range(START, periods=n_bars, freq=freq), open=open_, high=high, low=low,
                 close=close, volume=volume, name="synthetic", source=f"synthetic(n_bars={n_bars}, seed={seed})")
     return SyntheticMarket(bars=bars, hidden_regime=h, sigma=sigma)
 

@@ -186,7 +186,7 @@ def window_passes(agent: Agent, bars: Bars, windows: Sequence[tuple[int, int]], 
                   controls: PolicyControls | None = None, costs: CostModel = CostModel(),
                   features: np.ndarray | None = None, device: str | torch.device | None = None,
                   encode_chunk: int | None = None, pred_chunk: int = 65536, accel: str = "auto",
-                  graph_chunk: int = 64) -> list[dict[str, Any]]:
+                  graph_chunk: int = 64, bf16_encoder: bool = False) -> list[dict[str, Any]]:
     """`run_windows` without the report's types: per window a dict of the `SplitRun` fields as plain arrays
     ("preds": the keywords of `autopsy.Predictions`, quantiles at `taus`). Imports no web stack (pydantic)."""
     agent.eval()
@@ -206,7 +206,8 @@ def window_passes(agent: Agent, bars: Bars, windows: Sequence[tuple[int, int]], 
     lo, hi = min(s for s, _ in wins), max(e for _, e in wins)
     market = MarketTensors.from_bars(bars, lo, hi, agent.cfg.window, dev, features=feats)
     # the market encoder, batched over every bar of the span: T × W × F → T × D
-    emb, view = market_view(agent, market.windows, encode_chunk)  # every head that does not read the portfolio
+    # every head that does not read the portfolio, batched over the span
+    emb, view = market_view(agent, market.windows, encode_chunk, bf16_encoder)
     runs: list[dict[str, Any] | None] = [None] * len(wins)
     for length in sorted({e - s for s, e in wins}):
         idx = [i for i, (s, e) in enumerate(wins) if e - s == length]
