@@ -166,7 +166,8 @@ class _LedgerBuffer:
         reason = rows[:, 8].astype(np.int64)
         # bars held: an exit at an open does not hold the exit bar; a stop/target/end exit does.
         df["bars"] = df["exit_t"] - df["entry_t"] + (reason >= _STOP).astype(np.int64)
-        df["exit_reason"] = pd.Categorical.from_codes(reason, categories=list(EXIT_REASONS)).astype(str)
+        # a take and a str cast (not a categorical's: that hashes every row)
+        df["exit_reason"] = pd.Series(np.asarray(EXIT_REASONS, dtype=object)[reason]).astype(str)
         return df.sort_values(["account", "exit_t", "entry_t"], kind="stable").reset_index(drop=True)
 
 

@@ -148,12 +148,14 @@ def available() -> bool:
 
 @torch.no_grad()
 def run_native(agent: Agent, market, view: MarketView, starts: torch.Tensor, length: int,
-               controls: PolicyControls, costs: CostModel, *, threads: int | None = None) -> PassOutputs:
+               controls: PolicyControls, costs: CostModel, *, threads: int | None = None,
+               to_device: bool = True) -> PassOutputs:
     """Run the compiled loop for B = len(starts) accounts, S = length − 1 decisions each, on the host CPU.
 
     view: the `MarketView` of every bar of `market` (`Agent.view_table`), on any device: its fields are
     copied to the host once (float32, contiguous); the other inputs likewise. The outputs come back on the view's
-    device. `threads`: accounts stepped at once (default: torch's CPU threads). Greedy only (ε = 0)."""
+    device (unless `to_device=False`: they stay on the host). `threads`: accounts stepped at once (default: torch's CPU
+    threads). Greedy only (ε = 0)."""
     cfg = agent.cfg
     if float(controls.epsilon) != 0.0:
         raise ValueError(f"the native pass is greedy: controls.epsilon must be 0, got {float(controls.epsilon)}")
@@ -206,7 +208,7 @@ def run_native(agent: Agent, market, view: MarketView, starts: torch.Tensor, len
               threads=max(1, min(B, threads or torch.get_num_threads())))
     if B > 0 and lib.native_greedy_pass(ctypes.byref(p)) != 0:
         raise MemoryError("native pass: out of memory for the per-thread work arrays")
-    return out.to(dev) if dev.type != "cpu" else out
+    return out.to(dev) if dev.type != "cpu" and to_device else out
 
 
 def ledger_rows(out: PassOutputs, starts: torch.Tensor, open_prices: torch.Tensor) -> np.ndarray:

@@ -443,8 +443,9 @@ def _native_greedy_pass(agent: Agent, market: MarketTensors, view: MarketView, s
     from shared import native
 
     dev = view.q.device
-    out = native.run_native(agent, market, view, starts, length, controls, costs)
-    rows = native.ledger_rows(out, starts, market.prices.open)
+    host = native.run_native(agent, market, view, starts, length, controls, costs, to_device=False)
+    rows = native.ledger_rows(host, starts, market.prices.open)                # read on the host, where it is
+    out = host.to(dev) if dev.type != "cpu" else host
     sim = native.finish_simulator(out, market, costs, rows)
     sim.close_all()
     return _assemble(sim, (out.r64, out.r32, out.rl.long()), length, len(starts), dev)
