@@ -299,12 +299,17 @@ class Agent(nn.Module):
 
     def market(self, emb: torch.Tensor) -> MarketOut:
         """The market heads (no portfolio): C51 logits per branch (N × K × n_b × A), trunk state, V_e, code."""
-        N, A = emb.shape[0], self.cfg.n_atoms
+        N, A, K = emb.shape[0], self.cfg.n_atoms, self.cfg.ensemble
         h = self.trunk(emb)                                                                 # N × H
-        value = torch.einsum("nh,kha->nka", h, self.value_w) + self.value_b                 # N × K × A
-        logits = []
-        for n_b, w, b in zip(self.cfg.branch_sizes, self.adv_w, self.adv_b):
-            adv = (torch.einsum("nh,khj->nkj", h, w) + b).view(N, -1, n_b, A)               # N × K × n_b × A
+        # every stream of every member in one matmul: [V | A_direction | A_size | A_exit], K blocks each
+        w = torch.cat([x.transpose(0, 1).reshape(h.shape[1], -1) for x in (self.value_w, *self.adv_w)], dim=1)
+        b = torch.cat([x.reshape(-1) for x in (self.value_b, *self.adv_b)])
+        out = h @ w + b                                                                     # N × K·(1 + NB)·A
+        value = out[:, :K * A].view(N, K, A)                                                # N × K × A
+        logits, at = [], K * A
+        for n_b in self.cfg.branch_sizes:
+            adv = out[:, at:at + K * n_b * A].view(N, K, n_b, A)                            # N × K × n_b × A
+            at += K * n_b * A
             # dueling: V + A − mean_a A   (Wang et al. 2016, Eq. 9, per atom)
             logits.append(value.unsqueeze(2) + adv - adv.mean(dim=2, keepdim=True))
         return MarketOut(logits=logits, hidden=h, value_e=self.expectile(h).squeeze(-1), code=self.code(h))

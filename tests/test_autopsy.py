@@ -285,3 +285,23 @@ def test_dsr_is_deflated_by_the_checkpoints_evaluated():
     many = build_split_report("val", n_trials=20, **kw).metrics
     assert one["dsr"] == pytest.approx(one["psr"])              # one trial: no selection
     assert many["dsr"] < one["dsr"] and math.isfinite(many["dsr"])
+
+
+def test_vectorised_best_exit_equals_the_scalar_definition():
+    """build_trades' best exit (a range max/min of the closes, the return being monotone in the exit price) equals
+    `best_exit_return`'s direct max over the hindsight span, bit for bit, for longs and shorts of every length."""
+    rng = np.random.default_rng(3)
+    n = 3000
+    close = 100.0 * np.exp(np.cumsum(0.01 * rng.standard_normal(n)))
+    e = np.sort(rng.integers(1, n - 2, 400))
+    x = np.minimum(e + rng.integers(0, 300, 400), n - 1)
+    led = _ledger([{"entry_t": int(a), "exit_t": int(b), "side": int(s), "size": float(p), "bars": int(bb),
+                    "entry_price": float(close[a]), "exit_price": float(close[b]), "net_return": 0.001,
+                    "exit_reason": "stop"}
+                   for a, b, s, p, bb in zip(e, x, rng.choice([-1, 1], 400), rng.uniform(0.1, 1.0, 400),
+                                             rng.integers(0, 400, 400))])
+    trades = ap.build_trades(led, _preds(n), np.zeros(n, dtype=int), close, cost_rate=C)
+    assert len(trades) == 400
+    for t, row in zip(trades, led.sort_values(["entry_t", "exit_t"], kind="stable").itertuples()):
+        want = ap.best_exit_return(row.side, row.size, row.entry_price, close, row.entry_t, row.exit_t, row.bars, C)
+        assert t.best_exit_return == want
