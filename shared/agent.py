@@ -363,8 +363,21 @@ def agent_from_checkpoint(tensors: dict[str, torch.Tensor], metadata: dict, devi
     if "agent_config" not in metadata:
         raise ValueError("checkpoint metadata has no 'agent_config': not an agent checkpoint")
     agent = Agent(AgentConfig.from_dict(metadata["agent_config"])).to(device)
+    check_tensor_names(agent, tensors)
     agent.load_state_dict({k: v.to(device) for k, v in tensors.items()})
     return agent.eval()
+
+
+def check_tensor_names(agent: Agent, tensors: dict[str, torch.Tensor]) -> None:
+    """ValueError naming the missing and unexpected tensors when a checkpoint's do not match this agent's; a
+    checkpoint of the earlier design (heads reading the portfolio, `port.*` tensors, no `shift.*`) says so."""
+    want, have = set(agent.state_dict()), set(tensors)
+    if want == have:
+        return
+    missing, extra = sorted(want - have), sorted(have - want)
+    hint = (" — written by the earlier agent whose heads read the portfolio (before the portfolio shift); "
+            "retrain it with this version" if any(k.startswith("port.") for k in extra) else "")
+    raise ValueError(f"checkpoint tensors do not match the agent: missing {missing[:6]}, unexpected {extra[:6]}{hint}")
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -163,3 +163,24 @@ async def test_store_keeps_last_k_checkpoints_and_checks_sha(redis_url, run_id):
         assert await store.delete_run() > 0 and await store.checkpoint_epochs() == []
     finally:
         await client.aclose()
+
+
+def test_a_checkpoint_of_the_earlier_agent_is_refused_with_a_clear_error(tmp_path):
+    """A checkpoint whose heads read the portfolio (`port.*` tensors, no portfolio shift) names what does not match
+    and why, in the evaluator's loader and in `agent_from_checkpoint`."""
+    import pytest
+    import torch
+
+    from services.evaluator.runner import restore_agent
+    from shared.agent import Agent, AgentConfig, agent_from_checkpoint
+    from shared.checkpoints import CheckpointError, save_checkpoint
+
+    cfg = AgentConfig(n_features=5, window=8, d_model=16, n_heads=2, hidden=24, n_atoms=11, ensemble=2)
+    old = {k: v for k, v in Agent(cfg).state_dict().items() if not k.startswith(("shift.", "code."))}
+    old["port.0.weight"] = torch.zeros(8, 8)
+    path = tmp_path / "old.safetensors"
+    save_checkpoint(path, old, {"kind": "agent", "agent_config": cfg.to_dict()})
+    with pytest.raises(CheckpointError, match="earlier agent whose heads read the portfolio"):
+        restore_agent(path, expected_sha256=None)
+    with pytest.raises(ValueError, match=r"missing \['code.bias'"):
+        agent_from_checkpoint(old, {"agent_config": cfg.to_dict()})

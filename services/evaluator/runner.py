@@ -45,7 +45,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from shared.agent import FLAT, Agent, AgentConfig, MarketView, PolicyControls
+from shared.agent import FLAT, Agent, AgentConfig, MarketView, PolicyControls, check_tensor_names
 from shared.checkpoints import CheckpointError, checkpoint_sha256, load_checkpoint, sidecar_path
 from shared.execution import CostModel
 from shared.knobs import Knobs
@@ -85,6 +85,7 @@ def restore_agent(ckpt: str | os.PathLike | bytes, *, expected_sha256: str | Non
                                       "file?)")
     try:
         agent = Agent(AgentConfig.from_dict(meta["agent_config"]))
+        check_tensor_names(agent, tensors)
         agent.load_state_dict(tensors)
     except (TypeError, KeyError, RuntimeError, ValueError) as exc:
         raise CheckpointError(source, f"tensors do not fit the agent config: {str(exc).splitlines()[0]}") from None
