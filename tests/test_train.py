@@ -145,3 +145,48 @@ def test_evaluate_command_baselines_and_agent(tmp_path):
     r = runner.invoke(app, ["train", "--dataset", str(tmp_path / "missing.csv"), "--epochs", "1",
                             "--out", str(tmp_path / "run")])
     assert r.exit_code == 2 and "missing.csv" in r.stderr
+
+
+def test_view_cache_follows_the_embeddings_and_is_what_collection_acts_on():
+    """`act_view_cache`: the online view table equals `Agent.view` of the cached embeddings after the full refresh
+    and after each rolling refresh; acting on it right after a refresh takes the actions the heads take on the same
+    embeddings; an epoch trains with it (the double-Q selection reads it too)."""
+    from services.trainer.train import build_state, refresh_embeddings, refresh_rolling, train_epoch
+    from shared.knobs import Knobs
+    from shared.market import chronological_split
+
+    bars = generate(700, seed=3).bars
+    split = chronological_split(len(bars))
+    states = []
+    for cache in (True, False):
+        cfg = tiny_config()
+        cfg.act_view_cache = cache
+        st = build_state(cfg, bars, split, 5, "cpu")
+        with torch.no_grad():
+            st.agent.shift[2].weight.normal_(0.0, 0.05)       # a shift that matters
+        st.target.load_state_dict(st.agent.state_dict())
+        st.env.reset_all()
+        refresh_embeddings(st)
+        states.append(st)
+    on, off = states
+    assert off.buffers.view_online is None
+    v, want = on.buffers.view_online, on.agent.view(on.buffers.emb_online)
+    for f in ("q", "q_std", "tail", "code"):
+        torch.testing.assert_close(getattr(v, f), getattr(want, f))
+    for st in states:
+        st.controls.set(epsilon=0.0)
+        st.runner.collect()
+    n = on.replay.count
+    assert n == off.replay.count > 0
+    assert torch.equal(on.replay.action[:n], off.replay.action[:n])      # same actions, from table or from heads
+    # a rolling refresh rewrites the rows it re-encodes (after the weights moved)
+    with torch.no_grad():
+        for p in on.agent.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    before = v.q.clone()
+    refresh_rolling(on)
+    changed = (v.q != before).any(1)
+    assert 0 < int(changed.sum()) <= on.refresh_idx.shape[0]
+    torch.testing.assert_close(v.q[changed], on.agent.view(on.buffers.emb_online[changed]).q)
+    stats = train_epoch(on, Knobs(epsilon=0.1))
+    assert stats.updates > 0 and torch.isfinite(torch.tensor(stats.loss))

@@ -139,8 +139,11 @@ class TrainConfig:
     emb_refresh: int = 50
     """Updates over which the cached market embeddings of all training bars are refreshed once: each update
     re-encodes the next ceil(T_train / emb_refresh) bars of a rolling window (plus a full refresh per epoch)."""
-    act_view_cache: bool = True
-    """Collection reads each bar's market view (`Agent.view`: the members' Q of every action, the IQN tail, the code)
+    act_view_cache: bool = False
+    """Off by default: on the CPU learning bench (3 seeds, `small`) acting on the cached view reached OOS per-trade
+    Sharpes 0.493 / 0.647 / 0.411 against 0.941 / 0.606 / 0.595 with the heads run fresh (bench/README.md,
+    learning.py, session 5) — staleness of the heads seems to cost more than that of the embeddings. On: collection
+    reads each bar's market view (`Agent.view`: the members' Q of every action, the IQN tail, the code)
     from a table refreshed with the cached embeddings, so acting costs only the portfolio shift and the policy per
     account-step (the heads run once per bar and refresh, not once per account and step); the policy's market part
     is then as stale as the embeddings (≤ `emb_refresh` updates), its portfolio shift is current. The update's
