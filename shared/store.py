@@ -14,6 +14,7 @@ the client should be created with `decode_responses=False` (checkpoints are bina
 """
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -125,17 +126,21 @@ class RunStore:
         """Store a JSON document (dict, JSON text or pydantic model) first-wins; True if newly stored."""
         if kind not in JSON_KINDS:
             raise ValueError(f"kind must be one of {JSON_KINDS}, got {kind!r}")
-        text = _to_json(obj)
+        text = await asyncio.to_thread(_to_json, obj)         # a report is tens of MB: off the event loop
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.set(self.key(kind, int(epoch)), text, nx=True)
             pipe.zadd(self.key(kind, "index"), {str(int(epoch)): int(epoch)})
             created, _ = await pipe.execute()
         return bool(created)
 
+    async def get_raw(self, kind: str, epoch: int) -> bytes | None:
+        """The stored JSON text of `kind` for `epoch` (bytes, unparsed), or None."""
+        return await self.redis.get(self.key(kind, int(epoch)))
+
     async def get_json(self, kind: str, epoch: int) -> dict | None:
-        """The stored document of `kind` for `epoch`, or None."""
-        raw = await self.redis.get(self.key(kind, int(epoch)))
-        return None if raw is None else json.loads(raw)
+        """The stored document of `kind` for `epoch`, or None (parsed off the event loop)."""
+        raw = await self.get_raw(kind, epoch)
+        return None if raw is None else await asyncio.to_thread(json.loads, raw)
 
     async def has_json(self, kind: str, epoch: int) -> bool:
         """Whether a document of `kind` exists for `epoch` (the idempotency check of a handler)."""

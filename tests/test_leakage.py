@@ -164,3 +164,22 @@ def test_guard_refuses_foreign_history(bars, split, base):
     moved = base.model_copy(update={"epoch": 0, "split": base.split.model_copy(update={"embargo": 0})})
     with pytest.raises(LeakageError, match="split definition differs"):
         compute_bundle(base, [moved], None)
+
+
+def test_history_entries_give_the_view_and_the_refusals_of_full_reports(bars, split, base):
+    """The feedback service keeps earlier reports as `HistoryEntry`s: the same view (and bundle) as the full
+    reports, and the same refusals of another run, a later epoch, another split."""
+    from services.feedback.guard import HistoryEntry, history_entry
+
+    earlier = [base.model_copy(update={"epoch": 0}), base.model_copy(update={"epoch": -1})]
+    entries = [history_entry(h) for h in earlier]
+    assert all(isinstance(e, HistoryEntry) for e in entries)
+    assert build_view(base, earlier) == build_view(base, entries)
+    assert build_view(base, earlier).history and compute_bundle(base, entries, None, now="t") == compute_bundle(
+        base, earlier, None, now="t")
+    for bad, match in ((base.model_copy(update={"run_id": "other", "epoch": 0}), "another run"),
+                       (base.model_copy(update={"epoch": 5}), "earlier epochs"),
+                       (base.model_copy(update={"epoch": 0, "split": base.split.model_copy(update={"embargo": 0})}),
+                        "split definition differs")):
+        with pytest.raises(LeakageError, match=match):
+            build_view(base, [history_entry(bad)])

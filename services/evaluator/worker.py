@@ -5,8 +5,9 @@ Handling one event, idempotent on (run, epoch):
   1. a report of that epoch is already stored → skip the evaluation (a redelivery after a crash, or a
      duplicate publish) and only make sure eval.completed went out (SET NX marker `done:eval:{epoch}`).
   2. else: the checkpoint bytes from Redis (sha256 checked against the event), the run's bars (the dataset
-     the checkpoint names, cut to its split; window hashes checked against the event), the earlier reports
-     (DSR trials and their Sharpe variance), the knobs the epoch trained under (trainer's epoch record), then
+     the checkpoint names, cut to its split; window hashes checked against the event — series, features and
+     hashes kept between events), the earlier reports' val Sharpes (DSR trials and their variance; each stored
+     report read once per process), the knobs the epoch trained under (trainer's epoch record), then
      `services.evaluator.runner.evaluate_checkpoint` in a worker thread; store the report (first wins);
      publish eval.completed once (`Bus.publish_once`: the marker
      `done:eval:{epoch}` and the event are written by one Lua script, so a kill between them is impossible).
@@ -81,8 +82,9 @@ class EvaluatorWorker(ConsumerWorker):
         self.consumer = Consumer(bus, bus.stream("checkpoints"), GROUP, settings.consumer_name, self.handle,
                                  claim_idle_ms=settings.claim_idle_ms,
                                  block_ms=int(min(1000, bus.socket_timeout_s * 500)))
-        self._features_cache: dict[str, object] = {}
-        self._bars_cache: dict[tuple, object] = {}
+        # the loaded series, its features and its window hashes, kept between events (one dataset at a time)
+        self._data: dict[tuple, dict] = {}
+        self._val_sharpes: dict[int, float | None] = {}   # epoch → val per-trade Sharpe of the stored reports
         state.extra.update(consumer=settings.consumer_name, evaluated=[], last_eval_s=None)
 
     async def handle(self, event: Event) -> None:
@@ -90,6 +92,7 @@ class EvaluatorWorker(ConsumerWorker):
         if not isinstance(event, CheckpointPublished):
             raise ValueError(f"unexpected event {event.type} on the checkpoints stream")
         store, epoch = self.bus.store, event.epoch
+        doc = None
         if not await store.has_report(epoch):
             report = await self._evaluate(event)
             if await store.put_report(epoch, report):
@@ -97,7 +100,14 @@ class EvaluatorWorker(ConsumerWorker):
                 await self.bus.redis.hset(run_key(self.bus.run_id, "evaluated_by"), str(epoch), self.consumer.name)
                 self.state.extra["evaluated"] = [*self.state.extra["evaluated"], epoch][-100:]
                 self.state.count("reports_stored")
-        doc = await store.get_report(epoch)
+                s = report.val.metrics.get("per_trade_sharpe")
+                self._val_sharpes[epoch] = None if s is None else float(s)
+                # what the event carries, from the report in hand (not read back: tens of MB of JSON)
+                doc = {w: {"metrics": dict(getattr(report, w).metrics)} if getattr(report, w) is not None else None
+                       for w in ("val", "oos")}
+        if doc is None:                  # stored by another replica, or before a redelivery: read what it says
+            raw = await store.get_raw("report", epoch)
+            doc = await asyncio.to_thread(json.loads, raw)
         await self._publish(event, doc)  # once per epoch: marker and event are written atomically
         self.state.epoch = max(self.state.epoch, epoch)
 
@@ -111,26 +121,29 @@ class EvaluatorWorker(ConsumerWorker):
         # the loaded series is kept between events (a 5·10^5-bar CSV takes seconds to parse and check); a file
         # is reloaded when its size or mtime changes, and the split hashes below still check what was loaded
         bkey = (dataset, self.data_seed, split.test[1], _file_signature(dataset))
-        if bkey not in self._bars_cache:
-            self._bars_cache = {bkey: await asyncio.to_thread(_bars, dataset, self.data_seed, split.test[1])}
-        bars = self._bars_cache[bkey]
+        if bkey not in self._data:
+            loaded = await asyncio.to_thread(_bars, dataset, self.data_seed, split.test[1])
+            self._data = {bkey: {"bars": loaded, "feats": await asyncio.to_thread(_features, loaded), "hashes": {}}}
+        cached = self._data[bkey]
+        bars, feats, hashes = cached["bars"], cached["feats"], cached["hashes"]
         for name, h in (event.split_hashes or {}).items():
-            if name in ("train", "val", "test") and split.window_hash(bars, name) != h:
+            if name not in ("train", "val", "test"):
+                continue
+            win = (name, tuple(split.window(name)))
+            if win not in hashes:
+                hashes[win] = await asyncio.to_thread(split.window_hash, bars, name)
+            if hashes[win] != h:
                 raise ValueError(f"epoch {event.epoch}: the {name} window of dataset {dataset!r} does not match the "
                                  "checkpoint's split hash (different data on this host?)")
+        # the earlier reports' val Sharpes (the DSR's trials): each stored report is read and parsed once per
+        # process — a report is tens of MB of JSON, re-reading all of them made each evaluation grow with the run
         earlier = [e for e in await self.bus.store.json_epochs("report") if e < event.epoch]
-        prior = []
         for e in earlier:
-            doc = await self.bus.store.get_report(e)
-            s = ((doc or {}).get("val") or {}).get("metrics", {}).get("per_trade_sharpe")
-            if s is not None:
-                prior.append(float(s))
+            if e not in self._val_sharpes:
+                self._val_sharpes[e] = _val_sharpe(await self.bus.store.get_raw("report", e))
+        prior = [float(self._val_sharpes[e]) for e in earlier if self._val_sharpes[e] is not None]
         rec = await self.bus.redis.hget(trainer_history_key(self.bus.run_id), str(event.epoch))
         knobs = Knobs.from_dict(json.loads(rec)["knobs"]) if rec and "knobs" in json.loads(rec) else None
-        key = bars.fingerprint()
-        if key not in self._features_cache:
-            self._features_cache = {key: await asyncio.to_thread(_features, bars)}
-        feats = self._features_cache[key]
         t0 = time.perf_counter()
         report = await asyncio.to_thread(_run_eval, data, event, bars, split, len(earlier) + 1, prior, knobs,
                                          feats, self.settings.device, dataset)
@@ -149,6 +162,14 @@ class EvaluatorWorker(ConsumerWorker):
             checkpoint_id=event.checkpoint_id, report_key=self.bus.store.key("report", event.epoch),
             val_per_trade_sharpe=val.get("per_trade_sharpe"), oos_per_trade_sharpe=oos.get("per_trade_sharpe"),
             dsr=val.get("dsr"), n_trades=int(val.get("n_trades") or 0)))
+
+
+def _val_sharpe(raw: bytes | None) -> float | None:
+    """The validation per-trade Sharpe of a stored report's JSON (None when absent)."""
+    if raw is None:
+        return None
+    s = ((json.loads(raw).get("val") or {}).get("metrics") or {}).get("per_trade_sharpe")
+    return None if s is None else float(s)
 
 
 def _metadata(data: bytes) -> dict:

@@ -130,17 +130,41 @@ def check_report(report: EvalReport, bars: Any | None = None) -> None:
                                    f"the bars ({h[:12]}…)")
 
 
-def check_history(report: EvalReport, history: Sequence[EvalReport]) -> None:
-    """History reports must be of the same run and split definition, from earlier epochs, and pass the guard."""
+@dataclass(frozen=True)
+class HistoryEntry:
+    """An earlier epoch's report as the history needs it: what `check_history` compares (run, split, epoch) and its
+    `HistoryPoint`, taken after that report passed `check_report` (`history_entry`). The feedback service keeps
+    these instead of re-reading and re-parsing every earlier report — tens of MB each — at every epoch."""
+
+    run_id: str
+    epoch: int
+    split: SplitDefinition
+    point: HistoryPoint
+
+
+def history_entry(h: EvalReport) -> HistoryEntry:
+    """Guard an earlier epoch's report (`check_report`) and keep what the history needs of it."""
+    check_report(h)
+    return HistoryEntry(run_id=h.run_id, epoch=h.epoch, split=h.split,
+                        point=HistoryPoint(epoch=h.epoch, val_sharpe=h.val.metric("per_trade_sharpe"),
+                                           val_n_trades=len(h.val.trades), knobs=h.trained_knobs()))
+
+
+def check_history(report: EvalReport, history: Sequence[EvalReport | HistoryEntry]) -> list[HistoryEntry]:
+    """History reports must be of the same run and split definition, from earlier epochs, and pass the guard.
+    Returns them as `HistoryEntry`s (a report is guarded here, an entry was guarded when it was made)."""
+    out = []
     for h in history:
-        where = f"history report run={h.run_id} epoch={h.epoch}"
-        if h.run_id != report.run_id:
+        e = h if isinstance(h, HistoryEntry) else history_entry(h)
+        where = f"history report run={e.run_id} epoch={e.epoch}"
+        if e.run_id != report.run_id:
             raise LeakageError(f"{where}: belongs to another run than {report.run_id}")
-        if h.split != report.split:
+        if e.split != report.split:
             raise LeakageError(f"{where}: its split definition differs from epoch {report.epoch}'s")
-        if h.epoch >= report.epoch:
+        if e.epoch >= report.epoch:
             raise LeakageError(f"{where}: history must hold earlier epochs than {report.epoch}")
-        check_report(h)
+        out.append(e)
+    return out
 
 
 def check_train_indices(indices: Sequence[int], train: tuple[int, int], what: str) -> None:
@@ -175,12 +199,11 @@ def _insample(report: EvalReport) -> InsampleSamples | None:
                            top_winners=tuple(ins.top_winners), losers=tuple(ins.losers))
 
 
-def build_view(report: EvalReport, history: Sequence[EvalReport] = (), bars: Any | None = None) -> FeedbackView:
-    """Check the report and its history, then strip them to what the signals may read (see module docstring)."""
+def build_view(report: EvalReport, history: Sequence[EvalReport | HistoryEntry] = (),
+               bars: Any | None = None) -> FeedbackView:
+    """Check the report and its history (reports, or `HistoryEntry`s made of them), then strip them to what the
+    signals may read (see module docstring)."""
     check_report(report, bars)
-    check_history(report, history)
-    hist = tuple(HistoryPoint(epoch=h.epoch, val_sharpe=h.val.metric("per_trade_sharpe"),
-                              val_n_trades=len(h.val.trades), knobs=h.trained_knobs())
-                 for h in sorted(history, key=lambda h: h.epoch))
+    hist = tuple(e.point for e in sorted(check_history(report, history), key=lambda e: e.epoch))
     return FeedbackView(run_id=report.run_id, epoch=report.epoch, knobs=report.trained_knobs(),
                         val=_val_aggregates(report), insample=_insample(report), history=hist)

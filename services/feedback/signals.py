@@ -33,7 +33,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from services.feedback.guard import FeedbackView, build_view, check_train_indices
+from services.feedback.guard import FeedbackView, HistoryEntry, build_view, check_train_indices
 from shared.knobs import BRANCHES, N_REGIMES, Knobs
 from shared.report import EvalReport, FeedbackBundle, Provenance, Signal
 
@@ -472,9 +472,10 @@ def _disabled_bundle(report: EvalReport, cfg: FeedbackConfig, now: str) -> Feedb
                           report_checkpoint_sha256=report.checkpoint_sha256, created_at=now)
 
 
-def compute_bundle(report: EvalReport, history: Sequence[EvalReport] = (), config: Any = None, *,
+def compute_bundle(report: EvalReport, history: Sequence[EvalReport | HistoryEntry] = (), config: Any = None, *,
                    bars: Any | None = None, now: str | None = None) -> FeedbackBundle:
-    """E1–E9 for epoch `report.epoch + 1` from the report, the run's earlier reports and the config.
+    """E1–E9 for epoch `report.epoch + 1` from the report, the run's earlier reports (or their `HistoryEntry`s) and
+    the config.
 
     The report and history pass the leakage guard first (LeakageError on a window of the wrong split; `bars`
     lets it recompute window hashes). With `config.enabled` False: the fixed schedule (ablation).

@@ -2,7 +2,9 @@
 
 A member of the consumer group "feedback" on `tl:{run}:stream:reports`. Handling one event, idempotent on
 (run, epoch): a bundle of that epoch already stored → only make sure feedback.ready went out (SET NX marker
-`done:feedback:{epoch}`); else read the report and the run's earlier reports from Redis,
+`done:feedback:{epoch}`); else read the report from Redis, and the run's earlier reports as `HistoryEntry`s
+(each earlier report is read, parsed and guarded once per process and kept as its entry: a report is tens of MB
+of JSON, so re-reading all of them at every epoch made the feedback stage grow with the run's length),
 `compute_bundle(report, history, settings)` (the leakage guard runs inside it), store the bundle (first
 wins), publish feedback.ready for epoch + 1. With TL_ENABLED=false the bundle carries the fixed schedule
 (the ablation).
@@ -37,6 +39,7 @@ class FeedbackWorker(ConsumerWorker):
         self.consumer = Consumer(bus, bus.stream("reports"), GROUP, name, self.handle,
                                  block_ms=int(min(1000, bus.socket_timeout_s * 500)))
         state.extra.update(consumer=name, enabled=settings.enabled, bundled=[])
+        self._history: dict[int, object] = {}     # epoch → guard.HistoryEntry of this run's earlier reports
 
     async def handle(self, event: Event) -> None:
         """Handle one eval.completed (see the module docstring)."""
@@ -44,19 +47,26 @@ class FeedbackWorker(ConsumerWorker):
             raise ValueError(f"unexpected event {event.type} on the reports stream")
         store, epoch = self.bus.store, event.epoch
         if not await store.has_bundle(epoch):
-            doc = await store.get_report(epoch)
-            if doc is None:
+            raw = await store.get_raw("report", epoch)
+            if raw is None:
                 raise LookupError(f"eval.completed for epoch {epoch} but no report at {event.report_key}")
-            report = EvalReport.model_validate(doc)
+            report = await asyncio.to_thread(EvalReport.model_validate_json, raw)   # tens of MB: off the loop
+            from services.feedback.guard import history_entry
+            from services.feedback.signals import compute_bundle
+
             history = []
             for e in await store.json_epochs("report"):
                 if e < epoch:
-                    h = await store.get_report(e)
-                    if h is not None:
-                        history.append(EvalReport.model_validate(h))
-            from services.feedback.signals import compute_bundle
+                    if e not in self._history:
+                        h = await store.get_raw("report", e)
+                        if h is None:
+                            continue
+                        self._history[e] = history_entry(
+                            await asyncio.to_thread(EvalReport.model_validate_json, h))
+                    history.append(self._history[e])
 
             bundle = await asyncio.to_thread(compute_bundle, report, history, self.settings)
+            self._history.setdefault(epoch, history_entry(report))       # guarded above, for the next epochs
             if await store.put_bundle(epoch, bundle):
                 self.state.count("bundles_stored")
                 self.state.extra["bundled"] = [*self.state.extra["bundled"], epoch][-100:]
