@@ -192,9 +192,6 @@ class MarketView:
     def rows(self, idx: torch.Tensor) -> "MarketView":
         return MarketView(*(getattr(self, f)[idx] for f in self.FIELDS))
 
-    def to(self, device) -> "MarketView":
-        return MarketView(*(getattr(self, f).to(device) for f in self.FIELDS))
-
     @staticmethod
     def cat(views: list["MarketView"]) -> "MarketView":
         return MarketView(*(torch.cat([getattr(v, f) for v in views]) for f in MarketView.FIELDS))

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from services.trainer.losses import (adapt_entropy_coef, atom_utilisation, c51_cross_entropy, expectile_loss,
+from services.trainer.losses import (adapt_entropy_coef, atom_utilisation, c51_cross_entropy_probs, expectile_loss,
                                      nstep_returns, project_distribution, quantile_huber_loss)
 
 Z3 = torch.tensor([-1.0, 0.0, 1.0])  # 3-atom support, Δz = 1
@@ -50,10 +50,10 @@ def test_projection_keeps_mass_and_mean_inside_support():
 
 
 def test_c51_cross_entropy_by_hand():
-    logits = torch.log(torch.tensor([[0.2, 0.3, 0.5]]))
+    probs = torch.tensor([[0.2, 0.3, 0.5]])
     target = torch.tensor([[0.0, 0.5, 0.5]])
     expected = -(0.5 * math.log(0.3) + 0.5 * math.log(0.5))
-    assert c51_cross_entropy(logits, target).item() == pytest.approx(expected, rel=1e-6)
+    assert c51_cross_entropy_probs(probs, target).item() == pytest.approx(expected, rel=1e-6)
 
 
 def test_quantile_huber_by_hand():

@@ -21,11 +21,15 @@ def project_distribution(tz: torch.Tensor, probs: torch.Tensor, support: torch.T
         (Φ p)_i = Σ_j clip(1 − |clip(T z_j, v_min, v_max) − z_i| / Δz, 0, 1) p_j
     Returns ... × A.
     """
+    return (projection_weights(tz, support) * probs.unsqueeze(-2)).sum(-1)                 # ... × A
+
+
+def projection_weights(tz: torch.Tensor, support: torch.Tensor) -> torch.Tensor:
+    """The weights of Φ: w_ij = clip(1 − |clip(tz_j, v_min, v_max) − z_i| / Δz, 0, 1), tz ... × A' → ... × A × A'."""
     v_min, v_max = support[0], support[-1]
     dz = (v_max - v_min) / (support.shape[0] - 1)                                         # Δz
     tz = tz.clamp(v_min, v_max).unsqueeze(-2)                                              # ... × 1 × A'
-    w = (1.0 - (tz - support.unsqueeze(-1)).abs() / dz).clamp(0.0, 1.0)                    # ... × A × A'
-    return (w * probs.unsqueeze(-2)).sum(-1)                                               # ... × A
+    return (1.0 - (tz - support.unsqueeze(-1)).abs() / dz).clamp(0.0, 1.0)                 # ... × A × A'
 
 
 def shift_distribution(probs: torch.Tensor, delta: torch.Tensor, support: torch.Tensor) -> torch.Tensor:
@@ -33,20 +37,14 @@ def shift_distribution(probs: torch.Tensor, delta: torch.Tensor, support: torch.
     same for its K members) and projected back onto the support: Φ(z + δ) — the agent's portfolio shift
     (`shared.agent.Agent.delta`). Differentiable in probs and δ (the projection weights are piecewise linear in δ).
     Mass pushed past an end of the support piles on that end, as in the C51 projection. Returns N × K × A (fp32)."""
-    dz = (support[-1] - support[0]) / (support.shape[0] - 1)
-    tz = (support.unsqueeze(0) + delta.float().unsqueeze(1)).clamp(support[0], support[-1])  # N × A'
-    w = (1.0 - (tz.unsqueeze(1) - support.view(1, -1, 1)).abs() / dz).clamp(0.0, 1.0)       # N × A × A'
+    w = projection_weights(support.unsqueeze(0) + delta.float().unsqueeze(1), support)     # N × A × A', shared by K
     return torch.einsum("nij,nkj->nki", w, probs.float())
 
 
 def c51_cross_entropy_probs(probs: torch.Tensor, target_probs: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """−Σ_i m_i log p_i for predicted probabilities (a shifted distribution, `shift_distribution`): ... × A → ...."""
+    """−Σ_i m_i log p_i(s, a) of predicted probabilities (a shifted distribution, `shift_distribution`), no gradient
+    through the target: ... × A → ...."""
     return -(target_probs.detach() * torch.log(probs.clamp(min=eps))).sum(-1)
-
-
-def c51_cross_entropy(logits: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:
-    """−Σ_i m_i log p_i(s, a): logits ... × A, target ... × A (no gradient through the target) → ...."""
-    return -(target_probs.detach() * F.log_softmax(logits, dim=-1)).sum(-1)
 
 
 def quantile_huber_loss(pred: torch.Tensor, target: torch.Tensor, taus: torch.Tensor,
