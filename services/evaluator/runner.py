@@ -134,8 +134,8 @@ def _run_group(agent: Agent, market: MarketTensors, emb: torch.Tensor, view: Mar
                length: int, controls: PolicyControls, costs: CostModel, taus: Sequence[float], pred_chunk: int,
                accel: str, graph_chunk: int) -> list[dict[str, Any]]:
     """B = len(starts) accounts of equal window `length`, local starts into `market` (emb, view: every bar's
-    embedding and market view): one `greedy_pass`, then the post hoc predictions batched. Returns per window the `SplitRun` fields as plain arrays, with "preds"
-    the keywords of `autopsy.Predictions`."""
+    embedding and market view): one `greedy_pass`, then the post hoc predictions batched. Returns per window the
+    `SplitRun` fields as plain arrays, with "preds" the keywords of `autopsy.Predictions`."""
     dev = emb.device
     B, L, S = len(starts), length, length - 1
     start_t = torch.tensor(starts, dtype=torch.long, device=dev)                          # B

@@ -91,9 +91,10 @@ class TrainEnv:
         graph and replayed with fresh noise."""
         for i in range(n_steps):
             t = self.sim.t
-            rec = policy_step(agent, self.sim, self.tracker, self.market, controls,
-                              **(dict(view=view_table.rows(t)) if view_table is not None else dict(emb=emb_table[t])),
-                              force_flat=self.force_flat(), noise=noise[i, :, :6])
+            view = None if view_table is None else view_table.rows(t)
+            rec = policy_step(agent, self.sim, self.tracker, self.market, controls, view=view,
+                              emb=emb_table[t] if view is None else None, force_flat=self.force_flat(),
+                              noise=noise[i, :, :6])
             self.on_step(rec, u_start=noise[i, :, 6])
 
     def reset_all(self) -> None:

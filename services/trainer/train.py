@@ -143,8 +143,8 @@ class TrainConfig:
     """Off by default: on the CPU learning bench (3 seeds, `small`) acting on the cached view reached OOS per-trade
     Sharpes 0.493 / 0.647 / 0.411 against 0.941 / 0.606 / 0.595 with the heads run fresh (bench/README.md,
     learning.py, session 5) — staleness of the heads seems to cost more than that of the embeddings. On: collection
-    reads each bar's market view (`Agent.view`: the members' Q of every action, the IQN tail, the code)
-    from a table refreshed with the cached embeddings, so acting costs only the portfolio shift and the policy per
+    reads each bar's market view (`Agent.view`: ensemble-mean Q of every action, the directions' spread, the IQN
+    tail, the code) from a table refreshed with the cached embeddings, so acting costs only the portfolio shift and the policy per
     account-step (the heads run once per bar and refresh, not once per account and step); the policy's market part
     is then as stale as the embeddings (≤ `emb_refresh` updates), its portfolio shift is current. The update's
     double-Q selection at the bootstrap states reads the same table. False: the heads run on the cached embeddings
@@ -603,14 +603,11 @@ def _view_table(cfg: AgentConfig, T: int, device) -> MarketView:
     return MarketView(q=z(cfg.n_actions), q_std=z(3), tail=z(cfg.n_tail, 3), code=z(cfg.code_dim))
 
 
-def _store_view(table: MarketView, idx, v: MarketView) -> None:
-    """table[idx] = v for each field, in place (a slice or an index tensor)."""
+def _store_view(table: MarketView, idx: torch.Tensor, v: MarketView) -> None:
+    """table[idx] = v for each field, in place (`index_copy_`: capturable)."""
     for name in MarketView.FIELDS:
-        dst, src = getattr(table, name), getattr(v, name).to(getattr(table, name).dtype)
-        if isinstance(idx, slice):
-            dst[idx] = src
-        else:
-            dst.index_copy_(0, idx, src)
+        dst = getattr(table, name)
+        dst.index_copy_(0, idx, getattr(v, name).to(dst.dtype))
 
 
 def apply_knobs(state: TrainState, knobs: Knobs) -> None:
@@ -645,7 +642,8 @@ def refresh_embeddings(state: TrainState, chunk: int = 4096) -> None:
         for i in range(0, w.shape[0], chunk):
             out[i:i + chunk] = net.encode(w[i:i + chunk])
             if buf.view_online is not None and net is state.agent:
-                _store_view(buf.view_online, slice(i, i + chunk), net.view(out[i:i + chunk]))
+                rows = torch.arange(i, min(i + chunk, w.shape[0]), device=w.device)
+                _store_view(buf.view_online, rows, net.view(out[i:i + chunk]))
     buf.emb_offset.zero_()
 
 
