@@ -108,7 +108,7 @@ def run_one(dataset: str, seed: int, feedback: bool, args, root: Path) -> dict:
     best = max(ok, key=lambda i: vals[i])
     rep = reports[best]
     val_sr, oos_sr = vals[best], rep.oos.metrics["per_trade_sharpe"] or 0.0
-    val_tr = [t.net_return for t in rep.val.trades]
+    val_tr = rep.val.trades.net_return.tolist()
     var = float(np.var(vals, ddof=1)) if len(vals) >= 2 else None
     d = dsr(val_tr, n_trials=len(vals), sharpe_var_trials=var)
     assert abs(per_trade_sharpe(val_tr) - val_sr) < 1e-9, "report trades disagree with the report's metrics"

@@ -12,7 +12,7 @@ import pytest
 
 from services.evaluator import autopsy as ap
 from services.evaluator.report_builder import build_eval_report, build_split_report, split_definition
-from shared.report import TAUS, EvalReport, bars_window_hash
+from shared.report import SCHEMA_VERSION, TAUS, EvalReport, TradeTable, bars_window_hash
 
 C = 1e-4  # 1 bp per unit of |Δposition|
 T = 30
@@ -268,7 +268,7 @@ def test_report_from_the_simulator_round_trips_as_json():
     text = report.model_dump_json()
     assert "NaN" not in text and "Infinity" not in text
     back = EvalReport.model_validate_json(text)
-    assert back == report and json.loads(text)["schema_version"] == 1
+    assert back == report and json.loads(text)["schema_version"] == SCHEMA_VERSION == 2
 
 
 def test_dsr_is_deflated_by_the_checkpoints_evaluated():
@@ -305,3 +305,38 @@ def test_vectorised_best_exit_equals_the_scalar_definition():
     for t, row in zip(trades, led.sort_values(["entry_t", "exit_t"], kind="stable").itertuples()):
         want = ap.best_exit_return(row.side, row.size, row.entry_price, close, row.entry_t, row.exit_t, row.bars, C)
         assert t.best_exit_return == want
+
+
+# --- the packed trade table ---------------------------------------------------------------------------------
+
+
+def test_trade_table_packs_round_trips_and_matches_its_rows():
+    """Columns ↔ rows ↔ packed JSON agree exactly; hindsight stays None where a trade has none."""
+    rets = [0.02, -0.01, 0.03, -0.04]
+    t = ap.build_trades(_ledger([{"entry_t": 1 + i, "exit_t": 2 + i, "entry_price": 100.0, "exit_price": 100 * (1 + r),
+                                  "net_return": r} for i, r in enumerate(rets)]),
+                        _preds(), np.zeros(T, dtype=int), np.full(T, 100.0), cost_rate=C, offset=50, hindsight=True)
+    rows = t.records()
+    assert [r["net_return"] for r in rows] == rets and [r["entry_t"] for r in rows] == [51, 52, 53, 54]
+    assert [r["hindsight_dir"] is None for r in rows] == [True, False, True, False]    # losers only
+    assert TradeTable.from_records(rows) == t == TradeTable.of(json.loads(json.dumps(t.to_json_dict())))
+    assert t[1].model_dump() == rows[1] and len(t[1:3]) == 2 and t[1:3][0] == t[1]
+    assert ap.hindsight_direction(rows[3]["hindsight_returns"]) == rows[3]["hindsight_dir"]
+
+
+def test_trade_table_refuses_bad_columns_naming_column_and_row():
+    rows = _records([0.01, -0.02, 0.03], [0, 1, 2]).records()
+    with pytest.raises(ValueError, match="row 1, field regime: Input should be less than 9"):
+        TradeTable.from_records([rows[0], {**rows[1], "regime": 9}, rows[2]])    # 9 regimes: 0..8
+    table = TradeTable.from_records(rows)
+    with pytest.raises(ValueError, match="column side row 2"):
+        TradeTable(**{**{k: getattr(table, k) for k in table.to_json_dict()["columns"]}, "side": [1, -1, 0]})
+    packed = TradeTable.from_records(rows).to_json_dict()
+    cols = packed["columns"]
+    with pytest.raises(ValueError, match=r"trades.columns.net_return: 18 bytes where shape \(3,\) of <f8 needs 24"):
+        TradeTable.of({**packed, "columns": {**cols, "net_return": cols["net_return"][:24]}})
+    with pytest.raises(ValueError, match="missing columns .'q_dir'."):
+        TradeTable.of({**packed, "columns": {k: v for k, v in cols.items() if k != "q_dir"}})
+    nan = np.array([0.01, np.nan, 0.03])
+    with pytest.raises(ValueError, match="column net_return row 1"):
+        TradeTable(**{**{k: getattr(TradeTable.from_records(rows), k) for k in cols}, "net_return": nan})

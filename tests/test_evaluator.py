@@ -168,7 +168,7 @@ def test_gates_as_trained_are_applied(bars, feats):
     rep = evaluate_checkpoint(blob, expected_sha256=hashlib.sha256(blob).hexdigest(), bars=bars,
                               split=chronological_split(len(bars), embargo=10), run_id="r", epoch=1,
                               insample_bars=0, oos=False, features=feats)
-    assert rep.val.trades == [] and rep.val.equity[-1] == 1.0 and rep.insample is None and rep.oos is None
+    assert len(rep.val.trades) == 0 and rep.val.equity[-1] == 1.0 and rep.insample is None and rep.oos is None
 
 
 def test_sha256_mismatch_and_untrusted_input_refused(bars, feats, tmp_path):

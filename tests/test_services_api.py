@@ -13,12 +13,14 @@ import threading
 import uuid
 
 import httpx
+import numpy as np
 import pytest
 import uvicorn
 
 from polling import poll_until
 from shared.bus import Bus
 from shared.redis_server import free_port
+from shared.report import TradeTable, pack
 
 pytestmark = pytest.mark.redis
 TOKEN = "s3cret-token-for-tests"
@@ -115,11 +117,21 @@ def test_common_endpoints(services, run_id):
         assert c.get(f"{tr}/ready").status_code == 503
 
 
+TRADE = dict(entry_t=11, exit_t=12, decision_t=10, side=1, size=1.0, entry_price=100.0, exit_price=101.0,
+             net_return=0.01, bars=2, exit_reason="target", regime=3, direction_idx=2, size_idx=0, exit_idx=1,
+             q_pred=0.5, q_quantiles=[-0.5, -0.25, 0.0, 0.25, 0.5], ensemble_std=0.25, q_dir=[-0.5, 0.0, 0.5],
+             direction_error=False, size_error=False, exit_error=False, best_exit_return=0.02,
+             hindsight_returns=None, hindsight_dir=None)
+
+
 def test_reports_and_signals_match_redis(services, redis_url, run_id):
+    rows_in = [TRADE, {**TRADE, "entry_t": 14, "exit_t": 16, "decision_t": 13, "side": -1, "exit_reason": "stop",
+                       "net_return": -0.02, "direction_idx": 0, "direction_error": True}]
     report = {"epoch": 2, "checkpoint_sha256": "ab" * 32, "n_trials": 2, "val_oos_gap": 0.5,
               "val": {"metrics": {"per_trade_sharpe": 0.2, "dsr": 0.7, "n_trades": 12}, "window": [10, 20],
-                      "trades": [{"entry_t": 11, "net_return": 0.01}], "equity": [1.0, 1.01]},
-              "oos": {"metrics": {"per_trade_sharpe": 0.1}, "window": [30, 40], "trades": [], "equity": [1.0]}}
+                      "trades": TradeTable.from_records(rows_in).to_json_dict(), "equity": pack(np.array([1.0, 1.01]))},
+              "oos": {"metrics": {"per_trade_sharpe": 0.1}, "window": [30, 40],
+                      "trades": TradeTable.empty().to_json_dict(), "equity": pack(np.array([1.0]))}}
     bundle = {"epoch": 2, "for_epoch": 3, "report_checkpoint_sha256": "ab" * 32, "enabled": True, "rollback": False,
               "signals": {"E2": {"knob": "epsilon", "value": 0.2, "reason": "r"},
                           "E6": {"knob": "priority_boost", "value": [[5, 2.0]], "reason": "r"}},
@@ -131,7 +143,10 @@ def test_reports_and_signals_match_redis(services, redis_url, run_id):
         rows = c.get(f"{ev}/reports").json()
         assert [(r["epoch"], r["val_per_trade_sharpe"], r["oos_per_trade_sharpe"], r["val_dsr"]) for r in rows] == \
             [(2, 0.2, 0.1, 0.7)]
-        assert c.get(f"{ev}/reports/2/trades").json()["trades"] == report["val"]["trades"]
+        got = c.get(f"{ev}/reports/2/trades").json()
+        assert got["trades"] == rows_in and got["n_trades"] == 2       # packed in Redis, one object per trade here
+        assert c.get(f"{ev}/reports/2/trades", params={"offset": 1, "limit": 5}).json()["trades"] == rows_in[1:]
+        assert c.get(f"{ev}/reports/2/equity").json()["equity"] == [1.0, 1.01]
         assert c.get(f"{ev}/reports/2/equity", params={"split": "oos"}).json()["equity"] == [1.0]
         assert c.get(f"{ev}/reports/3").status_code == 404
         assert c.get(f"{ev}/reports/2/trades", params={"split": "insample"}).status_code == 404

@@ -2,14 +2,16 @@
 
     GET /health /ready /status /metrics /docs          (shared/api.py)
     GET /reports                                       one summary row per stored report
-    GET /reports/{epoch}                               the full EvalReport as stored in Redis
-    GET /reports/{epoch}/trades?split=val|oos|insample the trade ledger of one backtest
-    GET /reports/{epoch}/equity?split=val|oos|insample the equity curve of one backtest
+    GET /reports/{epoch}                               the full EvalReport as stored in Redis (trades and equity
+                                                       packed: `shared.report.TradeTable`, `PackedFloats`)
+    GET /reports/{epoch}/trades?split=&offset=&limit=  the trades of one backtest, one JSON object per trade
+    GET /reports/{epoch}/equity?split=val|oos|insample the equity curve of one backtest, a list of numbers
 
 Reports are read from Redis (the source of truth), so every replica answers the same.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Annotated, Literal
 
@@ -18,6 +20,7 @@ from fastapi import FastAPI, HTTPException, Path, Query
 from services.evaluator.worker import EvaluatorServiceSettings, EvaluatorWorker
 from shared.api import service_plumbing, consumer_lifespan, create_service_app
 from shared.config import load_settings
+from shared.report import TradeTable, unpack_floats
 
 log = logging.getLogger("tradeloop.evaluator")
 EpochPath = Annotated[int, Path(ge=0, le=1_000_000, description="training epoch")]
@@ -74,14 +77,21 @@ def create_app(settings: EvaluatorServiceSettings | None = None) -> FastAPI:
         return await get(epoch)
 
     @app.get("/reports/{epoch}/trades", tags=["reports"], summary="Trades of one backtest of an epoch")
-    async def trades(epoch: EpochPath, split: SplitQuery = "val") -> dict:
+    async def trades(epoch: EpochPath, split: SplitQuery = "val",
+                     offset: Annotated[int, Query(ge=0, description="first trade")] = 0,
+                     limit: Annotated[int | None, Query(ge=0, description="at most this many trades")] = None) -> dict:
         part = split_of(await get(epoch), split, epoch)
-        return {"epoch": epoch, "split": split, "window": part.get("window"), "trades": part.get("trades", [])}
+        table = await asyncio.to_thread(TradeTable.of, part.get("trades") or [])
+        stop = None if limit is None else offset + limit
+        rows = await asyncio.to_thread(table.records, offset, stop)
+        return {"epoch": epoch, "split": split, "window": part.get("window"), "n_trades": len(table),
+                "offset": offset, "trades": rows}
 
     @app.get("/reports/{epoch}/equity", tags=["reports"], summary="Equity curve of one backtest of an epoch")
     async def equity(epoch: EpochPath, split: SplitQuery = "val") -> dict:
         part = split_of(await get(epoch), split, epoch)
-        return {"epoch": epoch, "split": split, "window": part.get("window"), "equity": part.get("equity", [])}
+        eq = unpack_floats(part.get("equity") or [])
+        return {"epoch": epoch, "split": split, "window": part.get("window"), "equity": eq}
 
     app.state.worker, app.state.bus = worker, bus
     return app

@@ -3,7 +3,7 @@
 Pure functions over the simulator's ledger (`shared.execution`, columns `LEDGER_COLUMNS`), per-bar arrays of the
 policy's predictions, regime labels and the window's close prices. Everything is in the window's LOCAL bar
 indices (0 = first bar of the backtested window); `offset` is added to the bar indices written into the
-`TradeRecord`s so reports carry absolute dataset indices.
+`TradeTable` so reports carry absolute dataset indices.
 
 Definitions (tested in tests/test_autopsy.py):
 
@@ -42,7 +42,7 @@ import numpy as np
 import pandas as pd
 
 from shared.knobs import BRANCHES, N_REGIMES
-from shared.report import (TAUS, BranchStats, Calibration, GatePoint, RegimeStats, TradeRecord)
+from shared.report import TAUS, BranchStats, Calibration, GatePoint, RegimeStats, TradeTable
 
 LEDGER_NEEDED = ("account", "entry_t", "exit_t", "side", "size", "entry_price", "exit_price", "net_return", "bars",
                  "exit_reason")
@@ -157,8 +157,8 @@ def _range_max_min(x: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> tuple[np.nd
 
 def build_trades(ledger: pd.DataFrame, preds: Predictions, regimes: np.ndarray, close: np.ndarray, *,
                  cost_rate: float, offset: int = 0, account: int = 0, hindsight: bool = False,
-                 material: float | None = None) -> list[TradeRecord]:
-    """One TradeRecord per closed trade of `account`, with the predictions at its decision bar and its errors.
+                 material: float | None = None) -> TradeTable:
+    """One row per closed trade of `account`, with the predictions at its decision bar and its errors.
 
     ledger: the simulator's ledger over the window (local bar indices); preds, regimes [T], close [T]: the
     window's arrays; cost_rate: (cost_bps + slippage_bps)·1e-4; offset: added to every bar index written;
@@ -198,26 +198,24 @@ def build_trades(ledger: pd.DataFrame, preds: Predictions, regimes: np.ndarray, 
     size_idx = np.asarray(preds.size)[d].astype(np.int64)
     size_err = (preds.n_sizes > 1) & (((r < -mat) & (size_idx == preds.n_sizes - 1)) | ((r > mat) & (size_idx == 0)))
     exit_err = np.isin(reason, ("stop", "target")) & (best - r > mat)
-    cols = dict(entry_t=(e + offset).tolist(), exit_t=(x + offset).tolist(), decision_t=(d + offset).tolist(),
-                side=side.tolist(), size=size.tolist(), entry_price=entry.tolist(), exit_price=exit_px.tolist(),
-                net_return=r.tolist(), bars=bars.tolist(), exit_reason=[str(v) for v in reason],
-                regime=regimes[d].astype(np.int64).tolist(),
-                direction_idx=np.asarray(preds.direction)[d].astype(np.int64).tolist(), size_idx=size_idx.tolist(),
-                exit_idx=np.asarray(preds.exit)[d].astype(np.int64).tolist(),
-                q_pred=np.asarray(preds.q_mean, dtype=np.float64)[d].tolist(),
-                q_quantiles=np.asarray(preds.q_quantiles, dtype=np.float64)[d].tolist(),
-                ensemble_std=np.asarray(preds.ensemble_std, dtype=np.float64)[d].tolist(),
-                q_dir=np.asarray(preds.q_dir, dtype=np.float64)[d].tolist(),
-                direction_error=(r < 0.0).tolist(), size_error=size_err.tolist(), exit_error=exit_err.tolist(),
-                best_exit_return=best.tolist())
-    out: list[TradeRecord] = []
-    for i in range(len(e)):
-        h_ret = h_dir = None
-        if hindsight and r[i] < 0.0:
-            h_ret = hindsight_returns(int(side[i]), float(size[i]), float(entry[i]), float(exit_px[i]), cost_rate)
-            h_dir = hindsight_direction(h_ret)
-        out.append(TradeRecord(**{k: v[i] for k, v in cols.items()}, hindsight_returns=h_ret, hindsight_dir=h_dir))
-    return out
+    # hindsight of losing trades (in-sample): [short, flat, long] returns at the trade's size over its span
+    lose = hindsight & (r < 0.0)
+    h_ret = np.full((len(e), 3), np.nan)
+    h_dir = np.full(len(e), -1, dtype=np.int64)
+    if lose.any():
+        sh = fixed_position_return(-1.0, size[lose], entry[lose], exit_px[lose], cost_rate)
+        lo = fixed_position_return(+1.0, size[lose], entry[lose], exit_px[lose], cost_rate)
+        h_ret[lose] = np.stack([sh, np.zeros_like(sh), lo], axis=1)
+        h_dir[lose] = np.where(np.maximum(sh, lo) <= 0.0, 1, np.where(sh > lo, 0, 2))   # = hindsight_direction
+    return TradeTable(entry_t=e + offset, exit_t=x + offset, decision_t=d + offset, side=side, size=size,
+                      entry_price=entry, exit_price=exit_px, net_return=r, bars=bars, exit_reason=reason.tolist(),
+                      regime=regimes[d], direction_idx=np.asarray(preds.direction)[d], size_idx=size_idx,
+                      exit_idx=np.asarray(preds.exit)[d], q_pred=np.asarray(preds.q_mean)[d],
+                      q_quantiles=np.asarray(preds.q_quantiles)[d].reshape(len(d), len(TAUS)),
+                      ensemble_std=np.asarray(preds.ensemble_std)[d],
+                      q_dir=np.asarray(preds.q_dir)[d].reshape(len(d), 3), direction_error=r < 0.0,
+                      size_error=size_err, exit_error=exit_err, best_exit_return=best, hindsight_returns=h_ret,
+                      hindsight_dir=h_dir)
 
 
 def _sharpe(r: np.ndarray) -> float:
@@ -228,10 +226,10 @@ def _sharpe(r: np.ndarray) -> float:
     return float(r.mean()) / sd if sd > 0 else 0.0
 
 
-def regime_stats(trades: list[TradeRecord], n_regimes: int = N_REGIMES) -> list[RegimeStats]:
+def regime_stats(trades: TradeTable | list, n_regimes: int = N_REGIMES) -> list[RegimeStats]:
     """Per regime label (at the decision bar): trade count, mean/sum net return, win rate, per-trade Sharpe."""
-    reg = np.array([t.regime for t in trades], dtype=np.int64)
-    ret = np.array([t.net_return for t in trades], dtype=np.float64)
+    trades = TradeTable.of(trades)
+    reg, ret = trades.regime, trades.net_return
     out = []
     for k in range(n_regimes):
         r = ret[reg == k]
@@ -241,27 +239,29 @@ def regime_stats(trades: list[TradeRecord], n_regimes: int = N_REGIMES) -> list[
     return out
 
 
-def branch_stats(trades: list[TradeRecord]) -> dict[str, BranchStats]:
+def branch_stats(trades: TradeTable | list) -> dict[str, BranchStats]:
     """Error count and rate per action branch (direction, size, exit) over the closed trades."""
-    ret = np.array([t.net_return for t in trades], dtype=np.float64)
+    trades = TradeTable.of(trades)
+    ret = trades.net_return
     out = {}
     for b in BRANCHES:
-        err = np.array([getattr(t, f"{b}_error") for t in trades], dtype=bool)
+        err = getattr(trades, f"{b}_error")
         n = int(err.size)
         out[b] = BranchStats(n_trades=n, n_errors=int(err.sum()), error_rate=float(err.mean()) if n else 0.0,
                              mean_return_when_error=float(ret[err].mean()) if err.any() else 0.0)
     return out
 
 
-def calibration(trades: list[TradeRecord], taus: tuple[float, ...] = TAUS) -> Calibration:
+def calibration(trades: TradeTable | list, taus: tuple[float, ...] = TAUS) -> Calibration:
     """Quantile coverage, bias, median bias and MAE of the predicted return at entry vs the realised return."""
+    trades = TradeTable.of(trades)
     n = len(trades)
     if n == 0:
         return Calibration(n_trades=0, taus=list(taus), coverage=[0.0] * len(taus), bias=0.0, median_bias=0.0,
                            mae=0.0)
-    r = np.array([t.net_return for t in trades])                       # [K]
-    q = np.array([t.q_pred for t in trades])                           # [K]
-    qs = np.array([t.q_quantiles for t in trades])                     # [K, len(taus)]
+    r = trades.net_return                                              # [K]
+    q = trades.q_pred.astype(np.float64)                               # [K]
+    qs = trades.q_quantiles.astype(np.float64)                         # [K, len(taus)]
     coverage = (r[:, None] <= qs).mean(axis=0)                         # [len(taus)]
     mid = qs[:, list(taus).index(0.5)] if 0.5 in taus else q
     return Calibration(n_trades=n, taus=list(taus), coverage=[float(c) for c in coverage],
@@ -269,11 +269,11 @@ def calibration(trades: list[TradeRecord], taus: tuple[float, ...] = TAUS) -> Ca
                        mae=float(np.mean(np.abs(q - r))))
 
 
-def gate_curve(trades: list[TradeRecord], levels: tuple[float, ...] = GATE_LEVELS) -> list[GatePoint]:
+def gate_curve(trades: TradeTable | list, levels: tuple[float, ...] = GATE_LEVELS) -> list[GatePoint]:
     """Trades an epistemic gate would keep (ensemble_std ≤ θ) for θ at quantiles `levels` of the trades' std,
     and for no gate (θ = None). Approximation: a gated entry is assumed not to be replaced by another trade."""
-    std = np.array([t.ensemble_std for t in trades], dtype=np.float64)
-    ret = np.array([t.net_return for t in trades], dtype=np.float64)
+    trades = TradeTable.of(trades)
+    std, ret = trades.ensemble_std.astype(np.float64), trades.net_return
     points = []
     thresholds = sorted(set(float(v) for v in np.quantile(std, levels))) if std.size else []
     for th in [*thresholds, None]:
@@ -284,21 +284,27 @@ def gate_curve(trades: list[TradeRecord], levels: tuple[float, ...] = GATE_LEVEL
     return points
 
 
-def top_winners(trades: list[TradeRecord], frac: float = 0.1) -> list[int]:
-    """Indices of the ceil(frac · n_winners) winning trades with the largest net returns, best first."""
-    win = [i for i, t in enumerate(trades) if t.net_return > 0.0]
+def top_winners(trades: TradeTable | list, frac: float = 0.1) -> list[int]:
+    """Indices of the ceil(frac · n_winners) winning trades with the largest net returns, best first (ties: the
+    earlier trade first)."""
+    trades = TradeTable.of(trades)
+    r = trades.net_return
+    win = np.flatnonzero(r > 0.0)
     k = math.ceil(frac * len(win))
-    return sorted(win, key=lambda i: -trades[i].net_return)[:k]
+    return win[np.argsort(-r[win], kind="stable")][:k].tolist()
 
 
-def losing_with_hindsight(trades: list[TradeRecord]) -> list[int]:
-    """Indices of losing trades that carry a hindsight-optimal direction, worst first."""
-    idx = [i for i, t in enumerate(trades) if t.net_return < 0.0 and t.hindsight_dir is not None]
-    return sorted(idx, key=lambda i: trades[i].net_return)
+def losing_with_hindsight(trades: TradeTable | list) -> list[int]:
+    """Indices of losing trades that carry a hindsight-optimal direction, worst first (ties: earlier first)."""
+    trades = TradeTable.of(trades)
+    r = trades.net_return
+    idx = np.flatnonzero((r < 0.0) & (trades.hindsight_dir >= 0))
+    return idx[np.argsort(r[idx], kind="stable")].tolist()
 
 
-def disagreement(trades: list[TradeRecord]) -> tuple[float, float]:
+def disagreement(trades: TradeTable | list) -> tuple[float, float]:
     """(mean ensemble std at entry of winners, of losers); 0 for an empty group."""
-    w = [t.ensemble_std for t in trades if t.net_return > 0]
-    lo = [t.ensemble_std for t in trades if t.net_return <= 0]
-    return (float(np.mean(w)) if w else 0.0, float(np.mean(lo)) if lo else 0.0)
+    trades = TradeTable.of(trades)
+    s, r = trades.ensemble_std.astype(np.float64), trades.net_return
+    w, lo = s[r > 0], s[r <= 0]
+    return (float(w.mean()) if w.size else 0.0, float(lo.mean()) if lo.size else 0.0)

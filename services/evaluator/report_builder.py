@@ -49,15 +49,14 @@ def build_split_report(split: SplitName, *, window: tuple[int, int], window_hash
     br, pos, eq = _row(bar_returns, account), _row(positions, account), _row(equity, account)
     trades = ap.build_trades(ledger, preds, regimes, close, cost_rate=cost_rate, offset=start, account=account,
                              hindsight=split == "insample", material=material)
-    tr = np.array([t.net_return for t in trades], dtype=np.float64)
-    tb = np.array([t.bars for t in trades], dtype=np.float64)
+    tr, tb = trades.net_return, trades.bars.astype(np.float64)
     var = trial_sharpe_variance(prior_sharpes, per_trade_sharpe(tr)) if prior_sharpes else None
     metrics = compute_metrics(tr, br, pos, tb, n_trials=max(1, n_trials), sharpe_var_trials=var)
     dis_w, dis_l = ap.disagreement(trades)
     sample = split == "insample"
     return SplitReport(
         split=split, window=(int(start), int(end)), window_hash=window_hash, metrics=metrics, trades=trades,
-        equity=[float(v) for v in eq], regimes=ap.regime_stats(trades), branches=ap.branch_stats(trades),
+        equity=eq, regimes=ap.regime_stats(trades), branches=ap.branch_stats(trades),
         calibration=ap.calibration(trades), gate_curve=ap.gate_curve(trades),
         disagreement_winners=dis_w, disagreement_losers=dis_l,
         top_winners=ap.top_winners(trades, top_frac) if sample else [],

@@ -62,11 +62,39 @@ class InsampleTrade:
     hindsight_dir: int | None
 
 
+@dataclass(frozen=True, eq=False)
+class InsampleTrades:
+    """The in-sample trades as columns (what E6/E7 may read of them); `trades[i]` is an `InsampleTrade`."""
+
+    decision_t: np.ndarray
+    entry_t: np.ndarray
+    exit_t: np.ndarray
+    net_return: np.ndarray
+    direction_idx: np.ndarray
+    hindsight_dir: np.ndarray
+    """−1 where the trade has no hindsight direction."""
+
+    def __len__(self) -> int:
+        return len(self.entry_t)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, InsampleTrades) and all(
+            np.array_equal(getattr(self, f), getattr(other, f)) for f in self.__dataclass_fields__)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __getitem__(self, i: int) -> InsampleTrade:
+        h = int(self.hindsight_dir[i])
+        return InsampleTrade(decision_t=int(self.decision_t[i]), entry_t=int(self.entry_t[i]),
+                             exit_t=int(self.exit_t[i]), net_return=float(self.net_return[i]),
+                             direction_idx=int(self.direction_idx[i]), hindsight_dir=None if h < 0 else h)
+
+
 @dataclass(frozen=True)
 class InsampleSamples:
     window_hash: str
     train: tuple[int, int]
-    trades: tuple[InsampleTrade, ...]
+    trades: InsampleTrades
     top_winners: tuple[int, ...]
     losers: tuple[int, ...]
 
@@ -167,17 +195,17 @@ def check_history(report: EvalReport, history: Sequence[EvalReport | HistoryEntr
     return out
 
 
-def check_train_indices(indices: Sequence[int], train: tuple[int, int], what: str) -> None:
+def check_train_indices(indices: Sequence[int] | np.ndarray, train: tuple[int, int], what: str) -> None:
     """Raise LeakageError when a sample-level signal indexes a bar outside the training split."""
-    bad = [int(i) for i in indices if not train[0] <= int(i) < train[1]]
+    idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+    bad = idx[(idx < train[0]) | (idx >= train[1])].tolist()
     if bad:
         raise LeakageError(f"{what}: bar indices {bad[:5]} are outside the training split {train}")
 
 
 def _val_aggregates(report: EvalReport) -> ValAggregates:
     v = report.val
-    r = np.array([t.net_return for t in v.trades], dtype=np.float64)
-    s = np.array([t.ensemble_std for t in v.trades], dtype=np.float64)
+    r, s = v.trades.net_return, v.trades.ensemble_std.astype(np.float64)
     return ValAggregates(
         window_hash=v.window_hash, metrics=dict(v.metrics), calibration=v.calibration.model_copy(deep=True),
         branches={k: b.model_copy() for k, b in v.branches.items()}, regimes=tuple(v.regimes),
@@ -190,11 +218,11 @@ def _insample(report: EvalReport) -> InsampleSamples | None:
     ins = report.insample
     if ins is None:
         return None
-    trades = tuple(InsampleTrade(decision_t=t.decision_t, entry_t=t.entry_t, exit_t=t.exit_t,
-                                 net_return=t.net_return, direction_idx=t.direction_idx,
-                                 hindsight_dir=t.hindsight_dir) for t in ins.trades)
-    check_train_indices([t.decision_t for t in trades] + [t.exit_t for t in trades], report.split.train,
-                        "insample trades")
+    t = ins.trades
+    trades = InsampleTrades(decision_t=t.decision_t.copy(), entry_t=t.entry_t.copy(), exit_t=t.exit_t.copy(),
+                            net_return=t.net_return.copy(), direction_idx=t.direction_idx.astype(np.int64),
+                            hindsight_dir=t.hindsight_dir.astype(np.int64))
+    check_train_indices(np.concatenate([trades.decision_t, trades.exit_t]), report.split.train, "insample trades")
     return InsampleSamples(window_hash=ins.window_hash, train=report.split.train, trades=trades,
                            top_winners=tuple(ins.top_winners), losers=tuple(ins.losers))
 
