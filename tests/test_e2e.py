@@ -102,6 +102,7 @@ def test_up_three_epochs_closes_the_loop(tmp_path):
     # the services reported their status while running
     assert seen["status"]["trainer"]["run_id"] == "e2e" and seen["status"]["trainer"]["pid"] > 0
     assert "stream_lag" in seen["status"]["evaluator"]
+    assert seen["status"]["evaluator"]["warm_up_s"] > 0      # data, features and a pass were ready before epoch 1
 
     server = _redis_of_run(tmp_path / "runs" / "e2e")
     r = redis.Redis.from_url(server.url, decode_responses=True)

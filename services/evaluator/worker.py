@@ -44,11 +44,15 @@ class EvaluatorServiceSettings(EvaluatorSettings):
     data_seed: int = Field(default=0, ge=0, description="seed of the synthetic dataset (shared by all services)")
 
 
-@lru_cache(maxsize=4)
-def _bars(dataset: str, data_seed: int, n_bars: int):
+@lru_cache(maxsize=2)
+def _load(dataset: str, data_seed: int):
     from shared.market import load_dataset
 
-    bars = load_dataset(dataset, seed=data_seed)
+    return load_dataset(dataset, seed=data_seed)
+
+
+def _bars(dataset: str, data_seed: int, n_bars: int):
+    bars = _load(dataset, data_seed)
     if n_bars > len(bars):
         raise ValueError(f"checkpoint's split needs {n_bars} bars but dataset {dataset!r} has {len(bars)}")
     return bars.slice(0, n_bars) if n_bars < len(bars) else bars
@@ -87,6 +91,33 @@ class EvaluatorWorker(ConsumerWorker):
         self._val_sharpes: dict[int, float | None] = {}   # epoch → val per-trade Sharpe of the stored reports
         state.extra.update(consumer=settings.consumer_name, evaluated=[], last_eval_s=None)
 
+    async def run(self) -> None:
+        """Consume (`ConsumerWorker.run`), warming up beside it (`warm_up`)."""
+        if getattr(self, "_warm", None) is None:       # once per process (run() is retried while Redis is down)
+            self._warm = asyncio.create_task(self.warm_up())
+        await super().run()
+
+    async def warm_up(self) -> None:
+        """Before the first checkpoint arrives: load the configured dataset and its features into the cache,
+        start the device and build the native pass by evaluating a random agent on a few bars, so the first
+        evaluation costs what the later ones do (on the H200, 10^5 validation bars: 11.3 s for the first, 0.7 s
+        for the next). Failures only log: the evaluation itself reports them."""
+        t0 = time.perf_counter()
+        try:
+            dataset = self.settings.data
+            bars = await asyncio.to_thread(_load, dataset, self.data_seed)
+            key = (dataset, self.data_seed, len(bars), _file_signature(dataset))
+            if key not in self._data:
+                feats = await asyncio.to_thread(_features, bars)
+                self._data = {key: {"bars": bars, "feats": feats, "hashes": {}}}
+            await asyncio.to_thread(_warm_passes, self._data[key]["bars"], self._data[key]["feats"],
+                                    self.settings.device)
+            self.state.extra["warm_up_s"] = round(time.perf_counter() - t0, 3)
+            log.info("warmed up in %.1fs (dataset %s, %d bars)", time.perf_counter() - t0, dataset, len(bars))
+        except Exception as exc:  # noqa: BLE001
+            log.warning("warm-up failed (the evaluation will say why if it matters): %s: %s",
+                        type(exc).__name__, exc)
+
     async def handle(self, event: Event) -> None:
         """Handle one checkpoint.published (see the module docstring)."""
         if not isinstance(event, CheckpointPublished):
@@ -113,6 +144,10 @@ class EvaluatorWorker(ConsumerWorker):
 
     async def _evaluate(self, event: CheckpointPublished) -> EvalReport:
         from shared.market import Split
+
+        warm = getattr(self, "_warm", None)
+        if warm is not None and not warm.done():     # the same data: wait for the warm-up rather than load twice
+            await asyncio.shield(warm)
 
         data = await self.bus.store.get_checkpoint(event.epoch, event.sha256)
         meta = _metadata(data)
@@ -178,6 +213,18 @@ def _metadata(data: bytes) -> dict:
 
     _, meta = load_checkpoint(data)
     return meta
+
+
+def _warm_passes(bars, feats, device: str) -> None:
+    """One greedy pass of a random agent over the first few hundred bars (device start, kernels, native loop)."""
+    from shared.agent import Agent, AgentConfig
+    from services.evaluator.runner import window_passes
+
+    n = min(len(bars), 512)
+    if n < 2:
+        return
+    agent = Agent(AgentConfig(n_features=feats.shape[1])).to(device)
+    window_passes(agent, bars.slice(0, n), [(0, n)], taus=(0.5,), features=feats[:n], device=device)
 
 
 def _run_eval(data, event, bars, split, n_trials, prior, knobs, feats, device, dataset) -> EvalReport:
