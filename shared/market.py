@@ -22,6 +22,7 @@ import csv
 import hashlib
 import math
 import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -381,6 +382,8 @@ def _check_rows(ts: pd.DatetimeIndex, px: dict[str, np.ndarray], col: _Collector
     t = ts.asi8.astype(np.int64)
     ok_t = ~ts.isna()
     idx = np.flatnonzero(ok_t)
+    if len(idx) == len(t) and bool((np.diff(t) > 0).all()):
+        idx = idx[:0]                       # every timestamp parsed and strictly increasing: nothing to report
     if len(idx) > 1:
         prev, cur = idx[:-1], idx[1:]
         for p, c in zip(prev[t[cur] < t[prev]], cur[t[cur] < t[prev]]):
@@ -409,13 +412,76 @@ def _check_rows(ts: pd.DatetimeIndex, px: dict[str, np.ndarray], col: _Collector
                 col.add(int(i), "volume", "negative_volume", f"volume must be ≥ 0 (got volume={_fmt(v[i])})")
 
 
-def load_bars(path: str | Path, *, name: str | None = None) -> Bars:
+def _read_csv_fast(path: Path, name: str | None) -> Bars | None:
+    """The common case at the C parser's speed: a plain UTF-8 `.csv` with numeric price columns and ISO-8601 or
+    epoch timestamps, every row valid under the same rules. None on anything else, and `load_bars` then reads the
+    file again with the validating reader, which names every problem with its line: this path only accepts.
+    Bit-identical to the validating reader on what it accepts (tests/test_market.py); 5·10^6 rows: ~70 s → ~s."""
+    if path.suffix.lower() != ".csv" or not path.is_file():
+        return None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", pd.errors.ParserWarning)   # a row longer than the header
+            df = pd.read_csv(path, skipinitialspace=True, index_col=False, encoding="utf-8-sig", engine="c",
+                             low_memory=False)
+    except Exception:  # noqa: BLE001 — any trouble: the validating reader says what it is
+        return None
+    if bool(df.isna().to_numpy().any()):    # an empty or NaN cell, or a row shorter than the header
+        return None
+    col = _Collector(str(path), np.arange(len(df), dtype=np.int64), "row")
+    try:
+        mapping = _normalise_columns(df, col)
+    except DataError:
+        return None
+    if len(df) == 0 or col.problems or len(df.columns) != len(set(map(str, df.columns))):
+        return None
+    px = {}
+    for c in (*PRICE_COLUMNS, "volume"):
+        if c in mapping:
+            v = df[mapping[c]]
+            if not pd.api.types.is_numeric_dtype(v) or pd.api.types.is_bool_dtype(v):
+                return None
+            px[c] = v.to_numpy(dtype=np.float64, na_value=np.nan)
+            if not np.isfinite(px[c]).all():
+                return None
+    t = df[mapping["timestamp"]]
+    if pd.api.types.is_numeric_dtype(t) and not pd.api.types.is_bool_dtype(t):
+        ts = _epoch(t.to_numpy(dtype=np.float64, na_value=np.nan))
+    elif pd.api.types.is_object_dtype(t) or pd.api.types.is_string_dtype(t):
+        if t.isna().any() or not isinstance(t.iat[0], str) or _EPOCH_RE.match(t.iat[0].strip()):
+            return None                     # epoch numbers as text, or not text: the validating reader decides
+        aware = bool(_TZ_RE.search(t.iat[0]))
+        if aware and not t.str.contains(_TZ_RE).all():
+            return None                     # naive and zoned stamps mixed: the validating reader's rule decides
+        try:
+            ts = pd.DatetimeIndex(pd.to_datetime(t, format="ISO8601", utc=aware))
+        except (ValueError, TypeError, OverflowError):
+            return None
+        if (ts.tz is not None) != aware:
+            return None
+    else:
+        return None
+    if ts.isna().any():
+        return None
+    _check_rows(ts, px, col, str(mapping["timestamp"]) or "timestamp")
+    if col.problems:
+        return None
+    return Bars(timestamps=ts, **{c: px[c] for c in PRICE_COLUMNS}, volume=px.get("volume", np.zeros(len(df))),
+                name=name or path.name.split(".")[0], source=str(path))
+
+
+def load_bars(path: str | Path, *, name: str | None = None, fast: bool = True) -> Bars:
     """Load OHLCV bars from a CSV or Parquet file, validating every row.
 
     Accepts a `timestamp`/`date`/`time`/`datetime` column (or an unnamed first index column), columns
     open/high/low/close in any case, and an optional volume. Raises `DataError` listing every problem
-    (row ordering is checked on the timestamps as given: the file is never silently re-sorted)."""
+    (row ordering is checked on the timestamps as given: the file is never silently re-sorted).
+    fast: try the C parser first (`_read_csv_fast`); the validating reader reads whatever it does not accept."""
     path = Path(path)
+    if fast:
+        bars = _read_csv_fast(path, name)
+        if bars is not None:
+            return bars
     df, row_names, row_label = _read_table(path)
     col = _Collector(str(path), row_names, row_label)
     mapping = _normalise_columns(df, col)

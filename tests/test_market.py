@@ -279,3 +279,48 @@ def test_walk_forward_folds():
         walk_forward_folds(1000, n_folds=0)
     with pytest.raises(ValueError, match="too few"):
         walk_forward_folds(45, n_folds=5)  # 45 − 2·20 = 5 bars for 9 units
+
+
+def _same_bars(a, b) -> bool:
+    return a.timestamps.equals(b.timestamps) and all(
+        np.array_equal(getattr(a, c), getattr(b, c)) for c in ("open", "high", "low", "close", "volume"))
+
+
+@pytest.mark.parametrize("kind", ["bundled_eurusd", "bundled_sp500", "synthetic", "aware", "epoch"])
+def test_fast_csv_reader_accepts_clean_files_bit_identical_to_the_validating_reader(tmp_path, kind):
+    from pathlib import Path
+
+    from shared.market import _read_csv_fast
+
+    data = Path(__file__).resolve().parents[1] / "shared" / "data"
+    if kind.startswith("bundled"):
+        p = data / ("eurusd_1h_2017.csv" if kind.endswith("eurusd") else "sp500_daily_1999_2018.csv")
+    else:
+        frame = generate(n_bars=3000, seed=3).bars.to_frame().rename_axis("timestamp")
+        if kind == "aware":
+            frame.index = frame.index.tz_localize("UTC").tz_convert("America/New_York")
+        if kind == "epoch":
+            frame.index = frame.index.asi8 // 10**9
+        p = tmp_path / "bars.csv"
+        frame.to_csv(p)
+    fast = _read_csv_fast(p, None)
+    assert fast is not None, "the fast reader should accept this clean file"
+    assert _same_bars(fast, load_bars(p, fast=False)) and _same_bars(fast, load_bars(p))
+    if kind == "aware":
+        assert str(fast.timestamps.tz) == "UTC"
+
+
+def test_fast_csv_reader_leaves_every_problem_to_the_validating_reader(tmp_path):
+    """A bad cell anywhere: the fast reader declines, and load_bars names the file line and the column."""
+    from shared.market import _read_csv_fast
+
+    rows = "".join(f"2020-01-0{d} 00:00:00,1,2,0.5,1.5,10\n" for d in range(1, 6))
+    for bad, where in ((rows.replace(",0.5,", ",abc,", 1), "csv:2: column 'low'"),
+                       (rows.replace("2020-01-04", "2020-01-02"), "csv:5: column 'timestamp'"),
+                       (rows.replace(",2,0.5,1.5,10\n2020-01-05", ",2,0.5,1.5\n2020-01-05"), "csv:5:"),
+                       (rows.replace(",2,0.5", ",0.9,0.5", 1), "csv:2: column 'high'"),
+                       (rows.replace("1.5,10\n", "1.5,10,7\n", 1), "csv:2: 7 fields, but the header has 6")):
+        p = _write(tmp_path, "timestamp,open,high,low,close,volume\n" + bad)
+        assert _read_csv_fast(p, None) is None
+        with pytest.raises(DataError, match=where):
+            load_bars(p)
