@@ -39,6 +39,22 @@ from shared.api import trainer_history_key
 from shared.redis_server import EmbeddedRedis
 
 
+def _chunk_csv(frame) -> str:
+    return frame.to_csv(header=False)
+
+
+def write_csv(frame, path: Path) -> None:
+    """`frame.to_csv(path)`, the rows formatted in parallel chunks (5·10^6 rows: ~70 s on one core)."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    n = max(1, min(os.cpu_count() or 1, 16))
+    step = -(-len(frame) // n)
+    with ProcessPoolExecutor(n) as pool, open(path, "w") as f:
+        f.write(frame.head(0).to_csv())
+        for text in pool.map(_chunk_csv, [frame.iloc[i:i + step] for i in range(0, len(frame), step)]):
+            f.write(text)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--epochs", type=int, default=3)
@@ -60,7 +76,7 @@ def main() -> None:
         a.data_bars = int(a.val_bars / 0.196) + 1
         csv = tmp / "bars.csv"
         freq = "h" if a.data_bars < 2_000_000 else "min"       # hourly stamps past 2262 overflow nanoseconds
-        generate(n_bars=a.data_bars, seed=0, freq=freq).bars.to_frame().rename_axis("timestamp").to_csv(csv)
+        write_csv(generate(n_bars=a.data_bars, seed=0, freq=freq).bars.to_frame().rename_axis("timestamp"), csv)
         data = ["--dataset", str(csv)]
     env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "TL_REDIS_URL")}
     cmd = [sys.executable, "-m", "tradeloop.cli", "up", "--epochs", str(a.epochs), "--device", a.device,

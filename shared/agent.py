@@ -299,8 +299,11 @@ class Agent(nn.Module):
         N, A, K = emb.shape[0], self.cfg.n_atoms, self.cfg.ensemble
         h = self.trunk(emb)                                                                 # N × H
         # every stream of every member in one matmul: [V | A_direction | A_size | A_exit], K blocks each
-        w = torch.cat([x.transpose(0, 1).reshape(h.shape[1], -1) for x in (self.value_w, *self.adv_w)], dim=1)
-        b = torch.cat([x.reshape(-1) for x in (self.value_b, *self.adv_b)])
+        # (ParameterLists indexed, not unpacked: torch 2.11's dynamo cannot unpack one into a tuple)
+        ws = [self.value_w] + [self.adv_w[i] for i in range(len(self.adv_w))]
+        bs = [self.value_b] + [self.adv_b[i] for i in range(len(self.adv_b))]
+        w = torch.cat([x.transpose(0, 1).reshape(h.shape[1], -1) for x in ws], dim=1)
+        b = torch.cat([x.reshape(-1) for x in bs])
         out = h @ w + b                                                                     # N × K·(1 + NB)·A
         value = out[:, :K * A].view(N, K, A)                                                # N × K × A
         logits, at = [], K * A
