@@ -21,6 +21,7 @@
                          E8: "E8 regime weights", E9: "E9 regime confidence"};
   const TIMEOUT_MS = 2500;
   const LAG_KEEP = 240;  // lag samples kept on the lag chart
+  const MAX_MARKED_TRADES = 2000;  // trades marked on an equity chart (a 10^5-bar window can hold 3·10^4)
 
   const state = {
     config: null,
@@ -192,10 +193,11 @@
       const detail = {epoch: latest};
       for (const split of ["val", "oos"]) {
         const [eq, tr] = await Promise.all([getOr(base, `/reports/${latest}/equity?split=${split}`, null),
-                                            getOr(base, `/reports/${latest}/trades?split=${split}`, null)]);
+                                            getOr(base, `/reports/${latest}/trades?split=${split}&limit=${MAX_MARKED_TRADES}`, null)]);
         const e = eq && (Array.isArray(eq.equity) ? eq : splitDetail(eq, split));
         const t = tr && (Array.isArray(tr.trades) ? tr : splitDetail(tr, split));
         detail[split] = {equity: e && e.equity ? e.equity.map(num) : null, trades: (t && t.trades) || [],
+                         nTrades: t && num(t.n_trades) !== null ? num(t.n_trades) : ((t && t.trades) || []).length,
                          window: (e && e.window) || (t && t.window) || null};
       }
       if (detail.val.equity) { state.latestDetail = detail; state.detailEpoch = latest; }
@@ -318,8 +320,9 @@
       chart.opts.title = `${split === "val" ? "Validation" : "OOS"} equity, epoch ${d.epoch}`;
       chart.update([{name: "equity", color: split === "val" ? "#1f77b4" : "#ff7f0e",
                      points: eq.map((v, k) => [k, v])}], markers);
-      const n = (sd.trades || []).length;
-      $(`equity-${split}-note`).textContent = `${n} trades (▲ long entry, ▼ short entry, × exit); x: bars into the window`;
+      const n = (sd.trades || []).length, total = sd.nTrades !== undefined ? sd.nTrades : n;
+      const shown = total > n ? `${total} trades, the first ${n} marked` : `${n} trades`;
+      $(`equity-${split}-note`).textContent = `${shown} (▲ long entry, ▼ short entry, × exit); x: bars into the window`;
     }
 
     const H = state.history;

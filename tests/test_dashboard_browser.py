@@ -130,7 +130,7 @@ def test_dashboard_shows_the_loop_and_a_stopped_service(loop, tmp_path):
             print(f"--- {name} log ---\n{path.read_text(errors='replace')[-3000:]}")
         raise
     latest = reports[-1]["epoch"]
-    val_trades = get_json(f"{urls['evaluator']}/reports/{latest}/trades?split=val")["trades"]
+    val_trades = get_json(f"{urls['evaluator']}/reports/{latest}/trades?split=val&limit=2000")["trades"]
     val_equity = get_json(f"{urls['evaluator']}/reports/{latest}/equity?split=val")["equity"]
     history = get_json(urls["trainer"] + "/api/history")
 
@@ -161,7 +161,7 @@ def test_dashboard_shows_the_loop_and_a_stopped_service(loop, tmp_path):
             # the equity chart of the epoch it shows: every bar, and an entry + exit marker per trade
             shown = page.evaluate("() => window.tradeloopDashboard.state.latestDetail.epoch")
             if shown != latest:  # a newer epoch landed meanwhile: compare with that one
-                val_trades = get_json(f"{urls['evaluator']}/reports/{shown}/trades?split=val")["trades"]
+                val_trades = get_json(f"{urls['evaluator']}/reports/{shown}/trades?split=val&limit=2000")["trades"]
                 val_equity = get_json(f"{urls['evaluator']}/reports/{shown}/equity?split=val")["equity"]
             assert counts["chart-equity-val"]["points"] == len(val_equity) > 1, counts["chart-equity-val"]
             assert counts["chart-equity-val"]["markers"] == 2 * len(val_trades), (counts["chart-equity-val"],

@@ -143,6 +143,8 @@ def test_reports_and_signals_match_redis(services, redis_url, run_id):
         rows = c.get(f"{ev}/reports").json()
         assert [(r["epoch"], r["val_per_trade_sharpe"], r["oos_per_trade_sharpe"], r["val_dsr"]) for r in rows] == \
             [(2, 0.2, 0.1, 0.7)]
+        assert rows[0]["metrics"] == {"val": report["val"]["metrics"], "oos": report["oos"]["metrics"]}
+        assert c.get(f"{ev}/reports").json() == rows          # the second poll: the cached row
         got = c.get(f"{ev}/reports/2/trades").json()
         assert got["trades"] == rows_in and got["n_trades"] == 2       # packed in Redis, one object per trade here
         assert c.get(f"{ev}/reports/2/trades", params={"offset": 1, "limit": 5}).json()["trades"] == rows_in[1:]

@@ -28,7 +28,8 @@ SplitQuery = Annotated[Literal["val", "oos", "insample"], Query(description="whi
 
 
 def report_summary(epoch: int, doc: dict) -> dict:
-    """The /reports row of one stored report (Sharpes un-annualized, per trade)."""
+    """The /reports row of one stored report (Sharpes un-annualized, per trade), with every metric of its val and
+    OOS backtests under "metrics" (what the dashboard shows, without reading the report itself)."""
     def m(split: str, key: str):
         return ((doc.get(split) or {}).get("metrics") or {}).get(key)
 
@@ -37,7 +38,8 @@ def report_summary(epoch: int, doc: dict) -> dict:
             "val_dsr": m("val", "dsr"), "val_psr": m("val", "psr"), "val_n_trades": m("val", "n_trades"),
             "oos_n_trades": m("oos", "n_trades"), "val_total_return": m("val", "total_return"),
             "oos_total_return": m("oos", "total_return"), "val_oos_gap": doc.get("val_oos_gap"),
-            "created_at": doc.get("created_at")}
+            "created_at": doc.get("created_at"),
+            "metrics": {w: dict((doc.get(w) or {}).get("metrics") or {}) for w in ("val", "oos")}}
 
 
 def create_app(settings: EvaluatorServiceSettings | None = None) -> FastAPI:
@@ -63,13 +65,20 @@ def create_app(settings: EvaluatorServiceSettings | None = None) -> FastAPI:
             raise HTTPException(404, f"report of epoch {epoch} has no {split} backtest")
         return part
 
+    # a report is stored once per epoch (first wins: `Store.put_report`), so its summary row is computed once —
+    # the dashboard polls this list, and a report is tens to hundreds of MB
+    summaries: dict[int, dict] = {}
+
     @app.get("/reports", tags=["reports"], summary="One summary row per stored report")
     async def reports() -> list[dict]:
         out = []
         for e in await bus.store.json_epochs("report"):
-            doc = await bus.store.get_report(e)
-            if doc is not None:
-                out.append(report_summary(e, doc))
+            if e not in summaries:
+                doc = await bus.store.get_report(e)
+                if doc is None:
+                    continue
+                summaries[e] = report_summary(e, doc)
+            out.append(summaries[e])
         return out
 
     @app.get("/reports/{epoch}", tags=["reports"], summary="The full report of an epoch")
