@@ -68,8 +68,12 @@ def _file_signature(dataset: str) -> tuple[int, int] | None:
 
 
 def _features(bars):
-    from shared.market import compute_features
+    """The features of the loaded series, and its volatility and regime labels (memoised on `bars`: the regime
+    labels' rolling quantiles alone take seconds on 10^6 bars, which the first evaluation would otherwise pay)."""
+    from shared.market import compute_features, regime_labels, volatility
 
+    volatility(bars)
+    regime_labels(bars)
     return compute_features(bars)
 
 
