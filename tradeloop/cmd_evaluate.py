@@ -99,7 +99,8 @@ def register(app) -> None:
         as_json: bool = typer.Option(False, "--json", help="Print the metrics as one JSON object."),
         report: bool = typer.Option(False, "--report", help="Agent only: the evaluator's full report (val, OOS, "
                                     "in-sample autopsy, calibration, ledgers, equity) as JSON, as the service "
-                                    "stores it."),
+                                    "stores it (trades and equity packed: shared.report.TradeTable.of(doc['val']"
+                                    "['trades']).records() gives rows)."),
     ) -> None:
         """Run a policy over the validation or test split and print its metrics (Sharpes un-annualized)."""
         from shared.checkpoints import CheckpointError
