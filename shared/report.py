@@ -250,10 +250,15 @@ class TradeTable:
         return self.n
 
     def __getattr__(self, name: str) -> np.ndarray:
-        try:
-            return self._cols[name]
-        except KeyError:
-            raise AttributeError(f"TradeTable has no column {name!r}") from None
+        if name.startswith("_") or name not in TRADE_COLUMNS:   # (copy/pickle probe dunders before _cols exists)
+            raise AttributeError(f"TradeTable has no attribute {name!r}")
+        return self._cols[name]
+
+    def __getstate__(self) -> dict[str, np.ndarray]:
+        return self._cols
+
+    def __setstate__(self, cols: dict[str, np.ndarray]) -> None:
+        self._cols, self.n = cols, len(cols["entry_t"])
 
     def records(self, start: int = 0, stop: int | None = None) -> list[dict[str, Any]]:
         """Rows [start, stop) as dicts of `TradeRecord` fields (JSON-ready: None where a trade has no hindsight)."""

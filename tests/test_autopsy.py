@@ -2,8 +2,10 @@
 calibration; and the report builder over the real simulator."""
 from __future__ import annotations
 
+import copy
 import json
 import math
+import pickle
 import statistics
 
 import numpy as np
@@ -322,6 +324,9 @@ def test_trade_table_packs_round_trips_and_matches_its_rows():
     assert TradeTable.from_records(rows) == t == TradeTable.of(json.loads(json.dumps(t.to_json_dict())))
     assert t[1].model_dump() == rows[1] and len(t[1:3]) == 2 and t[1:3][0] == t[1]
     assert ap.hindsight_direction(rows[3]["hindsight_returns"]) == rows[3]["hindsight_dir"]
+    assert copy.deepcopy(t) == t == pickle.loads(pickle.dumps(t))
+    with pytest.raises(AttributeError, match="no attribute 'pnl'"):
+        t.pnl
 
 
 def test_trade_table_refuses_bad_columns_naming_column_and_row():
