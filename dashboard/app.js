@@ -21,7 +21,8 @@
                          E8: "E8 regime weights", E9: "E9 regime confidence"};
   const TIMEOUT_MS = 2500;
   const LAG_KEEP = 240;  // lag samples kept on the lag chart
-  const MAX_MARKED_TRADES = 2000;  // trades marked on an equity chart (a 10^5-bar window can hold 3·10^4)
+  const MAX_MARKED_TRADES = 2000;
+  const MAX_EQUITY_POINTS = 4000;  // an equity chart's points (min-max decimated by the evaluator)  // trades marked on an equity chart (a 10^5-bar window can hold 3·10^4)
 
   const state = {
     config: null,
@@ -192,11 +193,12 @@
     if (latest !== null && latest !== state.detailEpoch) {
       const detail = {epoch: latest};
       for (const split of ["val", "oos"]) {
-        const [eq, tr] = await Promise.all([getOr(base, `/reports/${latest}/equity?split=${split}`, null),
+        const [eq, tr] = await Promise.all([getOr(base, `/reports/${latest}/equity?split=${split}&max_points=${MAX_EQUITY_POINTS}`, null),
                                             getOr(base, `/reports/${latest}/trades?split=${split}&limit=${MAX_MARKED_TRADES}`, null)]);
         const e = eq && (Array.isArray(eq.equity) ? eq : splitDetail(eq, split));
         const t = tr && (Array.isArray(tr.trades) ? tr : splitDetail(tr, split));
         detail[split] = {equity: e && e.equity ? e.equity.map(num) : null, trades: (t && t.trades) || [],
+                         x: e && Array.isArray(e.x) && e.equity && e.x.length === e.equity.length ? e.x.map(num) : null,
                          nTrades: t && num(t.n_trades) !== null ? num(t.n_trades) : ((t && t.trades) || []).length,
                          window: (e && e.window) || (t && t.window) || null};
       }
@@ -302,7 +304,13 @@
       const sd = d && d[split];
       if (!sd || !sd.equity) { chart.update([], []); continue; }
       const eq = sd.equity;
+      const xs = sd.x || eq.map((_, k) => k);          // bar offsets of the (decimated) points
       const w0 = sd.window ? sd.window[0] : 0;
+      const at = (bar) => {                              // the point at or just before a bar offset
+        let lo = 0, hi = xs.length - 1;
+        while (lo < hi) { const mid = (lo + hi + 1) >> 1; if (xs[mid] <= bar) lo = mid; else hi = mid - 1; }
+        return lo;
+      };
       const markers = [];
       for (const t of sd.trades || []) {
         const i = num(t.entry_t), j = num(t.exit_t);
@@ -310,16 +318,16 @@
         const side = num(t.side) || 0;
         const ret = num(t.net_return);
         const label = `${side > 0 ? "long" : "short"} ${i}→${j}` + (ret !== null ? `, net ${(ret * 100).toFixed(2)} %` : "");
-        const ie = Math.min(Math.max(i - w0, 0), eq.length - 1);
-        markers.push({x: ie, y: eq[ie], shape: side > 0 ? "up" : "down", color: side > 0 ? "#1a9850" : "#d73027", title: label});
+        const ie = Math.max(i - w0, 0);
+        markers.push({x: ie, y: eq[at(ie)], shape: side > 0 ? "up" : "down", color: side > 0 ? "#1a9850" : "#d73027", title: label});
         if (j !== null) {
-          const je = Math.min(Math.max(j - w0, 0), eq.length - 1);
-          markers.push({x: je, y: eq[je], shape: "x", color: "#555", title: `exit (${t.exit_reason || "?"}) ${label}`});
+          const je = Math.max(j - w0, 0);
+          markers.push({x: je, y: eq[at(je)], shape: "x", color: "#555", title: `exit (${t.exit_reason || "?"}) ${label}`});
         }
       }
       chart.opts.title = `${split === "val" ? "Validation" : "OOS"} equity, epoch ${d.epoch}`;
       chart.update([{name: "equity", color: split === "val" ? "#1f77b4" : "#ff7f0e",
-                     points: eq.map((v, k) => [k, v])}], markers);
+                     points: eq.map((v, k) => [xs[k], v])}], markers);
       const n = (sd.trades || []).length, total = sd.nTrades !== undefined ? sd.nTrades : n;
       const shown = total > n ? `${total} trades, the first ${n} marked` : `${n} trades`;
       $(`equity-${split}-note`).textContent = `${shown} (▲ long entry, ▼ short entry, × exit); x: bars into the window`;

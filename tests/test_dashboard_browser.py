@@ -131,7 +131,7 @@ def test_dashboard_shows_the_loop_and_a_stopped_service(loop, tmp_path):
         raise
     latest = reports[-1]["epoch"]
     val_trades = get_json(f"{urls['evaluator']}/reports/{latest}/trades?split=val&limit=2000")["trades"]
-    val_equity = get_json(f"{urls['evaluator']}/reports/{latest}/equity?split=val")["equity"]
+    val_equity = get_json(f"{urls['evaluator']}/reports/{latest}/equity?split=val&max_points=4000")["equity"]
     history = get_json(urls["trainer"] + "/api/history")
 
     with sync_api.sync_playwright() as pw:
@@ -162,7 +162,7 @@ def test_dashboard_shows_the_loop_and_a_stopped_service(loop, tmp_path):
             shown = page.evaluate("() => window.tradeloopDashboard.state.latestDetail.epoch")
             if shown != latest:  # a newer epoch landed meanwhile: compare with that one
                 val_trades = get_json(f"{urls['evaluator']}/reports/{shown}/trades?split=val&limit=2000")["trades"]
-                val_equity = get_json(f"{urls['evaluator']}/reports/{shown}/equity?split=val")["equity"]
+                val_equity = get_json(f"{urls['evaluator']}/reports/{shown}/equity?split=val&max_points=4000")["equity"]
             assert counts["chart-equity-val"]["points"] == len(val_equity) > 1, counts["chart-equity-val"]
             assert counts["chart-equity-val"]["markers"] == 2 * len(val_trades), (counts["chart-equity-val"],
                                                                                  len(val_trades))

@@ -148,7 +148,8 @@ def test_reports_and_signals_match_redis(services, redis_url, run_id):
         got = c.get(f"{ev}/reports/2/trades").json()
         assert got["trades"] == rows_in and got["n_trades"] == 2       # packed in Redis, one object per trade here
         assert c.get(f"{ev}/reports/2/trades", params={"offset": 1, "limit": 5}).json()["trades"] == rows_in[1:]
-        assert c.get(f"{ev}/reports/2/equity").json()["equity"] == [1.0, 1.01]
+        eq = c.get(f"{ev}/reports/2/equity").json()
+        assert eq["equity"] == [1.0, 1.01] and eq["x"] == [0, 1] and eq["n_bars"] == 2
         assert c.get(f"{ev}/reports/2/equity", params={"split": "oos"}).json()["equity"] == [1.0]
         assert c.get(f"{ev}/reports/3").status_code == 404
         assert c.get(f"{ev}/reports/2/trades", params={"split": "insample"}).status_code == 404
@@ -210,3 +211,14 @@ def test_cors_allows_only_the_dashboard_origin(services):
         bad = c.options(f"{tr}/control/pause", headers={"Origin": "http://evil.example",
                                                         "Access-Control-Request-Method": "POST"})
         assert bad.status_code == 400 and "access-control-allow-origin" not in bad.headers
+
+
+def test_equity_decimation_keeps_the_ends_and_every_bucket_extreme():
+    from services.evaluator.app import decimate
+
+    rng = np.random.default_rng(0)
+    curve = np.cumprod(1 + rng.normal(0, 0.01, 100_000))
+    idx = decimate(curve, 400)
+    assert len(idx) <= 400 and idx[0] == 0 and idx[-1] == len(curve) - 1 and (np.diff(idx) > 0).all()
+    assert int(np.argmin(curve)) in idx and int(np.argmax(curve)) in idx      # the drawdown's trough survives
+    assert decimate(curve[:300], 400).tolist() == list(range(300))           # short curves are kept whole

@@ -5,7 +5,8 @@
     GET /reports/{epoch}                               the full EvalReport as stored in Redis (trades and equity
                                                        packed: `shared.report.TradeTable`, `PackedFloats`)
     GET /reports/{epoch}/trades?split=&offset=&limit=  the trades of one backtest, one JSON object per trade
-    GET /reports/{epoch}/equity?split=val|oos|insample the equity curve of one backtest, a list of numbers
+    GET /reports/{epoch}/equity?split=&max_points=     the equity curve of one backtest: bar offsets "x" and
+                                                       values "equity" (min-max decimated to max_points)
 
 Reports are read from Redis (the source of truth), so every replica answers the same.
 """
@@ -15,6 +16,7 @@ import asyncio
 import logging
 from typing import Annotated, Literal
 
+import numpy as np
 from fastapi import FastAPI, HTTPException, Path, Query
 
 from services.evaluator.worker import EvaluatorServiceSettings, EvaluatorWorker
@@ -40,6 +42,23 @@ def report_summary(epoch: int, doc: dict) -> dict:
             "oos_total_return": m("oos", "total_return"), "val_oos_gap": doc.get("val_oos_gap"),
             "created_at": doc.get("created_at"),
             "metrics": {w: dict((doc.get(w) or {}).get("metrics") or {}) for w in ("val", "oos")}}
+
+
+def decimate(curve: np.ndarray, max_points: int) -> np.ndarray:
+    """Indices of at most `max_points` points of `curve` that keep its shape, ascending: the first and the last
+    point, and the minimum and the maximum of each of (max_points − 2) / 2 equal buckets in between (all of them
+    when the curve is that short)."""
+    n = len(curve)
+    if n <= max_points:
+        return np.arange(n)
+    k = max(1, (max_points - 2) // 2)
+    edges = np.linspace(1, n - 1, k + 1).astype(np.int64)
+    idx = [0, n - 1]
+    for a, b in zip(edges[:-1], edges[1:]):
+        if b > a:
+            seg = curve[a:b]
+            idx += [a + int(np.argmin(seg)), a + int(np.argmax(seg))]
+    return np.unique(np.asarray(idx, dtype=np.int64))
 
 
 def create_app(settings: EvaluatorServiceSettings | None = None) -> FastAPI:
@@ -97,10 +116,14 @@ def create_app(settings: EvaluatorServiceSettings | None = None) -> FastAPI:
                 "offset": offset, "trades": rows}
 
     @app.get("/reports/{epoch}/equity", tags=["reports"], summary="Equity curve of one backtest of an epoch")
-    async def equity(epoch: EpochPath, split: SplitQuery = "val") -> dict:
+    async def equity(epoch: EpochPath, split: SplitQuery = "val",
+                     max_points: Annotated[int | None, Query(ge=4, description="decimate to at most this many "
+                                                             "points (min and max per bucket)")] = None) -> dict:
         part = split_of(await get(epoch), split, epoch)
-        eq = unpack_floats(part.get("equity") or [])
-        return {"epoch": epoch, "split": split, "window": part.get("window"), "equity": eq}
+        eq = np.asarray(unpack_floats(part.get("equity") or []))
+        x = decimate(eq, max_points) if max_points is not None else np.arange(len(eq))
+        return {"epoch": epoch, "split": split, "window": part.get("window"), "n_bars": len(eq),
+                "x": x.tolist(), "equity": eq[x].tolist()}
 
     app.state.worker, app.state.bus = worker, bus
     return app
