@@ -45,14 +45,16 @@ class EvaluatorServiceSettings(EvaluatorSettings):
 
 
 @lru_cache(maxsize=2)
-def _load(dataset: str, data_seed: int):
+def _load(dataset: str, data_seed: int, signature: tuple[int, int] | None):
+    """The whole series (`signature`: the file's `_file_signature`, part of the cache key: an edited file is
+    read again)."""
     from shared.market import load_dataset
 
     return load_dataset(dataset, seed=data_seed)
 
 
 def _bars(dataset: str, data_seed: int, n_bars: int):
-    bars = _load(dataset, data_seed)
+    bars = _load(dataset, data_seed, _file_signature(dataset))
     if n_bars > len(bars):
         raise ValueError(f"checkpoint's split needs {n_bars} bars but dataset {dataset!r} has {len(bars)}")
     return bars.slice(0, n_bars) if n_bars < len(bars) else bars
@@ -93,11 +95,12 @@ class EvaluatorWorker(ConsumerWorker):
         # the loaded series, its features and its window hashes, kept between events (one dataset at a time)
         self._data: dict[tuple, dict] = {}
         self._val_sharpes: dict[int, float | None] = {}   # epoch → val per-trade Sharpe of the stored reports
+        self._warm: asyncio.Task | None = None
         state.extra.update(consumer=settings.consumer_name, evaluated=[], last_eval_s=None)
 
     async def run(self) -> None:
         """Consume (`ConsumerWorker.run`), warming up beside it (`warm_up`)."""
-        if getattr(self, "_warm", None) is None:       # once per process (run() is retried while Redis is down)
+        if self._warm is None:                         # once per process (run() is retried while Redis is down)
             self._warm = asyncio.create_task(self.warm_up())
         await super().run()
 
@@ -109,18 +112,25 @@ class EvaluatorWorker(ConsumerWorker):
         t0 = time.perf_counter()
         try:
             dataset = self.settings.data
-            bars = await asyncio.to_thread(_load, dataset, self.data_seed)
-            key = (dataset, self.data_seed, len(bars), _file_signature(dataset))
-            if key not in self._data:
-                feats = await asyncio.to_thread(_features, bars)
-                self._data = {key: {"bars": bars, "feats": feats, "hashes": {}}}
-            await asyncio.to_thread(_warm_passes, self._data[key]["bars"], self._data[key]["feats"],
-                                    self.settings.device)
+            series = await self._series(dataset, None)
+            await asyncio.to_thread(_warm_passes, series["bars"], series["feats"], self.settings.device)
             self.state.extra["warm_up_s"] = round(time.perf_counter() - t0, 3)
-            log.info("warmed up in %.1fs (dataset %s, %d bars)", time.perf_counter() - t0, dataset, len(bars))
+            log.info("warmed up in %.1fs (dataset %s, %d bars)", time.perf_counter() - t0, dataset,
+                     len(series["bars"]))
         except Exception as exc:  # noqa: BLE001
             log.warning("warm-up failed (the evaluation will say why if it matters): %s: %s",
                         type(exc).__name__, exc)
+
+    async def _series(self, dataset: str, n_bars: int | None) -> dict:
+        """The cached {"bars", "feats", "hashes"} of the first `n_bars` bars of `dataset` (None: all of them),
+        loaded when the key — dataset, seed, length, and a file's size and mtime — changes (one series at a time)."""
+        if n_bars is None:
+            n_bars = len(await asyncio.to_thread(_load, dataset, self.data_seed, _file_signature(dataset)))
+        key = (dataset, self.data_seed, n_bars, _file_signature(dataset))
+        if key not in self._data:
+            bars = await asyncio.to_thread(_bars, dataset, self.data_seed, n_bars)
+            self._data = {key: {"bars": bars, "feats": await asyncio.to_thread(_features, bars), "hashes": {}}}
+        return self._data[key]
 
     async def handle(self, event: Event) -> None:
         """Handle one checkpoint.published (see the module docstring)."""
@@ -149,9 +159,8 @@ class EvaluatorWorker(ConsumerWorker):
     async def _evaluate(self, event: CheckpointPublished) -> EvalReport:
         from shared.market import Split
 
-        warm = getattr(self, "_warm", None)
-        if warm is not None and not warm.done():     # the same data: wait for the warm-up rather than load twice
-            await asyncio.shield(warm)
+        if self._warm is not None and not self._warm.done():   # the same data: wait for it rather than load twice
+            await asyncio.shield(self._warm)
 
         data = await self.bus.store.get_checkpoint(event.epoch, event.sha256)
         meta = _metadata(data)
@@ -159,11 +168,7 @@ class EvaluatorWorker(ConsumerWorker):
         dataset = meta.get("dataset") or self.settings.data
         # the loaded series is kept between events (a 5·10^5-bar CSV takes seconds to parse and check); a file
         # is reloaded when its size or mtime changes, and the split hashes below still check what was loaded
-        bkey = (dataset, self.data_seed, split.test[1], _file_signature(dataset))
-        if bkey not in self._data:
-            loaded = await asyncio.to_thread(_bars, dataset, self.data_seed, split.test[1])
-            self._data = {bkey: {"bars": loaded, "feats": await asyncio.to_thread(_features, loaded), "hashes": {}}}
-        cached = self._data[bkey]
+        cached = await self._series(dataset, split.test[1])
         bars, feats, hashes = cached["bars"], cached["feats"], cached["hashes"]
         for name, h in (event.split_hashes or {}).items():
             if name not in ("train", "val", "test"):
