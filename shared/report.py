@@ -143,12 +143,16 @@ def pack(a: np.ndarray) -> str:
     return base64.b64encode(np.ascontiguousarray(a).tobytes()).decode("ascii")
 
 
-def unpack(text: str, dtype: str, shape: tuple[int, ...], what: str) -> np.ndarray:
-    """The array `pack` wrote; ValueError naming `what` when the text is not base64 of exactly that many values."""
+def _b64(text: str, what: str) -> bytes:
     try:
-        raw = base64.b64decode(text, validate=True)
+        return base64.b64decode(text, validate=True)
     except (ValueError, TypeError) as exc:
         raise ValueError(f"{what}: not base64 ({exc})") from None
+
+
+def unpack(text: str, dtype: str, shape: tuple[int, ...], what: str) -> np.ndarray:
+    """The array `pack` wrote; ValueError naming `what` when the text is not base64 of exactly that many values."""
+    raw = _b64(text, what)
     want = int(np.prod(shape)) * np.dtype(dtype).itemsize
     if len(raw) != want:
         raise ValueError(f"{what}: {len(raw)} bytes where shape {shape} of {dtype} needs {want}")
@@ -335,10 +339,7 @@ class TradeTable:
 def unpack_floats(v: Any) -> list[float]:
     """Floats from base64 of float64 bytes (`pack`), a list or an array; ValueError unless all are finite."""
     if isinstance(v, str):
-        try:
-            raw = base64.b64decode(v, validate=True)
-        except (ValueError, TypeError) as exc:
-            raise ValueError(f"not base64 ({exc})") from None
+        raw = _b64(v, "packed float64 array")
         if len(raw) % 8:
             raise ValueError(f"packed float64 array: {len(raw)} bytes is not a multiple of 8")
         a = np.frombuffer(raw, dtype="<f8")

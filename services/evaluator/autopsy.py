@@ -115,19 +115,21 @@ def fixed_position_return(side: float, size: float, entry: float, exit_: np.ndar
     return keep * (1.0 + side * size * (np.asarray(exit_, dtype=np.float64) / entry - 1.0)) - 1.0
 
 
-def hindsight_returns(side: int, size: float, entry: float, exit_: float, cost_rate: float) -> list[float]:
-    """Net returns of [short, flat, long] at the trade's size over its span E → X (flat = 0)."""
-    del side  # the counterfactual does not depend on the side taken
-    return [float(fixed_position_return(-1.0, size, entry, exit_, cost_rate)), 0.0,
-            float(fixed_position_return(+1.0, size, entry, exit_, cost_rate))]
+def hindsight_returns(size: np.ndarray | float, entry: np.ndarray | float, exit_: np.ndarray | float,
+                      cost_rate: float) -> np.ndarray:
+    """Net returns of [short, flat, long] at each trade's size over its span E → X (flat = 0): [..., 3]. The
+    counterfactual does not depend on the side taken."""
+    sh = fixed_position_return(-1.0, size, entry, exit_, cost_rate)
+    lo = fixed_position_return(+1.0, size, entry, exit_, cost_rate)
+    return np.stack([sh, np.zeros_like(sh), lo], axis=-1)
 
 
-def hindsight_direction(returns: list[float]) -> int:
-    """argmax of [short, flat, long] returns; flat wins ties and when neither side is > 0."""
-    short, _, long = returns
-    if max(short, long) <= 0.0:
-        return 1
-    return 0 if short > long else 2
+def hindsight_direction(returns: np.ndarray | list[float]) -> np.ndarray | int:
+    """argmax of [short, flat, long] returns ([..., 3]); flat wins ties and when neither side is > 0."""
+    r = np.asarray(returns, dtype=np.float64)
+    short, long = r[..., 0], r[..., 2]
+    d = np.where(np.maximum(short, long) <= 0.0, 1, np.where(short > long, 0, 2))
+    return int(d) if d.ndim == 0 else d
 
 
 def best_exit_return(side: int, size: float, entry: float, close: np.ndarray, entry_t: int, exit_t: int,
@@ -203,10 +205,8 @@ def build_trades(ledger: pd.DataFrame, preds: Predictions, regimes: np.ndarray, 
     h_ret = np.full((len(e), 3), np.nan)
     h_dir = np.full(len(e), -1, dtype=np.int64)
     if lose.any():
-        sh = fixed_position_return(-1.0, size[lose], entry[lose], exit_px[lose], cost_rate)
-        lo = fixed_position_return(+1.0, size[lose], entry[lose], exit_px[lose], cost_rate)
-        h_ret[lose] = np.stack([sh, np.zeros_like(sh), lo], axis=1)
-        h_dir[lose] = np.where(np.maximum(sh, lo) <= 0.0, 1, np.where(sh > lo, 0, 2))   # = hindsight_direction
+        h_ret[lose] = hindsight_returns(size[lose], entry[lose], exit_px[lose], cost_rate)
+        h_dir[lose] = hindsight_direction(h_ret[lose])
     return TradeTable(entry_t=e + offset, exit_t=x + offset, decision_t=d + offset, side=side, size=size,
                       entry_price=entry, exit_price=exit_px, net_return=r, bars=bars, exit_reason=reason.tolist(),
                       regime=regimes[d], direction_idx=np.asarray(preds.direction)[d], size_idx=size_idx,
