@@ -1,10 +1,14 @@
-"""Where the GPU time of a training iteration goes: top kernels of one update and one collection step.
+"""Where the GPU time of a training iteration goes: top kernels of one update, one collection step and one
+rolling embedding refresh.
 
-    python3 bench/train_profile.py --batch 4096 --envs 65536          # on the H200
+    python3 bench/train_profile.py --batch 4096 --envs 65536                        # on the H200
+    python3 bench/train_profile.py --batch 1024 --envs 256 --train-bars 1000000 --accel compile   # the epoch's
 
-For each half (update at `--batch`, collection at `--envs` accounts), run eagerly after a warm-up under
-torch.profiler and print: kernels launched per call, GPU time per call, and the top kernels by total GPU time
-(share of the call). This is what decides what to fuse, shrink or capture next.
+For each part (update at `--batch`, collection at `--envs` accounts, the rolling refresh of the embedding tables
+that every update also runs), run after a warm-up under torch.profiler (eagerly, or through torch.compile with
+`--accel compile`: its fused kernels are what the captured modes replay) and print: kernels launched per call, GPU
+time per call, and the top kernels by total GPU time (share of the call). This is what decides what to fuse,
+shrink or capture next.
 """
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-from services.trainer.train import TrainConfig, build_state  # noqa: E402
+from services.trainer.train import TrainConfig, _bf16, build_state, refresh_rolling  # noqa: E402
 from shared.market import chronological_split, compute_features  # noqa: E402
 from shared.synthetic import generate  # noqa: E402
 
@@ -47,23 +51,36 @@ def main() -> None:
     ap.add_argument("--config", default="full", choices=["small", "full"])
     ap.add_argument("--batch", type=int, default=4096)
     ap.add_argument("--envs", type=int, default=65536)
+    ap.add_argument("--train-bars", type=int, default=20_000, help="bars of the training split (the refresh's size)")
+    ap.add_argument("--accel", default="eager", choices=["eager", "compile"])
     ap.add_argument("--calls", type=int, default=5)
     ap.add_argument("--top", type=int, default=20)
     a = ap.parse_args()
-    bars = generate(n_bars=34_000, seed=0).bars
+    bars = generate(n_bars=int(a.train_bars / 0.588) + 500, seed=0).bars
     split, feats = chronological_split(len(bars)), compute_features(bars)
-    for half, over in (("update", dict(batch_size=a.batch, n_envs=256)), ("collect", dict(n_envs=a.envs))):
+    print(f"# train_profile: config={a.config} accel={a.accel} train bars={split.train[1] - split.train[0]:,} "
+          f"device={torch.cuda.get_device_name()} torch={torch.__version__}")
+    for part, over in (("update", dict(batch_size=a.batch, n_envs=256)), ("collect", dict(n_envs=a.envs)),
+                       ("refresh", dict())):
         cfg = TrainConfig.preset(a.config, feats.shape[1])
         for k, v in over.items():
             setattr(cfg, k, v)
-        st = build_state(cfg, bars, split, 0, "cuda", features=feats, accel="eager")
+        st = build_state(cfg, bars, split, 0, "cuda", features=feats, accel=a.accel)
         st.env.reset_all()
         while st.replay.count <= max(cfg.horizons) + 2:
             st.runner.collect()
-        fn = st.runner.update if half == "update" else st.runner.collect
-        label = f"{half} ({a.config}, {'batch ' + str(a.batch) if half == 'update' else str(a.envs) + ' accounts × ' + str(cfg.env_steps_per_iter) + ' steps'})"
-        report(label, fn, a.calls, a.top)
+        if part == "refresh":
+            fn = _bf16(lambda: refresh_rolling(st)) if cfg.bf16 else (lambda: refresh_rolling(st))
+            if a.accel == "compile":
+                fn = torch.compile(fn)
+            label = f"rolling refresh ({st.refresh_idx.shape[0]:,} bars × 2 networks per update)"
+        else:
+            fn = st.runner.update if part == "update" else st.runner.collect
+            label = (f"update (batch {a.batch})" if part == "update"
+                     else f"collect ({a.envs} accounts × {cfg.env_steps_per_iter} steps)")
+        report(f"{label}, {a.config}, {a.accel}", fn, a.calls, a.top)
         del st
+        torch._dynamo.reset()
         torch.cuda.empty_cache()
 
 

@@ -11,7 +11,8 @@ Rows (one column per mode, then each mode's ratio to eager):
   peak GPU memory         the largest `max_memory_allocated` of that mode's rows
   epoch s @ T bars        one epoch of the config (iterations × n_envs × env_steps ≈ T env-steps) on a training
                           split of T synthetic bars, after a short warm-up epoch (captures, compiles)
-  GPU busy %              kernel time / wall time over steady-state iterations (torch.profiler, `--profile`)
+  GPU busy %              kernel time / wall time over steady-state iterations (`StepRunner.iteration`: collection
+                          + updates_per_iter updates, one CUDA graph in the graph modes; torch.profiler, `--profile`)
 Every figure is measured after a warm-up (captures and compiles excluded); times end with a device sync.
 """
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -101,13 +103,9 @@ class Bench:
         for _ in range(30):
             st.runner.collect()
         for _ in range(3):
-            st.runner.update()
+            st.runner.iteration()                  # collection + updates: one graph in the graph modes
         sync(self.dev)
-
-        def iteration():
-            st.runner.collect()
-            for _ in range(st.cfg.updates_per_iter):
-                st.runner.update()
+        iteration = st.runner.iteration
         with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
             t0 = time.perf_counter()
             for _ in range(20):
@@ -178,6 +176,7 @@ def main() -> None:
                 table[label][m] = "failed"
                 print(f"  {label} [{m}] failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}",
                       flush=True)
+                print("    " + traceback.format_exc()[-2000:].replace("\n", "\n    "), file=sys.stderr, flush=True)
             if b.dev.type == "cuda":
                 peak[m] = max(peak[m], torch.cuda.max_memory_allocated() / 2 ** 30)
                 torch.cuda.empty_cache()

@@ -173,3 +173,21 @@ def test_commitment_comes_before_the_entry_block():
     old = _act(ag, torch.randn(B, 16), torch.zeros(B, CFG.n_portfolio), pos, no_entries,
                bars=torch.full((B,), 1000))                                            # mature trades: flips block
     assert old.blocked.any() and torch.all(old.branches[old.blocked, 0] == 1)
+
+
+def test_attention_matches_pytorch_sdpa_and_last_token_matches_the_block():
+    """The written-out attention (what compiled no-gradient passes run) equals `F.scaled_dot_product_attention`
+    (causal), the last-query form equals its last row, and `CausalBlock.last_token` equals the block's last row."""
+    from shared.agent import (CausalBlock, causal_attention, causal_attention_math, last_query_attention,
+                              last_query_attention_math)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(5, 4, 12, 8, generator=g) for _ in range(3))
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    for causal, last in ((causal_attention, last_query_attention),
+                         (causal_attention_math, last_query_attention_math)):
+        assert torch.allclose(causal(q, k, v), ref, atol=1e-5)
+        assert torch.allclose(last(q[:, :, -1], k, v), ref[:, :, -1], atol=1e-5)
+    torch.manual_seed(0)
+    blk = CausalBlock(32, 4)
+    x = torch.randn(6, 12, 32, generator=g)
+    assert torch.allclose(blk.last_token(x), blk(x)[:, -1], atol=1e-5)

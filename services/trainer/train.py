@@ -37,7 +37,7 @@ from shared.rollout import MarketTensors, run_rollout
 from services.trainer.env import RewardConfig, TrainEnv
 from services.trainer.losses import (adapt_entropy_coef, atom_entropy, atom_utilisation, c51_cross_entropy_probs,
                                      expectile_loss, nstep_returns, project_distribution, quantile_huber_loss,
-                                     shift_distribution)
+                                     sample_horizons, shift_distribution)
 from services.trainer.replay import Batch, Replay
 
 FEATURE_WARMUP = 64  # shared.market zeroes feature rows before this bar
@@ -138,7 +138,10 @@ class TrainConfig:
     """On CUDA, float32 matmuls and convolutions on TF32 tensor cores (10-bit mantissa inputs, fp32 accumulate)."""
     emb_refresh: int = 50
     """Updates over which the cached market embeddings of all training bars are refreshed once: each update
-    re-encodes the next ceil(T_train / emb_refresh) bars of a rolling window (plus a full refresh per epoch)."""
+    re-encodes the next ceil(T_train / emb_refresh) bars of a rolling window (plus a full refresh per epoch).
+    The refresh's cost per update grows with the training split: at 10^6 bars and 500 it re-encoded 2 001 bars with
+    each network, 1.51 ms of a 4.30-ms update at batch 1 024 on the H200 (`bench/train_profile.py`, compiled), so
+    the `full` preset refreshes every bar once per 1 000 updates (a quarter of a 10^6-bar epoch's 4 000)."""
     act_view_cache: bool = False
     """Off by default: on the CPU learning bench (3 seeds, `small`) acting on the cached view reached OOS per-trade
     Sharpes 0.493 / 0.647 / 0.411 against 0.941 / 0.606 / 0.595 with the heads run fresh (bench/README.md,
@@ -185,7 +188,7 @@ class TrainConfig:
                                          hidden=256, ensemble=5),
                        n_envs=256, env_steps_per_iter=2, updates_per_iter=2, iterations=2000, batch_size=1024,
                        replay_capacity=2_000_000, learning_starts=20_000, encoder_batch=1024, bf16=True,
-                       emb_refresh=500)
+                       emb_refresh=1000)
         raise ValueError(f"unknown config preset {name!r}: use 'small' or 'full'")
 
 
@@ -224,7 +227,31 @@ def build_optimizer(agent: Agent, cfg: TrainConfig, device) -> torch.optim.AdamW
            "lr": torch.tensor(cfg.lr, device=device) if cuda else cfg.lr}
           for (b, d), ps in sorted(groups.items())]
     # CUDA: one fused kernel per group, LR and step counters on the device (capturable in a graph)
-    return torch.optim.AdamW(pg, lr=cfg.lr, betas=(0.9, 0.999), eps=1e-6, capturable=cuda, fused=cuda or None)
+    opt = torch.optim.AdamW(pg, lr=cfg.lr, betas=(0.9, 0.999), eps=1e-6, capturable=cuda, fused=cuda or None)
+    materialise_state(opt)
+    return opt
+
+
+@torch.no_grad()
+def materialise_state(opt: torch.optim.Optimizer) -> None:
+    """Create the optimizer's per-parameter state (zero moments, step 0) now instead of at the first update: the
+    first update then has the structure of every later one, so torch.compile traces it once and a graph captured
+    after a single warm-up step replays the same step (the momentum reset of `device_lrs` reads that state).
+    One AdamW step at learning rate 0 on zero gradients: it moves no weight (the decay is lr × wd = 0), leaves the
+    moments at 0, and its step counter is set back to 0."""
+    params = [p for g in opt.param_groups for p in g["params"]]
+    lrs = [g["lr"] for g in opt.param_groups]
+    for g in opt.param_groups:
+        g["lr"] = torch.zeros_like(g["lr"]) if torch.is_tensor(g["lr"]) else 0.0
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    for p in params:
+        p.grad = None
+    for g, lr in zip(opt.param_groups, lrs):
+        g["lr"] = lr
+    for st in opt.state.values():
+        st["step"].zero_()
 
 
 def group_lr(group: dict, step: int, knobs_lr_scale: dict[str, float], cfg: TrainConfig) -> float:
@@ -239,34 +266,41 @@ def group_lr(group: dict, step: int, knobs_lr_scale: dict[str, float], cfg: Trai
 
 def set_lrs(opt: torch.optim.Optimizer, step: int, lr_scale: dict[str, float], cfg: TrainConfig,
             write_lr: bool = True) -> None:
-    """Host-side schedule written into the groups (`write_lr`; tensor LRs with `fill_`); momentum reset of branch
-    groups at each cosine restart; group ages. With `write_lr=False` the LRs come from `device_lrs` instead."""
-    restart = step > 0 and step % cfg.cosine_period == 0
-    for g in opt.param_groups:
-        if write_lr:
+    """Host-side schedule before update `step`: the LRs written into the groups (tensor LRs with `fill_`), the
+    momentum reset of branch groups at each cosine restart, group ages. With `write_lr=False` (CUDA) only the ages:
+    `device_lrs`, inside the captured step, does the LRs and the restart from the device's update counter."""
+    if write_lr:
+        restart = step > 0 and step % cfg.cosine_period == 0
+        for g in opt.param_groups:
             lr = group_lr(g, step, lr_scale, cfg)
             if torch.is_tensor(g["lr"]):
                 g["lr"].fill_(lr)
             else:
                 g["lr"] = lr
-        if restart and g["branch"] in BRANCHES:
-            for p in g["params"]:
-                st = opt.state.get(p)
-                if st:
-                    st["exp_avg"].zero_()
+            if restart and g["branch"] in BRANCHES:
+                for p in g["params"]:
+                    st = opt.state.get(p)
+                    if st:
+                        st["exp_avg"].zero_()
+    for g in opt.param_groups:
         g["age"] += 1
 
 
 def device_lrs(opt: torch.optim.Optimizer, buf: "UpdateBuffers", cfg: TrainConfig) -> None:
     """`group_lr` computed on the device from the update counter `buf.step` and written into the groups' LR
-    tensors (read by the capturable AdamW), then the counter advanced: no host value per update, so it is
-    captured with the step. Every group is created with the optimizer, so its age equals the update count."""
+    tensors (read by the capturable AdamW), the branch groups' momentum zeroed at a cosine restart (multiplied by
+    0 or 1), then the counter advanced: no host value per update, so it is captured with the step. Every group is
+    created with the optimizer, so its age equals the update count."""
     step = buf.step
     warm = ((step + 1.0) / cfg.lr_warmup).clamp(max=1.0)
     phase = torch.remainder(step, cfg.cosine_period) / cfg.cosine_period
     cos_f = cfg.cosine_floor + (1 - cfg.cosine_floor) * 0.5 * (1.0 + torch.cos(math.pi * phase))
     lr = cfg.lr * warm * torch.where(buf.lr_branch, buf.lr_scale * cos_f, torch.ones_like(buf.lr_scale))
     torch._foreach_copy_([g["lr"] for g in opt.param_groups], list(lr.to(torch.float32).unbind()))
+    momenta = [opt.state[p]["exp_avg"] for g in opt.param_groups if g["branch"] in BRANCHES
+               for p in g["params"]]                                       # created with the optimizer
+    keep = ((step == 0) | (phase != 0)).to(momenta[0].dtype)                               # 0 at a restart
+    torch._foreach_mul_(momenta, keep)
     step.add_(1.0)
 
 
@@ -319,11 +353,12 @@ def make_update(agent: Agent, target: Agent, opt: torch.optim.Optimizer, replay:
     n_ens = agent.cfg.ensemble
 
     def update(b: Batch, noise: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-        """One gradient update on batch b. noise: N × (K + M + H·M) uniforms (ensemble mask, online τ, target τ),
-        drawn from the generator unless given (a captured step is handed noise drawn outside the graph)."""
+        """One gradient update on batch b. noise: N × (K + 3M) uniforms (ensemble mask, online τ, target τ', the
+        target samples' horizons), drawn from the generator unless given (a captured step is handed noise drawn
+        outside the graph)."""
         N, dev = b.bar.shape[0], b.bar.device
         if noise is None:
-            noise = torch.rand(N, n_ens + M + H * M, device=dev, generator=generator)
+            noise = torch.rand(N, n_ens + 3 * M, device=dev, generator=generator)
         z, v_max = agent.support, agent.v_max                                              # A
         # --- online network at s (the encoder learns from the first `encoder_batch` samples, a random subset) ---
         n_enc = min(cfg.encoder_batch or N, N)
@@ -375,17 +410,21 @@ def make_update(agent: Agent, target: Agent, opt: torch.optim.Optimizer, replay:
                 ent = atom_entropy(logits_a).mean()
                 util = atom_utilisation(logits_a.detach())
         # --- IQN quantile Huber on the direction branch (in units of v_max, κ = 1), shifted by δ_direction ---
+        # The target is the horizon blend's mixture distribution Σ_h w_h Z^(h), sampled: each of the M' target
+        # samples draws its horizon h_j ~ w_h (inverse CDF) and its τ'_j, so the target network's quantile head runs
+        # at N·M' points, not N·H·M'. The quantile loss is linear in the target distribution, so this is the loss
+        # against the mixture in expectation (the weighted sum over horizons it replaces, at 1/H of the cost).
         taus = noise[:, n_ens:n_ens + M]                                                   # N × M
         th = agent.quantiles(out.hidden, taus).float() + out.delta[:, :3].unsqueeze(1)     # N × M × 3
         th = th.gather(2, b.action[:, 0].view(N, 1, 1).expand(N, M, 1)).squeeze(2)         # N × M
         with torch.no_grad():
-            taus_t = noise[:, n_ens + M:].reshape(N * H, M)                                    # n-major, like nb
-            th_n = target.quantiles(tg_n.hidden, taus_t).float() + tg_n.delta[:, :3].unsqueeze(1)  # N·H × M × 3
-            th_n = th_n.gather(2, a_star[0].view(N * H, 1, 1).expand(N * H, M, 1)).view(N, H, M)
-            y_q = R.unsqueeze(-1) + disc.unsqueeze(-1) * th_n                              # N × H × M'
-        qh = quantile_huber_loss((th / v_max).repeat_interleave(H, 0), (y_q / v_max).reshape(N * H, M),
-                                 taus.repeat_interleave(H, 0))                             # N·H
-        iqn = (qh.view(N, H) * w_h).sum(1)                                                 # N
+            taus_t = noise[:, n_ens + M:n_ens + 2 * M]                                     # N × M'
+            h_j = sample_horizons(noise[:, n_ens + 2 * M:], w_h)                          # N × M', in [0, H)
+            row = (torch.arange(N, device=dev).unsqueeze(1) * H + h_j).reshape(-1)         # N·M' rows of N·H
+            th_n = target.quantiles(tg_n.hidden[row], taus_t.reshape(-1, 1)).float()       # N·M' × 1 × 3
+            th_n = (th_n.squeeze(1) + tg_n.delta[row, :3]).gather(1, a_star[0][row].view(-1, 1)).view(N, M)
+            y_q = R.gather(1, h_j) + disc.gather(1, h_j) * th_n                            # N × M'
+        iqn = quantile_huber_loss(th / v_max, y_q / v_max, taus)                           # N
         # --- expectile value head on the blended scalar target of the direction branch ---
         with torch.no_grad():
             q_tn = target.q_values([tg_n.logits[0]], tg_n.delta)[0].mean(1)                # N·H × 3
@@ -424,66 +463,101 @@ def make_update(agent: Agent, target: Agent, opt: torch.optim.Optimizer, replay:
 # The iteration, eager or captured: collection and update as step functions over static buffers
 # ---------------------------------------------------------------------------------------------------------
 class StepRunner:
-    """The two halves of an iteration as step functions with static noise buffers, run eagerly, compiled,
-    captured in CUDA graphs, or both (`accel`). The same Python code runs in every mode.
+    """An iteration's step functions with static noise buffers, run eagerly, compiled, captured in CUDA graphs,
+    or both (`accel`). The same Python code runs in every mode.
 
-    collect(): n_envs × env_steps_per_iter environment steps (policy with ε and gates, simulator, rewards, replay
-               write, episode resets) — `TrainEnv.collect`.
-    update():  sampling from replay, the full update (C51 + IQN + expectile + stability + hindsight losses,
-               backward, clip, AdamW, target lerp, priorities), LR schedule on the device (CUDA), metric sums
-               and the rolling embedding refresh — `train_step`.
-    Each call first draws its uniforms from the run's generator into a static noise tensor (outside any graph),
-    so every mode consumes the same random stream. A graph is captured on the first call, whose warm-up run is
-    that call's real step; later calls replay it.
+    collect():   n_envs × env_steps_per_iter environment steps (policy with ε and gates, simulator, rewards, replay
+                 write, episode resets) — `TrainEnv.collect`.
+    update():    sampling from replay, the full update (C51 + IQN + expectile + stability + hindsight losses,
+                 backward, clip, AdamW, target lerp, priorities), LR schedule and cosine restarts on the device
+                 (CUDA), metric sums and the rolling embedding refresh — `train_step`.
+    iteration(): collect() then updates_per_iter × update() — in the graph modes one CUDA graph for all of it, so
+                 a training iteration is one launch with no host work between its halves.
+    Each call first draws its uniforms from the run's generator into static noise tensors (outside any graph), in
+    the order the eager calls would (collection, then each update), so every mode consumes the same random stream.
+    A graph is captured on the first call, whose warm-up run is that call's real step; later calls replay it.
     """
 
     def __init__(self, state: "TrainState", accel: str):
         self.state, self.accel = state, accel
         cfg, dev, env = state.cfg, state.device, state.env
-        K, M, H = cfg.agent.ensemble, cfg.iqn_quantiles, len(cfg.horizons)
+        K, M = cfg.agent.ensemble, cfg.iqn_quantiles
         self.collect_noise = torch.zeros(cfg.env_steps_per_iter, cfg.n_envs, 7, device=dev)
-        self.update_noise = torch.zeros(cfg.batch_size, 1 + K + M + H * M, device=dev)
-        collect_body = lambda: env.collect(state.agent, state.controls, cfg.env_steps_per_iter,  # noqa: E731
-                                           state.buffers.emb_online, self.collect_noise,
-                                           view_table=state.buffers.view_online)
-        update_body = lambda: train_step(state, self.update_noise)  # noqa: E731
+        self.update_noise = [torch.zeros(cfg.batch_size, 1 + K + 3 * M, device=dev)
+                             for _ in range(max(cfg.updates_per_iter, 1))]
+        collect_fn = lambda: env.collect(state.agent, state.controls, cfg.env_steps_per_iter,  # noqa: E731
+                                         state.buffers.emb_online, self.collect_noise,
+                                         view_table=state.buffers.view_online)
+        update_fn = lambda noise: train_step(state, noise)  # noqa: E731
         if cfg.bf16 and dev.type == "cuda":
-            collect_body, update_body = _bf16(collect_body), _bf16(update_body)
+            collect_fn, update_fn = _bf16(collect_fn), _bf16(update_fn)
         if "compile" in accel:
-            collect_body, update_body = torch.compile(collect_body), torch.compile(update_body)
+            collect_fn, update_fn = torch.compile(collect_fn), torch.compile(update_fn)
         self.pinned = StaticState(env.sim, env.tracker, env)
         if "graph" in accel:
-            def collect_pinned():
-                collect_body()
+            def collect_body():
+                collect_fn()
                 self.pinned.commit()
-            self._bodies = {"collect": collect_pinned, "update": update_body}
         else:
-            self._bodies = {"collect": collect_body, "update": update_body}
+            collect_body = collect_fn
+
+        def iteration_body():
+            collect_body()
+            for noise in self.update_noise[:cfg.updates_per_iter]:
+                update_fn(noise)
+        self._bodies = {"collect": collect_body, "update": lambda: update_fn(self.update_noise[0]),
+                        "iteration": iteration_body}
         self._graphs: dict[str, object] = {}
 
+    @property
+    def graphed(self) -> bool:
+        return "graph" in self.accel
+
     def _run(self, name: str) -> None:
-        if "graph" not in self.accel:
+        if not self.graphed:
             self._bodies[name]()
         elif name in self._graphs:
             self._graphs[name]()
         else:
             self._graphs[name] = capture(self._bodies[name], warmup=1)
 
+    def _draw(self, t: torch.Tensor) -> None:
+        torch.rand(t.shape, generator=self.state.generator, out=t)
+
     def collect(self) -> None:
-        torch.rand(self.collect_noise.shape, generator=self.state.generator, out=self.collect_noise)
+        self._draw(self.collect_noise)
         self.pinned.commit()      # eager code between steps (episode resets, resume) may have rebound state
         self._run("collect")
 
     def update(self) -> None:
-        torch.rand(self.update_noise.shape, generator=self.state.generator, out=self.update_noise)
+        self._draw(self.update_noise[0])
         self._run("update")
 
+    def iteration(self, before_update: Callable[[], None] = lambda: None) -> None:
+        """collect(), then updates_per_iter × (before_update(), update()). In the graph modes the host's
+        `before_update` calls all run first (host bookkeeping only: on CUDA the LR schedule is on the device) and
+        one graph replays the whole iteration; eagerly, the same calls in the same order."""
+        n = self.state.cfg.updates_per_iter
+        if not self.graphed:
+            self.collect()
+            for _ in range(n):
+                before_update()
+                self.update()
+            return
+        self._draw(self.collect_noise)
+        for noise in self.update_noise[:n]:
+            self._draw(noise)
+        for _ in range(n):
+            before_update()
+        self.pinned.commit()
+        self._run("iteration")
 
-def _bf16(fn: Callable[[], object]) -> Callable[[], object]:
+
+def _bf16(fn: Callable[..., object]) -> Callable[..., object]:
     """fn under bf16 autocast; the autocast weight cache is off, as CUDA-graph capture requires."""
-    def run():
+    def run(*args):
         with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
-            return fn()
+            return fn(*args)
     return run
 
 
@@ -522,6 +596,8 @@ class EpochStats:
     env_steps: int
     updates: int
     env_steps_per_s: float
+    """Account-steps per second of collection time; an iteration captured whole (collection and updates in one
+    graph) counts entirely here and in `updates_per_s`."""
     updates_per_s: float
     seconds: float
     train_per_trade_sharpe: float
@@ -727,26 +803,37 @@ def train_epoch(state: TrainState, knobs: Knobs, progress: Callable[[int, int], 
     state.agent.train()
     cuda = state.device.type == "cuda"
     clock = PhaseClock(cuda)
+    def before_update() -> None:                # host bookkeeping of one update (LRs on a CPU, group ages)
+        nonlocal n_upd
+        set_lrs(state.opt, state.update_step, knobs.lr_scale, cfg, write_lr=not cuda)
+        n_upd += 1
+        state.update_step += 1
+
     for it in range(cfg.iterations):
         if between is not None and (new := between(it)) is not None:
             apply_knobs(state, new)
             knobs = new
+        after = state.env_steps + cfg.n_envs * cfg.env_steps_per_iter
+        learn = after >= cfg.learning_starts and after // cfg.n_envs > max(cfg.horizons)
         ta = clock.now()
-        runner.collect()
-        state.env_steps += cfg.n_envs * cfg.env_steps_per_iter
-        tb = clock.now()
-        if state.env_steps >= cfg.learning_starts and state.env_steps // cfg.n_envs > max(cfg.horizons):
-            for _ in range(cfg.updates_per_iter):
-                set_lrs(state.opt, state.update_step, knobs.lr_scale, cfg, write_lr=not cuda)
+        if learn and runner.graphed:
+            # one graph for the collection and the updates: the iteration's time counts for both rates
+            runner.iteration(before_update)
+            clock.add("iteration", ta, clock.now())
+        else:
+            runner.collect()
+            tb = clock.now()
+            for _ in range(cfg.updates_per_iter if learn else 0):
+                before_update()
                 runner.update()
-                n_upd += 1
-                state.update_step += 1
-        clock.add("env", ta, tb)
-        clock.add("update", tb, clock.now())
+            clock.add("env", ta, tb)
+            clock.add("update", tb, clock.now())
+        state.env_steps = after
         if progress is not None:
             progress(it + 1, cfg.iterations)
     spent = clock.totals()
-    t_env, t_upd = spent.get("env", 0.0), spent.get("update", 0.0)
+    t_it = spent.get("iteration", 0.0)
+    t_env, t_upd = spent.get("env", 0.0) + t_it, spent.get("update", 0.0) + t_it
     mat = 1.0 - math.exp(-state.update_step / cfg.maturity_updates)
     state.agent.maturity.fill_(mat)
     state.target.maturity.fill_(mat)

@@ -1,0 +1,108 @@
+"""The encoder's attention at the training shapes: PyTorch's fused SDPA kernels vs the written-out form the agent
+uses in compiled passes without gradient (`shared.agent.causal_attention_math`, `last_query_attention_math`), eager
+and compiled, side by side in one run.
+
+    python3 bench/attention_speed.py                 # on the H200
+
+Shapes (`full` config: 8 heads × 16 dims, 64-bar windows, bf16 as under the trainer's autocast):
+  causal, fwd+bwd @ 1 024   the update's first encoder block (the encoder learns from 1 024 windows)
+  causal, fwd @ 4 002       the rolling refresh of both embedding tables (2 001 bars each at 10^6 training bars)
+  last query, fwd+bwd @ 1 024 / fwd @ 4 002   the last block, which keeps the last token only
+Prints µs per call (CUDA events, after a warm-up) and each form's ratio to the default SDPA.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+
+from shared.agent import causal_attention_math, last_query_attention_math  # noqa: E402
+
+
+def timed(fn, reps: int) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        fn()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) * 1e3 / reps
+
+
+def sdpa(backend=None, last=False):
+    def f(q, k, v):
+        if last:
+            q = q.unsqueeze(2)
+        if backend is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=not last)
+        else:
+            with sdpa_kernel(backend):
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=not last)
+        return out.squeeze(2) if last else out
+    return f
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--dim", type=int, default=16)
+    ap.add_argument("--window", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=50)
+    a = ap.parse_args()
+    dev, dt = "cuda", torch.bfloat16
+    print(f"# attention_speed: {torch.cuda.get_device_name()} torch={torch.__version__} heads={a.heads} "
+          f"dim={a.dim} window={a.window} bf16")
+    forms = {
+        "SDPA (default)": (sdpa(), sdpa(last=True)),
+        "SDPA flash": (sdpa(SDPBackend.FLASH_ATTENTION), sdpa(SDPBackend.FLASH_ATTENTION, True)),
+        "SDPA mem-efficient": (sdpa(SDPBackend.EFFICIENT_ATTENTION), sdpa(SDPBackend.EFFICIENT_ATTENTION, True)),
+        "written out": (causal_attention_math, last_query_attention_math),
+        "written out, compiled": (torch.compile(causal_attention_math), torch.compile(last_query_attention_math)),
+    }
+    cases = [("causal, fwd+bwd @ 1024", 1024, False, True), ("causal, fwd @ 4002", 4002, False, False),
+             ("last query, fwd+bwd @ 1024", 1024, True, True), ("last query, fwd @ 4002", 4002, True, False)]
+    table: dict[str, dict[str, float | None]] = {}
+    for label, n, last, grad in cases:
+        g = torch.Generator(device=dev).manual_seed(0)
+        k, v = (torch.randn(n, a.heads, a.window, a.dim, device=dev, dtype=dt, generator=g, requires_grad=grad)
+                for _ in range(2))
+        qs = (n, a.heads, a.dim) if last else (n, a.heads, a.window, a.dim)
+        q = torch.randn(*qs, device=dev, dtype=dt, generator=g, requires_grad=grad)
+        table[label] = {}
+        for name, (full, lastf) in forms.items():
+            fn = lastf if last else full
+
+            def call(fn=fn):
+                if grad:
+                    fn(q, k, v).float().sum().backward()
+                else:
+                    with torch.no_grad():
+                        fn(q, k, v)
+            try:
+                table[label][name] = timed(call, a.reps)
+            except Exception as exc:                 # a backend that refuses these shapes: say so, keep the rest
+                table[label][name] = None
+                print(f"  {label} [{name}]: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}")
+    names = list(forms)
+    print("\n| shape | " + " | ".join(names) + " |")
+    print("|---|" + "---:|" * len(names))
+    for label, row in table.items():
+        base = row.get("SDPA (default)")
+        cells = []
+        for nm in names:
+            t = row[nm]
+            cells.append("–" if t is None else f"{t:.0f} µs" + (f" ({base / t:.1f}×)" if base and nm != "SDPA (default)" else ""))
+        print(f"| {label} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
