@@ -53,6 +53,8 @@ def main() -> None:
     ap.add_argument("--envs", type=int, default=65536)
     ap.add_argument("--train-bars", type=int, default=20_000, help="bars of the training split (the refresh's size)")
     ap.add_argument("--accel", default="eager", choices=["eager", "compile"])
+    ap.add_argument("--parts", nargs="+", default=["update", "collect", "refresh"],
+                    choices=["update", "collect", "refresh"])
     ap.add_argument("--calls", type=int, default=5)
     ap.add_argument("--top", type=int, default=20)
     a = ap.parse_args()
@@ -62,6 +64,8 @@ def main() -> None:
           f"device={torch.cuda.get_device_name()} torch={torch.__version__}")
     for part, over in (("update", dict(batch_size=a.batch, n_envs=256)), ("collect", dict(n_envs=a.envs)),
                        ("refresh", dict())):
+        if part not in a.parts:
+            continue
         cfg = TrainConfig.preset(a.config, feats.shape[1])
         for k, v in over.items():
             setattr(cfg, k, v)
