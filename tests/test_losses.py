@@ -5,8 +5,7 @@ import pytest
 import torch
 
 from services.trainer.losses import (adapt_entropy_coef, atom_utilisation, c51_cross_entropy_probs, expectile_loss,
-                                     nstep_returns, project_distribution, quantile_huber_loss,
-                                     sample_horizons)
+                                     nstep_returns, project_distribution, quantile_huber_loss)
 
 Z3 = torch.tensor([-1.0, 0.0, 1.0])  # 3-atom support, Δz = 1
 
@@ -128,27 +127,3 @@ def test_shift_distribution_moves_the_mean_by_delta_and_is_differentiable():
     assert delta.grad is not None and torch.all(delta.grad != 0)
     far = shift_distribution(p[:1], torch.tensor([5.0]), z)                      # everything past the top
     torch.testing.assert_close(far[..., -1], torch.ones(1, 3))
-
-
-def test_sample_horizons_draws_each_horizon_with_its_weight():
-    g = torch.Generator().manual_seed(0)
-    w = torch.tensor([[0.2, 0.3, 0.5], [1.0, 0.0, 0.0], [0.0, 0.0, 1.0]])
-    h = sample_horizons(torch.rand(3, 200_000, generator=g), w)
-    freq = torch.stack([(h == k).float().mean(1) for k in range(3)], dim=1)
-    assert torch.allclose(freq, w, atol=5e-3)
-    # a uniform at the very top of [0, 1) with a row whose CDF rounds below 1 stays inside [0, H)
-    assert sample_horizons(torch.tensor([[1.0 - 1e-7]]), torch.tensor([[0.3, 0.3, 0.3]])).item() == 2
-
-
-def test_quantile_loss_against_sampled_horizons_is_the_blend_in_expectation():
-    """The update's IQN target draws one horizon per target sample (the blend's mixture): its loss averages to
-    the w-weighted sum of the per-horizon losses it replaced."""
-    g = torch.Generator().manual_seed(1)
-    w = torch.tensor([[0.2, 0.3, 0.5]])
-    y = torch.tensor([[-1.0, 0.5, 2.0]])                        # one target value per horizon
-    pred, taus = torch.tensor([[0.1, 0.4]]), torch.tensor([[0.25, 0.75]])
-    blend = sum(w[0, k] * quantile_huber_loss(pred, y[:, k:k + 1], taus) for k in range(3))
-    M = 400_000
-    h = sample_horizons(torch.rand(1, M, generator=g), w)
-    sampled = quantile_huber_loss(pred, y.gather(1, h), taus)
-    assert sampled.item() == pytest.approx(blend.item(), rel=5e-3)

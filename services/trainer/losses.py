@@ -64,14 +64,6 @@ def quantile_huber_loss(pred: torch.Tensor, target: torch.Tensor, taus: torch.Te
     return (weight * huber / kappa).mean(2).sum(1)
 
 
-def sample_horizons(u: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF draws of a horizon index per uniform: u N × M in [0, 1), weights N × H (rows sum to 1) →
-    N × M long in [0, H), index h drawn with probability weights[n, h] (a row's CDF rounding below 1 cannot
-    yield H: only the first H − 1 boundaries are compared)."""
-    cdf = weights.cumsum(1)[:, :-1]                                                        # N × (H − 1)
-    return (u.unsqueeze(-1) >= cdf.unsqueeze(1)).sum(-1)
-
-
 def expectile_loss(diff: torch.Tensor, expectile: float) -> torch.Tensor:
     """IQL expectile loss L_τ(u) = |τ − 1{u < 0}| u², u = target − prediction (elementwise)."""
     weight = torch.where(diff < 0, 1.0 - expectile, expectile)

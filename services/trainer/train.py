@@ -37,7 +37,7 @@ from shared.rollout import MarketTensors, run_rollout
 from services.trainer.env import RewardConfig, TrainEnv
 from services.trainer.losses import (adapt_entropy_coef, atom_entropy, atom_utilisation, c51_cross_entropy_probs,
                                      expectile_loss, nstep_returns, project_distribution, quantile_huber_loss,
-                                     sample_horizons, shift_distribution)
+                                     shift_distribution)
 from services.trainer.replay import Batch, Replay
 
 FEATURE_WARMUP = 64  # shared.market zeroes feature rows before this bar
@@ -353,12 +353,11 @@ def make_update(agent: Agent, target: Agent, opt: torch.optim.Optimizer, replay:
     n_ens = agent.cfg.ensemble
 
     def update(b: Batch, noise: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-        """One gradient update on batch b. noise: N × (K + 3M) uniforms (ensemble mask, online τ, target τ', the
-        target samples' horizons), drawn from the generator unless given (a captured step is handed noise drawn
-        outside the graph)."""
+        """One gradient update on batch b. noise: N × (K + M + H·M) uniforms (ensemble mask, online τ, target τ),
+        drawn from the generator unless given (a captured step is handed noise drawn outside the graph)."""
         N, dev = b.bar.shape[0], b.bar.device
         if noise is None:
-            noise = torch.rand(N, n_ens + 3 * M, device=dev, generator=generator)
+            noise = torch.rand(N, n_ens + M + H * M, device=dev, generator=generator)
         z, v_max = agent.support, agent.v_max                                              # A
         # --- online network at s (the encoder learns from the first `encoder_batch` samples, a random subset) ---
         n_enc = min(cfg.encoder_batch or N, N)
@@ -410,21 +409,17 @@ def make_update(agent: Agent, target: Agent, opt: torch.optim.Optimizer, replay:
                 ent = atom_entropy(logits_a).mean()
                 util = atom_utilisation(logits_a.detach())
         # --- IQN quantile Huber on the direction branch (in units of v_max, κ = 1), shifted by δ_direction ---
-        # The target is the horizon blend's mixture distribution Σ_h w_h Z^(h), sampled: each of the M' target
-        # samples draws its horizon h_j ~ w_h (inverse CDF) and its τ'_j, so the target network's quantile head runs
-        # at N·M' points, not N·H·M'. The quantile loss is linear in the target distribution, so this is the loss
-        # against the mixture in expectation (the weighted sum over horizons it replaces, at 1/H of the cost).
         taus = noise[:, n_ens:n_ens + M]                                                   # N × M
         th = agent.quantiles(out.hidden, taus).float() + out.delta[:, :3].unsqueeze(1)     # N × M × 3
         th = th.gather(2, b.action[:, 0].view(N, 1, 1).expand(N, M, 1)).squeeze(2)         # N × M
         with torch.no_grad():
-            taus_t = noise[:, n_ens + M:n_ens + 2 * M]                                     # N × M'
-            h_j = sample_horizons(noise[:, n_ens + 2 * M:], w_h)                          # N × M', in [0, H)
-            row = (torch.arange(N, device=dev).unsqueeze(1) * H + h_j).reshape(-1)         # N·M' rows of N·H
-            th_n = target.quantiles(tg_n.hidden[row], taus_t.reshape(-1, 1)).float()       # N·M' × 1 × 3
-            th_n = (th_n.squeeze(1) + tg_n.delta[row, :3]).gather(1, a_star[0][row].view(-1, 1)).view(N, M)
-            y_q = R.gather(1, h_j) + disc.gather(1, h_j) * th_n                            # N × M'
-        iqn = quantile_huber_loss(th / v_max, y_q / v_max, taus)                           # N
+            taus_t = noise[:, n_ens + M:].reshape(N * H, M)                                    # n-major, like nb
+            th_n = target.quantiles(tg_n.hidden, taus_t).float() + tg_n.delta[:, :3].unsqueeze(1)  # N·H × M × 3
+            th_n = th_n.gather(2, a_star[0].view(N * H, 1, 1).expand(N * H, M, 1)).view(N, H, M)
+            y_q = R.unsqueeze(-1) + disc.unsqueeze(-1) * th_n                              # N × H × M'
+        qh = quantile_huber_loss((th / v_max).repeat_interleave(H, 0), (y_q / v_max).reshape(N * H, M),
+                                 taus.repeat_interleave(H, 0))                             # N·H
+        iqn = (qh.view(N, H) * w_h).sum(1)                                                 # N
         # --- expectile value head on the blended scalar target of the direction branch ---
         with torch.no_grad():
             q_tn = target.q_values([tg_n.logits[0]], tg_n.delta)[0].mean(1)                # N·H × 3
@@ -481,9 +476,9 @@ class StepRunner:
     def __init__(self, state: "TrainState", accel: str):
         self.state, self.accel = state, accel
         cfg, dev, env = state.cfg, state.device, state.env
-        K, M = cfg.agent.ensemble, cfg.iqn_quantiles
+        K, M, H = cfg.agent.ensemble, cfg.iqn_quantiles, len(cfg.horizons)
         self.collect_noise = torch.zeros(cfg.env_steps_per_iter, cfg.n_envs, 7, device=dev)
-        self.update_noise = [torch.zeros(cfg.batch_size, 1 + K + 3 * M, device=dev)
+        self.update_noise = [torch.zeros(cfg.batch_size, 1 + K + M + H * M, device=dev)
                              for _ in range(max(cfg.updates_per_iter, 1))]
         collect_fn = lambda: env.collect(state.agent, state.controls, cfg.env_steps_per_iter,  # noqa: E731
                                          state.buffers.emb_online, self.collect_noise,
