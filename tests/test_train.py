@@ -190,3 +190,38 @@ def test_view_cache_follows_the_embeddings_and_is_what_collection_acts_on():
     torch.testing.assert_close(v.q[changed], on.agent.view(on.buffers.emb_online[changed]).q)
     stats = train_epoch(on, Knobs(epsilon=0.1))
     assert stats.updates > 0 and torch.isfinite(torch.tensor(stats.loss))
+
+
+def test_collection_runs_the_heads_once_per_bar_when_accounts_outnumber_bars():
+    """With E × steps ≥ T the collection computes the heads once per bar (`Agent.view_table` of the embedding
+    table) and each account-step reads its row: the same decisions and replay as the heads run per account-step."""
+    from services.trainer.train import build_state, refresh_embeddings
+    from shared.market import chronological_split
+
+    bars = generate(400, seed=4).bars
+    split = chronological_split(len(bars))
+    runs = []
+    for per_bar in (True, False):
+        cfg = tiny_config()
+        cfg.n_envs = 160
+        st = build_state(cfg, bars, split, 2, "cpu")
+        with torch.no_grad():
+            st.agent.shift[2].weight.normal_(0.0, 0.05)       # a shift that matters
+        st.env.reset_all()
+        refresh_embeddings(st)
+        st.controls.set(epsilon=0.1)
+        T = st.buffers.emb_online.shape[0]
+        assert st.cfg.n_envs * st.cfg.env_steps_per_iter >= T    # the automatic choice is the per-bar one here
+        g = torch.Generator().manual_seed(9)
+        for _ in range(3):
+            noise = torch.rand(st.cfg.env_steps_per_iter, st.cfg.n_envs, 7, generator=g)
+            st.env.collect(st.agent, st.controls, st.cfg.env_steps_per_iter, st.buffers.emb_online, noise,
+                           per_bar=per_bar)
+        runs.append(st)
+    a, b = runs
+    n = a.replay.count
+    assert n == b.replay.count == 3 * 2
+    assert torch.equal(a.replay.bar[:n], b.replay.bar[:n])
+    same = (a.replay.action[:n] == b.replay.action[:n]).all(-1).float().mean().item()
+    assert same > 0.99, same
+    torch.testing.assert_close(a.replay.reward[:n], b.replay.reward[:n])

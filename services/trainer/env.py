@@ -82,13 +82,20 @@ class TrainEnv:
         return idx.clamp_(max=self.start_cdf.shape[0] - 1)
 
     def collect(self, agent, controls, n_steps: int, emb_table: torch.Tensor, noise: torch.Tensor,
-                view_table: MarketView | None = None) -> None:
+                view_table: MarketView | None = None, per_bar: bool | None = None) -> None:
         """`n_steps` steps of every account: policy → simulator → reward → replay → episode resets.
 
         The policy reads each account's bar from `view_table` (every training bar's `MarketView`) when given, else
         runs the heads on `emb_table` (every training bar's embedding). noise: n_steps × E × 7 uniforms (6 for the
         policy's ε draws, 1 for the episode-start draw), drawn by the caller, so this body can be captured in a CUDA
-        graph and replayed with fresh noise."""
+        graph and replayed with fresh noise.
+
+        Without a view table, when the accounts' steps outnumber the bars (E × n_steps ≥ T: many accounts share a
+        bar), the heads run once per bar — `Agent.view_table` of the whole embedding table, computed now from the
+        current weights — and each step reads its rows: the values the heads give per account-step, at T head
+        evaluations instead of E × n_steps. `per_bar` forces either way (None: choose by that count)."""
+        if view_table is None and (per_bar if per_bar is not None else self.E * n_steps >= emb_table.shape[0]):
+            view_table = agent.view_table(emb_table)
         for i in range(n_steps):
             t = self.sim.t
             view = None if view_table is None else view_table.rows(t)

@@ -798,6 +798,7 @@ def train_epoch(state: TrainState, knobs: Knobs, progress: Callable[[int, int], 
     state.agent.train()
     cuda = state.device.type == "cuda"
     clock = PhaseClock(cuda)
+
     def before_update() -> None:                # host bookkeeping of one update (LRs on a CPU, group ages)
         nonlocal n_upd
         set_lrs(state.opt, state.update_step, knobs.lr_scale, cfg, write_lr=not cuda)
