@@ -114,15 +114,18 @@ def _run(data, accel: str, epochs: int = 2, **kw):
 # float additions; under bf16 autocast such a difference can flip a bf16 rounding, and two epochs compound it (on
 # an H200 the epoch-mean IQN loss was measured 0.8 % apart, in another run the expectile loss 5.2 %), so the bf16
 # run is compared loosely: it catches a capture that reads stale inputs, the fp32 run checks the arithmetic
-PRECISIONS = {"fp32": (dict(), 2e-3), "bf16+sub-batch": (dict(bf16=True, encoder_batch=16), 1e-1)}
+# (accel, config, tolerance): the compiled + captured fp32 run also reassociates float sums in inductor's fused
+# kernels, so it gets a wider fp32 tolerance (added in session 7, not yet run on the H200)
+PRECISIONS = {"fp32": ("graph", dict(), 2e-3), "bf16+sub-batch": ("graph", dict(bf16=True, encoder_batch=16), 1e-1),
+              "fp32+compile": ("compile+graph", dict(), 5e-3)}
 
 
 @cuda
 @pytest.mark.parametrize("precision", list(PRECISIONS))
 def test_graphed_iteration_equals_eager(data, precision):
-    cfg, tol = PRECISIONS[precision]
+    accel, cfg, tol = PRECISIONS[precision]
     eager, s_e = _run(data, "eager", **cfg)
-    graph, s_g = _run(data, "graph", **cfg)
+    graph, s_g = _run(data, accel, **cfg)
     assert graph.runner._graphs.keys() == {"collect", "iteration"}     # collection alone, then whole iterations
     assert eager.update_step == graph.update_step > 50
     # collection: the same transitions (same noise, same policy until the weights drift apart by float noise)
