@@ -279,9 +279,7 @@ def set_lrs(opt: torch.optim.Optimizer, step: int, lr_scale: dict[str, float], c
                 g["lr"] = lr
             if restart and g["branch"] in BRANCHES:
                 for p in g["params"]:
-                    st = opt.state.get(p)
-                    if st:
-                        st["exp_avg"].zero_()
+                    opt.state[p]["exp_avg"].zero_()                # created with the optimizer
     for g in opt.param_groups:
         g["age"] += 1
 
@@ -528,17 +526,20 @@ class StepRunner:
         self._draw(self.update_noise[0])
         self._run("update")
 
-    def iteration(self, before_update: Callable[[], None] = lambda: None) -> None:
+    def iteration(self, before_update: Callable[[], None] = lambda: None,
+                  mark: Callable[[], object] = lambda: None) -> object:
         """collect(), then updates_per_iter × (before_update(), update()). In the graph modes the host's
-        `before_update` calls all run first (host bookkeeping only: on CUDA the LR schedule is on the device) and
-        one graph replays the whole iteration; eagerly, the same calls in the same order."""
+        `before_update` calls all run first (host bookkeeping only: on CUDA the LR schedule is on the device), one
+        graph replays the whole iteration, and None is returned; eagerly, the same calls in the same order, and
+        `mark()` taken between the collection and the updates is returned (a clock reading)."""
         n = self.state.cfg.updates_per_iter
         if not self.graphed:
             self.collect()
+            between = mark()
             for _ in range(n):
                 before_update()
                 self.update()
-            return
+            return between
         self._draw(self.collect_noise)
         for noise in self.update_noise[:n]:
             self._draw(noise)
@@ -546,6 +547,7 @@ class StepRunner:
             before_update()
         self.pinned.commit()
         self._run("iteration")
+        return None
 
 
 def _bf16(fn: Callable[..., object]) -> Callable[..., object]:
@@ -812,16 +814,13 @@ def train_epoch(state: TrainState, knobs: Knobs, progress: Callable[[int, int], 
         after = state.env_steps + cfg.n_envs * cfg.env_steps_per_iter
         learn = after >= cfg.learning_starts and after // cfg.n_envs > max(cfg.horizons)
         ta = clock.now()
-        if learn and runner.graphed:
+        if not learn:
+            runner.collect()
+            clock.add("env", ta, clock.now())
+        elif (tb := runner.iteration(before_update, mark=clock.now)) is None:
             # one graph for the collection and the updates: the iteration's time counts for both rates
-            runner.iteration(before_update)
             clock.add("iteration", ta, clock.now())
         else:
-            runner.collect()
-            tb = clock.now()
-            for _ in range(cfg.updates_per_iter if learn else 0):
-                before_update()
-                runner.update()
             clock.add("env", ta, tb)
             clock.add("update", tb, clock.now())
         state.env_steps = after
