@@ -203,8 +203,8 @@ class MarketView:
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """softmax(q kᵀ / √d + causal mask) v for N × heads × W × d (W ≤ 64 bars, d = D / heads ~ 16).
 
-    `F.scaled_dot_product_attention`, except in a compiled forward without gradient (the embedding refresh, the
-    evaluator's batched encoder), where the written-out form — two batched matmuls around an fp32 softmax that
+    `F.scaled_dot_product_attention`, except in a compiled forward without gradient (the trainer's rolling embedding
+    refresh in the compiled modes), where the written-out form — two batched matmuls around an fp32 softmax that
     torch.compile fuses with the mask and the scale — ran 1.5× faster than the fused kernel the H200 picks (cuDNN
     flash, tiles of 64 × 128 keys × 64 dims, mostly padding at these sizes). With gradient, or uncompiled, the fused
     kernel is faster (2.2× and 3.4×). `bench/attention_speed.py` measures each."""
