@@ -8,6 +8,8 @@ Rows (one column per mode, then each mode's ratio to eager):
   updates/s @ batch N     the whole update step (sampling, C51 + IQN + expectile + auxiliary losses, backward, clip,
                           AdamW, target lerp, priorities, LR schedule, rolling embedding refresh), steady state
   account-steps/s @ B     collection: B accounts × steps of policy (ε, gates) + simulator + rewards + replay write
+                          on a `--bars` training split (when B × steps ≥ its bars the heads run once per bar,
+                          `TrainEnv.collect`)
   peak GPU memory         the largest `max_memory_allocated` of that mode's rows
   epoch s @ T bars        one epoch of the config (iterations × n_envs × env_steps ≈ T env-steps) on a training
                           split of T synthetic bars, after a short warm-up epoch (captures, compiles)
