@@ -22,8 +22,7 @@ import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from services.trainer.train import TrainConfig, _bf16, build_state, refresh_rolling  # noqa: E402
-from shared.market import chronological_split, compute_features  # noqa: E402
-from shared.synthetic import generate  # noqa: E402
+from bench.train_speed import synthetic_dataset  # noqa: E402
 
 
 def report(name: str, fn, calls: int, top: int) -> None:
@@ -58,8 +57,7 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=5)
     ap.add_argument("--top", type=int, default=20)
     a = ap.parse_args()
-    bars = generate(n_bars=int(a.train_bars / 0.588) + 500, seed=0).bars
-    split, feats = chronological_split(len(bars)), compute_features(bars)
+    bars, split, feats = synthetic_dataset(a.train_bars)
     print(f"# train_profile: config={a.config} accel={a.accel} train bars={split.train[1] - split.train[0]:,} "
           f"device={torch.cuda.get_device_name()} torch={torch.__version__}")
     for part, over in (("update", dict(batch_size=a.batch, n_envs=256)), ("collect", dict(n_envs=a.envs)),

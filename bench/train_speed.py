@@ -40,17 +40,22 @@ def sync(dev: torch.device) -> None:
         torch.cuda.synchronize()
 
 
+def synthetic_dataset(n_train: int):
+    """(bars, split, features) of synthetic bars whose training split holds about n_train bars."""
+    n = int(n_train / 0.588) + 500                  # chronological_split keeps ~58.8 % for training
+    bars = generate(n_bars=n, seed=0).bars
+    return bars, chronological_split(len(bars)), compute_features(bars)
+
+
 class Bench:
     def __init__(self, args):
         self.a, self.dev = args, torch.device(args.device)
         self.data: dict[int, tuple] = {}
 
     def dataset(self, n_train: int):
-        """Synthetic bars whose training split holds about n_train bars."""
+        """Synthetic bars whose training split holds about n_train bars (cached)."""
         if n_train not in self.data:
-            n = int(n_train / 0.588) + 500          # chronological_split keeps ~58.8 % for training
-            bars = generate(n_bars=n, seed=0).bars
-            self.data[n_train] = (bars, chronological_split(len(bars)), compute_features(bars))
+            self.data[n_train] = synthetic_dataset(n_train)
         return self.data[n_train]
 
     def state(self, mode: str, n_train: int, **over):
