@@ -37,10 +37,7 @@ def run_seed(seed: int, args: argparse.Namespace, root: Path) -> tuple[str, bool
     cfg = TrainConfig.preset("small", compute_features(bars).shape[1])
     if args.iterations:
         cfg.iterations = args.iterations
-    for item in args.set:
-        key, _, text = item.partition("=")
-        cur = getattr(cfg, key)                    # AttributeError names an unknown field
-        setattr(cfg, key, text.lower() in ("1", "true", "yes") if isinstance(cur, bool) else type(cur)(text))
+    cfg.override(args.set)
     t0 = time.perf_counter()
     run = root / f"{args.dataset}-seed{seed}"
     train_run(bars, args.dataset, run, args.epochs, config=cfg, seed=seed, device=args.device,
@@ -81,7 +78,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (per process)")
     ap.add_argument("--jobs", type=int, default=1, help="seeds trained at once, in separate processes")
     ap.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE",
-                    help="override top-level TrainConfig fields of the preset, e.g. act_view_cache=false")
+                    help="override preset fields (agent.FIELD for the network's), e.g. act_view_cache=false")
     args = ap.parse_args()
     root = Path(args.out or tempfile.mkdtemp(prefix="tl-learning-"))
     if args.jobs > 1:

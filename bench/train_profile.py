@@ -21,11 +21,38 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
+from shared.graphs import Graphed  # noqa: E402
 from services.trainer.train import TrainConfig, _bf16, build_state, refresh_rolling  # noqa: E402
 from bench.train_speed import synthetic_dataset  # noqa: E402
 
 
-def report(name: str, fn, calls: int, top: int) -> None:
+CATEGORIES = (("GEMM", ("gemm", "xmma", "cutlass", "nvjet", "cublas")),
+              ("attention", ("fmha", "flash", "attention", "cudnn")),
+              ("optimizer / foreach", ("multi_tensor", "foreach", "adam")),
+              ("triton (fused by compile)", ("triton",)),
+              ("reduction", ("reduce",)),
+              ("elementwise / copy", ("elementwise", "copy", "fill", "cat", "index", "gather", "scatter")))
+
+
+def category(kernel: str) -> str:
+    k = kernel.lower()
+    return next((c for c, keys in CATEGORIES if any(x in k for x in keys)), "other")
+
+
+def replay_ms(fn, reps: int = 20) -> float:
+    """GPU wall time per replay of fn captured in one CUDA graph (kernels plus the gaps between them)."""
+    g = Graphed(fn, warmup=1)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    g()
+    start.record()
+    for _ in range(reps):
+        g()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def report(name: str, fn, calls: int, top: int, body=None) -> None:
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
@@ -36,6 +63,19 @@ def report(name: str, fn, calls: int, top: int) -> None:
     kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
     total = sum(e.device_time for e in kernels) / calls                                   # µs per call
     print(f"\n## {name}: {len(kernels) / calls:.0f} kernels per call, {total / 1e3:.2f} ms GPU time per call")
+    if body is not None:
+        wall = replay_ms(body)
+        print(f"captured in one CUDA graph: {wall:.2f} ms per replay — kernels busy {total / 1e3 / wall:.0%} of it")
+    cats: dict[str, list[float]] = {}
+    for e in kernels:
+        c = cats.setdefault(category(e.name), [0, 0.0])
+        c[0] += 1 / calls
+        c[1] += e.device_time / calls
+    print("\n| kind | kernels per call | µs per call | share |")
+    print("|---|---:|---:|---:|")
+    for c, (n, t) in sorted(cats.items(), key=lambda kv: -kv[1][1]):
+        print(f"| {c} | {n:.0f} | {t:.0f} | {t / total:.0%} |")
+    print()
     by: dict[str, float] = {}
     for e in kernels:
         by[e.name] = by.get(e.name, 0.0) + e.device_time / calls
@@ -56,6 +96,10 @@ def main() -> None:
                     choices=["update", "collect", "refresh"])
     ap.add_argument("--calls", type=int, default=5)
     ap.add_argument("--top", type=int, default=20)
+    ap.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE",
+                    help="override preset fields (agent.FIELD for the network's), e.g. agent.n_heads=2")
+    ap.add_argument("--replay", action="store_true",
+                    help="also time the update and the refresh captured in one CUDA graph (in-graph gaps)")
     a = ap.parse_args()
     bars, split, feats = synthetic_dataset(a.train_bars)
     print(f"# train_profile: config={a.config} accel={a.accel} train bars={split.train[1] - split.train[0]:,} "
@@ -64,7 +108,7 @@ def main() -> None:
                        ("refresh", dict())):
         if part not in a.parts:
             continue
-        cfg = TrainConfig.preset(a.config, feats.shape[1])
+        cfg = TrainConfig.preset(a.config, feats.shape[1]).override(a.set)
         for k, v in over.items():
             setattr(cfg, k, v)
         st = build_state(cfg, bars, split, 0, "cuda", features=feats, accel=a.accel)
@@ -80,7 +124,8 @@ def main() -> None:
             fn = st.runner.update if part == "update" else st.runner.collect
             label = (f"update (batch {a.batch})" if part == "update"
                      else f"collect ({a.envs} accounts × {cfg.env_steps_per_iter} steps)")
-        report(f"{label}, {a.config}, {a.accel}", fn, a.calls, a.top)
+        body = st.runner._bodies["update"] if part == "update" else (fn if part == "refresh" else None)
+        report(f"{label}, {a.config}, {a.accel}", fn, a.calls, a.top, body if a.replay else None)
         del st
         torch._dynamo.reset()
         torch.cuda.empty_cache()

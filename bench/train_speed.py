@@ -65,6 +65,7 @@ class Bench:
         cfg = TrainConfig.preset(self.a.config, feats.shape[1])
         cfg.tf32 = not self.a.no_tf32
         cfg.act_view_cache = self.a.act_view_cache
+        cfg.override(self.a.set)
         for k, v in over.items():
             setattr(cfg, k, v)
         st = build_state(cfg, bars, split, 0, self.dev, features=feats, accel=mode)
@@ -150,13 +151,15 @@ def main() -> None:
     ap.add_argument("--no-tf32", action="store_true", help="plain fp32 matmuls (the config's default is TF32)")
     ap.add_argument("--act-view-cache", action="store_true",
                     help="collection acts on the cached market view of every bar (TrainConfig.act_view_cache)")
+    ap.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE",
+                    help="override preset fields (agent.FIELD for the network's), e.g. agent.n_heads=2")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     b = Bench(args)
     gpu = torch.cuda.get_device_name() if b.dev.type == "cuda" else "cpu"
     print(f"# train_speed: config={args.config} device={gpu} torch={torch.__version__} tf32={not args.no_tf32} "
-          f"act_view_cache={args.act_view_cache} threads={torch.get_num_threads()}", flush=True)
+          f"act_view_cache={args.act_view_cache} threads={torch.get_num_threads()} set={args.set}", flush=True)
     rows: list[tuple[str, str, callable]] = []
     rows += [(f"updates/s @ batch {n}", "{:,.0f}", lambda m, n=n: b.updates_per_s(m, n)) for n in args.batches]
     rows += [(f"account-steps/s @ B={n}", "{:,.3g}", lambda m, n=n: b.account_steps_per_s(m, n)) for n in args.envs]

@@ -236,6 +236,17 @@ def last_query_attention_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor)
     return (torch.softmax(s, dim=-1).unsqueeze(-1) * v.float()).sum(-2).to(v.dtype)        # N × h × d
 
 
+def aligned_linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+    """layer(x), on CUDA with the output width padded with zero rows to a multiple of 8 and sliced back: an output
+    row of 3, 9 or 2 295 bf16 values is not 16-byte aligned, and cuBLAS then falls back to its pre-Hopper `align1`
+    kernels (on the H200 those ran the heads' GEMMs; `bench/train_profile.py`). The same numbers; CPU: layer(x)."""
+    n = layer.out_features
+    pad = -n % 8
+    if not x.is_cuda or pad == 0:
+        return layer(x)
+    return F.linear(x, F.pad(layer.weight, (0, 0, 0, pad)), F.pad(layer.bias, (0, pad)))[..., :n]
+
+
 class CausalBlock(nn.Module):
     """Pre-LN transformer block with causal self-attention: x + Attn(LN x), then x + MLP(LN x)."""
 
@@ -337,9 +348,12 @@ class Agent(nn.Module):
         # (ParameterLists indexed, not unpacked: torch 2.11's dynamo cannot unpack one into a tuple)
         ws = [self.value_w] + [self.adv_w[i] for i in range(len(self.adv_w))]
         bs = [self.value_b] + [self.adv_b[i] for i in range(len(self.adv_b))]
-        w = torch.cat([x.transpose(0, 1).reshape(h.shape[1], -1) for x in ws], dim=1)
-        b = torch.cat([x.reshape(-1) for x in bs])
-        out = h @ w + b                                                                     # N × K·(1 + NB)·A
+        w = [x.transpose(0, 1).reshape(h.shape[1], -1) for x in ws]
+        b = [x.reshape(-1) for x in bs]
+        pad = -sum(x.shape[1] for x in w) % 8 if h.is_cuda else 0     # 16-byte rows (see `aligned_linear`)
+        if pad:
+            w, b = w + [w[0].new_zeros(h.shape[1], pad)], b + [b[0].new_zeros(pad)]
+        out = torch.addmm(torch.cat(b), h, torch.cat(w, dim=1))                            # N × K·(1 + NB)·A (+ pad)
         value = out[:, :K * A].view(N, K, A)                                                # N × K × A
         logits, at = [], K * A
         for n_b in self.cfg.branch_sizes:
@@ -347,12 +361,13 @@ class Agent(nn.Module):
             at += K * n_b * A
             # dueling: V + A − mean_a A   (Wang et al. 2016, Eq. 9, per atom)
             logits.append(value.unsqueeze(2) + adv - adv.mean(dim=2, keepdim=True))
-        return MarketOut(logits=logits, hidden=h, value_e=self.expectile(h).squeeze(-1), code=self.code(h))
+        return MarketOut(logits=logits, hidden=h, value_e=aligned_linear(h, self.expectile).squeeze(-1),
+                         code=self.code(h))
 
     def delta(self, code: torch.Tensor, portfolio: torch.Tensor) -> torch.Tensor:
         """Portfolio shift δ = v_max · MLP([code, portfolio]): N × (NB + 1) in return units, float32."""
         x = torch.cat([code.float(), portfolio.float()], dim=-1)                            # N × (C + P)
-        return self.v_max * self.shift(x).float()
+        return self.v_max * aligned_linear(self.shift[1](self.shift[0](x)), self.shift[2]).float()
 
     def head(self, emb: torch.Tensor, portfolio: torch.Tensor) -> HeadOut:
         """Market heads + portfolio shift (what the update trains)."""
@@ -379,7 +394,7 @@ class Agent(nn.Module):
             taus = taus.expand(hidden.shape[0], -1)
         # φ(τ) = ReLU(Σ_i cos(π i τ) w_i + b)   (IQN Eq. 4)                                   # N × M × E
         phi = F.relu(self.iqn_tau(torch.cos(math.pi * taus.unsqueeze(-1) * self.iqn_i)))   # N × M × H
-        return self.iqn_out(hidden.unsqueeze(1) * phi)                                      # N × M × 3
+        return aligned_linear(self.iqn_out[1](self.iqn_out[0](hidden.unsqueeze(1) * phi)), self.iqn_out[2])  # N×M×3
 
     def q_values(self, logits: list[torch.Tensor], delta: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Q_b(s, a) = Σ_i z_i p_i(s, a) per branch and ensemble member: N × K × n_b (float32); plus the portfolio

@@ -191,3 +191,28 @@ def test_attention_matches_pytorch_sdpa_and_last_token_matches_the_block():
     blk = CausalBlock(32, 4)
     x = torch.randn(6, 12, 32, generator=g)
     assert torch.allclose(blk.last_token(x), blk(x)[:, -1], atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_heads_with_aligned_widths_equal_the_cpu_heads():
+    """On CUDA the heads' output widths are padded to 16-byte rows (`aligned_linear`, the fused head matmul); the
+    outputs must be the CPU's: logits, V_e, δ, the IQN quantiles and their gradients, in fp32 without TF32."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.manual_seed(0)
+    cfg = AgentConfig(n_features=5, window=8, d_model=16, n_heads=2, hidden=40, ensemble=3, n_atoms=51)
+    cpu = Agent(cfg)
+    for p in cpu.parameters():                      # the shift starts at 0: give every weight a value
+        torch.nn.init.normal_(p, std=0.1)
+    gpu = Agent(cfg).cuda()
+    gpu.load_state_dict(cpu.state_dict())
+    emb, port, taus = torch.randn(33, 16), torch.randn(33, cfg.n_portfolio), torch.rand(33, 7)
+    outs = []
+    for net, dev in ((cpu, "cpu"), (gpu, "cuda")):
+        o = net.head(emb.to(dev), port.to(dev))
+        q = net.quantiles(o.hidden, taus.to(dev))
+        loss = sum(x.float().square().sum() for x in (*o.logits, o.value_e, o.delta, q))
+        grads = torch.autograd.grad(loss, [net.adv_w[0], net.shift[2].weight, net.iqn_out[2].weight])
+        outs.append([x.detach().cpu() for x in (*o.logits, o.value_e, o.delta, q, *grads)])
+    for a, b in zip(*outs):
+        assert a.shape == b.shape
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-5)

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from services.trainer.losses import (adapt_entropy_coef, atom_utilisation, c51_cross_entropy_probs, expectile_loss,
-                                     nstep_returns, project_distribution, quantile_huber_loss)
+                                     nstep_returns, project_distribution, projection_weights,
+                                     quantile_huber_loss)
 
 Z3 = torch.tensor([-1.0, 0.0, 1.0])  # 3-atom support, Δz = 1
 
@@ -37,6 +38,20 @@ def test_projection_identity_and_shift_by_reward_gamma():
     # r = 0, γ = 0.5: Tz = (−1, −.5, 0, .5, 1) → mass .1 to −1; .2 split −1/0; .4 to 0; .2 split 0/1; .1 to 1
     m = project_distribution((0.5 * z).expand(1, 5), p, z)
     assert torch.allclose(m, torch.tensor([[0.0, 0.2, 0.6, 0.2, 0.0]]))
+
+
+def test_projection_equals_the_dense_hat_weights_form():
+    """The two-neighbour scatter equals Σ_j clip(1 − |Tz_j − z_i| / Δz, 0, 1) p_j (Dopamine's dense form), atoms
+    outside the support, on an atom and at both ends included."""
+    g = torch.Generator().manual_seed(1)
+    z = torch.linspace(-0.05, 0.05, 51)
+    tz = torch.cat([torch.randn(64, 40, generator=g) * 0.04, z.expand(64, 51)[:, ::5],
+                    torch.tensor([[-0.05, 0.05, -0.2, 0.2, 0.0]]).expand(64, 5)], 1)       # 64 × 56
+    p = torch.softmax(torch.randn(64, tz.shape[1], generator=g), -1)
+    dense = (projection_weights(tz, z) * p.unsqueeze(-2)).sum(-1)
+    m = project_distribution(tz, p, z)
+    assert torch.allclose(m, dense, atol=1e-6)
+    assert torch.allclose(m.sum(-1), torch.ones(64), atol=1e-6)
 
 
 def test_projection_keeps_mass_and_mean_inside_support():

@@ -22,6 +22,14 @@ def tiny_config() -> TrainConfig:
                        horizons=(1, 2, 4), iqn_quantiles=4, lr_warmup=5, cosine_period=7, emb_refresh=5)
 
 
+def test_config_override_parses_each_field_as_its_type_and_names_a_bad_one():
+    cfg = TrainConfig.preset("full", 16).override(["agent.n_heads=2", "tau=0.04", "bf16=false", "batch_size=512"])
+    assert (cfg.agent.n_heads, cfg.tau, cfg.bf16, cfg.batch_size) == (2, 0.04, False, 512)
+    for bad in ("nope=1", "agent.nope=1", "tau"):
+        with pytest.raises(ValueError, match="FIELD=VALUE"):
+            cfg.override([bad])
+
+
 def test_weight_decay_mask_is_trunk_and_value_matrices_only():
     mask = weight_decay_mask(Agent(TINY_AGENT))
     decayed = {n for n, d in mask.items() if d}

@@ -110,20 +110,23 @@ def _run(data, accel: str, epochs: int = 2, **kw):
     return st, stats
 
 
-# (config, relative tolerance of metrics and parameters): in fp32 the two runs differ only by the order of atomic
-# float additions; under bf16 autocast such a difference can flip a bf16 rounding, and two epochs compound it (on
-# an H200 the epoch-mean IQN loss was measured 0.8 % apart, in another run the expectile loss 5.2 %), so the bf16
-# run is compared loosely: it catches a capture that reads stale inputs, the fp32 run checks the arithmetic
-# (accel, config, tolerance): the compiled + captured fp32 run also reassociates float sums in inductor's fused
-# kernels, so it gets a wider fp32 tolerance (added in session 7, not yet run on the H200)
-PRECISIONS = {"fp32": ("graph", dict(), 2e-3), "bf16+sub-batch": ("graph", dict(bf16=True, encoder_batch=16), 1e-1),
-              "fp32+compile": ("compile+graph", dict(), 5e-3)}
+# (accel, config, relative tolerance of metrics and parameters, share of identical replay actions): in fp32 the
+# graphed run differs from the eager one only by the order of atomic float additions, so it is compared element by
+# element. Under bf16 autocast such a difference can flip a bf16 rounding, and two epochs compound it (on an H200
+# the epoch-mean IQN loss was measured 0.8 % apart, in another run the expectile loss 5.2 %). Compiled, inductor's
+# fused kernels reassociate the sums and the no-grad encoder uses the written-out attention (`causal_attention`):
+# on the H200 (session 8) 95.2 % of the replayed actions were identical — one flipped near-tie argmax sends that
+# account down another path. Those two runs are compared as whole trainings (losses, the parameters' change): that
+# still catches a capture that reads stale inputs; the fp32 graph run checks the arithmetic.
+PRECISIONS = {"fp32": ("graph", dict(), 2e-3, 0.98),
+              "bf16+sub-batch": ("graph", dict(bf16=True, encoder_batch=16), 1e-1, 0.9),
+              "fp32+compile": ("compile+graph", dict(), 1e-1, 0.9)}
 
 
 @cuda
 @pytest.mark.parametrize("precision", list(PRECISIONS))
 def test_graphed_iteration_equals_eager(data, precision):
-    accel, cfg, tol = PRECISIONS[precision]
+    accel, cfg, tol, agree = PRECISIONS[precision]
     eager, s_e = _run(data, "eager", **cfg)
     graph, s_g = _run(data, accel, **cfg)
     assert graph.runner._graphs.keys() == {"collect", "iteration"}     # collection alone, then whole iterations
@@ -132,16 +135,21 @@ def test_graphed_iteration_equals_eager(data, precision):
     n = eager.replay.count
     assert n == graph.replay.count
     same = (eager.replay.action[:n] == graph.replay.action[:n]).all(-1).float().mean().item()
-    assert same > (0.98 if tol < 1e-2 else 0.9), same
+    print(f"{precision}: identical replay actions {same:.3f}")
+    assert same > agree, same
     assert torch.equal(eager.replay.bar[:n // 4], graph.replay.bar[:n // 4])
     # update: the same losses and parameters after K updates, within float tolerance (atomics reorder sums)
+    off = []
     for a, b in zip(s_e, s_g):
         for k in METRICS:
             va, vb = getattr(a, k, None), getattr(b, k, None)
             if va is not None:
                 # Q-valued metrics sit near 0: compared to the support's half-width, not relatively
                 atol = tol * 0.1 * a.v_max if k == "q_mean" else 1e-5
-                assert math.isclose(va, vb, rel_tol=tol, abs_tol=max(atol, 1e-5)), (k, va, vb)
+                print(f"{precision} epoch {a.epoch} {k}: {va:.6g} vs {vb:.6g}")
+                if not math.isclose(va, vb, rel_tol=tol, abs_tol=max(atol, 1e-5)):
+                    off.append((a.epoch, k, va, vb))
+    assert not off, off
     # parameters: in fp32 element by element. Under bf16, the training's change of all parameters together:
     # AdamW steps every weight by ~lr whatever its gradient's size, so a weight whose gradient is bf16 noise walks
     # differently in the two runs — element-wise a few IQN weights failed one H200 run in four, and the positional
@@ -157,7 +165,7 @@ def test_graphed_iteration_equals_eager(data, precision):
             d_e = torch.cat([(p - p0).flatten() for p, p0 in zip(getattr(eager, net).parameters(), eager.init)])
             d_g = torch.cat([(p - p0).flatten() for p, p0 in zip(getattr(graph, net).parameters(), graph.init)])
             drift = ((d_e - d_g).norm() / d_e.norm()).item()
-            print(f"bf16 {net}: relative difference of the parameters' change {drift:.3f}")
+            print(f"{precision} {net}: relative difference of the parameters' change {drift:.3f}")
             assert drift < 2 * tol, (net, drift)          # H200, session 7: 0.060 (agent), 0.035 (target)
     # the embedding cache is the encoder's output, written under the precision's autocast: with bf16 its entries
     # (LayerNorm outputs, |x| ~ 1) carry 8 significant bits, so a one-ulp difference is 2^-8 of the value — the

@@ -17,11 +17,21 @@ def project_distribution(tz: torch.Tensor, probs: torch.Tensor, support: torch.T
     """C51 projection Φ of a distribution on atoms `tz` onto `support` (Bellemare et al. 2017, Eq. 7).
 
     tz: ... × A' (target atoms T z_j = r + γ z_j), probs: ... × A' (their probabilities), support: A (uniform).
-    Closed form with fixed shapes (Dopamine):
         (Φ p)_i = Σ_j clip(1 − |clip(T z_j, v_min, v_max) − z_i| / Δz, 0, 1) p_j
-    Returns ... × A.
+    Each clipped T z_j lies between two neighbouring atoms l = ⌊b_j⌋ and l + 1, b_j = (T z_j − v_min) / Δz, and only
+    those two weights are non-zero (1 − (b_j − l) and b_j − l), so the mass is added to them with two scatter-adds:
+    O(A') per distribution instead of the dense A × A' weights (`projection_weights`, the same numbers; it was the
+    update's largest fused kernel on the H200 at batch 4096). Returns ... × A (no gradient through tz: targets).
     """
-    return (projection_weights(tz, support) * probs.unsqueeze(-2)).sum(-1)                 # ... × A
+    A = support.shape[0]
+    v_min, v_max = support[0], support[-1]
+    b = ((tz.clamp(v_min, v_max) - v_min) / ((v_max - v_min) / (A - 1))).clamp(0, A - 1)  # ... × A', in [0, A−1]
+    lower = b.floor().clamp(max=A - 2)                                   # b = A − 1: weight 1 on the top atom
+    frac = b - lower                                                     # in [0, 1]
+    lo = lower.long()
+    m = torch.zeros(*tz.shape[:-1], A, dtype=probs.dtype, device=probs.device)
+    m.scatter_add_(-1, lo, probs * (1.0 - frac))
+    return m.scatter_add_(-1, lo + 1, probs * frac)                                         # ... × A
 
 
 def projection_weights(tz: torch.Tensor, support: torch.Tensor) -> torch.Tensor:

@@ -191,6 +191,18 @@ class TrainConfig:
                        emb_refresh=1000)
         raise ValueError(f"unknown config preset {name!r}: use 'small' or 'full'")
 
+    def override(self, items: list[str]) -> "TrainConfig":
+        """Set fields from FIELD=VALUE strings (`agent.FIELD` for the network's), each parsed as the field's
+        current type (bools from 1/true/yes); ValueError naming an unknown field. Returns self (benches' --set)."""
+        for item in items:
+            key, sep, text = item.partition("=")
+            obj, name = (self.agent, key[6:]) if key.startswith("agent.") else (self, key)
+            if not sep or not hasattr(obj, name):
+                raise ValueError(f"--set {item!r}: expected FIELD=VALUE with a field of TrainConfig or agent.FIELD")
+            cur = getattr(obj, name)
+            setattr(obj, name, text.lower() in ("1", "true", "yes") if isinstance(cur, bool) else type(cur)(text))
+        return self
+
 
 # ---------------------------------------------------------------------------------------------------------
 # Parameter groups: weight-decay mask and per-branch groups
@@ -390,8 +402,12 @@ def make_update(agent: Agent, target: Agent, opt: torch.optim.Optimizer, replay:
             with torch.no_grad():
                 # the ensemble shares one target: the members' mean next distribution at the greedy action,
                 # blended over horizons before the projection (Φ is linear in the probabilities)
+                # (the softmax is over atoms, per action: taken of the greedy action's logits alone)
                 idx = a_star[br].view(N * H, 1, 1, 1).expand(N * H, K, 1, A)
-                p_next = torch.softmax(lg_n.float(), -1).gather(2, idx).squeeze(2).mean(1).view(N, H, A)
+                p_next = torch.softmax(lg_n.gather(2, idx).squeeze(2).float(), -1).mean(1).view(N, H, A)
+                if br == 0:
+                    # the target's Q of the greedy direction, Σ_i z_i p_i + δ' (for the expectile target)
+                    q_tn = (p_next * z).sum(-1) + d_star[0]                               # N × H
                 p_w = (p_next * w_h.unsqueeze(-1)).reshape(N, H * A)                       # N × H·A
                 tz = R.unsqueeze(-1) + disc.unsqueeze(-1) * (z + d_star[br].unsqueeze(-1))  # N × H × A
                 m = project_distribution(tz.reshape(N, H * A), p_w, z)                     # N × A
@@ -420,8 +436,6 @@ def make_update(agent: Agent, target: Agent, opt: torch.optim.Optimizer, replay:
         iqn = (qh.view(N, H) * w_h).sum(1)                                                 # N
         # --- expectile value head on the blended scalar target of the direction branch ---
         with torch.no_grad():
-            q_tn = target.q_values([tg_n.logits[0]], tg_n.delta)[0].mean(1)                # N·H × 3
-            q_tn = q_tn.gather(1, a_star[0].view(-1, 1)).view(N, H)
             y = ((R + disc * q_tn) * w_h).sum(1)                                           # N
         expl = expectile_loss((y - out.value_e.float()) / v_max, cfg.expectile)           # N
         # --- stability terms on the online direction Q ---
