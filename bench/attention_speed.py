@@ -4,7 +4,9 @@ and compiled, side by side in one run.
 
     python3 bench/attention_speed.py                 # on the H200
 
-Shapes (`full` config: 8 heads × 16 dims, 64-bar windows, bf16 as under the trainer's autocast):
+    python3 bench/attention_speed.py --heads 8 --dim 16    # the `full` config's heads before session 8
+
+Shapes (`full` config: 2 heads × 64 dims, 64-bar windows, bf16 as under the trainer's autocast):
   causal, fwd+bwd @ 1 024   the update's first encoder block (the encoder learns from 1 024 windows)
   causal, fwd @ 4 002       the rolling refresh of both embedding tables (2 001 bars each at 10^6 training bars)
   last query, fwd+bwd @ 1 024 / fwd @ 4 002   the last block, which keeps the last token only
@@ -53,8 +55,8 @@ def sdpa(backend=None, last=False):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--dim", type=int, default=16)
+    ap.add_argument("--heads", type=int, default=2)
+    ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--window", type=int, default=64)
     ap.add_argument("--reps", type=int, default=50)
     a = ap.parse_args()

@@ -200,15 +200,21 @@ class MarketView:
         return self.q.shape[0]
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """softmax(q kᵀ / √d + causal mask) v for N × heads × W × d (W ≤ 64 bars, d = D / heads ~ 16).
+def written_out_attention(q: torch.Tensor) -> bool:
+    """Whether attention runs written out (`causal_attention_math`, `last_query_attention_math`) rather than as
+    PyTorch's fused SDPA: only in a compiled pass without gradient (the trainer's compiled collection and rolling
+    embedding refresh) with heads of ≤ 32 dims. There inductor fuses the written-out form — two batched matmuls around
+    an fp32 softmax, with the mask and the scale — and it beat the fused kernel the H200 picks (cuDNN flash, tiles of
+    64 dims, mostly padding for 16-dim heads): 1.5× on the causal forward and 2.5× on the last query at 8 heads × 16,
+    1.4× and 1.2× at 4 × 32; at 2 × 64 SDPA was as fast or faster (1.0× and 0.6×). With gradient, or uncompiled, the
+    fused kernel was faster at every width. `bench/attention_speed.py --heads H --dim d` measures each."""
+    return torch.compiler.is_compiling() and not torch.is_grad_enabled() and q.shape[-1] <= 32
 
-    `F.scaled_dot_product_attention`, except in a compiled forward without gradient (the trainer's rolling embedding
-    refresh in the compiled modes), where the written-out form — two batched matmuls around an fp32 softmax that
-    torch.compile fuses with the mask and the scale — ran 1.5× faster than the fused kernel the H200 picks (cuDNN
-    flash, tiles of 64 × 128 keys × 64 dims, mostly padding at these sizes). With gradient, or uncompiled, the fused
-    kernel is faster (2.2× and 3.4×). `bench/attention_speed.py` measures each."""
-    if not (torch.compiler.is_compiling() and not torch.is_grad_enabled()):
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """softmax(q kᵀ / √d + causal mask) v for N × heads × W × d (W ≤ 64 bars): fused SDPA, or written out where
+    that is faster (`written_out_attention`)."""
+    if not written_out_attention(q):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     return causal_attention_math(q, k, v)
 
@@ -223,9 +229,9 @@ def causal_attention_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> 
 
 def last_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """The last token's attention over its whole window: q N × heads × d, k, v N × heads × W × d → N × heads × d.
-    As `causal_attention`: fused SDPA, except compiled without gradient, where elementwise products and sums with an
-    fp32 softmax (one fused kernel) ran 2.4× faster than SDPA's one-query-row kernel."""
-    if not (torch.compiler.is_compiling() and not torch.is_grad_enabled()):
+    Fused SDPA, or written out where that is faster (`written_out_attention`: elementwise products and sums with an
+    fp32 softmax, one fused kernel)."""
+    if not written_out_attention(q):
         return F.scaled_dot_product_attention(q.unsqueeze(2), k, v).squeeze(2)
     return last_query_attention_math(q, k, v)
 
