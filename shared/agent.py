@@ -243,14 +243,16 @@ def last_query_attention_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor)
 
 
 def aligned_linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
-    """layer(x), on CUDA with the output width padded with zero rows to a multiple of 8 and sliced back: an output
-    row of 3, 9 or 2 295 bf16 values is not 16-byte aligned, and cuBLAS then falls back to its pre-Hopper `align1`
-    kernels (on the H200 those ran the heads' GEMMs; `bench/train_profile.py`). The same numbers; CPU: layer(x)."""
-    n = layer.out_features
-    pad = -n % 8
-    if not x.is_cuda or pad == 0:
+    """layer(x), on CUDA with both widths padded with zeros to a multiple of 8 (the output sliced back): a row of 3,
+    9, 14 or 2 295 bf16 values is not 16-byte aligned, and cuBLAS then falls back to its pre-Hopper `align1` kernels
+    (on the H200 those ran the heads' GEMMs and the encoder's input projection; `bench/train_profile.py`). The same
+    numbers (zero products add nothing); on a CPU just layer(x)."""
+    n_out, n_in = layer.weight.shape
+    po, pi = -n_out % 8, -n_in % 8
+    if not x.is_cuda or po == pi == 0:
         return layer(x)
-    return F.linear(x, F.pad(layer.weight, (0, 0, 0, pad)), F.pad(layer.bias, (0, pad)))[..., :n]
+    out = F.linear(F.pad(x, (0, pi)), F.pad(layer.weight, (0, pi, 0, po)), F.pad(layer.bias, (0, po)))
+    return out[..., :n_out]
 
 
 class CausalBlock(nn.Module):
@@ -339,7 +341,7 @@ class Agent(nn.Module):
     # --- network -----------------------------------------------------------------------------------------
     def encode(self, windows: torch.Tensor) -> torch.Tensor:
         """Market embedding of feature windows: N × W × F → N × D (the last token of the causal encoder)."""
-        x = self.enc_in(windows) + self.enc_pos                                             # N × W × D
+        x = aligned_linear(windows, self.enc_in) + self.enc_pos                            # N × W × D
         blocks = list(self.enc_blocks)
         for blk in blocks[:-1]:
             x = blk(x)

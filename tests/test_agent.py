@@ -205,14 +205,16 @@ def test_cuda_heads_with_aligned_widths_equal_the_cpu_heads():
         torch.nn.init.normal_(p, std=0.1)
     gpu = Agent(cfg).cuda()
     gpu.load_state_dict(cpu.state_dict())
-    emb, port, taus = torch.randn(33, 16), torch.randn(33, cfg.n_portfolio), torch.rand(33, 7)
+    win, port, taus = torch.randn(33, 8, 5), torch.randn(33, cfg.n_portfolio), torch.rand(33, 7)
     outs = []
     for net, dev in ((cpu, "cpu"), (gpu, "cuda")):
-        o = net.head(emb.to(dev), port.to(dev))
+        emb = net.encode(win.to(dev))                # 5 features: the input projection is padded too
+        o = net.head(emb, port.to(dev))
         q = net.quantiles(o.hidden, taus.to(dev))
         loss = sum(x.float().square().sum() for x in (*o.logits, o.value_e, o.delta, q))
-        grads = torch.autograd.grad(loss, [net.adv_w[0], net.shift[2].weight, net.iqn_out[2].weight])
-        outs.append([x.detach().cpu() for x in (*o.logits, o.value_e, o.delta, q, *grads)])
+        grads = torch.autograd.grad(loss, [net.adv_w[0], net.shift[2].weight, net.iqn_out[2].weight,
+                                           net.enc_in.weight])
+        outs.append([x.detach().cpu() for x in (emb, *o.logits, o.value_e, o.delta, q, *grads)])
     for a, b in zip(*outs):
         assert a.shape == b.shape
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-5)
