@@ -16,8 +16,10 @@ Rows (one column per mode, then each mode's ratio to eager):
   GPU busy %              the union of kernel spans over `--busy-iterations` steady-state iterations
                           (`StepRunner.iteration`: collection + updates_per_iter updates, one CUDA graph in the graph
                           modes; torch.profiler, `--profile`), over the GPU timeline (first kernel's start to last
-                          kernel's end: gaps inside and between replays count as idle) and over the host's wall time
-                          of the loop (also counting the start-up before the first launch and the profiler's cost)
+                          kernel's end: gaps inside and between replays count as idle), over the host's wall time
+                          of the loop (also counting the start-up before the first launch and the profiler's cost),
+                          and over the GPU time of the same iterations run unprofiled (CUPTI's per-kernel tracing
+                          widens the gaps between a replay's kernels)
 Every figure is measured after a warm-up (captures and compiles excluded); times end with a device sync.
 """
 from __future__ import annotations
@@ -54,7 +56,7 @@ class Bench:
     def __init__(self, args):
         self.a, self.dev = args, torch.device(args.device)
         self.data: dict[int, tuple] = {}
-        self._busy: dict[str, tuple[float, float]] = {}
+        self._busy: dict[str, tuple[float, float, float]] = {}
 
     def dataset(self, n_train: int):
         """Synthetic bars whose training split holds about n_train bars (cached)."""
@@ -108,10 +110,11 @@ class Bench:
         s = train_epoch(st, Knobs())
         return s.seconds
 
-    def busy(self, mode: str) -> tuple[float, float]:
+    def busy(self, mode: str) -> tuple[float, float, float]:
         """GPU busy over steady-state iterations: the union of kernel spans over (a) the GPU's timeline from the
         first kernel's start to the last one's end, (b) the host's wall time of the loop, which adds the time
-        between the clock starting and the first launch and the profiler's own overhead. Cached per mode."""
+        between the clock starting and the first launch and the profiler's own overhead; (c) the kernel time over the
+        GPU time of the same number of iterations run again without the profiler (CUDA events). Cached per mode."""
         if mode in self._busy:
             return self._busy[mode]
         from torch.profiler import ProfilerActivity, profile
@@ -139,7 +142,16 @@ class Bench:
                 cur_e = max(cur_e, e)
         busy += 0 if cur_e is None else cur_e - cur_s
         timeline = max(e for _, e in spans) - spans[0][0]
-        self._busy[mode] = (busy / timeline, busy * 1e-6 / wall)
+        # the same iterations without the profiler, timed by CUDA events: CUPTI's per-kernel tracing widens the
+        # gaps between the ~1 400 kernels of a replay, so the third figure is the profiled kernel time over the
+        # unprofiled GPU time
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(self.a.busy_iterations):
+            iteration()
+        end.record()
+        sync(self.dev)
+        self._busy[mode] = (busy / timeline, busy * 1e-6 / wall, busy * 1e-3 / start.elapsed_time(end))
         return self._busy[mode]
 
 
@@ -180,6 +192,7 @@ def main() -> None:
     if args.profile and b.dev.type == "cuda":
         rows.append(("GPU busy % (kernel time / GPU timeline)", "{:.0%}", lambda m: b.busy(m)[0]))
         rows.append(("GPU busy % (kernel time / host wall)", "{:.0%}", lambda m: b.busy(m)[1]))
+        rows.append(("GPU busy % (kernel time / unprofiled GPU time)", "{:.0%}", lambda m: b.busy(m)[2]))
     peak = {m: 0.0 for m in args.modes}
     table: dict[str, dict[str, str]] = {}
     raw: dict[str, dict[str, float]] = {}
