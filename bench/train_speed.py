@@ -184,7 +184,7 @@ def main() -> None:
     print(f"# train_speed: config={args.config} device={gpu} torch={torch.__version__} tf32={not args.no_tf32} "
           f"act_view_cache={args.act_view_cache} threads={torch.get_num_threads()} set={args.set}", flush=True)
     rows: list[tuple[str, str, callable]] = []
-    rows += [(f"updates/s @ batch {n}", "{:,.0f}", lambda m, n=n: b.updates_per_s(m, n)) for n in args.batches]
+    rows += [(f"updates/s @ batch {n}", "{:,.3g}", lambda m, n=n: b.updates_per_s(m, n)) for n in args.batches]
     rows += [(f"account-steps/s @ B={n}", "{:,.3g}", lambda m, n=n: b.account_steps_per_s(m, n)) for n in args.envs]
     if args.epoch_bars:
         rows.append((f"epoch s @ {args.epoch_bars:,} train bars", "{:.1f}",
