@@ -142,3 +142,23 @@ def test_shift_distribution_moves_the_mean_by_delta_and_is_differentiable():
     assert delta.grad is not None and torch.all(delta.grad != 0)
     far = shift_distribution(p[:1], torch.tensor([5.0]), z)                      # everything past the top
     torch.testing.assert_close(far[..., -1], torch.ones(1, 3))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_shift_distribution_on_cuda_with_padded_atoms_equals_the_cpu():
+    """On CUDA the shift's batched product runs on atoms padded to a multiple of 8; values and gradients must be
+    the CPU's (fp32, no TF32)."""
+    from services.trainer.losses import shift_distribution
+    torch.backends.cuda.matmul.allow_tf32 = False
+    g = torch.Generator().manual_seed(5)
+    z = torch.linspace(-0.05, 0.05, 51)
+    delta = torch.randn(33, generator=g) * 0.03
+    p0 = torch.softmax(torch.randn(33, 5, 51, generator=g), -1)
+    out = []
+    for dev in ("cpu", "cuda"):
+        d, p = delta.to(dev).requires_grad_(), p0.to(dev).requires_grad_()
+        q = shift_distribution(p, d, z.to(dev))
+        (q * torch.linspace(0.5, 2.0, 51, device=dev)).square().sum().backward()
+        out.append([x.detach().cpu() for x in (q, p.grad, d.grad)])
+    for a, b in zip(*out):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)

@@ -60,7 +60,13 @@ def shift_distribution(probs: torch.Tensor, delta: torch.Tensor, support: torch.
     On the CPU learning bench (session 8, seeds 0–5) the scatter form reached a mean OOS per-trade Sharpe of 0.37
     (target met in 1 seed of 6) against 0.66 (5 of 6) for this one, so this one stays."""
     w = projection_weights(support.unsqueeze(0) + delta.float().unsqueeze(1), support)     # N × A × A', shared by K
-    return torch.einsum("nij,nkj->nki", w, probs.float())
+    p, A = probs.float(), support.shape[0]
+    pad = -A % 8 if p.is_cuda else 0
+    if pad:
+        # 16-byte rows for cuBLAS's batched product (51 atoms made it take its unaligned kernels; see
+        # `shared.agent.aligned_linear`): the zero atoms add nothing
+        return torch.einsum("nij,nkj->nki", F.pad(w, (0, pad, 0, pad)), F.pad(p, (0, pad)))[..., :A]
+    return torch.einsum("nij,nkj->nki", w, p)
 
 
 def c51_cross_entropy_probs(probs: torch.Tensor, target_probs: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
