@@ -242,14 +242,20 @@ def last_query_attention_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor)
     return (torch.softmax(s, dim=-1).unsqueeze(-1) * v.float()).sum(-2).to(v.dtype)        # N × h × d
 
 
+def align_pad(width: int, x: torch.Tensor) -> int:
+    """Zeros to append to a width of `width` elements so that rows of x's device are 16-byte aligned for cuBLAS
+    (a multiple of 8 bf16 values) on CUDA; 0 on a CPU, where alignment buys nothing."""
+    return -width % 8 if x.is_cuda else 0
+
+
 def aligned_linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
     """layer(x), on CUDA with both widths padded with zeros to a multiple of 8 (the output sliced back): a row of 3,
     9, 14 or 2 295 bf16 values is not 16-byte aligned, and cuBLAS then falls back to its pre-Hopper `align1` kernels
     (on the H200 those ran the heads' GEMMs and the encoder's input projection; `bench/train_profile.py`). The same
     numbers (zero products add nothing); on a CPU just layer(x)."""
     n_out, n_in = layer.weight.shape
-    po, pi = -n_out % 8, -n_in % 8
-    if not x.is_cuda or po == pi == 0:
+    po, pi = align_pad(n_out, x), align_pad(n_in, x)
+    if po == pi == 0:
         return layer(x)
     out = F.linear(F.pad(x, (0, pi)), F.pad(layer.weight, (0, pi, 0, po)), F.pad(layer.bias, (0, po)))
     return out[..., :n_out]
@@ -358,7 +364,7 @@ class Agent(nn.Module):
         bs = [self.value_b] + [self.adv_b[i] for i in range(len(self.adv_b))]
         w = [x.transpose(0, 1).reshape(h.shape[1], -1) for x in ws]
         b = [x.reshape(-1) for x in bs]
-        pad = -sum(x.shape[1] for x in w) % 8 if h.is_cuda else 0     # 16-byte rows (see `aligned_linear`)
+        pad = align_pad(sum(x.shape[1] for x in w), h)                # 16-byte rows (see `aligned_linear`)
         if pad:
             w, b = w + [w[0].new_zeros(h.shape[1], pad)], b + [b[0].new_zeros(pad)]
         out = torch.addmm(torch.cat(b), h, torch.cat(w, dim=1))                            # N × K·(1 + NB)·A (+ pad)

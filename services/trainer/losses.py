@@ -5,12 +5,14 @@ Every function is shape-static (no data-dependent control flow, no host syncs), 
 them can be captured in a CUDA graph. Shape comments: N batch, K ensemble, A atoms, M / M' quantiles,
 L reward steps, H horizons.
 
-ML core: imports only torch.
+ML core: imports only torch (and `shared.agent`, torch-only too).
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from shared.agent import align_pad
 
 
 def project_distribution(tz: torch.Tensor, probs: torch.Tensor, support: torch.Tensor) -> torch.Tensor:
@@ -61,7 +63,7 @@ def shift_distribution(probs: torch.Tensor, delta: torch.Tensor, support: torch.
     (target met in 1 seed of 6) against 0.66 (5 of 6) for this one, so this one stays."""
     w = projection_weights(support.unsqueeze(0) + delta.float().unsqueeze(1), support)     # N × A × A', shared by K
     p, A = probs.float(), support.shape[0]
-    pad = -A % 8 if p.is_cuda else 0
+    pad = align_pad(A, p)
     if pad:
         # 16-byte rows for cuBLAS's batched product (51 atoms made it take its unaligned kernels; see
         # `shared.agent.aligned_linear`): the zero atoms add nothing
