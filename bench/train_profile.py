@@ -8,7 +8,11 @@ For each part (update at `--batch`, collection at `--envs` accounts, the rolling
 that every update also runs), run after a warm-up under torch.profiler (eagerly, or through torch.compile with
 `--accel compile`: its fused kernels are what the captured modes replay) and print: kernels launched per call, GPU
 time per call, and the top kernels by total GPU time (share of the call). This is what decides what to fuse,
-shrink or capture next.
+shrink or capture next. `--variants` profiles config variants one after another in the same run and ends with a
+side-by-side table of them:
+
+    python3 bench/train_profile.py --batch 1024 --train-bars 1000000 --accel compile --parts update --replay \
+        --variants '' adamw=fused emb_refresh=4000
 """
 from __future__ import annotations
 
@@ -52,7 +56,8 @@ def replay_ms(fn, reps: int = 20) -> float:
     return start.elapsed_time(end) / reps
 
 
-def report(name: str, fn, calls: int, top: int, body=None) -> None:
+def report(name: str, fn, calls: int, top: int, body=None) -> tuple[float, float, float]:
+    """Print the profile of fn; returns (kernels per call, kernel ms per call, ms per graph replay or nan)."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
@@ -63,6 +68,7 @@ def report(name: str, fn, calls: int, top: int, body=None) -> None:
     kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
     total = sum(e.device_time for e in kernels) / calls                                   # µs per call
     print(f"\n## {name}: {len(kernels) / calls:.0f} kernels per call, {total / 1e3:.2f} ms GPU time per call")
+    wall = float("nan")
     if body is not None:
         wall = replay_ms(body)
         print(f"captured in one CUDA graph: {wall:.2f} ms per replay — kernels busy {total / 1e3 / wall:.0%} of it")
@@ -83,6 +89,7 @@ def report(name: str, fn, calls: int, top: int, body=None) -> None:
     print("|---|---|---|")
     for k, v in sorted(by.items(), key=lambda kv: -kv[1])[:top]:
         print(f"| {k[:90]} | {v:.0f} | {v / total:.0%} |")
+    return len(kernels) / calls, total / 1e3, wall
 
 
 def main() -> None:
@@ -98,38 +105,48 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=20)
     ap.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE",
                     help="override preset fields (agent.FIELD for the network's), e.g. agent.n_heads=2")
+    ap.add_argument("--variants", nargs="+", default=[""], metavar="'FIELD=VALUE ...'",
+                    help="profile each part once per variant (space-separated --set items on top of --set; '' = "
+                         "as set) and end with a side-by-side table")
     ap.add_argument("--replay", action="store_true",
                     help="also time the update and the refresh captured in one CUDA graph (in-graph gaps)")
     a = ap.parse_args()
     bars, split, feats = synthetic_dataset(a.train_bars)
     print(f"# train_profile: config={a.config} accel={a.accel} train bars={split.train[1] - split.train[0]:,} "
           f"device={torch.cuda.get_device_name()} torch={torch.__version__}")
-    for part, over in (("update", dict(batch_size=a.batch, n_envs=256)), ("collect", dict(n_envs=a.envs)),
-                       ("refresh", dict())):
-        if part not in a.parts:
-            continue
-        cfg = TrainConfig.preset(a.config, feats.shape[1]).override(a.set)
-        for k, v in over.items():
-            setattr(cfg, k, v)
-        st = build_state(cfg, bars, split, 0, "cuda", features=feats, accel=a.accel)
-        st.env.reset_all()
-        while st.replay.count <= max(cfg.horizons) + 2:
-            st.runner.collect()
-        if part == "refresh":
-            fn = _bf16(lambda: refresh_rolling(st)) if cfg.bf16 else (lambda: refresh_rolling(st))
-            if a.accel == "compile":
-                fn = torch.compile(fn)
-            label = f"rolling refresh ({st.refresh_idx.shape[0]:,} bars × 2 networks per update)"
-        else:
-            fn = st.runner.update if part == "update" else st.runner.collect
-            label = (f"update (batch {a.batch})" if part == "update"
-                     else f"collect ({a.envs} accounts × {cfg.env_steps_per_iter} steps)")
-        body = st.runner._bodies["update"] if part == "update" else (fn if part == "refresh" else None)
-        report(f"{label}, {a.config}, {a.accel}", fn, a.calls, a.top, body if a.replay else None)
-        del st
-        torch._dynamo.reset()
-        torch.cuda.empty_cache()
-
+    rows = []
+    for variant in a.variants:
+        for part, over in (("update", dict(batch_size=a.batch, n_envs=256)), ("collect", dict(n_envs=a.envs)),
+                           ("refresh", dict())):
+            if part not in a.parts:
+                continue
+            cfg = TrainConfig.preset(a.config, feats.shape[1]).override(a.set + variant.split())
+            for k, v in over.items():
+                setattr(cfg, k, v)
+            st = build_state(cfg, bars, split, 0, "cuda", features=feats, accel=a.accel)
+            st.env.reset_all()
+            while st.replay.count <= max(cfg.horizons) + 2:
+                st.runner.collect()
+            if part == "refresh":
+                fn = _bf16(lambda: refresh_rolling(st)) if cfg.bf16 else (lambda: refresh_rolling(st))
+                if a.accel == "compile":
+                    fn = torch.compile(fn)
+                label = f"rolling refresh ({st.refresh_idx.shape[0]:,} bars × 2 networks per update)"
+            else:
+                fn = st.runner.update if part == "update" else st.runner.collect
+                label = (f"update (batch {a.batch})" if part == "update"
+                         else f"collect ({a.envs} accounts × {cfg.env_steps_per_iter} steps)")
+            body = st.runner._bodies["update"] if part == "update" else (fn if part == "refresh" else None)
+            name = f"{label}, {a.config}, {a.accel}" + (f", {variant}" if variant else "")
+            rows.append((variant or "as set", label, *report(name, fn, a.calls, a.top, body if a.replay else None)))
+            del st
+            torch._dynamo.reset()
+            torch.cuda.empty_cache()
+    if len(a.variants) > 1:
+        print("\n| variant | part | kernels per call | kernel ms per call | ms per graph replay |")
+        print("|---|---|---:|---:|---:|")
+        for v, label, n, ms, wall in rows:
+            print(f"| {v} | {label} | {n:.0f} | {ms:.2f} | {wall:.2f} |")
 
 if __name__ == "__main__":
     main()

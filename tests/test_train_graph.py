@@ -99,6 +99,33 @@ def test_accel_modes_are_checked():
         resolve_accel("fast", torch.device("cpu"))
 
 
+@pytest.mark.parametrize("device, accel", [("cpu", "eager"), pytest.param("cuda", "graph", marks=cuda),
+                                           pytest.param("cuda", "compile+graph", marks=cuda)])
+def test_rolling_refresh_stores_the_encodings_of_the_parameters_the_update_started_from(data, device, accel):
+    """Each update re-encodes the next C bars with the parameters it starts from and stores them in both tables;
+    on CUDA the encoding runs on a side stream beside the forward and backward passes and must still land whole,
+    after the update's own reads and before the optimizer step moves the weights (which every call does here)."""
+    import copy
+    bars, split, feats = data
+    st = build_state(tiny_cfg(feats.shape[1], tf32=False), bars, split, 3, device=device, accel=accel)
+    st.env.reset_all()
+    while st.replay.count <= max(st.cfg.horizons) + 2:
+        st.runner.collect()
+    buf, T, w = st.buffers, st.buffers.emb_online.shape[0], st.env.market.windows
+    for call in range(4):                                  # graph modes: the first call captures, the rest replay
+        before = copy.deepcopy(st.agent), copy.deepcopy(st.target)
+        idx = (buf.emb_offset + st.refresh_idx) % T
+        st.runner.update()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        with torch.no_grad():
+            for net, table in zip(before, (buf.emb_online, buf.emb_target)):
+                torch.testing.assert_close(table[idx], net.encode(w[idx]), rtol=1e-4, atol=1e-5)
+            moved = max(float((p - q).abs().max()) for p, q in zip(st.agent.parameters(), before[0].parameters()))
+        assert moved > 0, f"call {call}: the optimizer step did not move the weights"
+        assert int((buf.emb_offset - idx[0]) % T) == st.refresh_idx.shape[0] % T
+
+
 # --- GPU: eager vs captured -----------------------------------------------------------------------------------
 def _run(data, accel: str, epochs: int = 2, **kw):
     bars, split, feats = data

@@ -134,6 +134,10 @@ class TrainConfig:
     encoder_batch: int = 0
     """Samples of each update whose market encoding is computed with gradient (the encoder learns from them);
     the rest read the cached online embeddings. 0 = the whole batch."""
+    adamw: str = "auto"
+    """AdamW kernels on CUDA: "fused" (one `_fused_adamw_` launch per parameter group), "foreach" (the capturable
+    multi-tensor form, which torch.compile lowers to its own fused Triton kernels), or "auto": foreach when the
+    update is compiled, fused otherwise. A CPU always runs the default (single-tensor or foreach) form."""
     tf32: bool = True
     """On CUDA, float32 matmuls and convolutions on TF32 tensor cores (10-bit mantissa inputs, fp32 accumulate)."""
     emb_refresh: int = 50
@@ -229,8 +233,10 @@ def weight_decay_mask(model: torch.nn.Module) -> dict[str, bool]:
             and not n.endswith(("bias", "_b")) for n, p in model.named_parameters()}
 
 
-def build_optimizer(agent: Agent, cfg: TrainConfig, device) -> torch.optim.AdamW:
-    """AdamW with one group per (branch, decay): the decay mask decides weight_decay; names in group['name']."""
+def build_optimizer(agent: Agent, cfg: TrainConfig, device, compiled: bool = False) -> torch.optim.AdamW:
+    """AdamW with one group per (branch, decay): the decay mask decides weight_decay; names in group['name'].
+    On CUDA the LRs and step counters live on the device (capturable in a graph) and `cfg.adamw` picks the kernels
+    (`compiled`: the update runs under torch.compile, where "auto" means foreach)."""
     mask = weight_decay_mask(agent)
     groups: dict[tuple[str, bool], list] = {}
     for n, p in agent.named_parameters():
@@ -240,8 +246,14 @@ def build_optimizer(agent: Agent, cfg: TrainConfig, device) -> torch.optim.AdamW
            "weight_decay": cfg.weight_decay if d else 0.0, "age": 0,
            "lr": torch.tensor(cfg.lr, device=device) if cuda else cfg.lr}
           for (b, d), ps in sorted(groups.items())]
-    # CUDA: one fused kernel per group, LR and step counters on the device (capturable in a graph)
-    opt = torch.optim.AdamW(pg, lr=cfg.lr, betas=(0.9, 0.999), eps=1e-6, capturable=cuda, fused=cuda or None)
+    if cfg.adamw not in ("auto", "fused", "foreach"):
+        raise ValueError(f"adamw={cfg.adamw!r}: use auto, fused or foreach")
+    # the fused kernel is one multi-tensor launch per group, ~13 µs each on the H200 whatever the group's size (a
+    # block walks a 64 Ki-element chunk serially); compiled, the foreach form becomes Triton kernels spread over
+    # the whole GPU (bench/train_profile.py)
+    fused = cuda and (cfg.adamw == "fused" or (cfg.adamw == "auto" and not compiled))
+    opt = torch.optim.AdamW(pg, lr=cfg.lr, betas=(0.9, 0.999), eps=1e-6, capturable=cuda, fused=fused or None,
+                            foreach=True if cuda and not fused else None)
     materialise_state(opt)
     return opt
 
@@ -364,9 +376,12 @@ def make_update(agent: Agent, target: Agent, opt: torch.optim.Optimizer, replay:
 
     n_ens = agent.cfg.ensemble
 
-    def update(b: Batch, noise: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    def update(b: Batch, noise: torch.Tensor | None = None,
+               after_backward: Callable[[], None] | None = None) -> dict[str, torch.Tensor]:
         """One gradient update on batch b. noise: N × (K + M + H·M) uniforms (ensemble mask, online τ, target τ),
-        drawn from the generator unless given (a captured step is handed noise drawn outside the graph)."""
+        drawn from the generator unless given (a captured step is handed noise drawn outside the graph).
+        `after_backward()` runs between the backward pass and the optimizer step (the last point at which the
+        parameters are still those the forward pass read: `train_step` stores the rolling refresh there)."""
         N, dev = b.bar.shape[0], b.bar.device
         if noise is None:
             noise = torch.rand(N, n_ens + M + H * M, device=dev, generator=generator)
@@ -453,8 +468,12 @@ def make_update(agent: Agent, target: Agent, opt: torch.optim.Optimizer, replay:
         per_sample = c51 + cfg.iqn_coef * iqn + cfg.expectile_coef * expl
         loss = ((b.weight * per_sample).mean() + cfg.q_centre_coef * centre + cfg.q_gap_coef * gap
                 + cfg.hindsight_coef * hind - buf.entropy_coef * ent)
-        opt.zero_grad(set_to_none=False)
+        # grads set to None, not zeroed: backward then hands each parameter its gradient tensor (no zeroing and no
+        # accumulation kernels); captured, those tensors come from the graph's pool at fixed addresses
+        opt.zero_grad(set_to_none=True)
         loss.backward()
+        if after_backward is not None:
+            after_backward()
         gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         opt.step()
         with torch.no_grad():
@@ -497,11 +516,33 @@ class StepRunner:
         collect_fn = lambda: env.collect(state.agent, state.controls, cfg.env_steps_per_iter,  # noqa: E731
                                          state.buffers.emb_online, self.collect_noise,
                                          view_table=state.buffers.view_online)
-        update_fn = lambda noise: train_step(state, noise)  # noqa: E731
+        update_fn = lambda noise, staged, join: train_step(state, noise, staged, join)  # noqa: E731
+        encode_fn = lambda: refresh_encode(state)  # noqa: E731
         if cfg.bf16 and dev.type == "cuda":
-            collect_fn, update_fn = _bf16(collect_fn), _bf16(update_fn)
+            collect_fn, update_fn, encode_fn = _bf16(collect_fn), _bf16(update_fn), _bf16(encode_fn)
         if "compile" in accel:
-            collect_fn, update_fn = torch.compile(collect_fn), torch.compile(update_fn)
+            collect_fn, update_fn, encode_fn = (torch.compile(collect_fn), torch.compile(update_fn),
+                                                torch.compile(encode_fn))
+        if dev.type == "cuda":
+            # the rolling refresh's encodings on a side stream, beside the update's forward and backward passes
+            # (both only read the parameters); the update waits for them just before its optimizer step. Static
+            # staging tensors carry them across, so nothing allocated on one stream is freed on the other.
+            side = torch.cuda.Stream(device=dev)
+            C, D = state.refresh_idx.shape[0], cfg.agent.d_model
+            staging = [torch.zeros(C, D, device=dev), torch.zeros(C, D, device=dev)]
+            if state.buffers.view_online is not None:
+                staging += [torch.zeros(C, *getattr(state.buffers.view_online, f).shape[1:], device=dev)
+                            for f in MarketView.FIELDS]
+            join = torch._dynamo.disable(lambda: torch.cuda.current_stream().wait_stream(side))
+
+            def update_call(noise: torch.Tensor) -> None:
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    torch._foreach_copy_(staging, list(encode_fn()))
+                update_fn(noise, staging, join)
+        else:
+            def update_call(noise: torch.Tensor) -> None:
+                update_fn(noise, None, lambda: None)
         self.pinned = StaticState(env.sim, env.tracker, env)
         if "graph" in accel:
             def collect_body():
@@ -513,8 +554,8 @@ class StepRunner:
         def iteration_body():
             collect_body()
             for noise in self.update_noise[:cfg.updates_per_iter]:
-                update_fn(noise)
-        self._bodies = {"collect": collect_body, "update": lambda: update_fn(self.update_noise[0]),
+                update_call(noise)
+        self._bodies = {"collect": collect_body, "update": lambda: update_call(self.update_noise[0]),
                         "iteration": iteration_body}
         self._graphs: dict[str, object] = {}
 
@@ -574,16 +615,28 @@ def _bf16(fn: Callable[..., object]) -> Callable[..., object]:
     return run
 
 
-def train_step(state: "TrainState", noise: torch.Tensor) -> dict[str, torch.Tensor]:
+def train_step(state: "TrainState", noise: torch.Tensor, staged: list[torch.Tensor] | None = None,
+               join: Callable[[], None] = lambda: None) -> dict[str, torch.Tensor]:
     """Sample a batch (inverse CDF with noise[:, 0]), update on it (noise[:, 1:]), add its metrics to the epoch's
-    sums, re-encode the next rolling chunk of embeddings. On CUDA the LR schedule runs on the device first."""
+    sums, and advance the rolling embedding refresh. On CUDA the LR schedule runs on the device first.
+
+    The refresh encodes the next chunk of bars with the parameters this update starts from (`refresh_encode`) and
+    stores the encodings into the tables after the backward pass, before the optimizer step (`refresh_store`), so
+    the encoding reads nothing the update writes and the update's own table reads come first. `staged`: those
+    encodings, already computed by the caller (`StepRunner` runs them on a side stream, overlapping the forward
+    and backward passes, and hands over `join`, which makes the update wait for them); None: computed here."""
     cfg, buf = state.cfg, state.buffers
     if state.device.type == "cuda":
         device_lrs(state.opt, buf, cfg)
+    if staged is None:
+        staged = refresh_encode(state)
+
+    def store() -> None:
+        join()
+        refresh_store(state, staged)
     b = state.replay.sample(cfg.batch_size, u=noise[:, 0])
-    m = state.update(b, noise[:, 1:])
+    m = state.update(b, noise[:, 1:], after_backward=store)
     buf.metric_sums.add_(torch.stack([m[k].float() for k in METRICS]))
-    refresh_rolling(state)
     return m
 
 
@@ -661,7 +714,8 @@ def build_state(cfg: TrainConfig, bars: Bars, split: Split, seed: int, device="c
     target = copy.deepcopy(agent)
     for p in target.parameters():
         p.requires_grad_(False)
-    opt = build_optimizer(agent, cfg, device)
+    accel = resolve_accel(accel, device)
+    opt = build_optimizer(agent, cfg, device, compiled="compile" in accel)
     replay = Replay(cfg.replay_capacity, cfg.n_envs, cfg.agent.n_portfolio, len(market), cfg.horizons, device)
     warmup = max(cfg.agent.window, FEATURE_WARMUP - split.train[0], 0)
     env = TrainEnv(market, cfg.n_envs, warmup, cfg.reward, replay, CostModel(cfg.costs_bps), gen)
@@ -681,7 +735,7 @@ def build_state(cfg: TrainConfig, bars: Bars, split: Split, seed: int, device="c
     update = make_update(agent, target, opt, replay, market.windows, buf, cfg, gen)
     chunk = -(-len(market) // max(cfg.emb_refresh, 1))
     state = TrainState(cfg, device, agent, target, opt, replay, env, controls, buf, gen, update,
-                       accel=resolve_accel(accel, device), refresh_idx=torch.arange(chunk, device=device))
+                       accel=accel, refresh_idx=torch.arange(chunk, device=device))
     state.runner = StepRunner(state, state.accel)
     return state
 
@@ -737,19 +791,37 @@ def refresh_embeddings(state: TrainState, chunk: int = 4096) -> None:
 
 
 @torch.no_grad()
-def refresh_rolling(state: TrainState) -> None:
-    """Re-encode the next C bars (cyclically) of both embedding tables (and the online view table), in place: every
-    bar's cached embedding is at most `emb_refresh` updates old, at a constant cost per update (capturable: the
-    offset is a device scalar)."""
+def refresh_encode(state: TrainState) -> list[torch.Tensor]:
+    """The next C bars (cyclically) of the rolling refresh encoded with the current parameters: [online embeddings,
+    target embeddings] (+ the fields of the online `MarketView` when it is cached). Reads only parameters and
+    windows (`refresh_store` writes them into the tables)."""
+    buf, T = state.buffers, state.buffers.emb_online.shape[0]
+    w = state.env.market.windows[(buf.emb_offset + state.refresh_idx) % T]
+    emb = state.agent.encode(w)
+    out = [emb, state.target.encode(w)]
+    if buf.view_online is not None:
+        v = state.agent.view(emb)
+        out += [getattr(v, name) for name in MarketView.FIELDS]
+    return out
+
+
+@torch.no_grad()
+def refresh_store(state: TrainState, staged: list[torch.Tensor]) -> None:
+    """Write `refresh_encode`'s encodings into the tables, in place, and advance the offset: every bar's cached
+    embedding is at most `emb_refresh` updates old, at a constant cost per update (capturable: the offset is a
+    device scalar)."""
     buf, T = state.buffers, state.buffers.emb_online.shape[0]
     idx = (buf.emb_offset + state.refresh_idx) % T                                         # C
-    w = state.env.market.windows[idx]
-    emb = state.agent.encode(w)
-    buf.emb_online.index_copy_(0, idx, emb.to(buf.emb_online.dtype))
-    buf.emb_target.index_copy_(0, idx, state.target.encode(w).to(buf.emb_target.dtype))
+    buf.emb_online.index_copy_(0, idx, staged[0].to(buf.emb_online.dtype))
+    buf.emb_target.index_copy_(0, idx, staged[1].to(buf.emb_target.dtype))
     if buf.view_online is not None:
-        _store_view(buf.view_online, idx, state.agent.view(emb))
+        _store_view(buf.view_online, idx, MarketView(*staged[2:]))
     buf.emb_offset.add_(state.refresh_idx.shape[0]).remainder_(T)
+
+
+def refresh_rolling(state: TrainState) -> None:
+    """Re-encode the next C bars of both embedding tables (and the online view table), in place."""
+    refresh_store(state, refresh_encode(state))
 
 
 @torch.no_grad()
