@@ -169,6 +169,8 @@ def main() -> None:
     ap.add_argument("--updates", type=int, default=50)
     ap.add_argument("--collects", type=int, default=20)
     ap.add_argument("--profile", action="store_true", help="add the GPU busy % rows")
+    ap.add_argument("--busy-modes", nargs="*", default=["graph", "compile+graph"],
+                    help="modes of the GPU busy rows (--profile)")
     ap.add_argument("--busy-iterations", type=int, default=50, help="steady-state iterations of the busy rows")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--no-tf32", action="store_true", help="plain fp32 matmuls (the config's default is TF32)")
@@ -190,9 +192,12 @@ def main() -> None:
         rows.append((f"epoch s @ {args.epoch_bars:,} train bars", "{:.1f}",
                      lambda m: b.epoch_seconds(m, args.epoch_bars) if m in args.epoch_modes else None))
     if args.profile and b.dev.type == "cuda":
-        rows.append(("GPU busy % (kernel time / GPU timeline)", "{:.0%}", lambda m: b.busy(m)[0]))
-        rows.append(("GPU busy % (kernel time / host wall)", "{:.0%}", lambda m: b.busy(m)[1]))
-        rows.append(("GPU busy % (kernel time / unprofiled GPU time)", "{:.0%}", lambda m: b.busy(m)[2]))
+        rows.append(("GPU busy % (kernel time / GPU timeline)", "{:.0%}",
+                     lambda m: b.busy(m)[0] if m in args.busy_modes else None))
+        rows.append(("GPU busy % (kernel time / host wall)", "{:.0%}",
+                     lambda m: b.busy(m)[1] if m in args.busy_modes else None))
+        rows.append(("GPU busy % (kernel time / unprofiled GPU time)", "{:.0%}",
+                     lambda m: b.busy(m)[2] if m in args.busy_modes else None))
     peak = {m: 0.0 for m in args.modes}
     table: dict[str, dict[str, str]] = {}
     raw: dict[str, dict[str, float]] = {}
