@@ -498,7 +498,8 @@ class StepRunner:
                  write, episode resets) — `TrainEnv.collect`.
     update():    sampling from replay, the full update (C51 + IQN + expectile + stability + hindsight losses,
                  backward, clip, AdamW, target lerp, priorities), LR schedule and cosine restarts on the device
-                 (CUDA), metric sums and the rolling embedding refresh — `train_step`.
+                 (CUDA), metric sums and the rolling embedding refresh — `train_step` (on CUDA the refresh's
+                 encodings run on a side stream beside the forward and backward passes).
     iteration(): collect() then updates_per_iter × update() — in the graph modes one CUDA graph for all of it, so
                  a training iteration is one launch with no host work between its halves.
     Each call first draws its uniforms from the run's generator into static noise tensors (outside any graph), in
