@@ -126,24 +126,6 @@ def test_rolling_refresh_stores_the_encodings_of_the_parameters_the_update_start
         assert int((buf.emb_offset - idx[0]) % T) == st.refresh_idx.shape[0] % T
 
 
-def test_shared_embedding_cache_is_one_table_refreshed_with_the_online_encoder(data):
-    """`shared_emb_cache`: the target's bootstrap evaluation reads the online table itself; the refreshes write only
-    online encodings into it (the target encoder is not run), and an epoch trains."""
-    import copy
-    bars, split, feats = data
-    st = build_state(tiny_cfg(feats.shape[1], shared_emb_cache=True, iterations=12), bars, split, 4)
-    buf, w = st.buffers, st.env.market.windows
-    assert buf.emb_target is buf.emb_online
-    stats = train_epoch(st, Knobs(epsilon=0.2))            # full refresh, then rolling refreshes inside updates
-    assert stats.updates > 0 and math.isfinite(stats.loss)
-    before = copy.deepcopy(st.agent)
-    idx = (buf.emb_offset + st.refresh_idx) % buf.emb_online.shape[0]
-    st.runner.update()
-    with torch.no_grad():
-        torch.testing.assert_close(buf.emb_online[idx], before.encode(w[idx]), rtol=1e-4, atol=1e-5)
-        assert not torch.allclose(buf.emb_online[idx], st.target.encode(w[idx]), atol=1e-3)
-
-
 # --- GPU: eager vs captured -----------------------------------------------------------------------------------
 def _run(data, accel: str, epochs: int = 2, **kw):
     bars, split, feats = data

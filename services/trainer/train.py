@@ -146,11 +146,6 @@ class TrainConfig:
     The refresh's cost per update grows with the training split: at 10^6 bars and 500 it re-encoded 2 001 bars with
     each network, 1.51 ms of a 4.30-ms update at batch 1 024 on the H200 (`bench/train_profile.py`, compiled), so
     the `full` preset refreshes every bar once per 1 000 updates (a quarter of a 10^6-bar epoch's 4 000)."""
-    shared_emb_cache: bool = False
-    """Off by default (not yet measured on the GPU). On: one cached embedding table, the online encoder's, serves
-    acting, the double-Q selection and the target network's evaluation of the bootstrap states (whose heads stay the
-    target's), so the rolling and per-epoch refreshes encode every bar once instead of twice; the target's encoder is
-    then unused in training. Off: a second table holds the target encoder's embeddings."""
     act_view_cache: bool = False
     """Off by default: on the CPU learning bench (3 seeds, `small`) acting on the cached view reached OOS per-trade
     Sharpes 0.493 / 0.647 / 0.411 against 0.941 / 0.606 / 0.595 with the heads run fresh (bench/README.md,
@@ -352,8 +347,7 @@ class UpdateBuffers:
     updates (acting and double-Q selection at bootstrap states read it; the current state is encoded with
     gradient inside the update)."""
     emb_target: torch.Tensor
-    """T_train × D: the same for the target network (bootstrap evaluation); `emb_online` itself when
-    `shared_emb_cache`."""
+    """T_train × D: the same for the target network (bootstrap evaluation)."""
     emb_offset: torch.Tensor
     """First bar of the next rolling embedding refresh (device scalar)."""
     view_online: MarketView | None
@@ -536,7 +530,7 @@ class StepRunner:
             # staging tensors carry them across, so nothing allocated on one stream is freed on the other.
             side = torch.cuda.Stream(device=dev)
             C, D = state.refresh_idx.shape[0], cfg.agent.d_model
-            staging = [torch.zeros(C, D, device=dev) for _ in range(1 if cfg.shared_emb_cache else 2)]
+            staging = [torch.zeros(C, D, device=dev), torch.zeros(C, D, device=dev)]
             if state.buffers.view_online is not None:
                 staging += [torch.zeros(C, *getattr(state.buffers.view_online, f).shape[1:], device=dev)
                             for f in MarketView.FIELDS]
@@ -732,15 +726,13 @@ def build_state(cfg: TrainConfig, bars: Bars, split: Split, seed: int, device="c
                         horizon_blend=torch.tensor(cfg.horizon_blend, dtype=torch.float32, device=device),
                         hindsight=torch.full((len(market),), -1, dtype=torch.long, device=device),
                         emb_online=torch.zeros(len(market), cfg.agent.d_model, device=device),
-                        emb_target=None,
+                        emb_target=torch.zeros(len(market), cfg.agent.d_model, device=device),
                         emb_offset=torch.zeros((), dtype=torch.long, device=device),
                         view_online=_view_table(cfg.agent, len(market), device) if cfg.act_view_cache else None,
                         step=torch.zeros((), dtype=torch.float64, device=device),
                         lr_scale=torch.ones(len(opt.param_groups), dtype=torch.float64, device=device),
                         lr_branch=torch.tensor([g["branch"] in BRANCHES for g in opt.param_groups], device=device),
                         metric_sums=torch.zeros(len(METRICS), device=device))
-    buf.emb_target = (buf.emb_online if cfg.shared_emb_cache
-                      else torch.zeros(len(market), cfg.agent.d_model, device=device))
     update = make_update(agent, target, opt, replay, market.windows, buf, cfg, gen)
     chunk = -(-len(market) // max(cfg.emb_refresh, 1))
     state = TrainState(cfg, device, agent, target, opt, replay, env, controls, buf, gen, update,
@@ -790,8 +782,7 @@ def refresh_embeddings(state: TrainState, chunk: int = 4096) -> None:
     """Recompute the cached market embeddings of every training bar (online and target networks), in place;
     the rolling refresh restarts at bar 0."""
     w, buf = state.env.market.windows, state.buffers
-    nets = [(state.agent, buf.emb_online)] + ([] if state.cfg.shared_emb_cache else [(state.target, buf.emb_target)])
-    for net, out in nets:
+    for net, out in ((state.agent, buf.emb_online), (state.target, buf.emb_target)):
         for i in range(0, w.shape[0], chunk):
             out[i:i + chunk] = net.encode(w[i:i + chunk])
             if buf.view_online is not None and net is state.agent:
@@ -803,12 +794,12 @@ def refresh_embeddings(state: TrainState, chunk: int = 4096) -> None:
 @torch.no_grad()
 def refresh_encode(state: TrainState) -> list[torch.Tensor]:
     """The next C bars (cyclically) of the rolling refresh encoded with the current parameters: [online embeddings,
-    target embeddings (unless `shared_emb_cache`)] (+ the fields of the online `MarketView` when it is cached).
-    Reads only parameters and windows (`refresh_store` writes them into the tables)."""
+    target embeddings] (+ the fields of the online `MarketView` when it is cached). Reads only parameters and
+    windows (`refresh_store` writes them into the tables)."""
     buf, T = state.buffers, state.buffers.emb_online.shape[0]
     w = state.env.market.windows[(buf.emb_offset + state.refresh_idx) % T]
     emb = state.agent.encode(w)
-    out = [emb] if state.cfg.shared_emb_cache else [emb, state.target.encode(w)]
+    out = [emb, state.target.encode(w)]
     if buf.view_online is not None:
         v = state.agent.view(emb)
         out += [getattr(v, name) for name in MarketView.FIELDS]
@@ -823,11 +814,9 @@ def refresh_store(state: TrainState, staged: list[torch.Tensor]) -> None:
     buf, T = state.buffers, state.buffers.emb_online.shape[0]
     idx = (buf.emb_offset + state.refresh_idx) % T                                         # C
     buf.emb_online.index_copy_(0, idx, staged[0].to(buf.emb_online.dtype))
-    n = 1 if state.cfg.shared_emb_cache else 2
-    if n == 2:
-        buf.emb_target.index_copy_(0, idx, staged[1].to(buf.emb_target.dtype))
+    buf.emb_target.index_copy_(0, idx, staged[1].to(buf.emb_target.dtype))
     if buf.view_online is not None:
-        _store_view(buf.view_online, idx, MarketView(*staged[n:]))
+        _store_view(buf.view_online, idx, MarketView(*staged[2:]))
     buf.emb_offset.add_(state.refresh_idx.shape[0]).remainder_(T)
 
 
