@@ -1,8 +1,9 @@
-"""Does the agent learn? Train on a dataset (default `synthetic`; small config, CPU) per seed and compare with the
+"""Does the agent learn? Train on a dataset (default `synthetic`; small config, CPU; `--config full` on a GPU) per seed and compare with the
 baselines.
 
     .venv/bin/python bench/learning.py --seeds 0 1 2 --epochs 4 --threads 1 --jobs 3
     .venv/bin/python bench/learning.py --dataset sp500 --seeds 0 --epochs 4 --threads 1
+    python3 bench/learning.py --config full --device cuda --bars 100000 --seeds 0 1 2 --epochs 4   # on the GPU
 
 Prints, per seed, the val and OOS (test) per-trade Sharpe (un-annualized) and trade count of the agent, the
 oracle (synthetic only), random, flat and buy-and-hold, and on `synthetic` checks the target: agent OOS per-trade
@@ -34,9 +35,13 @@ def run_seed(seed: int, args: argparse.Namespace, root: Path) -> tuple[str, bool
 
         torch.set_num_threads(args.threads)
     synthetic = args.dataset.strip().lower() == "synthetic"
-    bars = load_dataset(args.dataset, seed=seed)
+    if synthetic and args.bars:
+        from shared.synthetic import generate
+        bars = generate(args.bars, seed=seed).bars
+    else:
+        bars = load_dataset(args.dataset, seed=seed)
     split = chronological_split(len(bars))
-    cfg = TrainConfig.preset("small", compute_features(bars).shape[1])
+    cfg = TrainConfig.preset(args.config, compute_features(bars).shape[1])
     if args.iterations:
         cfg.iterations = args.iterations
     cfg.override(args.set)
@@ -54,8 +59,8 @@ def run_seed(seed: int, args: argparse.Namespace, root: Path) -> tuple[str, bool
         p = str(run) if pol == "agent" else pol
         rows[pol] = {w: policy_metrics(p, args.dataset, bars, split, w, seed=seed, device=args.device)
                      for w in ("val", "test")}
-    lines = [f"\n{args.dataset} seed {seed}  (train {train_s:.0f}s, {args.epochs} epochs × {cfg.iterations} "
-             f"iterations; per-trade Sharpe un-annualized)",
+    lines = [f"\n{args.dataset} seed {seed}  ({args.config}, {len(bars)} bars, train {train_s:.0f}s, {args.epochs} "
+             f"epochs × {cfg.iterations} iterations; per-trade Sharpe un-annualized)",
              f"  {'policy':<13} {'val SR':>8} {'val n':>6} {'OOS SR':>8} {'OOS n':>6}"]
     for pol, r in rows.items():
         lines.append(f"  {pol:<13} {r['val']['per_trade_sharpe']:>8.3f} {int(r['val']['n_trades']):>6} "
@@ -73,6 +78,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dataset", default="synthetic", help="synthetic, sp500, eurusd or a file")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--config", default="small", choices=["small", "full"],
+                    help="training preset (full: the GPU's, e.g. with --device cuda --bars 100000)")
+    ap.add_argument("--bars", type=int, default=None, help="bars of the synthetic dataset (default: the generator's)")
     ap.add_argument("--epochs", type=int, default=4)
     ap.add_argument("--iterations", type=int, default=None, help="override iterations per epoch")
     ap.add_argument("--device", default="cpu")
@@ -82,6 +90,8 @@ def main() -> None:
     ap.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE",
                     help="override preset fields (agent.FIELD for the network's), e.g. act_view_cache=false")
     args = ap.parse_args()
+    if args.bars and args.dataset.strip().lower() != "synthetic":
+        ap.error(f"--bars sizes the synthetic dataset only (got --dataset {args.dataset})")
     root = Path(args.out or tempfile.mkdtemp(prefix="tl-learning-"))
     if args.jobs > 1:
         with ProcessPoolExecutor(args.jobs) as ex:
