@@ -1,5 +1,5 @@
-"""Does the agent learn? Train on a dataset (default `synthetic`; small config, CPU; `--config full` on a GPU) per seed and compare with the
-baselines.
+"""Does the agent learn? Train on a dataset (default `synthetic`; small config, CPU; `--config full` on a GPU) per
+seed and compare with the baselines.
 
     .venv/bin/python bench/learning.py --seeds 0 1 2 --epochs 4 --threads 1 --jobs 3
     .venv/bin/python bench/learning.py --dataset sp500 --seeds 0 --epochs 4 --threads 1

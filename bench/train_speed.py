@@ -192,12 +192,9 @@ def main() -> None:
         rows.append((f"epoch s @ {args.epoch_bars:,} train bars", "{:.1f}",
                      lambda m: b.epoch_seconds(m, args.epoch_bars) if m in args.epoch_modes else None))
     if args.profile and b.dev.type == "cuda":
-        rows.append(("GPU busy % (kernel time / GPU timeline)", "{:.0%}",
-                     lambda m: b.busy(m)[0] if m in args.busy_modes else None))
-        rows.append(("GPU busy % (kernel time / host wall)", "{:.0%}",
-                     lambda m: b.busy(m)[1] if m in args.busy_modes else None))
-        rows.append(("GPU busy % (kernel time / unprofiled GPU time)", "{:.0%}",
-                     lambda m: b.busy(m)[2] if m in args.busy_modes else None))
+        rows += [(f"GPU busy % (kernel time / {over})", "{:.0%}",
+                  lambda m, i=i: b.busy(m)[i] if m in args.busy_modes else None)
+                 for i, over in enumerate(("GPU timeline", "host wall", "unprofiled GPU time"))]
     peak = {m: 0.0 for m in args.modes}
     table: dict[str, dict[str, str]] = {}
     raw: dict[str, dict[str, float]] = {}

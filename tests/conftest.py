@@ -7,6 +7,7 @@ Fixtures:
                           database is FLUSHDB-ed before the test; on an external REDIS_URL nothing is
                           flushed, so use the `run_id` fixture to namespace keys.
   run_id (function)       a unique run id (`t` + 10 hex chars) — keys `tl:{run_id}:…` never collide.
+  no_tf32 (function)      CUDA float32 matmuls without TF32 for the test, the setting restored after it.
 
 Tests needing Redis should carry `@pytest.mark.redis`. Tests that kill or restart a server start
 their own `shared.redis_server.EmbeddedRedis` in `tmp_path` instead of touching the shared one.
@@ -58,3 +59,15 @@ def redis_url(redis_server):
 def run_id():
     """A run id unique to this test."""
     return f"t{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+def no_tf32():
+    """CUDA float32 matmuls in full fp32 (TF32 off) for the test, the previous setting restored after it (pytest's
+    monkeypatch cannot undo it: torch keeps the flag behind the module's own __setattr__)."""
+    import torch
+
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = before

@@ -194,10 +194,9 @@ def test_attention_matches_pytorch_sdpa_and_last_token_matches_the_block():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cuda_heads_with_aligned_widths_equal_the_cpu_heads():
+def test_cuda_heads_with_aligned_widths_equal_the_cpu_heads(no_tf32):
     """On CUDA the heads' output widths are padded to 16-byte rows (`aligned_linear`, the fused head matmul); the
     outputs must be the CPU's: logits, V_e, δ, the IQN quantiles and their gradients, in fp32 without TF32."""
-    torch.backends.cuda.matmul.allow_tf32 = False
     torch.manual_seed(0)
     cfg = AgentConfig(n_features=5, window=8, d_model=16, n_heads=2, hidden=40, ensemble=3, n_atoms=51)
     cpu = Agent(cfg)

@@ -145,15 +145,10 @@ def test_shift_distribution_moves_the_mean_by_delta_and_is_differentiable():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_shift_distribution_on_cuda_with_padded_atoms_equals_the_cpu():
+def test_shift_distribution_on_cuda_with_padded_atoms_equals_the_cpu(no_tf32):
     """On CUDA the shift's batched product runs on atoms padded to a multiple of 8; values and gradients must be
     the CPU's (fp32, no TF32)."""
-    tf32 = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    try:
-        out = _shift_on("cpu"), _shift_on("cuda")
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = tf32
+    out = _shift_on("cpu"), _shift_on("cuda")
     for name, a, b in zip(("shifted", "d/dp", "d/dδ"), *out):
         print(f"{name}: max |cpu − cuda| {(a - b).abs().max():.3g} of max |cpu| {a.abs().max():.3g}")
         # d/dδ sums ~A² terms of both signs: its small entries carry the rounding of its large ones (on the H200:
