@@ -26,7 +26,7 @@ import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from shared.graphs import Graphed  # noqa: E402
-from services.trainer.train import TrainConfig, _bf16, build_state, refresh_rolling  # noqa: E402
+from services.trainer.train import TrainConfig, _bf16, build_state, compile_step, refresh_rolling  # noqa: E402
 from bench.train_speed import synthetic_dataset  # noqa: E402
 
 
@@ -130,7 +130,7 @@ def main() -> None:
             if part == "refresh":
                 fn = _bf16(lambda: refresh_rolling(st)) if cfg.bf16 else (lambda: refresh_rolling(st))
                 if a.accel == "compile":
-                    fn = torch.compile(fn)
+                    fn = compile_step(fn, cfg)
                 label = f"rolling refresh ({st.refresh_idx.shape[0]:,} bars × 2 networks per update)"
             else:
                 fn = st.runner.update if part == "update" else st.runner.collect

@@ -8,7 +8,8 @@ from typer.testing import CliRunner
 
 from services.trainer.env import RewardConfig
 from services.trainer.replay import Replay
-from services.trainer.train import (TrainConfig, build_optimizer, group_lr, set_lrs, train_run, weight_decay_mask)
+from services.trainer.train import (TrainConfig, build_optimizer, group_lr, inductor_options, set_lrs, train_run,
+                                    weight_decay_mask)
 from shared.agent import Agent, AgentConfig
 from shared.synthetic import generate
 
@@ -28,6 +29,15 @@ def test_config_override_parses_each_field_as_its_type_and_names_a_bad_one():
     for bad in ("nope=1", "agent.nope=1", "tau"):
         with pytest.raises(ValueError, match="FIELD=VALUE"):
             cfg.override([bad])
+
+
+def test_inductor_options_turn_named_booleans_on_and_name_an_unknown_one():
+    assert inductor_options("") == {}
+    assert inductor_options("combo_kernels, coordinate_descent_tuning") == {"combo_kernels": True,
+                                                                          "coordinate_descent_tuning": True}
+    for bad in ("combo_kernel", "combo_kernels_autotune"):     # a typo; an option that is not a boolean
+        with pytest.raises(ValueError, match=repr(bad)):
+            inductor_options(bad)
 
 
 def test_weight_decay_mask_is_trunk_and_value_matrices_only():

@@ -138,6 +138,9 @@ class TrainConfig:
     """AdamW kernels on CUDA: "fused" (one `_fused_adamw_` launch per parameter group), "foreach" (the capturable
     multi-tensor form, which torch.compile lowers to its own fused Triton kernels), or "auto": foreach when the
     update is compiled, fused otherwise. A CPU always runs the default (single-tensor or foreach) form."""
+    inductor: str = ""
+    """Comma-separated boolean options of `torch._inductor.config` turned on for the compiled modes' step functions,
+    e.g. "combo_kernels" (independent small kernels fused side by side into one launch); "" = inductor's defaults."""
     tf32: bool = True
     """On CUDA, float32 matmuls and convolutions on TF32 tensor cores (10-bit mantissa inputs, fp32 accumulate)."""
     emb_refresh: int = 50
@@ -522,8 +525,8 @@ class StepRunner:
         if cfg.bf16 and dev.type == "cuda":
             collect_fn, update_fn, encode_fn = _bf16(collect_fn), _bf16(update_fn), _bf16(encode_fn)
         if "compile" in accel:
-            collect_fn, update_fn, encode_fn = (torch.compile(collect_fn), torch.compile(update_fn),
-                                                torch.compile(encode_fn))
+            collect_fn, update_fn, encode_fn = (compile_step(collect_fn, cfg), compile_step(update_fn, cfg),
+                                                compile_step(encode_fn, cfg))
         if dev.type == "cuda":
             # the rolling refresh's encodings on a side stream, beside the update's forward and backward passes
             # (both only read the parameters); the update waits for them just before its optimizer step. Static
@@ -606,6 +609,24 @@ class StepRunner:
         self.pinned.commit()
         self._run("iteration")
         return None
+
+
+def inductor_options(spec: str) -> dict[str, bool]:
+    """`TrainConfig.inductor` ("a,b") as torch.compile's options ({"a": True, "b": True}); ValueError naming an
+    option that is not a boolean of `torch._inductor.config`."""
+    from torch._inductor import config as inductor_config
+
+    names = [n.strip() for n in spec.split(",") if n.strip()]
+    for n in names:
+        if not isinstance(getattr(inductor_config, n, None), bool):
+            raise ValueError(f"TrainConfig.inductor: {n!r} is not a boolean option of torch._inductor.config")
+    return {n: True for n in names}
+
+
+def compile_step(fn: Callable[..., object], cfg: TrainConfig) -> Callable[..., object]:
+    """`fn` through torch.compile with the config's inductor options."""
+    options = inductor_options(cfg.inductor)
+    return torch.compile(fn, options=options) if options else torch.compile(fn)
 
 
 def _bf16(fn: Callable[..., object]) -> Callable[..., object]:
