@@ -148,7 +148,10 @@ class TrainConfig:
     re-encodes the next ceil(T_train / emb_refresh) bars of a rolling window (plus a full refresh per epoch).
     The refresh's cost per update grows with the training split: at 10^6 bars and 500 it re-encoded 2 001 bars with
     each network, 1.51 ms of a 4.30-ms update at batch 1 024 on the H200 (`bench/train_profile.py`, compiled), so
-    the `full` preset refreshes every bar once per 1 000 updates (a quarter of a 10^6-bar epoch's 4 000)."""
+    the `full` preset refreshes every bar once per 2 000 updates (half a 10^6-bar epoch's 4 000). With
+    `encoder_batch` 512 as well, the update's graph replay went from 2.91 to 2.23 ms (session 9) and the epoch
+    from 12.4 to 9.8 s (session 10); on the GPU learning bench both settings met the target in 3 of 3 seeds
+    (bench/README.md, learning.py)."""
     act_view_cache: bool = False
     """Off by default: on the CPU learning bench (3 seeds, `small`) acting on the cached view reached OOS per-trade
     Sharpes 0.493 / 0.647 / 0.411 against 0.941 / 0.606 / 0.595 with the heads run fresh (bench/README.md,
@@ -196,8 +199,8 @@ class TrainConfig:
             return cls(agent=AgentConfig(n_features=n_features, window=64, d_model=128, n_heads=2, n_layers=2,
                                          hidden=256, ensemble=5),
                        n_envs=256, env_steps_per_iter=2, updates_per_iter=2, iterations=2000, batch_size=1024,
-                       replay_capacity=2_000_000, learning_starts=20_000, encoder_batch=1024, bf16=True,
-                       emb_refresh=1000)
+                       replay_capacity=2_000_000, learning_starts=20_000, encoder_batch=512, bf16=True,
+                       emb_refresh=2000)
         raise ValueError(f"unknown config preset {name!r}: use 'small' or 'full'")
 
     def override(self, items: list[str]) -> "TrainConfig":
