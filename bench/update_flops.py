@@ -1,7 +1,7 @@
 """How much arithmetic one training update is: floating-point operations counted by torch's FlopCounterMode.
 
-    .venv/bin/python bench/update_flops.py                                  # full preset, batches 1 024 and 4 096
-    .venv/bin/python bench/update_flops.py --batches 4096 --rates 301       # with a measured rate: achieved TFLOP/s
+    .venv/bin/python bench/update_flops.py                                  # full preset, batches 256 and 4 096
+    .venv/bin/python bench/update_flops.py --rates 693 301                  # with measured rates: achieved TFLOP/s
 
 Runs one update eagerly on the CPU (the count is the same on any device up to the CUDA heads' atoms padded to 56)
 on a synthetic training split of `--train-bars` bars, whose size sets the rolling refresh's chunk. Counted: matrix
@@ -9,8 +9,8 @@ products (mm, addmm, bmm) and attention (dense, as torch counts it on CUDA, thou
 masked half); element-wise work, reductions, softmaxes and the optimizer are not. Prints per batch: GFLOP per
 update by operator, and by network part in the forward passes (attribute names of the online and target networks;
 products outside their submodules are the heads' batched weights) with the backward pass as one row; the TFLOP/s
-that 1 000 updates/s would take; and with
-`--rates` (updates/s measured by train_speed.py on the GPU, one per batch) the TFLOP/s achieved.
+that 1 000 updates/s would take; and with `--rates` (updates/s measured by train_speed.py on the GPU, one per
+batch) the TFLOP/s achieved. The default split, 20 000 bars, is train_speed.py's for its updates/s rows.
 """
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ class PartCounter(FlopCounterMode):
         super().__init__(display=False, **kwargs)
         self.parts: dict[str, float] = defaultdict(float)
 
-    def _count_flops(self, func_packet, out, args, kwargs):
+    def _count_flops(self, func_packet, out, args, kwargs):     # FlopCounterMode's hook for each counted op
         if func_packet in self.flop_registry:
             n = self.flop_registry[func_packet](*args, **kwargs, out_val=out)
             self.flop_counts["Global"][func_packet] += n
@@ -91,8 +91,8 @@ def count_update(cfg: TrainConfig, batch: int, train_bars: int) -> tuple[float, 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="full", choices=["small", "full"])
-    ap.add_argument("--batches", type=int, nargs="+", default=[1024, 4096])
-    ap.add_argument("--train-bars", type=int, default=1_000_000, help="training split (the refresh's chunk)")
+    ap.add_argument("--batches", type=int, nargs="+", default=[256, 4096])
+    ap.add_argument("--train-bars", type=int, default=20_000, help="training split (sets the refresh's chunk)")
     ap.add_argument("--rates", type=float, nargs="*", default=[],
                     help="measured updates/s, one per batch (train_speed.py on the GPU): adds achieved TFLOP/s")
     ap.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE", help="override preset fields")
