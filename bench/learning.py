@@ -13,6 +13,7 @@ convention). `--jobs N` trains N seeds at once in separate processes (each with 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import multiprocessing
 import statistics
 import sys
@@ -95,16 +96,13 @@ def main() -> None:
         ap.error(f"--bars sizes the synthetic dataset only (got --dataset {args.dataset})")
     root = Path(args.out or tempfile.mkdtemp(prefix="tl-learning-"))
     results = []
-    if args.jobs > 1:
-        # spawned, not forked: a CUDA context does not survive a fork
-        with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as ex:
-            for r in ex.map(run_seed, args.seeds, [args] * len(args.seeds), [root] * len(args.seeds)):
-                results.append(r)
-                print(r[0], flush=True)
-    else:
-        for s in args.seeds:
-            results.append(run_seed(s, args, root))
-            print(results[-1][0], flush=True)
+    # spawned, not forked: a CUDA context does not survive a fork
+    pool = (ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) if args.jobs > 1
+            else contextlib.nullcontext())
+    with pool as ex:
+        for r in (ex.map if ex else map)(run_seed, args.seeds, [args] * len(args.seeds), [root] * len(args.seeds)):
+            results.append(r)
+            print(r[0], flush=True)
     oks = [ok for _, ok, _ in results if ok is not None]
     if len(results) > 1:
         # a change that moves nothing systematic still moves single seeds by up to ±0.7 here: compare codes over
