@@ -27,7 +27,7 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from shared.graphs import Graphed  # noqa: E402
 from services.trainer.train import TrainConfig, _bf16, build_state, compile_step, refresh_rolling  # noqa: E402
-from bench.train_speed import synthetic_dataset  # noqa: E402
+from bench.train_speed import fill_for_updates, synthetic_dataset  # noqa: E402
 
 
 CATEGORIES = (("GEMM", ("gemm", "xmma", "cutlass", "nvjet", "cublas")),
@@ -125,8 +125,7 @@ def main() -> None:
                 setattr(cfg, k, v)
             st = build_state(cfg, bars, split, 0, "cuda", features=feats, accel=a.accel)
             st.env.reset_all()
-            while st.replay.count <= max(cfg.horizons) + 2:
-                st.runner.collect()
+            fill_for_updates(st)
             if part == "refresh":
                 fn = _bf16(lambda: refresh_rolling(st)) if cfg.bf16 else (lambda: refresh_rolling(st))
                 if a.accel == "compile":

@@ -52,6 +52,12 @@ def synthetic_dataset(n_train: int):
     return bars, chronological_split(len(bars)), compute_features(bars)
 
 
+def fill_for_updates(st) -> None:
+    """Collect until the replay holds enough transitions (the longest horizon's and two more) for an update."""
+    while st.replay.count <= max(st.cfg.horizons) + 2:
+        st.runner.collect()
+
+
 class Bench:
     def __init__(self, args):
         self.a, self.dev = args, torch.device(args.device)
@@ -89,8 +95,7 @@ class Bench:
 
     def updates_per_s(self, mode: str, batch: int) -> float:
         st = self.state(mode, self.a.bars, batch_size=batch, n_envs=256, env_steps_per_iter=2)
-        while st.replay.count <= max(st.cfg.horizons) + 2:
-            st.runner.collect()
+        fill_for_updates(st)
         for _ in range(3):
             st.runner.update()                     # the first call captures / compiles
         return 1.0 / self.timed(st.runner.update, self.a.updates)

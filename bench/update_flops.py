@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count  # noqa: E402
 
-from bench.train_speed import synthetic_dataset  # noqa: E402
+from bench.train_speed import fill_for_updates, synthetic_dataset  # noqa: E402
 from services.trainer.train import TrainConfig, build_state  # noqa: E402
 
 aten = torch.ops.aten
@@ -75,8 +75,7 @@ def count_update(cfg: TrainConfig, batch: int, train_bars: int) -> tuple[float, 
     cfg.batch_size, cfg.n_envs = batch, 256
     st = build_state(cfg, bars, split, 0, "cpu", features=feats, accel="eager")
     st.env.reset_all()
-    while st.replay.count <= max(cfg.horizons) + 2:
-        st.runner.collect()
+    fill_for_updates(st)
     st.runner.update()
     counter = PartCounter(custom_mapping=CPU_ATTENTION)
     for net, model in (("online", st.agent), ("target", st.target)):   # modules by attribute path, not class name
