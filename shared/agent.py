@@ -147,8 +147,9 @@ class AgentConfig:
 class MarketOut:
     """Outputs of `Agent.market` for N market states (no portfolio)."""
 
-    logits: list[torch.Tensor]
-    """Per branch b: C51 logits of the market distributions, N × K × n_b × A."""
+    logits: torch.Tensor
+    """C51 logits of the market distributions of every action of every branch, N × K × NB × A (the branches side by
+    side along dim 2, `AgentConfig.branch_slices`)."""
     hidden: torch.Tensor
     """Trunk state h, N × H (the IQN and expectile heads read it)."""
     value_e: torch.Tensor
@@ -161,8 +162,9 @@ class MarketOut:
 class HeadOut:
     """Outputs of `Agent.head` for N states (market state + portfolio)."""
 
-    logits: list[torch.Tensor]
-    """Per branch b: C51 logits of the market distributions, N × K × n_b × A (shifted by `delta` per action)."""
+    logits: torch.Tensor
+    """C51 logits of the market distributions, N × K × NB × A, branches side by side (shifted by `delta` per
+    action)."""
     hidden: torch.Tensor
     """Trunk state h, N × H (the IQN head reads it)."""
     value_e: torch.Tensor
@@ -336,6 +338,9 @@ class Agent(nn.Module):
         self.register_buffer("act_sides", torch.tensor(DIRECTION_SIDES, **f64), persistent=False)
         self.register_buffer("act_sizes", torch.tensor(cfg.size_levels, **f64), persistent=False)
         self.register_buffer("act_plans", torch.tensor(cfg.exit_plans, **f64), persistent=False)
+        # first column of each branch among the NB actions: branch-local action indices + this = columns
+        self.register_buffer("branch_first", torch.tensor([sl.start for sl in cfg.branch_slices()]),
+                             persistent=False)
 
     # --- support -----------------------------------------------------------------------------------------
     @property
@@ -355,27 +360,26 @@ class Agent(nn.Module):
         return self.enc_ln(blocks[-1].last_token(x) if blocks else x[:, -1])                # N × D
 
     def market(self, emb: torch.Tensor) -> MarketOut:
-        """The market heads (no portfolio): C51 logits per branch (N × K × n_b × A), trunk state, V_e, code."""
-        N, A, K = emb.shape[0], self.cfg.n_atoms, self.cfg.ensemble
+        """The market heads (no portfolio): C51 logits of every action (N × K × NB × A), trunk state, V_e, code."""
+        N, A, K, NB = emb.shape[0], self.cfg.n_atoms, self.cfg.ensemble, self.cfg.n_actions
         h = self.trunk(emb)                                                                 # N × H
-        # every stream of every member in one matmul: [V | A_direction | A_size | A_exit], K blocks each
+        # every stream of every member in one matmul: [V | A], V member-major (K × A), A member-major with the
+        # branches side by side in each member (K × NB × A), so the advantages are one N × K × NB × A view
         # (ParameterLists indexed, not unpacked: torch 2.11's dynamo cannot unpack one into a tuple)
-        ws = [self.value_w] + [self.adv_w[i] for i in range(len(self.adv_w))]
-        bs = [self.value_b] + [self.adv_b[i] for i in range(len(self.adv_b))]
-        w = [x.transpose(0, 1).reshape(h.shape[1], -1) for x in ws]
-        b = [x.reshape(-1) for x in bs]
-        pad = align_pad(sum(x.shape[1] for x in w), h)                # 16-byte rows (see `aligned_linear`)
+        adv_w = torch.cat([self.adv_w[i].transpose(0, 1) for i in range(len(self.adv_w))], dim=2)  # H × K × NB·A
+        adv_b = torch.cat([self.adv_b[i] for i in range(len(self.adv_b))], dim=1)                # K × NB·A
+        w = [self.value_w.transpose(0, 1).reshape(h.shape[1], -1), adv_w.reshape(h.shape[1], -1)]
+        b = [self.value_b.reshape(-1), adv_b.reshape(-1)]
+        pad = align_pad(K * (1 + NB) * A, h)                          # 16-byte rows (see `aligned_linear`)
         if pad:
             w, b = w + [w[0].new_zeros(h.shape[1], pad)], b + [b[0].new_zeros(pad)]
         out = torch.addmm(torch.cat(b), h, torch.cat(w, dim=1))                            # N × K·(1 + NB)·A (+ pad)
-        value = out[:, :K * A].view(N, K, A)                                                # N × K × A
-        logits, at = [], K * A
-        for n_b in self.cfg.branch_sizes:
-            adv = out[:, at:at + K * n_b * A].view(N, K, n_b, A)                            # N × K × n_b × A
-            at += K * n_b * A
-            # dueling: V + A − mean_a A   (Wang et al. 2016, Eq. 9, per atom)
-            logits.append(value.unsqueeze(2) + adv - adv.mean(dim=2, keepdim=True))
-        return MarketOut(logits=logits, hidden=h, value_e=aligned_linear(h, self.expectile).squeeze(-1),
+        value = out[:, :K * A].view(N, K, 1, A)                                             # N × K × 1 × A
+        adv = out[:, K * A:K * (1 + NB) * A].view(N, K, NB, A)                              # N × K × NB × A
+        # dueling: V + A − mean_a A over the actions of each branch   (Wang et al. 2016, Eq. 9, per atom)
+        centre = torch.cat([adv[:, :, sl].mean(dim=2, keepdim=True).expand(-1, -1, sl.stop - sl.start, -1)
+                            for sl in self.cfg.branch_slices()], dim=2)                    # N × K × NB × A
+        return MarketOut(logits=value + adv - centre, hidden=h, value_e=aligned_linear(h, self.expectile).squeeze(-1),
                          code=self.code(h))
 
     def delta(self, code: torch.Tensor, portfolio: torch.Tensor) -> torch.Tensor:
@@ -393,7 +397,7 @@ class Agent(nn.Module):
     def view(self, emb: torch.Tensor) -> MarketView:
         """What `act` reads of N market states (`MarketView`), float32."""
         m = self.market(emb)
-        q = torch.cat(self.q_values(m.logits), dim=2).float()                               # N × K × NB
+        q = self.q_values(m.logits)                                                         # N × K × NB
         tail = self.quantiles(m.hidden, self.act_taus[:self.cfg.n_tail]).float()            # N × M_α × 3
         return MarketView(q=q.mean(1), q_std=q[:, :, :3].std(1, unbiased=False), tail=tail, code=m.code.float())
 
@@ -410,14 +414,12 @@ class Agent(nn.Module):
         phi = F.relu(self.iqn_tau(torch.cos(math.pi * taus.unsqueeze(-1) * self.iqn_i)))   # N × M × H
         return aligned_linear(self.iqn_out[1](self.iqn_out[0](hidden.unsqueeze(1) * phi)), self.iqn_out[2])  # N×M×3
 
-    def q_values(self, logits: list[torch.Tensor], delta: torch.Tensor | None = None) -> list[torch.Tensor]:
-        """Q_b(s, a) = Σ_i z_i p_i(s, a) per branch and ensemble member: N × K × n_b (float32); plus the portfolio
-        shift δ_b,a when `delta` (N × (NB + 1), `head`) is given. A list of the branches given (a prefix)."""
-        z = self.support
-        qs = [(torch.softmax(lg.float(), dim=-1) * z).sum(-1) for lg in logits]
-        if delta is not None:
-            qs = [q + delta[:, sl].unsqueeze(1) for q, sl in zip(qs, self.cfg.branch_slices())]
-        return qs
+    def q_values(self, logits: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
+        """Q(s, a) = Σ_i z_i p_i(s, a) of every action and ensemble member: logits N × K × NB' × A (all the actions,
+        or a prefix of them, e.g. the direction's `logits[:, :, :3]`) → N × K × NB' (float32); plus the portfolio
+        shift δ_a when `delta` (N × (NB + 1), `head`) is given."""
+        q = (torch.softmax(logits.float(), dim=-1) * self.support).sum(-1)
+        return q if delta is None else q + delta[:, :q.shape[2]].unsqueeze(1)
 
 
 def agent_from_checkpoint(tensors: dict[str, torch.Tensor], metadata: dict, device="cpu") -> Agent:

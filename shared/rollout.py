@@ -462,7 +462,7 @@ def chosen_outputs(agent: Agent, emb: torch.Tensor, bars: torch.Tensor, portfoli
     for a in range(0, bars.shape[0], chunk):
         b = min(a + chunk, bars.shape[0])
         out = agent.head(emb[bars[a:b]], portfolio[a:b])
-        q_dir.append(agent.q_values(out.logits[:1], out.delta)[0].mean(1))                    # n × 3
+        q_dir.append(agent.q_values(out.logits[:, :, :3], out.delta).mean(1))                 # n × 3
         qt = agent.quantiles(out.hidden, taus).float() + out.delta[:, :3].unsqueeze(1)        # n × M × 3
         quant.append(qt.gather(2, direction[a:b].view(-1, 1, 1).expand(-1, qt.shape[1], 1)).squeeze(2))
     return torch.cat(q_dir), torch.cat(quant)

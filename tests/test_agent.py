@@ -26,10 +26,9 @@ def test_shapes_and_dueling_identity():
     emb = ag.encode(torch.randn(4, 8, 5))
     assert emb.shape == (4, 16)
     out = ag.head(emb, torch.randn(4, CFG.n_portfolio))
-    for lg, n in zip(out.logits, CFG.branch_sizes):
-        assert lg.shape == (4, 3, n, 11)
+    assert out.logits.shape == (4, 3, sum(CFG.branch_sizes), 11)
     # dueling: mean over actions of V + A − mean A equals V, so the mean logit is the same for every branch
-    means = [lg.mean(2) for lg in out.logits]
+    means = [out.logits[:, :, sl].mean(2) for sl in CFG.branch_slices()]
     assert torch.allclose(means[0], means[1], atol=1e-5) and torch.allclose(means[0], means[2], atol=1e-5)
     assert ag.quantiles(out.hidden, torch.rand(4, 7)).shape == (4, 7, 3)
     assert out.value_e.shape == (4,) and out.delta.shape == (4, sum(CFG.branch_sizes) + 1)
@@ -42,12 +41,11 @@ def test_portfolio_enters_only_as_a_shift_of_the_market_distributions():
     emb = ag.encode(torch.randn(5, 8, 5))
     p1, p2 = torch.randn(5, CFG.n_portfolio), torch.randn(5, CFG.n_portfolio)
     o1, o2 = ag.head(emb, p1), ag.head(emb, p2)
-    for a, b in zip(o1.logits, o2.logits):
-        assert torch.equal(a, b)
+    assert torch.equal(o1.logits, o2.logits)
     assert torch.equal(o1.hidden, o2.hidden) and not torch.allclose(o1.delta, o2.delta)
-    q1, q2 = ag.q_values(o1.logits, o1.delta), ag.q_values(o2.logits, o2.delta)
-    for b, sl in enumerate(CFG.branch_slices()):
-        torch.testing.assert_close(q1[b] - q2[b], (o1.delta - o2.delta)[:, sl].unsqueeze(1).expand_as(q1[b]))
+    q1, q2 = ag.q_values(o1.logits, o1.delta), ag.q_values(o2.logits, o2.delta)             # N × K × NB
+    NB = sum(CFG.branch_sizes)
+    torch.testing.assert_close(q1 - q2, (o1.delta - o2.delta)[:, :NB].unsqueeze(1).expand_as(q1))
     ag.v_max.fill_(2 * float(ag.v_max))
     torch.testing.assert_close(ag.head(emb, p1).delta, 2 * o1.delta)
     assert torch.equal(make(shift=False).head(emb, p1).delta, torch.zeros(5, sum(CFG.branch_sizes) + 1))
@@ -59,7 +57,7 @@ def test_view_is_what_acting_reads():
     emb = ag.encode(torch.randn(6, 8, 5))
     v = ag.view(emb)
     m = ag.market(emb)
-    q = torch.cat(ag.q_values(m.logits), dim=2)                                    # N × K × NB
+    q = ag.q_values(m.logits)                                                       # N × K × NB
     torch.testing.assert_close(v.q, q.mean(1))
     torch.testing.assert_close(v.q_std, q[:, :, :3].std(1, unbiased=False))
     torch.testing.assert_close(v.tail, ag.quantiles(m.hidden, ag.act_taus[:CFG.n_tail]))
@@ -101,9 +99,9 @@ def test_greedy_policy_matches_argmax_of_ensemble_mean_q():
     ctl = PolicyControls.make("cpu", epsilon=0.0)
     a = _act(ag, emb, port, torch.zeros(B, dtype=torch.float64), ctl)
     out = ag.head(emb, port)
-    qs = ag.q_values(out.logits, out.delta)
-    for b in range(3):
-        assert torch.equal(a.branches[:, b], qs[b].mean(1).argmax(-1))
+    q = ag.q_values(out.logits, out.delta).mean(1)                                          # N × NB
+    for b, sl in enumerate(CFG.branch_slices()):
+        assert torch.equal(a.branches[:, b], q[:, sl].argmax(-1))
     # flat accounts: target = side × size × Kelly scale (f = 0 → kelly_floor) × confidence 1
     side = a.branches[:, 0].double() - 1
     size = torch.tensor(CFG.size_levels, dtype=torch.float64)[a.branches[:, 1]]
@@ -210,10 +208,10 @@ def test_cuda_heads_with_aligned_widths_equal_the_cpu_heads(no_tf32):
         emb = net.encode(win.to(dev))                # 5 features: the input projection is padded too
         o = net.head(emb, port.to(dev))
         q = net.quantiles(o.hidden, taus.to(dev))
-        loss = sum(x.float().square().sum() for x in (*o.logits, o.value_e, o.delta, q))
+        loss = sum(x.float().square().sum() for x in (o.logits, o.value_e, o.delta, q))
         grads = torch.autograd.grad(loss, [net.adv_w[0], net.shift[2].weight, net.iqn_out[2].weight,
                                            net.enc_in.weight])
-        outs.append([x.detach().cpu() for x in (emb, *o.logits, o.value_e, o.delta, q, *grads)])
+        outs.append([x.detach().cpu() for x in (emb, o.logits, o.value_e, o.delta, q, *grads)])
     for a, b in zip(*outs):
         assert a.shape == b.shape
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-5)

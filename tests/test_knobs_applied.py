@@ -79,8 +79,8 @@ def test_q_bias_and_gamma_shift_the_bootstrap_targets(data, monkeypatch):
         apply_knobs(st, knobs)
         seen.clear()
         st.update(batch)
-        tz, z = seen[0]                                                     # direction branch
-        tz = tz.view(-1, H, A).double()
+        tz, z = seen[0]                                                     # N × branches × H·A
+        tz = tz[:, 0].view(-1, H, A).double()                               # the direction branch
         disc = (tz[..., -1] - tz[..., 0]) / float(z[-1] - z[0])
         return tz[..., 0] - disc * float(z[0]), disc
 
@@ -111,7 +111,8 @@ def test_epsilon_is_the_exploration_of_collection(data):
         bar, port, act = st.replay.bar[:n].flatten(), st.replay.portfolio[:n].flatten(0, 1), st.replay.action[:n]
         with torch.no_grad():
             out = st.agent.head(st.agent.encode(st.env.market.windows[bar]), port)
-            greedy = st.agent.q_values(out.logits, out.delta)[2].mean(1).argmax(-1)
+            exit_cols = st.cfg.agent.branch_slices()[2]
+            greedy = st.agent.q_values(out.logits[:, :, exit_cols], out.delta[:, exit_cols]).mean(1).argmax(-1)
         match = (act[:, :, 2].flatten() == greedy).float().mean().item()
         n_exit = len(st.cfg.agent.exit_plans)
         assert match == pytest.approx(1 - eps + eps / n_exit, abs=0.001 if eps == 0 else 0.07), eps

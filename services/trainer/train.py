@@ -153,6 +153,9 @@ class TrainConfig:
     `encoder_batch` 512 as well, the update's graph replay went from 2.91 to 2.23 ms (session 9) and the epoch
     from 12.4 to 9.8 s (session 10); on the GPU learning bench both settings met the target in 3 of 3 seeds
     (bench/README.md, learning.py)."""
+    target_stream: bool = True
+    """On CUDA, the update's no-grad targets (`make_targets`: double-Q at the N·H bootstrap states, the target
+    network's heads and IQN, the projections) on a side stream beside its online forward pass."""
     act_view_cache: bool = False
     """Off by default: on the CPU learning bench (3 seeds, `small`) acting on the cached view reached OOS per-trade
     Sharpes 0.493 / 0.647 / 0.411 against 0.941 / 0.606 / 0.595 with the heads run fresh (bench/README.md,
@@ -373,25 +376,106 @@ class UpdateBuffers:
 METRICS = ("loss", "c51", "iqn", "expectile", "q_mean", "entropy", "utilisation", "grad_norm")
 
 
-def make_update(agent: Agent, target: Agent, opt: torch.optim.Optimizer, replay: Replay, windows: torch.Tensor,
-                buf: UpdateBuffers, cfg: TrainConfig, generator: torch.Generator) -> Callable[[Batch], dict]:
-    """Build the hot step `update(batch) -> dict of detached metric tensors`."""
+@dataclass
+class Targets:
+    """The no-grad targets of a batch of N samples (`make_targets`): what the update's losses compare its online
+    predictions with. Computed apart from the online forward pass so that, on CUDA, they can run beside it on a
+    side stream (`StepRunner`)."""
+
+    dist: torch.Tensor
+    """N × NBR × A: the C51 target of each branch (the projected next distribution of its greedy action, blended over
+    the horizons)."""
+    quantiles: torch.Tensor
+    """N × H × M': the IQN targets R + disc · θ'(s_h, a*, τ') of the direction branch."""
+    value: torch.Tensor
+    """N: the blended scalar target Σ_h w_h (R + disc · Q'(s_h, a*)) of the direction branch (expectile and
+    stability terms)."""
+    blend: torch.Tensor
+    """N × H: the horizon weights of each sample's regime."""
+
+    FIELDS = ("dist", "quantiles", "value", "blend")
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [getattr(self, f) for f in self.FIELDS]
+
+
+def make_targets(agent: Agent, target: Agent, buf: UpdateBuffers, cfg: TrainConfig
+                 ) -> Callable[[Batch, torch.Tensor], Targets]:
+    """Build `targets(batch, noise) -> Targets`: double-Q at the N·H bootstrap states (the online network selects
+    the greedy action of each branch on the cached embeddings or view, the target network evaluates it), the
+    n-step returns, and from them the C51, IQN and scalar targets. Reads parameters, tables and the batch; writes
+    nothing."""
     horizons = cfg.horizons
-    H, M = len(horizons), cfg.iqn_quantiles
+    H, M, K = len(horizons), cfg.iqn_quantiles, agent.cfg.ensemble
+    slices = agent.cfg.branch_slices()
+    NBR = len(slices)
+
+    @torch.no_grad()
+    def targets(b: Batch, noise: torch.Tensor) -> Targets:
+        N = b.bar.shape[0]
+        z = agent.support                                                                  # A
+        nb, npf = b.next_bar.reshape(-1), b.next_portfolio.reshape(N * H, -1)               # n-major: N·H rows
+        tg_n = target.head(buf.emb_target[nb], npf)                                        # cached embeddings
+        if buf.view_online is not None:
+            # the online selection reads the cached market view of the next bars (as stale as the cached
+            # embeddings it would otherwise run the heads on) plus the current portfolio shift
+            vn = buf.view_online.rows(nb)
+            q_on = vn.q + agent.delta(vn.code, npf)[:, :agent.cfg.n_actions]              # N·H × NB
+        else:
+            on_n = agent.head(buf.emb_online[nb], npf)
+            q_on = agent.q_values(on_n.logits, on_n.delta).mean(1)                         # N·H × NB
+        # the greedy next action of each branch, as a column among the NB actions
+        col = torch.stack([q_on[:, sl].argmax(-1) for sl in slices], dim=1) + agent.branch_first  # N·H × NBR
+        R, disc = nstep_returns(b.rewards.double(), b.dones, buf.gamma.double(), horizons)  # N × H
+        R, disc = (R - buf.q_bias).float(), disc.float()
+        w_h = buf.horizon_blend[b.regime]                                                  # N × H
+        # the ensemble shares one target: the members' mean next distribution at the greedy action (the softmax is
+        # over atoms, per action: taken of the greedy actions' logits alone), all branches at once
+        lg = tg_n.logits.gather(2, col.view(N * H, 1, NBR, 1).expand(-1, K, -1, z.shape[0]))  # N·H × K × NBR × A
+        p_next = torch.softmax(lg.float(), -1).mean(1).view(N, H, NBR, -1).transpose(1, 2)  # N × NBR × H × A
+        # the target's portfolio shift of the greedy next action: its atoms sit at z + δ'
+        d_star = tg_n.delta.gather(1, col).view(N, H, NBR).transpose(1, 2)                  # N × NBR × H
+        # blended over horizons before the projection (Φ is linear in the probabilities)
+        p_w = (p_next * w_h.view(N, 1, H, 1)).reshape(N, NBR, -1)                          # N × NBR × H·A
+        tz = R.view(N, 1, H, 1) + disc.view(N, 1, H, 1) * (z + d_star.unsqueeze(-1))       # N × NBR × H × A
+        dist = project_distribution(tz.reshape(N, NBR, -1), p_w, z)                        # N × NBR × A
+        # the target's Q of the greedy direction, Σ_i z_i p_i + δ' → the scalar target
+        q_tn = (p_next[:, 0] * z).sum(-1) + d_star[:, 0]                                   # N × H
+        value = ((R + disc * q_tn) * w_h).sum(1)                                           # N
+        # IQN: the target's quantiles of the greedy direction at τ' (shifted by δ'_direction)
+        taus_t = noise[:, K + M:].reshape(N * H, M)                                        # n-major, like nb
+        th_n = target.quantiles(tg_n.hidden, taus_t).float() + tg_n.delta[:, :3].unsqueeze(1)  # N·H × M × 3
+        th_n = th_n.gather(2, col[:, 0].view(N * H, 1, 1).expand(-1, M, 1)).view(N, H, M)
+        return Targets(dist=dist, quantiles=R.unsqueeze(-1) + disc.unsqueeze(-1) * th_n, value=value, blend=w_h)
+
+    return targets
+
+
+def make_update(agent: Agent, target: Agent, opt: torch.optim.Optimizer, replay: Replay, windows: torch.Tensor,
+                buf: UpdateBuffers, cfg: TrainConfig, generator: torch.Generator,
+                targets: Callable[[Batch, torch.Tensor], Targets]) -> Callable[[Batch], dict]:
+    """Build the hot step `update(batch) -> dict of detached metric tensors` (`targets`: `make_targets`'s)."""
+    H, M = len(cfg.horizons), cfg.iqn_quantiles
     params = [p for p in agent.parameters()]
     tparams = [p for p in target.parameters()]
-
     n_ens = agent.cfg.ensemble
+    slices = agent.cfg.branch_slices()
+    NBR = len(slices)
 
-    def update(b: Batch, noise: torch.Tensor | None = None,
-               after_backward: Callable[[], None] | None = None) -> dict[str, torch.Tensor]:
+    def update(b: Batch, noise: torch.Tensor | None = None, after_backward: Callable[[], None] | None = None,
+               targets_via: Callable[[Batch, torch.Tensor], tuple[Targets, Callable[[], None]]] | None = None
+               ) -> dict[str, torch.Tensor]:
         """One gradient update on batch b. noise: N × (K + M + H·M) uniforms (ensemble mask, online τ, target τ),
         drawn from the generator unless given (a captured step is handed noise drawn outside the graph).
         `after_backward()` runs between the backward pass and the optimizer step (the last point at which the
-        parameters are still those the forward pass read: `train_step` stores the rolling refresh there)."""
+        parameters are still those the forward pass read: `train_step` stores the rolling refresh there).
+        `targets_via(b, noise) -> (targets, wait)`: how the batch's `Targets` are made (`StepRunner`: on a side
+        stream; `wait()` makes the update wait for them, after its online forward pass); None: `make_targets`'s
+        here, first."""
         N, dev = b.bar.shape[0], b.bar.device
         if noise is None:
             noise = torch.rand(N, n_ens + M + H * M, device=dev, generator=generator)
+        tg, wait = (targets(b, noise), lambda: None) if targets_via is None else targets_via(b, noise)
         z, v_max = agent.support, agent.v_max                                              # A
         # --- online network at s (the encoder learns from the first `encoder_batch` samples, a random subset) ---
         n_enc = min(cfg.encoder_batch or N, N)
@@ -399,71 +483,34 @@ def make_update(agent: Agent, target: Agent, opt: torch.optim.Optimizer, replay:
         if n_enc < N:
             emb = torch.cat([emb, buf.emb_online[b.bar[n_enc:]].to(emb.dtype)])
         out = agent.head(emb, b.portfolio)
-        slices = agent.cfg.branch_slices()
-        # --- bootstrap states s_h, N·H of them: double-Q (online selects, target evaluates) ---
-        with torch.no_grad():
-            nb, npf = b.next_bar.reshape(-1), b.next_portfolio.reshape(N * H, -1)
-            tg_n = target.head(buf.emb_target[nb], npf)                                    # cached embeddings
-            if buf.view_online is not None:
-                # the online selection reads the cached market view of the next bars (as stale as the cached
-                # embeddings it would otherwise run the heads on) plus the current portfolio shift
-                vn = buf.view_online.rows(nb)
-                q_on = vn.q + agent.delta(vn.code, npf)[:, :agent.cfg.n_actions]          # N·H × NB
-                a_star = [q_on[:, sl].argmax(-1) for sl in slices]                        # [N·H] per branch
-            else:
-                on_n = agent.head(buf.emb_online[nb], npf)
-                a_star = [q.mean(1).argmax(-1) for q in agent.q_values(on_n.logits, on_n.delta)]
-            R, disc = nstep_returns(b.rewards.double(), b.dones, buf.gamma.double(), horizons)  # N × H
-            R, disc = (R - buf.q_bias).float(), disc.float()
-            w_h = buf.horizon_blend[b.regime]                                              # N × H
-            member = (noise[:, :n_ens] < cfg.ensemble_mask_p).float()                      # N × K
-            # the target's portfolio shift of the greedy next action, per branch: its atoms sit at z + δ'
-            d_star = [tg_n.delta[:, sl].gather(1, a.view(-1, 1)).view(N, H) for sl, a in zip(slices, a_star)]
-        # --- C51 loss per branch, blended over horizons ---
-        c51 = torch.zeros(N, device=dev)
-        for br, (lg, lg_n) in enumerate(zip(out.logits, tg_n.logits)):
-            K, A = lg.shape[1], lg.shape[3]
-            with torch.no_grad():
-                # the ensemble shares one target: the members' mean next distribution at the greedy action,
-                # blended over horizons before the projection (Φ is linear in the probabilities)
-                # (the softmax is over atoms, per action: taken of the greedy action's logits alone)
-                idx = a_star[br].view(N * H, 1, 1, 1).expand(N * H, K, 1, A)
-                p_next = torch.softmax(lg_n.gather(2, idx).squeeze(2).float(), -1).mean(1).view(N, H, A)
-                if br == 0:
-                    # the target's Q of the greedy direction, Σ_i z_i p_i + δ' (for the expectile target)
-                    q_tn = (p_next * z).sum(-1) + d_star[0]                               # N × H
-                p_w = (p_next * w_h.unsqueeze(-1)).reshape(N, H * A)                       # N × H·A
-                tz = R.unsqueeze(-1) + disc.unsqueeze(-1) * (z + d_star[br].unsqueeze(-1))  # N × H × A
-                m = project_distribution(tz.reshape(N, H * A), p_w, z)                     # N × A
-            a = b.action[:, br].view(N, 1, 1, 1).expand(N, K, 1, A)
-            logits_a = lg.gather(2, a).squeeze(2)                                          # N × K × A
-            # the distribution of (s, p, a): the market one with its atoms moved by the portfolio shift δ_a
-            d_a = out.delta[:, slices[br]].gather(1, b.action[:, br].view(N, 1)).squeeze(1)  # N
-            probs = shift_distribution(torch.softmax(logits_a.float(), -1), d_a, z)       # N × K × A
-            ce = c51_cross_entropy_probs(probs, m.unsqueeze(1))                            # N × K
-            c51 = c51 + (ce * member).sum(1) / member.sum(1).clamp(min=1.0)
-            if br == 0:
-                priority = ce.mean(1).detach()
-                ent = atom_entropy(logits_a).mean()
-                util = atom_utilisation(logits_a.detach())
-        # --- IQN quantile Huber on the direction branch (in units of v_max, κ = 1), shifted by δ_direction ---
+        K, A = out.logits.shape[1], out.logits.shape[3]
+        # the logits and portfolio shift of the taken action of every branch
+        col = b.action + agent.branch_first                                                # N × NBR
+        logits_a = out.logits.gather(2, col.view(N, 1, NBR, 1).expand(-1, K, -1, A)).transpose(1, 2)  # N×NBR×K×A
+        d_a = out.delta.gather(1, col)                                                     # N × NBR
+        # IQN: the online quantiles of the taken direction at τ (shifted by δ_direction)
         taus = noise[:, n_ens:n_ens + M]                                                   # N × M
         th = agent.quantiles(out.hidden, taus).float() + out.delta[:, :3].unsqueeze(1)     # N × M × 3
         th = th.gather(2, b.action[:, 0].view(N, 1, 1).expand(N, M, 1)).squeeze(2)         # N × M
-        with torch.no_grad():
-            taus_t = noise[:, n_ens + M:].reshape(N * H, M)                                    # n-major, like nb
-            th_n = target.quantiles(tg_n.hidden, taus_t).float() + tg_n.delta[:, :3].unsqueeze(1)  # N·H × M × 3
-            th_n = th_n.gather(2, a_star[0].view(N * H, 1, 1).expand(N * H, M, 1)).view(N, H, M)
-            y_q = R.unsqueeze(-1) + disc.unsqueeze(-1) * th_n                              # N × H × M'
-        qh = quantile_huber_loss((th / v_max).repeat_interleave(H, 0), (y_q / v_max).reshape(N * H, M),
+        q_dir = agent.q_values(out.logits[:, :, :3], out.delta).mean(1)                    # N × 3
+        wait()
+        # --- C51 loss of every branch against its target; each ensemble member trains on its bootstrap mask ---
+        # the distribution of (s, p, a): the market one with its atoms moved by the portfolio shift δ_a
+        probs = shift_distribution(torch.softmax(logits_a.float(), -1).reshape(N * NBR, K, A), d_a.reshape(-1), z)
+        ce = c51_cross_entropy_probs(probs.view(N, NBR, K, A), tg.dist.unsqueeze(2))        # N × NBR × K
+        member = (noise[:, :n_ens] < cfg.ensemble_mask_p).float()                          # N × K
+        c51 = ((ce * member.unsqueeze(1)).sum(2) / member.sum(1, keepdim=True).clamp(min=1.0)).sum(1)  # N
+        priority = ce[:, 0].mean(1).detach()
+        ent = atom_entropy(logits_a[:, 0]).mean()
+        util = atom_utilisation(logits_a[:, 0].detach())
+        # --- IQN quantile Huber on the direction branch (in units of v_max, κ = 1), blended over horizons ---
+        qh = quantile_huber_loss((th / v_max).repeat_interleave(H, 0), (tg.quantiles / v_max).reshape(N * H, M),
                                  taus.repeat_interleave(H, 0))                             # N·H
-        iqn = (qh.view(N, H) * w_h).sum(1)                                                 # N
+        iqn = (qh.view(N, H) * tg.blend).sum(1)                                            # N
         # --- expectile value head on the blended scalar target of the direction branch ---
-        with torch.no_grad():
-            y = ((R + disc * q_tn) * w_h).sum(1)                                           # N
+        y = tg.value
         expl = expectile_loss((y - out.value_e.float()) / v_max, cfg.expectile)           # N
         # --- stability terms on the online direction Q ---
-        q_dir = agent.q_values([out.logits[0]], out.delta)[0].mean(1)                      # N × 3
         centre = ((q_dir.mean() - y.mean()) / v_max) ** 2
         top2 = q_dir.topk(2, dim=1).values
         gap_star = cfg.q_gap_frac * y.std()
@@ -524,13 +571,15 @@ class StepRunner:
         collect_fn = lambda: env.collect(state.agent, state.controls, cfg.env_steps_per_iter,  # noqa: E731
                                          state.buffers.emb_online, self.collect_noise,
                                          view_table=state.buffers.view_online)
-        update_fn = lambda noise, staged, join: train_step(state, noise, staged, join)  # noqa: E731
+        update_fn = lambda noise, staged, join, via: train_step(state, noise, staged, join, via)  # noqa: E731
         encode_fn = lambda: refresh_encode(state)  # noqa: E731
+        targets_fn = state.targets
         if cfg.bf16 and dev.type == "cuda":
-            collect_fn, update_fn, encode_fn = _bf16(collect_fn), _bf16(update_fn), _bf16(encode_fn)
+            collect_fn, update_fn, encode_fn, targets_fn = (_bf16(collect_fn), _bf16(update_fn), _bf16(encode_fn),
+                                                            _bf16(targets_fn))
         if "compile" in accel:
-            collect_fn, update_fn, encode_fn = (compile_step(collect_fn, cfg), compile_step(update_fn, cfg),
-                                                compile_step(encode_fn, cfg))
+            collect_fn, update_fn, encode_fn, targets_fn = (compile_step(collect_fn, cfg), compile_step(update_fn, cfg),
+                                                            compile_step(encode_fn, cfg), compile_step(targets_fn, cfg))
         if dev.type == "cuda":
             # the rolling refresh's encodings on a side stream, beside the update's forward and backward passes
             # (both only read the parameters); the update waits for them just before its optimizer step. Static
@@ -542,15 +591,16 @@ class StepRunner:
                 staging += [torch.zeros(C, *getattr(state.buffers.view_online, f).shape[1:], device=dev)
                             for f in MarketView.FIELDS]
             join = torch._dynamo.disable(lambda: torch.cuda.current_stream().wait_stream(side))
+            via = self._side_targets(targets_fn) if cfg.target_stream else None
 
             def update_call(noise: torch.Tensor) -> None:
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):
                     torch._foreach_copy_(staging, list(encode_fn()))
-                update_fn(noise, staging, join)
+                update_fn(noise, staging, join, via)
         else:
             def update_call(noise: torch.Tensor) -> None:
-                update_fn(noise, None, lambda: None)
+                update_fn(noise, None, lambda: None, None)
         self.pinned = StaticState(env.sim, env.tracker, env)
         if "graph" in accel:
             def collect_body():
@@ -566,6 +616,27 @@ class StepRunner:
         self._bodies = {"collect": collect_body, "update": lambda: update_call(self.update_noise[0]),
                         "iteration": iteration_body}
         self._graphs: dict[str, object] = {}
+
+    def _side_targets(self, targets_fn: Callable[[Batch, torch.Tensor], Targets]
+                      ) -> Callable[[Batch, torch.Tensor], tuple[Targets, Callable[[], None]]]:
+        """The update's `targets_via` on CUDA: the batch's `Targets` on their own stream, beside the online forward
+        pass (they read the batch, the parameters and the tables; the online pass reads the same), copied into
+        static tensors so nothing allocated on one stream is freed on the other; `wait()` joins them."""
+        cfg, dev = self.state.cfg, self.state.device
+        N, H, M = cfg.batch_size, len(cfg.horizons), cfg.iqn_quantiles
+        NBR, A = len(cfg.agent.branch_sizes), cfg.agent.n_atoms
+        out = Targets(dist=torch.zeros(N, NBR, A, device=dev), quantiles=torch.zeros(N, H, M, device=dev),
+                      value=torch.zeros(N, device=dev), blend=torch.zeros(N, H, device=dev))
+        stream = torch.cuda.Stream(device=dev)
+        wait = torch._dynamo.disable(lambda: torch.cuda.current_stream().wait_stream(stream))
+
+        @torch._dynamo.disable
+        def via(b: Batch, noise: torch.Tensor) -> tuple[Targets, Callable[[], None]]:
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                torch._foreach_copy_(out.tensors(), targets_fn(b, noise).tensors())
+            return out, wait
+        return via
 
     @property
     def graphed(self) -> bool:
@@ -641,7 +712,7 @@ def _bf16(fn: Callable[..., object]) -> Callable[..., object]:
 
 
 def train_step(state: "TrainState", noise: torch.Tensor, staged: list[torch.Tensor] | None = None,
-               join: Callable[[], None] = lambda: None) -> dict[str, torch.Tensor]:
+               join: Callable[[], None] = lambda: None, targets_via=None) -> dict[str, torch.Tensor]:
     """Sample a batch (inverse CDF with noise[:, 0]), update on it (noise[:, 1:]), add its metrics to the epoch's
     sums, and advance the rolling embedding refresh. On CUDA the LR schedule runs on the device first.
 
@@ -649,7 +720,8 @@ def train_step(state: "TrainState", noise: torch.Tensor, staged: list[torch.Tens
     stores the encodings into the tables after the backward pass, before the optimizer step (`refresh_store`), so
     the encoding reads nothing the update writes and the update's own table reads come first. `staged`: those
     encodings, already computed by the caller (`StepRunner` runs them on a side stream, overlapping the forward
-    and backward passes, and hands over `join`, which makes the update wait for them); None: computed here."""
+    and backward passes, and hands over `join`, which makes the update wait for them); None: computed here.
+    `targets_via`: how the update makes its targets (`make_update`; the `StepRunner`'s side stream), None: inline."""
     cfg, buf = state.cfg, state.buffers
     if state.device.type == "cuda":
         device_lrs(state.opt, buf, cfg)
@@ -660,7 +732,7 @@ def train_step(state: "TrainState", noise: torch.Tensor, staged: list[torch.Tens
         join()
         refresh_store(state, staged)
     b = state.replay.sample(cfg.batch_size, u=noise[:, 0])
-    m = state.update(b, noise[:, 1:], after_backward=store)
+    m = state.update(b, noise[:, 1:], after_backward=store, targets_via=targets_via)
     buf.metric_sums.add_(torch.stack([m[k].float() for k in METRICS]))
     return m
 
@@ -712,6 +784,8 @@ class TrainState:
     buffers: UpdateBuffers
     generator: torch.Generator
     update: Callable[[Batch], dict]
+    targets: Callable[[Batch, torch.Tensor], Targets]
+    """`make_targets`'s: the update's no-grad targets of a batch (the `StepRunner` runs them on a side stream)."""
     epoch: int = 0
     knobs: Knobs | None = None
     """The knobs of the last `apply_knobs` (saved in the checkpoint: the evaluator gates as trained)."""
@@ -757,9 +831,10 @@ def build_state(cfg: TrainConfig, bars: Bars, split: Split, seed: int, device="c
                         lr_scale=torch.ones(len(opt.param_groups), dtype=torch.float64, device=device),
                         lr_branch=torch.tensor([g["branch"] in BRANCHES for g in opt.param_groups], device=device),
                         metric_sums=torch.zeros(len(METRICS), device=device))
-    update = make_update(agent, target, opt, replay, market.windows, buf, cfg, gen)
+    targets = make_targets(agent, target, buf, cfg)
+    update = make_update(agent, target, opt, replay, market.windows, buf, cfg, gen, targets)
     chunk = -(-len(market) // max(cfg.emb_refresh, 1))
-    state = TrainState(cfg, device, agent, target, opt, replay, env, controls, buf, gen, update,
+    state = TrainState(cfg, device, agent, target, opt, replay, env, controls, buf, gen, update, targets,
                        accel=accel, refresh_idx=torch.arange(chunk, device=device))
     state.runner = StepRunner(state, state.accel)
     return state
