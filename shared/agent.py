@@ -376,9 +376,11 @@ class Agent(nn.Module):
         out = torch.addmm(torch.cat(b), h, torch.cat(w, dim=1))                            # N × K·(1 + NB)·A (+ pad)
         value = out[:, :K * A].view(N, K, 1, A)                                             # N × K × 1 × A
         adv = out[:, K * A:K * (1 + NB) * A].view(N, K, NB, A)                              # N × K × NB × A
-        # dueling: V + A − mean_a A over the actions of each branch   (Wang et al. 2016, Eq. 9, per atom)
-        centre = torch.cat([adv[:, :, sl].mean(dim=2, keepdim=True).expand(-1, -1, sl.stop - sl.start, -1)
-                            for sl in self.cfg.branch_slices()], dim=2)                    # N × K × NB × A
+        # dueling: V + A − mean_a A over the actions of each branch   (Wang et al. 2016, Eq. 9, per atom). The mean
+        # of a branch's 2–3 actions written as a sum of slices, not a reduction: all pointwise, so a compiled
+        # consumer (softmax, gather) fuses it in instead of writing an N × K × NB × A centre to memory
+        centre = torch.cat([(sum(adv[:, :, j:j + 1] for j in range(sl.start, sl.stop)) / (sl.stop - sl.start))
+                            .expand(-1, -1, sl.stop - sl.start, -1) for sl in self.cfg.branch_slices()], dim=2)
         return MarketOut(logits=value + adv - centre, hidden=h, value_e=aligned_linear(h, self.expectile).squeeze(-1),
                          code=self.code(h))
 
