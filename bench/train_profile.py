@@ -7,7 +7,8 @@ rolling embedding refresh.
 For each part (update at `--batch`, collection at `--envs` accounts, the rolling refresh of the embedding tables
 that every update also runs), run after a warm-up under torch.profiler (eagerly, or through torch.compile with
 `--accel compile`: its fused kernels are what the captured modes replay) and print: kernels launched per call, GPU
-time per call, and the top kernels by total GPU time (share of the call). This is what decides what to fuse,
+time per call, the kernels of each CUDA stream (the update's targets and the refresh run on side streams), and the
+top kernels by total GPU time (share of the call). This is what decides what to fuse,
 shrink or capture next. `--variants` profiles config variants one after another in the same run and ends with a
 side-by-side table of them:
 
@@ -81,6 +82,17 @@ def report(name: str, fn, calls: int, top: int, body=None) -> tuple[float, float
     print("|---|---:|---:|---:|")
     for c, (n, t) in sorted(cats.items(), key=lambda kv: -kv[1][1]):
         print(f"| {c} | {n:.0f} | {t:.0f} | {t / total:.0%} |")
+    streams: dict[int, list[float]] = {}
+    for e in kernels:
+        st = streams.setdefault(e.device_resource_id, [0, 0.0])
+        st[0] += 1 / calls
+        st[1] += e.device_time / calls
+    if len(streams) > 1:
+        # the CUDA side streams: the refresh's encodings and, in the update, its targets (`StepRunner`)
+        print("\n| stream (CUPTI id; the step's own has the most kernels) | kernels per call | µs per call | share |")
+        print("|---|---:|---:|---:|")
+        for sid, (n, t) in sorted(streams.items(), key=lambda kv: -kv[1][0]):
+            print(f"| {sid} | {n:.0f} | {t:.0f} | {t / total:.0%} |")
     print()
     by: dict[str, float] = {}
     for e in kernels:

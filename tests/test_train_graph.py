@@ -207,6 +207,23 @@ def test_graphed_iteration_equals_eager(data, precision):
 
 
 @cuda
+def test_targets_on_a_side_stream_equal_the_targets_inline(data):
+    """`target_stream`: the update's targets on their own stream beside its online forward pass train the same
+    network as the targets computed inline first (fp32, captured: only the order of atomic float sums differs). A
+    missing wait would read the static target tensors half written, or the previous update's."""
+    inline, s_i = _run(data, "graph", epochs=1, target_stream=False)
+    side, s_s = _run(data, "graph", epochs=1, target_stream=True)
+    assert inline.update_step == side.update_step > 20
+    for k in METRICS:
+        va, vb = getattr(s_i[0], k, None), getattr(s_s[0], k, None)
+        if va is not None:
+            atol = 2e-4 * s_i[0].v_max if k == "q_mean" else 1e-5
+            assert math.isclose(va, vb, rel_tol=2e-3, abs_tol=atol), (k, va, vb)
+    for (name, pa), pb in zip(inline.agent.named_parameters(), side.agent.parameters()):
+        assert torch.allclose(pa, pb, rtol=1e-3, atol=1e-4), name
+
+
+@cuda
 def test_graphed_knobs_reach_the_captured_step(data):
     """Knobs written between epochs (in place) are read by the already captured graphs."""
     bars, split, feats = data

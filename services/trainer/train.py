@@ -155,7 +155,9 @@ class TrainConfig:
     (bench/README.md, learning.py)."""
     target_stream: bool = True
     """On CUDA, the update's no-grad targets (`make_targets`: double-Q at the N·H bootstrap states, the target
-    network's heads and IQN, the projections) on a side stream beside its online forward pass."""
+    network's heads and IQN, the projections) on a side stream beside its online forward pass. On the H200 the
+    batch-4 096 update's graph replay went 3.63 → 3.47 ms: the targets' kernels are large enough to fill the GPU, so
+    the streams overlap little (bench/README.md, train_speed.py, session 11)."""
     act_view_cache: bool = False
     """Off by default: on the CPU learning bench (3 seeds, `small`) acting on the cached view reached OOS per-trade
     Sharpes 0.493 / 0.647 / 0.411 against 0.941 / 0.606 / 0.595 with the heads run fresh (bench/README.md,
@@ -553,7 +555,8 @@ class StepRunner:
     update():    sampling from replay, the full update (C51 + IQN + expectile + stability + hindsight losses,
                  backward, clip, AdamW, target lerp, priorities), LR schedule and cosine restarts on the device
                  (CUDA), metric sums and the rolling embedding refresh — `train_step` (on CUDA the refresh's
-                 encodings run on a side stream beside the forward and backward passes).
+                 encodings run on a side stream beside the forward and backward passes, and the update's targets,
+                 `make_targets`, on another beside its online forward pass: `target_stream`).
     iteration(): collect() then updates_per_iter × update() — in the graph modes one CUDA graph for all of it, so
                  a training iteration is one launch with no host work between its halves.
     Each call first draws its uniforms from the run's generator into static noise tensors (outside any graph), in
