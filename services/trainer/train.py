@@ -460,9 +460,7 @@ def make_update(agent: Agent, target: Agent, opt: torch.optim.Optimizer, replay:
     H, M = len(cfg.horizons), cfg.iqn_quantiles
     params = [p for p in agent.parameters()]
     tparams = [p for p in target.parameters()]
-    n_ens = agent.cfg.ensemble
-    slices = agent.cfg.branch_slices()
-    NBR = len(slices)
+    n_ens, NBR = agent.cfg.ensemble, len(agent.cfg.branch_sizes)
 
     def update(b: Batch, noise: torch.Tensor | None = None, after_backward: Callable[[], None] | None = None,
                targets_via: Callable[[Batch, torch.Tensor], tuple[Targets, Callable[[], None]]] | None = None
@@ -715,7 +713,9 @@ def _bf16(fn: Callable[..., object]) -> Callable[..., object]:
 
 
 def train_step(state: "TrainState", noise: torch.Tensor, staged: list[torch.Tensor] | None = None,
-               join: Callable[[], None] = lambda: None, targets_via=None) -> dict[str, torch.Tensor]:
+               join: Callable[[], None] = lambda: None,
+               targets_via: Callable[[Batch, torch.Tensor], tuple[Targets, Callable[[], None]]] | None = None
+               ) -> dict[str, torch.Tensor]:
     """Sample a batch (inverse CDF with noise[:, 0]), update on it (noise[:, 1:]), add its metrics to the epoch's
     sums, and advance the rolling embedding refresh. On CUDA the LR schedule runs on the device first.
 
