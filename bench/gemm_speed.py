@@ -67,8 +67,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         torch.backends.cuda.matmul.allow_tf32 = True           # as the trainer sets it (`TrainConfig.tf32`)
     cfg = TrainConfig.preset(a.config, 16)
     rows = []
-    print(f"# gemm_speed: config={a.config} batch={a.batch} device={torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'cpu'} "
-          f"torch={torch.__version__}\n")
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    print(f"# gemm_speed: config={a.config} batch={a.batch} device={name} torch={torch.__version__}\n")
     print("| product | rows × in → out | dtype | µs | TFLOP/s |\n|---|---|---|---:|---:|")
     for what, m, k, n in shapes(cfg, a.batch):
         for name in a.dtypes:

@@ -381,8 +381,8 @@ class Agent(nn.Module):
         # consumer (softmax, gather) fuses it in instead of writing an N × K × NB × A centre to memory
         centre = torch.cat([(sum(adv[:, :, j:j + 1] for j in range(sl.start, sl.stop)) / (sl.stop - sl.start))
                             .expand(-1, -1, sl.stop - sl.start, -1) for sl in self.cfg.branch_slices()], dim=2)
-        return MarketOut(logits=value + adv - centre, hidden=h, value_e=aligned_linear(h, self.expectile).squeeze(-1),
-                         code=self.code(h))
+        return MarketOut(logits=value + adv - centre, hidden=h,
+                         value_e=aligned_linear(h, self.expectile).squeeze(-1), code=self.code(h))
 
     def delta(self, code: torch.Tensor, portfolio: torch.Tensor) -> torch.Tensor:
         """Portfolio shift δ = v_max · MLP([code, portfolio]): N × (NB + 1) in return units, float32."""
