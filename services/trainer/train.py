@@ -153,6 +153,15 @@ class TrainConfig:
     `encoder_batch` 512 as well, the update's graph replay went from 2.91 to 2.23 ms (session 9) and the epoch
     from 12.4 to 9.8 s (session 10); on the GPU learning bench both settings met the target in 3 of 3 seeds
     (bench/README.md, learning.py)."""
+    horizon_sample: bool = False
+    """Off: every sample bootstraps at all H horizons, its losses weighted by its regime's `horizon_blend` row w_h.
+    On: at one horizon drawn from w_h, weight 1 — the same C51 and IQN losses in expectation (both are linear in
+    w_h: the C51 target blends before a linear projection, the IQN loss is Σ_h w_h ρ_h) with H times fewer bootstrap
+    states; the expectile and stability terms then read the drawn horizon's scalar target instead of the blend.
+    At batch 4 096 of the `full` preset an update is 107.6 GFLOP instead of 152 (bench/update_flops.py). On the CPU
+    learning bench (`small`, 12 seeds) the same 7 seeds met the target, median OOS per-trade Sharpe 0.764 against
+    0.760 (bench/README.md, learning.py, session 11). Off until its speed and the `full` preset's learning with it
+    are measured on the GPU."""
     target_stream: bool = True
     """On CUDA, the update's no-grad targets (`make_targets`: double-Q at the N·H bootstrap states, the target
     network's heads and IQN, the projections) on a side stream beside its online forward pass. On the H200 the
@@ -388,12 +397,13 @@ class Targets:
     """N × NBR × A: the C51 target of each branch (the projected next distribution of its greedy action, blended over
     the horizons)."""
     quantiles: torch.Tensor
-    """N × H × M': the IQN targets R + disc · θ'(s_h, a*, τ') of the direction branch."""
+    """N × H' × M': the IQN targets R + disc · θ'(s_h, a*, τ') of the direction branch at each sample's H' horizons
+    (all H, or the one drawn: `TrainConfig.horizon_sample`)."""
     value: torch.Tensor
     """N: the blended scalar target Σ_h w_h (R + disc · Q'(s_h, a*)) of the direction branch (expectile and
     stability terms)."""
     blend: torch.Tensor
-    """N × H: the horizon weights of each sample's regime."""
+    """N × H': the weights of those horizons (the sample's regime's `horizon_blend` row, or 1 for the one drawn)."""
 
     FIELDS = ("dist", "quantiles", "value", "blend")
 
@@ -401,14 +411,22 @@ class Targets:
         return [getattr(self, f) for f in self.FIELDS]
 
 
+def noise_width(cfg: TrainConfig) -> int:
+    """Uniforms per sample that an update reads (`make_update`): K ensemble-mask draws, M online τ, then M' target τ
+    at each bootstrap horizon (H of them, or one and the draw of which: `horizon_sample`)."""
+    K, M, H = cfg.agent.ensemble, cfg.iqn_quantiles, len(cfg.horizons)
+    return K + M + (M + 1 if cfg.horizon_sample else H * M)
+
+
 def make_targets(agent: Agent, target: Agent, buf: UpdateBuffers, cfg: TrainConfig
                  ) -> Callable[[Batch, torch.Tensor], Targets]:
-    """Build `targets(batch, noise) -> Targets`: double-Q at the N·H bootstrap states (the online network selects
-    the greedy action of each branch on the cached embeddings or view, the target network evaluates it), the
-    n-step returns, and from them the C51, IQN and scalar targets. Reads parameters, tables and the batch; writes
-    nothing."""
+    """Build `targets(batch, noise) -> Targets`: double-Q at the bootstrap states (the online network selects the
+    greedy action of each branch on the cached embeddings or view, the target network evaluates it), the n-step
+    returns, and from them the C51, IQN and scalar targets. N·H bootstrap states, or N with `horizon_sample`. Reads
+    parameters, tables and the batch; writes nothing."""
     horizons = cfg.horizons
     H, M, K = len(horizons), cfg.iqn_quantiles, agent.cfg.ensemble
+    Hs = 1 if cfg.horizon_sample else H                                                    # H' horizons per sample
     slices = agent.cfg.branch_slices()
     NBR = len(slices)
 
@@ -416,38 +434,46 @@ def make_targets(agent: Agent, target: Agent, buf: UpdateBuffers, cfg: TrainConf
     def targets(b: Batch, noise: torch.Tensor) -> Targets:
         N = b.bar.shape[0]
         z = agent.support                                                                  # A
-        nb, npf = b.next_bar.reshape(-1), b.next_portfolio.reshape(N * H, -1)               # n-major: N·H rows
+        R, disc = nstep_returns(b.rewards.double(), b.dones, buf.gamma.double(), horizons)  # N × H
+        R, disc = (R - buf.q_bias).float(), disc.float()
+        w_h = buf.horizon_blend[b.regime]                                                  # N × H
+        next_bar, next_pf = b.next_bar, b.next_portfolio                                   # N × H, N × H × P
+        if cfg.horizon_sample:
+            # one horizon per sample, drawn from its regime's blend (inverse CDF; rows sum to 1)
+            u = noise[:, K + 2 * M:K + 2 * M + 1]                                          # N × 1
+            h = (u >= w_h.cumsum(1)).sum(1, keepdim=True).clamp(max=H - 1)                  # N × 1
+            R, disc, next_bar = R.gather(1, h), disc.gather(1, h), next_bar.gather(1, h)
+            next_pf = next_pf.gather(1, h.unsqueeze(-1).expand(-1, -1, next_pf.shape[2]))
+            w_h = torch.ones_like(R)                                                       # N × 1
+        nb, npf = next_bar.reshape(-1), next_pf.reshape(N * Hs, -1)                        # n-major: N·H' rows
         tg_n = target.head(buf.emb_target[nb], npf)                                        # cached embeddings
         if buf.view_online is not None:
             # the online selection reads the cached market view of the next bars (as stale as the cached
             # embeddings it would otherwise run the heads on) plus the current portfolio shift
             vn = buf.view_online.rows(nb)
-            q_on = vn.q + agent.delta(vn.code, npf)[:, :agent.cfg.n_actions]              # N·H × NB
+            q_on = vn.q + agent.delta(vn.code, npf)[:, :agent.cfg.n_actions]              # N·H' × NB
         else:
             on_n = agent.head(buf.emb_online[nb], npf)
-            q_on = agent.q_values(on_n.logits, on_n.delta).mean(1)                         # N·H × NB
+            q_on = agent.q_values(on_n.logits, on_n.delta).mean(1)                         # N·H' × NB
         # the greedy next action of each branch, as a column among the NB actions
-        col = torch.stack([q_on[:, sl].argmax(-1) for sl in slices], dim=1) + agent.branch_first  # N·H × NBR
-        R, disc = nstep_returns(b.rewards.double(), b.dones, buf.gamma.double(), horizons)  # N × H
-        R, disc = (R - buf.q_bias).float(), disc.float()
-        w_h = buf.horizon_blend[b.regime]                                                  # N × H
+        col = torch.stack([q_on[:, sl].argmax(-1) for sl in slices], dim=1) + agent.branch_first  # N·H' × NBR
         # the ensemble shares one target: the members' mean next distribution at the greedy action (the softmax is
         # over atoms, per action: taken of the greedy actions' logits alone), all branches at once
-        lg = tg_n.logits.gather(2, col.view(N * H, 1, NBR, 1).expand(-1, K, -1, z.shape[0]))  # N·H × K × NBR × A
-        p_next = torch.softmax(lg.float(), -1).mean(1).view(N, H, NBR, -1).transpose(1, 2)  # N × NBR × H × A
+        lg = tg_n.logits.gather(2, col.view(N * Hs, 1, NBR, 1).expand(-1, K, -1, z.shape[0]))  # N·H' × K × NBR × A
+        p_next = torch.softmax(lg.float(), -1).mean(1).view(N, Hs, NBR, -1).transpose(1, 2)  # N × NBR × H' × A
         # the target's portfolio shift of the greedy next action: its atoms sit at z + δ'
-        d_star = tg_n.delta.gather(1, col).view(N, H, NBR).transpose(1, 2)                  # N × NBR × H
+        d_star = tg_n.delta.gather(1, col).view(N, Hs, NBR).transpose(1, 2)                 # N × NBR × H'
         # blended over horizons before the projection (Φ is linear in the probabilities)
-        p_w = (p_next * w_h.view(N, 1, H, 1)).reshape(N, NBR, -1)                          # N × NBR × H·A
-        tz = R.view(N, 1, H, 1) + disc.view(N, 1, H, 1) * (z + d_star.unsqueeze(-1))       # N × NBR × H × A
+        p_w = (p_next * w_h.view(N, 1, Hs, 1)).reshape(N, NBR, -1)                         # N × NBR × H'·A
+        tz = R.view(N, 1, Hs, 1) + disc.view(N, 1, Hs, 1) * (z + d_star.unsqueeze(-1))     # N × NBR × H' × A
         dist = project_distribution(tz.reshape(N, NBR, -1), p_w, z)                        # N × NBR × A
         # the target's Q of the greedy direction, Σ_i z_i p_i + δ' → the scalar target
-        q_tn = (p_next[:, 0] * z).sum(-1) + d_star[:, 0]                                   # N × H
+        q_tn = (p_next[:, 0] * z).sum(-1) + d_star[:, 0]                                   # N × H'
         value = ((R + disc * q_tn) * w_h).sum(1)                                           # N
         # IQN: the target's quantiles of the greedy direction at τ' (shifted by δ'_direction)
-        taus_t = noise[:, K + M:].reshape(N * H, M)                                        # n-major, like nb
-        th_n = target.quantiles(tg_n.hidden, taus_t).float() + tg_n.delta[:, :3].unsqueeze(1)  # N·H × M × 3
-        th_n = th_n.gather(2, col[:, 0].view(N * H, 1, 1).expand(-1, M, 1)).view(N, H, M)
+        taus_t = noise[:, K + M:K + M + Hs * M].reshape(N * Hs, M)                         # n-major, like nb
+        th_n = target.quantiles(tg_n.hidden, taus_t).float() + tg_n.delta[:, :3].unsqueeze(1)  # N·H' × M × 3
+        th_n = th_n.gather(2, col[:, 0].view(N * Hs, 1, 1).expand(-1, M, 1)).view(N, Hs, M)
         return Targets(dist=dist, quantiles=R.unsqueeze(-1) + disc.unsqueeze(-1) * th_n, value=value, blend=w_h)
 
     return targets
@@ -457,7 +483,7 @@ def make_update(agent: Agent, target: Agent, opt: torch.optim.Optimizer, replay:
                 buf: UpdateBuffers, cfg: TrainConfig, generator: torch.Generator,
                 targets: Callable[[Batch, torch.Tensor], Targets]) -> Callable[[Batch], dict]:
     """Build the hot step `update(batch) -> dict of detached metric tensors` (`targets`: `make_targets`'s)."""
-    H, M = len(cfg.horizons), cfg.iqn_quantiles
+    M, Hs = cfg.iqn_quantiles, 1 if cfg.horizon_sample else len(cfg.horizons)
     params = [p for p in agent.parameters()]
     tparams = [p for p in target.parameters()]
     n_ens, NBR = agent.cfg.ensemble, len(agent.cfg.branch_sizes)
@@ -465,7 +491,7 @@ def make_update(agent: Agent, target: Agent, opt: torch.optim.Optimizer, replay:
     def update(b: Batch, noise: torch.Tensor | None = None, after_backward: Callable[[], None] | None = None,
                targets_via: Callable[[Batch, torch.Tensor], tuple[Targets, Callable[[], None]]] | None = None
                ) -> dict[str, torch.Tensor]:
-        """One gradient update on batch b. noise: N × (K + M + H·M) uniforms (ensemble mask, online τ, target τ),
+        """One gradient update on batch b. noise: N × `noise_width(cfg)` uniforms (ensemble mask, online τ, target τ),
         drawn from the generator unless given (a captured step is handed noise drawn outside the graph).
         `after_backward()` runs between the backward pass and the optimizer step (the last point at which the
         parameters are still those the forward pass read: `train_step` stores the rolling refresh there).
@@ -474,7 +500,7 @@ def make_update(agent: Agent, target: Agent, opt: torch.optim.Optimizer, replay:
         here, first."""
         N, dev = b.bar.shape[0], b.bar.device
         if noise is None:
-            noise = torch.rand(N, n_ens + M + H * M, device=dev, generator=generator)
+            noise = torch.rand(N, noise_width(cfg), device=dev, generator=generator)
         tg, wait = (targets(b, noise), lambda: None) if targets_via is None else targets_via(b, noise)
         z, v_max = agent.support, agent.v_max                                              # A
         # --- online network at s (the encoder learns from the first `encoder_batch` samples, a random subset) ---
@@ -504,9 +530,9 @@ def make_update(agent: Agent, target: Agent, opt: torch.optim.Optimizer, replay:
         ent = atom_entropy(logits_a[:, 0]).mean()
         util = atom_utilisation(logits_a[:, 0].detach())
         # --- IQN quantile Huber on the direction branch (in units of v_max, κ = 1), blended over horizons ---
-        qh = quantile_huber_loss((th / v_max).repeat_interleave(H, 0), (tg.quantiles / v_max).reshape(N * H, M),
-                                 taus.repeat_interleave(H, 0))                             # N·H
-        iqn = (qh.view(N, H) * tg.blend).sum(1)                                            # N
+        qh = quantile_huber_loss((th / v_max).repeat_interleave(Hs, 0), (tg.quantiles / v_max).reshape(N * Hs, M),
+                                 taus.repeat_interleave(Hs, 0))                            # N·H'
+        iqn = (qh.view(N, Hs) * tg.blend).sum(1)                                           # N
         # --- expectile value head on the blended scalar target of the direction branch ---
         y = tg.value
         expl = expectile_loss((y - out.value_e.float()) / v_max, cfg.expectile)           # N
@@ -565,9 +591,8 @@ class StepRunner:
     def __init__(self, state: "TrainState", accel: str):
         self.state, self.accel = state, accel
         cfg, dev, env = state.cfg, state.device, state.env
-        K, M, H = cfg.agent.ensemble, cfg.iqn_quantiles, len(cfg.horizons)
         self.collect_noise = torch.zeros(cfg.env_steps_per_iter, cfg.n_envs, 7, device=dev)
-        self.update_noise = [torch.zeros(cfg.batch_size, 1 + K + M + H * M, device=dev)
+        self.update_noise = [torch.zeros(cfg.batch_size, 1 + noise_width(cfg), device=dev)
                              for _ in range(max(cfg.updates_per_iter, 1))]
         collect_fn = lambda: env.collect(state.agent, state.controls, cfg.env_steps_per_iter,  # noqa: E731
                                          state.buffers.emb_online, self.collect_noise,
@@ -624,7 +649,7 @@ class StepRunner:
         pass (they read the batch, the parameters and the tables; the online pass reads the same), copied into
         static tensors so nothing allocated on one stream is freed on the other; `wait()` joins them."""
         cfg, dev = self.state.cfg, self.state.device
-        N, H, M = cfg.batch_size, len(cfg.horizons), cfg.iqn_quantiles
+        N, H, M = cfg.batch_size, 1 if cfg.horizon_sample else len(cfg.horizons), cfg.iqn_quantiles
         NBR, A = len(cfg.agent.branch_sizes), cfg.agent.n_atoms
         out = Targets(dist=torch.zeros(N, NBR, A, device=dev), quantiles=torch.zeros(N, H, M, device=dev),
                       value=torch.zeros(N, device=dev), blend=torch.zeros(N, H, device=dev))
