@@ -159,9 +159,9 @@ class TrainConfig:
     w_h: the C51 target blends before a linear projection, the IQN loss is Σ_h w_h ρ_h) with H times fewer bootstrap
     states; the expectile and stability terms then read the drawn horizon's scalar target instead of the blend.
     At batch 4 096 of the `full` preset an update is 107.6 GFLOP instead of 152 (bench/update_flops.py). On the CPU
-    learning bench (`small`, 12 seeds) the same 7 seeds met the target, median OOS per-trade Sharpe 0.764 against
-    0.760 (bench/README.md, learning.py, session 11). Off until its speed and the `full` preset's learning with it
-    are measured on the GPU."""
+    learning bench (`small`, 12 seeds) it met the target in 7 seeds against 6, median OOS per-trade Sharpe 0.764
+    against 0.834, paired difference −0.19 ± 0.53: noise (bench/README.md, learning.py, session 11). Off until its
+    speed and the `full` preset's learning with it are measured on the GPU."""
     target_stream: bool = True
     """On CUDA, the update's no-grad targets (`make_targets`: double-Q at the N·H bootstrap states, the target
     network's heads and IQN, the projections) on a side stream beside its online forward pass. On the H200 the
