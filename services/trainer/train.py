@@ -411,11 +411,15 @@ class Targets:
         return [getattr(self, f) for f in self.FIELDS]
 
 
+def sample_horizons(cfg: TrainConfig) -> int:
+    """H': the bootstrap horizons of each sample — all H, or the one drawn (`horizon_sample`)."""
+    return 1 if cfg.horizon_sample else len(cfg.horizons)
+
+
 def noise_width(cfg: TrainConfig) -> int:
     """Uniforms per sample that an update reads (`make_update`): K ensemble-mask draws, M online τ, then M' target τ
-    at each bootstrap horizon (H of them, or one and the draw of which: `horizon_sample`)."""
-    K, M, H = cfg.agent.ensemble, cfg.iqn_quantiles, len(cfg.horizons)
-    return K + M + (M + 1 if cfg.horizon_sample else H * M)
+    at each of the sample's H' bootstrap horizons (and, with `horizon_sample`, the draw of that horizon)."""
+    return cfg.agent.ensemble + cfg.iqn_quantiles * (1 + sample_horizons(cfg)) + int(cfg.horizon_sample)
 
 
 def make_targets(agent: Agent, target: Agent, buf: UpdateBuffers, cfg: TrainConfig
@@ -426,7 +430,7 @@ def make_targets(agent: Agent, target: Agent, buf: UpdateBuffers, cfg: TrainConf
     parameters, tables and the batch; writes nothing."""
     horizons = cfg.horizons
     H, M, K = len(horizons), cfg.iqn_quantiles, agent.cfg.ensemble
-    Hs = 1 if cfg.horizon_sample else H                                                    # H' horizons per sample
+    Hs = sample_horizons(cfg)                                                              # H' horizons per sample
     slices = agent.cfg.branch_slices()
     NBR = len(slices)
 
@@ -483,7 +487,7 @@ def make_update(agent: Agent, target: Agent, opt: torch.optim.Optimizer, replay:
                 buf: UpdateBuffers, cfg: TrainConfig, generator: torch.Generator,
                 targets: Callable[[Batch, torch.Tensor], Targets]) -> Callable[[Batch], dict]:
     """Build the hot step `update(batch) -> dict of detached metric tensors` (`targets`: `make_targets`'s)."""
-    M, Hs = cfg.iqn_quantiles, 1 if cfg.horizon_sample else len(cfg.horizons)
+    M, Hs = cfg.iqn_quantiles, sample_horizons(cfg)
     params = [p for p in agent.parameters()]
     tparams = [p for p in target.parameters()]
     n_ens, NBR = agent.cfg.ensemble, len(agent.cfg.branch_sizes)
@@ -649,7 +653,7 @@ class StepRunner:
         pass (they read the batch, the parameters and the tables; the online pass reads the same), copied into
         static tensors so nothing allocated on one stream is freed on the other; `wait()` joins them."""
         cfg, dev = self.state.cfg, self.state.device
-        N, H, M = cfg.batch_size, 1 if cfg.horizon_sample else len(cfg.horizons), cfg.iqn_quantiles
+        N, H, M = cfg.batch_size, sample_horizons(cfg), cfg.iqn_quantiles
         NBR, A = len(cfg.agent.branch_sizes), cfg.agent.n_atoms
         out = Targets(dist=torch.zeros(N, NBR, A, device=dev), quantiles=torch.zeros(N, H, M, device=dev),
                       value=torch.zeros(N, device=dev), blend=torch.zeros(N, H, device=dev))
