@@ -113,6 +113,10 @@ def test_replay_nstep_window_valid_mask_and_bar_boost():
     rp.set_priority(torch.tensor([2 * 2 + 0]), torch.tensor([1.0]))    # row 2, env 0 → bar 20
     b = rp.sample(50, torch.Generator().manual_seed(2))
     assert torch.all(b.bar == 20)
+    # a slot sampled twice takes the larger of its two new priorities, whichever comes first; the others are kept
+    rp.update_priorities(torch.tensor([4, 7, 4]), torch.tensor([0.5, -2.0, 3.0]))
+    rp.update_priorities(torch.tensor([9, 9]), torch.tensor([-6.0, 1.0]))
+    assert rp.priority.view(-1)[[4, 7, 9, 5]].tolist() == pytest.approx([3.001, 2.001, 6.001, 0.0])
 
 
 def _params(run_dir):

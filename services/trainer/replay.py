@@ -135,9 +135,11 @@ class Replay:
 
     @torch.no_grad()
     def update_priorities(self, slot: torch.Tensor, td: torch.Tensor, eps: float = 1e-3) -> None:
-        """PER: priority ← |td| + eps at the sampled slots."""
+        """PER: priority ← |td| + eps at the sampled slots; a slot sampled more than once (draws are with replacement)
+        takes the largest of its values. (`index_copy_` would keep whichever write lands last, which on CUDA is not
+        fixed, and duplicates differ once their losses read different noise: `TrainConfig.horizon_sample`.)"""
         new = td.detach().abs().float() + eps
-        self.priority.view(-1).index_copy_(0, slot, new)
+        self.priority.view(-1).scatter_reduce_(0, slot, new, reduce="amax", include_self=False)
         torch.maximum(self.max_priority, new.max(), out=self.max_priority)
 
     @torch.no_grad()

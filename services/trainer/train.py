@@ -153,6 +153,11 @@ class TrainConfig:
     `encoder_batch` 512 as well, the update's graph replay went from 2.91 to 2.23 ms (session 9) and the epoch
     from 12.4 to 9.8 s (session 10); on the GPU learning bench both settings met the target in 3 of 3 seeds
     (bench/README.md, learning.py)."""
+    iqn_batch: int = 0
+    """Samples of each update the IQN risk head trains on: the first `iqn_batch` of the batch, a random subset (replay
+    draws its samples independently), so their mean loss is an unbiased estimate of the whole batch's; the target's
+    quantiles are computed for them alone. 0 = the whole batch. The IQN head is the update's widest part (N × M rows
+    through two 256-wide layers, online forward and backward plus the target's forward)."""
     horizon_sample: bool = False
     """Off: every sample bootstraps at all H horizons, its losses weighted by its regime's `horizon_blend` row w_h.
     On: at one horizon drawn from w_h, weight 1 — the same C51 and IQN losses in expectation (both are linear in
@@ -397,8 +402,9 @@ class Targets:
     """N × NBR × A: the C51 target of each branch (the projected next distribution of its greedy action, blended over
     the horizons)."""
     quantiles: torch.Tensor
-    """N × H' × M': the IQN targets R + disc · θ'(s_h, a*, τ') of the direction branch at each sample's H' horizons
-    (all H, or the one drawn: `TrainConfig.horizon_sample`)."""
+    """N_q × H' × M': the IQN targets R + disc · θ'(s_h, a*, τ') of the direction branch at each sample's H'
+    horizons (all H, or the one drawn: `TrainConfig.horizon_sample`), for the first N_q samples (`iqn_rows`: all N
+    unless `TrainConfig.iqn_batch`)."""
     value: torch.Tensor
     """N: the blended scalar target Σ_h w_h (R + disc · Q'(s_h, a*)) of the direction branch (expectile and
     stability terms)."""
@@ -414,6 +420,11 @@ class Targets:
 def sample_horizons(cfg: TrainConfig) -> int:
     """H': the bootstrap horizons of each sample — all H, or the one drawn (`horizon_sample`)."""
     return 1 if cfg.horizon_sample else len(cfg.horizons)
+
+
+def iqn_rows(cfg: TrainConfig, n: int) -> int:
+    """Samples of a batch of n on which the IQN loss is computed (`iqn_batch`)."""
+    return min(cfg.iqn_batch or n, n)
 
 
 def noise_width(cfg: TrainConfig) -> int:
@@ -475,10 +486,14 @@ def make_targets(agent: Agent, target: Agent, buf: UpdateBuffers, cfg: TrainConf
         q_tn = (p_next[:, 0] * z).sum(-1) + d_star[:, 0]                                   # N × H'
         value = ((R + disc * q_tn) * w_h).sum(1)                                           # N
         # IQN: the target's quantiles of the greedy direction at τ' (shifted by δ'_direction)
-        taus_t = noise[:, K + M:K + M + Hs * M].reshape(N * Hs, M)                         # n-major, like nb
-        th_n = target.quantiles(tg_n.hidden, taus_t).float() + tg_n.delta[:, :3].unsqueeze(1)  # N·H' × M × 3
-        th_n = th_n.gather(2, col[:, 0].view(N * Hs, 1, 1).expand(-1, M, 1)).view(N, Hs, M)
-        return Targets(dist=dist, quantiles=R.unsqueeze(-1) + disc.unsqueeze(-1) * th_n, value=value, blend=w_h)
+        # (for the first n_q samples only: `iqn_batch`; rows are n-major, so theirs are the first n_q·H')
+        n_q = iqn_rows(cfg, N)
+        rq = slice(0, n_q * Hs)
+        taus_t = noise[:n_q, K + M:K + M + Hs * M].reshape(n_q * Hs, M)                    # n-major, like nb
+        th_n = target.quantiles(tg_n.hidden[rq], taus_t).float() + tg_n.delta[rq, :3].unsqueeze(1)  # n_q·H' × M × 3
+        th_n = th_n.gather(2, col[rq, 0].view(n_q * Hs, 1, 1).expand(-1, M, 1)).view(n_q, Hs, M)
+        quantiles = R[:n_q].unsqueeze(-1) + disc[:n_q].unsqueeze(-1) * th_n                # n_q × H' × M
+        return Targets(dist=dist, quantiles=quantiles, value=value, blend=w_h)
 
     return targets
 
@@ -518,10 +533,11 @@ def make_update(agent: Agent, target: Agent, opt: torch.optim.Optimizer, replay:
         col = b.action + agent.branch_first                                                # N × NBR
         logits_a = out.logits.gather(2, col.view(N, 1, NBR, 1).expand(-1, K, -1, A)).transpose(1, 2)  # N×NBR×K×A
         d_a = out.delta.gather(1, col)                                                     # N × NBR
-        # IQN: the online quantiles of the taken direction at τ (shifted by δ_direction)
-        taus = noise[:, n_ens:n_ens + M]                                                   # N × M
-        th = agent.quantiles(out.hidden, taus).float() + out.delta[:, :3].unsqueeze(1)     # N × M × 3
-        th = th.gather(2, b.action[:, 0].view(N, 1, 1).expand(N, M, 1)).squeeze(2)         # N × M
+        # IQN: the online quantiles of the taken direction at τ (shifted by δ_direction), on the first n_q samples
+        n_q = iqn_rows(cfg, N)
+        taus = noise[:n_q, n_ens:n_ens + M]                                                # n_q × M
+        th = agent.quantiles(out.hidden[:n_q], taus).float() + out.delta[:n_q, :3].unsqueeze(1)  # n_q × M × 3
+        th = th.gather(2, b.action[:n_q, 0].view(n_q, 1, 1).expand(n_q, M, 1)).squeeze(2)  # n_q × M
         q_dir = agent.q_values(out.logits[:, :, :3], out.delta).mean(1)                    # N × 3
         wait()
         # --- C51 loss of every branch against its target; each ensemble member trains on its bootstrap mask ---
@@ -534,9 +550,9 @@ def make_update(agent: Agent, target: Agent, opt: torch.optim.Optimizer, replay:
         ent = atom_entropy(logits_a[:, 0]).mean()
         util = atom_utilisation(logits_a[:, 0].detach())
         # --- IQN quantile Huber on the direction branch (in units of v_max, κ = 1), blended over horizons ---
-        qh = quantile_huber_loss((th / v_max).repeat_interleave(Hs, 0), (tg.quantiles / v_max).reshape(N * Hs, M),
-                                 taus.repeat_interleave(Hs, 0))                            # N·H'
-        iqn = (qh.view(N, Hs) * tg.blend).sum(1)                                           # N
+        qh = quantile_huber_loss((th / v_max).repeat_interleave(Hs, 0), (tg.quantiles / v_max).reshape(n_q * Hs, M),
+                                 taus.repeat_interleave(Hs, 0))                            # n_q·H'
+        iqn = (qh.view(n_q, Hs) * tg.blend[:n_q]).sum(1)                                   # n_q
         # --- expectile value head on the blended scalar target of the direction branch ---
         y = tg.value
         expl = expectile_loss((y - out.value_e.float()) / v_max, cfg.expectile)           # N
@@ -549,8 +565,10 @@ def make_update(agent: Agent, target: Agent, opt: torch.optim.Optimizer, replay:
         has = (lab >= 0).float()
         hce = torch.nn.functional.cross_entropy(q_dir / (0.1 * v_max), lab.clamp(min=0), reduction="none")
         hind = (hce * has).sum() / has.sum().clamp(min=1.0)
-        per_sample = c51 + cfg.iqn_coef * iqn + cfg.expectile_coef * expl
-        loss = ((b.weight * per_sample).mean() + cfg.q_centre_coef * centre + cfg.q_gap_coef * gap
+        per_sample = c51 + cfg.expectile_coef * expl
+        # the IQN term's mean over its n_q samples (all N unless `iqn_batch`): an unbiased estimate of its batch mean
+        loss = ((b.weight * per_sample).mean() + cfg.iqn_coef * (b.weight[:n_q] * iqn).mean()
+                + cfg.q_centre_coef * centre + cfg.q_gap_coef * gap
                 + cfg.hindsight_coef * hind - buf.entropy_coef * ent)
         # grads set to None, not zeroed: backward then hands each parameter its gradient tensor (no zeroing and no
         # accumulation kernels); captured, those tensors come from the graph's pool at fixed addresses
@@ -655,7 +673,8 @@ class StepRunner:
         cfg, dev = self.state.cfg, self.state.device
         N, H, M = cfg.batch_size, sample_horizons(cfg), cfg.iqn_quantiles
         NBR, A = len(cfg.agent.branch_sizes), cfg.agent.n_atoms
-        out = Targets(dist=torch.zeros(N, NBR, A, device=dev), quantiles=torch.zeros(N, H, M, device=dev),
+        out = Targets(dist=torch.zeros(N, NBR, A, device=dev),
+                      quantiles=torch.zeros(iqn_rows(cfg, N), H, M, device=dev),
                       value=torch.zeros(N, device=dev), blend=torch.zeros(N, H, device=dev))
         stream = torch.cuda.Stream(device=dev)
         wait = torch._dynamo.disable(lambda: torch.cuda.current_stream().wait_stream(stream))
