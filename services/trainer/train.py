@@ -33,11 +33,11 @@ from shared.execution import CostModel
 from shared.graphs import StaticState, capture, resolve_accel
 from shared.knobs import BRANCHES, Knobs
 from shared.market import Bars, Split, chronological_split, compute_features
-from shared.rollout import MarketTensors, run_rollout
+from shared.rollout import MarketTensors
 from services.trainer.env import RewardConfig, TrainEnv
-from services.trainer.losses import (adapt_entropy_coef, atom_entropy, atom_utilisation, c51_cross_entropy_probs,
-                                     expectile_loss, nstep_returns, project_distribution, quantile_huber_loss,
-                                     shift_distribution)
+from services.trainer.fused import shifted_c51_cross_entropy
+from services.trainer.losses import (adapt_entropy_coef, atom_entropy, atom_utilisation, expectile_loss,
+                                     nstep_returns, project_distribution, quantile_huber_loss)
 from services.trainer.replay import Batch, Replay
 
 FEATURE_WARMUP = 64  # shared.market zeroes feature rows before this bar
@@ -157,16 +157,25 @@ class TrainConfig:
     """Samples of each update the IQN risk head trains on: the first `iqn_batch` of the batch, a random subset (replay
     draws its samples independently), so their mean loss is an unbiased estimate of the whole batch's; the target's
     quantiles are computed for them alone. 0 = the whole batch. The IQN head is the update's widest part (N × M rows
-    through two 256-wide layers, online forward and backward plus the target's forward)."""
+    through two 256-wide layers, online forward and backward plus the target's forward). The `full` preset's 512
+    (session 12) took the batch-4 096 update's graph replay from 2.65 to 2.42 ms on the H200 with `horizon_sample`
+    (bench/train_profile.py; 1 024: 2.44 ms) and learned as well (see `horizon_sample`)."""
     horizon_sample: bool = False
     """Off: every sample bootstraps at all H horizons, its losses weighted by its regime's `horizon_blend` row w_h.
     On: at one horizon drawn from w_h, weight 1 — the same C51 and IQN losses in expectation (both are linear in
     w_h: the C51 target blends before a linear projection, the IQN loss is Σ_h w_h ρ_h) with H times fewer bootstrap
     states; the expectile and stability terms then read the drawn horizon's scalar target instead of the blend.
-    At batch 4 096 of the `full` preset an update is 107.6 GFLOP instead of 152 (bench/update_flops.py). On the CPU
-    learning bench (`small`, 12 seeds) it met the target in 7 seeds against 6, median OOS per-trade Sharpe 0.764
-    against 0.834, paired difference −0.19 ± 0.53: noise (bench/README.md, learning.py, session 11). Off until its
-    speed and the `full` preset's learning with it are measured on the GPU."""
+    On in the `full` preset since session 12: at batch 4 096 an update is 107.6 GFLOP instead of 152
+    (bench/update_flops.py) and its graph replay 2.65 ms instead of 3.29 on the H200 (bench/train_profile.py); on
+    the GPU learning bench it and `iqn_batch` 512 met the target in 3 seeds of 3 against 2 of 3 as set before. On the
+    CPU learning bench (`small`, 12 seeds) it met the target in 7 seeds against 6, median OOS per-trade Sharpe 0.764
+    against 0.834, paired difference −0.19 ± 0.53: noise (bench/README.md, learning.py, sessions 11–12)."""
+    fused_c51: bool = False
+    """On CUDA, the C51 loss's softmax → portfolio shift → cross-entropy of every sample, branch and member, with its
+    gradient, as one Triton kernel (`services.trainer.fused`) instead of torch ops whose dense hat weights and
+    batched 51 × 51 products were ~0.45 ms of the batch-4 096 update's 2.4 ms on the H200 (bench/train_profile.py,
+    session 12). The same arithmetic, checked against the torch form under Triton's interpreter on the CPU
+    (tests/test_fused.py). Off until the H200 has timed it and run its GPU tests (tests/test_train_graph.py)."""
     target_stream: bool = True
     """On CUDA, the update's no-grad targets (`make_targets`: double-Q at the N·H bootstrap states, the target
     network's heads and IQN, the projections) on a side stream beside its online forward pass. On the H200 the
@@ -220,7 +229,7 @@ class TrainConfig:
                                          hidden=256, ensemble=5),
                        n_envs=256, env_steps_per_iter=2, updates_per_iter=2, iterations=2000, batch_size=1024,
                        replay_capacity=2_000_000, learning_starts=20_000, encoder_batch=512, bf16=True,
-                       emb_refresh=2000)
+                       emb_refresh=2000, horizon_sample=True, iqn_batch=512)
         raise ValueError(f"unknown config preset {name!r}: use 'small' or 'full'")
 
     def override(self, items: list[str]) -> "TrainConfig":
@@ -542,8 +551,7 @@ def make_update(agent: Agent, target: Agent, opt: torch.optim.Optimizer, replay:
         wait()
         # --- C51 loss of every branch against its target; each ensemble member trains on its bootstrap mask ---
         # the distribution of (s, p, a): the market one with its atoms moved by the portfolio shift δ_a
-        probs = shift_distribution(torch.softmax(logits_a.float(), -1).reshape(N * NBR, K, A), d_a.reshape(-1), z)
-        ce = c51_cross_entropy_probs(probs.view(N, NBR, K, A), tg.dist.unsqueeze(2))        # N × NBR × K
+        ce = shifted_c51_cross_entropy(logits_a, d_a, z, tg.dist, fused=cfg.fused_c51)     # N × NBR × K
         member = (noise[:, :n_ens] < cfg.ensemble_mask_p).float()                          # N × K
         c51 = ((ce * member.unsqueeze(1)).sum(2) / member.sum(1, keepdim=True).clamp(min=1.0)).sum(1)  # N
         priority = ce[:, 0].mean(1).detach()
