@@ -60,16 +60,57 @@ ce, g_logits, g_delta = shifted_c51_launch(logits, delta, support, target)
 ref_ce, ref_grads = reference(logits, delta, support, target, up)
 compare(ce, [up.unsqueeze(-1) * g_logits, (up * g_delta).sum(-1)], ref_ce, ref_grads)
 assert (ref_grads[1][0] != 0).any() and (ref_grads[1][3, :2] == 0).all()   # kinks at 0 count, past the ends not
+# through torch.compile as one graph (the kernel is an opaque operator to it), with autograd, as in the update
+import services.trainer.fused as fused
+fused.fused_available = lambda t: True
+lg, d = logits.detach().clone().requires_grad_(True), delta.clone().requires_grad_(True)
+loss = torch.compile(lambda lg, d: (fused.shifted_c51_cross_entropy(lg, d, support, target) * up).sum(),
+                     fullgraph=True)
+value = loss(lg, d)
+compare(value, torch.autograd.grad(value, [lg, d]), (ref_ce * up).sum(), ref_grads)
 print("ok", ce.shape)
 """
 
 
-def test_the_kernel_under_the_interpreter_equals_the_torch_form():
+def test_the_kernel_under_the_interpreter_equals_the_torch_form_also_compiled():
     pytest.importorskip("triton", reason="Triton is not installed")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
     out = subprocess.run([sys.executable, "-c", INTERPRETED], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0 and "ok torch.Size([6, 3, 5])" in out.stdout, out.stderr[-3000:]
+
+
+UPDATE = """
+import dataclasses, torch
+import services.trainer.fused as fused
+from tests.test_iqn_batch import _state
+from services.trainer.train import noise_width
+st = _state()                                                  # lr 0, τ 0: updates leave the networks as they are
+b = st.replay.sample(32, torch.Generator().manual_seed(3))
+noise = torch.rand(32, noise_width(st.cfg), generator=torch.Generator().manual_seed(4))
+ref = {k: v.item() for k, v in st.update(b, noise).items()}
+grads_ref = [p.grad.clone() for p in st.agent.parameters() if p.grad is not None]
+st.cfg.fused_c51 = True
+fused.fused_available = lambda t: True
+out = {k: v.item() for k, v in st.update(b, noise).items()}
+grads = [p.grad.clone() for p in st.agent.parameters() if p.grad is not None]
+for k in ref:
+    assert abs(out[k] - ref[k]) <= 1e-5 * abs(ref[k]) + 1e-6, (k, out[k], ref[k])
+assert len(grads) == len(grads_ref)
+for g, r in zip(grads, grads_ref):
+    torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-4 * r.abs().max().item() + 1e-9)   # sums reordered
+print("ok", ref["c51"])
+"""
+
+
+def test_the_update_with_the_kernel_equals_the_update_without():
+    """`TrainConfig.fused_c51` hands the kernel the update's tensors in the layout it expects: the same losses and
+    gradients (the interpreter stands in for the GPU)."""
+    pytest.importorskip("triton", reason="Triton is not installed")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, "-c", UPDATE], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
 
 
 def test_the_cpu_takes_the_torch_form():

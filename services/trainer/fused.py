@@ -100,12 +100,27 @@ def shifted_c51_launch(logits: torch.Tensor, delta: torch.Tensor, support: torch
     return ce, glogits, gdelta
 
 
+@torch.library.custom_op("tradeloop::shifted_c51", mutates_args=())
+def _shifted_c51_op(logits: torch.Tensor, delta: torch.Tensor, support: torch.Tensor, target: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernel as an operator that torch.compile treats as opaque (it needs only the shapes, `_shifted_c51_fake`)
+    and a CUDA graph captures like any other launch."""
+    return shifted_c51_launch(logits, delta, support, target)
+
+
+@_shifted_c51_op.register_fake
+def _shifted_c51_fake(logits, delta, support, target):
+    N, NBR, K, A = logits.shape
+    f32 = dict(dtype=torch.float32)
+    return logits.new_empty(N, NBR, K, **f32), logits.new_empty(N, NBR, K, A, **f32), logits.new_empty(N, NBR, K, **f32)
+
+
 class _ShiftedC51(torch.autograd.Function):
     """float32 logits and δ in, float32 gradients out (the caller's casts carry them to other dtypes)."""
 
     @staticmethod
     def forward(ctx, logits, delta, support, target):
-        ce, glogits, gdelta = shifted_c51_launch(logits, delta, support, target)
+        ce, glogits, gdelta = _shifted_c51_op(logits, delta, support, target)
         ctx.save_for_backward(glogits, gdelta)
         return ce
 
