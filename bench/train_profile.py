@@ -8,8 +8,9 @@ For each part (update at `--batch`, collection at `--envs` accounts, the rolling
 that every update also runs), run after a warm-up under torch.profiler (eagerly, or through torch.compile with
 `--accel compile`: its fused kernels are what the captured modes replay) and print: kernels launched per call, GPU
 time per call, the kernels of each CUDA stream (the update's targets and the refresh run on side streams), and the
-top kernels by total GPU time (share of the call). This is what decides what to fuse,
-shrink or capture next. `--variants` profiles config variants one after another in the same run and ends with a
+top kernels by total GPU time (share of the call), each compiled kernel with the FX nodes it computes (read from the
+modules inductor wrote, `kernel_origins`: in a forward graph the step's own variable names). This is what decides
+what to fuse, shrink or capture next. `--variants` profiles config variants one after another in the same run and ends with a
 side-by-side table of them:
 
     python3 bench/train_profile.py --batch 1024 --train-bars 1000000 --accel compile --parts update --replay \
@@ -18,6 +19,7 @@ side-by-side table of them:
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
@@ -55,6 +57,37 @@ def replay_ms(fn, reps: int = 20) -> float:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / reps
+
+
+SOURCE = re.compile(r"#\s*Topologically Sorted Source Nodes: \[(.*?)\], Original ATen: \[(.*?)\]")
+CALL = re.compile(r"^\s*(triton_\w+)\.run\(|^\s*(cpp_fused_\w+)\(|^\s*extern_kernels\.(\w+)\("
+                  r"|^(triton_\w+|cpp_fused_\w+) = async_compile\.")
+
+
+def kernel_origins(root: str | None = None) -> dict[str, set[str]]:
+    """Kernel name → the FX nodes it computes, from the modules inductor wrote (its cache directory): each kernel's
+    definition, and each launch in a module's call(), follows a comment naming its "source nodes", which in a
+    forward graph carry the Python
+    variable names of the step (`logits_a`, `probs`, ...) and in a backward graph the ATen ops'. Inductor numbers
+    kernels per graph, so one name can stand for kernels of several graphs: all their origins are kept."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+    out: dict[str, set[str]] = {}
+    for path in Path(root or cache_dir()).rglob("*.py"):
+        last = None
+        try:
+            text = path.read_text(errors="replace")
+        except OSError:
+            continue
+        for line in text.splitlines():
+            m = SOURCE.search(line)
+            if m:
+                last = m.group(1) or m.group(2)
+                continue
+            c = CALL.match(line)
+            if c and last is not None:
+                out.setdefault(next(g for g in c.groups() if g), set()).add(last)
+                last = None
+    return out
 
 
 def report(name: str, fn, calls: int, top: int, body=None) -> tuple[float, float, float]:
@@ -97,10 +130,12 @@ def report(name: str, fn, calls: int, top: int, body=None) -> tuple[float, float
     by: dict[str, float] = {}
     for e in kernels:
         by[e.name] = by.get(e.name, 0.0) + e.device_time / calls
-    print("| kernel | µs per call | share |")
-    print("|---|---|---|")
+    origins = kernel_origins()                                  # what each compiled kernel computes (its FX nodes)
+    print("| kernel | µs per call | share | source nodes (compiled kernels) |")
+    print("|---|---|---|---|")
     for k, v in sorted(by.items(), key=lambda kv: -kv[1])[:top]:
-        print(f"| {k[:90]} | {v:.0f} | {v / total:.0%} |")
+        src = " / ".join(sorted(origins.get(k, ())))
+        print(f"| {k[:90]} | {v:.0f} | {v / total:.0%} | {src[:160]} |")
     return len(kernels) / calls, total / 1e3, wall
 
 
