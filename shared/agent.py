@@ -359,30 +359,40 @@ class Agent(nn.Module):
         # only the last token's state is kept: the last block computes that token alone (`CausalBlock.last_token`)
         return self.enc_ln(blocks[-1].last_token(x) if blocks else x[:, -1])                # N × D
 
+    def logit_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The C51 logits of every action of every member as one affine map of the trunk state: (W H × K·NB·A, b
+        K·NB·A), member-major, the branches side by side in each member.
+
+        Dueling (Wang et al. 2016, Eq. 9, per atom): logits = V + A_a − mean over the branch's actions of A. V and A
+        are linear in h, so the centred sum is too, and it is folded into the weights here — W = W_V + W_A − mean_b
+        W_A, the same for the biases — on the K·NB·A columns of the parameters, not the N rows of a batch. One
+        product then gives the logits: no N × K × NB × A centre to compute forward or to take apart backward, and
+        K·NB·A columns instead of K·(1 + NB)·A. The parameters and their gradients are those of the written-out sum
+        (up to the order of float additions)."""
+        K, A, H = self.cfg.ensemble, self.cfg.n_atoms, self.cfg.hidden
+        # (ParameterLists indexed, not unpacked: torch 2.11's dynamo cannot unpack one into a tuple)
+        adv_w = torch.cat([self.adv_w[i] for i in range(len(self.adv_w))], dim=2).view(K, H, -1, A)  # K × H × NB × A
+        adv_b = torch.cat([self.adv_b[i] for i in range(len(self.adv_b))], dim=1).view(K, -1, A)     # K × NB × A
+        slices = self.cfg.branch_slices()
+        centre_w = torch.cat([adv_w[:, :, sl].mean(2, keepdim=True).expand(-1, -1, sl.stop - sl.start, -1)
+                              for sl in slices], dim=2)
+        centre_b = torch.cat([adv_b[:, sl].mean(1, keepdim=True).expand(-1, sl.stop - sl.start, -1) for sl in slices],
+                             dim=1)
+        w = (self.value_w.unsqueeze(2) + adv_w - centre_w).permute(1, 0, 2, 3).reshape(H, -1)          # H × K·NB·A
+        b = (self.value_b.unsqueeze(1) + adv_b - centre_b).reshape(-1)                                # K·NB·A
+        return w, b
+
     def market(self, emb: torch.Tensor) -> MarketOut:
         """The market heads (no portfolio): C51 logits of every action (N × K × NB × A), trunk state, V_e, code."""
         N, A, K, NB = emb.shape[0], self.cfg.n_atoms, self.cfg.ensemble, self.cfg.n_actions
         h = self.trunk(emb)                                                                 # N × H
-        # every stream of every member in one matmul: [V | A], V member-major (K × A), A member-major with the
-        # branches side by side in each member (K × NB × A), so the advantages are one N × K × NB × A view
-        # (ParameterLists indexed, not unpacked: torch 2.11's dynamo cannot unpack one into a tuple)
-        adv_w = torch.cat([self.adv_w[i].transpose(0, 1) for i in range(len(self.adv_w))], dim=2)  # H × K × NB·A
-        adv_b = torch.cat([self.adv_b[i] for i in range(len(self.adv_b))], dim=1)                # K × NB·A
-        w = [self.value_w.transpose(0, 1).reshape(h.shape[1], -1), adv_w.reshape(h.shape[1], -1)]
-        b = [self.value_b.reshape(-1), adv_b.reshape(-1)]
-        pad = align_pad(K * (1 + NB) * A, h)                          # 16-byte rows (see `aligned_linear`)
+        w, b = self.logit_weights()
+        pad = align_pad(K * NB * A, h)                                # 16-byte rows (see `aligned_linear`)
         if pad:
-            w, b = w + [w[0].new_zeros(h.shape[1], pad)], b + [b[0].new_zeros(pad)]
-        out = torch.addmm(torch.cat(b), h, torch.cat(w, dim=1))                            # N × K·(1 + NB)·A (+ pad)
-        value = out[:, :K * A].view(N, K, 1, A)                                             # N × K × 1 × A
-        adv = out[:, K * A:K * (1 + NB) * A].view(N, K, NB, A)                              # N × K × NB × A
-        # dueling: V + A − mean_a A over the actions of each branch   (Wang et al. 2016, Eq. 9, per atom). The mean
-        # of a branch's 2–3 actions written as a sum of slices, not a reduction: all pointwise, so a compiled
-        # consumer (softmax, gather) fuses it in instead of writing an N × K × NB × A centre to memory
-        centre = torch.cat([(sum(adv[:, :, j:j + 1] for j in range(sl.start, sl.stop)) / (sl.stop - sl.start))
-                            .expand(-1, -1, sl.stop - sl.start, -1) for sl in self.cfg.branch_slices()], dim=2)
-        return MarketOut(logits=value + adv - centre, hidden=h,
-                         value_e=aligned_linear(h, self.expectile).squeeze(-1), code=self.code(h))
+            w, b = torch.cat([w, w.new_zeros(w.shape[0], pad)], dim=1), torch.cat([b, b.new_zeros(pad)])
+        logits = torch.addmm(b, h, w)[:, :K * NB * A].view(N, K, NB, A)                     # N × K × NB × A
+        return MarketOut(logits=logits, hidden=h, value_e=aligned_linear(h, self.expectile).squeeze(-1),
+                         code=self.code(h))
 
     def delta(self, code: torch.Tensor, portfolio: torch.Tensor) -> torch.Tensor:
         """Portfolio shift δ = v_max · MLP([code, portfolio]): N × (NB + 1) in return units, float32."""

@@ -34,6 +34,34 @@ def test_shapes_and_dueling_identity():
     assert out.value_e.shape == (4,) and out.delta.shape == (4, sum(CFG.branch_sizes) + 1)
 
 
+def test_dueling_folded_into_the_weights_is_the_written_out_sum_and_its_gradients():
+    """`Agent.logit_weights`: the logits from one product with the centred weights equal V + A_a − mean_branch A
+    computed from the value and advantage streams as written in the paper, and so do the parameters' gradients."""
+    ag = make()
+    with torch.no_grad():
+        for p in [ag.value_b, *ag.adv_b]:
+            p.normal_(0.0, 0.5)
+    h = torch.randn(6, CFG.hidden)
+    K, A = CFG.ensemble, CFG.n_atoms
+    value = torch.einsum("nh,kha->nka", h, ag.value_w) + ag.value_b                     # N × K × A
+    adv = torch.cat([torch.einsum("nh,khc->nkc", h, w) + b for w, b in zip(ag.adv_w, ag.adv_b)], dim=2)
+    adv = adv.view(6, K, -1, A)                                                         # N × K × NB × A
+    centre = torch.cat([adv[:, :, sl].mean(2, keepdim=True).expand(-1, -1, sl.stop - sl.start, -1)
+                        for sl in CFG.branch_slices()], dim=2)
+    written = value.unsqueeze(2) + adv - centre
+    w, b = ag.logit_weights()
+    folded = (h @ w + b).view(6, K, -1, A)
+    torch.testing.assert_close(folded, written, rtol=1e-5, atol=1e-5)
+    up = torch.randn_like(written)
+    params = [ag.value_w, ag.value_b, *ag.adv_w, *ag.adv_b]
+    grads = torch.autograd.grad((folded * up).sum(), params)
+    for g, r in zip(grads, torch.autograd.grad((written * up).sum(), params)):
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5)
+    # and the market heads are that product on the trunk state
+    emb = torch.randn(6, 16)
+    torch.testing.assert_close(ag.market(emb).logits, (ag.trunk(emb) @ w + b).view(6, K, -1, A))
+
+
 def test_portfolio_enters_only_as_a_shift_of_the_market_distributions():
     """Logits, trunk state and IQN read the market alone; the portfolio moves Q (and V_e) by δ, the same for every
     member; δ scales with v_max; a fresh agent starts with δ = 0."""
