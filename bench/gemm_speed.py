@@ -2,10 +2,10 @@
 
     python3 bench/gemm_speed.py --device cuda                       # full preset, batch 4 096, bf16 and fp32 (TF32)
 
-The shapes follow from the preset and the batch N (H horizons, M IQN quantiles, hidden width W, K ensemble members,
-NB actions, A atoms): the target's IQN over N·H·M rows (τ embedding E → W, then W → W), the online IQN over N·M
-rows, and the heads' one product of all streams, K·(1 + NB)·A columns (padded to 8), over the N·H bootstrap states
-and over the batch. Each is `F.linear` with a bias, timed with CUDA events over `--repeat` calls after a warm-up
+The shapes follow from the preset and the batch N (H' bootstrap horizons a sample, M IQN quantiles, N_q samples of
+the IQN head, hidden width W, K ensemble members, NB actions, A atoms): the target's IQN over N_q·H'·M rows (τ
+embedding E → W, then W → W), the online IQN over N_q·M rows, and the heads' one product, K·NB·A columns (padded to
+8), over the N·H' bootstrap states and over the batch. Each is `F.linear` with a bias, timed with CUDA events over `--repeat` calls after a warm-up
 (wall clock on a CPU). Compare the times with the update's GEMM row in `train_profile.py`: what the same products
 cost inside the update, where the table sums every launch of a kernel.
 """
@@ -21,16 +21,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from services.trainer.train import TrainConfig  # noqa: E402
+from services.trainer.train import TrainConfig, iqn_rows, sample_horizons  # noqa: E402
 
 
 def shapes(cfg: TrainConfig, n: int) -> list[tuple[str, int, int, int]]:
     """(what, rows, inputs, outputs) of the update's largest products at batch n."""
-    a, H, M = cfg.agent, len(cfg.horizons), cfg.iqn_quantiles
-    heads = -(-a.ensemble * (1 + a.n_actions) * a.n_atoms // 8) * 8
-    return [("target IQN, τ embedding", n * H * M, a.iqn_embed, a.hidden),
-            ("target IQN, hidden layer", n * H * M, a.hidden, a.hidden),
-            ("online IQN, hidden layer", n * M, a.hidden, a.hidden),
+    a, H, M, n_q = cfg.agent, sample_horizons(cfg), cfg.iqn_quantiles, iqn_rows(cfg, n)
+    heads = -(-a.ensemble * a.n_actions * a.n_atoms // 8) * 8                   # `Agent.logit_weights`, padded
+    return [("target IQN, τ embedding", n_q * H * M, a.iqn_embed, a.hidden),
+            ("target IQN, hidden layer", n_q * H * M, a.hidden, a.hidden),
+            ("online IQN, hidden layer", n_q * M, a.hidden, a.hidden),
             ("heads at the bootstrap states", n * H, a.hidden, heads),
             ("heads at the batch", n, a.hidden, heads)]
 
