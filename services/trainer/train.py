@@ -173,8 +173,8 @@ class TrainConfig:
     fused_c51: bool = False
     """On CUDA, the C51 loss's softmax → portfolio shift → cross-entropy of every sample, branch and member, with its
     gradient, as one Triton kernel (`services.trainer.fused`) instead of torch ops whose dense hat weights and
-    batched 51 × 51 products were ~0.45 ms of the batch-4 096 update's 2.4 ms on the H200 (bench/train_profile.py,
-    session 12). The same arithmetic, checked against the torch form under Triton's interpreter on the CPU
+    batched 56 × 56 products (51 atoms, padded) were ~0.45 ms of the batch-4 096 update's 2.4 ms on the H200
+    (bench/train_profile.py, session 12). The same arithmetic, checked against the torch form under Triton's interpreter on the CPU
     (tests/test_fused.py). Off until the H200 has timed it and run its GPU tests (tests/test_train_graph.py)."""
     target_stream: bool = True
     """On CUDA, the update's no-grad targets (`make_targets`: double-Q at the N·H bootstrap states, the target
