@@ -8,9 +8,9 @@ The update's C51 loss of each sample, branch and ensemble member is
     ce = −Σ_i m_i log max(q_i, ε)                     (m: the branch's C51 target)
 
 (`losses.shift_distribution`, `losses.c51_cross_entropy_probs`). Written with torch ops, the dense hat weights are an
-N·NBR × A × A tensor in memory, the product a batched A × A GEMM per row (56 × 56, padded), and backward another two of each: on
-the H200 at batch 4 096 those kernels were ~0.45 ms of a 2.4-ms update (bench/train_profile.py, session 12). Here
-one program per (sample, branch) holds w and ∂w/∂δ in registers, runs its K members' softmax, shift and
+N·NBR × A × A tensor in memory, the product a batched A × A GEMM per row (56 × 56, padded), and backward another two
+of each: on the H200 at batch 4 096 those kernels were ~0.45 ms of a 2.4-ms update (bench/train_profile.py, session
+12). Here one program per (sample, branch) holds w and ∂w/∂δ in registers, runs its K members' softmax, shift and
 cross-entropy, and writes the loss and its gradient with respect to the logits and δ; backward only scales them by
 the incoming gradient. The arithmetic is the torch form's, op for op, including its subgradients at the weights'
 kinks (δ = 0 puts every atom on one, and `shift_distribution` explains why they matter): clip passes the gradient
