@@ -50,6 +50,19 @@ def _to_json(obj: Any) -> str:
     return json.dumps(obj, allow_nan=False)
 
 
+PUT_JSON = """
+if not redis.call('SET', KEYS[1], ARGV[1], 'NX') then return 0 end
+redis.call('ZADD', KEYS[2], ARGV[2], ARGV[2])
+local n = tonumber(ARGV[3])
+for i = 3, 2 + n do redis.call('HINCRBY', KEYS[i], ARGV[2], 1) end
+for i = 3 + n, #KEYS do redis.call('HSET', KEYS[i], ARGV[2], ARGV[i + 1 - n]) end
+return 1
+"""
+"""`put_json` as one script: the document first-wins (SET NX), then, only if it was new, its index and the caller's
+per-epoch tallies (HINCRBY) and marks (HSET). KEYS: document, index, the tallies' hashes, the marks' hashes; ARGV:
+text, epoch, number of tallies, the marks' values."""
+
+
 class RunStore:
     """Redis storage of one run. `client`: a redis.asyncio.Redis with decode_responses=False."""
 
@@ -122,15 +135,21 @@ class RunStore:
         return data
 
     # -- reports and bundles ----------------------------------------------------------------------
-    async def put_json(self, kind: str, epoch: int, obj: Any) -> bool:
-        """Store a JSON document (dict, JSON text or pydantic model) first-wins; True if newly stored."""
+    async def put_json(self, kind: str, epoch: int, obj: Any, *, tally: tuple[str, ...] = (),
+                       mark: dict[str, str] | None = None) -> bool:
+        """Store a JSON document (dict, JSON text or pydantic model) first-wins; True if newly stored.
+
+        Only when it is new, and in the same atomic step (one Lua script, `PUT_JSON`): its index entry, +1 at field
+        `epoch` of each hash in `tally`, and field `epoch` := value of each hash → value in `mark`. A Redis killed
+        around the write keeps all of them or none (AOF logs a script's writes as one transaction), so a
+        redelivered event that finds the document stored also finds its tallies."""
         if kind not in JSON_KINDS:
             raise ValueError(f"kind must be one of {JSON_KINDS}, got {kind!r}")
         text = await asyncio.to_thread(_to_json, obj)         # a report is tens of MB: off the event loop
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.set(self.key(kind, int(epoch)), text, nx=True)
-            pipe.zadd(self.key(kind, "index"), {str(int(epoch)): int(epoch)})
-            created, _ = await pipe.execute()
+        mark = mark or {}
+        e = int(epoch)
+        created = await self.redis.eval(PUT_JSON, 2 + len(tally) + len(mark), self.key(kind, e),
+                                        self.key(kind, "index"), *tally, *mark, text, e, len(tally), *mark.values())
         return bool(created)
 
     async def get_raw(self, kind: str, epoch: int) -> bytes | None:
@@ -150,9 +169,11 @@ class RunStore:
         """Epochs with a stored document of `kind`, ascending."""
         return [int(e) for e in await self.redis.zrange(self.key(kind, "index"), 0, -1)]
 
-    async def put_report(self, epoch: int, report: Any) -> bool:
-        """Store the evaluator report of `epoch` (first wins); True if newly stored."""
-        return await self.put_json("report", epoch, report)
+    async def put_report(self, epoch: int, report: Any, *, tally: tuple[str, ...] = (),
+                         mark: dict[str, str] | None = None) -> bool:
+        """Store the evaluator report of `epoch` (first wins; `tally` and `mark` as in `put_json`); True if newly
+        stored."""
+        return await self.put_json("report", epoch, report, tally=tally, mark=mark)
 
     async def get_report(self, epoch: int) -> dict | None:
         """The report of `epoch`, or None."""

@@ -157,6 +157,12 @@ async def test_store_keeps_last_k_checkpoints_and_checks_sha(redis_url, run_id):
         assert await store.put_report(3, {"sharpe": 1.5}) is True
         assert await store.put_report(3, {"sharpe": -9}) is False
         assert await store.get_report(3) == {"sharpe": 1.5} and await store.has_report(3)
+        # with tallies and marks: written with the report only when it is new (one script, atomic)
+        evals, by = f"tl:{run_id}:evaluations", f"tl:{run_id}:evaluated_by"
+        for who in ("a", "b"):
+            await store.put_report(4, {"sharpe": 0.5}, tally=(evals,), mark={by: who})
+        assert await client.hgetall(evals) == {b"4": b"1"} and await client.hgetall(by) == {b"4": b"a"}
+        assert await store.json_epochs("report") == [3, 4]
         assert await store.get_bundle(3) is None and not await store.has_bundle(3)
         assert await store.put_bundle(3, '{"epsilon": 0.2}') is True
         assert await store.json_epochs("bundle") == [3]

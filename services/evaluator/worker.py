@@ -12,8 +12,9 @@ Handling one event, idempotent on (run, epoch):
      publish eval.completed once (`Bus.publish_once`: the marker
      `done:eval:{epoch}` and the event are written by one Lua script, so a kill between them is impossible).
 The consumer acks only after the handler returned (shared/bus.py). Every evaluation is counted in
-`tl:{run}:evaluations` (hash epoch → count) and `tl:{run}:evaluated_by` (epoch → consumer), so
-"each checkpoint evaluated exactly once" can be checked from outside.
+`tl:{run}:evaluations` (hash epoch → count) and `tl:{run}:evaluated_by` (epoch → consumer), written with the report
+in one atomic step (`RunStore.put_json`), so "each checkpoint evaluated exactly once" can be checked from outside,
+also across a Redis killed right after the report was stored.
 """
 from __future__ import annotations
 
@@ -140,9 +141,9 @@ class EvaluatorWorker(ConsumerWorker):
         doc = None
         if not await store.has_report(epoch):
             report = await self._evaluate(event)
-            if await store.put_report(epoch, report):
-                await self.bus.redis.hincrby(run_key(self.bus.run_id, "evaluations"), str(epoch), 1)
-                await self.bus.redis.hset(run_key(self.bus.run_id, "evaluated_by"), str(epoch), self.consumer.name)
+            # the report and its tallies in one atomic write: a Redis killed right after it keeps both or neither
+            if await store.put_report(epoch, report, tally=(run_key(self.bus.run_id, "evaluations"),),
+                                      mark={run_key(self.bus.run_id, "evaluated_by"): self.consumer.name}):
                 self.state.extra["evaluated"] = [*self.state.extra["evaluated"], epoch][-100:]
                 self.state.count("reports_stored")
                 s = report.val.metrics.get("per_trade_sharpe")
