@@ -140,9 +140,10 @@ class RunStore:
         """Store a JSON document (dict, JSON text or pydantic model) first-wins; True if newly stored.
 
         Only when it is new, and in the same atomic step (one Lua script, `PUT_JSON`): its index entry, +1 at field
-        `epoch` of each hash in `tally`, and field `epoch` := value of each hash → value in `mark`. A Redis killed
-        around the write keeps all of them or none (AOF logs a script's writes as one transaction), so a
-        redelivered event that finds the document stored also finds its tallies."""
+        `epoch` of each hash in `tally`, and field `epoch` := value of each hash → value in `mark`. As separate
+        writes, a Redis killed between them left the document without its tallies, and the retried handler, finding
+        the document stored, never added them; in one script they land together (and AOF logs a script's writes as
+        one transaction)."""
         if kind not in JSON_KINDS:
             raise ValueError(f"kind must be one of {JSON_KINDS}, got {kind!r}")
         text = await asyncio.to_thread(_to_json, obj)         # a report is tens of MB: off the event loop
