@@ -84,8 +84,8 @@ NUM_WARPS = 4
 """Warps per program of the kernel (bench/fused_speed.py times the choices)."""
 
 
-def shifted_c51_launch(logits: torch.Tensor, delta: torch.Tensor, support: torch.Tensor, target: torch.Tensor,
-                       num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def shifted_c51_launch(logits: torch.Tensor, delta: torch.Tensor, support: torch.Tensor, target: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Run the kernel: (ce N × NBR × K, ∂ce/∂logits N × NBR × K × A, ∂ce/∂δ N × NBR × K), all float32. The logits'
     atoms must be contiguous (any layout of the other three dimensions). Also runs on CPU tensors under Triton's
     interpreter (TRITON_INTERPRET=1), which is how the tests check it without a GPU."""
@@ -100,7 +100,7 @@ def shifted_c51_launch(logits: torch.Tensor, delta: torch.Tensor, support: torch
     _shifted_c51_kernel[(N * NBR,)](logits, delta.float().contiguous(), v.contiguous(), dz,
                                     target.float().contiguous(), ce, glogits, gdelta,
                                     logits.stride(0), logits.stride(1), logits.stride(2), NBR=NBR, K=K, A=A,
-                                    BLOCK=triton.next_power_of_2(A), EPS=EPS, num_warps=num_warps or NUM_WARPS)
+                                    BLOCK=triton.next_power_of_2(A), EPS=EPS, num_warps=NUM_WARPS)
     return ce, glogits, gdelta
 
 
