@@ -61,8 +61,9 @@ class Plain:
         self.target = PlainC51(n_in, hidden, atoms).to(device)
         self.target.load_state_dict(self.net.state_dict())
         cuda = device.type == "cuda"
-        # fused Adam eagerly; the capturable foreach form when compiled (inductor lowers it to its own kernels)
-        kw = dict(capturable=True, foreach=True) if compiled and cuda else dict(fused=True) if cuda else {}
+        # fused Adam eagerly and in a graph (capturable: its step count stays on the device); the capturable foreach
+        # form when compiled (inductor lowers it to its own kernels)
+        kw = dict(capturable=True, foreach=True) if compiled and cuda else dict(fused=True, capturable=True) if cuda else {}
         self.opt = torch.optim.Adam(self.net.parameters(), lr=lr, **kw)
         self.support = torch.linspace(-v_max, v_max, atoms, device=device)
         self.gamma, self.tau = gamma, tau

@@ -144,6 +144,41 @@ def test_shift_distribution_moves_the_mean_by_delta_and_is_differentiable():
     torch.testing.assert_close(far[..., -1], torch.ones(1, 3))
 
 
+def _dense_shift(probs: torch.Tensor, delta: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """Φ(z + δ) with every A × A hat weight (the form `shift_distribution` replaced)."""
+    w = projection_weights(z.unsqueeze(0) + delta.unsqueeze(1), z)                 # N × A × A'
+    return torch.einsum("nij,nkj->nki", w, probs)
+
+
+@pytest.mark.parametrize("case", ["random", "zero", "whole steps", "past the ends", "on the ends"])
+def test_shift_distribution_band_equals_the_dense_weights_with_their_subgradients(case):
+    """The four-atom band gives the dense hat weights' values and gradients in p and δ — at δ = 0 and at whole atom
+    steps too, where every source atom sits on a kink and the dense form's subgradient in δ is the central one
+    (the two-weight projection's is one-sided there: that form fails this test)."""
+    from services.trainer.losses import shift_distribution
+    g = torch.Generator().manual_seed(3)
+    A, N = 51, 24
+    z = torch.linspace(-0.05, 0.05, A)
+    dz = 0.1 / (A - 1)
+    delta = {"random": torch.randn(N, generator=g) * 0.03, "zero": torch.zeros(N),
+             "whole steps": torch.arange(-12, 12).float() * dz,
+             "past the ends": torch.linspace(-0.3, 0.3, N),
+             "on the ends": torch.tensor([-0.1, 0.1]).repeat(N // 2)}[case]
+    p0 = torch.softmax(torch.randn(N, 5, A, generator=g), -1)
+    target = torch.softmax(torch.randn(N, 5, A, generator=g), -1)
+    out = []
+    for form in (shift_distribution, _dense_shift):
+        d, p = delta.clone().requires_grad_(), p0.clone().requires_grad_()
+        q = form(p, d, z)
+        c51_cross_entropy_probs(q, target).sum().backward()                       # the update's loss of it
+        out.append((q.detach(), p.grad, d.grad))
+    for name, band, dense in zip(("values", "d/dp", "d/dδ"), *out):
+        torch.testing.assert_close(band, dense, rtol=1e-5, atol=1e-5 * (1.0 + float(dense.abs().max())),
+                                   msg=lambda m: f"{case}, {name}: {m}")
+    if case in ("zero", "whole steps"):
+        assert torch.all(out[0][2].abs() > 0), "the central subgradient in δ is non-zero at a kink"
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_shift_distribution_on_cuda_with_padded_atoms_equals_the_cpu(no_tf32):
     """On CUDA the shift's batched product runs on atoms padded to a multiple of 8; values and gradients must be

@@ -247,3 +247,23 @@ def test_collection_runs_the_heads_once_per_bar_when_accounts_outnumber_bars():
     same = (a.replay.action[:n] == b.replay.action[:n]).all(-1).float().mean().item()
     assert same > 0.99, same
     torch.testing.assert_close(a.replay.reward[:n], b.replay.reward[:n])
+
+
+@pytest.mark.parametrize("S", [1, 255, 256, 257, 5000])
+def test_inverse_cdf_in_blocks_equals_the_flat_search(S):
+    """The two-level draw picks the slot the flat cumulative sum and search pick, for zeros (never drawn), runs of
+    zeros across whole blocks, a ring not a multiple of the block, and u at 0 and just below 1."""
+    from services.trainer.replay import inverse_cdf
+    g = torch.Generator().manual_seed(S)
+    p = torch.rand(S, generator=g) * (torch.rand(S, generator=g) > 0.3)
+    p[S // 3: S // 3 + 600] = 0.0                                          # whole blocks of nothing
+    p[-1] = 0.0
+    if p.sum() == 0:
+        p[0] = 1.0
+    u = torch.cat([torch.rand(4000, generator=g), torch.tensor([0.0, 1.0 - 2 ** -24])])
+    slot, total = inverse_cdf(p, u)
+    cdf = torch.cumsum(p.double(), 0)
+    flat = torch.searchsorted(cdf, u.double() * cdf[-1], right=True).clamp(max=S - 1)
+    assert total.item() == pytest.approx(cdf[-1].item())
+    assert torch.equal(slot, flat)
+    assert torch.all(p[slot] > 0)

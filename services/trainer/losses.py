@@ -5,14 +5,13 @@ Every function is shape-static (no data-dependent control flow, no host syncs), 
 them can be captured in a CUDA graph. Shape comments: N batch, K ensemble, A atoms, M / M' quantiles,
 L reward steps, H horizons.
 
-ML core: imports only torch (and `shared.agent`, torch-only too).
+ML core: imports only torch.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from shared.agent import align_pad
 
 
 def project_distribution(tz: torch.Tensor, probs: torch.Tensor, support: torch.Tensor) -> torch.Tensor:
@@ -56,19 +55,32 @@ def shift_distribution(probs: torch.Tensor, delta: torch.Tensor, support: torch.
     (`shared.agent.Agent.delta`). Differentiable in probs and δ (the projection weights are piecewise linear in δ).
     Mass pushed past an end of the support piles on that end, as in the C51 projection. Returns N × K × A (fp32).
 
-    Dense hat weights (N batched A × A products), not `project_distribution`'s two scatter-adds: those give the same
-    values and, away from the weights' kinks, the same gradients, but the shift starts at δ = 0 — every atom on a kink
-    — and stays within rounding of it for the first updates, where the two forms take different subgradients in δ.
-    On the CPU learning bench (session 8, seeds 0–5) the scatter form reached a mean OOS per-trade Sharpe of 0.37
-    (target met in 1 seed of 6) against 0.66 (5 of 6) for this one, so this one stays."""
-    w = projection_weights(support.unsqueeze(0) + delta.float().unsqueeze(1), support)     # N × A × A', shared by K
-    p, A = probs.float(), support.shape[0]
-    pad = align_pad(A, p)
-    if pad:
-        # 16-byte rows for cuBLAS's batched product (51 atoms made it take its unaligned kernels; see
-        # `shared.agent.aligned_linear`): the zero atoms add nothing
-        return torch.einsum("nij,nkj->nki", F.pad(w, (0, pad, 0, pad)), F.pad(p, (0, pad)))[..., :A]
-    return torch.einsum("nij,nkj->nki", w, p)
+    The hat weights w_ij = clip(1 − |clip(z_j + δ, v_min, v_max) − z_i| / Δz, 0, 1) of `projection_weights`, written
+    with the same float operations, but only on the band of four support atoms i = ⌊b_j⌋ − 1 … ⌊b_j⌋ + 2 around each
+    source atom (b_j = (clip(z_j + δ) − v_min) / Δz), and added with one scatter-add: O(4A) per distribution, not
+    the dense A × A weights and a batched A × A product per row (on the H200 at batch 4 096 those and their backward
+    were ~0.4 ms of a 2.3-ms update, bench/train_profile.py, session 13). Off the band |z_j + δ − z_i| ≥ 2Δz − ε, so
+    the dense weight is 0 and so is its subgradient (clip passes none below its interval): values and gradients are
+    the dense form's, up to the order of float additions (tests/test_losses.py checks both, at kinks too).
+
+    Why the dense form's subgradients and not `project_distribution`'s two weights per atom: the shift starts at
+    δ = 0 — every atom on a kink, where the two-weight form's gradient in δ is one-sided (−p_j at l, +p_j at l + 1)
+    and the dense form's is central (−p_j at l − 1, +p_j at l + 1, none at l: |x|' = 0 at 0). On the CPU learning
+    bench (session 8, seeds 0–5) the two-weight form reached a mean OOS per-trade Sharpe of 0.37 (target met in 1 seed
+    of 6) against 0.66 (5 of 6) for the dense one. The band keeps the dense form's subgradients: the clips and the
+    absolute value are the same elementwise functions, evaluated on every pair where they can be non-zero."""
+    N, K, A = probs.shape
+    v_min, v_max = support[0], support[-1]
+    dz = (v_max - v_min) / (A - 1)                                                          # Δz
+    tz = (support.unsqueeze(0) + delta.float().unsqueeze(1)).clamp(v_min, v_max)            # N × A' (source atoms)
+    band = torch.arange(-1, 3, device=support.device)               # (an arange, not a host list: capturable)
+    i = ((tz.detach() - v_min) / dz).floor().long().unsqueeze(-1) + band                   # N × A' × 4
+    on = (i >= 0) & (i < A)
+    i = i.clamp(0, A - 1)
+    w = (1.0 - (tz.unsqueeze(-1) - support[i]).abs() / dz).clamp(0.0, 1.0) * on           # N × A' × 4
+    contrib = probs.float().unsqueeze(-1) * w.unsqueeze(1)                                  # N × K × A' × 4
+    idx = i.view(N, 1, -1).expand(N, K, -1)
+    return probs.new_zeros(N, K, A, dtype=torch.float32).scatter_add(-1, idx, contrib.reshape(N, K, -1))
 
 
 def c51_cross_entropy_probs(probs: torch.Tensor, target_probs: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
