@@ -35,9 +35,9 @@ from shared.knobs import BRANCHES, Knobs
 from shared.market import Bars, Split, chronological_split, compute_features
 from shared.rollout import MarketTensors
 from services.trainer.env import RewardConfig, TrainEnv
-from services.trainer.fused import shifted_c51_cross_entropy
-from services.trainer.losses import (adapt_entropy_coef, atom_entropy, atom_utilisation, expectile_loss,
-                                     nstep_returns, project_distribution, quantile_huber_loss)
+from services.trainer.losses import (adapt_entropy_coef, atom_entropy, atom_utilisation, c51_cross_entropy_probs,
+                                     expectile_loss, nstep_returns, project_distribution, quantile_huber_loss,
+                                     shift_distribution)
 from services.trainer.replay import Batch, Replay
 
 FEATURE_WARMUP = 64  # shared.market zeroes feature rows before this bar
@@ -170,12 +170,6 @@ class TrainConfig:
     the GPU learning bench it and `iqn_batch` 512 met the target in 3 seeds of 3 against 2 of 3 as set before. On the
     CPU learning bench (`small`, 12 seeds) it met the target in 7 seeds against 6, median OOS per-trade Sharpe 0.764
     against 0.834, paired difference −0.19 ± 0.53: noise (bench/README.md, learning.py, sessions 11–12)."""
-    fused_c51: bool = False
-    """On CUDA, the C51 loss's softmax → portfolio shift → cross-entropy of every sample, branch and member, with its
-    gradient, as one Triton kernel (`services.trainer.fused`) instead of torch ops whose dense hat weights and
-    batched 56 × 56 products (51 atoms, padded) were ~0.45 ms of the batch-4 096 update's 2.4 ms on the H200
-    (bench/train_profile.py, session 12). The same arithmetic, checked against the torch form under Triton's interpreter on the CPU
-    (tests/test_fused.py). Off until the H200 has timed it and run its GPU tests (tests/test_train_graph.py)."""
     target_stream: bool = True
     """On CUDA, the update's no-grad targets (`make_targets`: double-Q at the N·H bootstrap states, the target
     network's heads and IQN, the projections) on a side stream beside its online forward pass. On the H200 the
@@ -551,7 +545,8 @@ def make_update(agent: Agent, target: Agent, opt: torch.optim.Optimizer, replay:
         wait()
         # --- C51 loss of every branch against its target; each ensemble member trains on its bootstrap mask ---
         # the distribution of (s, p, a): the market one with its atoms moved by the portfolio shift δ_a
-        ce = shifted_c51_cross_entropy(logits_a, d_a, z, tg.dist, fused=cfg.fused_c51)     # N × NBR × K
+        probs = shift_distribution(torch.softmax(logits_a.float(), -1).reshape(N * NBR, K, A), d_a.reshape(-1), z)
+        ce = c51_cross_entropy_probs(probs.view(N, NBR, K, A), tg.dist.unsqueeze(2))        # N × NBR × K
         member = (noise[:, :n_ens] < cfg.ensemble_mask_p).float()                          # N × K
         c51 = ((ce * member.unsqueeze(1)).sum(2) / member.sum(1, keepdim=True).clamp(min=1.0)).sum(1)  # N
         priority = ce[:, 0].mean(1).detach()
