@@ -121,6 +121,16 @@ def updates_per_s(mode: str, batch: int, device: torch.device, n: int, pool: int
     return n / (time.perf_counter() - t0)
 
 
+def update_gflop(batch: int) -> float:
+    """Floating-point operations of one update at `batch` (torch's FLOP counter, on the CPU: the count is the
+    device's), in GFLOP — beside bench/update_flops.py's count for tradeloop's update."""
+    from torch.utils.flop_counter import FlopCounterMode
+    p = Plain(batch, torch.device("cpu"), pool=1 << 12)
+    with FlopCounterMode(display=False) as fc:
+        p.step()
+    return fc.get_total_flops() / 1e9
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -136,12 +146,13 @@ def main() -> None:
     name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
     print(f"# plain_c51: device={name} torch={torch.__version__} tf32={dev.type == 'cuda'}")
     rates = {(b, m): updates_per_s(m, b, dev, a.updates, a.pool) for b in a.batches for m in a.modes}
-    print("\n| batch | " + " | ".join(a.modes) + " | " + " | ".join(f"{m} / {a.modes[0]}" for m in a.modes[1:]) + " |")
-    print("|---:|" + "---:|" * (2 * len(a.modes) - 1))
+    print("\n| batch | GFLOP per update | " + " | ".join(a.modes) + " | "
+          + " | ".join(f"{m} / {a.modes[0]}" for m in a.modes[1:]) + " |")
+    print("|---:|---:|" + "---:|" * (2 * len(a.modes) - 1))
     for b in a.batches:
         row = [f"{rates[b, m]:.0f}" for m in a.modes]
         ratios = [f"{rates[b, m] / rates[b, a.modes[0]]:.1f}×" for m in a.modes[1:]]
-        print(f"| {b} | " + " | ".join(row + ratios) + " |")
+        print(f"| {b} | {update_gflop(b):.2f} | " + " | ".join(row + ratios) + " |")
 
 
 if __name__ == "__main__":

@@ -28,5 +28,7 @@ def test_the_bench_prints_its_table():
                          text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     row = next(line for line in out.stdout.splitlines() if line.startswith("| 32 |"))
-    eager, compiled, ratio = (c.strip() for c in row.strip("|").split("|")[1:])
+    gflop, eager, compiled, ratio = (c.strip() for c in row.strip("|").split("|")[1:])
     assert float(eager) > 0 and float(compiled) > 0 and ratio.endswith("×")
+    # batch 32: 2·32·(1024·256 + 256·256 + 256·408) multiply-adds forward, ×3 with backward, + the target's forward
+    assert 0.08 < float(gflop) < 0.12, gflop
