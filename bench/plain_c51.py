@@ -63,7 +63,8 @@ class Plain:
         cuda = device.type == "cuda"
         # fused Adam eagerly and in a graph (capturable: its step count stays on the device); the capturable foreach
         # form when compiled (inductor lowers it to its own kernels)
-        kw = dict(capturable=True, foreach=True) if compiled and cuda else dict(fused=True, capturable=True) if cuda else {}
+        kw = (dict(capturable=True, foreach=True) if compiled and cuda else
+              dict(fused=True, capturable=True) if cuda else {})
         self.opt = torch.optim.Adam(self.net.parameters(), lr=lr, **kw)
         self.support = torch.linspace(-v_max, v_max, atoms, device=device)
         self.gamma, self.tau = gamma, tau
