@@ -42,7 +42,9 @@ def lower_neighbour(tz: torch.Tensor, support: torch.Tensor) -> tuple[torch.Tens
 
 
 def projection_weights(tz: torch.Tensor, support: torch.Tensor) -> torch.Tensor:
-    """The weights of Φ: w_ij = clip(1 − |clip(tz_j, v_min, v_max) − z_i| / Δz, 0, 1), tz ... × A' → ... × A × A'."""
+    """The weights of Φ: w_ij = clip(1 − |clip(tz_j, v_min, v_max) − z_i| / Δz, 0, 1), tz ... × A' → ... × A × A'.
+    The dense definition: `project_distribution` and `shift_distribution` compute only its non-zero part, and the
+    tests check both against it (no training path calls it since session 13)."""
     v_min, v_max = support[0], support[-1]
     dz = (v_max - v_min) / (support.shape[0] - 1)                                         # Δz
     tz = tz.clamp(v_min, v_max).unsqueeze(-2)                                              # ... × 1 × A'
