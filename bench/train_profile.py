@@ -90,8 +90,10 @@ def kernel_origins(root: str | None = None) -> dict[str, set[str]]:
     return out
 
 
-def report(name: str, fn, calls: int, top: int, body=None) -> tuple[float, float, float]:
-    """Print the profile of fn; returns (kernels per call, kernel ms per call, ms per graph replay or nan)."""
+def report(name: str, fn, calls: int, top: int, body=None, trace: str | None = None) -> tuple[float, float, float]:
+    """Print the profile of fn; returns (kernels per call, kernel ms per call, ms per graph replay or nan).
+    `trace`: also write every kernel of the last call, in launch order, to that file (tab-separated: start µs from
+    the call's first kernel, stream, µs, kernel, its source nodes), to see which phase of the step launches what."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
@@ -136,6 +138,14 @@ def report(name: str, fn, calls: int, top: int, body=None) -> tuple[float, float
     for k, v in sorted(by.items(), key=lambda kv: -kv[1])[:top]:
         src = " / ".join(sorted(origins.get(k, ())))
         print(f"| {k[:90]} | {v:.0f} | {v / total:.0%} | {src[:160]} |")
+    if trace:
+        last = sorted(kernels, key=lambda e: e.time_range.start)[-round(len(kernels) / calls):]
+        t0 = last[0].time_range.start
+        with open(trace, "w") as f:
+            f.write("start_us\tstream\tus\tkernel\tsource nodes\n")
+            for e in last:
+                src = " / ".join(sorted(origins.get(e.name, ())))
+                f.write(f"{e.time_range.start - t0:.1f}\t{e.device_resource_id}\t{e.device_time:.1f}\t{e.name}\t{src}\n")
     return len(kernels) / calls, total / 1e3, wall
 
 
@@ -155,6 +165,8 @@ def main() -> None:
     ap.add_argument("--variants", nargs="+", default=[""], metavar="'FIELD=VALUE ...'",
                     help="profile each part once per variant (space-separated --set items on top of --set; '' = "
                          "as set) and end with a side-by-side table")
+    ap.add_argument("--trace", default=None, metavar="PREFIX",
+                    help="write each profiled part's kernels of one call in launch order to PREFIX<n>.tsv")
     ap.add_argument("--replay", action="store_true",
                     help="also time the update and the refresh captured in one CUDA graph (in-graph gaps)")
     a = ap.parse_args()
@@ -184,7 +196,8 @@ def main() -> None:
                          else f"collect ({a.envs} accounts × {cfg.env_steps_per_iter} steps)")
             body = st.runner._bodies["update"] if part == "update" else (fn if part == "refresh" else None)
             name = f"{label}, {a.config}, {a.accel}" + (f", {variant}" if variant else "")
-            rows.append((variant or "as set", label, *report(name, fn, a.calls, a.top, body if a.replay else None)))
+            rows.append((variant or "as set", label, *report(name, fn, a.calls, a.top, body if a.replay else None,
+                                                      f"{a.trace}{len(rows)}.tsv" if a.trace else None)))
             del st
             torch._dynamo.reset()
             torch.cuda.empty_cache()

@@ -267,3 +267,26 @@ def test_inverse_cdf_in_blocks_equals_the_flat_search(S):
     assert total.item() == pytest.approx(cdf[-1].item())
     assert torch.equal(slot, flat)
     assert torch.all(p[slot] > 0)
+
+
+@pytest.mark.parametrize("max_norm", [0.5, 1e3])
+def test_clip_grad_norm_equals_torchs(max_norm):
+    """The update's gradient clip (written so that inductor fuses the total norm) returns torch's total norm and
+    scales the gradients as torch's does: clipped at 0.5, untouched at 1 000."""
+    from services.trainer.train import clip_grad_norm
+    g = torch.Generator().manual_seed(0)
+    shapes = [(7, 3), (5,), (2, 4, 6), (1,)]
+    grads = [torch.randn(s, generator=g) for s in shapes]
+    ours = [torch.zeros(s).requires_grad_() for s in shapes]
+    ref = [torch.zeros(s).requires_grad_() for s in shapes]
+    for a, b, g0 in zip(ours, ref, grads):
+        a.grad, b.grad = g0.clone(), g0.clone()
+    n_ours = clip_grad_norm(ours, max_norm)
+    n_ref = torch.nn.utils.clip_grad_norm_(ref, max_norm)
+    torch.testing.assert_close(n_ours, n_ref)
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a.grad, b.grad)
+    clipped = max_norm < float(n_ref)
+    assert clipped == (max_norm == 0.5)
+    for a, g0 in zip(ours, grads):
+        torch.testing.assert_close(a.grad, g0 * (max_norm / (float(n_ref) + 1e-6) if clipped else 1.0))

@@ -57,32 +57,149 @@ def shift_distribution(probs: torch.Tensor, delta: torch.Tensor, support: torch.
     (`shared.agent.Agent.delta`). Differentiable in probs and δ (the projection weights are piecewise linear in δ).
     Mass pushed past an end of the support piles on that end, as in the C51 projection. Returns N × K × A (fp32).
 
-    The hat weights w_ij = clip(1 − |clip(z_j + δ, v_min, v_max) − z_i| / Δz, 0, 1) of `projection_weights`, written
-    with the same float operations, but only on the band of four support atoms i = ⌊b_j⌋ − 1 … ⌊b_j⌋ + 2 around each
-    source atom (b_j = (clip(z_j + δ) − v_min) / Δz), and added with one scatter-add: O(4A) per distribution, not
-    the dense A × A weights and a batched A × A product per row (on the H200 at batch 4 096 those and their backward
-    were ~0.4 ms of a 2.3-ms update, bench/train_profile.py, session 13). Off the band |z_j + δ − z_i| ≥ 2Δz − ε, so
-    the dense weight is 0 and so is its subgradient (clip passes none below its interval): values and gradients are
-    the dense form's, up to the order of float additions (tests/test_losses.py checks both, at kinks too).
+    Values and subgradients are those of the dense hat weights w_ij = clip(1 − |clip(z_j + δ, v_min, v_max) − z_i|
+    / Δz, 0, 1) of `projection_weights` (tests/test_losses.py checks both, at kinks too), computed as gathers, not
+    as the dense A × A products nor as a scatter (`_ShiftGather`).
 
     Why the dense form's subgradients and not `project_distribution`'s two weights per atom: the shift starts at
     δ = 0 — every atom on a kink, where the two-weight form's gradient in δ is one-sided (−p_j at l, +p_j at l + 1)
     and the dense form's is central (−p_j at l − 1, +p_j at l + 1, none at l: |x|' = 0 at 0). On the CPU learning
     bench (session 8, seeds 0–5) the two-weight form reached a mean OOS per-trade Sharpe of 0.37 (target met in 1 seed
-    of 6) against 0.66 (5 of 6) for the dense one. The band keeps the dense form's subgradients: the clips and the
-    absolute value are the same elementwise functions, evaluated on every pair where they can be non-zero."""
-    N, K, A = probs.shape
+    of 6) against 0.66 (5 of 6) for the dense one."""
+    return _ShiftGather.apply(probs.float(), delta.float(), support)
+
+
+def _shift_pairs(delta: torch.Tensor, support: torch.Tensor, transpose: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The (output atom i, source atom j) pairs of Φ(z + δ) where a source atom inside the support (v_min ≤ z_j + δ ≤
+    v_max) can have a non-zero hat weight or subgradient: |z_j + δ − z_i| ≤ Δz, so j − i ∈ [−u − 1, −u + 1] for
+    u = δ / Δz — within the four taps j = i − ⌊u⌋ + t, t = −2 … 1 (one tap of margin for rounding).
+    transpose=False: for each output i, its four sources (gather the probabilities); True: for each source j, its
+    four outputs i = j + ⌊u⌋ − t (gather the gradient). Returns (the other atom's index N × A × 4, clamped into the
+    support; w_ij; ∂w_ij/∂(z_j + δ)), both 0 on pairs off the support or with a source outside it."""
+    A = support.shape[0]
     v_min, v_max = support[0], support[-1]
-    dz = (v_max - v_min) / (A - 1)                                                          # Δz
-    tz = (support.unsqueeze(0) + delta.float().unsqueeze(1)).clamp(v_min, v_max)            # N × A' (source atoms)
-    band = torch.arange(-1, 3, device=support.device)               # (an arange, not a host list: capturable)
-    i = ((tz.detach() - v_min) / dz).floor().long().unsqueeze(-1) + band                   # N × A' × 4
-    on = (i >= 0) & (i < A)
-    i = i.clamp(0, A - 1)
-    w = (1.0 - (tz.unsqueeze(-1) - support[i]).abs() / dz).clamp(0.0, 1.0) * on           # N × A' × 4
-    contrib = probs.float().unsqueeze(-1) * w.unsqueeze(1)                                  # N × K × A' × 4
-    idx = i.view(N, 1, -1).expand(N, K, -1)
-    return probs.new_zeros(N, K, A, dtype=torch.float32).scatter_add(-1, idx, contrib.reshape(N, K, -1))
+    dz = (v_max - v_min) / (A - 1)
+    s = torch.floor(delta / dz).clamp(-A - 2, A + 2).long()                               # N: ⌊u⌋
+    atom = torch.arange(A, device=support.device)
+    taps = torch.arange(-2, 2, device=support.device)               # (an arange, not a host list: capturable)
+    if transpose:
+        j = atom.view(1, A, 1).expand(s.shape[0], A, 4)
+        other = atom.view(1, A, 1) + s.view(-1, 1, 1) - taps                              # i, N × A × 4
+        i_c = other.clamp(0, A - 1)
+        valid, j_c = (other >= 0) & (other < A), j
+    else:
+        other = atom.view(1, A, 1) - s.view(-1, 1, 1) + taps                              # j, N × A × 4
+        j_c = other.clamp(0, A - 1)
+        valid, i_c = (other >= 0) & (other < A), atom.view(1, A, 1).expand_as(other)
+    x = support[j_c] + delta.view(-1, 1, 1)                                               # z_j + δ
+    valid = valid & (x >= v_min) & (x <= v_max)                     # the clip passes a gradient on its ends too
+    d = x - support[i_c]
+    h = 1.0 - d.abs() / dz
+    w = h.clamp(0.0, 1.0) * valid
+    dw = torch.where(valid & (h >= 0.0), -torch.sign(d) / dz, torch.zeros_like(d))       # clip(h, 0, 1)' · |d|'
+    return (other.clamp(0, A - 1) if transpose else j_c), w, dw
+
+
+class _ShiftGather(torch.autograd.Function):
+    """Φ(z + δ) of `shift_distribution` with the dense form's values and subgradients, without its A × A weights and
+    without atomics. Forward: each output atom gathers its four candidate sources (`_shift_pairs`), plus the mass of
+    the source atoms past each end of the support (clipped: weight 1 on that end atom and no gradient in δ).
+    Backward: each source atom gathers the gradient of its four candidate outputs (the transposed pairs, the same
+    weights), and ∂/∂δ sums p_j · g_i · ∂w_ij/∂(z_j + δ) over the pairs. Autograd of a gather would scatter-add its
+    gradient: the update's largest kernel on the H200 was the band form's scatter-add (124 µs at batch 4 096,
+    bench/train_profile.py, session 14). Every tensor op here is elementwise, a gather or a sum, so compiled it
+    fuses into a few kernels."""
+
+    @staticmethod
+    def forward(ctx, probs: torch.Tensor, delta: torch.Tensor, support: torch.Tensor) -> torch.Tensor:
+        N, K, A = probs.shape
+        src, w, _ = _shift_pairs(delta, support, transpose=False)                          # N × A × 4
+        gathered = probs.gather(2, src.view(N, 1, A * 4).expand(N, K, A * 4)).view(N, K, A, 4)
+        out = (gathered * w.unsqueeze(1)).sum(-1)                                          # N × K × A
+        x = support.unsqueeze(0) + delta.unsqueeze(1)                                      # N × A: z_j + δ
+        low = (probs * (x < support[0]).unsqueeze(1)).sum(-1)                              # N × K: past v_min
+        high = (probs * (x > support[-1]).unsqueeze(1)).sum(-1)                            # past v_max
+        atom = torch.arange(A, device=probs.device)
+        ctx.save_for_backward(probs, delta, support)
+        return out + low.unsqueeze(-1) * (atom == 0) + high.unsqueeze(-1) * (atom == A - 1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        probs, delta, support = ctx.saved_tensors
+        N, K, A = probs.shape
+        dst, w, dw = _shift_pairs(delta, support, transpose=True)                          # N × A × 4
+        g = grad.gather(2, dst.view(N, 1, A * 4).expand(N, K, A * 4)).view(N, K, A, 4)   # g_i of each pair
+        grad_p = (g * w.unsqueeze(1)).sum(-1)                                              # Σ_i w_ij g_i
+        x = support.unsqueeze(0) + delta.unsqueeze(1)
+        grad_p = (grad_p + (x < support[0]).unsqueeze(1) * grad[:, :, :1]
+                  + (x > support[-1]).unsqueeze(1) * grad[:, :, A - 1:])
+        grad_d = (probs * (g * dw.unsqueeze(1)).sum(-1)).sum((1, 2))                       # N
+        return grad_p, grad_d, None
+
+
+def shifted_cross_entropy(logits: torch.Tensor, delta: torch.Tensor, support: torch.Tensor, target: torch.Tensor,
+                          eps: float = 1e-6) -> torch.Tensor:
+    """The update's C51 loss of the taken actions: −Σ_i m_i log Φ(z + δ)_i of softmax(logits) shifted by δ
+    (`shift_distribution`), against the target m (no gradient), the cross-entropy clipped at `eps` as
+    `c51_cross_entropy_probs` — logits N × K × A, δ N, target N × A (shared by the K members) → N × K (fp32).
+
+    The same values and subgradients as that composition (tests/test_losses.py), in one autograd node
+    (`_ShiftedCrossEntropy`): the softmax, the shift and the log are recomputed from the logits inside the forward
+    and the backward instead of being stored, so compiled, each pass is a few fused kernels reading the logits — not
+    a chain of N × K × A fp32 tensors written and read back (at batch 4 096 those are 63 MB each; the chain was ~0.28
+    ms of the update on the H200, bench/train_profile.py, session 14)."""
+    return _ShiftedCrossEntropy.apply(logits, delta.float(), support, target.detach().float(), eps)
+
+
+def _shifted_probs(lf: torch.Tensor, mx: torch.Tensor, total: torch.Tensor, delta: torch.Tensor,
+                   support: torch.Tensor) -> torch.Tensor:
+    """Φ(z + δ) of softmax(lf) (N × K × A fp32 logits, their row max and Σ exp(lf − max)): the gather form of
+    `_ShiftGather.forward`, reading the probabilities as exp(lf − max) / Σ at the gathered atoms."""
+    N, K, A = lf.shape
+    src, w, _ = _shift_pairs(delta, support, transpose=False)                              # N × A × 4
+    lg = lf.gather(2, src.view(N, 1, A * 4).expand(N, K, A * 4)).view(N, K, A, 4)
+    out = (torch.exp(lg - mx.unsqueeze(-1)) / total.unsqueeze(-1) * w.unsqueeze(1)).sum(-1)  # N × K × A
+    x = support.unsqueeze(0) + delta.unsqueeze(1)                                          # N × A: z_j + δ
+    p = torch.exp(lf - mx) / total
+    low = (p * (x < support[0]).unsqueeze(1)).sum(-1, keepdim=True)                        # mass past v_min
+    high = (p * (x > support[-1]).unsqueeze(1)).sum(-1, keepdim=True)                      # past v_max
+    atom = torch.arange(A, device=lf.device)
+    return out + low * (atom == 0) + high * (atom == A - 1)
+
+
+class _ShiftedCrossEntropy(torch.autograd.Function):
+    """`shifted_cross_entropy`: forward and backward written out (softmax, shift by gathers, clipped log,
+    cross-entropy; then their chain rule), saving only the logits, δ, the target and two numbers a row."""
+
+    @staticmethod
+    def forward(ctx, logits, delta, support, target, eps):
+        lf = logits.float()
+        mx = lf.amax(-1, keepdim=True)
+        total = torch.exp(lf - mx).sum(-1, keepdim=True)
+        q = _shifted_probs(lf, mx, total, delta, support)                                  # N × K × A
+        ctx.save_for_backward(logits, delta, support, target, mx, total)
+        ctx.eps = eps
+        return -(target.unsqueeze(1) * torch.log(q.clamp(min=eps))).sum(-1)                 # N × K
+
+    @staticmethod
+    def backward(ctx, grad):
+        logits, delta, support, target, mx, total = ctx.saved_tensors
+        N, K, A = logits.shape
+        lf = logits.float()
+        q = _shifted_probs(lf, mx, total, delta, support)
+        # d/dq of −Σ m log clip(q, eps): the clip passes no gradient below eps
+        gq = torch.where(q >= ctx.eps, -grad.unsqueeze(-1) * target.unsqueeze(1) / q.clamp(min=ctx.eps),
+                         torch.zeros_like(q))                                              # N × K × A
+        dst, w, dw = _shift_pairs(delta, support, transpose=True)                          # N × A × 4
+        gg = gq.gather(2, dst.view(N, 1, A * 4).expand(N, K, A * 4)).view(N, K, A, 4)
+        x = support.unsqueeze(0) + delta.unsqueeze(1)
+        gp = ((gg * w.unsqueeze(1)).sum(-1) + (x < support[0]).unsqueeze(1) * gq[:, :, :1]
+              + (x > support[-1]).unsqueeze(1) * gq[:, :, A - 1:])                         # d/dp_j
+        p = torch.exp(lf - mx) / total
+        grad_logits = p * (gp - (p * gp).sum(-1, keepdim=True))                            # softmax backward
+        grad_delta = (p * (gg * dw.unsqueeze(1)).sum(-1)).sum((1, 2))                      # N
+        return grad_logits.to(logits.dtype), grad_delta, None, None, None
 
 
 def c51_cross_entropy_probs(probs: torch.Tensor, target_probs: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

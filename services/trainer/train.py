@@ -35,9 +35,8 @@ from shared.knobs import BRANCHES, Knobs
 from shared.market import Bars, Split, chronological_split, compute_features
 from shared.rollout import MarketTensors
 from services.trainer.env import RewardConfig, TrainEnv
-from services.trainer.losses import (adapt_entropy_coef, atom_entropy, atom_utilisation, c51_cross_entropy_probs,
-                                     expectile_loss, nstep_returns, project_distribution, quantile_huber_loss,
-                                     shift_distribution)
+from services.trainer.losses import (adapt_entropy_coef, atom_entropy, atom_utilisation, expectile_loss,
+                                     nstep_returns, project_distribution, quantile_huber_loss, shifted_cross_entropy)
 from services.trainer.replay import Batch, Replay
 
 FEATURE_WARMUP = 64  # shared.market zeroes feature rows before this bar
@@ -285,6 +284,22 @@ def build_optimizer(agent: Agent, cfg: TrainConfig, device, compiled: bool = Fal
                             foreach=True if cuda and not fused else None)
     materialise_state(opt)
     return opt
+
+
+@torch.no_grad()
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """`torch.nn.utils.clip_grad_norm_` (2-norm, foreach): the gradients scaled in place by min(1, max_norm /
+    (‖g‖ + 1e-6)), where ‖g‖ is the norm of all of them together; returns ‖g‖. The same numbers, written so that
+    torch.compile does not split it: torch's form stacks the per-parameter norms (`torch.stack` of one 0-d norm per
+    parameter), which inductor lowered to one kernel per parameter — 57 launches of ~1 µs on the H200 in the
+    update's graph (bench/train_profile.py --trace, session 14). Here the squares of those norms are added in one
+    expression, which it fuses into one kernel."""
+    grads = [p.grad for p in params if p.grad is not None]
+    norms = torch._foreach_norm(grads)                                    # one multi-tensor launch
+    total = torch.sqrt(sum(n.float() * n.float() for n in norms))
+    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    torch._foreach_mul_(grads, coef)
+    return total
 
 
 @torch.no_grad()
@@ -545,8 +560,9 @@ def make_update(agent: Agent, target: Agent, opt: torch.optim.Optimizer, replay:
         wait()
         # --- C51 loss of every branch against its target; each ensemble member trains on its bootstrap mask ---
         # the distribution of (s, p, a): the market one with its atoms moved by the portfolio shift δ_a
-        probs = shift_distribution(torch.softmax(logits_a.float(), -1).reshape(N * NBR, K, A), d_a.reshape(-1), z)
-        ce = c51_cross_entropy_probs(probs.view(N, NBR, K, A), tg.dist.unsqueeze(2))        # N × NBR × K
+        # (softmax → shift by δ_a → cross-entropy in one autograd node: `losses.shifted_cross_entropy`)
+        ce = shifted_cross_entropy(logits_a.reshape(N * NBR, K, A), d_a.reshape(-1), z,
+                                   tg.dist.reshape(N * NBR, A)).view(N, NBR, K)            # N × NBR × K
         member = (noise[:, :n_ens] < cfg.ensemble_mask_p).float()                          # N × K
         c51 = ((ce * member.unsqueeze(1)).sum(2) / member.sum(1, keepdim=True).clamp(min=1.0)).sum(1)  # N
         priority = ce[:, 0].mean(1).detach()
@@ -579,7 +595,7 @@ def make_update(agent: Agent, target: Agent, opt: torch.optim.Optimizer, replay:
         loss.backward()
         if after_backward is not None:
             after_backward()
-        gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        gnorm = clip_grad_norm(params, cfg.grad_clip)
         opt.step()
         with torch.no_grad():
             torch._foreach_lerp_(tparams, params, cfg.tau)                                # θ' ← θ' + τ(θ − θ')
