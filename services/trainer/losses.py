@@ -107,9 +107,9 @@ class _ShiftGather(torch.autograd.Function):
     the source atoms past each end of the support (clipped: weight 1 on that end atom and no gradient in δ).
     Backward: each source atom gathers the gradient of its four candidate outputs (the transposed pairs, the same
     weights), and ∂/∂δ sums p_j · g_i · ∂w_ij/∂(z_j + δ) over the pairs. Autograd of a gather would scatter-add its
-    gradient: the update's largest kernel on the H200 was the band form's scatter-add (124 µs at batch 4 096,
-    bench/train_profile.py, session 14). Every tensor op here is elementwise, a gather or a sum, so compiled it
-    fuses into a few kernels."""
+    gradient: the update's largest kernel on the H200 was the band form's scatter-add (124 µs at batch 4 096), where
+    these gathers take ~35 µs a pass (bench/train_profile.py --trace, session 14). Every tensor op here is
+    elementwise, a gather or a sum, so compiled it fuses into a few kernels."""
 
     @staticmethod
     def forward(ctx, probs: torch.Tensor, delta: torch.Tensor, support: torch.Tensor) -> torch.Tensor:
@@ -136,70 +136,6 @@ class _ShiftGather(torch.autograd.Function):
                   + (x > support[-1]).unsqueeze(1) * grad[:, :, A - 1:])
         grad_d = (probs * (g * dw.unsqueeze(1)).sum(-1)).sum((1, 2))                       # N
         return grad_p, grad_d, None
-
-
-def shifted_cross_entropy(logits: torch.Tensor, delta: torch.Tensor, support: torch.Tensor, target: torch.Tensor,
-                          eps: float = 1e-6) -> torch.Tensor:
-    """The update's C51 loss of the taken actions: −Σ_i m_i log Φ(z + δ)_i of softmax(logits) shifted by δ
-    (`shift_distribution`), against the target m (no gradient), the cross-entropy clipped at `eps` as
-    `c51_cross_entropy_probs` — logits N × K × A, δ N, target N × A (shared by the K members) → N × K (fp32).
-
-    The same values and subgradients as that composition (tests/test_losses.py), in one autograd node
-    (`_ShiftedCrossEntropy`): the softmax, the shift and the log are recomputed from the logits inside the forward
-    and the backward instead of being stored, so compiled, each pass is a few fused kernels reading the logits — not
-    a chain of N × K × A fp32 tensors written and read back (at batch 4 096 those are 63 MB each; the chain was ~0.28
-    ms of the update on the H200, bench/train_profile.py, session 14)."""
-    return _ShiftedCrossEntropy.apply(logits, delta.float(), support, target.detach().float(), eps)
-
-
-def _shifted_probs(lf: torch.Tensor, mx: torch.Tensor, total: torch.Tensor, delta: torch.Tensor,
-                   support: torch.Tensor) -> torch.Tensor:
-    """Φ(z + δ) of softmax(lf) (N × K × A fp32 logits, their row max and Σ exp(lf − max)): the gather form of
-    `_ShiftGather.forward`, reading the probabilities as exp(lf − max) / Σ at the gathered atoms."""
-    N, K, A = lf.shape
-    src, w, _ = _shift_pairs(delta, support, transpose=False)                              # N × A × 4
-    lg = lf.gather(2, src.view(N, 1, A * 4).expand(N, K, A * 4)).view(N, K, A, 4)
-    out = (torch.exp(lg - mx.unsqueeze(-1)) / total.unsqueeze(-1) * w.unsqueeze(1)).sum(-1)  # N × K × A
-    x = support.unsqueeze(0) + delta.unsqueeze(1)                                          # N × A: z_j + δ
-    p = torch.exp(lf - mx) / total
-    low = (p * (x < support[0]).unsqueeze(1)).sum(-1, keepdim=True)                        # mass past v_min
-    high = (p * (x > support[-1]).unsqueeze(1)).sum(-1, keepdim=True)                      # past v_max
-    atom = torch.arange(A, device=lf.device)
-    return out + low * (atom == 0) + high * (atom == A - 1)
-
-
-class _ShiftedCrossEntropy(torch.autograd.Function):
-    """`shifted_cross_entropy`: forward and backward written out (softmax, shift by gathers, clipped log,
-    cross-entropy; then their chain rule), saving only the logits, δ, the target and two numbers a row."""
-
-    @staticmethod
-    def forward(ctx, logits, delta, support, target, eps):
-        lf = logits.float()
-        mx = lf.amax(-1, keepdim=True)
-        total = torch.exp(lf - mx).sum(-1, keepdim=True)
-        q = _shifted_probs(lf, mx, total, delta, support)                                  # N × K × A
-        ctx.save_for_backward(logits, delta, support, target, mx, total)
-        ctx.eps = eps
-        return -(target.unsqueeze(1) * torch.log(q.clamp(min=eps))).sum(-1)                 # N × K
-
-    @staticmethod
-    def backward(ctx, grad):
-        logits, delta, support, target, mx, total = ctx.saved_tensors
-        N, K, A = logits.shape
-        lf = logits.float()
-        q = _shifted_probs(lf, mx, total, delta, support)
-        # d/dq of −Σ m log clip(q, eps): the clip passes no gradient below eps
-        gq = torch.where(q >= ctx.eps, -grad.unsqueeze(-1) * target.unsqueeze(1) / q.clamp(min=ctx.eps),
-                         torch.zeros_like(q))                                              # N × K × A
-        dst, w, dw = _shift_pairs(delta, support, transpose=True)                          # N × A × 4
-        gg = gq.gather(2, dst.view(N, 1, A * 4).expand(N, K, A * 4)).view(N, K, A, 4)
-        x = support.unsqueeze(0) + delta.unsqueeze(1)
-        gp = ((gg * w.unsqueeze(1)).sum(-1) + (x < support[0]).unsqueeze(1) * gq[:, :, :1]
-              + (x > support[-1]).unsqueeze(1) * gq[:, :, A - 1:])                         # d/dp_j
-        p = torch.exp(lf - mx) / total
-        grad_logits = p * (gp - (p * gp).sum(-1, keepdim=True))                            # softmax backward
-        grad_delta = (p * (gg * dw.unsqueeze(1)).sum(-1)).sum((1, 2))                      # N
-        return grad_logits.to(logits.dtype), grad_delta, None, None, None
 
 
 def c51_cross_entropy_probs(probs: torch.Tensor, target_probs: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

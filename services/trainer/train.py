@@ -35,8 +35,9 @@ from shared.knobs import BRANCHES, Knobs
 from shared.market import Bars, Split, chronological_split, compute_features
 from shared.rollout import MarketTensors
 from services.trainer.env import RewardConfig, TrainEnv
-from services.trainer.losses import (adapt_entropy_coef, atom_entropy, atom_utilisation, expectile_loss,
-                                     nstep_returns, project_distribution, quantile_huber_loss, shifted_cross_entropy)
+from services.trainer.losses import (adapt_entropy_coef, atom_entropy, atom_utilisation, c51_cross_entropy_probs,
+                                     expectile_loss, nstep_returns, project_distribution, quantile_huber_loss,
+                                     shift_distribution)
 from services.trainer.replay import Batch, Replay
 
 FEATURE_WARMUP = 64  # shared.market zeroes feature rows before this bar
@@ -560,9 +561,8 @@ def make_update(agent: Agent, target: Agent, opt: torch.optim.Optimizer, replay:
         wait()
         # --- C51 loss of every branch against its target; each ensemble member trains on its bootstrap mask ---
         # the distribution of (s, p, a): the market one with its atoms moved by the portfolio shift δ_a
-        # (softmax → shift by δ_a → cross-entropy in one autograd node: `losses.shifted_cross_entropy`)
-        ce = shifted_cross_entropy(logits_a.reshape(N * NBR, K, A), d_a.reshape(-1), z,
-                                   tg.dist.reshape(N * NBR, A)).view(N, NBR, K)            # N × NBR × K
+        probs = shift_distribution(torch.softmax(logits_a.float(), -1).reshape(N * NBR, K, A), d_a.reshape(-1), z)
+        ce = c51_cross_entropy_probs(probs.view(N, NBR, K, A), tg.dist.unsqueeze(2))        # N × NBR × K
         member = (noise[:, :n_ens] < cfg.ensemble_mask_p).float()                          # N × K
         c51 = ((ce * member.unsqueeze(1)).sum(2) / member.sum(1, keepdim=True).clamp(min=1.0)).sum(1)  # N
         priority = ce[:, 0].mean(1).detach()
