@@ -15,6 +15,10 @@ side-by-side table of them:
 
     python3 bench/train_profile.py --batch 1024 --train-bars 1000000 --accel compile --parts update --replay \
         --variants '' adamw=fused emb_refresh=4000
+
+`--trace PREFIX` also writes every kernel of one call in launch order (start, stream, µs, kernel, source nodes) to
+PREFIX<n>.tsv, one file per profiled part: where the launches come from, not just the time (session 14 found 57
+one-microsecond kernels of the gradient clip that way).
 """
 from __future__ import annotations
 
