@@ -35,8 +35,10 @@ def test_inductor_options_turn_named_booleans_on_and_name_an_unknown_one():
     assert inductor_options("") == {}
     assert inductor_options("combo_kernels, coordinate_descent_tuning") == {"combo_kernels": True,
                                                                           "coordinate_descent_tuning": True}
-    for bad in ("combo_kernel", "combo_kernels_autotune"):     # a typo; an option that is not a boolean
-        with pytest.raises(ValueError, match=repr(bad)):
+    assert inductor_options("aggressive_fusion,!split_reductions") == {"aggressive_fusion": True,
+                                                                       "split_reductions": False}
+    for bad in ("combo_kernel", "combo_kernels_autotune", "!split_reduction"):  # typos; not a boolean
+        with pytest.raises(ValueError, match=repr(bad.lstrip("!"))):
             inductor_options(bad)
 
 

@@ -139,9 +139,10 @@ class TrainConfig:
     multi-tensor form, which torch.compile lowers to its own fused Triton kernels), or "auto": foreach when the
     update is compiled, fused otherwise. A CPU always runs the default (single-tensor or foreach) form."""
     inductor: str = ""
-    """Comma-separated boolean options of `torch._inductor.config` turned on for the compiled modes' step functions,
-    e.g. "combo_kernels" (independent small kernels fused side by side into one launch; on the H200 it cut the
-    batch-1 024 update's kernels 605 → 367 but doubled its time, bench/README.md); "" = inductor's defaults."""
+    """Comma-separated boolean options of `torch._inductor.config` turned on ("name") or off ("!name") for the compiled
+    modes' step functions, e.g. "combo_kernels" (independent small kernels fused side by side into one launch; on the
+    H200 it cut the batch-1 024 update's kernels 605 → 367 but doubled its time, bench/README.md); "" = inductor's
+    defaults."""
     tf32: bool = True
     """On CUDA, float32 matmuls and convolutions on TF32 tensor cores (10-bit mantissa inputs, fp32 accumulate)."""
     emb_refresh: int = 50
@@ -755,15 +756,19 @@ class StepRunner:
 
 
 def inductor_options(spec: str) -> dict[str, bool]:
-    """`TrainConfig.inductor` ("a,b") as torch.compile's options ({"a": True, "b": True}); ValueError naming an
-    option that is not a boolean of `torch._inductor.config`."""
+    """`TrainConfig.inductor` ("a,!b") as torch.compile's options ({"a": True, "b": False}: a leading "!" turns an
+    option off); ValueError naming an option that is not a boolean of `torch._inductor.config`."""
     from torch._inductor import config as inductor_config
 
-    names = [n.strip() for n in spec.split(",") if n.strip()]
-    for n in names:
-        if not isinstance(getattr(inductor_config, n, None), bool):
-            raise ValueError(f"TrainConfig.inductor: {n!r} is not a boolean option of torch._inductor.config")
-    return {n: True for n in names}
+    out = {}
+    for item in (n.strip() for n in spec.split(",")):
+        if not item:
+            continue
+        name = item.lstrip("!")
+        if not isinstance(getattr(inductor_config, name, None), bool):
+            raise ValueError(f"TrainConfig.inductor: {name!r} is not a boolean option of torch._inductor.config")
+        out[name] = not item.startswith("!")
+    return out
 
 
 def compile_step(fn: Callable[..., object], cfg: TrainConfig) -> Callable[..., object]:
