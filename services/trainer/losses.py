@@ -83,22 +83,21 @@ def _shift_pairs(delta: torch.Tensor, support: torch.Tensor, transpose: bool
     s = torch.floor(delta / dz).clamp(-A - 2, A + 2).long()                               # N: ⌊u⌋
     atom = torch.arange(A, device=support.device)
     taps = torch.arange(-2, 2, device=support.device)               # (an arange, not a host list: capturable)
-    if transpose:
-        j = atom.view(1, A, 1).expand(s.shape[0], A, 4)
-        other = atom.view(1, A, 1) + s.view(-1, 1, 1) - taps                              # i, N × A × 4
+    if transpose:                                                   # for each source j, its outputs j + ⌊u⌋ − t
+        j_c = atom.view(1, A, 1)
+        other = j_c + s.view(-1, 1, 1) - taps                                             # i, N × A × 4
         i_c = other.clamp(0, A - 1)
-        valid, j_c = (other >= 0) & (other < A), j
-    else:
-        other = atom.view(1, A, 1) - s.view(-1, 1, 1) + taps                              # j, N × A × 4
+    else:                                                           # for each output i, its sources i − ⌊u⌋ + t
+        i_c = atom.view(1, A, 1)
+        other = i_c - s.view(-1, 1, 1) + taps                                             # j, N × A × 4
         j_c = other.clamp(0, A - 1)
-        valid, i_c = (other >= 0) & (other < A), atom.view(1, A, 1).expand_as(other)
     x = support[j_c] + delta.view(-1, 1, 1)                                               # z_j + δ
-    valid = valid & (x >= v_min) & (x <= v_max)                     # the clip passes a gradient on its ends too
+    valid = (other >= 0) & (other < A) & (x >= v_min) & (x <= v_max)  # the clip passes a gradient on its ends too
     d = x - support[i_c]
     h = 1.0 - d.abs() / dz
     w = h.clamp(0.0, 1.0) * valid
     dw = torch.where(valid & (h >= 0.0), -torch.sign(d) / dz, torch.zeros_like(d))       # clip(h, 0, 1)' · |d|'
-    return (other.clamp(0, A - 1) if transpose else j_c), w, dw
+    return (i_c if transpose else j_c), w, dw
 
 
 class _ShiftGather(torch.autograd.Function):
