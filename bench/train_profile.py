@@ -137,19 +137,19 @@ def report(name: str, fn, calls: int, top: int, body=None, trace: str | None = N
     for e in kernels:
         by[e.name] = by.get(e.name, 0.0) + e.device_time / calls
     origins = kernel_origins()                                  # what each compiled kernel computes (its FX nodes)
+    source = lambda kernel: " / ".join(sorted(origins.get(kernel, ())))  # noqa: E731
     print("| kernel | µs per call | share | source nodes (compiled kernels) |")
     print("|---|---|---|---|")
     for k, v in sorted(by.items(), key=lambda kv: -kv[1])[:top]:
-        src = " / ".join(sorted(origins.get(k, ())))
-        print(f"| {k[:90]} | {v:.0f} | {v / total:.0%} | {src[:160]} |")
+        print(f"| {k[:90]} | {v:.0f} | {v / total:.0%} | {source(k)[:160]} |")
     if trace:
         last = sorted(kernels, key=lambda e: e.time_range.start)[-round(len(kernels) / calls):]
         t0 = last[0].time_range.start
         with open(trace, "w") as f:
             f.write("start_us\tstream\tus\tkernel\tsource nodes\n")
             for e in last:
-                src = " / ".join(sorted(origins.get(e.name, ())))
-                f.write(f"{e.time_range.start - t0:.1f}\t{e.device_resource_id}\t{e.device_time:.1f}\t{e.name}\t{src}\n")
+                f.write(f"{e.time_range.start - t0:.1f}\t{e.device_resource_id}\t{e.device_time:.1f}\t{e.name}\t"
+                        f"{source(e.name)}\n")
     return len(kernels) / calls, total / 1e3, wall
 
 
