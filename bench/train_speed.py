@@ -173,7 +173,7 @@ def main() -> None:
     ap.add_argument("--bars", type=int, default=20_000, help="training-split bars of the other rows")
     ap.add_argument("--updates", type=int, default=50)
     ap.add_argument("--collects", type=int, default=20)
-    ap.add_argument("--profile", action="store_true", help="add the GPU busy % rows")
+    ap.add_argument("--profile", action="store_true", help="add the GPU busy %% rows")
     ap.add_argument("--busy-modes", nargs="*", default=["graph", "compile+graph"],
                     help="modes of the GPU busy rows (--profile)")
     ap.add_argument("--busy-iterations", type=int, default=50, help="steady-state iterations of the busy rows")

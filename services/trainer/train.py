@@ -35,9 +35,9 @@ from shared.knobs import BRANCHES, Knobs
 from shared.market import Bars, Split, chronological_split, compute_features
 from shared.rollout import MarketTensors
 from services.trainer.env import RewardConfig, TrainEnv
-from services.trainer.losses import (adapt_entropy_coef, atom_entropy, atom_utilisation, c51_cross_entropy_probs,
-                                     expectile_loss, nstep_returns, project_distribution, quantile_huber_loss,
-                                     shift_distribution)
+from services.trainer.fused_c51 import available as fused_c51_available
+from services.trainer.losses import (adapt_entropy_coef, c51_branch_losses, expectile_loss, nstep_returns,
+                                     project_distribution, quantile_huber_loss)
 from services.trainer.replay import Batch, Replay
 
 FEATURE_WARMUP = 64  # shared.market zeroes feature rows before this bar
@@ -176,6 +176,10 @@ class TrainConfig:
     network's heads and IQN, the projections) on a side stream beside its online forward pass. On the H200 the
     batch-4 096 update's graph replay went 3.63 → 3.47 ms: the targets' kernels are large enough to fill the GPU, so
     the streams overlap little (bench/README.md, train_speed.py, session 11)."""
+    fused_c51: bool = True
+    """On CUDA, the update's C51 chain of the taken actions (softmax, portfolio shift, cross-entropy, the direction
+    branch's entropy and utilisation, forward and backward) as two Triton kernels (`services.trainer.fused_c51`)
+    instead of the ~20 kernels torch.compile made of it; the same numbers up to the order of float sums."""
     act_view_cache: bool = False
     """Off by default: on the CPU learning bench (3 seeds, `small`) acting on the cached view reached OOS per-trade
     Sharpes 0.493 / 0.647 / 0.411 against 0.941 / 0.606 / 0.595 with the heads run fresh (bench/README.md,
@@ -525,7 +529,8 @@ def make_update(agent: Agent, target: Agent, opt: torch.optim.Optimizer, replay:
     M, Hs = cfg.iqn_quantiles, sample_horizons(cfg)
     params = [p for p in agent.parameters()]
     tparams = [p for p in target.parameters()]
-    n_ens, NBR = agent.cfg.ensemble, len(agent.cfg.branch_sizes)
+    n_ens = agent.cfg.ensemble
+    fused = cfg.fused_c51 and fused_c51_available(windows)
 
     def update(b: Batch, noise: torch.Tensor | None = None, after_backward: Callable[[], None] | None = None,
                targets_via: Callable[[Batch, torch.Tensor], tuple[Targets, Callable[[], None]]] | None = None
@@ -548,10 +553,8 @@ def make_update(agent: Agent, target: Agent, opt: torch.optim.Optimizer, replay:
         if n_enc < N:
             emb = torch.cat([emb, buf.emb_online[b.bar[n_enc:]].to(emb.dtype)])
         out = agent.head(emb, b.portfolio)
-        K, A = out.logits.shape[1], out.logits.shape[3]
-        # the logits and portfolio shift of the taken action of every branch
+        # the portfolio shift of the taken action of every branch
         col = b.action + agent.branch_first                                                # N × NBR
-        logits_a = out.logits.gather(2, col.view(N, 1, NBR, 1).expand(-1, K, -1, A)).transpose(1, 2)  # N×NBR×K×A
         d_a = out.delta.gather(1, col)                                                     # N × NBR
         # IQN: the online quantiles of the taken direction at τ (shifted by δ_direction), on the first n_q samples
         n_q = iqn_rows(cfg, N)
@@ -562,13 +565,12 @@ def make_update(agent: Agent, target: Agent, opt: torch.optim.Optimizer, replay:
         wait()
         # --- C51 loss of every branch against its target; each ensemble member trains on its bootstrap mask ---
         # the distribution of (s, p, a): the market one with its atoms moved by the portfolio shift δ_a
-        probs = shift_distribution(torch.softmax(logits_a.float(), -1).reshape(N * NBR, K, A), d_a.reshape(-1), z)
-        ce = c51_cross_entropy_probs(probs.view(N, NBR, K, A), tg.dist.unsqueeze(2))        # N × NBR × K
+        ce, ent_k, util_k = c51_branch_losses(out.logits, col, d_a, tg.dist, z, agent.cfg.branch_sizes,
+                                              fused=fused)                                 # N × NBR × K, N × K
         member = (noise[:, :n_ens] < cfg.ensemble_mask_p).float()                          # N × K
         c51 = ((ce * member.unsqueeze(1)).sum(2) / member.sum(1, keepdim=True).clamp(min=1.0)).sum(1)  # N
         priority = ce[:, 0].mean(1).detach()
-        ent = atom_entropy(logits_a[:, 0]).mean()
-        util = atom_utilisation(logits_a[:, 0].detach())
+        ent, util = ent_k.mean(), util_k.mean()
         # --- IQN quantile Huber on the direction branch (in units of v_max, κ = 1), blended over horizons ---
         qh = quantile_huber_loss((th / v_max).repeat_interleave(Hs, 0), (tg.quantiles / v_max).reshape(n_q * Hs, M),
                                  taus.repeat_interleave(Hs, 0))                            # n_q·H'

@@ -1,0 +1,147 @@
+"""The update's C51 chain as two Triton kernels (CUDA): `c51_branch_losses(..., fused=True)`.
+
+What it computes is `services.trainer.losses.c51_branch_losses_reference`, for each sample n and branch b:
+    the logits of the taken action c = col[n, b] of every ensemble member k      (gathered from the N × K × NB × A
+                                                                                  market logits)
+    p_k = softmax(logits)                                                         (fp32)
+    q_k = Φ(z + δ)(p_k)            the portfolio shift δ = delta[n, b], projected (`losses.shift_distribution`)
+    ce[n, b, k] = −Σ_i T_i log max(q_ki, ε)   against the target T = target[n, b]
+and, of the direction branch (b = 0), the entropy of p_k and its atom utilisation (fraction of atoms above ½/A).
+
+Why by hand: compiled, that chain was ~20 kernels of the update's graph, ~340 µs of its 1.95 ms at batch 4 096 on the
+H200 (gather, softmax, the shift's four-tap gathers, cross-entropy, entropy, and the same backward, plus the
+scatter that takes the gathered logits' gradient apart; bench/train_profile.py --trace, session 14). Each kernel
+moved ~12 MB and was bound by its index arithmetic, not by memory. Here one program holds one (sample, branch): the
+K × A logits in registers, and the shift's four taps gather from the registers (`tl.gather`) — the probabilities
+(forward) or the saved ratio T / q (backward) — so nothing goes through memory between the steps.
+Measured on the H200 (session 15, bench/c51_kernel_speed.py, forward + backward at batch 4 096): 159 µs against
+314 µs for the compiled chain; the update's graph replay 1.92 → 1.70 ms (bench/train_profile.py --variants). The
+kernels are bound by latency: more rows or warps a program were slower (`LAUNCH`), and taps read from global memory
+(L1) instead of gathered from registers were 186 µs at best.
+
+- Forward kernel: ce, entropy, utilisation, and r = T / max(q, ε) · [q ≥ ε] (N × NBR × K × A, fp32) for the backward.
+- Backward kernel: recomputes the softmax, gathers −g_ce · r at each source atom's four candidate outputs
+  (`losses._shift_pairs`, transposed: the same weights and subgradients), adds the entropy's gradient on the
+  direction branch, and writes the gradient of the whole N × K × NB × A logits tensor (zeros at the actions not
+  taken): no zero-fill and no scatter. ∂/∂δ: Σ p_j g_i ∂w_ij/∂(z_j + δ).
+Values and subgradients are the reference's (the dense hat weights'), up to the order of float sums:
+tests/test_fused_c51.py compares them on the GPU.
+
+Triton is torch's own compiler backend (what torch.compile generates its kernels with), present wherever torch runs
+on CUDA; it is imported only when the fused path runs. The ops are torch custom ops, so torch.compile keeps them as
+they are and a CUDA graph captures their launches.
+"""
+from __future__ import annotations
+
+import torch
+
+EPS = 1e-6
+UTIL_THRESHOLD = 0.5
+LAUNCH = {"rows": 1, "num_warps": 1}
+"""Launch settings of both kernels: (sample, branch) rows per program and warps per program. One row and one warp was
+the fastest on the H200 (bench/c51_kernel_speed.py): more rows or warps a program need more registers per thread or
+more threads per row, and the kernels are bound by how many programs an SM keeps in flight."""
+
+
+def available(x: torch.Tensor) -> bool:
+    """Whether the fused kernels can run on x's device (CUDA with Triton importable)."""
+    if not x.is_cuda:
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _kernels():
+    from services.trainer import _c51_triton
+    return _c51_triton.fwd, _c51_triton.bwd
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@torch.library.custom_op("tradeloop::c51_branch_fwd", mutates_args=())
+def _fwd(logits: torch.Tensor, col: torch.Tensor, delta: torch.Tensor, target: torch.Tensor,
+         support: torch.Tensor, branch_sizes: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    N, K, NB, A = logits.shape
+    NBR = col.shape[1]
+    assert logits.stride(3) == 1, "the logits' atoms must be contiguous"
+    f32 = dict(dtype=torch.float32, device=logits.device)
+    ce, ent, util = torch.empty(N, NBR, K, **f32), torch.empty(N, K, **f32), torch.empty(N, K, **f32)
+    r = torch.empty(N, NBR, K, A, **f32)
+    fwd, _ = _kernels()
+    rows = LAUNCH["rows"]
+    fwd[(_cdiv(N * NBR, rows),)](
+        logits, logits.stride(0), logits.stride(1), logits.stride(2), col.contiguous(), delta.contiguous().float(),
+        target.contiguous().float(), support.contiguous().float(), N * NBR, ce, ent, util, r,
+        NBR=NBR, K=K, A=A, KP=_pow2(K), AP=_pow2(A), ROWS=rows, EPS=EPS, UTIL=UTIL_THRESHOLD, num_warps=LAUNCH["num_warps"])
+    return ce, ent, util, r
+
+
+@_fwd.register_fake
+def _(logits, col, delta, target, support, branch_sizes):
+    N, K, _, A = logits.shape
+    NBR = col.shape[1]
+    e = lambda *s: logits.new_empty(*s, dtype=torch.float32)  # noqa: E731
+    return e(N, NBR, K), e(N, K), e(N, K), e(N, NBR, K, A)
+
+
+@torch.library.custom_op("tradeloop::c51_branch_bwd", mutates_args=())
+def _bwd(logits: torch.Tensor, col: torch.Tensor, delta: torch.Tensor, support: torch.Tensor, r: torch.Tensor,
+         grad_ce: torch.Tensor, grad_ent: torch.Tensor, branch_sizes: list[int]
+         ) -> tuple[torch.Tensor, torch.Tensor]:
+    N, K, NB, A = logits.shape
+    NBR = col.shape[1]
+    assert NBR == len(branch_sizes) == 3 and sum(branch_sizes) == NB, "three branches covering the NB actions"
+    grad_logits = torch.empty(N, K, NB, A, dtype=logits.dtype, device=logits.device)
+    grad_delta = torch.empty(N, NBR, dtype=torch.float32, device=logits.device)
+    _, bwd = _kernels()
+    rows = LAUNCH["rows"]
+    bwd[(_cdiv(N * NBR, rows),)](
+        logits, logits.stride(0), logits.stride(1), logits.stride(2), col.contiguous(), delta.contiguous().float(),
+        support.contiguous().float(), N * NBR, r, grad_ce.contiguous().float(), grad_ent.contiguous().float(),
+        grad_logits, grad_delta, NBR=NBR, K=K, A=A, KP=_pow2(K), AP=_pow2(A), ROWS=rows, NB=NB,
+        S0=branch_sizes[0], S1=branch_sizes[1], S2=branch_sizes[2], MAXB=max(branch_sizes),
+        num_warps=LAUNCH["num_warps"])
+    return grad_logits, grad_delta
+
+
+@_bwd.register_fake
+def _(logits, col, delta, support, r, grad_ce, grad_ent, branch_sizes):
+    N, K, NB, A = logits.shape
+    return (torch.empty(N, K, NB, A, dtype=logits.dtype, device=logits.device),
+            logits.new_empty(N, col.shape[1], dtype=torch.float32))
+
+
+def _setup_context(ctx, inputs, output):
+    logits, col, delta, _, support, branch_sizes = inputs
+    ctx.branch_sizes = list(branch_sizes)
+    ctx.save_for_backward(logits, col, delta, support, output[3])
+    ctx.mark_non_differentiable(output[2], output[3])
+
+
+def _backward(ctx, grad_ce, grad_ent, _grad_util, _grad_r):
+    logits, col, delta, support, r = ctx.saved_tensors
+    N, K, NB, _ = logits.shape
+    grad_ce = torch.zeros(N, col.shape[1], K, device=logits.device) if grad_ce is None else grad_ce
+    grad_ent = torch.zeros(N, K, device=logits.device) if grad_ent is None else grad_ent
+    grad_logits, grad_delta = _bwd(logits, col, delta, support, r, grad_ce, grad_ent, ctx.branch_sizes)
+    return grad_logits, None, grad_delta, None, None, None
+
+
+_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def c51_branch_losses_fused(logits: torch.Tensor, col: torch.Tensor, delta: torch.Tensor, target: torch.Tensor,
+                            support: torch.Tensor, branch_sizes: tuple[int, ...]
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`losses.c51_branch_losses_reference` on CUDA as two Triton kernels (the module's docstring)."""
+    ce, ent, util, _ = _fwd(logits, col, delta, target.detach(), support, list(branch_sizes))
+    return ce, ent, util

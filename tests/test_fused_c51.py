@@ -1,0 +1,106 @@
+"""The fused C51 kernels (`services.trainer.fused_c51`) against the reference chain they replace
+(`losses.c51_branch_losses_reference`): values and gradients, at the shifts where the projection has kinks.
+
+Runs on a CUDA GPU; without one, under Triton's interpreter on the CPU when asked (`TRITON_INTERPRET=1` with
+triton importable); skipped otherwise (the CI machine has neither)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from services.trainer.losses import c51_branch_losses
+
+
+def _device() -> str | None:
+    if torch.cuda.is_available():
+        return "cuda"
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        try:
+            import triton  # noqa: F401
+            return "cpu"
+        except ImportError:
+            return None
+    return None
+
+
+DEV = _device()
+pytestmark = pytest.mark.skipif(DEV is None, reason="needs a CUDA GPU (or TRITON_INTERPRET=1 with triton)")
+
+BRANCHES = (3, 2, 3)
+
+
+def _inputs(case: str, dtype: torch.dtype, N: int = 40, K: int = 5, A: int = 51, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    NB = sum(BRANCHES)
+    z = torch.linspace(-0.05, 0.05, A)
+    dz = 0.1 / (A - 1)
+    # the market logits as the agent makes them: a row of one wider GEMM output, sliced (not contiguous)
+    wide = torch.randn(N, K * NB * A + 8, generator=g) * 2.0
+    first = torch.tensor([0, BRANCHES[0], BRANCHES[0] + BRANCHES[1]])
+    col = torch.stack([torch.randint(0, n, (N,), generator=g) for n in BRANCHES], 1) + first
+    delta = {"random": torch.randn(N, 3, generator=g) * 0.03, "zero": torch.zeros(N, 3),
+             "whole steps": torch.randint(-12, 12, (N, 3), generator=g).float() * dz,
+             "past the ends": torch.linspace(-0.3, 0.3, N * 3).view(N, 3),
+             "on the ends": torch.tensor([-0.1, 0.1, 0.0]).repeat(N, 1)}[case]
+    target = torch.softmax(torch.randn(N, 3, A, generator=g) * 2.0, -1)
+    w_ce, w_ent = torch.rand(N, 3, K, generator=g), torch.rand(N, K, generator=g)
+    return wide.to(dtype), col, delta, target, z, w_ce, w_ent, (N, K, NB, A)
+
+
+@pytest.fixture(params=[1, 4], ids=["1 row a program", "4 rows a program"])
+def launch(request):
+    from services.trainer import fused_c51
+    saved = dict(fused_c51.LAUNCH)
+    fused_c51.LAUNCH.update(rows=request.param, num_warps=request.param)
+    yield
+    fused_c51.LAUNCH.update(saved)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", ["random", "zero", "whole steps", "past the ends", "on the ends"])
+def test_fused_equals_the_reference_values_and_gradients(case, dtype, launch):
+    wide0, col, delta0, target, z, w_ce, w_ent, (N, K, NB, A) = _inputs(case, dtype)
+    out = []
+    for fused in (False, True):
+        wide = wide0.to(DEV, copy=True).requires_grad_()
+        delta = delta0.to(DEV, copy=True).requires_grad_()
+        logits = wide[:, :K * NB * A].view(N, K, NB, A)
+        ce, ent, util = c51_branch_losses(logits, col.to(DEV), delta, target.to(DEV), z.to(DEV), BRANCHES,
+                                          fused=fused)
+        ((ce * w_ce.to(DEV)).sum() + (ent * w_ent.to(DEV)).sum()).backward()
+        out.append([x.detach().float().cpu() for x in (ce, ent, util, wide.grad, delta.grad)])
+    for name, ref, got in zip(("ce", "entropy", "utilisation", "d/dlogits", "d/dδ"), *out):
+        scale = 1.0 + float(ref.abs().max())
+        tol = dict(rtol=1e-4, atol=1e-5 * scale) if dtype == torch.float32 else dict(rtol=2e-2, atol=1e-2 * scale)
+        if name == "d/dlogits" and dtype == torch.bfloat16:
+            # the reference rounds each term's gradient to bf16 and adds them; the kernel adds in fp32, then rounds
+            tol = dict(rtol=2e-2, atol=2e-2 * scale)
+        torch.testing.assert_close(got, ref, **tol, msg=lambda m: f"{case}, {dtype}, {name}: {m}")
+    grad = out[1][3][:, :K * NB * A].view(N, K, NB, A)
+    taken = torch.zeros(N, NB, dtype=torch.bool).scatter_(1, col, True)
+    assert torch.all(grad[~taken.view(N, 1, NB).expand(N, K, NB)] == 0), "untaken actions get no gradient"
+    assert torch.all(out[1][3][:, K * NB * A:] == 0), "the padding columns get no gradient"
+    assert out[1][4].abs().sum() > 0
+
+
+def test_fused_under_torch_compile_equals_eager():
+    """Compiled, the custom ops stay whole: the same numbers as called eagerly."""
+    if DEV != "cuda":
+        pytest.skip("torch.compile of the custom op: CUDA only")
+    wide0, col, delta0, target, z, w_ce, w_ent, (N, K, NB, A) = _inputs("random", torch.bfloat16)
+
+    def loss(wide, delta):
+        logits = wide[:, :K * NB * A].view(N, K, NB, A)
+        ce, ent, _ = c51_branch_losses(logits, col.cuda(), delta, target.cuda(), z.cuda(), BRANCHES, fused=True)
+        return (ce * w_ce.cuda()).sum() + (ent * w_ent.cuda()).sum()
+
+    grads = []
+    for fn in (loss, torch.compile(loss, fullgraph=True)):
+        wide, delta = wide0.cuda().requires_grad_(), delta0.cuda().requires_grad_()
+        value = fn(wide, delta)
+        value.backward()
+        grads.append((value.detach(), wide.grad, delta.grad))
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a.float(), b.float(), rtol=1e-5, atol=1e-5)
