@@ -2,7 +2,10 @@
 (`losses.c51_branch_losses_reference`): values and gradients, at the shifts where the projection has kinks.
 
 Runs on a CUDA GPU; without one, under Triton's interpreter on the CPU when asked (`TRITON_INTERPRET=1` with
-triton importable); skipped otherwise (the CI machine has neither)."""
+triton importable), as `make test` does in a second pytest run (the Makefile installs triton beside the venv);
+skipped otherwise. The interpreter executes the kernels' code with numpy, so it checks their indexing and
+arithmetic but not the GPU's rounding: at kinks that decided the subgradient, which only the GPU run caught
+(bench/README.md, session 15)."""
 from __future__ import annotations
 
 import os
