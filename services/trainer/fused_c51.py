@@ -35,8 +35,8 @@ from __future__ import annotations
 
 import torch
 
-EPS = 1e-6
-UTIL_THRESHOLD = 0.5
+from services.trainer.losses import C51_EPS, UTIL_THRESHOLD
+
 LAUNCH = {"rows": 1, "num_warps": 1}
 """Launch settings of both kernels: (sample, branch) rows per program and warps per program. One row and one warp was
 the fastest on the H200 (bench/c51_kernel_speed.py): more rows or warps a program need more registers per thread or
@@ -55,16 +55,9 @@ def available(x: torch.Tensor) -> bool:
 
 
 def _kernels():
+    import triton
     from services.trainer import _c51_triton
-    return _c51_triton.fwd, _c51_triton.bwd
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
+    return triton, _c51_triton.fwd, _c51_triton.bwd
 
 
 @torch.library.custom_op("tradeloop::c51_branch_fwd", mutates_args=())
@@ -76,12 +69,13 @@ def _fwd(logits: torch.Tensor, col: torch.Tensor, delta: torch.Tensor, target: t
     f32 = dict(dtype=torch.float32, device=logits.device)
     ce, ent, util = torch.empty(N, NBR, K, **f32), torch.empty(N, K, **f32), torch.empty(N, K, **f32)
     r = torch.empty(N, NBR, K, A, **f32)
-    fwd, _ = _kernels()
+    triton, fwd, _ = _kernels()
     rows = LAUNCH["rows"]
-    fwd[(_cdiv(N * NBR, rows),)](
+    fwd[(triton.cdiv(N * NBR, rows),)](
         logits, logits.stride(0), logits.stride(1), logits.stride(2), col.contiguous(), delta.contiguous().float(),
         target.contiguous().float(), support.contiguous().float(), N * NBR, ce, ent, util, r,
-        NBR=NBR, K=K, A=A, KP=_pow2(K), AP=_pow2(A), ROWS=rows, EPS=EPS, UTIL=UTIL_THRESHOLD, num_warps=LAUNCH["num_warps"])
+        NBR=NBR, K=K, A=A, KP=triton.next_power_of_2(K), AP=triton.next_power_of_2(A), ROWS=rows, EPS=C51_EPS,
+        UTIL=UTIL_THRESHOLD, num_warps=LAUNCH["num_warps"])
     return ce, ent, util, r
 
 
@@ -102,13 +96,13 @@ def _bwd(logits: torch.Tensor, col: torch.Tensor, delta: torch.Tensor, support: 
     assert NBR == len(branch_sizes) == 3 and sum(branch_sizes) == NB, "three branches covering the NB actions"
     grad_logits = torch.empty(N, K, NB, A, dtype=logits.dtype, device=logits.device)
     grad_delta = torch.empty(N, NBR, dtype=torch.float32, device=logits.device)
-    _, bwd = _kernels()
+    triton, _, bwd = _kernels()
     rows = LAUNCH["rows"]
-    bwd[(_cdiv(N * NBR, rows),)](
+    bwd[(triton.cdiv(N * NBR, rows),)](
         logits, logits.stride(0), logits.stride(1), logits.stride(2), col.contiguous(), delta.contiguous().float(),
         support.contiguous().float(), N * NBR, r, grad_ce.contiguous().float(), grad_ent.contiguous().float(),
-        grad_logits, grad_delta, NBR=NBR, K=K, A=A, KP=_pow2(K), AP=_pow2(A), ROWS=rows, NB=NB,
-        S0=branch_sizes[0], S1=branch_sizes[1], S2=branch_sizes[2], MAXB=max(branch_sizes),
+        grad_logits, grad_delta, NBR=NBR, K=K, A=A, KP=triton.next_power_of_2(K), AP=triton.next_power_of_2(A),
+        ROWS=rows, NB=NB, S0=branch_sizes[0], S1=branch_sizes[1], S2=branch_sizes[2], MAXB=max(branch_sizes),
         num_warps=LAUNCH["num_warps"])
     return grad_logits, grad_delta
 

@@ -163,7 +163,13 @@ def c51_branch_losses_reference(logits: torch.Tensor, col: torch.Tensor, delta: 
     return ce, atom_entropy(logits_a[:, 0]), atom_utilisation(logits_a[:, 0].detach())
 
 
-def c51_cross_entropy_probs(probs: torch.Tensor, target_probs: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+C51_EPS = 1e-6
+"""Floor of a predicted probability inside the C51 cross-entropy's log."""
+UTIL_THRESHOLD = 0.5
+"""An atom counts as used when it holds more than UTIL_THRESHOLD / A of the mass (`atom_utilisation`)."""
+
+
+def c51_cross_entropy_probs(probs: torch.Tensor, target_probs: torch.Tensor, eps: float = C51_EPS) -> torch.Tensor:
     """−Σ_i m_i log p_i(s, a) of predicted probabilities (a shifted distribution, `shift_distribution`), no gradient
     through the target: ... × A → ...."""
     return -(target_probs.detach() * torch.log(probs.clamp(min=eps))).sum(-1)
@@ -219,7 +225,7 @@ def atom_entropy(logits: torch.Tensor) -> torch.Tensor:
     return -(logp.exp() * logp).sum(-1)
 
 
-def atom_utilisation(logits: torch.Tensor, threshold: float = 0.5) -> torch.Tensor:
+def atom_utilisation(logits: torch.Tensor, threshold: float = UTIL_THRESHOLD) -> torch.Tensor:
     """Fraction of atoms holding more than `threshold / A` of the mass, of each distribution: ... × A → ...."""
     A = logits.shape[-1]
     return (torch.softmax(logits, dim=-1) > threshold / A).float().mean(-1)
