@@ -6,7 +6,7 @@ import torch
 
 from services.trainer.losses import (adapt_entropy_coef, atom_utilisation, c51_cross_entropy_probs, expectile_loss,
                                      nstep_returns, project_distribution, projection_weights,
-                                     quantile_huber_loss)
+                                     quantile_huber_loss, top_two)
 
 Z3 = torch.tensor([-1.0, 0.0, 1.0])  # 3-atom support, Δz = 1
 
@@ -203,3 +203,30 @@ def _shift_on(dev: str) -> list[torch.Tensor]:
     q = shift_distribution(p, d, z.to(dev))
     (q * torch.linspace(0.5, 2.0, 51, device=dev)).square().sum().backward()
     return [x.detach().cpu() for x in (q, p.grad, d.grad)]
+
+
+@pytest.mark.parametrize("n", [3, 5])
+def test_top_two_equals_topk_with_a_subgradient_at_ties(n):
+    """`top_two` (max / median form for the direction branch's three actions) gives topk's two values exactly,
+    ties and equal rows included, and the gradient of their gap: +1 at the largest, −1 at the second, apart from
+    ties, where it may split between the tied entries but keeps the same sums."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(64, n, generator=g)
+    q[:8] = torch.randint(0, 2, (8, n), generator=g).float()           # ties: two or three equal values
+    q[8] = 0.5                                                          # a row of equal values
+    q.requires_grad_(True)
+    first, second = top_two(q)
+    want = q.detach().topk(2, dim=1).values
+    assert torch.equal(first.detach(), want[:, 0]) and torch.equal(second.detach(), want[:, 1])
+    (first - second).sum().backward()
+    gq = q.grad
+    assert torch.allclose(gq.sum(1), torch.zeros(64))                   # +1 and −1 in every row
+    vals = q.detach()
+    untied = (vals.unsqueeze(2) != vals.unsqueeze(1)).sum((1, 2)) == n * (n - 1)
+    assert untied.sum() > 40
+    ref = torch.zeros_like(vals)
+    ref.scatter_(1, vals.topk(2, dim=1).indices, torch.tensor([1.0, -1.0]).expand(64, 2))
+    assert torch.equal(gq[untied], ref[untied])
+    # at ties: the gradient stays on the entries holding the largest and second values
+    on_top = (vals >= want[:, 1:2])
+    assert torch.all(gq[~on_top] == 0)

@@ -151,6 +151,7 @@ def _run(data, accel: str, epochs: int = 2, **kw):
 PRECISIONS = {"fp32": ("graph", dict(), 2e-3, 0.98),
               "bf16+sub-batch": ("graph", dict(bf16=True, encoder_batch=16), 1e-1, 0.9),
               "fp32+compile": ("compile+graph", dict(), 1e-1, 0.85),
+              "fp32+compile, reference C51": ("compile+graph", dict(fused_c51=False), 1e-1, 0.85),
               "fp32+sub-batches": ("graph", dict(encoder_batch=16, iqn_batch=16, horizon_sample=True), 2e-3, 0.98)}
 
 

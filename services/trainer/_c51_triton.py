@@ -132,3 +132,145 @@ def bwd(logits_ptr, s_n, s_k, s_c, col_ptr, delta_ptr, z_ptr, n_rows, r_ptr, gce
         cc = first + a
         ptr = gl_ptr + ((n * K + k) * NB + cc) * A + i
         tl.store(ptr, tl.where(cc == c, out, tl.zeros_like(out)), mask=m3 & (a < size))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The same two kernels with the members in a loop: a program's tile is ROWS × AP (rows × atoms) and the K members
+# are visited one after another, so K is not padded to a power of two (5 → 8) and each `tl.gather` works on a
+# ROWS × AP tile instead of ROWS × KP × AP. What depends on the row alone (the taps' sources and weights) is
+# computed once, before the loop. `fused_c51.LAUNCH["layout"]` picks "tile" (above) or "loop" (here).
+# ---------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _row_setup(pid, n_rows, col_ptr, delta_ptr, z_ptr, NBR: tl.constexpr, A: tl.constexpr, AP: tl.constexpr,
+               ROWS: tl.constexpr):
+    row = pid * ROWS + tl.arange(0, ROWS)[:, None]                         # ROWS × 1: (sample n, branch b)
+    i = tl.arange(0, AP)[None, :]                                          # 1 × AP: atom
+    rm, am = row < n_rows, i < A
+    row = tl.where(rm, row, 0).to(tl.int64)
+    c = tl.load(col_ptr + row).to(tl.int64)
+    vmin = tl.load(z_ptr)
+    vmax = tl.load(z_ptr + A - 1)
+    dz = _div(vmax - vmin, A - 1.0)
+    delta = tl.load(delta_ptr + row)                                       # ROWS × 1
+    s = tl.floor(_div(delta, dz))
+    s = tl.minimum(tl.maximum(s, -A - 2.0), A + 2.0).to(tl.int32)          # ⌊δ / Δz⌋
+    zi = tl.load(z_ptr + i, mask=am, other=0.0)                            # 1 × AP
+    return row, row // NBR, c, i, rm, am, vmin, vmax, dz, delta, s, zi
+
+
+@triton.jit
+def _softmax(base, i, m2, am):
+    lg = tl.load(base + i, mask=m2, other=0.0).to(tl.float32)
+    lg = tl.where(am, lg, float("-inf"))
+    mx = tl.max(lg, axis=1)[:, None]
+    e = tl.exp(lg - mx)
+    zs = tl.sum(e, axis=1)[:, None]
+    return e * _div(1.0, zs), lg - mx - tl.log(zs)
+
+
+@triton.jit
+def _fwd_taps(i, s, delta, zi, z_ptr, vmin, vmax, dz, am, t: tl.constexpr, A: tl.constexpr):
+    """Output atom i's candidate source j = i − ⌊u⌋ + t − 2 (clamped) and its hat weight."""
+    j = i - s + (t - 2)                                                    # ROWS × AP
+    jc = tl.minimum(tl.maximum(j, 0), A - 1)
+    x = tl.load(z_ptr + jc) + delta                                        # z_j + δ
+    valid = (j >= 0) & (j < A) & (x >= vmin) & (x <= vmax) & am
+    h = 1.0 - _div(tl.abs(x - zi), dz)
+    return jc, tl.where(valid, tl.minimum(tl.maximum(h, 0.0), 1.0), 0.0)
+
+
+@triton.jit
+def fwd_loop(logits_ptr, s_n, s_k, s_c, col_ptr, delta_ptr, target_ptr, z_ptr, n_rows,
+             ce_ptr, ent_ptr, util_ptr, r_ptr,
+             NBR: tl.constexpr, K: tl.constexpr, A: tl.constexpr, AP: tl.constexpr,
+             ROWS: tl.constexpr, EPS: tl.constexpr, UTIL: tl.constexpr):
+    pid = tl.program_id(0)
+    row, n, c, i, rm, am, vmin, vmax, dz, delta, s, zi = _row_setup(
+        pid, n_rows, col_ptr, delta_ptr, z_ptr, NBR, A, AP, ROWS)
+    m2 = rm & am
+    j0, w0 = _fwd_taps(i, s, delta, zi, z_ptr, vmin, vmax, dz, am, 0, A)
+    j1, w1 = _fwd_taps(i, s, delta, zi, z_ptr, vmin, vmax, dz, am, 1, A)
+    j2, w2 = _fwd_taps(i, s, delta, zi, z_ptr, vmin, vmax, dz, am, 2, A)
+    j3, w3 = _fwd_taps(i, s, delta, zi, z_ptr, vmin, vmax, dz, am, 3, A)
+    xs = zi + delta
+    lo_m, hi_m = am & (xs < vmin), am & (xs > vmax)
+    tgt = tl.load(target_ptr + row * A + i, mask=m2, other=0.0)
+    base = logits_ptr + n * s_n + c * s_c
+    r1 = tl.reshape(row, (ROWS,))
+    rm1 = tl.reshape(rm, (ROWS,))
+    first = rm1 & (r1 % NBR == 0)                                          # the direction branch's rows
+    for k in tl.static_range(K):
+        p, logp = _softmax(base + k * s_k, i, m2, am)
+        ent = -tl.sum(tl.where(am, p * logp, 0.0), axis=1)                # ROWS
+        util = tl.sum(tl.where(am & (p > UTIL / A), 1.0, 0.0), axis=1) / A
+        q = (tl.gather(p, j0, 1) * w0 + tl.gather(p, j1, 1) * w1
+             + tl.gather(p, j2, 1) * w2 + tl.gather(p, j3, 1) * w3)        # from the registers
+        low = tl.sum(tl.where(lo_m, p, 0.0), axis=1)[:, None]
+        high = tl.sum(tl.where(hi_m, p, 0.0), axis=1)[:, None]
+        q += tl.where(i == 0, low, 0.0) + tl.where(i == A - 1, high, 0.0)
+        qc = tl.maximum(q, EPS)
+        ce = -tl.sum(tl.where(am, tgt * tl.log(qc), 0.0), axis=1)
+        tl.store(r_ptr + (row * K + k) * A + i, tl.where(q >= EPS, tgt / qc, 0.0), mask=m2)
+        tl.store(ce_ptr + r1 * K + k, ce, mask=rm1)
+        tl.store(ent_ptr + (r1 // NBR) * K + k, ent, mask=first)
+        tl.store(util_ptr + (r1 // NBR) * K + k, util, mask=first)
+
+
+@triton.jit
+def _bwd_taps(i, s, xs, inside, z_ptr, dz, t: tl.constexpr, A: tl.constexpr):
+    """Source atom i's candidate output o = i + ⌊u⌋ − t + 2 (clamped), its hat weight and that weight's derivative
+    in z_i + δ (the subgradient clip(h, 0, 1)' · |d|')."""
+    o = i + s - (t - 2)
+    oc = tl.minimum(tl.maximum(o, 0), A - 1)
+    valid = (o >= 0) & (o < A) & inside
+    d = xs - tl.load(z_ptr + oc)
+    h = 1.0 - _div(tl.abs(d), dz)
+    w = tl.where(valid, tl.minimum(tl.maximum(h, 0.0), 1.0), 0.0)
+    sg = tl.where(d > 0, 1.0, tl.where(d < 0, -1.0, 0.0))
+    return oc, w, tl.where(valid & (h >= 0.0), _div(-sg, dz), 0.0)
+
+
+@triton.jit
+def bwd_loop(logits_ptr, s_n, s_k, s_c, col_ptr, delta_ptr, z_ptr, n_rows, r_ptr, gce_ptr, gent_ptr, gl_ptr, gd_ptr,
+             NBR: tl.constexpr, K: tl.constexpr, A: tl.constexpr, AP: tl.constexpr,
+             ROWS: tl.constexpr, NB: tl.constexpr, S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr,
+             MAXB: tl.constexpr):
+    pid = tl.program_id(0)
+    row, n, c, i, rm, am, vmin, vmax, dz, delta, s, zi = _row_setup(
+        pid, n_rows, col_ptr, delta_ptr, z_ptr, NBR, A, AP, ROWS)
+    m2 = rm & am
+    xs = zi + delta                                                        # z_j + δ of each source j (here i)
+    inside = (xs >= vmin) & (xs <= vmax) & am
+    o0, w0, v0 = _bwd_taps(i, s, xs, inside, z_ptr, dz, 0, A)
+    o1, w1, v1 = _bwd_taps(i, s, xs, inside, z_ptr, dz, 1, A)
+    o2, w2, v2 = _bwd_taps(i, s, xs, inside, z_ptr, dz, 2, A)
+    o3, w3, v3 = _bwd_taps(i, s, xs, inside, z_ptr, dz, 3, A)
+    lo_m, hi_m = am & (xs < vmin), am & (xs > vmax)
+    b = row % NBR
+    first = tl.where(b == 0, 0, tl.where(b == 1, S0, S0 + S1))
+    size = tl.where(b == 0, S0, tl.where(b == 1, S1, S2))
+    base = logits_ptr + n * s_n + c * s_c
+    gd = tl.zeros((ROWS,), dtype=tl.float32)
+    for k in tl.static_range(K):
+        p, logp = _softmax(base + k * s_k, i, m2, am)
+        gce = tl.load(gce_ptr + row * K + k, mask=rm, other=0.0)          # ROWS × 1
+        rrow = r_ptr + (row * K + k) * A
+        rt = -gce * tl.load(rrow + i, mask=m2, other=0.0)                  # ∂ce/∂q of each output atom
+        g0, g1, g2, g3 = tl.gather(rt, o0, 1), tl.gather(rt, o1, 1), tl.gather(rt, o2, 1), tl.gather(rt, o3, 1)
+        gp = g0 * w0 + g1 * w1 + g2 * w2 + g3 * w3
+        gdw = g0 * v0 + g1 * v1 + g2 * v2 + g3 * v3
+        g_lo = -gce * tl.load(rrow, mask=rm, other=0.0)
+        g_hi = -gce * tl.load(rrow + A - 1, mask=rm, other=0.0)
+        gp += tl.where(lo_m, g_lo, 0.0) + tl.where(hi_m, g_hi, 0.0)
+        gd += tl.sum(tl.where(m2, p * gdw, 0.0), axis=1)
+        gl = p * (gp - tl.sum(tl.where(am, p * gp, 0.0), axis=1)[:, None])  # softmax backward
+        ent = -tl.sum(tl.where(am, p * logp, 0.0), axis=1)[:, None]
+        gent = tl.load(gent_ptr + n * K + k, mask=rm & (b == 0), other=0.0)
+        gl += tl.where(am, -gent * p * (logp + ent), 0.0)                 # ∂H/∂l = −p (log p + H)
+        # the gradient of every action of this branch: this row at the taken one, zeros at the others
+        out = gl.to(gl_ptr.dtype.element_ty)
+        for a in tl.static_range(MAXB):
+            cc = first + a
+            ptr = gl_ptr + ((n * K + k) * NB + cc) * A + i
+            tl.store(ptr, tl.where(cc == c, out, tl.zeros_like(out)), mask=m2 & (a < size))
+    tl.store(gd_ptr + tl.reshape(row, (ROWS,)), gd, mask=tl.reshape(rm, (ROWS,)))

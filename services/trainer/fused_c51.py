@@ -14,10 +14,11 @@ scatter that takes the gathered logits' gradient apart; bench/train_profile.py -
 moved ~12 MB and was bound by its index arithmetic, not by memory. Here one program holds one (sample, branch): the
 K × A logits in registers, and the shift's four taps gather from the registers (`tl.gather`) — the probabilities
 (forward) or the saved ratio T / q (backward) — so nothing goes through memory between the steps.
-Measured on the H200 (session 15, bench/c51_kernel_speed.py, forward + backward at batch 4 096): 159 µs against
-314 µs for the compiled chain; the update's graph replay 1.92 → 1.70 ms (bench/train_profile.py --variants). The
-kernels are bound by latency: more rows or warps a program were slower (`LAUNCH`), and taps read from global memory
-(L1) instead of gathered from registers were 186 µs at best.
+Measured on the H200 (bench/c51_kernel_speed.py, forward + backward at batch 4 096): 136 µs against 322 µs for the
+compiled chain (session 16, the members in a loop; session 15's all-members tile: 159 µs); with the tile, the
+update's graph replay went 1.92 → 1.70 ms (bench/train_profile.py --variants, session 15). The kernels are bound by
+latency: more rows or warps a program were slower (`LAUNCH`), and taps read from global memory (L1) instead of
+gathered from registers were 186 µs at best.
 
 - Forward kernel: ce, entropy, utilisation, and r = T / max(q, ε) · [q ≥ ε] (N × NBR × K × A, fp32) for the backward.
 - Backward kernel: recomputes the softmax, gathers −g_ce · r at each source atom's four candidate outputs
@@ -37,10 +38,13 @@ import torch
 
 from services.trainer.losses import C51_EPS, UTIL_THRESHOLD
 
-LAUNCH = {"rows": 1, "num_warps": 1}
-"""Launch settings of both kernels: (sample, branch) rows per program and warps per program. One row and one warp was
-the fastest on the H200 (bench/c51_kernel_speed.py): more rows or warps a program need more registers per thread or
-more threads per row, and the kernels are bound by how many programs an SM keeps in flight."""
+LAUNCH = {"rows": 1, "num_warps": 1, "layout": "loop"}
+"""Launch settings of both kernels: (sample, branch) rows per program, warps per program, and the layout: "loop"
+(a program's tile is rows × A, the K members one after another) or "tile" (its rows' K × A logits at once, K padded
+to a power of two). On the H200, forward + backward at batch 4 096 (bench/c51_kernel_speed.py, session 16): loop,
+1 row × 1 warp 136 µs; tile, 1 row × 1 warp 159 µs; every setting with more rows or warps a program was slower
+(168–1 029 µs): they need more registers per thread or more threads per row, and the kernels are bound by how many
+programs an SM keeps in flight."""
 
 
 def available(x: torch.Tensor) -> bool:
@@ -55,9 +59,21 @@ def available(x: torch.Tensor) -> bool:
 
 
 def _kernels():
+    """triton and the (forward, backward) kernels of the layout `LAUNCH` names."""
     import triton
     from services.trainer import _c51_triton
+    if LAUNCH["layout"] == "loop":
+        return triton, _c51_triton.fwd_loop, _c51_triton.bwd_loop
     return triton, _c51_triton.fwd, _c51_triton.bwd
+
+
+def _shape_args(K: int, A: int, rows: int) -> dict:
+    """The kernels' shape constants: the loop layout has no member padding KP."""
+    import triton
+    args = dict(K=K, A=A, AP=triton.next_power_of_2(A), ROWS=rows)
+    if LAUNCH["layout"] != "loop":
+        args["KP"] = triton.next_power_of_2(K)
+    return args
 
 
 @torch.library.custom_op("tradeloop::c51_branch_fwd", mutates_args=())
@@ -74,8 +90,7 @@ def _fwd(logits: torch.Tensor, col: torch.Tensor, delta: torch.Tensor, target: t
     fwd[(triton.cdiv(N * NBR, rows),)](
         logits, logits.stride(0), logits.stride(1), logits.stride(2), col.contiguous(), delta.contiguous().float(),
         target.contiguous().float(), support.contiguous().float(), N * NBR, ce, ent, util, r,
-        NBR=NBR, K=K, A=A, KP=triton.next_power_of_2(K), AP=triton.next_power_of_2(A), ROWS=rows, EPS=C51_EPS,
-        UTIL=UTIL_THRESHOLD, num_warps=LAUNCH["num_warps"])
+        NBR=NBR, **_shape_args(K, A, rows), EPS=C51_EPS, UTIL=UTIL_THRESHOLD, num_warps=LAUNCH["num_warps"])
     return ce, ent, util, r
 
 
@@ -101,9 +116,8 @@ def _bwd(logits: torch.Tensor, col: torch.Tensor, delta: torch.Tensor, support: 
     bwd[(triton.cdiv(N * NBR, rows),)](
         logits, logits.stride(0), logits.stride(1), logits.stride(2), col.contiguous(), delta.contiguous().float(),
         support.contiguous().float(), N * NBR, r, grad_ce.contiguous().float(), grad_ent.contiguous().float(),
-        grad_logits, grad_delta, NBR=NBR, K=K, A=A, KP=triton.next_power_of_2(K), AP=triton.next_power_of_2(A),
-        ROWS=rows, NB=NB, S0=branch_sizes[0], S1=branch_sizes[1], S2=branch_sizes[2], MAXB=max(branch_sizes),
-        num_warps=LAUNCH["num_warps"])
+        grad_logits, grad_delta, NBR=NBR, **_shape_args(K, A, rows), NB=NB, S0=branch_sizes[0], S1=branch_sizes[1],
+        S2=branch_sizes[2], MAXB=max(branch_sizes), num_warps=LAUNCH["num_warps"])
     return grad_logits, grad_delta
 
 

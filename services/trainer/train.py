@@ -37,7 +37,7 @@ from shared.rollout import MarketTensors
 from services.trainer.env import RewardConfig, TrainEnv
 from services.trainer.fused_c51 import available as fused_c51_available
 from services.trainer.losses import (adapt_entropy_coef, c51_branch_losses, expectile_loss, nstep_returns,
-                                     project_distribution, quantile_huber_loss)
+                                     project_distribution, quantile_huber_loss, top_two)
 from services.trainer.replay import Batch, Replay
 
 FEATURE_WARMUP = 64  # shared.market zeroes feature rows before this bar
@@ -138,11 +138,13 @@ class TrainConfig:
     """AdamW kernels on CUDA: "fused" (one `_fused_adamw_` launch per parameter group), "foreach" (the capturable
     multi-tensor form, which torch.compile lowers to its own fused Triton kernels), or "auto": foreach when the
     update is compiled, fused otherwise. A CPU always runs the default (single-tensor or foreach) form."""
-    inductor: str = ""
+    inductor: str = "combo_kernels,combo_kernels_pointwise_only"
     """Comma-separated boolean options of `torch._inductor.config` turned on ("name") or off ("!name") for the compiled
-    modes' step functions, e.g. "combo_kernels" (independent small kernels fused side by side into one launch; on the
-    H200 it cut the batch-1 024 update's kernels 605 → 367 but doubled its time, bench/README.md); "" = inductor's
-    defaults."""
+    modes' step functions; "" = inductor's defaults. The default fuses independent pointwise kernels side by side
+    into one launch (`combo_kernels`) and leaves reductions alone (`combo_kernels_pointwise_only`): on the H200 the
+    batch-4 096 update went from 543 to 380 kernels and its graph replay from 1.79 to 1.58 ms (session 16). Combined
+    reductions had doubled the update's time (one took 3.39 ms by itself, session 9; bench/README.md). On a CPU
+    inductor's C++ backend makes no combo kernels: the same kernels either way."""
     tf32: bool = True
     """On CUDA, float32 matmuls and convolutions on TF32 tensor cores (10-bit mantissa inputs, fp32 accumulate)."""
     emb_refresh: int = 50
@@ -580,9 +582,9 @@ def make_update(agent: Agent, target: Agent, opt: torch.optim.Optimizer, replay:
         expl = expectile_loss((y - out.value_e.float()) / v_max, cfg.expectile)           # N
         # --- stability terms on the online direction Q ---
         centre = ((q_dir.mean() - y.mean()) / v_max) ** 2
-        top2 = q_dir.topk(2, dim=1).values
+        first, second = top_two(q_dir)
         gap_star = cfg.q_gap_frac * y.std()
-        gap = (((top2[:, 0] - top2[:, 1]) - gap_star) / v_max).pow(2).mean()
+        gap = (((first - second) - gap_star) / v_max).pow(2).mean()
         lab = buf.hindsight[b.bar]                                                         # N
         has = (lab >= 0).float()
         hce = torch.nn.functional.cross_entropy(q_dir / (0.1 * v_max), lab.clamp(min=0), reduction="none")
