@@ -2,7 +2,7 @@
 launch setting (`services.trainer.fused_c51.LAUNCH`) side by side with the compiled reference chain they replace
 (`losses.c51_branch_losses_reference` under torch.compile), each captured in a CUDA graph and replayed.
 
-    python3 bench/c51_kernel_speed.py --batch 4096 --layouts tile loop --rows 1 2 4 --warps 1 2 4 --replays 200
+    python3 bench/c51_kernel_speed.py --batch 4096 --rows 1 2 4 --warps 1 2 4 --replays 200
 """
 from __future__ import annotations
 
@@ -60,8 +60,6 @@ def main() -> None:
     ap.add_argument("--atoms", type=int, default=51)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4], help="(sample, branch) rows a program")
     ap.add_argument("--warps", type=int, nargs="+", default=[1, 2, 4])
-    ap.add_argument("--layouts", nargs="+", default=["tile", "loop"], choices=["tile", "loop"],
-                    help="a program's tile: its rows' K × A logits at once, or rows × A with the members in a loop")
     ap.add_argument("--replays", type=int, default=200)
     ap.add_argument("--json", help="also write the fused variants' launch settings and µs to this file")
     a = ap.parse_args()
@@ -87,14 +85,12 @@ def main() -> None:
     table, launches = [], []
     ref = time_replay(make(False), a.replays)
     table.append(("reference chain, torch.compile", ref))
-    for layout in a.layouts:
-        for rows in a.rows:
-            for w in a.warps:
-                fused_c51.LAUNCH.update(rows=rows, num_warps=w, layout=layout)
-                us = time_replay(make(True), a.replays)
-                table.append((f"fused, {layout}, {rows} row{'s' if rows > 1 else ''} × {w} "
-                              f"warp{'s' if w > 1 else ''} a program", us))
-                launches.append(dict(fused_c51.LAUNCH, us=us))
+    for rows in a.rows:
+        for w in a.warps:
+            fused_c51.LAUNCH.update(rows=rows, num_warps=w)
+            us = time_replay(make(True), a.replays)
+            table.append((f"fused, {rows} row{'s' if rows > 1 else ''} × {w} warp{'s' if w > 1 else ''} a program", us))
+            launches.append(dict(fused_c51.LAUNCH, us=us))
     print(f"# c51_kernel_speed: batch {N}, K={K}, A={A}, branches {branches}, bf16 logits, "
           f"{torch.cuda.get_device_name()}, torch {torch.__version__}\n")
     print("| variant | µs per forward + backward (graph replay) | vs reference |")

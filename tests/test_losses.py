@@ -145,9 +145,24 @@ def test_shift_distribution_moves_the_mean_by_delta_and_is_differentiable():
 
 
 def _dense_shift(probs: torch.Tensor, delta: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-    """Φ(z + δ) with every A × A hat weight (the form `shift_distribution` replaced)."""
-    w = projection_weights(z.unsqueeze(0) + delta.unsqueeze(1), z)                 # N × A × A'
+    """Φ(z + δ) with every A × A hat weight (the form `shift_distribution` replaced), in atom units: w_ij =
+    clip(1 − |clip(j + δ / Δz, 0, A − 1) − i|, 0, 1) — `projection_weights(z + δ, z)` on an evenly spaced support,
+    without the rounding of the support's values."""
+    A = z.shape[0]
+    pos = (torch.arange(A) + (delta / ((z[-1] - z[0]) / (A - 1))).unsqueeze(1)).clamp(0, A - 1)   # N × A'
+    w = (1.0 - (pos.unsqueeze(1) - torch.arange(A).view(1, A, 1)).abs()).clamp(0.0, 1.0)          # N × A × A'
     return torch.einsum("nij,nkj->nki", w, probs)
+
+
+def test_dense_shift_in_atom_units_is_the_projection_of_the_moved_support():
+    """The test's dense shift is `projection_weights(z + δ, z)`, the C51 projection of the moved atoms, up to the
+    rounding of the support's values."""
+    g = torch.Generator().manual_seed(4)
+    z = torch.linspace(-0.05, 0.05, 51)
+    delta = torch.randn(16, generator=g) * 0.03
+    p = torch.softmax(torch.randn(16, 5, 51, generator=g), -1)
+    want = torch.einsum("nij,nkj->nki", projection_weights(z.unsqueeze(0) + delta.unsqueeze(1), z), p)
+    torch.testing.assert_close(_dense_shift(p, delta, z), want, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("case", ["random", "zero", "whole steps", "past the ends", "on the ends"])

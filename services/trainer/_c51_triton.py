@@ -1,8 +1,11 @@
 """The Triton kernels of `services.trainer.fused_c51` (imported only where they run: CUDA, or Triton's interpreter).
 
-One program holds ROWS (sample, branch) rows as a ROWS × KP × AP tile (members × atoms padded to powers of two);
-what depends on the row alone (its action, its shift δ, the hat weights of the four taps) is ROWS × 1 × AP and
-broadcasts over the members. The algorithm is described in `services.trainer.fused_c51`."""
+A program holds ROWS (sample, branch) rows as a ROWS × AP tile (atoms padded to a power of two) and visits the K
+ensemble members one after another; what depends on the row alone (its action, its shift, the taps' sources and
+weights) is computed once, before that loop. Session 15's kernels held all members at once, a ROWS × KP × AP tile
+(K = 5 padded to 8): 159 µs forward + backward at batch 4 096 on the H200 against 136 µs for this layout
+(bench/c51_kernel_speed.py, session 16). Positions and distances are in atom units (`losses._shift_pairs`): the
+source j lands at j + u, u = δ / Δz, exactly at δ = 0. The algorithm is described in `services.trainer.fused_c51`."""
 import triton
 import triton.language as tl
 
@@ -15,132 +18,6 @@ def _div(x, y):
 
 
 @triton.jit
-def _rows(pid, n_rows, logits_ptr, s_n, s_k, s_c, col_ptr, delta_ptr, z_ptr,
-          NBR: tl.constexpr, K: tl.constexpr, A: tl.constexpr, KP: tl.constexpr, AP: tl.constexpr,
-          ROWS: tl.constexpr):
-    """Indices, masks, the fp32 logits (padded atoms −inf), their softmax, and the support of a program's rows."""
-    row = pid * ROWS + tl.arange(0, ROWS)[:, None, None]                  # ROWS × 1 × 1: (sample n, branch b)
-    k = tl.arange(0, KP)[None, :, None]                                    # 1 × KP × 1: ensemble member
-    i = tl.arange(0, AP)[None, None, :]                                    # 1 × 1 × AP: atom
-    rm, km, am = row < n_rows, k < K, i < A
-    row = tl.where(rm, row, 0).to(tl.int64)
-    n = row // NBR
-    c = tl.load(col_ptr + row).to(tl.int64)                                # the taken action's column
-    base = logits_ptr + n * s_n + c * s_c
-    lg = tl.load(base + k * s_k + i, mask=rm & km & am, other=0.0).to(tl.float32)
-    lg = tl.where(am, lg, float("-inf"))
-    mx = tl.max(lg, axis=2)[:, :, None]
-    e = tl.exp(lg - mx)
-    zs = tl.sum(e, axis=2)[:, :, None]
-    p = e * _div(1.0, zs)
-    logp = lg - mx - tl.log(zs)
-    vmin = tl.load(z_ptr)
-    vmax = tl.load(z_ptr + A - 1)
-    dz = _div(vmax - vmin, A - 1.0)
-    delta = tl.load(delta_ptr + row)                                       # ROWS × 1 × 1
-    s = tl.floor(_div(delta, dz))
-    s = tl.minimum(tl.maximum(s, -A - 2.0), A + 2.0).to(tl.int32)          # ⌊δ / Δz⌋
-    zi = tl.load(z_ptr + i, mask=am, other=0.0)                            # 1 × 1 × AP
-    return row, n, c, k, i, rm, km, am, p, logp, vmin, vmax, dz, delta, s, zi
-
-
-@triton.jit
-def fwd(logits_ptr, s_n, s_k, s_c, col_ptr, delta_ptr, target_ptr, z_ptr, n_rows,
-        ce_ptr, ent_ptr, util_ptr, r_ptr,
-        NBR: tl.constexpr, K: tl.constexpr, A: tl.constexpr, KP: tl.constexpr, AP: tl.constexpr,
-        ROWS: tl.constexpr, EPS: tl.constexpr, UTIL: tl.constexpr):
-    pid = tl.program_id(0)
-    row, n, c, k, i, rm, km, am, p, logp, vmin, vmax, dz, delta, s, zi = _rows(
-        pid, n_rows, logits_ptr, s_n, s_k, s_c, col_ptr, delta_ptr, z_ptr, NBR, K, A, KP, AP, ROWS)
-    m3 = rm & km & am
-    ent = -tl.sum(tl.where(am, p * logp, 0.0), axis=2)                    # ROWS × KP
-    util = tl.sum(tl.where(am & (p > UTIL / A), 1.0, 0.0), axis=2) / A
-    # each output atom i gathers its four candidate sources j = i − ⌊u⌋ + t (`losses._shift_pairs`)
-    q = tl.zeros((ROWS, KP, AP), dtype=tl.float32)
-    for t in tl.static_range(4):
-        j = i - s + (t - 2)                                                # ROWS × 1 × AP
-        jc = tl.minimum(tl.maximum(j, 0), A - 1)
-        x = tl.load(z_ptr + jc) + delta                                    # z_j + δ
-        valid = (j >= 0) & (j < A) & (x >= vmin) & (x <= vmax) & am
-        h = 1.0 - _div(tl.abs(x - zi), dz)
-        w = tl.where(valid, tl.minimum(tl.maximum(h, 0.0), 1.0), 0.0)
-        q += tl.gather(p, jc + tl.zeros((ROWS, KP, AP), dtype=tl.int32), 2) * w  # from the registers
-    # source atoms pushed past an end of the support pile on that end
-    xs = zi + delta
-    low = tl.sum(tl.where(am & (xs < vmin), p, 0.0), axis=2)[:, :, None]
-    high = tl.sum(tl.where(am & (xs > vmax), p, 0.0), axis=2)[:, :, None]
-    q += tl.where(i == 0, low, 0.0) + tl.where(i == A - 1, high, 0.0)
-    tgt = tl.load(target_ptr + row * A + i, mask=rm & am, other=0.0)
-    qc = tl.maximum(q, EPS)
-    ce = -tl.sum(tl.where(am, tgt * tl.log(qc), 0.0), axis=2)
-    r = tl.where(q >= EPS, tgt / qc, 0.0)
-    k2 = tl.arange(0, KP)[None, :]
-    row2 = tl.reshape(row, (ROWS, 1))
-    m2 = tl.reshape(rm, (ROWS, 1)) & (k2 < K)
-    tl.store(ce_ptr + row2 * K + k2, ce, mask=m2)
-    tl.store(r_ptr + (row * K + k) * A + i, r, mask=m3)
-    first = m2 & (row2 % NBR == 0)                                         # the direction branch's rows
-    tl.store(ent_ptr + (row2 // NBR) * K + k2, ent, mask=first)
-    tl.store(util_ptr + (row2 // NBR) * K + k2, util, mask=first)
-
-
-@triton.jit
-def bwd(logits_ptr, s_n, s_k, s_c, col_ptr, delta_ptr, z_ptr, n_rows, r_ptr, gce_ptr, gent_ptr, gl_ptr, gd_ptr,
-        NBR: tl.constexpr, K: tl.constexpr, A: tl.constexpr, KP: tl.constexpr, AP: tl.constexpr,
-        ROWS: tl.constexpr, NB: tl.constexpr, S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr,
-        MAXB: tl.constexpr):
-    pid = tl.program_id(0)
-    row, n, c, k, i, rm, km, am, p, logp, vmin, vmax, dz, delta, s, zi = _rows(
-        pid, n_rows, logits_ptr, s_n, s_k, s_c, col_ptr, delta_ptr, z_ptr, NBR, K, A, KP, AP, ROWS)
-    m3 = rm & km & am
-    gce = tl.load(gce_ptr + row * K + k, mask=rm & km, other=0.0)         # ROWS × KP × 1
-    rrow = r_ptr + (row * K + k) * A
-    rt = tl.load(rrow + i, mask=m3, other=0.0)                             # T / q of each output atom
-    xs = zi + delta                                                        # z_j + δ of each source j (here i)
-    inside = (xs >= vmin) & (xs <= vmax) & am
-    gp = tl.zeros((ROWS, KP, AP), dtype=tl.float32)
-    gdw = tl.zeros((ROWS, KP, AP), dtype=tl.float32)
-    # each source j gathers the gradient of its four candidate outputs o = j + ⌊u⌋ − t (transposed pairs)
-    for t in tl.static_range(4):
-        o = i + s - (t - 2)
-        oc = tl.minimum(tl.maximum(o, 0), A - 1)
-        valid = (o >= 0) & (o < A) & inside
-        d = xs - tl.load(z_ptr + oc)
-        h = 1.0 - _div(tl.abs(d), dz)
-        w = tl.where(valid, tl.minimum(tl.maximum(h, 0.0), 1.0), 0.0)
-        sg = tl.where(d > 0, 1.0, tl.where(d < 0, -1.0, 0.0))
-        dw = tl.where(valid & (h >= 0.0), _div(-sg, dz), 0.0)             # clip(h, 0, 1)' · |d|'
-        g = -gce * tl.gather(rt, oc + tl.zeros((ROWS, KP, AP), dtype=tl.int32), 2)        # ∂ce/∂q_o
-        gp += g * w
-        gdw += g * dw
-    g_lo = -gce * tl.load(rrow, mask=rm & km, other=0.0)
-    g_hi = -gce * tl.load(rrow + A - 1, mask=rm & km, other=0.0)
-    gp += tl.where(am & (xs < vmin), g_lo, 0.0) + tl.where(am & (xs > vmax), g_hi, 0.0)
-    gd = tl.sum(tl.sum(tl.where(m3, p * gdw, 0.0), axis=2), axis=1)       # ROWS
-    gl = p * (gp - tl.sum(tl.where(am, p * gp, 0.0), axis=2)[:, :, None])  # softmax backward
-    ent = -tl.sum(tl.where(am, p * logp, 0.0), axis=2)[:, :, None]
-    b = row % NBR
-    gent = tl.load(gent_ptr + n * K + k, mask=rm & km & (b == 0), other=0.0)
-    gl += tl.where(am, -gent * p * (logp + ent), 0.0)                     # ∂H/∂l = −p (log p + H)
-    r1 = tl.reshape(row, (ROWS,))
-    tl.store(gd_ptr + r1, gd, mask=tl.reshape(rm, (ROWS,)))
-    # the gradient of every action of this branch: this row at the taken one, zeros at the others
-    first = tl.where(b == 0, 0, tl.where(b == 1, S0, S0 + S1))
-    size = tl.where(b == 0, S0, tl.where(b == 1, S1, S2))
-    out = gl.to(gl_ptr.dtype.element_ty)
-    for a in tl.static_range(MAXB):
-        cc = first + a
-        ptr = gl_ptr + ((n * K + k) * NB + cc) * A + i
-        tl.store(ptr, tl.where(cc == c, out, tl.zeros_like(out)), mask=m3 & (a < size))
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# The same two kernels with the members in a loop: a program's tile is ROWS × AP (rows × atoms) and the K members
-# are visited one after another, so K is not padded to a power of two (5 → 8) and each `tl.gather` works on a
-# ROWS × AP tile instead of ROWS × KP × AP. What depends on the row alone (the taps' sources and weights) is
-# computed once, before the loop. `fused_c51.LAUNCH["layout"]` picks "tile" (above) or "loop" (here).
-# ---------------------------------------------------------------------------------------------------------------
-@triton.jit
 def _row_setup(pid, n_rows, col_ptr, delta_ptr, z_ptr, NBR: tl.constexpr, A: tl.constexpr, AP: tl.constexpr,
                ROWS: tl.constexpr):
     row = pid * ROWS + tl.arange(0, ROWS)[:, None]                         # ROWS × 1: (sample n, branch b)
@@ -148,14 +25,10 @@ def _row_setup(pid, n_rows, col_ptr, delta_ptr, z_ptr, NBR: tl.constexpr, A: tl.
     rm, am = row < n_rows, i < A
     row = tl.where(rm, row, 0).to(tl.int64)
     c = tl.load(col_ptr + row).to(tl.int64)
-    vmin = tl.load(z_ptr)
-    vmax = tl.load(z_ptr + A - 1)
-    dz = _div(vmax - vmin, A - 1.0)
-    delta = tl.load(delta_ptr + row)                                       # ROWS × 1
-    s = tl.floor(_div(delta, dz))
-    s = tl.minimum(tl.maximum(s, -A - 2.0), A + 2.0).to(tl.int32)          # ⌊δ / Δz⌋
-    zi = tl.load(z_ptr + i, mask=am, other=0.0)                            # 1 × AP
-    return row, row // NBR, c, i, rm, am, vmin, vmax, dz, delta, s, zi
+    dz = _div(tl.load(z_ptr + A - 1) - tl.load(z_ptr), A - 1.0)            # Δz
+    u = _div(tl.load(delta_ptr + row), dz)                                 # ROWS × 1: δ / Δz
+    s = tl.minimum(tl.maximum(tl.floor(u), -A - 2.0), A + 2.0).to(tl.int32)  # ⌊u⌋
+    return row, row // NBR, c, i, rm, am, dz, u, s
 
 
 @triton.jit
@@ -169,31 +42,29 @@ def _softmax(base, i, m2, am):
 
 
 @triton.jit
-def _fwd_taps(i, s, delta, zi, z_ptr, vmin, vmax, dz, am, t: tl.constexpr, A: tl.constexpr):
+def _fwd_taps(i, s, u, am, t: tl.constexpr, A: tl.constexpr):
     """Output atom i's candidate source j = i − ⌊u⌋ + t − 2 (clamped) and its hat weight."""
     j = i - s + (t - 2)                                                    # ROWS × AP
-    jc = tl.minimum(tl.maximum(j, 0), A - 1)
-    x = tl.load(z_ptr + jc) + delta                                        # z_j + δ
-    valid = (j >= 0) & (j < A) & (x >= vmin) & (x <= vmax) & am
-    h = 1.0 - _div(tl.abs(x - zi), dz)
-    return jc, tl.where(valid, tl.minimum(tl.maximum(h, 0.0), 1.0), 0.0)
+    x = j + u                                                              # z_j + δ, in atoms
+    valid = (j >= 0) & (j < A) & (x >= 0.0) & (x <= A - 1.0) & am
+    h = 1.0 - tl.abs(x - i)
+    return tl.minimum(tl.maximum(j, 0), A - 1), tl.where(valid, tl.minimum(tl.maximum(h, 0.0), 1.0), 0.0)
 
 
 @triton.jit
-def fwd_loop(logits_ptr, s_n, s_k, s_c, col_ptr, delta_ptr, target_ptr, z_ptr, n_rows,
-             ce_ptr, ent_ptr, util_ptr, r_ptr,
-             NBR: tl.constexpr, K: tl.constexpr, A: tl.constexpr, AP: tl.constexpr,
-             ROWS: tl.constexpr, EPS: tl.constexpr, UTIL: tl.constexpr):
+def fwd(logits_ptr, s_n, s_k, s_c, col_ptr, delta_ptr, target_ptr, z_ptr, n_rows,
+        ce_ptr, ent_ptr, util_ptr, r_ptr,
+        NBR: tl.constexpr, K: tl.constexpr, A: tl.constexpr, AP: tl.constexpr,
+        ROWS: tl.constexpr, EPS: tl.constexpr, UTIL: tl.constexpr):
     pid = tl.program_id(0)
-    row, n, c, i, rm, am, vmin, vmax, dz, delta, s, zi = _row_setup(
-        pid, n_rows, col_ptr, delta_ptr, z_ptr, NBR, A, AP, ROWS)
+    row, n, c, i, rm, am, dz, u, s = _row_setup(pid, n_rows, col_ptr, delta_ptr, z_ptr, NBR, A, AP, ROWS)
     m2 = rm & am
-    j0, w0 = _fwd_taps(i, s, delta, zi, z_ptr, vmin, vmax, dz, am, 0, A)
-    j1, w1 = _fwd_taps(i, s, delta, zi, z_ptr, vmin, vmax, dz, am, 1, A)
-    j2, w2 = _fwd_taps(i, s, delta, zi, z_ptr, vmin, vmax, dz, am, 2, A)
-    j3, w3 = _fwd_taps(i, s, delta, zi, z_ptr, vmin, vmax, dz, am, 3, A)
-    xs = zi + delta
-    lo_m, hi_m = am & (xs < vmin), am & (xs > vmax)
+    j0, w0 = _fwd_taps(i, s, u, am, 0, A)
+    j1, w1 = _fwd_taps(i, s, u, am, 1, A)
+    j2, w2 = _fwd_taps(i, s, u, am, 2, A)
+    j3, w3 = _fwd_taps(i, s, u, am, 3, A)
+    xs = i + u                                                             # where each source atom lands
+    lo_m, hi_m = am & (xs < 0.0), am & (xs > A - 1.0)
     tgt = tl.load(target_ptr + row * A + i, mask=m2, other=0.0)
     base = logits_ptr + n * s_n + c * s_c
     r1 = tl.reshape(row, (ROWS,))
@@ -217,35 +88,34 @@ def fwd_loop(logits_ptr, s_n, s_k, s_c, col_ptr, delta_ptr, target_ptr, z_ptr, n
 
 
 @triton.jit
-def _bwd_taps(i, s, xs, inside, z_ptr, dz, t: tl.constexpr, A: tl.constexpr):
+def _bwd_taps(i, s, xs, inside, dz, t: tl.constexpr, A: tl.constexpr):
     """Source atom i's candidate output o = i + ⌊u⌋ − t + 2 (clamped), its hat weight and that weight's derivative
-    in z_i + δ (the subgradient clip(h, 0, 1)' · |d|')."""
+    in z_i + δ (the subgradient clip(h, 0, 1)' · |d|'); xs: where the source lands, in atoms."""
     o = i + s - (t - 2)
     oc = tl.minimum(tl.maximum(o, 0), A - 1)
     valid = (o >= 0) & (o < A) & inside
-    d = xs - tl.load(z_ptr + oc)
-    h = 1.0 - _div(tl.abs(d), dz)
+    d = xs - o
+    h = 1.0 - tl.abs(d)
     w = tl.where(valid, tl.minimum(tl.maximum(h, 0.0), 1.0), 0.0)
     sg = tl.where(d > 0, 1.0, tl.where(d < 0, -1.0, 0.0))
     return oc, w, tl.where(valid & (h >= 0.0), _div(-sg, dz), 0.0)
 
 
 @triton.jit
-def bwd_loop(logits_ptr, s_n, s_k, s_c, col_ptr, delta_ptr, z_ptr, n_rows, r_ptr, gce_ptr, gent_ptr, gl_ptr, gd_ptr,
-             NBR: tl.constexpr, K: tl.constexpr, A: tl.constexpr, AP: tl.constexpr,
-             ROWS: tl.constexpr, NB: tl.constexpr, S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr,
-             MAXB: tl.constexpr):
+def bwd(logits_ptr, s_n, s_k, s_c, col_ptr, delta_ptr, z_ptr, n_rows, r_ptr, gce_ptr, gent_ptr, gl_ptr, gd_ptr,
+        NBR: tl.constexpr, K: tl.constexpr, A: tl.constexpr, AP: tl.constexpr,
+        ROWS: tl.constexpr, NB: tl.constexpr, S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr,
+        MAXB: tl.constexpr):
     pid = tl.program_id(0)
-    row, n, c, i, rm, am, vmin, vmax, dz, delta, s, zi = _row_setup(
-        pid, n_rows, col_ptr, delta_ptr, z_ptr, NBR, A, AP, ROWS)
+    row, n, c, i, rm, am, dz, u, s = _row_setup(pid, n_rows, col_ptr, delta_ptr, z_ptr, NBR, A, AP, ROWS)
     m2 = rm & am
-    xs = zi + delta                                                        # z_j + δ of each source j (here i)
-    inside = (xs >= vmin) & (xs <= vmax) & am
-    o0, w0, v0 = _bwd_taps(i, s, xs, inside, z_ptr, dz, 0, A)
-    o1, w1, v1 = _bwd_taps(i, s, xs, inside, z_ptr, dz, 1, A)
-    o2, w2, v2 = _bwd_taps(i, s, xs, inside, z_ptr, dz, 2, A)
-    o3, w3, v3 = _bwd_taps(i, s, xs, inside, z_ptr, dz, 3, A)
-    lo_m, hi_m = am & (xs < vmin), am & (xs > vmax)
+    xs = i + u                                                             # z_j + δ of each source j (here i), in atoms
+    inside = (xs >= 0.0) & (xs <= A - 1.0) & am
+    o0, w0, v0 = _bwd_taps(i, s, xs, inside, dz, 0, A)
+    o1, w1, v1 = _bwd_taps(i, s, xs, inside, dz, 1, A)
+    o2, w2, v2 = _bwd_taps(i, s, xs, inside, dz, 2, A)
+    o3, w3, v3 = _bwd_taps(i, s, xs, inside, dz, 3, A)
+    lo_m, hi_m = am & (xs < 0.0), am & (xs > A - 1.0)
     b = row % NBR
     first = tl.where(b == 0, 0, tl.where(b == 1, S0, S0 + S1))
     size = tl.where(b == 0, S0, tl.where(b == 1, S1, S2))

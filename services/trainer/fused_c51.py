@@ -11,9 +11,10 @@ and, of the direction branch (b = 0), the entropy of p_k and its atom utilisatio
 Why by hand: compiled, that chain was ~20 kernels of the update's graph, ~340 µs of its 1.95 ms at batch 4 096 on the
 H200 (gather, softmax, the shift's four-tap gathers, cross-entropy, entropy, and the same backward, plus the
 scatter that takes the gathered logits' gradient apart; bench/train_profile.py --trace, session 14). Each kernel
-moved ~12 MB and was bound by its index arithmetic, not by memory. Here one program holds one (sample, branch): the
-K × A logits in registers, and the shift's four taps gather from the registers (`tl.gather`) — the probabilities
-(forward) or the saved ratio T / q (backward) — so nothing goes through memory between the steps.
+moved ~12 MB and was bound by its index arithmetic, not by memory. Here one program holds one (sample, branch) and
+visits its K members one after another, each member's A logits in registers; the shift's four taps gather from the
+registers (`tl.gather`) — the probabilities (forward) or the saved ratio T / q (backward) — so nothing goes through
+memory between the steps. Positions are in atom units, as the reference's (`losses._shift_pairs`).
 Measured on the H200 (bench/c51_kernel_speed.py, forward + backward at batch 4 096): 136 µs against 322 µs for the
 compiled chain (session 16, the members in a loop; session 15's all-members tile: 159 µs); with the tile, the
 update's graph replay went 1.92 → 1.70 ms (bench/train_profile.py --variants, session 15). The kernels are bound by
@@ -38,13 +39,11 @@ import torch
 
 from services.trainer.losses import C51_EPS, UTIL_THRESHOLD
 
-LAUNCH = {"rows": 1, "num_warps": 1, "layout": "loop"}
-"""Launch settings of both kernels: (sample, branch) rows per program, warps per program, and the layout: "loop"
-(a program's tile is rows × A, the K members one after another) or "tile" (its rows' K × A logits at once, K padded
-to a power of two). On the H200, forward + backward at batch 4 096 (bench/c51_kernel_speed.py, session 16): loop,
-1 row × 1 warp 136 µs; tile, 1 row × 1 warp 159 µs; every setting with more rows or warps a program was slower
-(168–1 029 µs): they need more registers per thread or more threads per row, and the kernels are bound by how many
-programs an SM keeps in flight."""
+LAUNCH = {"rows": 1, "num_warps": 1}
+"""Launch settings of both kernels: (sample, branch) rows per program and warps per program. One row and one warp
+was the fastest on the H200, forward + backward at batch 4 096 (bench/c51_kernel_speed.py, session 16): 136 µs;
+every setting with more rows or warps a program was slower (168–1 029 µs): they need more registers per thread or
+more threads per row, and the kernels are bound by how many programs an SM keeps in flight."""
 
 
 def available(x: torch.Tensor) -> bool:
@@ -59,21 +58,9 @@ def available(x: torch.Tensor) -> bool:
 
 
 def _kernels():
-    """triton and the (forward, backward) kernels of the layout `LAUNCH` names."""
     import triton
     from services.trainer import _c51_triton
-    if LAUNCH["layout"] == "loop":
-        return triton, _c51_triton.fwd_loop, _c51_triton.bwd_loop
     return triton, _c51_triton.fwd, _c51_triton.bwd
-
-
-def _shape_args(K: int, A: int, rows: int) -> dict:
-    """The kernels' shape constants: the loop layout has no member padding KP."""
-    import triton
-    args = dict(K=K, A=A, AP=triton.next_power_of_2(A), ROWS=rows)
-    if LAUNCH["layout"] != "loop":
-        args["KP"] = triton.next_power_of_2(K)
-    return args
 
 
 @torch.library.custom_op("tradeloop::c51_branch_fwd", mutates_args=())
@@ -90,7 +77,8 @@ def _fwd(logits: torch.Tensor, col: torch.Tensor, delta: torch.Tensor, target: t
     fwd[(triton.cdiv(N * NBR, rows),)](
         logits, logits.stride(0), logits.stride(1), logits.stride(2), col.contiguous(), delta.contiguous().float(),
         target.contiguous().float(), support.contiguous().float(), N * NBR, ce, ent, util, r,
-        NBR=NBR, **_shape_args(K, A, rows), EPS=C51_EPS, UTIL=UTIL_THRESHOLD, num_warps=LAUNCH["num_warps"])
+        NBR=NBR, K=K, A=A, AP=triton.next_power_of_2(A), ROWS=rows, EPS=C51_EPS, UTIL=UTIL_THRESHOLD,
+        num_warps=LAUNCH["num_warps"])
     return ce, ent, util, r
 
 
@@ -116,8 +104,9 @@ def _bwd(logits: torch.Tensor, col: torch.Tensor, delta: torch.Tensor, support: 
     bwd[(triton.cdiv(N * NBR, rows),)](
         logits, logits.stride(0), logits.stride(1), logits.stride(2), col.contiguous(), delta.contiguous().float(),
         support.contiguous().float(), N * NBR, r, grad_ce.contiguous().float(), grad_ent.contiguous().float(),
-        grad_logits, grad_delta, NBR=NBR, **_shape_args(K, A, rows), NB=NB, S0=branch_sizes[0], S1=branch_sizes[1],
-        S2=branch_sizes[2], MAXB=max(branch_sizes), num_warps=LAUNCH["num_warps"])
+        grad_logits, grad_delta, NBR=NBR, K=K, A=A, AP=triton.next_power_of_2(A), ROWS=rows, NB=NB,
+        S0=branch_sizes[0], S1=branch_sizes[1], S2=branch_sizes[2], MAXB=max(branch_sizes),
+        num_warps=LAUNCH["num_warps"])
     return grad_logits, grad_delta
 
 

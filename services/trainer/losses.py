@@ -58,8 +58,10 @@ def shift_distribution(probs: torch.Tensor, delta: torch.Tensor, support: torch.
     Mass pushed past an end of the support piles on that end, as in the C51 projection. Returns N × K × A (fp32).
 
     Values and subgradients are those of the dense hat weights w_ij = clip(1 − |clip(z_j + δ, v_min, v_max) − z_i|
-    / Δz, 0, 1) of `projection_weights` (tests/test_losses.py checks both, at kinks too), computed as gathers, not
-    as the dense A × A products nor as a scatter (`_ShiftGather`).
+    / Δz, 0, 1), written in atom units: clip(1 − |clip(j + δ / Δz, 0, A − 1) − i|, 0, 1) (the same function on an
+    evenly spaced support, without the support values' rounding: exact at δ = 0, `_shift_pairs`; tests/test_losses.py
+    checks both, at kinks too), computed as gathers, not as the dense A × A products nor as a scatter
+    (`_ShiftGather`).
 
     Why the dense form's subgradients and not `project_distribution`'s two weights per atom: the shift starts at
     δ = 0 — every atom on a kink, where the two-weight form's gradient in δ is one-sided (−p_j at l, +p_j at l + 1)
@@ -76,28 +78,46 @@ def _shift_pairs(delta: torch.Tensor, support: torch.Tensor, transpose: bool
     u = δ / Δz — within the four taps j = i − ⌊u⌋ + t, t = −2 … 1 (one tap of margin for rounding).
     transpose=False: for each output i, its four sources (gather the probabilities); True: for each source j, its
     four outputs i = j + ⌊u⌋ − t (gather the gradient). Returns (the other atom's index N × A × 4, clamped into the
-    support; w_ij; ∂w_ij/∂(z_j + δ)), both 0 on pairs off the support or with a source outside it."""
+    support; w_ij; ∂w_ij/∂(z_j + δ)), both 0 on pairs off the support or with a source outside it.
+
+    Computed in atom units (`shift_position`): the pair's distance (z_j + δ − z_i) / Δz is (j − i) + u, with u =
+    δ / Δz, not the difference of two support values, which carry the support's rounding. At δ = 0, where the shift
+    starts (its last layer is zero-initialised), every source sits on a kink, and whether a neighbour's subgradient
+    counts (h = 1 − |d| / Δz exactly 0) was decided by that rounding — differently eager and compiled (the last
+    layer's gradient 57 % apart on the VM, tests/test_train_graph.py, session 16). In atom units h is exactly 0
+    there, so the subgradient is the central one everywhere."""
     A = support.shape[0]
-    v_min, v_max = support[0], support[-1]
-    dz = (v_max - v_min) / (A - 1)
-    s = torch.floor(delta / dz).clamp(-A - 2, A + 2).long()                               # N: ⌊u⌋
+    u = delta / atom_step(support)                                                        # N
+    s = torch.floor(u).clamp(-A - 2, A + 2).long()                                        # N: ⌊u⌋
     atom = torch.arange(A, device=support.device)
     taps = torch.arange(-2, 2, device=support.device)               # (an arange, not a host list: capturable)
     if transpose:                                                   # for each source j, its outputs j + ⌊u⌋ − t
-        j_c = atom.view(1, A, 1)
-        other = j_c + s.view(-1, 1, 1) - taps                                             # i, N × A × 4
-        i_c = other.clamp(0, A - 1)
+        j = atom.view(1, A, 1)
+        i = j + s.view(-1, 1, 1) - taps                                                   # N × A × 4
+        other, i_c = i, i.clamp(0, A - 1)
     else:                                                           # for each output i, its sources i − ⌊u⌋ + t
-        i_c = atom.view(1, A, 1)
-        other = i_c - s.view(-1, 1, 1) + taps                                             # j, N × A × 4
-        j_c = other.clamp(0, A - 1)
-    x = support[j_c] + delta.view(-1, 1, 1)                                               # z_j + δ
-    valid = (other >= 0) & (other < A) & (x >= v_min) & (x <= v_max)  # the clip passes a gradient on its ends too
-    d = x - support[i_c]
-    h = 1.0 - d.abs() / dz
+        i = atom.view(1, A, 1)
+        j = i - s.view(-1, 1, 1) + taps                                                   # N × A × 4
+        other, j_c = j, j.clamp(0, A - 1)
+    x = j + u.view(-1, 1, 1)                                        # the source's position z_j + δ, in atoms
+    valid = (other >= 0) & (other < A) & (x >= 0) & (x <= A - 1)    # the clip passes a gradient on its ends too
+    d = x - i                                                                             # (z_j + δ − z_i) / Δz
+    h = 1.0 - d.abs()
     w = h.clamp(0.0, 1.0) * valid
-    dw = torch.where(valid & (h >= 0.0), -torch.sign(d) / dz, torch.zeros_like(d))       # clip(h, 0, 1)' · |d|'
+    dw = torch.where(valid & (h >= 0.0), -torch.sign(d) / atom_step(support), torch.zeros_like(d))  # clip' · |d|'
     return (i_c if transpose else j_c), w, dw
+
+
+def atom_step(support: torch.Tensor) -> torch.Tensor:
+    """Δz = (v_max − v_min) / (A − 1) of an evenly spaced support."""
+    return (support[-1] - support[0]) / (support.shape[0] - 1)
+
+
+def shift_position(delta: torch.Tensor, support: torch.Tensor) -> torch.Tensor:
+    """Where each support atom lands under the shift δ (N), in atom units: j + δ / Δz, N × A (v_min ≤ z_j + δ ≤
+    v_max ⟺ 0 ≤ position ≤ A − 1)."""
+    A = support.shape[0]
+    return torch.arange(A, device=support.device) + (delta / atom_step(support)).unsqueeze(1)
 
 
 class _ShiftGather(torch.autograd.Function):
@@ -116,9 +136,9 @@ class _ShiftGather(torch.autograd.Function):
         src, w, _ = _shift_pairs(delta, support, transpose=False)                          # N × A × 4
         gathered = probs.gather(2, src.view(N, 1, A * 4).expand(N, K, A * 4)).view(N, K, A, 4)
         out = (gathered * w.unsqueeze(1)).sum(-1)                                          # N × K × A
-        x = support.unsqueeze(0) + delta.unsqueeze(1)                                      # N × A: z_j + δ
-        low = (probs * (x < support[0]).unsqueeze(1)).sum(-1)                              # N × K: past v_min
-        high = (probs * (x > support[-1]).unsqueeze(1)).sum(-1)                            # past v_max
+        x = shift_position(delta, support)                                                 # N × A: z_j + δ
+        low = (probs * (x < 0).unsqueeze(1)).sum(-1)                                       # N × K: past v_min
+        high = (probs * (x > A - 1).unsqueeze(1)).sum(-1)                                  # past v_max
         atom = torch.arange(A, device=probs.device)
         ctx.save_for_backward(probs, delta, support)
         return out + low.unsqueeze(-1) * (atom == 0) + high.unsqueeze(-1) * (atom == A - 1)
@@ -130,9 +150,8 @@ class _ShiftGather(torch.autograd.Function):
         dst, w, dw = _shift_pairs(delta, support, transpose=True)                          # N × A × 4
         g = grad.gather(2, dst.view(N, 1, A * 4).expand(N, K, A * 4)).view(N, K, A, 4)   # g_i of each pair
         grad_p = (g * w.unsqueeze(1)).sum(-1)                                              # Σ_i w_ij g_i
-        x = support.unsqueeze(0) + delta.unsqueeze(1)
-        grad_p = (grad_p + (x < support[0]).unsqueeze(1) * grad[:, :, :1]
-                  + (x > support[-1]).unsqueeze(1) * grad[:, :, A - 1:])
+        x = shift_position(delta, support)
+        grad_p = (grad_p + (x < 0).unsqueeze(1) * grad[:, :, :1] + (x > A - 1).unsqueeze(1) * grad[:, :, A - 1:])
         grad_d = (probs * (g * dw.unsqueeze(1)).sum(-1)).sum((1, 2))                       # N
         return grad_p, grad_d, None
 
