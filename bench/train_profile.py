@@ -50,6 +50,25 @@ def category(kernel: str) -> str:
     return next((c for c, keys in CATEGORIES if any(x in k for x in keys)), "other")
 
 
+KINDS = (("fused C51 (services/trainer/fused_c51.py)", re.compile(r"^c51_(fwd|bwd)$")),
+         ("split-K reduction", re.compile(r"splitkreduce", re.I)),
+         ("GEMM", re.compile(r"gemm|xmma|cutlass|nvjet|cublas", re.I)),
+         ("attention", re.compile(r"fmha|flash|attention|cudnn", re.I)),
+         ("optimizer / foreach", re.compile(r"^triton_for_|multi_tensor|lpnorm", re.I)),
+         ("bias-gradient sum", re.compile(r"^triton_(red|per)_fused_sum_\d+$")),
+         ("weight cast / pad", re.compile(r"^triton_\w+_fused_(_to_copy|constant_pad_nd|_to_copy_constant_pad_nd|"
+                                          r"_to_copy_slice|constant_pad_nd_view)_\d+$")),
+         ("combo (independent pointwise kernels in one launch)", re.compile(r"^triton_poi_fused_\d+$")),
+         ("inductor element-wise / reduction", re.compile(r"^triton_")),
+         ("aten (RNG, fill, copy, scatter, sort) / memset", re.compile(r"^void at::|memset|memcpy", re.I)))
+
+
+def kind(kernel: str) -> str:
+    """A finer kind than `category`, for the step's own stream: what a fix would target (the weights' casts, the
+    bias-gradient sums, split-K reductions, combo kernels, ...), by the names inductor, cuBLAS and aten give."""
+    return next((name for name, pattern in KINDS if pattern.search(kernel)), "other")
+
+
 def replay_ms(fn, reps: int = 20) -> float:
     """GPU wall time per replay of fn captured in one CUDA graph (kernels plus the gaps between them)."""
     g = Graphed(fn, warmup=1)
@@ -132,6 +151,18 @@ def report(name: str, fn, calls: int, top: int, body=None, trace: str | None = N
         print("|---|---:|---:|---:|")
         for sid, (n, t) in sorted(streams.items(), key=lambda kv: -kv[1][0]):
             print(f"| {sid} | {n:.0f} | {t:.0f} | {t / total:.0%} |")
+    own = max(streams, key=lambda sid: streams[sid][0])
+    kinds: dict[str, list[float]] = {}
+    for e in kernels:
+        if e.device_resource_id == own:
+            c = kinds.setdefault(kind(e.name), [0, 0.0, 0])
+            c[0] += 1 / calls
+            c[1] += e.device_time / calls
+            c[2] += (e.device_time < 2.0) / calls
+    print("\n| kind, the step's own stream | kernels per call | µs per call | kernels under 2 µs |")
+    print("|---|---:|---:|---:|")
+    for c, (n, t, small) in sorted(kinds.items(), key=lambda kv: -kv[1][1]):
+        print(f"| {c} | {n:.0f} | {t:.0f} | {small:.0f} |")
     print()
     by: dict[str, float] = {}
     for e in kernels:

@@ -1,6 +1,6 @@
 """bench/train_profile.py's attribution of compiled kernels to the FX nodes they compute (the GPU profile itself
 runs on the GPU machine)."""
-from bench.train_profile import kernel_origins
+from bench.train_profile import kernel_origins, kind
 
 MODULE = '''
 # kernel path: /tmp/torchinductor_x/ab/cab.py
@@ -33,3 +33,24 @@ def test_kernels_are_named_with_the_nodes_they_compute(tmp_path):
     assert origins["triton_per_fused__softmax_mul_0"] == {"softmax, q", "mul_23, sum_5"}
     assert origins["mm"] == {"logits_a"}
     assert "triton_poi_fused_unattributed_1" not in origins
+
+
+def test_kernel_kinds_name_what_a_fix_would_target():
+    """The finer kinds of the step's own stream, from kernel names as the H200 trace had them (session 16)."""
+    want = {"c51_fwd": "fused C51", "c51_bwd": "fused C51",
+            "void cublasLt::splitKreduce_kernel<32, 16, int, float, __nv_bfloat16>": "split-K reduction",
+            "nvjet_sm90_tst_128x256_64x4_1x2_h_bz_coopA_bias_TNN": "GEMM",
+            "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26": "attention",
+            "triton_for_fused_3": "optimizer / foreach",
+            "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<LpNormFunctor>": "optimizer / foreach",
+            "triton_red_fused_sum_52": "bias-gradient sum", "triton_per_fused_sum_46": "bias-gradient sum",
+            "triton_poi_fused__to_copy_21": "weight cast / pad",
+            "triton_poi_fused__to_copy_constant_pad_nd_16": "weight cast / pad",
+            "triton_poi_fused_constant_pad_nd_view_7": "weight cast / pad",
+            "triton_poi_fused_2": "combo",
+            "triton_per_fused__softmax__to_copy_exp_mul_prepare_softmax_online_slice_sub_sum_": "inductor element-wise",
+            "triton_red_fused_sum_threshold_backward_view_10": "inductor element-wise",
+            "void at::native::_scatter_gather_elementwise_kernel<128, 8>": "aten",
+            "Memset (Device)": "aten", "something else": "other"}
+    for name, prefix in want.items():
+        assert kind(name).startswith(prefix), (name, kind(name))

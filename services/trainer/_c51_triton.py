@@ -52,10 +52,10 @@ def _fwd_taps(i, s, u, am, t: tl.constexpr, A: tl.constexpr):
 
 
 @triton.jit
-def fwd(logits_ptr, s_n, s_k, s_c, col_ptr, delta_ptr, target_ptr, z_ptr, n_rows,
-        ce_ptr, ent_ptr, util_ptr, r_ptr,
-        NBR: tl.constexpr, K: tl.constexpr, A: tl.constexpr, AP: tl.constexpr,
-        ROWS: tl.constexpr, EPS: tl.constexpr, UTIL: tl.constexpr):
+def c51_fwd(logits_ptr, s_n, s_k, s_c, col_ptr, delta_ptr, target_ptr, z_ptr, n_rows,
+            ce_ptr, ent_ptr, util_ptr, r_ptr,
+            NBR: tl.constexpr, K: tl.constexpr, A: tl.constexpr, AP: tl.constexpr,
+            ROWS: tl.constexpr, EPS: tl.constexpr, UTIL: tl.constexpr):
     pid = tl.program_id(0)
     row, n, c, i, rm, am, dz, u, s = _row_setup(pid, n_rows, col_ptr, delta_ptr, z_ptr, NBR, A, AP, ROWS)
     m2 = rm & am
@@ -102,10 +102,10 @@ def _bwd_taps(i, s, xs, inside, dz, t: tl.constexpr, A: tl.constexpr):
 
 
 @triton.jit
-def bwd(logits_ptr, s_n, s_k, s_c, col_ptr, delta_ptr, z_ptr, n_rows, r_ptr, gce_ptr, gent_ptr, gl_ptr, gd_ptr,
-        NBR: tl.constexpr, K: tl.constexpr, A: tl.constexpr, AP: tl.constexpr,
-        ROWS: tl.constexpr, NB: tl.constexpr, S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr,
-        MAXB: tl.constexpr):
+def c51_bwd(logits_ptr, s_n, s_k, s_c, col_ptr, delta_ptr, z_ptr, n_rows, r_ptr, gce_ptr, gent_ptr, gl_ptr,
+            gd_ptr, NBR: tl.constexpr, K: tl.constexpr, A: tl.constexpr, AP: tl.constexpr,
+            ROWS: tl.constexpr, NB: tl.constexpr, S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr,
+            MAXB: tl.constexpr):
     pid = tl.program_id(0)
     row, n, c, i, rm, am, dz, u, s = _row_setup(pid, n_rows, col_ptr, delta_ptr, z_ptr, NBR, A, AP, ROWS)
     m2 = rm & am

@@ -60,7 +60,7 @@ def available(x: torch.Tensor) -> bool:
 def _kernels():
     import triton
     from services.trainer import _c51_triton
-    return triton, _c51_triton.fwd, _c51_triton.bwd
+    return triton, _c51_triton.c51_fwd, _c51_triton.c51_bwd
 
 
 @torch.library.custom_op("tradeloop::c51_branch_fwd", mutates_args=())
