@@ -1,6 +1,6 @@
 """The encoder's attention at the training shapes: PyTorch's fused SDPA kernels vs the written-out form the agent
 uses in compiled passes without gradient (`shared.agent.causal_attention_math`, `last_query_attention_math`), eager
-and compiled, side by side in one run.
+and compiled, and FlexAttention compiled (Triton kernels inductor writes for these shapes), side by side in one run.
 
     python3 bench/attention_speed.py                 # on the H200
 
@@ -53,6 +53,16 @@ def sdpa(backend=None, last=False):
     return f
 
 
+def flex(window: int, dev: str):
+    """FlexAttention (`torch.nn.attention.flex_attention`) through torch.compile: inductor writes Triton kernels for
+    these shapes (forward and backward), with the causal mask as a block mask; the last query attends to every bar."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    mask = create_block_mask(lambda b, h, qi, ki: qi >= ki, B=None, H=None, Q_LEN=window, KV_LEN=window, device=dev)
+    attend = torch.compile(flex_attention)
+    return (lambda q, k, v: attend(q, k, v, block_mask=mask),
+            lambda q, k, v: attend(q.unsqueeze(2), k, v).squeeze(2))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--heads", type=int, default=2)
@@ -69,6 +79,7 @@ def main() -> None:
         "SDPA mem-efficient": (sdpa(SDPBackend.EFFICIENT_ATTENTION), sdpa(SDPBackend.EFFICIENT_ATTENTION, True)),
         "written out": (causal_attention_math, last_query_attention_math),
         "written out, compiled": (torch.compile(causal_attention_math), torch.compile(last_query_attention_math)),
+        "FlexAttention, compiled": flex(a.window, dev),
     }
     cases = [("causal, fwd+bwd @ 1024", 1024, False, True), ("causal, fwd @ 4002", 4002, False, False),
              ("last query, fwd+bwd @ 1024", 1024, True, True), ("last query, fwd @ 4002", 4002, True, False)]
