@@ -30,13 +30,18 @@ def project_distribution(tz: torch.Tensor, probs: torch.Tensor, support: torch.T
     return m.scatter_add_(-1, lo + 1, probs * frac)                                         # ... × A
 
 
+def atom_step(support: torch.Tensor) -> torch.Tensor:
+    """Δz = (v_max − v_min) / (A − 1) of an evenly spaced support."""
+    return (support[-1] - support[0]) / (support.shape[0] - 1)
+
+
 def lower_neighbour(tz: torch.Tensor, support: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """For atoms at `tz` (clipped to the support): the index l of the support atom at or below each, at most A − 2,
     and its fraction of the way to atom l + 1, in [0, 1] (differentiable in tz inside the support, where the hat
     weights 1 − frac and frac are linear) — the two non-zero weights of the projection onto a uniform support."""
     A = support.shape[0]
     v_min, v_max = support[0], support[-1]
-    b = ((tz.clamp(v_min, v_max) - v_min) / ((v_max - v_min) / (A - 1))).clamp(0, A - 1)  # in [0, A − 1]
+    b = ((tz.clamp(v_min, v_max) - v_min) / atom_step(support)).clamp(0, A - 1)          # in [0, A − 1]
     lower = b.detach().floor().clamp(max=A - 2)                          # b = A − 1: weight 1 on the top atom
     return lower.long(), b - lower
 
@@ -45,10 +50,8 @@ def projection_weights(tz: torch.Tensor, support: torch.Tensor) -> torch.Tensor:
     """The weights of Φ: w_ij = clip(1 − |clip(tz_j, v_min, v_max) − z_i| / Δz, 0, 1), tz ... × A' → ... × A × A'.
     The dense definition: `project_distribution` and `shift_distribution` compute only its non-zero part, and the
     tests check both against it (no training path calls it since session 13)."""
-    v_min, v_max = support[0], support[-1]
-    dz = (v_max - v_min) / (support.shape[0] - 1)                                         # Δz
-    tz = tz.clamp(v_min, v_max).unsqueeze(-2)                                              # ... × 1 × A'
-    return (1.0 - (tz - support.unsqueeze(-1)).abs() / dz).clamp(0.0, 1.0)                 # ... × A × A'
+    tz = tz.clamp(support[0], support[-1]).unsqueeze(-2)                                   # ... × 1 × A'
+    return (1.0 - (tz - support.unsqueeze(-1)).abs() / atom_step(support)).clamp(0.0, 1.0)  # ... × A × A'
 
 
 def shift_distribution(probs: torch.Tensor, delta: torch.Tensor, support: torch.Tensor) -> torch.Tensor:
@@ -86,8 +89,8 @@ def _shift_pairs(delta: torch.Tensor, support: torch.Tensor, transpose: bool
     counts (h = 1 − |d| / Δz exactly 0) was decided by that rounding — differently eager and compiled (the last
     layer's gradient 57 % apart on the VM, tests/test_train_graph.py, session 16). In atom units h is exactly 0
     there, so the subgradient is the central one everywhere."""
-    A = support.shape[0]
-    u = delta / atom_step(support)                                                        # N
+    A, dz = support.shape[0], atom_step(support)
+    u = delta / dz                                                                        # N
     s = torch.floor(u).clamp(-A - 2, A + 2).long()                                        # N: ⌊u⌋
     atom = torch.arange(A, device=support.device)
     taps = torch.arange(-2, 2, device=support.device)               # (an arange, not a host list: capturable)
@@ -104,13 +107,8 @@ def _shift_pairs(delta: torch.Tensor, support: torch.Tensor, transpose: bool
     d = x - i                                                                             # (z_j + δ − z_i) / Δz
     h = 1.0 - d.abs()
     w = h.clamp(0.0, 1.0) * valid
-    dw = torch.where(valid & (h >= 0.0), -torch.sign(d) / atom_step(support), torch.zeros_like(d))  # clip' · |d|'
+    dw = torch.where(valid & (h >= 0.0), -torch.sign(d) / dz, torch.zeros_like(d))       # clip(h, 0, 1)' · |d|'
     return (i_c if transpose else j_c), w, dw
-
-
-def atom_step(support: torch.Tensor) -> torch.Tensor:
-    """Δz = (v_max − v_min) / (A − 1) of an evenly spaced support."""
-    return (support[-1] - support[0]) / (support.shape[0] - 1)
 
 
 def shift_position(delta: torch.Tensor, support: torch.Tensor) -> torch.Tensor:
