@@ -37,7 +37,9 @@ def test_inductor_options_turn_named_booleans_on_and_name_an_unknown_one():
                                                                           "coordinate_descent_tuning": True}
     assert inductor_options("aggressive_fusion,!split_reductions") == {"aggressive_fusion": True,
                                                                        "split_reductions": False}
-    for bad in ("combo_kernel", "combo_kernels_autotune", "!split_reduction"):  # typos; not a boolean
+    assert inductor_options("triton.enable_pdl") == {"triton.enable_pdl": True}          # a sub-config's option
+    for bad in ("combo_kernel", "combo_kernels_autotune", "!split_reduction", "triton.enable_pd", "triton",
+                "nosuch.enable_pdl"):                                                  # typos; not a boolean
         with pytest.raises(ValueError, match=repr(bad.lstrip("!"))):
             inductor_options(bad)
 

@@ -760,8 +760,9 @@ class StepRunner:
 
 
 def inductor_options(spec: str) -> dict[str, bool]:
-    """`TrainConfig.inductor` ("a,!b") as torch.compile's options ({"a": True, "b": False}: a leading "!" turns an
-    option off); ValueError naming an option that is not a boolean of `torch._inductor.config`."""
+    """`TrainConfig.inductor` ("a,!b,triton.c") as torch.compile's options ({"a": True, "b": False, "triton.c": True}:
+    a leading "!" turns an option off, a dotted name is an option of a sub-config); ValueError naming an option that
+    is not a boolean of `torch._inductor.config`."""
     from torch._inductor import config as inductor_config
 
     out = {}
@@ -769,7 +770,10 @@ def inductor_options(spec: str) -> dict[str, bool]:
         if not item:
             continue
         name = item.lstrip("!")
-        if not isinstance(getattr(inductor_config, name, None), bool):
+        value: object = inductor_config
+        for part in name.split("."):                        # "triton.enable_pdl": an option of a sub-config
+            value = getattr(value, part, None)
+        if not isinstance(value, bool):
             raise ValueError(f"TrainConfig.inductor: {name!r} is not a boolean option of torch._inductor.config")
         out[name] = not item.startswith("!")
     return out
