@@ -133,7 +133,11 @@ class TrainConfig:
     """On CUDA, the forward passes of collection and update under bf16 autocast (losses and softmaxes in fp32)."""
     encoder_batch: int = 0
     """Samples of each update whose market encoding is computed with gradient (the encoder learns from them);
-    the rest read the cached online embeddings. 0 = the whole batch."""
+    the rest read the cached online embeddings. 0 = the whole batch. The encoder with gradient was the largest part
+    of the `full` preset's update: at batch 4 096 on the H200 its graph replay took 1.56 ms with 512 such samples,
+    1.35 with 256 and 1.23 with 128 (bench/train_profile.py, one run, session 17); the preset's 256 learned as 512
+    did on the GPU learning bench (3 of 3 seeds met the target either way, OOS per-trade Sharpe mean 0.433 vs 0.441,
+    paired difference −0.01 ± 0.04; bench/README.md, learning.py)."""
     adamw: str = "auto"
     """AdamW kernels on CUDA: "fused" (one `_fused_adamw_` launch per parameter group), "foreach" (the capturable
     multi-tensor form, which torch.compile lowers to its own fused Triton kernels), or "auto": foreach when the
@@ -229,7 +233,7 @@ class TrainConfig:
             return cls(agent=AgentConfig(n_features=n_features, window=64, d_model=128, n_heads=2, n_layers=2,
                                          hidden=256, ensemble=5),
                        n_envs=256, env_steps_per_iter=2, updates_per_iter=2, iterations=2000, batch_size=1024,
-                       replay_capacity=2_000_000, learning_starts=20_000, encoder_batch=512, bf16=True,
+                       replay_capacity=2_000_000, learning_starts=20_000, encoder_batch=256, bf16=True,
                        emb_refresh=2000, horizon_sample=True, iqn_batch=512)
         raise ValueError(f"unknown config preset {name!r}: use 'small' or 'full'")
 
