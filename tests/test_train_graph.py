@@ -261,8 +261,8 @@ def test_compiled_update_equals_eager_on_one_batch(data, device, fused):
     and every sample sits on a kink of the shift's projection, and with that layer moved off zero. At the kink the
     subgradient in δ was decided by rounding while the shift's distances were differences of support values: on the
     VM the last layer's gradient came out 57 % apart eager and compiled, every other one within 2e-6 (session 16;
-    now they are computed in atom units, `losses._shift_pairs`). On the H200 (session 17) every gradient agreed
-    within 6e-7 in all four CUDA cases, and two eager runs within 3e-7."""
+    now they are computed in atom units, `losses._shift_pairs`). On the H200 (session 17, the test's calls run as a
+    script) every gradient agreed within 6e-7 in all four CUDA cases, and two eager runs within 3e-7."""
     if not compile_works(torch.device(device)):
         pytest.skip("torch.compile cannot build kernels here")
     for off_kinks in (True, False):
