@@ -155,7 +155,9 @@ PRECISIONS = {"fp32": ("graph", dict(), 2e-3, 0.98),
               "bf16+sub-batch": ("graph", dict(bf16=True, encoder_batch=16), 1e-1, 0.9),
               "fp32+compile": ("compile+graph", dict(), 1e-1, 0.9),
               "fp32+compile, reference C51": ("compile+graph", dict(fused_c51=False), 1e-1, 0.9),
-              "fp32+sub-batches": ("graph", dict(encoder_batch=16, iqn_batch=16, horizon_sample=True), 2e-3, 0.98)}
+              "fp32+sub-batches": ("graph", dict(encoder_batch=16, iqn_batch=16, horizon_sample=True), 2e-3, 0.98),
+              "fp32, flat AdamW": ("graph", dict(adamw="flat"), 2e-3, 0.98),
+              "fp32+compile, flat AdamW": ("compile+graph", dict(adamw="flat"), 1e-1, 0.9)}
 
 
 @cuda

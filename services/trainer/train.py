@@ -35,6 +35,7 @@ from shared.knobs import BRANCHES, Knobs
 from shared.market import Bars, Split, chronological_split, compute_features
 from shared.rollout import MarketTensors
 from services.trainer.env import RewardConfig, TrainEnv
+from services.trainer.flat_adamw import FlatAdamW, flatten_parameters
 from services.trainer.fused_c51 import available as fused_c51_available
 from services.trainer.losses import (adapt_entropy_coef, c51_branch_losses, expectile_loss, nstep_returns,
                                      project_distribution, quantile_huber_loss, top_two)
@@ -141,7 +142,10 @@ class TrainConfig:
     adamw: str = "auto"
     """AdamW kernels on CUDA: "fused" (one `_fused_adamw_` launch per parameter group), "foreach" (the capturable
     multi-tensor form, which torch.compile lowers to its own fused Triton kernels), or "auto": foreach when the
-    update is compiled, fused otherwise. A CPU always runs the default (single-tensor or foreach) form."""
+    update is compiled, fused otherwise. A CPU always runs the default (single-tensor or foreach) form. "flat", on
+    any device: `FlatAdamW` (`services.trainer.flat_adamw`), every parameter (and the target network's) a view of
+    one flat buffer, the clip, the step and the target's lerp a few passes over it whatever the number of groups;
+    the same numbers up to the order of float sums, not yet timed on the H200 (session 17)."""
     inductor: str = "combo_kernels,combo_kernels_pointwise_only"
     """Comma-separated boolean options of `torch._inductor.config` turned on ("name") or off ("!name") for the compiled
     modes' step functions; "" = inductor's defaults. The default fuses independent pointwise kernels side by side
@@ -273,7 +277,8 @@ def weight_decay_mask(model: torch.nn.Module) -> dict[str, bool]:
             and not n.endswith(("bias", "_b")) for n, p in model.named_parameters()}
 
 
-def build_optimizer(agent: Agent, cfg: TrainConfig, device, compiled: bool = False) -> torch.optim.AdamW:
+def build_optimizer(agent: Agent, cfg: TrainConfig, device, compiled: bool = False
+                    ) -> torch.optim.AdamW | FlatAdamW:
     """AdamW with one group per (branch, decay): the decay mask decides weight_decay; names in group['name'].
     On CUDA the LRs and step counters live on the device (capturable in a graph) and `cfg.adamw` picks the kernels
     (`compiled`: the update runs under torch.compile, where "auto" means foreach)."""
@@ -286,8 +291,10 @@ def build_optimizer(agent: Agent, cfg: TrainConfig, device, compiled: bool = Fal
            "weight_decay": cfg.weight_decay if d else 0.0, "age": 0,
            "lr": torch.tensor(cfg.lr, device=device) if cuda else cfg.lr}
           for (b, d), ps in sorted(groups.items())]
-    if cfg.adamw not in ("auto", "fused", "foreach"):
-        raise ValueError(f"adamw={cfg.adamw!r}: use auto, fused or foreach")
+    if cfg.adamw not in ("auto", "fused", "foreach", "flat"):
+        raise ValueError(f"adamw={cfg.adamw!r}: use auto, fused, foreach or flat")
+    if cfg.adamw == "flat":
+        return FlatAdamW(pg, lr=cfg.lr, betas=(0.9, 0.999), eps=1e-6, capturable=cuda)
     # the fused kernel is one multi-tensor launch per group, ~13 µs each on the H200 whatever the group's size (a
     # block walks a 64 Ki-element chunk serially); compiled, the foreach form becomes Triton kernels spread over
     # the whole GPU (bench/train_profile.py)
@@ -535,6 +542,11 @@ def make_update(agent: Agent, target: Agent, opt: torch.optim.Optimizer, replay:
     M, Hs = cfg.iqn_quantiles, sample_horizons(cfg)
     params = [p for p in agent.parameters()]
     tparams = [p for p in target.parameters()]
+    flat = isinstance(opt, FlatAdamW)
+    if flat:   # the target's parameters in the optimizer's flat layout: its update is one lerp over the buffer
+        name_of = {p: n for n, p in agent.named_parameters()}
+        tnamed = dict(target.named_parameters())
+        target_flat = flatten_parameters([tnamed[name_of[p]] for p in opt.params])
     n_ens = agent.cfg.ensemble
     fused = cfg.fused_c51 and fused_c51_available(windows)
 
@@ -604,10 +616,16 @@ def make_update(agent: Agent, target: Agent, opt: torch.optim.Optimizer, replay:
         loss.backward()
         if after_backward is not None:
             after_backward()
-        gnorm = clip_grad_norm(params, cfg.grad_clip)
-        opt.step()
+        if flat:
+            gnorm = opt.step(cfg.grad_clip)                                                # clip + AdamW
+        else:
+            gnorm = clip_grad_norm(params, cfg.grad_clip)
+            opt.step()
         with torch.no_grad():
-            torch._foreach_lerp_(tparams, params, cfg.tau)                                # θ' ← θ' + τ(θ − θ')
+            if flat:
+                target_flat.lerp_(opt.flat, cfg.tau)                                      # θ' ← θ' + τ(θ − θ')
+            else:
+                torch._foreach_lerp_(tparams, params, cfg.tau)
             adapt_entropy_coef(buf.entropy_coef, util, cfg.entropy_target, cfg.entropy_rate)
             replay.update_priorities(b.slot, priority)
         return {"loss": loss.detach(), "c51": c51.mean().detach(), "iqn": iqn.mean().detach(),
@@ -1186,7 +1204,10 @@ def restore_state(state: TrainState, run_dir: Path, epoch: int) -> None:
         if key.startswith("opt."):
             name, slot = key[len("opt."):].rsplit(".", 1)
             st = state.opt.state.setdefault(params[name], {})
-            st[slot] = v.to(dev) if (slot != "step" or cuda) else v.clone()
+            if slot in st and torch.is_tensor(st[slot]):
+                st[slot].copy_(v)                  # in place: `FlatAdamW`'s state is views of its flat buffers
+            else:
+                st[slot] = v.to(dev) if (slot != "step" or cuda) else v.clone()
     for g, age in zip(state.opt.param_groups, meta["group_ages"]):
         g["age"] = int(age)
     state.replay.load_state({k[len("replay."):]: v.to(dev) for k, v in t.items() if k.startswith("replay.")},

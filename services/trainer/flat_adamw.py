@@ -1,0 +1,107 @@
+"""AdamW over one flat buffer: every parameter a view of it, one pass per step whatever the number of groups.
+
+`torch.optim.AdamW` steps each parameter group on its own: under torch.compile its foreach form became ~20 Triton
+kernels for the `full` agent's groups, plus the gradient clip's multi-tensor norm and scale and the target network's
+multi-tensor lerp (~45 kernels, ~120 µs of a batch-4 096 update's 1.27 ms on the H200; bench/README.md, session 17).
+Here the parameters are views of one flat float32 buffer (`flatten_parameters`), the gradients are concatenated
+once, and the clip's norm, the moments, the decay and the step are a handful of element-wise passes over that
+buffer, each parameter reading its group's learning rate and decay through a per-element group index. The target
+network's parameters can be flattened the same way, so its update is one `lerp_` over a buffer.
+
+The numbers are those of `torch.optim.AdamW` (decoupled weight decay, bias correction) after
+`torch.nn.utils.clip_grad_norm_`, up to the order of float sums (tests/test_flat_adamw.py). The groups keep
+torch's interface where the trainer reads it: `param_groups` (with "lr" a float or a device tensor, as with
+`capturable`), `state[p]` with "exp_avg", "exp_avg_sq" (views of the flat moments) and "step" (one counter all
+parameters share: every parameter steps at every update), `zero_grad`. Imports torch only.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def flatten_parameters(params: list[torch.nn.Parameter]) -> torch.Tensor:
+    """Move `params` into one new flat float32 buffer, in order, each parameter's data becoming a view of it;
+    returns the buffer. Autograd, state dicts and `copy_` see the same parameters as before."""
+    dev = params[0].device
+    flat = torch.empty(sum(p.numel() for p in params), dtype=torch.float32, device=dev)
+    o = 0
+    with torch.no_grad():
+        for p in params:
+            if p.dtype != torch.float32 or p.device != dev:
+                raise ValueError(f"flatten_parameters: a {p.dtype} parameter on {p.device}; float32 on {dev} only")
+            n = p.numel()
+            flat[o:o + n].copy_(p.reshape(-1))
+            p.data = flat[o:o + n].view_as(p)
+            o += n
+    return flat
+
+
+class FlatAdamW:
+    """AdamW with the gradient-norm clip built in, over parameters flattened into one buffer (module docstring).
+
+    `groups`: torch-style parameter groups (dicts with "params", "weight_decay", an optional "lr" and any other
+    keys, kept). `step(max_norm)` clips the gradients together by their global 2-norm (as
+    `clip_grad_norm_`, inf = no clip), takes the AdamW step and returns the norm (a device scalar). `capturable`
+    (CUDA): the learning rates are device tensors written before each step, nothing is read back on the host."""
+
+    def __init__(self, groups: list[dict], lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 capturable: bool = False):
+        self.defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=0.0)
+        self.param_groups = [{**self.defaults, **g, "params": list(g["params"])} for g in groups]
+        self.state: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
+        params = [p for g in self.param_groups for p in g["params"]]
+        self.params = params
+        self.flat = flatten_parameters(params)
+        dev, n = self.flat.device, self.flat.numel()
+        self.exp_avg = torch.zeros(n, device=dev)
+        self.exp_avg_sq = torch.zeros(n, device=dev)
+        # float64: 1 − β2^t in float32 loses ~5 digits at t = 1 (β2 = 0.999). One element, not 0-d: torch.compile
+        # (2.13, CPU) dropped in-place updates of a 0-d float64 tensor (the step always read 0)
+        self.step_count = torch.zeros(1, dtype=torch.float64, device=dev if capturable else "cpu")
+        self.capturable = capturable
+        gid = torch.cat([torch.full((p.numel(),), i, dtype=torch.int32) for i, g in enumerate(self.param_groups)
+                         for p in g["params"]])
+        self.group_index = gid.to(dev)
+        """Per element of the flat buffer: its parameter group."""
+        self.decay = torch.tensor([g["weight_decay"] for g in self.param_groups], dtype=torch.float32, device=dev)
+        o = 0
+        for p in params:
+            k = p.numel()
+            self.state[p] = {"step": self.step_count.view(()), "exp_avg": self.exp_avg[o:o + k].view_as(p),
+                             "exp_avg_sq": self.exp_avg_sq[o:o + k].view_as(p)}
+            o += k
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+
+    def _lrs(self) -> torch.Tensor:
+        """The groups' learning rates as one float32 vector on the buffer's device."""
+        lrs = [g["lr"] for g in self.param_groups]
+        if all(torch.is_tensor(lr) for lr in lrs):
+            return torch.stack([lr.to(torch.float32).reshape(()) for lr in lrs])
+        return torch.tensor([float(lr) for lr in lrs], dtype=torch.float32, device=self.flat.device)
+
+    @torch.no_grad()
+    def step(self, max_norm: float = float("inf")) -> torch.Tensor:  # type: ignore[override]
+        g = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
+                       for p in self.params])
+        norm = g.square().sum().sqrt()
+        if max_norm != float("inf"):
+            g = g * (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        beta1, beta2 = self.defaults["betas"]
+        eps = self.defaults["eps"]
+        self.step_count.add_(1.0)
+        t = self.step_count.to(self.flat.device)
+        step_size = (1.0 / (1.0 - beta1 ** t)).float()                         # 1 / bias correction 1
+        bc2_sqrt = (1.0 - beta2 ** t).sqrt().float()
+        lr = self._lrs()[self.group_index]
+        wd = self.decay[self.group_index]
+        self.exp_avg.lerp_(g, 1.0 - beta1)
+        self.exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+        self.flat.mul_(1.0 - lr * wd)
+        self.flat.sub_(lr * step_size * self.exp_avg / (self.exp_avg_sq.sqrt() / bc2_sqrt + eps))
+        return norm

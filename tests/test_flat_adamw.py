@@ -1,0 +1,110 @@
+"""FlatAdamW: the numbers of torch's AdamW after clip_grad_norm_, over parameters flattened into one buffer."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from services.trainer.flat_adamw import FlatAdamW, flatten_parameters
+
+
+def _net() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(7, 16), torch.nn.LayerNorm(16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+
+
+def _groups(net: torch.nn.Module) -> list[dict]:
+    """Three groups with different decays and learning rates, as the trainer's are (decay mask, branches)."""
+    ps = list(net.parameters())
+    return [{"params": [ps[0], ps[4]], "weight_decay": 1e-2, "lr": 3e-3},
+            {"params": [ps[1], ps[2], ps[3]], "weight_decay": 0.0, "lr": 1e-3},
+            {"params": [ps[5]], "weight_decay": 0.0, "lr": 5e-3}]
+
+
+def test_flatten_parameters_makes_views_and_keeps_values_and_autograd():
+    net = _net()
+    before = [p.detach().clone() for p in net.parameters()]
+    flat = flatten_parameters(list(net.parameters()))
+    assert flat.numel() == sum(b.numel() for b in before)
+    for p, b in zip(net.parameters(), before):
+        assert torch.equal(p, b) and p.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+    net(torch.randn(5, 7)).sum().backward()
+    assert all(p.grad is not None and p.grad.shape == p.shape for p in net.parameters())
+    with torch.no_grad():
+        flat.zero_()
+    assert all(float(p.abs().sum()) == 0.0 for p in net.parameters())
+    with pytest.raises(ValueError, match="float32"):
+        flatten_parameters([torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))])
+
+
+@pytest.mark.parametrize("max_norm", [0.05, float("inf")])
+def test_flat_adamw_matches_torch_adamw_after_the_clip(max_norm):
+    ref, net = _net(), _net()
+    opt_ref = torch.optim.AdamW(_groups(ref), lr=1e-3, betas=(0.9, 0.999), eps=1e-6)
+    opt = FlatAdamW(_groups(net), lr=1e-3, betas=(0.9, 0.999), eps=1e-6)
+    g = torch.Generator().manual_seed(1)
+    for step in range(12):
+        x, y = torch.randn(32, 7, generator=g), torch.randn(32, 3, generator=g)
+        if step == 6:                                             # the schedule writes new LRs between steps
+            for o in (opt_ref, opt):
+                o.param_groups[2]["lr"] = 2e-4
+        norms = []
+        for model, o in ((ref, opt_ref), (net, opt)):
+            o.zero_grad(set_to_none=True)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            if o is opt_ref:
+                norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
+                o.step()
+            else:
+                norms.append(o.step(max_norm))
+        assert torch.allclose(norms[0], norms[1], rtol=1e-5), (step, norms)
+        for a, b in zip(ref.parameters(), net.parameters()):
+            assert torch.allclose(a, b, rtol=1e-5, atol=1e-7), step
+    if max_norm < float("inf"):
+        assert float(norms[0]) > max_norm                          # the clip did act
+    for a, b in zip(ref.parameters(), net.parameters()):          # the moments, through torch's state interface
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.allclose(opt_ref.state[a][k], opt.state[b][k], rtol=1e-5, atol=1e-9)
+        assert float(opt.state[b]["step"]) == float(opt_ref.state[a]["step"]) == 12
+
+
+def test_flat_adamw_reads_device_tensor_learning_rates_and_runs_compiled():
+    """The trainer's capturable form: LRs as tensors written in place between steps; through torch.compile."""
+    from shared.rollout import compile_works
+    ref, net = _net(), _net()
+    groups = _groups(net)
+    for gr in groups:
+        gr["lr"] = torch.tensor(gr["lr"])
+    opt = FlatAdamW(groups, lr=1e-3, eps=1e-6)
+    opt_ref = torch.optim.AdamW(_groups(ref), lr=1e-3, eps=1e-6)
+    x, y = torch.randn(16, 7), torch.randn(16, 3)
+
+    def step(model, o):
+        o.zero_grad(set_to_none=True)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        return o.step(1.0)
+    run = torch.compile(step) if compile_works(torch.device("cpu")) else step
+    for i in range(3):
+        opt.param_groups[0]["lr"].fill_(3e-3 * (i + 1))
+        opt_ref.param_groups[0]["lr"] = 3e-3 * (i + 1)
+        run(net, opt)
+        opt_ref.zero_grad(set_to_none=True)
+        torch.nn.functional.mse_loss(ref(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        opt_ref.step()
+    for a, b in zip(ref.parameters(), net.parameters()):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_target_lerp_over_a_flat_copy_equals_the_per_parameter_lerp():
+    net = _net()
+    target = copy.deepcopy(net)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(1.0)
+    expect = [t + 0.01 * (p - t) for t, p in zip(target.parameters(), net.parameters())]
+    flat, tflat = flatten_parameters(list(net.parameters())), flatten_parameters(list(target.parameters()))
+    tflat.lerp_(flat, 0.01)
+    for t, e in zip(target.parameters(), expect):
+        assert torch.allclose(t, e)
