@@ -92,6 +92,33 @@ def test_device_schedule_resets_branch_momentum_at_a_cosine_restart(data):
             assert all(z == (restart and g["branch"] in ("direction", "size", "exit")) for z in zeroed), (step, g["name"])
 
 
+def test_device_schedule_drives_flat_adamw_as_it_drives_torch_adamw(data):
+    """`adamw="flat"` on CUDA: `device_lrs` writes the LRs as one vector and the restart as a per-group momentum
+    factor that `FlatAdamW.step` applies in its pass: the LRs of the host schedule, and after a step the branch
+    groups' first moments restarted at step k·period only (here from 1 with zero gradients: 0 or β1)."""
+    from services.trainer.flat_adamw import FlatAdamW
+    bars, split, feats = data
+    st = build_state(tiny_cfg(feats.shape[1]), bars, split, 0)
+    cfg, buf, period = st.cfg, st.buffers, st.cfg.cosine_period
+    scale = {"direction": 1.5, "size": 0.5, "exit": 2.0}
+    apply_knobs(st, Knobs(lr_scale=scale))
+    opt = FlatAdamW(st.opt.param_groups, lr=cfg.lr, capturable=True)   # device-vector LRs, as on CUDA
+    for step, restart in ((0, False), (period - 1, False), (period, True), (period + 1, False), (2 * period, True)):
+        buf.step.fill_(float(step))
+        device_lrs(opt, buf, cfg)
+        for g in opt.param_groups:
+            want = group_lr({**g, "age": step}, step, scale, cfg)
+            assert math.isclose(float(g["lr"]), want, rel_tol=1e-6), (g["name"], step)
+        opt.exp_avg.fill_(1.0)
+        for p in opt.params:
+            p.grad = torch.zeros_like(p)
+        opt.step()
+        for g in opt.param_groups:
+            want = 0.0 if restart and g["branch"] in ("direction", "size", "exit") else 0.9
+            assert all(torch.allclose(opt.state[p]["exp_avg"], torch.full_like(p, want)) for p in g["params"]), \
+                (step, g["name"])
+
+
 def test_accel_modes_are_checked():
     assert resolve_accel("auto", torch.device("cpu")) == "eager"
     with pytest.raises(ValueError, match="needs a CUDA device"):

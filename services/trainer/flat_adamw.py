@@ -64,6 +64,16 @@ class FlatAdamW:
         self.group_index = gid.to(dev)
         """Per element of the flat buffer: its parameter group."""
         self.decay = torch.tensor([g["weight_decay"] for g in self.param_groups], dtype=torch.float32, device=dev)
+        G = len(self.param_groups)
+        self.momentum_keep = torch.ones(G, device=dev)
+        """Per group: a factor on its first moment before the next step (0 = a reset; the trainer's cosine restarts
+        write it on the device, `device_lrs`)."""
+        self.lr_vector: torch.Tensor | None = None
+        if capturable:        # the groups' LRs as views of one device vector: a schedule writes them in one copy
+            self.lr_vector = torch.tensor([float(g["lr"]) for g in self.param_groups], dtype=torch.float32,
+                                          device=dev)
+            for i, g in enumerate(self.param_groups):
+                g["lr"] = self.lr_vector[i]
         o = 0
         for p in params:
             k = p.numel()
@@ -80,6 +90,8 @@ class FlatAdamW:
 
     def _lrs(self) -> torch.Tensor:
         """The groups' learning rates as one float32 vector on the buffer's device."""
+        if self.lr_vector is not None:
+            return self.lr_vector
         lrs = [g["lr"] for g in self.param_groups]
         if all(torch.is_tensor(lr) for lr in lrs):
             return torch.stack([lr.to(torch.float32).reshape(()) for lr in lrs])
@@ -100,7 +112,7 @@ class FlatAdamW:
         bc2_sqrt = (1.0 - beta2 ** t).sqrt().float()
         lr = self._lrs()[self.group_index]
         wd = self.decay[self.group_index]
-        self.exp_avg.lerp_(g, 1.0 - beta1)
+        self.exp_avg.mul_(self.momentum_keep[self.group_index]).lerp_(g, 1.0 - beta1)
         self.exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
         self.flat.mul_(1.0 - lr * wd)
         self.flat.sub_(lr * step_size * self.exp_avg / (self.exp_avg_sq.sqrt() / bc2_sqrt + eps))

@@ -383,11 +383,15 @@ def device_lrs(opt: torch.optim.Optimizer, buf: "UpdateBuffers", cfg: TrainConfi
     phase = torch.remainder(step, cfg.cosine_period) / cfg.cosine_period
     cos_f = cfg.cosine_floor + (1 - cfg.cosine_floor) * 0.5 * (1.0 + torch.cos(math.pi * phase))
     lr = cfg.lr * warm * torch.where(buf.lr_branch, buf.lr_scale * cos_f, torch.ones_like(buf.lr_scale))
-    torch._foreach_copy_([g["lr"] for g in opt.param_groups], list(lr.to(torch.float32).unbind()))
-    momenta = [opt.state[p]["exp_avg"] for g in opt.param_groups if g["branch"] in BRANCHES
-               for p in g["params"]]                                       # created with the optimizer
-    keep = ((step == 0) | (phase != 0)).to(momenta[0].dtype)                               # 0 at a restart
-    torch._foreach_mul_(momenta, keep)
+    keep = ((step == 0) | (phase != 0)).float()                                            # 0 at a restart
+    if isinstance(opt, FlatAdamW):          # one vector each; the step applies the momentum factor in its pass
+        opt.lr_vector.copy_(lr)
+        opt.momentum_keep.copy_(torch.where(buf.lr_branch, keep, torch.ones_like(keep)))
+    else:
+        torch._foreach_copy_([g["lr"] for g in opt.param_groups], list(lr.to(torch.float32).unbind()))
+        momenta = [opt.state[p]["exp_avg"] for g in opt.param_groups if g["branch"] in BRANCHES
+                   for p in g["params"]]                                   # created with the optimizer
+        torch._foreach_mul_(momenta, keep)
     step.add_(1.0)
 
 
