@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
+from bench import yardstick  # noqa: E402
 from shared.graphs import Graphed  # noqa: E402
 from services.trainer.train import TrainConfig, _bf16, build_state, compile_step, refresh_rolling  # noqa: E402
 from bench.train_speed import fill_for_updates, synthetic_dataset  # noqa: E402
@@ -208,6 +209,7 @@ def main() -> None:
     bars, split, feats = synthetic_dataset(a.train_bars)
     print(f"# train_profile: config={a.config} accel={a.accel} train bars={split.train[1] - split.train[0]:,} "
           f"device={torch.cuda.get_device_name()} torch={torch.__version__}")
+    print(yardstick.line("cuda"), flush=True)     # figures of other machines compare through these
     rows = []
     for variant in a.variants:
         for part, over in (("update", dict(batch_size=a.batch, n_envs=256)), ("collect", dict(n_envs=a.envs)),

@@ -38,6 +38,7 @@ from services.trainer.train import TrainConfig, build_state, train_epoch  # noqa
 from shared.knobs import Knobs  # noqa: E402
 from shared.market import chronological_split, compute_features  # noqa: E402
 from shared.synthetic import generate  # noqa: E402
+from bench import yardstick  # noqa: E402
 
 
 def sync(dev: torch.device) -> None:
@@ -190,6 +191,7 @@ def main() -> None:
     gpu = torch.cuda.get_device_name() if b.dev.type == "cuda" else "cpu"
     print(f"# train_speed: config={args.config} device={gpu} torch={torch.__version__} tf32={not args.no_tf32} "
           f"act_view_cache={args.act_view_cache} threads={torch.get_num_threads()} set={args.set}", flush=True)
+    print(yardstick.line(b.dev), flush=True)     # figures of other machines compare through these
     rows: list[tuple[str, str, callable]] = []
     rows += [(f"updates/s @ batch {n}", "{:,.3g}", lambda m, n=n: b.updates_per_s(m, n)) for n in args.batches]
     rows += [(f"account-steps/s @ B={n}", "{:,.3g}", lambda m, n=n: b.account_steps_per_s(m, n)) for n in args.envs]
