@@ -70,6 +70,23 @@ def kind(kernel: str) -> str:
     return next((name for name, pattern in KINDS if pattern.search(kernel)), "other")
 
 
+def phases(kernels: list[tuple[float, float, str]], gap_us: float = 100.0) -> list[tuple[int, float, str]]:
+    """The step's own stream in phases: its kernels (start µs, duration µs, name), in launch order, split wherever
+    the GPU waited more than `gap_us` for the next launch. Profiled without a graph, a compiled step pauses on the
+    host at each of its graph breaks (the backward, the targets' and refresh's streams joined, the optimizer), so
+    these are the step's phases (session 17 found them by hand: sampling, forward, C51 and losses, backward,
+    optimizer). Returns (kernels, µs, first kernel's name) per phase."""
+    out: list[list] = []
+    end = None
+    for start, dur, name in sorted(kernels):
+        if end is None or start - end > gap_us:
+            out.append([0, 0.0, name])
+        out[-1][0] += 1
+        out[-1][1] += dur
+        end = start + dur if end is None else max(end, start + dur)
+    return [tuple(x) for x in out]
+
+
 def replay_ms(fn, reps: int = 20) -> float:
     """GPU wall time per replay of fn captured in one CUDA graph (kernels plus the gaps between them)."""
     g = Graphed(fn, warmup=1)
@@ -164,6 +181,13 @@ def report(name: str, fn, calls: int, top: int, body=None, trace: str | None = N
     print("|---|---:|---:|---:|")
     for c, (n, t, small) in sorted(kinds.items(), key=lambda kv: -kv[1][1]):
         print(f"| {c} | {n:.0f} | {t:.0f} | {small:.0f} |")
+    last = sorted(kernels, key=lambda e: e.time_range.start)[-round(len(kernels) / calls):]
+    parts = phases([(e.time_range.start, e.device_time, e.name) for e in last if e.device_resource_id == own])
+    print("\n| phase of the step's own stream (split at launch pauses > 100 µs: graph breaks) | kernels | µs | "
+          "first kernel |")
+    print("|---|---:|---:|---|")
+    for i, (n, t, first) in enumerate(parts):
+        print(f"| {i + 1} | {n} | {t:.0f} | {first[:70]} |")
     print()
     by: dict[str, float] = {}
     for e in kernels:
@@ -175,7 +199,6 @@ def report(name: str, fn, calls: int, top: int, body=None, trace: str | None = N
     for k, v in sorted(by.items(), key=lambda kv: -kv[1])[:top]:
         print(f"| {k[:90]} | {v:.0f} | {v / total:.0%} | {source(k)[:160]} |")
     if trace:
-        last = sorted(kernels, key=lambda e: e.time_range.start)[-round(len(kernels) / calls):]
         t0 = last[0].time_range.start
         with open(trace, "w") as f:
             f.write("start_us\tstream\tus\tkernel\tsource nodes\n")

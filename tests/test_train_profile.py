@@ -1,6 +1,6 @@
 """bench/train_profile.py's attribution of compiled kernels to the FX nodes they compute (the GPU profile itself
 runs on the GPU machine)."""
-from bench.train_profile import kernel_origins, kind
+from bench.train_profile import kernel_origins, kind, phases
 
 MODULE = '''
 # kernel path: /tmp/torchinductor_x/ab/cab.py
@@ -54,3 +54,15 @@ def test_kernel_kinds_name_what_a_fix_would_target():
             "Memset (Device)": "aten", "something else": "other"}
     for name, prefix in want.items():
         assert kind(name).startswith(prefix), (name, kind(name))
+
+
+def test_phases_split_the_own_stream_at_launch_pauses():
+    """Kernels (start µs, µs, name) out of order, one overlapping its predecessor; pauses of 150 and 400 µs split
+    them, a gap of 60 µs does not."""
+    ks = [(0.0, 3.0, "rand"), (5.0, 14.0, "sample_a"), (79.0, 2.0, "sample_b"),          # gaps 2, 60: one phase
+          (231.0, 10.0, "enc_fwd"), (236.0, 4.0, "overlapping"),                         # pause 150
+          (645.0, 50.0, "bwd_loop")]                                                     # pause 404 after 241
+    got = phases(list(reversed(ks)))
+    assert got == [(3, 19.0, "rand"), (2, 14.0, "enc_fwd"), (1, 50.0, "bwd_loop")]
+    assert phases(ks, gap_us=1000.0) == [(6, 83.0, "rand")]
+    assert phases([]) == []
