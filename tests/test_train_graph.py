@@ -102,7 +102,7 @@ def test_device_schedule_drives_flat_adamw_as_it_drives_torch_adamw(data):
     cfg, buf, period = st.cfg, st.buffers, st.cfg.cosine_period
     scale = {"direction": 1.5, "size": 0.5, "exit": 2.0}
     apply_knobs(st, Knobs(lr_scale=scale))
-    opt = FlatAdamW(st.opt.param_groups, lr=cfg.lr, capturable=True)   # device-vector LRs, as on CUDA
+    opt = FlatAdamW(st.opt.param_groups, lr=cfg.lr)
     for step, restart in ((0, False), (period - 1, False), (period, True), (period + 1, False), (2 * period, True)):
         buf.step.fill_(float(step))
         device_lrs(opt, buf, cfg)

@@ -10,9 +10,9 @@ network's parameters can be flattened the same way, so its update is one `lerp_`
 
 The numbers are those of `torch.optim.AdamW` (decoupled weight decay, bias correction) after
 `torch.nn.utils.clip_grad_norm_`, up to the order of float sums (tests/test_flat_adamw.py). The groups keep
-torch's interface where the trainer reads it: `param_groups` (with "lr" a float or a device tensor, as with
-`capturable`), `state[p]` with "exp_avg", "exp_avg_sq" (views of the flat moments) and "step" (one counter all
-parameters share: every parameter steps at every update), `zero_grad`. Imports torch only.
+torch's interface where the trainer reads it: `param_groups` (with "lr" a 0-d tensor, as a capturable torch
+optimizer has it, to be written in place), `state[p]` with "exp_avg", "exp_avg_sq" (views of the flat moments) and
+"step" (one counter all parameters share: every parameter steps at every update), `zero_grad`. Imports torch only.
 """
 from __future__ import annotations
 
@@ -41,11 +41,12 @@ class FlatAdamW:
 
     `groups`: torch-style parameter groups (dicts with "params", "weight_decay", an optional "lr" and any other
     keys, kept). `step(max_norm)` clips the gradients together by their global 2-norm (as
-    `clip_grad_norm_`, inf = no clip), takes the AdamW step and returns the norm (a device scalar). `capturable`
-    (CUDA): the learning rates are device tensors written before each step, nothing is read back on the host."""
+    `clip_grad_norm_`, inf = no clip), takes the AdamW step and returns the norm (a device scalar). The groups'
+    learning rates are views of one device vector (`lr_vector`), written in place by a schedule (`fill_`, or one
+    copy on the device), and the step counter is a device tensor: nothing is read back on the host, a CUDA graph
+    can capture the step, and torch.compile sees no changing Python floats (which would recompile it)."""
 
-    def __init__(self, groups: list[dict], lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 capturable: bool = False):
+    def __init__(self, groups: list[dict], lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8):
         self.defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=0.0)
         self.param_groups = [{**self.defaults, **g, "params": list(g["params"])} for g in groups]
         self.state: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
@@ -57,8 +58,7 @@ class FlatAdamW:
         self.exp_avg_sq = torch.zeros(n, device=dev)
         # float64: 1 − β2^t in float32 loses ~5 digits at t = 1 (β2 = 0.999). One element, not 0-d: torch.compile
         # (2.13, CPU) dropped in-place updates of a 0-d float64 tensor (the step always read 0)
-        self.step_count = torch.zeros(1, dtype=torch.float64, device=dev if capturable else "cpu")
-        self.capturable = capturable
+        self.step_count = torch.zeros(1, dtype=torch.float64, device=dev)
         gid = torch.cat([torch.full((p.numel(),), i, dtype=torch.int32) for i, g in enumerate(self.param_groups)
                          for p in g["params"]])
         self.group_index = gid.to(dev)
@@ -68,12 +68,9 @@ class FlatAdamW:
         self.momentum_keep = torch.ones(G, device=dev)
         """Per group: a factor on its first moment before the next step (0 = a reset; the trainer's cosine restarts
         write it on the device, `device_lrs`)."""
-        self.lr_vector: torch.Tensor | None = None
-        if capturable:        # the groups' LRs as views of one device vector: a schedule writes them in one copy
-            self.lr_vector = torch.tensor([float(g["lr"]) for g in self.param_groups], dtype=torch.float32,
-                                          device=dev)
-            for i, g in enumerate(self.param_groups):
-                g["lr"] = self.lr_vector[i]
+        self.lr_vector = torch.tensor([float(g["lr"]) for g in self.param_groups], dtype=torch.float32, device=dev)
+        for i, g in enumerate(self.param_groups):
+            g["lr"] = self.lr_vector[i]
         o = 0
         for p in params:
             k = p.numel()
@@ -88,15 +85,6 @@ class FlatAdamW:
             elif p.grad is not None:
                 p.grad.zero_()
 
-    def _lrs(self) -> torch.Tensor:
-        """The groups' learning rates as one float32 vector on the buffer's device."""
-        if self.lr_vector is not None:
-            return self.lr_vector
-        lrs = [g["lr"] for g in self.param_groups]
-        if all(torch.is_tensor(lr) for lr in lrs):
-            return torch.stack([lr.to(torch.float32).reshape(()) for lr in lrs])
-        return torch.tensor([float(lr) for lr in lrs], dtype=torch.float32, device=self.flat.device)
-
     @torch.no_grad()
     def step(self, max_norm: float = float("inf")) -> torch.Tensor:  # type: ignore[override]
         g = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
@@ -107,10 +95,10 @@ class FlatAdamW:
         beta1, beta2 = self.defaults["betas"]
         eps = self.defaults["eps"]
         self.step_count.add_(1.0)
-        t = self.step_count.to(self.flat.device)
+        t = self.step_count
         step_size = (1.0 / (1.0 - beta1 ** t)).float()                         # 1 / bias correction 1
         bc2_sqrt = (1.0 - beta2 ** t).sqrt().float()
-        lr = self._lrs()[self.group_index]
+        lr = self.lr_vector[self.group_index]
         wd = self.decay[self.group_index]
         self.exp_avg.mul_(self.momentum_keep[self.group_index]).lerp_(g, 1.0 - beta1)
         self.exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)

@@ -294,7 +294,7 @@ def build_optimizer(agent: Agent, cfg: TrainConfig, device, compiled: bool = Fal
     if cfg.adamw not in ("auto", "fused", "foreach", "flat"):
         raise ValueError(f"adamw={cfg.adamw!r}: use auto, fused, foreach or flat")
     if cfg.adamw == "flat":
-        return FlatAdamW(pg, lr=cfg.lr, betas=(0.9, 0.999), eps=1e-6, capturable=cuda)
+        return FlatAdamW(pg, lr=cfg.lr, betas=(0.9, 0.999), eps=1e-6)
     # the fused kernel is one multi-tensor launch per group, ~13 µs each on the H200 whatever the group's size (a
     # block walks a 64 Ki-element chunk serially); compiled, the foreach form becomes Triton kernels spread over
     # the whole GPU (bench/train_profile.py)
