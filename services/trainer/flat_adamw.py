@@ -57,7 +57,8 @@ class FlatAdamW:
         self.exp_avg = torch.zeros(n, device=dev)
         self.exp_avg_sq = torch.zeros(n, device=dev)
         # float64: 1 − β2^t in float32 loses ~5 digits at t = 1 (β2 = 0.999). One element, not 0-d: torch.compile
-        # (2.13, CPU) dropped in-place updates of a 0-d float64 tensor (the step always read 0)
+        # (2.13, CPU) lost the in-place increment of a 0-d float64 CPU tensor read back in the same graph (the step
+        # always read 0; `t.add_(1.0); x.mul_(1 + t.float())` reproduces it, float32 and one element do not)
         self.step_count = torch.zeros(1, dtype=torch.float64, device=dev)
         gid = torch.cat([torch.full((p.numel(),), i, dtype=torch.int32) for i, g in enumerate(self.param_groups)
                          for p in g["params"]])
