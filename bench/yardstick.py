@@ -14,28 +14,14 @@ are comparable only if the machines were; these three say whether they were:
 """
 from __future__ import annotations
 
-import time
+import sys
+from pathlib import Path
 
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import torch  # noqa: E402
 
-def _timed(fn, dev: torch.device, reps: int) -> float:
-    """Seconds per call of fn (after two warm-up calls; CUDA events on a GPU)."""
-    for _ in range(2):
-        fn()
-    if dev.type == "cuda":
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        a.record()
-        for _ in range(reps):
-            fn()
-        b.record()
-        torch.cuda.synchronize()
-        return a.elapsed_time(b) / 1e3 / reps
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    return (time.perf_counter() - t0) / reps
+from bench.gemm_speed import timed  # noqa: E402  (mean µs of a call after warm-up; CUDA events on a GPU)
 
 
 def measure(dev: torch.device | str) -> dict[str, float]:
@@ -46,12 +32,12 @@ def measure(dev: torch.device | str) -> dict[str, float]:
     g = torch.Generator(device=dev).manual_seed(0)
     a = torch.randn(n, n, device=dev, dtype=dt, generator=g)
     b = torch.randn(n, n, device=dev, dtype=dt, generator=g)
-    out = {"GEMM TFLOP/s": 2 * n ** 3 / _timed(lambda: a @ b, dev, 20 if cuda else 3) / 1e12}
+    out = {"GEMM TFLOP/s": 2 * n ** 3 / timed(lambda: a @ b, dev, 20 if cuda else 3) / 1e6}
     nbytes = (256 if cuda else 64) * 2 ** 20
     src = torch.empty(nbytes // 4, device=dev)
     dst = torch.empty_like(src)
     # a copy reads and writes every byte
-    out["copy GB/s"] = 2 * nbytes / _timed(lambda: dst.copy_(src), dev, 20 if cuda else 5) / 1e9
+    out["copy GB/s"] = 2 * nbytes / timed(lambda: dst.copy_(src), dev, 20 if cuda else 5) / 1e3
     if cuda:
         x = torch.zeros(1, device=dev)
 
@@ -66,7 +52,7 @@ def measure(dev: torch.device | str) -> dict[str, float]:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             chain()
-        out["launch gap µs"] = _timed(graph.replay, dev, 20) / 200 * 1e6
+        out["launch gap µs"] = timed(graph.replay, dev, 20) / 200
     return out
 
 
