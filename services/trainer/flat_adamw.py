@@ -87,7 +87,7 @@ class FlatAdamW:
                 p.grad.zero_()
 
     @torch.no_grad()
-    def step(self, max_norm: float = float("inf")) -> torch.Tensor:  # type: ignore[override]
+    def step(self, max_norm: float = float("inf")) -> torch.Tensor:
         g = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
                        for p in self.params])
         norm = g.square().sum().sqrt()
