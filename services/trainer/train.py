@@ -1203,15 +1203,12 @@ def restore_state(state: TrainState, run_dir: Path, epoch: int) -> None:
     state.agent.load_state_dict({k: v.to(dev) for k, v in w.items()})
     state.target.load_state_dict({k[len("target."):]: v.to(dev) for k, v in t.items() if k.startswith("target.")})
     params = dict(state.agent.named_parameters())
-    cuda = dev.type == "cuda"
     for key, v in t.items():
         if key.startswith("opt."):
+            # in place: the state exists from the optimizer's construction (`materialise_state`, or `FlatAdamW`'s
+            # views of its flat buffers), on its device, at the addresses a captured step reads
             name, slot = key[len("opt."):].rsplit(".", 1)
-            st = state.opt.state.setdefault(params[name], {})
-            if slot in st and torch.is_tensor(st[slot]):
-                st[slot].copy_(v)                  # in place: `FlatAdamW`'s state is views of its flat buffers
-            else:
-                st[slot] = v.to(dev) if (slot != "step" or cuda) else v.clone()
+            state.opt.state[params[name]][slot].copy_(v)
     for g, age in zip(state.opt.param_groups, meta["group_ages"]):
         g["age"] = int(age)
     state.replay.load_state({k[len("replay."):]: v.to(dev) for k, v in t.items() if k.startswith("replay.")},
