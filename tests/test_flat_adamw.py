@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 
-from services.trainer.flat_adamw import FlatAdamW, flatten_parameters
+from services.trainer.flat_adamw import ALIGN, FlatAdamW, flatten_parameters
 
 
 def _net() -> torch.nn.Module:
@@ -26,9 +26,13 @@ def test_flatten_parameters_makes_views_and_keeps_values_and_autograd():
     net = _net()
     before = [p.detach().clone() for p in net.parameters()]
     flat = flatten_parameters(list(net.parameters()))
-    assert flat.numel() == sum(b.numel() for b in before)
+    assert sum(b.numel() for b in before) <= flat.numel() < sum(b.numel() + ALIGN for b in before)
     for p, b in zip(net.parameters(), before):
         assert torch.equal(p, b) and p.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+        # every view 128 bytes from the buffer's start (allocated aligned on CUDA), as its own allocation would be
+        # (packed views stopped a compiled GPU update)
+        assert (p.data_ptr() - flat.data_ptr()) % (4 * ALIGN) == 0 and p.is_contiguous()
+    assert flat.sum().item() == pytest.approx(sum(b.sum().item() for b in before), rel=1e-5)   # the gaps hold 0
     net(torch.randn(5, 7)).sum().backward()
     assert all(p.grad is not None and p.grad.shape == p.shape for p in net.parameters())
     with torch.no_grad():

@@ -19,20 +19,34 @@ from __future__ import annotations
 import torch
 
 
+ALIGN = 32
+"""Each parameter's view starts at a multiple of this many elements (128 bytes), as a parameter allocated on its
+own does: kernels compiled for aligned inputs read every view with vector loads. Packed end to end instead, the
+H200 stopped at "misaligned address" in the compiled update (session 18)."""
+
+
+def flat_layout(params: list[torch.Tensor]) -> tuple[list[int], int]:
+    """Offsets of `params` in a flat buffer, each a multiple of `ALIGN`, and the buffer's length (the gaps hold 0)."""
+    offsets, o = [], 0
+    for p in params:
+        offsets.append(o)
+        o += -(-p.numel() // ALIGN) * ALIGN
+    return offsets, o
+
+
 def flatten_parameters(params: list[torch.nn.Parameter]) -> torch.Tensor:
-    """Move `params` into one new flat float32 buffer, in order, each parameter's data becoming a view of it;
-    returns the buffer. Autograd, state dicts and `copy_` see the same parameters as before."""
+    """Move `params` into one new flat float32 buffer, in order (`flat_layout`), each parameter's data becoming a
+    view of it; returns the buffer. Autograd, state dicts and `copy_` see the same parameters as before."""
     dev = params[0].device
-    flat = torch.empty(sum(p.numel() for p in params), dtype=torch.float32, device=dev)
-    o = 0
+    offsets, n = flat_layout(params)
+    flat = torch.zeros(n, dtype=torch.float32, device=dev)
     with torch.no_grad():
-        for p in params:
+        for p, o in zip(params, offsets):
             if p.dtype != torch.float32 or p.device != dev:
                 raise ValueError(f"flatten_parameters: a {p.dtype} parameter on {p.device}; float32 on {dev} only")
-            n = p.numel()
-            flat[o:o + n].copy_(p.reshape(-1))
-            p.data = flat[o:o + n].view_as(p)
-            o += n
+            k = p.numel()
+            flat[o:o + k].copy_(p.reshape(-1))
+            p.data = flat[o:o + k].view_as(p)
     return flat
 
 
@@ -60,8 +74,10 @@ class FlatAdamW:
         # (2.13, CPU) lost the in-place increment of a 0-d float64 CPU tensor read back in the same graph (the step
         # always read 0; `t.add_(1.0); x.mul_(1 + t.float())` reproduces it, float32 and one element do not)
         self.step_count = torch.zeros(1, dtype=torch.float64, device=dev)
-        gid = torch.cat([torch.full((p.numel(),), i, dtype=torch.int32) for i, g in enumerate(self.param_groups)
-                         for p in g["params"]])
+        self.offsets, _ = flat_layout(params)
+        ends = self.offsets[1:] + [n]
+        group_of = [i for i, g in enumerate(self.param_groups) for _ in g["params"]]
+        gid = torch.cat([torch.full((e - o,), i, dtype=torch.int32) for i, o, e in zip(group_of, self.offsets, ends)])
         self.group_index = gid.to(dev)
         """Per element of the flat buffer: its parameter group."""
         self.decay = torch.tensor([g["weight_decay"] for g in self.param_groups], dtype=torch.float32, device=dev)
@@ -72,12 +88,11 @@ class FlatAdamW:
         self.lr_vector = torch.tensor([float(g["lr"]) for g in self.param_groups], dtype=torch.float32, device=dev)
         for i, g in enumerate(self.param_groups):
             g["lr"] = self.lr_vector[i]
-        o = 0
-        for p in params:
+        for p, o in zip(params, self.offsets):
             k = p.numel()
             self.state[p] = {"step": self.step_count.view(()), "exp_avg": self.exp_avg[o:o + k].view_as(p),
                              "exp_avg_sq": self.exp_avg_sq[o:o + k].view_as(p)}
-            o += k
+        self._gaps = [e - o - p.numel() for p, o, e in zip(params, self.offsets, ends)]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params:
@@ -88,8 +103,12 @@ class FlatAdamW:
 
     @torch.no_grad()
     def step(self, max_norm: float = float("inf")) -> torch.Tensor:
-        g = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
-                       for p in self.params])
+        parts = []
+        for p, gap in zip(self.params, self._gaps):
+            parts.append((p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float())
+            if gap:
+                parts.append(p.new_zeros(gap))
+        g = torch.cat(parts)
         norm = g.square().sum().sqrt()
         if max_norm != float("inf"):
             g = g * (max_norm / (norm + 1e-6)).clamp(max=1.0)

@@ -141,18 +141,22 @@ class TrainConfig:
     paired difference −0.01 ± 0.04; bench/README.md, learning.py)."""
     adamw: str = "auto"
     """AdamW kernels on CUDA: "fused" (one `_fused_adamw_` launch per parameter group), "foreach" (the capturable
-    multi-tensor form, which torch.compile lowers to its own fused Triton kernels), or "auto": foreach when the
-    update is compiled, fused otherwise. A CPU always runs the default (single-tensor or foreach) form. "flat", on
-    any device: `FlatAdamW` (`services.trainer.flat_adamw`), every parameter (and the target network's) a view of
+    multi-tensor form, which torch.compile lowers to its own fused Triton kernels); a CPU runs torch's default form
+    with either. "flat", on any device: `FlatAdamW` (`services.trainer.flat_adamw`), every parameter (and the target network's) a view of
     one flat buffer, the clip, the step and the target's lerp a few passes over it whatever the number of groups;
-    the same numbers up to the order of float sums, not yet timed on the H200 (session 17)."""
-    inductor: str = "combo_kernels,combo_kernels_pointwise_only"
+    the same numbers up to the order of float sums. "auto" (the default): flat when the update is compiled on CUDA
+    (on the H200 the batch-4 096 update's graph replay took 1.33 ms against 1.38 with foreach, 361 kernels against
+    377, side by side, session 18), fused when it runs eagerly on CUDA, torch's default form on a CPU."""
+    inductor: str = "combo_kernels,combo_kernels_pointwise_only,triton.enable_pdl"
     """Comma-separated boolean options of `torch._inductor.config` turned on ("name") or off ("!name") for the compiled
     modes' step functions; "" = inductor's defaults. The default fuses independent pointwise kernels side by side
     into one launch (`combo_kernels`) and leaves reductions alone (`combo_kernels_pointwise_only`): on the H200 the
     batch-4 096 update went from 543 to 380 kernels and its graph replay from 1.79 to 1.58 ms (session 16). Combined
-    reductions had doubled the update's time (one took 3.39 ms by itself, session 9; bench/README.md). On a CPU
-    inductor's C++ backend makes no combo kernels: the same kernels either way."""
+    reductions had doubled the update's time (one took 3.39 ms by itself, session 9; bench/README.md). And it lets
+    each Triton kernel launch before the previous one has finished, waiting on the device for its inputs
+    (programmatic dependent launch, `triton.enable_pdl`; Hopper and later): the batch-4 096 update's graph replay
+    went 1.33 → 1.23 ms side by side (session 18; 1.32 → 1.27 on another machine, session 18's first run). Compiling
+    takes longer. On a CPU inductor's C++ backend makes neither combo kernels nor launches: the same kernels."""
     tf32: bool = True
     """On CUDA, float32 matmuls and convolutions on TF32 tensor cores (10-bit mantissa inputs, fp32 accumulate)."""
     emb_refresh: int = 50
@@ -281,7 +285,7 @@ def build_optimizer(agent: Agent, cfg: TrainConfig, device, compiled: bool = Fal
                     ) -> torch.optim.AdamW | FlatAdamW:
     """AdamW with one group per (branch, decay): the decay mask decides weight_decay; names in group['name'].
     On CUDA the LRs and step counters live on the device (capturable in a graph) and `cfg.adamw` picks the kernels
-    (`compiled`: the update runs under torch.compile, where "auto" means foreach)."""
+    (`compiled`: the update runs under torch.compile, where "auto" means flat)."""
     mask = weight_decay_mask(agent)
     groups: dict[tuple[str, bool], list] = {}
     for n, p in agent.named_parameters():
@@ -293,7 +297,7 @@ def build_optimizer(agent: Agent, cfg: TrainConfig, device, compiled: bool = Fal
           for (b, d), ps in sorted(groups.items())]
     if cfg.adamw not in ("auto", "fused", "foreach", "flat"):
         raise ValueError(f"adamw={cfg.adamw!r}: use auto, fused, foreach or flat")
-    if cfg.adamw == "flat":
+    if cfg.adamw == "flat" or (cfg.adamw == "auto" and cuda and compiled):
         return FlatAdamW(pg, lr=cfg.lr, betas=(0.9, 0.999), eps=1e-6)
     # the fused kernel is one multi-tensor launch per group, ~13 µs each on the H200 whatever the group's size (a
     # block walks a 64 Ki-element chunk serially); compiled, the foreach form becomes Triton kernels spread over
