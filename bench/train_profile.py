@@ -248,7 +248,7 @@ def main() -> None:
             if part == "refresh":
                 fn = _bf16(lambda: refresh_rolling(st)) if cfg.bf16 else (lambda: refresh_rolling(st))
                 if a.accel == "compile":
-                    fn = compile_step(fn, cfg)
+                    fn = compile_step(fn, cfg, st.device)
                 label = f"rolling refresh ({st.refresh_idx.shape[0]:,} bars × 2 networks per update)"
             else:
                 fn = st.runner.update if part == "update" else st.runner.collect

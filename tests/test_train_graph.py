@@ -272,7 +272,7 @@ def one_update(data, device: str, accel: str, off_kinks: bool, **kw
 
     def step():
         return st.update(b, noise[:, 1:], after_backward=keep)
-    m = (compile_step(step, st.cfg) if accel == "compile" else step)()
+    m = (compile_step(step, st.cfg, device) if accel == "compile" else step)()
     return {k: float(v) for k, v in m.items()}, grads
 
 

@@ -19,6 +19,7 @@ import copy
 import hashlib
 import json
 import math
+import re
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -142,9 +143,9 @@ class TrainConfig:
     adamw: str = "auto"
     """AdamW kernels on CUDA: "fused" (one `_fused_adamw_` launch per parameter group), "foreach" (the capturable
     multi-tensor form, which torch.compile lowers to its own fused Triton kernels); a CPU runs torch's default form
-    with either. "flat", on any device: `FlatAdamW` (`services.trainer.flat_adamw`), every parameter (and the target network's) a view of
-    one flat buffer, the clip, the step and the target's lerp a few passes over it whatever the number of groups;
-    the same numbers up to the order of float sums. "auto" (the default): flat when the update is compiled on CUDA
+    with either. "flat", on any device: `FlatAdamW` (`services.trainer.flat_adamw`), every parameter (and the
+    target network's) a view of one flat buffer, the clip, the step and the target's lerp a few passes over it
+    whatever the number of groups; the same numbers up to the order of float sums. "auto" (the default): flat when the update is compiled on CUDA
     (on the H200 the batch-4 096 update's graph replay took 1.33 ms against 1.38 with foreach, 361 kernels against
     377, side by side, session 18), fused when it runs eagerly on CUDA, torch's default form on a CPU."""
     inductor: str = "combo_kernels,combo_kernels_pointwise_only,triton.enable_pdl"
@@ -680,8 +681,8 @@ class StepRunner:
             collect_fn, update_fn, encode_fn, targets_fn = (_bf16(collect_fn), _bf16(update_fn), _bf16(encode_fn),
                                                             _bf16(targets_fn))
         if "compile" in accel:
-            collect_fn, update_fn, encode_fn, targets_fn = (compile_step(collect_fn, cfg), compile_step(update_fn, cfg),
-                                                            compile_step(encode_fn, cfg), compile_step(targets_fn, cfg))
+            collect_fn, update_fn, encode_fn, targets_fn = (compile_step(f, cfg, dev) for f in
+                                                            (collect_fn, update_fn, encode_fn, targets_fn))
         if dev.type == "cuda":
             # the rolling refresh's encodings on a side stream, beside the update's forward and backward passes
             # (both only read the parameters); the update waits for them just before its optimizer step. Static
@@ -809,9 +810,21 @@ def inductor_options(spec: str) -> dict[str, bool]:
     return out
 
 
-def compile_step(fn: Callable[..., object], cfg: TrainConfig) -> Callable[..., object]:
-    """`fn` through torch.compile with the config's inductor options."""
-    return torch.compile(fn, options=inductor_options(cfg.inductor) or None)
+def compile_step(fn: Callable[..., object], cfg: TrainConfig, device: torch.device | str) -> Callable[..., object]:
+    """`fn` through torch.compile with the config's inductor options, for a step on `device`.
+
+    On a CPU with torch older than 2.13, without inductor's pattern-matcher passes: torch 2.11's lost the C51 heads'
+    gradients of the compiled update on the CPU (`adv_w` 0, `value_w` 1e-3 of eager; the same graph through
+    `aot_eager` and the same inductor with `pattern_matcher` off matched eager within 1.4e-6; CUDA and torch 2.13
+    unaffected — tests/test_train_graph.py's one-batch test, session 18)."""
+    options = inductor_options(cfg.inductor)
+    if torch.device(device).type == "cpu" and _torch_older_than(2, 13):
+        options.setdefault("pattern_matcher", False)
+    return torch.compile(fn, options=options or None)
+
+
+def _torch_older_than(major: int, minor: int) -> bool:
+    return tuple(int(x) for x in re.findall(r"\d+", torch.__version__)[:2]) < (major, minor)
 
 
 def _bf16(fn: Callable[..., object]) -> Callable[..., object]:
