@@ -251,8 +251,9 @@ def one_update(data, device: str, accel: str, off_kinks: bool, **kw
     for the same arguments (same seeds). `off_kinks`: the portfolio shift's last layer gets small random weights
     first, so δ ≠ 0 (see the test)."""
     bars, split, feats = data
-    # a fresh dynamo: on the H200 (torch 2.11, session 18), after the whole-training tests in the same process, the
-    # compiled call read one of `update`'s closure cells as None (the code object is shared by every state's update)
+    # a fresh dynamo for each: on the H200 (torch 2.11, session 18), after other compiled tests in the same process,
+    # the compiled call stopped at `update`'s first use of its `targets` closure ("'NoneType' object is not
+    # callable"; every state's `update` shares one code object); with the reset the CUDA cases pass
     torch._dynamo.reset()
     st = build_state(tiny_cfg(feats.shape[1], tf32=False, **kw), bars, split, 7, device=device, accel="eager")
     while st.replay.count <= max(st.cfg.horizons) + 2:
