@@ -145,9 +145,10 @@ class TrainConfig:
     multi-tensor form, which torch.compile lowers to its own fused Triton kernels); a CPU runs torch's default form
     with either. "flat", on any device: `FlatAdamW` (`services.trainer.flat_adamw`), every parameter (and the
     target network's) a view of one flat buffer, the clip, the step and the target's lerp a few passes over it
-    whatever the number of groups; the same numbers up to the order of float sums. "auto" (the default): flat when the update is compiled on CUDA
-    (on the H200 the batch-4 096 update's graph replay took 1.33 ms against 1.38 with foreach, 361 kernels against
-    377, side by side, session 18), fused when it runs eagerly on CUDA, torch's default form on a CPU."""
+    whatever the number of groups; the same numbers up to the order of float sums. "auto" (the default): flat when
+    the update is compiled on CUDA (on the H200 the batch-4 096 update's graph replay took 1.33 ms against 1.38 with
+    foreach, 361 kernels against 377, side by side, session 18), fused when it runs eagerly on CUDA, torch's
+    default form on a CPU."""
     inductor: str = "combo_kernels,combo_kernels_pointwise_only,triton.enable_pdl"
     """Comma-separated boolean options of `torch._inductor.config` turned on ("name") or off ("!name") for the compiled
     modes' step functions; "" = inductor's defaults. The default fuses independent pointwise kernels side by side
