@@ -1,0 +1,23 @@
+"""The Triton kernel of `services.trainer.replay.scatter_amax_` (imported only where it runs: CUDA, or Triton's
+interpreter)."""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def scatter_amax_kernel(dst_ptr, index_ptr, src_ptr, n, BLOCK: tl.constexpr, PASSES: tl.constexpr):
+    """dst[index[k]] = max of src[k'] over the k' with index[k'] = index[k]; one program for all n. First every
+    target is cleared to −inf, then the values are max-ed in atomically; the barrier between the two passes keeps a
+    duplicate's clear from landing after another duplicate's max (a barrier orders the program's own global writes,
+    which is why it is one program)."""
+    for p in range(PASSES):                                 # PASSES = ⌈n / BLOCK⌉
+        k = p * BLOCK + tl.arange(0, BLOCK)
+        m = k < n
+        i = tl.load(index_ptr + k, mask=m, other=0)
+        tl.store(dst_ptr + i, tl.full([BLOCK], float("-inf"), tl.float32), mask=m)
+    tl.debug_barrier()
+    for p in range(PASSES):                                 # PASSES = ⌈n / BLOCK⌉
+        k = p * BLOCK + tl.arange(0, BLOCK)
+        m = k < n
+        i = tl.load(index_ptr + k, mask=m, other=0)
+        tl.atomic_max(dst_ptr + i, tl.load(src_ptr + k, mask=m), mask=m)
