@@ -115,6 +115,10 @@ class Replay:
         self.done = z(L, E, dt=torch.bool)
         self.priority = z(L, E)
         self.bar_boost = torch.ones(n_bars, device=self.device)
+        self.weight = z(L, E)
+        """priority^α × bar_boost[bar] of every slot, rewritten wherever a factor is: sampling then reads this one
+        float array instead of the priorities, the slots' bar indices (int64) and a gather of their boosts, each
+        update (three reads of the 2-M-slot ring folded into one). The same arithmetic, so the same draws."""
         # ring position and fill on the device, so a captured collection step writes and advances them
         self.head_t = torch.zeros((), dtype=torch.long, device=self.device)   # next ring row to write
         self.count_t = torch.zeros((), dtype=torch.long, device=self.device)  # rows written (capped at L)
@@ -148,6 +152,7 @@ class Replay:
         self.reward.index_copy_(0, r, reward.to(torch.float32).view(1, -1))
         self.done.index_copy_(0, r, done.view(1, -1))
         self.priority.index_copy_(0, r, self.max_priority.expand(1, self.E))
+        self.weight.index_copy_(0, r, self._weigh(self.max_priority.expand(self.E), bar).view(1, -1))
         self.head_t.add_(1).remainder_(self.L)
         self.count_t.add_(1).clamp_(max=self.L)
 
@@ -169,7 +174,7 @@ class Replay:
         if u is None:
             u = torch.rand(n, device=self.device, generator=generator)
         rows = self.valid_rows()
-        p = (self.priority.pow(self.alpha) * self.bar_boost[self.bar] * rows.unsqueeze(1)).flatten()  # L·E
+        p = (self.weight * rows.unsqueeze(1)).flatten()                                      # L·E
         slot, total = inverse_cdf(p, u)                                                      # N
         probs_slot = p[slot].double() / total
         # counted over the L rows, not the L·E slots: a 2-M-slot sum was 3 kernels, ~12 µs of the batch-4 096
@@ -192,12 +197,14 @@ class Replay:
         fixed, and duplicates differ once their losses read different noise: `TrainConfig.horizon_sample`.)"""
         new = td.detach().abs().float() + eps
         scatter_amax_(self.priority.view(-1), slot, new)
+        self._reweigh(slot)
         torch.maximum(self.max_priority, new.max(), out=self.max_priority)
 
     @torch.no_grad()
     def set_priority(self, slot: torch.Tensor, value: torch.Tensor) -> None:
         """Write priorities from outside (flat slots l·E + e)."""
         self.priority.view(-1).index_copy_(0, slot, value.float())
+        self._reweigh(slot)
 
     @torch.no_grad()
     def set_bar_boost(self, bars, multipliers) -> None:
@@ -207,6 +214,7 @@ class Replay:
             b = torch.as_tensor(bars, dtype=torch.long, device=self.device)
             m = torch.as_tensor(multipliers, dtype=torch.float32, device=self.device)
             self.bar_boost[b] = m
+        self.weight.copy_(self._weigh(self.priority, self.bar))
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """All buffers, for a checkpoint (the host counters go in `state_meta`)."""
@@ -221,6 +229,17 @@ class Replay:
             getattr(self, k).copy_(v)
         self.head_t.fill_(int(meta["head"]))
         self.count_t.fill_(int(meta["count"]))
+        self.weight.copy_(self._weigh(self.priority, self.bar))
+
+    def _weigh(self, priority: torch.Tensor, bar: torch.Tensor) -> torch.Tensor:
+        """The sampling weight priority^α × bar_boost[bar] (`weight`)."""
+        return priority.pow(self.alpha) * self.bar_boost[bar]
+
+    def _reweigh(self, slot: torch.Tensor) -> None:
+        """`weight` at the flat slots `slot` after their priorities changed (a slot listed twice gets the same value
+        twice)."""
+        w = self._weigh(self.priority.view(-1)[slot], self.bar.view(-1)[slot])
+        self.weight.view(-1).index_copy_(0, slot, w)
 
 
 def inverse_cdf(p: torch.Tensor, u: torch.Tensor, block: int = SAMPLE_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
