@@ -121,6 +121,12 @@ def test_replay_nstep_window_valid_mask_and_bar_boost():
     rp.update_priorities(torch.tensor([4, 7, 4]), torch.tensor([0.5, -2.0, 3.0]))
     rp.update_priorities(torch.tensor([9, 9]), torch.tensor([-6.0, 1.0]))
     assert rp.priority.view(-1)[[4, 7, 9, 5]].tolist() == pytest.approx([3.001, 2.001, 6.001, 0.0])
+    # the number of valid slots the importance weights use, without counting: as counted, at every fill
+    probe = Replay(capacity=20, n_envs=2, n_portfolio=1, n_bars=100, horizons=(1, 3), device="cpu")
+    for step in range(14):
+        assert int(probe.valid_row_count()) == int(probe.valid_rows().sum()), step
+        probe.add(torch.tensor([step, step]), torch.zeros(2, 1), torch.zeros(2, 3, dtype=torch.long),
+                  torch.zeros(2, dtype=torch.long), torch.zeros(2), torch.tensor([False, False]))
     # the sampling weight kept beside them is priority^α × boost[bar] after every kind of write, bit for bit
     rp.set_bar_boost([20, 41], [3.0, 0.5])
     rp.update_priorities(torch.tensor([4, 5, 4]), torch.tensor([1.0, 2.0, 0.25]))
