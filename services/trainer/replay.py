@@ -218,7 +218,7 @@ class Replay:
             b = torch.as_tensor(bars, dtype=torch.long, device=self.device)
             m = torch.as_tensor(multipliers, dtype=torch.float32, device=self.device)
             self.bar_boost[b] = m
-        self.weight.copy_(self._weigh(self.priority, self.bar))
+        self._reweigh()
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """All buffers, for a checkpoint (the host counters go in `state_meta`)."""
@@ -233,15 +233,18 @@ class Replay:
             getattr(self, k).copy_(v)
         self.head_t.fill_(int(meta["head"]))
         self.count_t.fill_(int(meta["count"]))
-        self.weight.copy_(self._weigh(self.priority, self.bar))
+        self._reweigh()
 
     def _weigh(self, priority: torch.Tensor, bar: torch.Tensor) -> torch.Tensor:
         """The sampling weight priority^α × bar_boost[bar] (`weight`)."""
         return priority.pow(self.alpha) * self.bar_boost[bar]
 
-    def _reweigh(self, slot: torch.Tensor) -> None:
+    def _reweigh(self, slot: torch.Tensor | None = None) -> None:
         """`weight` at the flat slots `slot` after their priorities changed (a slot listed twice gets the same value
-        twice)."""
+        twice), or everywhere (None: the boosts changed, or a checkpoint was loaded)."""
+        if slot is None:
+            self.weight.copy_(self._weigh(self.priority, self.bar))
+            return
         w = self._weigh(self.priority.view(-1)[slot], self.bar.view(-1)[slot])
         self.weight.view(-1).index_copy_(0, slot, w)
 
