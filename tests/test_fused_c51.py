@@ -8,27 +8,14 @@ arithmetic but not the GPU's rounding: at kinks that decided the subgradient, wh
 (bench/README.md, session 15)."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from services.trainer.losses import c51_branch_losses
+from triton_device import triton_device
 
 
-def _device() -> str | None:
-    if torch.cuda.is_available():
-        return "cuda"
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        try:
-            import triton  # noqa: F401
-            return "cpu"
-        except ImportError:
-            return None
-    return None
-
-
-DEV = _device()
+DEV = triton_device()
 pytestmark = pytest.mark.skipif(DEV is None, reason="needs a CUDA GPU (or TRITON_INTERPRET=1 with triton)")
 
 BRANCHES = (3, 2, 3)

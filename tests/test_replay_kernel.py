@@ -3,28 +3,15 @@ under Triton's interpreter on the CPU when `TRITON_INTERPRET=1` and triton is im
 file a second time), and the op under torch.compile: the same values, written in place into the array."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from services.trainer import replay
 from services.trainer.replay import scatter_amax_, scatter_amax_triton
+from triton_device import triton_device
 
 
-def _kernel_device() -> str | None:
-    if torch.cuda.is_available():
-        return "cuda"
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        try:
-            import triton  # noqa: F401
-            return "cpu"
-        except ImportError:
-            return None
-    return None
-
-
-KDEV = _kernel_device()
+KDEV = triton_device()
 
 
 def _case(n: int, slots: int, seed: int, device: str):
