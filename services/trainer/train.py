@@ -19,7 +19,6 @@ import copy
 import hashlib
 import json
 import math
-import re
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -819,13 +818,9 @@ def compile_step(fn: Callable[..., object], cfg: TrainConfig, device: torch.devi
     `aot_eager` and the same inductor with `pattern_matcher` off matched eager within 1.4e-6; CUDA and torch 2.13
     unaffected — tests/test_train_graph.py's one-batch test, session 18)."""
     options = inductor_options(cfg.inductor)
-    if torch.device(device).type == "cpu" and _torch_older_than(2, 13):
+    if torch.device(device).type == "cpu" and torch.__version__ < "2.13":      # a TorchVersion: compared as one
         options.setdefault("pattern_matcher", False)
     return torch.compile(fn, options=options or None)
-
-
-def _torch_older_than(major: int, minor: int) -> bool:
-    return tuple(int(x) for x in re.findall(r"\d+", torch.__version__)[:2]) < (major, minor)
 
 
 def _bf16(fn: Callable[..., object]) -> Callable[..., object]:
