@@ -136,9 +136,11 @@ class TrainConfig:
     """Samples of each update whose market encoding is computed with gradient (the encoder learns from them);
     the rest read the cached online embeddings. 0 = the whole batch. The encoder with gradient was the largest part
     of the `full` preset's update: at batch 4 096 on the H200 its graph replay took 1.56 ms with 512 such samples,
-    1.35 with 256 and 1.23 with 128 (bench/train_profile.py, one run, session 17); the preset's 256 learned as 512
+    1.35 with 256 and 1.23 with 128 (bench/train_profile.py, one run, session 17; session 19: 1.19 against 1.09,
+    side by side, on the session's defaults); the preset's 256 learned as 512
     did on the GPU learning bench (3 of 3 seeds met the target either way, OOS per-trade Sharpe mean 0.433 vs 0.441,
-    paired difference −0.01 ± 0.04; bench/README.md, learning.py)."""
+    paired difference −0.01 ± 0.04; bench/README.md, learning.py). 128 is not taken: on the CPU learning bench an
+    eighth of the batch learned worse than a quarter (12 seeds, −0.22 ± 0.12 OOS per-trade Sharpe, session 18)."""
     adamw: str = "auto"
     """AdamW kernels on CUDA: "fused" (one `_fused_adamw_` launch per parameter group), "foreach" (the capturable
     multi-tensor form, which torch.compile lowers to its own fused Triton kernels); a CPU runs torch's default form
@@ -157,7 +159,10 @@ class TrainConfig:
     each Triton kernel launch before the previous one has finished, waiting on the device for its inputs
     (programmatic dependent launch, `triton.enable_pdl`; inductor emits it on Hopper and later only): the batch-4 096
     update's graph replay went 1.33 → 1.23 ms side by side with flat AdamW, 1.32 → 1.27 without (session 18).
-    Compiling takes longer. On a CPU inductor's C++ backend makes neither combo kernels nor launches."""
+    Compiling takes longer. On a CPU inductor's C++ backend makes neither combo kernels nor launches. Measured
+    against this default and left off (session 19, 1.18–1.19 ms): `coordinate_descent_tuning` 1.19 ms (and ~4 min
+    to compile), `aggressive_fusion` 1.18, `!split_reductions` 3.43 (long reductions in a few programs),
+    `max_autotune_gemm` not compiled within 5 min."""
     tf32: bool = True
     """On CUDA, float32 matmuls and convolutions on TF32 tensor cores (10-bit mantissa inputs, fp32 accumulate)."""
     emb_refresh: int = 50
