@@ -263,6 +263,27 @@ def aligned_linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
     return out[..., :n_out]
 
 
+class _DenseGrad(torch.autograd.Function):
+    """The identity, whose gradient is handed back contiguous (`dense_grad`)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> torch.Tensor:
+        return g.contiguous()
+
+
+def dense_grad(p: torch.Tensor) -> torch.Tensor:
+    """p itself, with its gradient made contiguous where it is computed. A parameter used through `torch.cat` gets
+    a strided slice of the joint gradient, which autograd then copies into the parameter's layout, one copy a
+    parameter after the backward (on the H200 six `direct_copy` kernels of the update, for the advantage streams'
+    weights and biases, session 19). Made contiguous inside the backward, the copy is part of the compiled graph,
+    where inductor fuses or groups it, and autograd takes the gradient as it is. The same values."""
+    return _DenseGrad.apply(p)
+
+
 class CausalBlock(nn.Module):
     """Pre-LN transformer block with causal self-attention: x + Attn(LN x), then x + MLP(LN x)."""
 
@@ -371,8 +392,8 @@ class Agent(nn.Module):
         (up to the order of float additions)."""
         K, A, H = self.cfg.ensemble, self.cfg.n_atoms, self.cfg.hidden
         # (ParameterLists indexed, not unpacked: torch 2.11's dynamo cannot unpack one into a tuple)
-        adv_w = torch.cat([self.adv_w[i] for i in range(len(self.adv_w))], dim=2).view(K, H, -1, A)  # K × H × NB × A
-        adv_b = torch.cat([self.adv_b[i] for i in range(len(self.adv_b))], dim=1).view(K, -1, A)     # K × NB × A
+        adv_w = torch.cat([dense_grad(self.adv_w[i]) for i in range(len(self.adv_w))], dim=2).view(K, H, -1, A)
+        adv_b = torch.cat([dense_grad(self.adv_b[i]) for i in range(len(self.adv_b))], dim=1).view(K, -1, A)
         slices = self.cfg.branch_slices()
         centre_w = torch.cat([adv_w[:, :, sl].mean(2, keepdim=True).expand(-1, -1, sl.stop - sl.start, -1)
                               for sl in slices], dim=2)

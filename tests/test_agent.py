@@ -62,6 +62,26 @@ def test_dueling_folded_into_the_weights_is_the_written_out_sum_and_its_gradient
     torch.testing.assert_close(ag.market(emb).logits, (ag.trunk(emb) @ w + b).view(6, K, -1, A))
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_every_gradient_comes_in_its_parameters_layout(compiled):
+    """Autograd takes a gradient as it is only when its strides are the parameter's; otherwise it copies it, one
+    kernel a parameter after the backward. The advantage streams are used through `torch.cat`, whose gradients are
+    strided slices: `dense_grad` makes them contiguous inside the backward (eager and compiled)."""
+    ag = make()
+    params = dict(ag.named_parameters())
+
+    def loss(w, pf):
+        out = ag.head(ag.encode(w), pf)
+        q = ag.quantiles(out.hidden, torch.rand(w.shape[0], 4))
+        return out.logits.float().square().mean() + out.value_e.square().mean() + q.square().mean()
+    fn = torch.compile(loss) if compiled else loss
+    torch._dynamo.reset()
+    grads = torch.autograd.grad(fn(torch.randn(6, 8, 5), torch.randn(6, CFG.n_portfolio)), list(params.values()))
+    unlike = {n: (tuple(g.stride()), tuple(p.stride())) for (n, p), g in zip(params.items(), grads)
+              if g.stride() != p.stride()}
+    assert not unlike, f"gradients with strides unlike their parameter's (grad, parameter): {unlike}"
+
+
 def test_portfolio_enters_only_as_a_shift_of_the_market_distributions():
     """Logits, trunk state and IQN read the market alone; the portfolio moves Q (and V_e) by δ, the same for every
     member; δ scales with v_max; a fresh agent starts with δ = 0."""
