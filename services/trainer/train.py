@@ -139,8 +139,9 @@ class TrainConfig:
     1.35 with 256 and 1.23 with 128 (bench/train_profile.py, one run, session 17; session 19: 1.19 against 1.09,
     side by side, on the session's defaults); the preset's 256 learned as 512
     did on the GPU learning bench (3 of 3 seeds met the target either way, OOS per-trade Sharpe mean 0.433 vs 0.441,
-    paired difference −0.01 ± 0.04; bench/README.md, learning.py). 128 is not taken: on the CPU learning bench an
-    eighth of the batch learned worse than a quarter (12 seeds, −0.22 ± 0.12 OOS per-trade Sharpe, session 18)."""
+    paired difference −0.01 ± 0.04; bench/README.md, learning.py). 128 is not taken yet: on the CPU learning bench
+    an eighth of the batch learned as a quarter did (24 seeds, paired OOS per-trade Sharpe −0.02 ± 0.09, sessions
+    18–19), but the GPU learning bench has not run it."""
     adamw: str = "auto"
     """AdamW kernels on CUDA: "fused" (one `_fused_adamw_` launch per parameter group), "foreach" (the capturable
     multi-tensor form, which torch.compile lowers to its own fused Triton kernels); a CPU runs torch's default form
