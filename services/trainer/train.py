@@ -139,9 +139,10 @@ class TrainConfig:
     1.35 with 256 and 1.23 with 128 (bench/train_profile.py, one run, session 17; session 19: 1.19 against 1.09,
     side by side, on the session's defaults); the preset's 256 learned as 512
     did on the GPU learning bench (3 of 3 seeds met the target either way, OOS per-trade Sharpe mean 0.433 vs 0.441,
-    paired difference −0.01 ± 0.04; bench/README.md, learning.py). 128 is not taken yet: on the CPU learning bench
-    an eighth of the batch learned as a quarter did (24 seeds, paired OOS per-trade Sharpe −0.02 ± 0.09, sessions
-    18–19), but the GPU learning bench has not run it."""
+    paired difference −0.01 ± 0.04; bench/README.md, learning.py). 128 is not taken: on the CPU learning bench an
+    eighth of the batch learned as a quarter did (24 seeds, paired OOS per-trade Sharpe −0.02 ± 0.09, sessions
+    18–19), but on the GPU learning bench 128 came out below 256 in each of 3 seeds (OOS per-trade Sharpe mean 0.370
+    against 0.500, paired −0.13 ± 0.07; validation lower in each too; target met 3 of 3 either way; session 20)."""
     adamw: str = "auto"
     """AdamW kernels on CUDA: "fused" (one `_fused_adamw_` launch per parameter group), "foreach" (the capturable
     multi-tensor form, which torch.compile lowers to its own fused Triton kernels); a CPU runs torch's default form
@@ -625,6 +626,12 @@ def make_update(agent: Agent, target: Agent, opt: torch.optim.Optimizer, replay:
         loss = ((b.weight * per_sample).mean() + cfg.iqn_coef * (b.weight[:n_q] * iqn).mean()
                 + cfg.q_centre_coef * centre + cfg.q_gap_coef * gap
                 + cfg.hindsight_coef * hind - buf.entropy_coef * ent)
+        # the metrics, taken before the backward from detached tensors: a tensor that requires grad and is read
+        # after the backward would be an output of the compiled forward that gets no gradient, and autograd fills
+        # a zero gradient for each such output (five aten fill kernels on the H200, session 20)
+        metrics = {"loss": loss.detach(), "c51": c51.detach().mean(), "iqn": iqn.detach().mean(),
+                   "expectile": expl.detach().mean(), "q_mean": q_dir.detach().mean(),
+                   "entropy": ent_k.detach().mean(), "utilisation": util}
         # grads set to None, not zeroed: backward then hands each parameter its gradient tensor (no zeroing and no
         # accumulation kernels); captured, those tensors come from the graph's pool at fixed addresses
         opt.zero_grad(set_to_none=True)
@@ -643,9 +650,7 @@ def make_update(agent: Agent, target: Agent, opt: torch.optim.Optimizer, replay:
                 torch._foreach_lerp_(tparams, params, cfg.tau)
             adapt_entropy_coef(buf.entropy_coef, util, cfg.entropy_target, cfg.entropy_rate)
             replay.update_priorities(b.slot, priority)
-        return {"loss": loss.detach(), "c51": c51.mean().detach(), "iqn": iqn.mean().detach(),
-                "expectile": expl.mean().detach(), "q_mean": q_dir.mean().detach(), "entropy": ent.detach(),
-                "utilisation": util, "grad_norm": gnorm.detach()}
+        return {**metrics, "grad_norm": gnorm.detach()}
 
     return update
 
