@@ -282,6 +282,50 @@ def _relative_differences(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]
     return {n: ((a[n] - b[n]).norm() / a[n].norm().clamp(min=1e-12)).item() for n in a}
 
 
+def test_compiled_update_hands_every_forward_output_a_gradient(data):
+    """The compiled update's graphs output only tensors its backward reaches. A tensor that requires grad but gets no
+    gradient (a metric read after the backward, a dataclass kept alive across a graph break) makes autograd fill a
+    zero gradient for it before that graph's backward: an aten kernel each (seven on the H200 in session 19, three
+    after the metrics moved before the backward in session 20). Here on the CPU with the graph breaks the GPU's
+    update has: the targets made apart and joined by `wait()` (`StepRunner._side_targets`), the refresh's
+    encodings staged and joined before the optimizer step. The fills are `aten::zeros` called by
+    `CompiledFunctionBackward` itself."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from services.trainer.train import Targets, iqn_rows, refresh_encode, sample_horizons, train_step
+    bars, split, feats = data
+    if not compile_works(torch.device("cpu")):
+        pytest.skip("torch.compile cannot build kernels here")
+    torch._dynamo.reset()
+    st = build_state(tiny_cfg(feats.shape[1]), bars, split, 3, accel="eager")
+    while st.replay.count <= max(st.cfg.horizons) + 2:
+        st.runner.collect()
+    cfg = st.cfg
+    N = cfg.batch_size
+    out = Targets(dist=torch.zeros(N, 3, cfg.agent.n_atoms),
+                  quantiles=torch.zeros(iqn_rows(cfg, N), sample_horizons(cfg), cfg.iqn_quantiles),
+                  value=torch.zeros(N), blend=torch.zeros(N, sample_horizons(cfg)))
+    wait = torch._dynamo.disable(lambda: None)
+
+    @torch._dynamo.disable
+    def via(b, noise):
+        torch._foreach_copy_(out.tensors(), st.targets(b, noise).tensors())
+        return out, wait
+    staged = [t.clone() for t in refresh_encode(st)]
+    step = compile_step(lambda noise: train_step(st, noise, staged, torch._dynamo.disable(lambda: None), via),
+                        cfg, "cpu")
+    noise = torch.rand(N, 1 + noise_width(cfg), generator=torch.Generator().manual_seed(0))
+    for _ in range(2):
+        step(noise)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step(noise)
+    backwards = [e for e in prof.events() if e.name == "CompiledFunctionBackward"]
+    fills = [e for e in prof.events() if e.name == "aten::zeros" and e.cpu_parent is not None
+             and e.cpu_parent.name == "CompiledFunctionBackward"]
+    assert len(backwards) >= 2, "the update's forward is more than one compiled graph here, as on the GPU"
+    assert not fills, f"{len(fills)} zero gradients filled for compiled-forward outputs that got none"
+
+
 @pytest.mark.parametrize("device,fused", [("cpu", False), pytest.param("cuda", True, marks=cuda),
                                           pytest.param("cuda", False, marks=cuda)])
 def test_compiled_update_equals_eager_on_one_batch(data, device, fused):

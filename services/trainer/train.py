@@ -596,10 +596,15 @@ def make_update(agent: Agent, target: Agent, opt: torch.optim.Optimizer, replay:
         th = agent.quantiles(out.hidden[:n_q], taus).float() + out.delta[:n_q, :3].unsqueeze(1)  # n_q × M × 3
         th = th.gather(2, b.action[:n_q, 0].view(n_q, 1, 1).expand(n_q, M, 1)).squeeze(2)  # n_q × M
         q_dir = agent.q_values(out.logits[:, :, :3], out.delta).mean(1)                    # N × 3
+        # only what the losses read crosses `wait()`, a graph break when compiled: a live `out` would make every
+        # field of it an output of the forward graph, and the trunk state and the shift, which reach the loss only
+        # through the terms above, would get no gradient there and autograd would fill zeros for them
+        logits, value_e = out.logits, out.value_e
+        del out
         wait()
         # --- C51 loss of every branch against its target; each ensemble member trains on its bootstrap mask ---
         # the distribution of (s, p, a): the market one with its atoms moved by the portfolio shift δ_a
-        ce, ent_k, util_k = c51_branch_losses(out.logits, col, d_a, tg.dist, z, agent.cfg.branch_sizes,
+        ce, ent_k, util_k = c51_branch_losses(logits, col, d_a, tg.dist, z, agent.cfg.branch_sizes,
                                               fused=fused)                                 # N × NBR × K, N × K
         member = (noise[:, :n_ens] < cfg.ensemble_mask_p).float()                          # N × K
         c51 = ((ce * member.unsqueeze(1)).sum(2) / member.sum(1, keepdim=True).clamp(min=1.0)).sum(1)  # N
@@ -611,7 +616,7 @@ def make_update(agent: Agent, target: Agent, opt: torch.optim.Optimizer, replay:
         iqn = (qh.view(n_q, Hs) * tg.blend[:n_q]).sum(1)                                   # n_q
         # --- expectile value head on the blended scalar target of the direction branch ---
         y = tg.value
-        expl = expectile_loss((y - out.value_e.float()) / v_max, cfg.expectile)           # N
+        expl = expectile_loss((y - value_e.float()) / v_max, cfg.expectile)               # N
         # --- stability terms on the online direction Q ---
         centre = ((q_dir.mean() - y.mean()) / v_max) ** 2
         first, second = top_two(q_dir)
