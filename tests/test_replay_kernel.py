@@ -1,13 +1,14 @@
-"""`replay.scatter_amax_`: the priority write. Its Triton kernel against aten's `scatter_reduce_` (on a CUDA GPU, or
-under Triton's interpreter on the CPU when `TRITON_INTERPRET=1` and triton is importable, as `make test` runs this
-file a second time), and the op under torch.compile: the same values, written in place into the array."""
+"""`replay.scatter_amax_reweigh_`: the priority write and its sampling weights. Its Triton kernel against aten's
+`scatter_reduce_` and `index_copy_` (on a CUDA GPU, or under Triton's interpreter on the CPU when `TRITON_INTERPRET=1`
+and triton is importable, as `make test` runs this file a second time), and the op under torch.compile: the same
+values, written in place into the arrays."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from services.trainer import replay
-from services.trainer.replay import scatter_amax_, scatter_amax_triton
+from services.trainer.replay import scatter_amax_reweigh_, scatter_amax_triton
 from triton_device import triton_device
 
 
@@ -39,27 +40,57 @@ def test_the_triton_kernel_equals_scatter_reduce_amax(n, slots, block, monkeypat
     assert (got[index] < dst[index]).any() or n == 1
 
 
+@pytest.mark.skipif(KDEV is None, reason="needs a CUDA GPU (or TRITON_INTERPRET=1 with triton)")
+@pytest.mark.parametrize("n,slots,block", [(37, 16, 4096), (4096, 3000, 4096), (1000, 100, 64)],
+                         ids=["duplicates", "batch 4096", "several passes"])
+def test_the_triton_kernel_writes_the_weights_of_the_final_priorities(n, slots, block, monkeypatch):
+    """With the weights: weight[i] = priority[i]^α × boost[bar[i]] at the written slots, from the priority after all
+    duplicates' max (the kernel's third pass comes after a barrier); the other slots' weights untouched."""
+    monkeypatch.setattr(replay, "SCATTER_BLOCK", block)
+    dst, index, src = _case(n, slots, seed=n + 1, device=KDEV)
+    g = torch.Generator().manual_seed(n)
+    bar = torch.randint(0, 40, (slots,), generator=g).to(KDEV)
+    boost = (torch.rand(40, generator=g) * 2.0).to(KDEV)
+    weight0 = torch.rand(slots, generator=g).to(KDEV)
+    want_p = dst.clone().scatter_reduce_(0, index, src, reduce="amax", include_self=False)
+    want_w = weight0.clone().index_copy_(0, index, want_p[index].pow(0.6) * boost[bar[index]])
+    got_p, got_w = dst.clone(), weight0.clone()
+    scatter_amax_triton(got_p, index, src, weigh=(got_w, bar, boost, 0.6))
+    assert torch.equal(got_p, want_p)
+    torch.testing.assert_close(got_w, want_w, rtol=1e-5, atol=0.0)
+    untouched = torch.ones(slots, dtype=torch.bool, device=KDEV)
+    untouched[index] = False
+    assert torch.equal(got_w[untouched], weight0[untouched]) and not torch.equal(got_w, weight0)
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
 def test_the_op_compiled_writes_in_place_what_eager_writes(device):
-    """Compiled, the op mutates the array itself: inductor's code calls it on the input, with no aten scatter
-    (which it ran on a copy of the whole array, copied back)."""
+    """Compiled, the op mutates the arrays themselves (views of 2-D ones, as `Replay` passes them): inductor's code
+    calls it on the inputs, with no aten scatter or index copy (which it ran on copies of the whole arrays, copied
+    back)."""
     from torch._inductor.utils import run_and_get_code
 
     from shared.rollout import compile_works
     if not compile_works(torch.device(device)):
         pytest.skip("torch.compile cannot build kernels here")
     dst, index, src = _case(4096, 50_000, seed=1, device=device)
+    g = torch.Generator().manual_seed(2)
+    bar = torch.randint(0, 300, (50_000,), generator=g).to(device).view(500, 100)
+    boost = torch.rand(300, generator=g).to(device) + 0.5
+    weight = torch.rand(500, 100, generator=g).to(device)
 
-    def write(d, i, s):
-        scatter_amax_(d.view(-1), i, s.abs() + 1e-3)
+    def write(d, w, i, s):
+        scatter_amax_reweigh_(d.view(-1), w.view(-1), i, s.abs() + 1e-3, bar.view(-1), boost, 0.5)
         return s.max()
 
-    eager = dst.clone()
-    write(eager, index, src)
-    compiled = dst.clone()
+    eager_p, eager_w = dst.clone().view(500, 100), weight.clone()
+    write(eager_p, eager_w, index, src)
+    compiled_p, compiled_w = dst.clone().view(500, 100), weight.clone()
     torch._dynamo.reset()
-    _, code = run_and_get_code(torch.compile(write), compiled, index, src)
-    assert torch.equal(compiled, eager)
+    _, code = run_and_get_code(torch.compile(write), compiled_p, compiled_w, index, src)
+    assert torch.equal(compiled_p, eager_p) and torch.equal(compiled_w, eager_w)
+    assert not torch.equal(eager_w, weight)
     text = "\n".join(code)
-    assert "tradeloop.scatter_amax_" in text and "scatter_reduce" not in text
+    assert "tradeloop.scatter_amax_reweigh_" in text
+    assert "scatter_reduce" not in text and "index_copy" not in text

@@ -11,7 +11,7 @@ Sampling probability of slot (l, e):  P ∝ priority[l, e]^α × bar_boost[bar[l
   - `valid` excludes the newest `max_horizon` steps of the ring, whose n-step window is not yet written.
 Importance weights w = (N_valid · P)^−β / max w.
 
-ML core: imports only torch (and on CUDA torch's Triton, for `scatter_amax_`'s kernel).
+ML core: imports only torch (and on CUDA torch's Triton, for `scatter_amax_reweigh_`'s kernel).
 """
 from __future__ import annotations
 
@@ -24,39 +24,48 @@ SAMPLE_BLOCK = 256
 """Slots per block of `inverse_cdf`'s first level."""
 
 SCATTER_BLOCK = 4096
-"""Indices per pass of `scatter_amax_`'s Triton kernel (its one program loops over blocks of this many)."""
+"""Indices per pass of `scatter_amax_reweigh_`'s Triton kernel (its one program loops over blocks of this many)."""
 
 
-@torch.library.custom_op("tradeloop::scatter_amax_", mutates_args=("dst",))
-def scatter_amax_(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
-    """dst[index[k]] = the largest src[k'] with index[k'] = index[k], the rest of dst untouched: what
-    `dst.scatter_reduce_(0, index, src, reduce="amax", include_self=False)` does (dst, src float32, 1-D).
+@torch.library.custom_op("tradeloop::scatter_amax_reweigh_", mutates_args=("priority", "weight"))
+def scatter_amax_reweigh_(priority: torch.Tensor, weight: torch.Tensor, index: torch.Tensor, src: torch.Tensor,
+                          bar: torch.Tensor, boost: torch.Tensor, alpha: float) -> None:
+    """The priority write and its sampling weights, in place (flat 1-D priority, weight and bar of the ring's slots):
+        priority[index[k]] = the largest src[k'] with index[k'] = index[k]   (the rest untouched: what
+                             `priority.scatter_reduce_(0, index, src, reduce="amax", include_self=False)` does)
+        weight[i] = priority[i]^alpha × boost[bar[i]] at those slots        (`Replay.weight`)
 
-    Why an op of its own: compiled, that `scatter_reduce_` on the priorities became a copy of the whole array,
-    aten's scatter on the copy and a copy back (inductor does not write it in place): 3 kernels, ~24 µs of the
-    batch-4 096 update on the H200 for 4 096 values, the copies ~8 MB each way (bench/train_profile.py --trace,
-    session 18). torch.compile writes a custom op's declared mutation in place (seen in its generated code); on
-    CUDA the op is one Triton kernel (`_replay_triton`), elsewhere aten's `scatter_reduce_`."""
-    dst.scatter_reduce_(0, index, src, reduce="amax", include_self=False)
+    Why an op of its own: compiled, the `scatter_reduce_` on the priorities became a copy of the whole array, aten's
+    scatter on the copy and a copy back (inductor does not write it in place): 3 kernels, ~24 µs of the batch-4 096
+    update on the H200 for 4 096 values, the copies ~8 MB each way (bench/train_profile.py --trace, session 18); so
+    did the weights' `index_copy_` after it: a copy of the 2-M-slot weight array, the write, and a device-to-device
+    memcpy back, 3 kernels and ~14 µs (session 20's trace). torch.compile writes a custom op's declared mutations in
+    place (seen in its generated code); on CUDA the op is one Triton kernel (`_replay_triton`), elsewhere aten's
+    `scatter_reduce_` and `index_copy_`."""
+    priority.scatter_reduce_(0, index, src, reduce="amax", include_self=False)
+    weight.index_copy_(0, index, priority[index].pow(alpha) * boost[bar[index]])
 
 
-@scatter_amax_.register_fake
-def _(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
+@scatter_amax_reweigh_.register_fake
+def _(priority, weight, index, src, bar, boost, alpha) -> None:
     return None
 
 
-@scatter_amax_.register_kernel("cuda")
-def _(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
+@scatter_amax_reweigh_.register_kernel("cuda")
+def _(priority, weight, index, src, bar, boost, alpha) -> None:
     try:
         import triton  # noqa: F401
     except ImportError:
-        dst.scatter_reduce_(0, index, src, reduce="amax", include_self=False)
+        priority.scatter_reduce_(0, index, src, reduce="amax", include_self=False)
+        weight.index_copy_(0, index, priority[index].pow(alpha) * boost[bar[index]])
         return
-    scatter_amax_triton(dst, index, src)
+    scatter_amax_triton(priority, index, src, weigh=(weight, bar, boost, alpha))
 
 
-def scatter_amax_triton(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
-    """`scatter_amax_` through its Triton kernel (CUDA tensors, or CPU ones under TRITON_INTERPRET=1)."""
+def scatter_amax_triton(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor,
+                        weigh: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float] | None = None) -> None:
+    """The priority write through its Triton kernel (CUDA tensors, or CPU ones under TRITON_INTERPRET=1): dst as
+    `scatter_amax_reweigh_`'s priority and, with weigh = (weight, bar, boost, alpha), its weights too."""
     import triton
 
     from services.trainer._replay_triton import scatter_amax_kernel
@@ -64,9 +73,13 @@ def scatter_amax_triton(dst: torch.Tensor, index: torch.Tensor, src: torch.Tenso
     if n == 0:
         return
     assert dst.dtype == src.dtype == torch.float32 and dst.is_contiguous() and dst.dim() == 1
+    weight, bar, boost, alpha = weigh if weigh is not None else (dst, index, src, 1.0)
+    if weigh is not None:
+        assert weight.dtype == boost.dtype == torch.float32 and weight.is_contiguous() and bar.is_contiguous()
     block = min(triton.next_power_of_2(n), SCATTER_BLOCK)
-    scatter_amax_kernel[(1,)](dst, index.contiguous(), src.contiguous(), n, BLOCK=block,
-                              PASSES=triton.cdiv(n, block), num_warps=max(1, min(16, block // 256)))
+    scatter_amax_kernel[(1,)](dst, index.contiguous(), src.contiguous(), weight, bar, boost.contiguous(),
+                              float(alpha), n, BLOCK=block, PASSES=triton.cdiv(n, block), WEIGH=weigh is not None,
+                              num_warps=max(1, min(16, block // 256)))
 
 
 @dataclass
@@ -200,8 +213,8 @@ class Replay:
         takes the largest of its values. (`index_copy_` would keep whichever write lands last, which on CUDA is not
         fixed, and duplicates differ once their losses read different noise: `TrainConfig.horizon_sample`.)"""
         new = td.detach().abs().float() + eps
-        scatter_amax_(self.priority.view(-1), slot, new)
-        self._reweigh(slot)
+        scatter_amax_reweigh_(self.priority.view(-1), self.weight.view(-1), slot, new, self.bar.view(-1),
+                              self.bar_boost, self.alpha)
         torch.maximum(self.max_priority, new.max(), out=self.max_priority)
 
     @torch.no_grad()
