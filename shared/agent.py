@@ -255,12 +255,28 @@ def aligned_linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
     9, 14 or 2 295 bf16 values is not 16-byte aligned, and cuBLAS then falls back to its pre-Hopper `align1` kernels
     (on the H200 those ran the heads' GEMMs and the encoder's input projection; `bench/train_profile.py`). The same
     numbers (zero products add nothing); on a CPU just layer(x)."""
-    n_out, n_in = layer.weight.shape
+    return _aligned(x, layer.weight, layer.bias)
+
+
+def _aligned(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """F.linear(x, weight, bias) with the widths padded as `aligned_linear` pads them."""
+    n_out, n_in = weight.shape
     po, pi = align_pad(n_out, x), align_pad(n_in, x)
     if po == pi == 0:
-        return layer(x)
-    out = F.linear(F.pad(x, (0, pi)), F.pad(layer.weight, (0, pi, 0, po)), F.pad(layer.bias, (0, po)))
+        return F.linear(x, weight, bias)
+    out = F.linear(F.pad(x, (0, pi)), F.pad(weight, (0, pi, 0, po)), F.pad(bias, (0, po)))
     return out[..., :n_out]
+
+
+def stacked_linear(x: torch.Tensor, layers: tuple[nn.Linear, ...]) -> list[torch.Tensor]:
+    """[layer(x) for layer in layers] as one product: the layers' weights and biases stacked (each through
+    `dense_grad`, so their gradients come out in the parameters' own layout), the widths aligned as `aligned_linear`
+    aligns them, the output split back. Heads that read the same input then cost one GEMM forward and one of each
+    kind backward (input gradient, weight gradient, bias sum) instead of one per head. The same numbers up to the
+    order of float sums."""
+    w = torch.cat([dense_grad(layer.weight) for layer in layers])
+    b = torch.cat([dense_grad(layer.bias) for layer in layers])
+    return list(_aligned(x, w, b).split([layer.out_features for layer in layers], dim=-1))
 
 
 class _DenseGrad(torch.autograd.Function):
@@ -412,8 +428,8 @@ class Agent(nn.Module):
         if pad:
             w, b = torch.cat([w, w.new_zeros(w.shape[0], pad)], dim=1), torch.cat([b, b.new_zeros(pad)])
         logits = torch.addmm(b, h, w)[:, :K * NB * A].view(N, K, NB, A)                     # N × K × NB × A
-        return MarketOut(logits=logits, hidden=h, value_e=aligned_linear(h, self.expectile).squeeze(-1),
-                         code=self.code(h))
+        code, value_e = stacked_linear(h, (self.code, self.expectile))                      # N × C, N × 1
+        return MarketOut(logits=logits, hidden=h, value_e=value_e.squeeze(-1), code=code)
 
     def delta(self, code: torch.Tensor, portfolio: torch.Tensor) -> torch.Tensor:
         """Portfolio shift δ = v_max · MLP([code, portfolio]): N × (NB + 1) in return units, float32."""
