@@ -633,7 +633,7 @@ def make_update(agent: Agent, target: Agent, opt: torch.optim.Optimizer, replay:
                 + cfg.hindsight_coef * hind - buf.entropy_coef * ent)
         # the metrics, taken before the backward from detached tensors: a tensor that requires grad and is read
         # after the backward would be an output of the compiled forward that gets no gradient, and autograd fills
-        # a zero gradient for each such output (five aten fill kernels on the H200, session 20)
+        # a zero gradient for each such output (four aten fill kernels on the H200, session 20)
         metrics = {"loss": loss.detach(), "c51": c51.detach().mean(), "iqn": iqn.detach().mean(),
                    "expectile": expl.detach().mean(), "q_mean": q_dir.detach().mean(),
                    "entropy": ent_k.detach().mean(), "utilisation": util}
