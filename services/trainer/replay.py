@@ -42,6 +42,11 @@ def scatter_amax_reweigh_(priority: torch.Tensor, weight: torch.Tensor, index: t
     memcpy back, 3 kernels and ~14 µs (session 20's trace). torch.compile writes a custom op's declared mutations in
     place (seen in its generated code); on CUDA the op is one Triton kernel (`_replay_triton`), elsewhere aten's
     `scatter_reduce_` and `index_copy_`."""
+    _amax_reweigh_aten(priority, weight, index, src, bar, boost, alpha)
+
+
+def _amax_reweigh_aten(priority, weight, index, src, bar, boost, alpha) -> None:
+    """`scatter_amax_reweigh_` in aten ops (a CPU, or CUDA without Triton)."""
     priority.scatter_reduce_(0, index, src, reduce="amax", include_self=False)
     weight.index_copy_(0, index, priority[index].pow(alpha) * boost[bar[index]])
 
@@ -56,8 +61,7 @@ def _(priority, weight, index, src, bar, boost, alpha) -> None:
     try:
         import triton  # noqa: F401
     except ImportError:
-        priority.scatter_reduce_(0, index, src, reduce="amax", include_self=False)
-        weight.index_copy_(0, index, priority[index].pow(alpha) * boost[bar[index]])
+        _amax_reweigh_aten(priority, weight, index, src, bar, boost, alpha)
         return
     scatter_amax_triton(priority, index, src, weigh=(weight, bar, boost, alpha))
 
