@@ -18,7 +18,9 @@ side-by-side table of them:
 
 `--trace PREFIX` also writes every kernel of one call in launch order (start, stream, µs, kernel, source nodes) to
 PREFIX<n>.tsv, one file per profiled part: where the launches come from, not just the time (session 14 found 57
-one-microsecond kernels of the gradient clip that way).
+one-microsecond kernels of the gradient clip that way). With `--replay` as well, PREFIX<n>_replay.tsv holds one graph
+replay's kernels as the device ran them (start, end, stream), and a table gives each stream's busy time and the
+step's own stream's longest idle gaps: what it waited for inside the graph.
 """
 from __future__ import annotations
 
@@ -87,8 +89,9 @@ def phases(kernels: list[tuple[float, float, str]], gap_us: float = 100.0) -> li
     return [tuple(x) for x in out]
 
 
-def replay_ms(fn, reps: int = 20) -> float:
-    """GPU wall time per replay of fn captured in one CUDA graph (kernels plus the gaps between them)."""
+def replay_ms(fn, reps: int = 20, trace: str | None = None) -> float:
+    """GPU wall time per replay of fn captured in one CUDA graph (kernels plus the gaps between them). `trace`: also
+    profile 3 replays and write the last one's kernels as the device ran them (`replay_timeline`)."""
     g = Graphed(fn, warmup=1)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     g()
@@ -97,7 +100,58 @@ def replay_ms(fn, reps: int = 20) -> float:
         g()
     end.record()
     torch.cuda.synchronize()
+    if trace:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                g()
+                torch.cuda.synchronize()
+        replay_timeline([e for e in prof.events() if e.device_type.name == "CUDA"], trace)
     return start.elapsed_time(end) / reps
+
+
+def replay_timeline(kernels: list, trace: str, gaps: int = 12) -> None:
+    """The kernels of the last of 3 profiled graph replays, as the device ran them: each stream's busy time (the
+    union of its kernels' intervals, so overlapping launches count once) and the step's own stream's idle gaps
+    (where it waited for a side stream, or for a launch), the longest with the kernels around them; every kernel
+    to `trace` (start and end µs from the replay's first kernel, stream, kernel)."""
+    if not kernels:
+        print("replay timeline: the profiler recorded no kernels inside the graph replays")
+        return
+    ks = sorted(kernels, key=lambda e: e.time_range.start)
+    last = ks[-len(ks) // 3:]
+    t0 = last[0].time_range.start
+    rows = [(e.time_range.start - t0, e.time_range.end - t0, e.device_resource_id, e.name) for e in last]
+    span = max(r[1] for r in rows)
+    print(f"\nreplay timeline (one replay as run, {len(rows)} kernels): {span:.0f} µs from its first kernel's start "
+          f"to its last one's end")
+    print("\n| stream | kernels | busy µs (union) | first start µs | last end µs |")
+    print("|---|---:|---:|---:|---:|")
+    by: dict[int, list] = {}
+    for r in rows:
+        by.setdefault(r[2], []).append(r)
+    for sid, rs in sorted(by.items(), key=lambda kv: -len(kv[1])):
+        busy, end = 0.0, -1.0
+        for a, b, _, _ in rs:
+            if b > end:
+                busy += b - max(a, end)
+                end = b
+        print(f"| {sid} | {len(rs)} | {busy:.0f} | {rs[0][0]:.0f} | {max(r[1] for r in rs):.0f} |")
+    own = sorted(by[max(by, key=lambda sid: len(by[sid]))])
+    idle, end, prev = [], own[0][1], own[0][3]
+    for a, b, _, name in own[1:]:
+        if a > end:
+            idle.append((a - end, end, prev, name))
+        if b > end:
+            end, prev = b, name
+    print(f"\nthe step's own stream idle {sum(i[0] for i in idle):.0f} µs in {len(idle)} gaps; the longest:")
+    print("\n| idle µs | at µs | after | before |")
+    print("|---:|---:|---|---|")
+    for d, at, before, after in sorted(idle, reverse=True)[:gaps]:
+        print(f"| {d:.1f} | {at:.0f} | {before[:50]} | {after[:50]} |")
+    with open(trace, "w") as f:
+        f.write("start_us\tend_us\tstream\tkernel\n")
+        for a, b, sid, name in rows:
+            f.write(f"{a:.1f}\t{b:.1f}\t{sid}\t{name}\n")
 
 
 SOURCE = re.compile(r"#\s*Topologically Sorted Source Nodes: \[(.*?)\], Original ATen: \[(.*?)\]")
@@ -131,10 +185,12 @@ def kernel_origins(root: str | None = None) -> dict[str, set[str]]:
     return out
 
 
-def report(name: str, fn, calls: int, top: int, body=None, trace: str | None = None) -> tuple[float, float, float]:
+def report(name: str, fn, calls: int, top: int, body=None, trace: str | None = None,
+           replay_trace: str | None = None) -> tuple[float, float, float]:
     """Print the profile of fn; returns (kernels per call, kernel ms per call, ms per graph replay or nan).
     `trace`: also write every kernel of the last call, in launch order, to that file (tab-separated: start µs from
-    the call's first kernel, stream, µs, kernel, its source nodes), to see which phase of the step launches what."""
+    the call's first kernel, stream, µs, kernel, its source nodes), to see which phase of the step launches what.
+    `replay_trace`: the same for one graph replay as the device ran it (`replay_timeline`)."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
@@ -147,7 +203,7 @@ def report(name: str, fn, calls: int, top: int, body=None, trace: str | None = N
     print(f"\n## {name}: {len(kernels) / calls:.0f} kernels per call, {total / 1e3:.2f} ms GPU time per call")
     wall = float("nan")
     if body is not None:
-        wall = replay_ms(body)
+        wall = replay_ms(body, trace=replay_trace)
         print(f"captured in one CUDA graph: {wall:.2f} ms per replay — kernels busy {total / 1e3 / wall:.0%} of it")
     cats: dict[str, list[float]] = {}
     for e in kernels:
@@ -256,8 +312,9 @@ def main() -> None:
                          else f"collect ({a.envs} accounts × {cfg.env_steps_per_iter} steps)")
             body = st.runner._bodies["update"] if part == "update" else (fn if part == "refresh" else None)
             name = f"{label}, {a.config}, {a.accel}" + (f", {variant}" if variant else "")
-            rows.append((variant or "as set", label, *report(name, fn, a.calls, a.top, body if a.replay else None,
-                                                      f"{a.trace}{len(rows)}.tsv" if a.trace else None)))
+            rows.append((variant or "as set", label, *report(
+                name, fn, a.calls, a.top, body if a.replay else None, f"{a.trace}{len(rows)}.tsv" if a.trace else None,
+                f"{a.trace}{len(rows)}_replay.tsv" if a.trace and a.replay else None)))
             del st
             torch._dynamo.reset()
             torch.cuda.empty_cache()

@@ -424,7 +424,11 @@ class Agent(nn.Module):
         N, A, K, NB = emb.shape[0], self.cfg.n_atoms, self.cfg.ensemble, self.cfg.n_actions
         h = self.trunk(emb)                                                                 # N × H
         w, b = self.logit_weights()
-        pad = align_pad(K * NB * A, h)                                # 16-byte rows (see `aligned_linear`)
+        # rows of 128 bytes on CUDA (a multiple of 64 bf16 values). With rows of 16 (`aligned_linear`; the `full`
+        # agent's 2 040 columns) the compiled targets' two logit GEMMs ran without cuBLASLt's bias epilogue: aten
+        # first copied the bias into all N rows (~15 µs each at batch 4 096 on the H200); with 2 048 columns the
+        # epilogue adds it, and the targets' stream went 252 → 213 µs (bench/train_profile.py, session 21)
+        pad = -(K * NB * A) % 64 if h.is_cuda else 0
         if pad:
             w, b = torch.cat([w, w.new_zeros(w.shape[0], pad)], dim=1), torch.cat([b, b.new_zeros(pad)])
         logits = torch.addmm(b, h, w)[:, :K * NB * A].view(N, K, NB, A)                     # N × K × NB × A

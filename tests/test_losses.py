@@ -4,8 +4,8 @@ import math
 import pytest
 import torch
 
-from services.trainer.losses import (adapt_entropy_coef, atom_utilisation, c51_cross_entropy_probs, expectile_loss,
-                                     nstep_returns, project_distribution, projection_weights,
+from services.trainer.losses import (adapt_entropy_coef, atom_utilisation, batch_sum, c51_cross_entropy_probs,
+                                     expectile_loss, nstep_returns, project_distribution, projection_weights,
                                      quantile_huber_loss, top_two)
 
 Z3 = torch.tensor([-1.0, 0.0, 1.0])  # 3-atom support, Δz = 1
@@ -245,3 +245,12 @@ def test_top_two_equals_topk_with_a_subgradient_at_ties(n):
     # at ties: the gradient stays on the entries holding the largest and second values
     on_top = (vals >= want[:, 1:2])
     assert torch.all(gq[~on_top] == 0)
+
+
+@pytest.mark.parametrize("shape", [(4096,), (512, 3), (37,), (1,), (96, 2, 5)])
+def test_batch_sum_is_the_sum_over_the_first_dimension(shape):
+    torch.manual_seed(0)
+    x = torch.randn(*shape, dtype=torch.float64)
+    got = batch_sum(x)
+    assert got.shape == x.shape[1:]
+    torch.testing.assert_close(got, x.sum(0), rtol=1e-12, atol=1e-12)

@@ -9,6 +9,8 @@ ML core: imports only torch.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -249,6 +251,22 @@ def top_two(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     a, b, c = q.unbind(1)
     hi, lo = torch.maximum(a, b), torch.minimum(a, b)
     return torch.maximum(hi, c), torch.maximum(lo, torch.minimum(hi, c))
+
+
+SUM_GROUPS = 64
+"""Row groups of `batch_sum`'s first level."""
+
+
+def batch_sum(x: torch.Tensor) -> torch.Tensor:
+    """Σ of x over its first dimension (N × ... → ...), in two levels: partial sums over g = gcd(N, 64) groups of
+    N / g consecutive rows, then their sum. The same number up to the order of float additions. Why: compiled, the
+    update's batch scalars (the loss, its terms, the metrics) were all reductions of N rows to one value, and
+    inductor ran them in one kernel of one thread block that looped over the rows (xnumel 1): 12 to 57 µs on the
+    H200 depending on the launch configuration its autotuning picked (bench/README.md, session 21). Written in two
+    levels they are a kernel over g blocks of N / g rows each and a g-element sum."""
+    N = x.shape[0]
+    g = math.gcd(N, SUM_GROUPS)
+    return x.reshape(g, N // g, *x.shape[1:]).sum(1).sum(0)
 
 
 def atom_entropy(logits: torch.Tensor) -> torch.Tensor:

@@ -37,8 +37,8 @@ from shared.rollout import MarketTensors
 from services.trainer.env import RewardConfig, TrainEnv
 from services.trainer.flat_adamw import FlatAdamW, flatten_parameters
 from services.trainer.fused_c51 import available as fused_c51_available
-from services.trainer.losses import (adapt_entropy_coef, c51_branch_losses, expectile_loss, nstep_returns,
-                                     project_distribution, quantile_huber_loss, top_two)
+from services.trainer.losses import (adapt_entropy_coef, batch_sum, c51_branch_losses, expectile_loss,
+                                     nstep_returns, project_distribution, quantile_huber_loss, top_two)
 from services.trainer.replay import Batch, Replay
 
 FEATURE_WARMUP = 64  # shared.market zeroes feature rows before this bar
@@ -609,7 +609,6 @@ def make_update(agent: Agent, target: Agent, opt: torch.optim.Optimizer, replay:
         member = (noise[:, :n_ens] < cfg.ensemble_mask_p).float()                          # N × K
         c51 = ((ce * member.unsqueeze(1)).sum(2) / member.sum(1, keepdim=True).clamp(min=1.0)).sum(1)  # N
         priority = ce[:, 0].mean(1).detach()
-        ent, util = ent_k.mean(), util_k.mean()
         # --- IQN quantile Huber on the direction branch (in units of v_max, κ = 1), blended over horizons ---
         qh = quantile_huber_loss((th / v_max).repeat_interleave(Hs, 0), (tg.quantiles / v_max).reshape(n_q * Hs, M),
                                  taus.repeat_interleave(Hs, 0))                            # n_q·H'
@@ -617,26 +616,35 @@ def make_update(agent: Agent, target: Agent, opt: torch.optim.Optimizer, replay:
         # --- expectile value head on the blended scalar target of the direction branch ---
         y = tg.value
         expl = expectile_loss((y - value_e.float()) / v_max, cfg.expectile)               # N
-        # --- stability terms on the online direction Q ---
-        centre = ((q_dir.mean() - y.mean()) / v_max) ** 2
+        per_sample = c51 + cfg.expectile_coef * expl
+        # --- the batch's scalars as sums over its rows, each in two levels (`batch_sum`): no reduction of a batch
+        # scalar depends on another, so none of them waits for one thread block to loop over the whole batch ---
         first, second = top_two(q_dir)
-        gap_star = cfg.q_gap_frac * y.std()
-        gap = (((first - second) - gap_star) / v_max).pow(2).mean()
+        gap_n = (first - second) / v_max                                                   # N
+        y0 = y[0].detach()                                        # a shift: the variance's sums without cancellation
         lab = buf.hindsight[b.bar]                                                         # N
         has = (lab >= 0).float()
         hce = torch.nn.functional.cross_entropy(q_dir / (0.1 * v_max), lab.clamp(min=0), reduction="none")
-        hind = (hce * has).sum() / has.sum().clamp(min=1.0)
-        per_sample = c51 + cfg.expectile_coef * expl
+        s_loss, s_c51, s_expl, s_q, s_y, s_y2, s_gap, s_gap2, s_hce, s_has, s_ent, s_util, s_iqn_w, s_iqn = (
+            batch_sum(r) for r in (b.weight * per_sample, c51, expl, q_dir.mean(1), y - y0, (y - y0).square(), gap_n,
+                                   gap_n.square(), hce * has, has, ent_k.mean(1), util_k.mean(1),
+                                   b.weight[:n_q] * iqn, iqn))
+        ent, util = s_ent / N, s_util / N
+        # --- stability terms on the online direction Q ---
+        centre = ((s_q / N - (s_y / N + y0)) / v_max) ** 2
+        y_std = ((s_y2 - s_y * s_y / N) / max(N - 1, 1)).clamp(min=0.0).sqrt()          # y.std(), unbiased
+        gap_star = cfg.q_gap_frac * y_std / v_max
+        gap = s_gap2 / N - 2.0 * gap_star * s_gap / N + gap_star * gap_star            # mean((gap_n − gap*)²)
+        hind = s_hce / s_has.clamp(min=1.0)
         # the IQN term's mean over its n_q samples (all N unless `iqn_batch`): an unbiased estimate of its batch mean
-        loss = ((b.weight * per_sample).mean() + cfg.iqn_coef * (b.weight[:n_q] * iqn).mean()
-                + cfg.q_centre_coef * centre + cfg.q_gap_coef * gap
+        loss = (s_loss / N + cfg.iqn_coef * s_iqn_w / n_q + cfg.q_centre_coef * centre + cfg.q_gap_coef * gap
                 + cfg.hindsight_coef * hind - buf.entropy_coef * ent)
         # the metrics, taken before the backward from detached tensors: a tensor that requires grad and is read
         # after the backward would be an output of the compiled forward that gets no gradient, and autograd fills
         # a zero gradient for each such output (four aten fill kernels on the H200, session 20)
-        metrics = {"loss": loss.detach(), "c51": c51.detach().mean(), "iqn": iqn.detach().mean(),
-                   "expectile": expl.detach().mean(), "q_mean": q_dir.detach().mean(),
-                   "entropy": ent_k.detach().mean(), "utilisation": util}
+        metrics = {"loss": loss.detach(), "c51": s_c51.detach() / N, "iqn": s_iqn.detach() / n_q,
+                   "expectile": s_expl.detach() / N, "q_mean": s_q.detach() / N, "entropy": ent.detach(),
+                   "utilisation": util.detach()}
         # grads set to None, not zeroed: backward then hands each parameter its gradient tensor (no zeroing and no
         # accumulation kernels); captured, those tensors come from the graph's pool at fixed addresses
         opt.zero_grad(set_to_none=True)
