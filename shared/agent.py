@@ -44,6 +44,7 @@ ML core: imports only torch (and the standard library).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -309,13 +310,20 @@ class CausalBlock(nn.Module):
         self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
         self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
         self.mlp = nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
+        self.fused: tuple[Callable, Callable] | None = None
+        """Attention kernels for passes with gradient, (causal(qkv N × W × 3D, heads) → N × W × D, last_query(q
+        N × D, kv N × W × 2D, heads) → N × D), or None for SDPA: set by the trainer (`TrainConfig.attention`,
+        `services.trainer.fused_attention`); not a parameter, not saved."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         N, W, D = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(D, dim=-1)                                    # N × W × D each
-        q, k, v = (y.view(N, W, self.n_heads, D // self.n_heads).transpose(1, 2) for y in (q, k, v))
-        a = causal_attention(q, k, v)                                                       # N × heads × W × D/h
-        x = x + self.proj(a.transpose(1, 2).reshape(N, W, D))
+        qkv = self.qkv(self.ln1(x))                                                         # N × W × 3D
+        if self.fused is not None and torch.is_grad_enabled():
+            a = self.fused[0](qkv, self.n_heads)                                           # N × W × D
+        else:
+            q, k, v = (y.view(N, W, self.n_heads, D // self.n_heads).transpose(1, 2) for y in qkv.split(D, dim=-1))
+            a = causal_attention(q, k, v).transpose(1, 2).reshape(N, W, D)                 # heads side by side
+        x = x + self.proj(a)
         return x + self.mlp(self.ln2(x))
 
     def last_token(self, x: torch.Tensor) -> torch.Tensor:
@@ -325,11 +333,14 @@ class CausalBlock(nn.Module):
         N, W, D = x.shape
         h = self.ln1(x)
         q = F.linear(h[:, -1], self.qkv.weight[:D], self.qkv.bias[:D])                     # N × D
-        k, v = F.linear(h, self.qkv.weight[D:], self.qkv.bias[D:]).split(D, dim=-1)       # N × W × D each
-        hd = D // self.n_heads
-        k, v = (y.view(N, W, self.n_heads, hd).transpose(1, 2) for y in (k, v))
-        a = last_query_attention(q.view(N, self.n_heads, hd), k, v)                         # N × heads × hd
-        y = x[:, -1] + self.proj(a.reshape(N, D))
+        kv = F.linear(h, self.qkv.weight[D:], self.qkv.bias[D:])                           # N × W × 2D
+        if self.fused is not None and torch.is_grad_enabled():
+            a = self.fused[1](q, kv, self.n_heads)                                         # N × D
+        else:
+            hd = D // self.n_heads
+            k, v = (y.view(N, W, self.n_heads, hd).transpose(1, 2) for y in kv.split(D, dim=-1))
+            a = last_query_attention(q.view(N, self.n_heads, hd), k, v).reshape(N, D)      # heads side by side
+        y = x[:, -1] + self.proj(a)
         return y + self.mlp(self.ln2(y))
 
 
@@ -387,6 +398,12 @@ class Agent(nn.Module):
         return self.v_max * torch.linspace(-1.0, 1.0, A, device=self.v_max.device)
 
     # --- network -----------------------------------------------------------------------------------------
+    def use_attention_kernels(self, kernels: tuple[Callable, Callable] | None) -> None:
+        """Run the encoder's attention in passes with gradient through `kernels` (`CausalBlock.fused`), or SDPA
+        (None)."""
+        for blk in self.enc_blocks:
+            blk.fused = kernels
+
     def encode(self, windows: torch.Tensor) -> torch.Tensor:
         """Market embedding of feature windows: N × W × F → N × D (the last token of the causal encoder)."""
         x = aligned_linear(windows, self.enc_in) + self.enc_pos                            # N × W × D

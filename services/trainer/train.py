@@ -35,6 +35,7 @@ from shared.knobs import BRANCHES, Knobs
 from shared.market import Bars, Split, chronological_split, compute_features
 from shared.rollout import MarketTensors
 from services.trainer.env import RewardConfig, TrainEnv
+from services.trainer import fused_attention
 from services.trainer.flat_adamw import FlatAdamW, flatten_parameters
 from services.trainer.fused_c51 import available as fused_c51_available
 from services.trainer.losses import (adapt_entropy_coef, batch_sum, c51_branch_losses, expectile_loss,
@@ -198,6 +199,9 @@ class TrainConfig:
     network's heads and IQN, the projections) on a side stream beside its online forward pass. On the H200 the
     batch-4 096 update's graph replay went 3.63 → 3.47 ms: the targets' kernels are large enough to fill the GPU, so
     the streams overlap little (bench/README.md, train_speed.py, session 11)."""
+    attention: str = "sdpa"
+    """The encoder's attention in the update's online pass (with gradient): "sdpa" (PyTorch's fused kernels) or
+    "triton" (`services.trainer.fused_attention`: one kernel a pass, CUDA only; elsewhere SDPA)."""
     fused_c51: bool = True
     """On CUDA, the update's C51 chain of the taken actions (softmax, portfolio shift, cross-entropy, the direction
     branch's entropy and utilisation, forward and backward) as two Triton kernels (`services.trainer.fused_c51`)
@@ -966,6 +970,11 @@ def build_state(cfg: TrainConfig, bars: Bars, split: Split, seed: int, device="c
     feats = compute_features(bars) if features is None else features
     market = MarketTensors.from_bars(bars, *split.train, cfg.agent.window, device, features=feats)
     agent = Agent(cfg.agent).to(device)
+    if cfg.attention not in ("sdpa", "triton"):
+        raise ValueError(f"attention={cfg.attention!r}: use 'sdpa' or 'triton'")
+    a = cfg.agent
+    if cfg.attention == "triton" and fused_attention.supported(agent.v_max, a.window, a.d_model // a.n_heads):
+        agent.use_attention_kernels((fused_attention.causal_attention, fused_attention.last_query_attention))
     target = copy.deepcopy(agent)
     for p in target.parameters():
         p.requires_grad_(False)
