@@ -19,8 +19,9 @@ $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q -e ".[test]"
 	touch $(STAMP)
 
-# Triton (the compiler torch.compile uses on CUDA) beside the venv, not in it, for one test: the fused C51 kernels
-# (services/trainer/fused_c51.py) run under Triton's CPU interpreter, so a machine without a GPU checks them too.
+# Triton (the compiler torch.compile uses on CUDA) beside the venv, not in it, for the kernels' tests: the fused C51,
+# replay and attention kernels (services/trainer/) run under Triton's CPU interpreter, so a machine without a GPU
+# checks them too.
 # 3.6.0 is the version torch 2.11's CUDA build ships with.
 TRITON_DIR   := .triton
 TRITON_STAMP := $(TRITON_DIR)/.installed
@@ -35,7 +36,8 @@ up: $(STAMP)
 
 test: $(STAMP) $(TRITON_STAMP)
 	$(BIN)/python -m pytest -q -ra
-	TRITON_INTERPRET=1 PYTHONPATH=$(TRITON_DIR) $(BIN)/python -m pytest -q -ra tests/test_fused_c51.py tests/test_replay_kernel.py
+	TRITON_INTERPRET=1 PYTHONPATH=$(TRITON_DIR) $(BIN)/python -m pytest -q -ra tests/test_fused_c51.py tests/test_replay_kernel.py \
+		tests/test_fused_attention.py
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -ra -m "not e2e and not browser"
