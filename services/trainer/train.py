@@ -199,9 +199,12 @@ class TrainConfig:
     network's heads and IQN, the projections) on a side stream beside its online forward pass. On the H200 the
     batch-4 096 update's graph replay went 3.63 → 3.47 ms: the targets' kernels are large enough to fill the GPU, so
     the streams overlap little (bench/README.md, train_speed.py, session 11)."""
-    attention: str = "sdpa"
-    """The encoder's attention in the update's online pass (with gradient): "sdpa" (PyTorch's fused kernels) or
-    "triton" (`services.trainer.fused_attention`: one kernel a pass, CUDA only; elsewhere SDPA)."""
+    attention: str = "triton"
+    """The encoder's attention in the update's online pass (with gradient): "triton" (`services.trainer.
+    fused_attention`: one kernel a pass and (window, head), CUDA only; elsewhere SDPA) or "sdpa" (PyTorch's fused
+    kernels: cuDNN's on the H200, four kernels backward). Side by side at batch 4 096 on the H200 the update's graph
+    replay went 1.13 → 1.09 ms, 333 → 324 kernels (bench/train_profile.py --variants '' attention=sdpa, session
+    21); values and gradients match SDPA's (tests/test_fused_attention.py)."""
     fused_c51: bool = True
     """On CUDA, the update's C51 chain of the taken actions (softmax, portfolio shift, cross-entropy, the direction
     branch's entropy and utilisation, forward and backward) as two Triton kernels (`services.trainer.fused_c51`)
