@@ -107,3 +107,16 @@ def test_the_agent_through_the_kernel_learns_what_it_learns_through_F_linear(com
         torch.testing.assert_close(results[1][1][name], g, rtol=1e-4, atol=1e-6, msg=name)
     with torch.no_grad():
         torch.testing.assert_close(fused.encode(x), plain.encode(x))
+
+
+@needs_triton
+def test_the_kernel_is_deterministic_and_leaves_its_counters_at_zero():
+    """Called again on the same inputs, the same bits (the tile's last program adds the partials in split order);
+    the arrival counters are back at 0 after each call (a CUDA graph replays the kernel with no fill)."""
+    from services.trainer import fused_linear
+    gen = torch.Generator().manual_seed(2)
+    g, x = torch.randn(700, 130, generator=gen).to(DEV), torch.randn(700, 70, generator=gen).to(DEV)
+    first = weight_grads_triton(g, x)
+    second = weight_grads_triton(g, x)
+    assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
+    assert all(int(c.abs().sum()) == 0 for c in fused_linear._COUNTERS.values())

@@ -4,10 +4,10 @@ Why: in the compiled update's backward each Linear layer was five kernels on the
 GEMM, its split-K weight-gradient GEMM and that split's reduction, and inductor's bias sum, itself split in two —
 and the update's ~25 layers made ~70 µs of split-K reductions and bias sums, most under 2 µs, each paying a launch
 (bench/train_profile.py, sessions 19–21). Here the input gradient stays cuBLAS's GEMM, and one kernel makes both
-dW = gᵀx and db = Σ g: each program takes an output tile of dW and a slice of the rows, and adds its partial sums
-into zeroed fp32 buffers with atomic adds (the bias's from the programs of the first input tile), so the split
-needs no second pass. Atomic float adds make the last bits depend on the order the programs finish, as the update's
-scatter-adds already do on a GPU.
+dW = gᵀx and db = Σ g: each program takes an output tile of dW and a slice of the rows and writes its partial sums
+to a scratch slot; the tile's last program to arrive (an atomic counter) adds the slots in a fixed order and writes
+the tile, so the split needs no second kernel, nothing is zeroed, and the sums do not depend on which program
+finishes first.
 
 The products are exact (bf16 operands held in fp32 and multiplied as TF32, whose mantissa holds theirs; fp32
 operands as IEEE fp32) and accumulate in fp32, as cuBLAS's. `linear` is `F.linear` forward; backward, (dx, dW, db)
@@ -36,6 +36,19 @@ def supported(x: torch.Tensor) -> bool:
     return True
 
 
+_COUNTERS: dict[tuple[str, int], torch.Tensor] = {}
+"""Per (device, number of dW tiles): the kernel's arrival counters, zeroed once and set back to 0 by each call's
+last programs (so a captured CUDA graph replays with no fill). Calls on one stream run one after another, so layers
+with as many tiles share them."""
+
+
+def _counters(device: torch.device, tiles: int) -> torch.Tensor:
+    key = (str(device), tiles)
+    if key not in _COUNTERS:
+        _COUNTERS[key] = torch.zeros(tiles, dtype=torch.int32, device=device)
+    return _COUNTERS[key]
+
+
 def weight_grads_triton(g: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(gᵀx, Σ_rows g) of g N × O and x N × I as fp32 O × I and O, by the Triton kernel (CUDA, or Triton's
     interpreter on CPU tensors)."""
@@ -44,15 +57,18 @@ def weight_grads_triton(g: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor,
     N, O = g.shape
     I = x.shape[1]
     g, x = g.contiguous(), x.contiguous()
-    dw = torch.zeros(O, I, dtype=torch.float32, device=g.device)
-    db = torch.zeros(O, dtype=torch.float32, device=g.device)
+    dw = torch.empty(O, I, dtype=torch.float32, device=g.device)
+    db = torch.empty(O, dtype=torch.float32, device=g.device)
     BO, BI, BN = BLOCK["o"], BLOCK["i"], BLOCK["n"]
-    tiles = triton.cdiv(O, BO) * triton.cdiv(I, BI)
+    grid_o, grid_i = triton.cdiv(O, BO), triton.cdiv(I, BI)
+    tiles = grid_o * grid_i
     splits = max(1, min(triton.cdiv(TARGET_PROGRAMS, tiles), triton.cdiv(N, BN)))
     rows = triton.cdiv(triton.cdiv(N, splits), BN) * BN
     splits = triton.cdiv(N, rows)
-    _linear_triton.weight_grads[(triton.cdiv(O, BO), triton.cdiv(I, BI), splits)](
-        g, x, dw, db, N, O, I, ROWS=rows, BO=BO, BI=BI, BN=BN, IEEE=g.dtype == torch.float32, num_warps=4)
+    part = torch.empty(tiles * splits * (BO * BI + BO), dtype=torch.float32, device=g.device)
+    _linear_triton.weight_grads[(grid_o, grid_i, splits)](
+        g, x, part, _counters(g.device, tiles), dw, db, N, O, I, ROWS=rows, SPLITS=splits, BO=BO, BI=BI, BN=BN,
+        IEEE=g.dtype == torch.float32, num_warps=4)
     return dw, db
 
 
