@@ -34,8 +34,12 @@ def weight_grads(g_ptr, x_ptr, part_ptr, count_ptr, dw_ptr, db_ptr, N, O, I, ROW
     slot = part_ptr + (tile * SPLITS).to(tl.int64) * (BO * BI + BO)
     tl.store(slot + ps * (BO * BI + BO) + r[:, None] * BI + c[None, :], acc)
     tl.store(slot + ps * (BO * BI + BO) + BO * BI + r, bacc)
+    # every thread's partial stored before the tile's counter moves (the classic threadfence reduction: a block-wide
+    # barrier, then one release-acquire atomic), and the reading threads ordered after the atomic the same way
+    tl.debug_barrier()
     arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
     if arrived == SPLITS - 1:
+        tl.debug_barrier()
         total = tl.zeros([BO, BI], dtype=tl.float32)
         btotal = tl.zeros([BO], dtype=tl.float32)
         for s in range(0, SPLITS):
