@@ -10,25 +10,22 @@ reads the packed qkv projection (N × W × 3D) and writes the layouts the block'
 
 `causal_attention(qkv, n_heads)`: the causal self-attention of `CausalBlock.forward`, qkv → N × W × D.
 `last_query_attention(q, kv, n_heads)`: `CausalBlock.last_token`'s, q N × D and kv N × W × 2D → N × D.
-The same numbers as `F.scaled_dot_product_attention` up to float rounding (fp32 softmax and accumulation; bf16
-operands where the inputs are bf16): tests/test_fused_attention.py, on a GPU or under Triton's interpreter.
-`supported(...)` says where they apply (CUDA or the interpreter, a window of 16–128 bars, heads of 16–128 dims, a
-power of two); `shared.agent.CausalBlock.fused` holds them when the trainer turns them on (`TrainConfig.attention`).
+The same numbers as `F.scaled_dot_product_attention` up to float rounding (fp32 softmax and accumulation; TF32
+products of bf16 inputs, which TF32 holds exactly, IEEE ones of fp32 inputs; the outputs and gradients rounded to
+the inputs' dtype): tests/test_fused_attention.py, on a GPU or under Triton's interpreter.
+`supported(...)` says where the trainer uses them (CUDA with Triton, windows of up to 128 bars, heads of 16, 32,
+64 or 128 dims); `shared.agent.CausalBlock.fused` holds them when the trainer turns them on (`TrainConfig.attention`).
 """
 from __future__ import annotations
 
 import torch
 
+from services.trainer.fused_c51 import available
+
 
 def supported(x: torch.Tensor, window: int, head_dim: int) -> bool:
-    """Whether the kernels run for x (CUDA with Triton) at this window and head width."""
-    if not x.is_cuda or not 1 <= window <= 128 or head_dim not in (16, 32, 64, 128):
-        return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    """Whether the kernels run for x (CUDA with Triton, `fused_c51.available`) at this window and head width."""
+    return 1 <= window <= 128 and head_dim in (16, 32, 64, 128) and available(x)
 
 
 def _kernels():

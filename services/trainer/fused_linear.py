@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from services.trainer.fused_c51 import available
+
 BLOCK = {"o": 64, "i": 64, "n": 64}
 """Tile of dW a program holds (o × i) and rows it adds a step (n)."""
 TARGET_PROGRAMS = 264
@@ -26,14 +28,8 @@ TARGET_PROGRAMS = 264
 
 
 def supported(x: torch.Tensor) -> bool:
-    """Whether the kernel runs for x (CUDA with Triton)."""
-    if not x.is_cuda:
-        return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    """Whether the kernel runs for x (CUDA with Triton, `fused_c51.available`)."""
+    return available(x)
 
 
 _COUNTERS: dict[tuple[str, int], torch.Tensor] = {}
