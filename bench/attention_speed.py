@@ -1,10 +1,13 @@
 """The encoder's attention at the training shapes: PyTorch's fused SDPA kernels vs the written-out form the agent
 uses in compiled passes without gradient (`shared.agent.causal_attention_math`, `last_query_attention_math`), eager
-and compiled, and FlexAttention compiled (Triton kernels inductor writes for these shapes), side by side in one run.
+and compiled, FlexAttention compiled (Triton kernels inductor writes for these shapes), and the update's own Triton
+kernels (`services.trainer.fused_attention`, session 21), side by side in one run.
 
     python3 bench/attention_speed.py                 # on the H200
 
     python3 bench/attention_speed.py --heads 8 --dim 16    # the `full` config's heads before session 8
+
+    python3 bench/attention_speed.py --windows 256 4002    # the update's encoder batch since session 17
 
 Shapes (`full` config: 2 heads × 64 dims, 64-bar windows, bf16 as under the trainer's autocast):
   causal, fwd+bwd @ 1 024   the update's first encoder block (the encoder learns from 1 024 windows)
@@ -63,12 +66,31 @@ def flex(window: int, dev: str):
             lambda q, k, v: attend(q.unsqueeze(2), k, v).squeeze(2))
 
 
+def fused(heads: int):
+    """`services.trainer.fused_attention`'s kernels (what the update uses since session 21), fed q, k, v in the
+    packed layouts they read: the packing copies are timed with them, as the block's transposes are with SDPA."""
+    from services.trainer.fused_attention import causal_attention, last_query_attention
+
+    def packed(*ts):
+        return torch.cat([t.transpose(1, 2).flatten(2) for t in ts], dim=-1)              # N × W × (k · D)
+
+    def full(q, k, v):
+        return causal_attention(packed(q, k, v), heads)
+
+    def last(q, k, v):
+        return last_query_attention(q.flatten(1), packed(k, v), heads)
+    return full, last
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--heads", type=int, default=2)
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--window", type=int, default=64)
     ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--windows", type=int, nargs=2, default=[1024, 4002], metavar=("GRAD", "NO_GRAD"),
+                    help="windows of the cases with gradient and without (the update's encoder batch is 256 since "
+                         "session 17)")
     a = ap.parse_args()
     dev, dt = "cuda", torch.bfloat16
     print(f"# attention_speed: {torch.cuda.get_device_name()} torch={torch.__version__} heads={a.heads} "
@@ -80,9 +102,11 @@ def main() -> None:
         "written out": (causal_attention_math, last_query_attention_math),
         "written out, compiled": (torch.compile(causal_attention_math), torch.compile(last_query_attention_math)),
         "FlexAttention, compiled": flex(a.window, dev),
+        "Triton (fused_attention)": fused(a.heads),
     }
-    cases = [("causal, fwd+bwd @ 1024", 1024, False, True), ("causal, fwd @ 4002", 4002, False, False),
-             ("last query, fwd+bwd @ 1024", 1024, True, True), ("last query, fwd @ 4002", 4002, True, False)]
+    ng, nn_ = a.windows
+    cases = [(f"causal, fwd+bwd @ {ng}", ng, False, True), (f"causal, fwd @ {nn_}", nn_, False, False),
+             (f"last query, fwd+bwd @ {ng}", ng, True, True), (f"last query, fwd @ {nn_}", nn_, True, False)]
     table: dict[str, dict[str, float | None]] = {}
     for label, n, last, grad in cases:
         g = torch.Generator(device=dev).manual_seed(0)
