@@ -1,6 +1,6 @@
 """bench/train_profile.py's attribution of compiled kernels to the FX nodes they compute (the GPU profile itself
 runs on the GPU machine)."""
-from bench.train_profile import kernel_origins, kind, phases
+from bench.train_profile import kernel_origins, kind, phases, replay_timeline
 
 MODULE = '''
 # kernel path: /tmp/torchinductor_x/ab/cab.py
@@ -66,3 +66,25 @@ def test_phases_split_the_own_stream_at_launch_pauses():
     assert got == [(3, 19.0, "rand"), (2, 14.0, "enc_fwd"), (1, 50.0, "bwd_loop")]
     assert phases(ks, gap_us=1000.0) == [(6, 83.0, "rand")]
     assert phases([]) == []
+
+
+def test_replay_timeline_counts_busy_time_once_and_finds_the_waits(tmp_path, capsys):
+    """One replay of three (the last): each stream's busy time is the union of its kernels' intervals (overlapping
+    launches count once), and the update stream's idle gaps are where it waited, with the kernels around them."""
+    from types import SimpleNamespace as NS
+
+    def ev(start, end, stream, name):
+        return NS(time_range=NS(start=start, end=end), device_resource_id=stream, name=name)
+    kernels = []
+    for r in range(3):
+        o = 1000.0 * r
+        kernels += [ev(o, o + 10, 7, "a"), ev(o + 8, o + 30, 7, "b"), ev(o + 5, o + 50, 25, "targets"),
+                    ev(o + 60, o + 70, 7, "loss"), ev(o + 65, o + 75, 7, "d")]
+    trace = tmp_path / "replay.tsv"
+    replay_timeline(kernels, str(trace))
+    out = capsys.readouterr().out
+    assert "| 7 | 4 | 45 | 0 | 75 |" in out                     # 0–30 and 60–75 busy, overlaps once
+    assert "| 25 | 1 | 45 | 5 | 50 |" in out
+    assert "idle 30 µs in 1 gaps" in out and "| 30.0 | 30 | b | loss |" in out
+    rows = trace.read_text().splitlines()
+    assert rows[0] == "start_us\tend_us\tstream\tkernel" and len(rows) == 6 and rows[1].startswith("0.0\t10.0\t7\ta")
