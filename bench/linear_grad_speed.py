@@ -20,8 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from bench.train_profile import replay_ms  # noqa: E402
 from services.trainer.fused_linear import linear  # noqa: E402
-from shared.graphs import Graphed  # noqa: E402
 
 SHAPES = [("encoder input", 16384, 16, 128), ("encoder qkv", 16384, 128, 384), ("encoder proj", 16384, 128, 128),
           ("encoder mlp in", 16384, 128, 256), ("encoder mlp out", 16384, 256, 128),
@@ -29,19 +29,6 @@ SHAPES = [("encoder input", 16384, 16, 128), ("encoder qkv", 16384, 128, 384), (
           ("trunk in", 4096, 128, 256), ("trunk", 4096, 256, 256), ("logits (folded)", 4096, 256, 2048),
           ("code + V_e", 4096, 256, 24), ("shift", 4096, 24, 64), ("IQN hidden", 16384, 256, 256),
           ("IQN out", 16384, 256, 8)]
-
-
-def replay_us(fn, reps: int) -> float:
-    g = Graphed(fn, warmup=2)
-    g()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(reps):
-        g()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) * 1e3 / reps
 
 
 def case(fn, rows: int, n_in: int, n_out: int):
@@ -68,7 +55,7 @@ def main() -> None:
     print("|---|---|---:|---:|---:|")
     total = [0.0, 0.0]
     for name, rows, n_in, n_out in SHAPES:
-        t = [replay_us(case(fn, rows, n_in, n_out), a.reps) for fn in (F.linear, linear)]
+        t = [replay_ms(case(fn, rows, n_in, n_out), a.reps) * 1e3 for fn in (F.linear, linear)]
         total = [total[0] + t[0], total[1] + t[1]]
         print(f"| {name} | {rows} × {n_in} → {n_out} | {t[0]:.1f} | {t[1]:.1f} | {t[0] / t[1]:.2f}× |")
     print(f"| all | | {total[0]:.1f} | {total[1]:.1f} | {total[0] / total[1]:.2f}× |")
