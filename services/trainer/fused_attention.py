@@ -29,14 +29,13 @@ def supported(x: torch.Tensor, window: int, head_dim: int) -> bool:
 
 
 def _kernels():
-    import triton
     from services.trainer import _attention_triton
-    return triton, _attention_triton
+    return _attention_triton
 
 
 def _wp(W: int) -> int:
-    import triton
-    return max(16, triton.next_power_of_2(W))
+    """The window padded for the kernels' tiles: a power of two, at least 16 (tl.dot's smallest side)."""
+    return max(16, 1 << (W - 1).bit_length())
 
 
 @torch.library.custom_op("tradeloop::causal_attention_fwd", mutates_args=())
@@ -47,7 +46,7 @@ def _causal_fwd(qkv: torch.Tensor, n_heads: int) -> tuple[torch.Tensor, torch.Te
     o = torch.empty(N, W, D, dtype=qkv.dtype, device=qkv.device)
     WP = _wp(W)
     lse = torch.empty(N, n_heads, WP, dtype=torch.float32, device=qkv.device)
-    triton, k = _kernels()
+    k = _kernels()
     HD = D // n_heads
     k.causal_fwd[(N * n_heads,)](qkv, qkv.stride(0), qkv.stride(1), o, o.stride(0), o.stride(1), lse, W, HD ** -0.5,
                                  H=n_heads, HD=HD, WP=WP, IEEE=qkv.dtype == torch.float32, num_warps=4)
@@ -57,8 +56,7 @@ def _causal_fwd(qkv: torch.Tensor, n_heads: int) -> tuple[torch.Tensor, torch.Te
 @_causal_fwd.register_fake
 def _(qkv, n_heads):
     N, W, D3 = qkv.shape
-    return (qkv.new_empty(N, W, D3 // 3), qkv.new_empty(N, n_heads, max(16, 1 << (W - 1).bit_length()),
-                                                         dtype=torch.float32))
+    return qkv.new_empty(N, W, D3 // 3), qkv.new_empty(N, n_heads, _wp(W), dtype=torch.float32)
 
 
 @torch.library.custom_op("tradeloop::causal_attention_bwd", mutates_args=())
@@ -66,7 +64,7 @@ def _causal_bwd(qkv: torch.Tensor, lse: torch.Tensor, grad_o: torch.Tensor, n_he
     N, W, D3 = qkv.shape
     qkv, grad_o = qkv.contiguous(), grad_o.contiguous()
     dqkv = torch.empty(N, W, D3, dtype=qkv.dtype, device=qkv.device)       # qkv's layout: the kernel writes both
-    triton, k = _kernels()
+    k = _kernels()
     HD = D3 // 3 // n_heads
     k.causal_bwd[(N * n_heads,)](qkv, qkv.stride(0), qkv.stride(1), grad_o, grad_o.stride(0), grad_o.stride(1), lse, dqkv,
                                  W, HD ** -0.5, H=n_heads, HD=HD, WP=lse.shape[2],
@@ -100,7 +98,7 @@ def _last_fwd(q: torch.Tensor, kv: torch.Tensor, n_heads: int) -> tuple[torch.Te
     q, kv = q.contiguous(), kv.contiguous()
     o = torch.empty_like(q)
     lse = torch.empty(N, n_heads, dtype=torch.float32, device=q.device)
-    triton, k = _kernels()
+    k = _kernels()
     HD = D2 // 2 // n_heads
     k.last_fwd[(N * n_heads,)](q, q.stride(0), kv, kv.stride(0), kv.stride(1), o, lse, W, HD ** -0.5, H=n_heads,
                                HD=HD, WP=_wp(W), num_warps=2)
@@ -120,7 +118,7 @@ def _last_bwd(q: torch.Tensor, kv: torch.Tensor, lse: torch.Tensor, grad_o: torc
     q, kv, grad_o = q.contiguous(), kv.contiguous(), grad_o.contiguous()
     dq = torch.empty_like(q)                                # q's layout, as grad_o's: the kernel shares strides
     dkv = torch.empty(N, W, D2, dtype=kv.dtype, device=kv.device)
-    triton, k = _kernels()
+    k = _kernels()
     HD = D2 // 2 // n_heads
     k.last_bwd[(N * n_heads,)](q, q.stride(0), kv, kv.stride(0), kv.stride(1), grad_o, lse, dq, dkv, W,
                                HD ** -0.5, H=n_heads, HD=HD, WP=_wp(W), num_warps=2)
