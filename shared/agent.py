@@ -245,23 +245,6 @@ def last_query_attention_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor)
     return (torch.softmax(s, dim=-1).unsqueeze(-1) * v.float()).sum(-2).to(v.dtype)        # N × h × d
 
 
-class Linear(nn.Linear):
-    """nn.Linear whose product can run through a function the trainer sets (`Agent.use_linear_kernel`): with
-    gradient recorded, `fn(x, weight, bias)` instead of F.linear (e.g. `services.trainer.fused_linear.linear`, whose
-    backward makes the weight's and bias's gradients in one kernel). The same parameters and state dict."""
-
-    fn: Callable | None = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear_fn(self)(x, self.weight, self.bias)
-
-
-def linear_fn(layer: nn.Module) -> Callable:
-    """The product a layer's inputs go through now: its `fn` while gradient is recorded, else F.linear."""
-    fn = getattr(layer, "fn", None)
-    return fn if fn is not None and torch.is_grad_enabled() else F.linear
-
-
 def align_pad(width: int, x: torch.Tensor) -> int:
     """Zeros to append to a width of `width` elements so that rows of x's device are 16-byte aligned for cuBLAS
     (a multiple of 8 bf16 values) on CUDA; 0 on a CPU, where alignment buys nothing."""
@@ -273,16 +256,16 @@ def aligned_linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
     9, 14 or 2 295 bf16 values is not 16-byte aligned, and cuBLAS then falls back to its pre-Hopper `align1` kernels
     (on the H200 those ran the heads' GEMMs and the encoder's input projection; `bench/train_profile.py`). The same
     numbers (zero products add nothing); on a CPU just layer(x)."""
-    return _aligned(x, layer.weight, layer.bias, linear_fn(layer))
+    return _aligned(x, layer.weight, layer.bias)
 
 
-def _aligned(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, fn: Callable = F.linear) -> torch.Tensor:
-    """fn(x, weight, bias) (F.linear or a layer's `fn`) with the widths padded as `aligned_linear` pads them."""
+def _aligned(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """F.linear(x, weight, bias) with the widths padded as `aligned_linear` pads them."""
     n_out, n_in = weight.shape
     po, pi = align_pad(n_out, x), align_pad(n_in, x)
     if po == pi == 0:
-        return fn(x, weight, bias)
-    out = fn(F.pad(x, (0, pi)), F.pad(weight, (0, pi, 0, po)), F.pad(bias, (0, po)))
+        return F.linear(x, weight, bias)
+    out = F.linear(F.pad(x, (0, pi)), F.pad(weight, (0, pi, 0, po)), F.pad(bias, (0, po)))
     return out[..., :n_out]
 
 
@@ -294,7 +277,7 @@ def stacked_linear(x: torch.Tensor, layers: tuple[nn.Linear, ...]) -> list[torch
     order of float sums."""
     w = torch.cat([dense_grad(layer.weight) for layer in layers])
     b = torch.cat([dense_grad(layer.bias) for layer in layers])
-    return list(_aligned(x, w, b, linear_fn(layers[0])).split([layer.out_features for layer in layers], dim=-1))
+    return list(_aligned(x, w, b).split([layer.out_features for layer in layers], dim=-1))
 
 
 class _DenseGrad(torch.autograd.Function):
@@ -325,8 +308,8 @@ class CausalBlock(nn.Module):
         super().__init__()
         self.n_heads = n_heads
         self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv, self.proj = Linear(d, 3 * d), Linear(d, d)
-        self.mlp = nn.Sequential(Linear(d, 2 * d), nn.GELU(), Linear(2 * d, d))
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.mlp = nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
         self.fused: tuple[Callable, Callable] | None = None
         """Attention kernels for passes with gradient, (causal(qkv N × W × 3D, heads) → N × W × D, last_query(q
         N × D, kv N × W × 2D, heads) → N × D), or None for SDPA: set by the trainer (`TrainConfig.attention`,
@@ -349,9 +332,8 @@ class CausalBlock(nn.Module):
         The same arithmetic for that token, without the other W − 1 queries and MLP rows (~3× less work)."""
         N, W, D = x.shape
         h = self.ln1(x)
-        lin = linear_fn(self.qkv)
-        q = lin(h[:, -1], self.qkv.weight[:D], self.qkv.bias[:D])                          # N × D
-        kv = lin(h, self.qkv.weight[D:], self.qkv.bias[D:])                                # N × W × 2D
+        q = F.linear(h[:, -1], self.qkv.weight[:D], self.qkv.bias[:D])                     # N × D
+        kv = F.linear(h, self.qkv.weight[D:], self.qkv.bias[D:])                           # N × W × 2D
         if self.fused is not None and torch.is_grad_enabled():
             a = self.fused[1](q, kv, self.n_heads)                                         # N × D
         else:
@@ -370,15 +352,15 @@ class Agent(nn.Module):
         self.cfg = cfg
         D, H, A, K = cfg.d_model, cfg.hidden, cfg.n_atoms, cfg.ensemble
         # --- trunk: encoder + portfolio MLP (weight decay applies here) ---
-        self.enc_in = Linear(cfg.n_features, D)
+        self.enc_in = nn.Linear(cfg.n_features, D)
         self.enc_pos = nn.Parameter(torch.zeros(cfg.window, D))
         self.enc_blocks = nn.ModuleList(CausalBlock(D, cfg.n_heads) for _ in range(cfg.n_layers))
         self.enc_ln = nn.LayerNorm(D)
-        self.trunk = nn.Sequential(Linear(D, H), nn.ReLU(), Linear(H, H), nn.ReLU())
+        self.trunk = nn.Sequential(nn.Linear(D, H), nn.ReLU(), nn.Linear(H, H), nn.ReLU())
         # --- portfolio shift: market code + portfolio → δ per action and for V_e (weight decay on the code) ---
-        self.code = Linear(H, cfg.code_dim)
-        self.shift = nn.Sequential(Linear(cfg.code_dim + cfg.n_portfolio, cfg.shift_hidden), nn.ReLU(),
-                                   Linear(cfg.shift_hidden, cfg.n_actions + 1))
+        self.code = nn.Linear(H, cfg.code_dim)
+        self.shift = nn.Sequential(nn.Linear(cfg.code_dim + cfg.n_portfolio, cfg.shift_hidden), nn.ReLU(),
+                                   nn.Linear(cfg.shift_hidden, cfg.n_actions + 1))
         nn.init.zeros_(self.shift[2].weight)                # δ = 0 at first: the market distributions as they are
         nn.init.zeros_(self.shift[2].bias)
         # --- value stream of the C51 ensemble (weight decay applies here) ---
@@ -388,9 +370,9 @@ class Agent(nn.Module):
         self.adv_w = nn.ParameterList(nn.Parameter(torch.randn(K, H, n * A) * H ** -0.5) for n in cfg.branch_sizes)
         self.adv_b = nn.ParameterList(nn.Parameter(torch.zeros(K, n * A)) for n in cfg.branch_sizes)
         # --- risk: IQN over direction actions + expectile value (no weight decay) ---
-        self.iqn_tau = Linear(cfg.iqn_embed, H)
-        self.iqn_out = nn.Sequential(Linear(H, H), nn.ReLU(), Linear(H, 3))
-        self.expectile = Linear(H, 1)
+        self.iqn_tau = nn.Linear(cfg.iqn_embed, H)
+        self.iqn_out = nn.Sequential(nn.Linear(H, H), nn.ReLU(), nn.Linear(H, 3))
+        self.expectile = nn.Linear(H, 1)
         # --- buffers ---
         self.register_buffer("v_max", torch.tensor(float(cfg.v_max_init)))
         self.register_buffer("maturity", torch.tensor(0.0))
@@ -416,13 +398,6 @@ class Agent(nn.Module):
         return self.v_max * torch.linspace(-1.0, 1.0, A, device=self.v_max.device)
 
     # --- network -----------------------------------------------------------------------------------------
-    def use_linear_kernel(self, fn: Callable | None) -> None:
-        """Run every Linear product of the network, while gradient is recorded, through fn(x, weight, bias)
-        (`Linear.fn`; the logits' folded product through the market code layer's), or F.linear (None)."""
-        for m in self.modules():
-            if isinstance(m, Linear):
-                m.fn = fn
-
     def use_attention_kernels(self, kernels: tuple[Callable, Callable] | None) -> None:
         """Run the encoder's attention in passes with gradient through `kernels` (`CausalBlock.fused`), or SDPA
         (None)."""
@@ -473,9 +448,7 @@ class Agent(nn.Module):
         pad = -(K * NB * A) % 64 if h.is_cuda else 0
         if pad:
             w, b = torch.cat([w, w.new_zeros(w.shape[0], pad)], dim=1), torch.cat([b, b.new_zeros(pad)])
-        lin = linear_fn(self.code)
-        out = torch.addmm(b, h, w) if lin is F.linear else lin(h, w.t(), b)                 # the same product
-        logits = out[:, :K * NB * A].view(N, K, NB, A)                                     # N × K × NB × A
+        logits = torch.addmm(b, h, w)[:, :K * NB * A].view(N, K, NB, A)                     # N × K × NB × A
         code, value_e = stacked_linear(h, (self.code, self.expectile))                      # N × C, N × 1
         return MarketOut(logits=logits, hidden=h, value_e=value_e.squeeze(-1), code=code)
 

@@ -35,7 +35,7 @@ from shared.knobs import BRANCHES, Knobs
 from shared.market import Bars, Split, chronological_split, compute_features
 from shared.rollout import MarketTensors
 from services.trainer.env import RewardConfig, TrainEnv
-from services.trainer import fused_attention, fused_linear
+from services.trainer import fused_attention
 from services.trainer.flat_adamw import FlatAdamW, flatten_parameters
 from services.trainer.fused_c51 import available as fused_c51_available
 from services.trainer.losses import (adapt_entropy_coef, batch_sum, c51_branch_losses, expectile_loss,
@@ -205,10 +205,6 @@ class TrainConfig:
     kernels: cuDNN's on the H200, four kernels backward). Side by side at batch 4 096 on the H200 the update's graph
     replay went 1.13 → 1.09 ms, 333 → 324 kernels (bench/train_profile.py --variants '' attention=sdpa, session
     21); values and gradients match SDPA's (tests/test_fused_attention.py)."""
-    linear_grad: str = "cublas"
-    """The weight and bias gradients of the network's Linear layers in the update: "cublas" (autograd's: a
-    split-K GEMM, its reduction and a bias sum in two kernels, per layer) or "triton" (`services.trainer.
-    fused_linear`: one kernel per layer, CUDA only; elsewhere autograd's). Off until timed on the H200."""
     fused_c51: bool = True
     """On CUDA, the update's C51 chain of the taken actions (softmax, portfolio shift, cross-entropy, the direction
     branch's entropy and utilisation, forward and backward) as two Triton kernels (`services.trainer.fused_c51`)
@@ -982,10 +978,6 @@ def build_state(cfg: TrainConfig, bars: Bars, split: Split, seed: int, device="c
     a = cfg.agent
     if cfg.attention == "triton" and fused_attention.supported(agent.v_max, a.window, a.d_model // a.n_heads):
         agent.use_attention_kernels((fused_attention.causal_attention, fused_attention.last_query_attention))
-    if cfg.linear_grad not in ("cublas", "triton"):
-        raise ValueError(f"linear_grad={cfg.linear_grad!r}: use 'cublas' or 'triton'")
-    if cfg.linear_grad == "triton" and fused_linear.supported(agent.v_max):
-        agent.use_linear_kernel(fused_linear.linear)
     target = copy.deepcopy(agent)
     for p in target.parameters():
         p.requires_grad_(False)
