@@ -301,6 +301,21 @@ def dense_grad(p: torch.Tensor) -> torch.Tensor:
     return _DenseGrad.apply(p)
 
 
+def ln_fold(ln: nn.LayerNorm, layer: nn.Linear, rows: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weight and bias of layer(ln(x)) (its output rows `rows`) as a product of `ln_plain(x, ln)`: W (γ ⊙ n + β)
+    + b = (W diag γ) n + (W β + b). The fold costs O × D on the parameters instead of N × D on the rows: γ's and
+    β's gradients come from the weight's and bias's (Σ_o W ⊙ ∂W', Wᵀ ∂b') instead of two reductions over every row
+    of the batch (every token of a window, before the encoder's linear layers). W β is summed in fp32 (a matmul
+    under bf16 autocast would round it). The same numbers up to float rounding."""
+    w, b = layer.weight[rows], layer.bias[rows]
+    return w * ln.weight, b + (w * ln.bias).sum(1)
+
+
+def ln_plain(x: torch.Tensor, ln: nn.LayerNorm) -> torch.Tensor:
+    """ln(x) without its affine (`ln_fold`)."""
+    return F.layer_norm(x, ln.normalized_shape, None, None, ln.eps)
+
+
 class CausalBlock(nn.Module):
     """Pre-LN transformer block with causal self-attention: x + Attn(LN x), then x + MLP(LN x)."""
 
@@ -310,6 +325,9 @@ class CausalBlock(nn.Module):
         self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
         self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
         self.mlp = nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
+        self.fold_ln = False
+        """Each LayerNorm's affine folded into the linear layer after it (`ln_linear`): set by the trainer
+        (`TrainConfig.fold_ln`); the same parameters and function."""
         self.fused: tuple[Callable, Callable] | None = None
         """Attention kernels for passes with gradient, (causal(qkv N × W × 3D, heads) → N × W × D, last_query(q
         N × D, kv N × W × 2D, heads) → N × D), or None for SDPA: set by the trainer (`TrainConfig.attention`,
@@ -317,23 +335,35 @@ class CausalBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         N, W, D = x.shape
-        qkv = self.qkv(self.ln1(x))                                                         # N × W × 3D
+        qkv = (F.linear(ln_plain(x, self.ln1), *ln_fold(self.ln1, self.qkv)) if self.fold_ln
+               else self.qkv(self.ln1(x)))                                                  # N × W × 3D
         if self.fused is not None and torch.is_grad_enabled():
             a = self.fused[0](qkv, self.n_heads)                                           # N × W × D
         else:
             q, k, v = (y.view(N, W, self.n_heads, D // self.n_heads).transpose(1, 2) for y in qkv.split(D, dim=-1))
             a = causal_attention(q, k, v).transpose(1, 2).reshape(N, W, D)                 # heads side by side
         x = x + self.proj(a)
-        return x + self.mlp(self.ln2(x))
+        return x + self._mlp(x)
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        """MLP(LN₂ x)."""
+        if not self.fold_ln:
+            return self.mlp(self.ln2(x))
+        return self.mlp[2](self.mlp[1](F.linear(ln_plain(x, self.ln2), *ln_fold(self.ln2, self.mlp[0]))))
 
     def last_token(self, x: torch.Tensor) -> torch.Tensor:
         """forward(x)[:, −1] for what the encoder keeps of its last block: the last token's query against every
         key (a causal mask lets the last row see the whole window), its projection and MLP — N × W × D → N × D.
         The same arithmetic for that token, without the other W − 1 queries and MLP rows (~3× less work)."""
         N, W, D = x.shape
-        h = self.ln1(x)
-        q = F.linear(h[:, -1], self.qkv.weight[:D], self.qkv.bias[:D])                     # N × D
-        kv = F.linear(h, self.qkv.weight[D:], self.qkv.bias[D:])                           # N × W × 2D
+        if self.fold_ln:
+            h = ln_plain(x, self.ln1)
+            q = F.linear(h[:, -1], *ln_fold(self.ln1, self.qkv, slice(None, D)))          # N × D
+            kv = F.linear(h, *ln_fold(self.ln1, self.qkv, slice(D, None)))                # N × W × 2D
+        else:
+            h = self.ln1(x)
+            q = F.linear(h[:, -1], self.qkv.weight[:D], self.qkv.bias[:D])                 # N × D
+            kv = F.linear(h, self.qkv.weight[D:], self.qkv.bias[D:])                       # N × W × 2D
         if self.fused is not None and torch.is_grad_enabled():
             a = self.fused[1](q, kv, self.n_heads)                                         # N × D
         else:
@@ -341,7 +371,7 @@ class CausalBlock(nn.Module):
             k, v = (y.view(N, W, self.n_heads, hd).transpose(1, 2) for y in kv.split(D, dim=-1))
             a = last_query_attention(q.view(N, self.n_heads, hd), k, v).reshape(N, D)      # heads side by side
         y = x[:, -1] + self.proj(a)
-        return y + self.mlp(self.ln2(y))
+        return y + self._mlp(y)
 
 
 class Agent(nn.Module):
@@ -398,6 +428,11 @@ class Agent(nn.Module):
         return self.v_max * torch.linspace(-1.0, 1.0, A, device=self.v_max.device)
 
     # --- network -----------------------------------------------------------------------------------------
+    def fold_layer_norms(self, on: bool) -> None:
+        """Fold the encoder blocks' LayerNorm affines into their next linear layers (`CausalBlock.fold_ln`)."""
+        for blk in self.enc_blocks:
+            blk.fold_ln = on
+
     def use_attention_kernels(self, kernels: tuple[Callable, Callable] | None) -> None:
         """Run the encoder's attention in passes with gradient through `kernels` (`CausalBlock.fused`), or SDPA
         (None)."""

@@ -62,6 +62,39 @@ def test_dueling_folded_into_the_weights_is_the_written_out_sum_and_its_gradient
     torch.testing.assert_close(ag.market(emb).logits, (ag.trunk(emb) @ w + b).view(6, K, -1, A))
 
 
+def test_layer_norms_folded_into_the_next_products_give_the_same_encoder_and_gradients():
+    """`Agent.fold_layer_norms`: the encoder's embedding and every parameter's gradient (γ and β of each folded
+    LayerNorm included) equal the unfolded network's, through a full block and the last-token block."""
+    cfg = AgentConfig(n_features=5, window=8, d_model=16, n_heads=2, n_layers=2, hidden=24, n_atoms=11, ensemble=3,
+                      iqn_embed=8, iqn_quantiles_act=10)
+    torch.manual_seed(3)
+    plain = Agent(cfg)
+    with torch.no_grad():
+        for blk in plain.enc_blocks:               # affines away from (1, 0): a fold that dropped one would show
+            for ln in (blk.ln1, blk.ln2):
+                ln.weight.uniform_(0.5, 1.5)
+                ln.bias.normal_(0.0, 0.3)
+    folded = Agent(cfg)
+    folded.load_state_dict(plain.state_dict())
+    folded.fold_layer_norms(True)
+    assert all(blk.fold_ln for blk in folded.enc_blocks)
+    w = torch.randn(7, 8, 5)
+    up = torch.randn(7, 16)
+    embs, grads = [], []
+    for ag in (plain, folded):
+        emb = ag.encode(w)
+        embs.append(emb)
+        grads.append(torch.autograd.grad((emb * up).sum(), list(ag.parameters()), allow_unused=True))
+    torch.testing.assert_close(embs[1], embs[0], rtol=1e-5, atol=1e-5)
+    names = [n for n, _ in plain.named_parameters()]
+    for name, g, r in zip(names, grads[1], grads[0]):
+        if r is None:
+            assert g is None, name
+            continue
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    assert any(".ln1." in n for n, g in zip(names, grads[0]) if g is not None)
+
+
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_every_gradient_comes_in_its_parameters_layout(compiled):
     """Autograd takes a gradient as it is only when its strides are the parameter's; otherwise it copies it, one

@@ -199,6 +199,18 @@ class TrainConfig:
     network's heads and IQN, the projections) on a side stream beside its online forward pass. On the H200 the
     batch-4 096 update's graph replay went 3.63 → 3.47 ms: the targets' kernels are large enough to fill the GPU, so
     the streams overlap little (bench/README.md, train_speed.py, session 11)."""
+    target_priority: bool = True
+    """On CUDA, the targets' side stream (`target_stream`) at the highest stream priority: where its kernels and the
+    online forward pass's are both ready, the GPU schedules the targets' first, and the loss, which waits for both,
+    waits less (PyTorch instantiates CUDA graphs with per-node priorities, so a replay keeps them)."""
+    priorities_aside: bool = True
+    """On CUDA, the replay's priority write (`Replay.update_priorities`: a one-program scatter kernel) on the rolling
+    refresh's side stream as soon as the loss is known, beside the backward pass, instead of after the optimizer
+    step on the update's own stream. Nothing in the update reads the priorities after its sampling."""
+    fold_ln: bool = True
+    """The encoder blocks' LayerNorm affines folded into the linear layers after them (`shared.agent.ln_fold`):
+    the same function and parameters, with γ's and β's gradients taken on the weights instead of summed over
+    every token of the batch's windows."""
     attention: str = "triton"
     """The encoder's attention in the update's online pass (with gradient): "triton" (`services.trainer.
     fused_attention`: one kernel a pass and (window, head), CUDA only; elsewhere SDPA) or "sdpa" (PyTorch's fused
@@ -574,7 +586,8 @@ def make_update(agent: Agent, target: Agent, opt: torch.optim.Optimizer, replay:
     fused = cfg.fused_c51 and fused_c51_available(windows)
 
     def update(b: Batch, noise: torch.Tensor | None = None, after_backward: Callable[[], None] | None = None,
-               targets_via: Callable[[Batch, torch.Tensor], tuple[Targets, Callable[[], None]]] | None = None
+               targets_via: Callable[[Batch, torch.Tensor], tuple[Targets, Callable[[], None]]] | None = None,
+               priorities_via: Callable[[torch.Tensor, torch.Tensor], None] | None = None
                ) -> dict[str, torch.Tensor]:
         """One gradient update on batch b. noise: N × `noise_width(cfg)` uniforms (ensemble mask, online τ, target τ),
         drawn from the generator unless given (a captured step is handed noise drawn outside the graph).
@@ -582,7 +595,8 @@ def make_update(agent: Agent, target: Agent, opt: torch.optim.Optimizer, replay:
         parameters are still those the forward pass read: `train_step` stores the rolling refresh there).
         `targets_via(b, noise) -> (targets, wait)`: how the batch's `Targets` are made (`StepRunner`: on a side
         stream; `wait()` makes the update wait for them, after its online forward pass); None: `make_targets`'s
-        here, first."""
+        here, first. `priorities_via(slot, td)`: how the replay's priorities are written (`StepRunner`: on a side
+        stream before the backward pass, joined by `after_backward`); None: here, after the optimizer step."""
         N, dev = b.bar.shape[0], b.bar.device
         if noise is None:
             noise = torch.rand(N, noise_width(cfg), device=dev, generator=generator)
@@ -652,6 +666,8 @@ def make_update(agent: Agent, target: Agent, opt: torch.optim.Optimizer, replay:
         metrics = {"loss": loss.detach(), "c51": s_c51.detach() / N, "iqn": s_iqn.detach() / n_q,
                    "expectile": s_expl.detach() / N, "q_mean": s_q.detach() / N, "entropy": ent.detach(),
                    "utilisation": util.detach()}
+        if priorities_via is not None:    # the priorities need only the loss: beside the backward pass
+            priorities_via(b.slot, priority)
         # grads set to None, not zeroed: backward then hands each parameter its gradient tensor (no zeroing and no
         # accumulation kernels); captured, those tensors come from the graph's pool at fixed addresses
         opt.zero_grad(set_to_none=True)
@@ -669,7 +685,8 @@ def make_update(agent: Agent, target: Agent, opt: torch.optim.Optimizer, replay:
             else:
                 torch._foreach_lerp_(tparams, params, cfg.tau)
             adapt_entropy_coef(buf.entropy_coef, util, cfg.entropy_target, cfg.entropy_rate)
-            replay.update_priorities(b.slot, priority)
+            if priorities_via is None:
+                replay.update_priorities(b.slot, priority)
         return {**metrics, "grad_norm": gnorm.detach()}
 
     return update
@@ -714,7 +731,7 @@ class StepRunner:
         collect_fn = lambda: env.collect(state.agent, state.controls, cfg.env_steps_per_iter,  # noqa: E731
                                          state.buffers.emb_online, self.collect_noise,
                                          view_table=state.buffers.view_online)
-        update_fn = lambda noise, staged, join, via: train_step(state, noise, staged, join, via)  # noqa: E731
+        update_fn = lambda noise, staged, join, via, prio: train_step(state, noise, staged, join, via, prio)  # noqa: E731
         encode_fn = lambda: refresh_encode(state)  # noqa: E731
         targets_fn = lambda b, noise, out: _targets_into(state.targets, b, noise, out)  # noqa: E731
         if cfg.bf16 and dev.type == "cuda":
@@ -735,15 +752,16 @@ class StepRunner:
                             for f in MarketView.FIELDS]
             join = torch._dynamo.disable(lambda: torch.cuda.current_stream().wait_stream(side))
             via = self._side_targets(targets_fn) if cfg.target_stream else None
+            prio = self._side_priorities(side) if cfg.priorities_aside else None
 
             def update_call(noise: torch.Tensor) -> None:
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):
                     torch._foreach_copy_(staging, list(encode_fn()))
-                update_fn(noise, staging, join, via)
+                update_fn(noise, staging, join, via, prio)
         else:
             def update_call(noise: torch.Tensor) -> None:
-                update_fn(noise, None, lambda: None, None)
+                update_fn(noise, None, lambda: None, None, None)
         self.pinned = StaticState(env.sim, env.tracker, env)
         if "graph" in accel:
             def collect_body():
@@ -772,7 +790,8 @@ class StepRunner:
         out = Targets(dist=torch.zeros(N, NBR, A, device=dev),
                       quantiles=torch.zeros(iqn_rows(cfg, N), H, M, device=dev),
                       value=torch.zeros(N, device=dev), blend=torch.zeros(N, H, device=dev))
-        stream = torch.cuda.Stream(device=dev)
+        # the highest priority CUDA offers (a request beyond the range is clamped to it)
+        stream = torch.cuda.Stream(device=dev, priority=-100 if cfg.target_priority else 0)
         wait = torch._dynamo.disable(lambda: torch.cuda.current_stream().wait_stream(stream))
 
         @torch._dynamo.disable
@@ -781,6 +800,21 @@ class StepRunner:
             with torch.cuda.stream(stream):
                 targets_fn(b, noise, out.tensors())
             return out, wait
+        return via
+
+    def _side_priorities(self, side: torch.cuda.Stream) -> Callable[[torch.Tensor, torch.Tensor], None]:
+        """The update's `priorities_via` on CUDA: the replay's priority write on `side` (the rolling refresh's stream,
+        which the update joins after its backward pass), run eagerly there. The batch's slots and TD errors come from
+        the update's stream: `record_stream` keeps their memory from being reused before `side` has read them."""
+        replay = self.state.replay
+
+        @torch._dynamo.disable
+        def via(slot: torch.Tensor, td: torch.Tensor) -> None:
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                replay.update_priorities(slot, td)
+            slot.record_stream(side)
+            td.record_stream(side)
         return via
 
     @property
@@ -874,7 +908,8 @@ def _bf16(fn: Callable[..., object]) -> Callable[..., object]:
 
 def train_step(state: "TrainState", noise: torch.Tensor, staged: list[torch.Tensor] | None = None,
                join: Callable[[], None] = lambda: None,
-               targets_via: Callable[[Batch, torch.Tensor], tuple[Targets, Callable[[], None]]] | None = None
+               targets_via: Callable[[Batch, torch.Tensor], tuple[Targets, Callable[[], None]]] | None = None,
+               priorities_via: Callable[[torch.Tensor, torch.Tensor], None] | None = None
                ) -> dict[str, torch.Tensor]:
     """Sample a batch (inverse CDF with noise[:, 0]), update on it (noise[:, 1:]), add its metrics to the epoch's
     sums, and advance the rolling embedding refresh. On CUDA the LR schedule runs on the device first.
@@ -884,7 +919,8 @@ def train_step(state: "TrainState", noise: torch.Tensor, staged: list[torch.Tens
     the encoding reads nothing the update writes and the update's own table reads come first. `staged`: those
     encodings, already computed by the caller (`StepRunner` runs them on a side stream, overlapping the forward
     and backward passes, and hands over `join`, which makes the update wait for them); None: computed here.
-    `targets_via`: how the update makes its targets (`make_update`; the `StepRunner`'s side stream), None: inline."""
+    `targets_via`, `priorities_via`: how the update makes its targets and writes the replay's priorities
+    (`make_update`; the `StepRunner`'s side streams), None: inline."""
     cfg, buf = state.cfg, state.buffers
     if state.device.type == "cuda":
         device_lrs(state.opt, buf, cfg)
@@ -895,7 +931,7 @@ def train_step(state: "TrainState", noise: torch.Tensor, staged: list[torch.Tens
         join()
         refresh_store(state, staged)
     b = state.replay.sample(cfg.batch_size, u=noise[:, 0])
-    m = state.update(b, noise[:, 1:], after_backward=store, targets_via=targets_via)
+    m = state.update(b, noise[:, 1:], after_backward=store, targets_via=targets_via, priorities_via=priorities_via)
     buf.metric_sums.add_(torch.stack([m[k].float() for k in METRICS]))
     return m
 
@@ -976,6 +1012,7 @@ def build_state(cfg: TrainConfig, bars: Bars, split: Split, seed: int, device="c
     if cfg.attention not in ("sdpa", "triton"):
         raise ValueError(f"attention={cfg.attention!r}: use 'sdpa' or 'triton'")
     a = cfg.agent
+    agent.fold_layer_norms(cfg.fold_ln)
     if cfg.attention == "triton" and fused_attention.supported(agent.v_max, a.window, a.d_model // a.n_heads):
         agent.use_attention_kernels((fused_attention.causal_attention, fused_attention.last_query_attention))
     target = copy.deepcopy(agent)
