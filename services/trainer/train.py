@@ -199,10 +199,6 @@ class TrainConfig:
     network's heads and IQN, the projections) on a side stream beside its online forward pass. On the H200 the
     batch-4 096 update's graph replay went 3.63 → 3.47 ms: the targets' kernels are large enough to fill the GPU, so
     the streams overlap little (bench/README.md, train_speed.py, session 11)."""
-    target_priority: bool = True
-    """On CUDA, the targets' side stream (`target_stream`) at the highest stream priority: where its kernels and the
-    online forward pass's are both ready, the GPU schedules the targets' first, and the loss, which waits for both,
-    waits less (PyTorch instantiates CUDA graphs with per-node priorities, so a replay keeps them)."""
     priorities_aside: bool = True
     """On CUDA, the replay's priority write (`Replay.update_priorities`: a one-program scatter kernel) on the rolling
     refresh's side stream as soon as the loss is known, beside the backward pass, instead of after the optimizer
@@ -790,8 +786,7 @@ class StepRunner:
         out = Targets(dist=torch.zeros(N, NBR, A, device=dev),
                       quantiles=torch.zeros(iqn_rows(cfg, N), H, M, device=dev),
                       value=torch.zeros(N, device=dev), blend=torch.zeros(N, H, device=dev))
-        # the highest priority CUDA offers (a request beyond the range is clamped to it)
-        stream = torch.cuda.Stream(device=dev, priority=-100 if cfg.target_priority else 0)
+        stream = torch.cuda.Stream(device=dev)
         wait = torch._dynamo.disable(lambda: torch.cuda.current_stream().wait_stream(stream))
 
         @torch._dynamo.disable
