@@ -73,7 +73,7 @@ def main() -> None:
     def make(fused: bool):
         def loss(wide, delta):
             logits = wide[:, :K * NB * A].view(N, K, NB, A)
-            ce, ent, _, _ = c51_branch_losses(logits, col, delta, target, z, branches, fused=fused)
+            ce, ent, _ = c51_branch_losses(logits, col, delta, target, z, branches, fused=fused)
             return (ce * w_ce).sum() + (ent * w_ent).sum()
         fn = torch.compile(loss) if not fused else loss
 

@@ -53,9 +53,9 @@ def _fwd_taps(i, s, u, am, t: tl.constexpr, A: tl.constexpr):
 
 @triton.jit
 def c51_fwd(logits_ptr, s_n, s_k, s_c, col_ptr, delta_ptr, target_ptr, z_ptr, n_rows,
-            ce_ptr, ent_ptr, util_ptr, r_ptr, qm_ptr,
+            ce_ptr, ent_ptr, util_ptr, r_ptr,
             NBR: tl.constexpr, K: tl.constexpr, A: tl.constexpr, AP: tl.constexpr,
-            ROWS: tl.constexpr, EPS: tl.constexpr, UTIL: tl.constexpr, S0: tl.constexpr):
+            ROWS: tl.constexpr, EPS: tl.constexpr, UTIL: tl.constexpr):
     pid = tl.program_id(0)
     row, n, c, i, rm, am, dz, u, s = _row_setup(pid, n_rows, col_ptr, delta_ptr, z_ptr, NBR, A, AP, ROWS)
     m2 = rm & am
@@ -70,10 +70,6 @@ def c51_fwd(logits_ptr, s_n, s_k, s_c, col_ptr, delta_ptr, target_ptr, z_ptr, n_
     r1 = tl.reshape(row, (ROWS,))
     rm1 = tl.reshape(rm, (ROWS,))
     first = rm1 & (r1 % NBR == 0)                                          # the direction branch's rows
-    dir2 = rm & (row % NBR == 0)                                           # the same, ROWS × 1
-    any_dir = tl.max(tl.where(dir2, 1, 0)) > 0                             # does this program hold one?
-    zv = tl.load(z_ptr + i, mask=am, other=0.0)                            # 1 × AP: the support
-    base_n = logits_ptr + n * s_n
     for k in tl.static_range(K):
         p, logp = _softmax(base + k * s_k, i, m2, am)
         ent = -tl.sum(tl.where(am, p * logp, 0.0), axis=1)                # ROWS
@@ -89,12 +85,6 @@ def c51_fwd(logits_ptr, s_n, s_k, s_c, col_ptr, delta_ptr, target_ptr, z_ptr, n_
         tl.store(ce_ptr + r1 * K + k, ce, mask=rm1)
         tl.store(ent_ptr + (r1 // NBR) * K + k, ent, mask=first)
         tl.store(util_ptr + (r1 // NBR) * K + k, util, mask=first)
-        if any_dir:
-            # the direction rows: the market Q of each direction action, Σ_i z_i p_i (before the shift)
-            for a in tl.static_range(S0):
-                pa, _ = _softmax(base_n + k * s_k + a * s_c, i, m2 & dir2, am)
-                qa = tl.sum(tl.where(am, pa * zv, 0.0), axis=1)                # ROWS
-                tl.store(qm_ptr + ((r1 // NBR) * K + k) * S0 + a, qa, mask=first)
 
 
 @triton.jit
@@ -112,10 +102,10 @@ def _bwd_taps(i, s, xs, inside, dz, t: tl.constexpr, A: tl.constexpr):
 
 
 @triton.jit
-def c51_bwd(logits_ptr, s_n, s_k, s_c, col_ptr, delta_ptr, z_ptr, n_rows, r_ptr, qm_ptr, gce_ptr, gent_ptr, gq_ptr,
-            gl_ptr, gd_ptr, NBR: tl.constexpr, K: tl.constexpr, A: tl.constexpr, AP: tl.constexpr,
+def c51_bwd(logits_ptr, s_n, s_k, s_c, col_ptr, delta_ptr, z_ptr, n_rows, r_ptr, gce_ptr, gent_ptr, gl_ptr,
+            gd_ptr, NBR: tl.constexpr, K: tl.constexpr, A: tl.constexpr, AP: tl.constexpr,
             ROWS: tl.constexpr, NB: tl.constexpr, S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr,
-            MAXB: tl.constexpr, HAS_Q: tl.constexpr):
+            MAXB: tl.constexpr):
     pid = tl.program_id(0)
     row, n, c, i, rm, am, dz, u, s = _row_setup(pid, n_rows, col_ptr, delta_ptr, z_ptr, NBR, A, AP, ROWS)
     m2 = rm & am
@@ -130,10 +120,6 @@ def c51_bwd(logits_ptr, s_n, s_k, s_c, col_ptr, delta_ptr, z_ptr, n_rows, r_ptr,
     first = tl.where(b == 0, 0, tl.where(b == 1, S0, S0 + S1))
     size = tl.where(b == 0, S0, tl.where(b == 1, S1, S2))
     base = logits_ptr + n * s_n + c * s_c
-    base_n = logits_ptr + n * s_n
-    dir2 = rm & (b == 0)                                                   # the direction rows, ROWS × 1
-    any_dir = tl.max(tl.where(dir2, 1, 0)) > 0
-    zv = tl.load(z_ptr + i, mask=am, other=0.0)                            # 1 × AP: the support
     gd = tl.zeros((ROWS,), dtype=tl.float32)
     for k in tl.static_range(K):
         p, logp = _softmax(base + k * s_k, i, m2, am)
@@ -151,18 +137,10 @@ def c51_bwd(logits_ptr, s_n, s_k, s_c, col_ptr, delta_ptr, z_ptr, n_rows, r_ptr,
         ent = -tl.sum(tl.where(am, p * logp, 0.0), axis=1)[:, None]
         gent = tl.load(gent_ptr + n * K + k, mask=rm & (b == 0), other=0.0)
         gl += tl.where(am, -gent * p * (logp + ent), 0.0)                 # ∂H/∂l = −p (log p + H)
-        # the gradient of every action of this branch: this row at the taken one, zeros at the others; on the
-        # direction branch plus the market Q's, ∂q_a/∂l_a = p_a (z − q_a), at each direction action a
+        # the gradient of every action of this branch: this row at the taken one, zeros at the others
+        out = gl.to(gl_ptr.dtype.element_ty)
         for a in tl.static_range(MAXB):
             cc = first + a
-            val = tl.where(cc == c, gl, 0.0)
-            if HAS_Q:
-                if a < S0:
-                    if any_dir:
-                        pa, _ = _softmax(base_n + k * s_k + a * s_c, i, m2 & dir2, am)
-                        qa = tl.load(qm_ptr + (n * K + k) * S0 + a, mask=dir2, other=0.0)  # ROWS × 1
-                        gq = tl.load(gq_ptr + (n * K + k) * S0 + a, mask=dir2, other=0.0)
-                        val += gq * pa * (zv - qa)
             ptr = gl_ptr + ((n * K + k) * NB + cc) * A + i
-            tl.store(ptr, val.to(gl_ptr.dtype.element_ty), mask=m2 & (a < size))
+            tl.store(ptr, tl.where(cc == c, out, tl.zeros_like(out)), mask=m2 & (a < size))
     tl.store(gd_ptr + tl.reshape(row, (ROWS,)), gd, mask=tl.reshape(rm, (ROWS,)))

@@ -6,9 +6,7 @@ What it computes is `services.trainer.losses.c51_branch_losses_reference`, for e
     p_k = softmax(logits)                                                         (fp32)
     q_k = Φ(z + δ)(p_k)            the portfolio shift δ = delta[n, b], projected (`losses.shift_distribution`)
     ce[n, b, k] = −Σ_i T_i log max(q_ki, ε)   against the target T = target[n, b]
-and, of the direction branch (b = 0), the entropy of p_k and its atom utilisation (fraction of atoms above ½/A); and
-the market Q of every direction action a of every member, Σ_i z_i softmax(logits[n, k, a])_i (the update adds the
-shift δ_a and averages the members: the Q its stability and hindsight terms read).
+and, of the direction branch (b = 0), the entropy of p_k and its atom utilisation (fraction of atoms above ½/A).
 
 Why by hand: compiled, that chain was ~20 kernels of the update's graph, ~340 µs of its 1.95 ms at batch 4 096 on the
 H200 (gather, softmax, the shift's four-tap gathers, cross-entropy, entropy, and the same backward, plus the
@@ -23,17 +21,11 @@ update's graph replay went 1.92 → 1.70 ms (bench/train_profile.py --variants, 
 latency: more rows or warps a program were slower (`LAUNCH`), and taps read from global memory (L1) instead of
 gathered from registers were 186 µs at best.
 
-- Forward kernel: ce, entropy, utilisation, the direction Q (N × K × 3), and r = T / max(q, ε) · [q ≥ ε]
-  (N × NBR × K × A, fp32) for the backward.
+- Forward kernel: ce, entropy, utilisation, and r = T / max(q, ε) · [q ≥ ε] (N × NBR × K × A, fp32) for the backward.
 - Backward kernel: recomputes the softmax, gathers −g_ce · r at each source atom's four candidate outputs
   (`losses._shift_pairs`, transposed: the same weights and subgradients), adds the entropy's gradient on the
-  direction branch and, at each direction action, the Q's, g_Q · p (z − Q), and writes the gradient of the whole
-  N × K × NB × A logits tensor (zeros at the other actions not taken): no zero-fill, no scatter and no second pass
-  adding gradients. ∂/∂δ: Σ p_j g_i ∂w_ij/∂(z_j + δ).
-- Why the direction Q is here (session 20): compiled on its own it was a softmax over the N × K × 3 × A direction
-  logits (17 µs at batch 4 096 on the H200), its backward (12 µs) and a pass adding that gradient to the kernels'
-  over the whole N × K × NB × A tensor (23 µs; bench/train_profile.py --trace, session 19). The direction
-  programs (a third of them) now read their other two actions' logits too.
+  direction branch, and writes the gradient of the whole N × K × NB × A logits tensor (zeros at the actions not
+  taken): no zero-fill and no scatter. ∂/∂δ: Σ p_j g_i ∂w_ij/∂(z_j + δ).
 Values and subgradients are the reference's (the dense hat weights'), up to the order of float sums:
 tests/test_fused_c51.py compares them on the GPU.
 
@@ -73,23 +65,21 @@ def _kernels():
 
 @torch.library.custom_op("tradeloop::c51_branch_fwd", mutates_args=())
 def _fwd(logits: torch.Tensor, col: torch.Tensor, delta: torch.Tensor, target: torch.Tensor,
-         support: torch.Tensor, branch_sizes: list[int]
-         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+         support: torch.Tensor, branch_sizes: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     N, K, NB, A = logits.shape
     NBR = col.shape[1]
     assert logits.stride(3) == 1, "the logits' atoms must be contiguous"
     f32 = dict(dtype=torch.float32, device=logits.device)
     ce, ent, util = torch.empty(N, NBR, K, **f32), torch.empty(N, K, **f32), torch.empty(N, K, **f32)
     r = torch.empty(N, NBR, K, A, **f32)
-    qm = torch.empty(N, K, branch_sizes[0], **f32)
     triton, fwd, _ = _kernels()
     rows = LAUNCH["rows"]
     fwd[(triton.cdiv(N * NBR, rows),)](
         logits, logits.stride(0), logits.stride(1), logits.stride(2), col.contiguous(), delta.contiguous().float(),
-        target.contiguous().float(), support.contiguous().float(), N * NBR, ce, ent, util, r, qm,
+        target.contiguous().float(), support.contiguous().float(), N * NBR, ce, ent, util, r,
         NBR=NBR, K=K, A=A, AP=triton.next_power_of_2(A), ROWS=rows, EPS=C51_EPS, UTIL=UTIL_THRESHOLD,
-        S0=branch_sizes[0], num_warps=LAUNCH["num_warps"])
-    return ce, ent, util, r, qm
+        num_warps=LAUNCH["num_warps"])
+    return ce, ent, util, r
 
 
 @_fwd.register_fake
@@ -97,13 +87,13 @@ def _(logits, col, delta, target, support, branch_sizes):
     N, K, _, A = logits.shape
     NBR = col.shape[1]
     e = lambda *s: logits.new_empty(*s, dtype=torch.float32)  # noqa: E731
-    return e(N, NBR, K), e(N, K), e(N, K), e(N, NBR, K, A), e(N, K, branch_sizes[0])
+    return e(N, NBR, K), e(N, K), e(N, K), e(N, NBR, K, A)
 
 
 @torch.library.custom_op("tradeloop::c51_branch_bwd", mutates_args=())
 def _bwd(logits: torch.Tensor, col: torch.Tensor, delta: torch.Tensor, support: torch.Tensor, r: torch.Tensor,
-         qm: torch.Tensor, grad_ce: torch.Tensor, grad_ent: torch.Tensor, grad_qm: torch.Tensor | None,
-         branch_sizes: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+         grad_ce: torch.Tensor, grad_ent: torch.Tensor, branch_sizes: list[int]
+         ) -> tuple[torch.Tensor, torch.Tensor]:
     N, K, NB, A = logits.shape
     NBR = col.shape[1]
     assert NBR == len(branch_sizes) == 3 and sum(branch_sizes) == NB, "three branches covering the NB actions"
@@ -111,19 +101,17 @@ def _bwd(logits: torch.Tensor, col: torch.Tensor, delta: torch.Tensor, support: 
     grad_delta = torch.empty(N, NBR, dtype=torch.float32, device=logits.device)
     triton, _, bwd = _kernels()
     rows = LAUNCH["rows"]
-    grad_ent = grad_ent.contiguous().float()
     bwd[(triton.cdiv(N * NBR, rows),)](
         logits, logits.stride(0), logits.stride(1), logits.stride(2), col.contiguous(), delta.contiguous().float(),
-        support.contiguous().float(), N * NBR, r, qm, grad_ce.contiguous().float(), grad_ent,
-        grad_ent if grad_qm is None else grad_qm.contiguous().float(),
+        support.contiguous().float(), N * NBR, r, grad_ce.contiguous().float(), grad_ent.contiguous().float(),
         grad_logits, grad_delta, NBR=NBR, K=K, A=A, AP=triton.next_power_of_2(A), ROWS=rows, NB=NB,
         S0=branch_sizes[0], S1=branch_sizes[1], S2=branch_sizes[2], MAXB=max(branch_sizes),
-        HAS_Q=grad_qm is not None, num_warps=LAUNCH["num_warps"])
+        num_warps=LAUNCH["num_warps"])
     return grad_logits, grad_delta
 
 
 @_bwd.register_fake
-def _(logits, col, delta, support, r, qm, grad_ce, grad_ent, grad_qm, branch_sizes):
+def _(logits, col, delta, support, r, grad_ce, grad_ent, branch_sizes):
     N, K, NB, A = logits.shape
     return (torch.empty(N, K, NB, A, dtype=logits.dtype, device=logits.device),
             logits.new_empty(N, col.shape[1], dtype=torch.float32))
@@ -132,17 +120,16 @@ def _(logits, col, delta, support, r, qm, grad_ce, grad_ent, grad_qm, branch_siz
 def _setup_context(ctx, inputs, output):
     logits, col, delta, _, support, branch_sizes = inputs
     ctx.branch_sizes = list(branch_sizes)
-    ctx.save_for_backward(logits, col, delta, support, output[3], output[4])
+    ctx.save_for_backward(logits, col, delta, support, output[3])
     ctx.mark_non_differentiable(output[2], output[3])
 
 
-def _backward(ctx, grad_ce, grad_ent, _grad_util, _grad_r, grad_qm):
-    logits, col, delta, support, r, qm = ctx.saved_tensors
+def _backward(ctx, grad_ce, grad_ent, _grad_util, _grad_r):
+    logits, col, delta, support, r = ctx.saved_tensors
     N, K, NB, _ = logits.shape
     grad_ce = torch.zeros(N, col.shape[1], K, device=logits.device) if grad_ce is None else grad_ce
     grad_ent = torch.zeros(N, K, device=logits.device) if grad_ent is None else grad_ent
-    grad_logits, grad_delta = _bwd(logits, col, delta, support, r, qm, grad_ce, grad_ent, grad_qm,
-                                   ctx.branch_sizes)
+    grad_logits, grad_delta = _bwd(logits, col, delta, support, r, grad_ce, grad_ent, ctx.branch_sizes)
     return grad_logits, None, grad_delta, None, None, None
 
 
@@ -151,7 +138,7 @@ _fwd.register_autograd(_backward, setup_context=_setup_context)
 
 def c51_branch_losses_fused(logits: torch.Tensor, col: torch.Tensor, delta: torch.Tensor, target: torch.Tensor,
                             support: torch.Tensor, branch_sizes: tuple[int, ...]
-                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`losses.c51_branch_losses_reference` on CUDA as two Triton kernels (the module's docstring)."""
-    ce, ent, util, _, qm = _fwd(logits, col, delta, target.detach(), support, list(branch_sizes))
-    return ce, ent, util, qm
+    ce, ent, util, _ = _fwd(logits, col, delta, target.detach(), support, list(branch_sizes))
+    return ce, ent, util

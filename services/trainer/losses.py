@@ -158,32 +158,28 @@ class _ShiftGather(torch.autograd.Function):
 
 def c51_branch_losses(logits: torch.Tensor, col: torch.Tensor, delta: torch.Tensor, target: torch.Tensor,
                       support: torch.Tensor, branch_sizes: tuple[int, ...], fused: bool = False
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The update's C51 terms of the taken actions and the direction actions' market Q:
-    `c51_branch_losses_reference`, or with `fused` (CUDA) the same numbers from two Triton kernels
-    (`services.trainer.fused_c51`)."""
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The update's C51 terms of the taken actions: `c51_branch_losses_reference`, or with `fused` (CUDA) the same
+    numbers from two Triton kernels (`services.trainer.fused_c51`)."""
     if fused:
         from services.trainer.fused_c51 import c51_branch_losses_fused
         return c51_branch_losses_fused(logits, col, delta, target, support, branch_sizes)
-    return c51_branch_losses_reference(logits, col, delta, target, support, branch_sizes[0])
+    return c51_branch_losses_reference(logits, col, delta, target, support)
 
 
 def c51_branch_losses_reference(logits: torch.Tensor, col: torch.Tensor, delta: torch.Tensor, target: torch.Tensor,
-                                support: torch.Tensor, n_dir: int = 3
-                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                                support: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """For N samples and their taken action of each branch (col N × NBR, columns of the N × K × NB × A market logits):
     each ensemble member's distribution p = softmax(logits) moved by the portfolio shift (delta N × NBR,
-    `shift_distribution`), and its cross-entropy against the branch's target (N × NBR × A) → N × NBR × K; the
+    `shift_distribution`), and its cross-entropy against the branch's target (N × NBR × A) → N × NBR × K; plus the
     entropy and the atom utilisation (`atom_utilisation`) of the direction branch's p → N × K each (no gradient
-    through the utilisation); and the market Q Σ_i z_i p_i of every member's n_dir direction actions (the first
-    n_dir columns, before the portfolio shift: `Agent.q_values` of `logits[:, :, :n_dir]`) → N × K × n_dir."""
+    through the utilisation)."""
     N, K, _, A = logits.shape
     NBR = col.shape[1]
     logits_a = logits.gather(2, col.view(N, 1, NBR, 1).expand(-1, K, -1, A)).transpose(1, 2).float()  # N×NBR×K×A
     probs = shift_distribution(torch.softmax(logits_a, -1).reshape(N * NBR, K, A), delta.reshape(-1), support)
     ce = c51_cross_entropy_probs(probs.view(N, NBR, K, A), target.unsqueeze(2))                      # N × NBR × K
-    q_market = (torch.softmax(logits[:, :, :n_dir].float(), dim=-1) * support).sum(-1)              # N × K × n_dir
-    return ce, atom_entropy(logits_a[:, 0]), atom_utilisation(logits_a[:, 0].detach()), q_market
+    return ce, atom_entropy(logits_a[:, 0]), atom_utilisation(logits_a[:, 0].detach())
 
 
 C51_EPS = 1e-6

@@ -205,11 +205,6 @@ class TrainConfig:
     optimizer step on the update's own stream. Nothing in the update reads the priorities after its sampling. Side
     by side at batch 4 096 on the H200 the update's graph replay went 1.08 → 1.06 ms (bench/train_profile.py
     --variants '' priorities_aside=False, session 22)."""
-    q_in_c51: bool = True
-    """The direction actions' Q of the update's stability and hindsight terms taken from the C51 terms'
-    (`losses.c51_branch_losses`' market Q; on CUDA the fused kernels compute it and its gradient, so no softmax
-    backward and no pass adding its gradient to theirs over the whole logits tensor) instead of from the logits
-    apart (`Agent.q_values`). The same numbers up to float rounding."""
     fold_ln: bool = True
     """The encoder blocks' LayerNorm affines folded into the linear layers after them (`shared.agent.ln_fold`):
     the same function and parameters, with γ's and β's gradients taken on the weights instead of summed over
@@ -621,10 +616,7 @@ def make_update(agent: Agent, target: Agent, opt: torch.optim.Optimizer, replay:
         taus = noise[:n_q, n_ens:n_ens + M]                                                # n_q × M
         th = agent.quantiles(out.hidden[:n_q], taus).float() + out.delta[:n_q, :3].unsqueeze(1)  # n_q × M × 3
         th = th.gather(2, b.action[:n_q, 0].view(n_q, 1, 1).expand(n_q, M, 1)).squeeze(2)  # n_q × M
-        # the direction actions' Q, Σ z p + δ averaged over the members: from the C51 terms' market Q below
-        # (`q_in_c51`), or from the logits here
-        d_dir = out.delta[:, :3]                                                           # N × 3
-        q_dir = None if cfg.q_in_c51 else agent.q_values(out.logits[:, :, :3], out.delta).mean(1)  # N × 3
+        q_dir = agent.q_values(out.logits[:, :, :3], out.delta).mean(1)                    # N × 3
         # only what the losses read crosses `wait()`, a graph break when compiled: a live `out` would make every
         # field of it an output of the forward graph, and the trunk state and the shift, which reach the loss only
         # through the terms above, would get no gradient there and autograd would fill zeros for them
@@ -633,10 +625,8 @@ def make_update(agent: Agent, target: Agent, opt: torch.optim.Optimizer, replay:
         wait()
         # --- C51 loss of every branch against its target; each ensemble member trains on its bootstrap mask ---
         # the distribution of (s, p, a): the market one with its atoms moved by the portfolio shift δ_a
-        ce, ent_k, util_k, q_market = c51_branch_losses(logits, col, d_a, tg.dist, z, agent.cfg.branch_sizes,
-                                                        fused=fused)           # N × NBR × K, N × K, N × K × 3
-        if q_dir is None:
-            q_dir = (q_market + d_dir.unsqueeze(1)).mean(1)                                # N × 3
+        ce, ent_k, util_k = c51_branch_losses(logits, col, d_a, tg.dist, z, agent.cfg.branch_sizes,
+                                              fused=fused)                                 # N × NBR × K, N × K
         member = (noise[:, :n_ens] < cfg.ensemble_mask_p).float()                          # N × K
         c51 = ((ce * member.unsqueeze(1)).sum(2) / member.sum(1, keepdim=True).clamp(min=1.0)).sum(1)  # N
         priority = ce[:, 0].mean(1).detach()
