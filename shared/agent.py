@@ -326,7 +326,7 @@ class CausalBlock(nn.Module):
         self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
         self.mlp = nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
         self.fold_ln = False
-        """Each LayerNorm's affine folded into the linear layer after it (`ln_linear`): set by the trainer
+        """Each LayerNorm's affine folded into the linear layer after it (`ln_fold`): set by the trainer
         (`TrainConfig.fold_ln`); the same parameters and function."""
         self.fused: tuple[Callable, Callable] | None = None
         """Attention kernels for passes with gradient, (causal(qkv N × W × 3D, heads) → N × W × D, last_query(q

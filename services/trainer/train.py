@@ -203,7 +203,7 @@ class TrainConfig:
     """In the graph modes on CUDA, the captured step's own stream (the update's sampling, online forward pass, loss
     and backward pass) at a higher priority than its side streams (the targets, the rolling refresh and the priority
     write): where kernels of both are ready, the GPU schedules the online pass's first. In session 22's replay
-    timelines the loss waited 45–61 µs for the online forward pass while the targets had ended first; the targets'
+    timelines the loss waited 34–61 µs for the online forward pass while the targets had ended first; the targets'
     stream at the higher priority instead made the replay slower (1.04 → 1.06 ms). Off until timed on the H200."""
     priorities_aside: bool = True
     """On CUDA, the replay's priority write (`Replay.update_priorities`: a one-program scatter kernel, ~16 µs) on the
