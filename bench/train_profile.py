@@ -112,8 +112,12 @@ def replay_ms(fn, reps: int = 20, trace: str | None = None, stream=None) -> floa
 def replay_timeline(kernels: list, trace: str, gaps: int = 12) -> None:
     """The kernels of the last of 3 profiled graph replays, as the device ran them: each stream's busy time (the
     union of its kernels' intervals, so overlapping launches count once) and the step's own stream's idle gaps
-    (where it waited for a side stream, or for a launch), the longest with the kernels around them; every kernel
-    to `trace` (start and end µs from the replay's first kernel, stream, kernel)."""
+    (where it waited for a side stream, or for a launch), the longest with the kernels around them and the kernel of
+    another stream that ended last inside the gap (what it waited for; "–" if none did: a launch); every kernel to
+    `trace` (start and end µs from the replay's first kernel, stream, kernel). A replay maps the graph's branches
+    onto streams of its own, so which branch a stream ran is read from its kernels, not from its number (session
+    22: the "own" stream, the one with the most kernels, ran the sampling, the targets, the loss and the backward,
+    and its longest wait was for the online forward pass on the second)."""
     if not kernels:
         print("replay timeline: the profiler recorded no kernels inside the graph replays")
         return
@@ -136,18 +140,26 @@ def replay_timeline(kernels: list, trace: str, gaps: int = 12) -> None:
                 busy += b - max(a, end)
                 end = b
         print(f"| {sid} | {len(rs)} | {busy:.0f} | {rs[0][0]:.0f} | {max(r[1] for r in rs):.0f} |")
-    own = sorted(by[max(by, key=lambda sid: len(by[sid]))])
+    own_sid = max(by, key=lambda sid: len(by[sid]))
+    own = sorted(by[own_sid])
     idle, end, prev = [], own[0][1], own[0][3]
     for a, b, _, name in own[1:]:
         if a > end:
             idle.append((a - end, end, prev, name))
         if b > end:
             end, prev = b, name
-    print(f"\nthe step's own stream idle {sum(i[0] for i in idle):.0f} µs in {len(idle)} gaps; the longest:")
-    print("\n| idle µs | at µs | after | before |")
-    print("|---:|---:|---|---|")
+
+    def waited_for(at: float, until: float) -> str:
+        ended = [r for r in rows if r[2] != own_sid and at <= r[1] <= until]
+        if not ended:
+            return "–"
+        _, _, sid, name = max(ended, key=lambda r: r[1])
+        return f"{sid}: {name[:40]}"
+    print(f"\nthe step's own stream ({own_sid}) idle {sum(i[0] for i in idle):.0f} µs in {len(idle)} gaps; the longest:")
+    print("\n| idle µs | at µs | after | before | waited for (stream: its kernel that ended last in the gap) |")
+    print("|---:|---:|---|---|---|")
     for d, at, before, after in sorted(idle, reverse=True)[:gaps]:
-        print(f"| {d:.1f} | {at:.0f} | {before[:50]} | {after[:50]} |")
+        print(f"| {d:.1f} | {at:.0f} | {before[:50]} | {after[:50]} | {waited_for(at, at + d)} |")
     with open(trace, "w") as f:
         f.write("start_us\tend_us\tstream\tkernel\n")
         for a, b, sid, name in rows:

@@ -79,12 +79,13 @@ def test_replay_timeline_counts_busy_time_once_and_finds_the_waits(tmp_path, cap
     for r in range(3):
         o = 1000.0 * r
         kernels += [ev(o, o + 10, 7, "a"), ev(o + 8, o + 30, 7, "b"), ev(o + 5, o + 50, 25, "targets"),
-                    ev(o + 60, o + 70, 7, "loss"), ev(o + 65, o + 75, 7, "d")]
+                    ev(o + 60, o + 70, 7, "loss"), ev(o + 65, o + 75, 7, "d"), ev(o + 90, o + 95, 7, "e")]
     trace = tmp_path / "replay.tsv"
     replay_timeline(kernels, str(trace))
     out = capsys.readouterr().out
-    assert "| 7 | 4 | 45 | 0 | 75 |" in out                     # 0–30 and 60–75 busy, overlaps once
+    assert "| 7 | 5 | 50 | 0 | 95 |" in out                     # 0–30, 60–75 and 90–95 busy, overlaps once
     assert "| 25 | 1 | 45 | 5 | 50 |" in out
-    assert "idle 30 µs in 1 gaps" in out and "| 30.0 | 30 | b | loss |" in out
+    assert "(7) idle 45 µs in 2 gaps" in out and "| 30.0 | 30 | b | loss | 25: targets |" in out
+    assert "| 15.0 | 75 | d | e | – |" in out                   # nothing else ended in it: a launch wait
     rows = trace.read_text().splitlines()
-    assert rows[0] == "start_us\tend_us\tstream\tkernel" and len(rows) == 6 and rows[1].startswith("0.0\t10.0\t7\ta")
+    assert rows[0] == "start_us\tend_us\tstream\tkernel" and len(rows) == 7 and rows[1].startswith("0.0\t10.0\t7\ta")
