@@ -335,8 +335,7 @@ class CausalBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         N, W, D = x.shape
-        qkv = (F.linear(ln_plain(x, self.ln1), *ln_fold(self.ln1, self.qkv)) if self.fold_ln
-               else self.qkv(self.ln1(x)))                                                  # N × W × 3D
+        qkv = F.linear(self._norm(x, self.ln1), *self._params(self.ln1, self.qkv))         # N × W × 3D
         if self.fused is not None and torch.is_grad_enabled():
             a = self.fused[0](qkv, self.n_heads)                                           # N × W × D
         else:
@@ -347,23 +346,26 @@ class CausalBlock(nn.Module):
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         """MLP(LN₂ x)."""
-        if not self.fold_ln:
-            return self.mlp(self.ln2(x))
-        return self.mlp[2](self.mlp[1](F.linear(ln_plain(x, self.ln2), *ln_fold(self.ln2, self.mlp[0]))))
+        return self.mlp[2](self.mlp[1](F.linear(self._norm(x, self.ln2), *self._params(self.ln2, self.mlp[0]))))
+
+    def _norm(self, x: torch.Tensor, ln: nn.LayerNorm) -> torch.Tensor:
+        """ln(x), without its affine when it is folded into the next layer (`fold_ln`)."""
+        return ln_plain(x, ln) if self.fold_ln else ln(x)
+
+    def _params(self, ln: nn.LayerNorm, layer: nn.Linear, rows: slice = slice(None)
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The weight and bias (output rows `rows`) that `layer` applies to `_norm(x, ln)`: ln's affine folded in
+        (`ln_fold`) or the layer's own."""
+        return ln_fold(ln, layer, rows) if self.fold_ln else (layer.weight[rows], layer.bias[rows])
 
     def last_token(self, x: torch.Tensor) -> torch.Tensor:
         """forward(x)[:, −1] for what the encoder keeps of its last block: the last token's query against every
         key (a causal mask lets the last row see the whole window), its projection and MLP — N × W × D → N × D.
         The same arithmetic for that token, without the other W − 1 queries and MLP rows (~3× less work)."""
         N, W, D = x.shape
-        if self.fold_ln:
-            h = ln_plain(x, self.ln1)
-            q = F.linear(h[:, -1], *ln_fold(self.ln1, self.qkv, slice(None, D)))          # N × D
-            kv = F.linear(h, *ln_fold(self.ln1, self.qkv, slice(D, None)))                # N × W × 2D
-        else:
-            h = self.ln1(x)
-            q = F.linear(h[:, -1], self.qkv.weight[:D], self.qkv.bias[:D])                 # N × D
-            kv = F.linear(h, self.qkv.weight[D:], self.qkv.bias[D:])                       # N × W × 2D
+        h = self._norm(x, self.ln1)
+        q = F.linear(h[:, -1], *self._params(self.ln1, self.qkv, slice(None, D)))        # N × D
+        kv = F.linear(h, *self._params(self.ln1, self.qkv, slice(D, None)))              # N × W × 2D
         if self.fused is not None and torch.is_grad_enabled():
             a = self.fused[1](q, kv, self.n_heads)                                         # N × D
         else:
