@@ -36,7 +36,7 @@ up: $(STAMP)
 
 test: $(STAMP) $(TRITON_STAMP)
 	$(BIN)/python -m pytest -q -ra
-	TRITON_INTERPRET=1 PYTHONPATH=$(TRITON_DIR) $(BIN)/python -m pytest -q -ra tests/test_fused_c51.py tests/test_replay_kernel.py \
+	TRITON_INTERPRET=1 PYTHONPATH=$(TRITON_DIR) $(BIN)/python -m pytest -q -ra tests/test_fused_c51.py tests/test_fused_greedy.py tests/test_replay_kernel.py \
 		tests/test_fused_attention.py
 
 test-fast: $(STAMP)

@@ -332,7 +332,7 @@ def test_compiled_update_equals_eager_on_one_batch(data, device, fused):
     """The arithmetic under torch.compile, one step: the same update on the same batch, eager and compiled, gives
     the same metrics and gradients up to the order of float sums (fp32, no TF32). The whole-training test above
     compares runs whose accounts can take other paths after one flipped near-tie argmax; this one has no paths.
-    On CUDA with the fused C51 kernels (`fused_c51`) and with the reference chain.
+    On CUDA with the fused C51 and double-Q kernels (`fused_c51`, `fused_targets`) and with the reference chains.
 
     Twice: from the initial state, where the portfolio shift is δ = 0 exactly (its last layer is zero-initialised)
     and every sample sits on a kink of the shift's projection, and with that layer moved off zero. At the kink the
@@ -343,8 +343,8 @@ def test_compiled_update_equals_eager_on_one_batch(data, device, fused):
     if not compile_works(torch.device(device)):
         pytest.skip("torch.compile cannot build kernels here")
     for off_kinks in (True, False):
-        m_e, g_e = one_update(data, device, "eager", off_kinks, fused_c51=fused)
-        m_c, g_c = one_update(data, device, "compile", off_kinks, fused_c51=fused)
+        m_e, g_e = one_update(data, device, "eager", off_kinks, fused_c51=fused, fused_targets=fused)
+        m_c, g_c = one_update(data, device, "compile", off_kinks, fused_c51=fused, fused_targets=fused)
         for k, v in m_e.items():
             assert math.isclose(v, m_c[k], rel_tol=1e-4, abs_tol=1e-6), (off_kinks, k, v, m_c[k])
         rel = _relative_differences(g_e, g_c)
@@ -352,6 +352,20 @@ def test_compiled_update_equals_eager_on_one_batch(data, device, fused):
         print(f"{device} fused={fused} {'off the kinks' if off_kinks else 'at δ = 0'}: worst relative gradient "
               f"difference {rel[worst]:.2e} ({worst}), median {sorted(rel.values())[len(rel) // 2]:.2e}")
         assert rel[worst] < 1e-3, (off_kinks, worst, rel[worst])
+
+
+@cuda
+def test_fused_targets_give_the_update_of_the_reference_targets(data):
+    """`fused_targets`: the targets' double-Q selection as one Triton kernel (`services.trainer.fused_greedy`) gives
+    one update the same metrics and gradients as the reference chain (eager, fp32, from the same state and batch;
+    tests/test_fused_greedy.py checks the kernel alone), with the portfolio shift off zero so it takes part."""
+    m_r, g_r = one_update(data, "cuda", "eager", True, fused_targets=False)
+    m_f, g_f = one_update(data, "cuda", "eager", True, fused_targets=True)
+    for k, v in m_r.items():
+        assert math.isclose(v, m_f[k], rel_tol=1e-4, abs_tol=1e-6), (k, v, m_f[k])
+    rel = _relative_differences(g_r, g_f)
+    worst = max(rel, key=rel.get)
+    assert rel[worst] < 1e-3, (worst, rel[worst])
 
 
 @cuda

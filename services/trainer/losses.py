@@ -182,6 +182,49 @@ def c51_branch_losses_reference(logits: torch.Tensor, col: torch.Tensor, delta: 
     return ce, atom_entropy(logits_a[:, 0]), atom_utilisation(logits_a[:, 0].detach())
 
 
+def greedy_next(on_logits: torch.Tensor, on_delta: torch.Tensor, tg_logits: torch.Tensor, tg_delta: torch.Tensor,
+                support: torch.Tensor, branch_sizes: tuple[int, ...], fused: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The targets' double-Q at N bootstrap states: `greedy_next_reference`, or with `fused` (CUDA) the same numbers
+    from one Triton kernel (`services.trainer.fused_greedy`)."""
+    if fused:
+        from services.trainer.fused_greedy import greedy_next_fused
+        return greedy_next_fused(on_logits, on_delta, tg_logits, tg_delta, support, branch_sizes)
+    return greedy_next_reference(on_logits, on_delta, tg_logits, tg_delta, support, branch_sizes)
+
+
+def greedy_next_reference(on_logits: torch.Tensor, on_delta: torch.Tensor, tg_logits: torch.Tensor,
+                          tg_delta: torch.Tensor, support: torch.Tensor, branch_sizes: tuple[int, ...]
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Double-Q at N bootstrap states: the online network (logits N × K × NB × A, portfolio shift N × (NB + 1))
+    selects the greedy action of each branch by its ensemble-mean Q, the target network (the same shapes) evaluates
+    it. Returns (col N × NBR: the greedy actions as columns among the NB; p_next N × NBR × A: the target members'
+    mean distribution there, fp32; d_star N × NBR: the target's portfolio shift there)."""
+    q_on = ((torch.softmax(on_logits.float(), dim=-1) * support).sum(-1)
+            + on_delta[:, :on_logits.shape[2]].unsqueeze(1)).mean(1)                      # N × NB
+    col = greedy_columns(q_on, branch_sizes)
+    return (col, *evaluate_columns(tg_logits, tg_delta, col))
+
+
+def greedy_columns(q: torch.Tensor, branch_sizes: tuple[int, ...]) -> torch.Tensor:
+    """The greedy action of each branch of Q (N × NB, the branches side by side) as a column among the NB: N × NBR."""
+    cols, first = [], 0
+    for n in branch_sizes:
+        cols.append(q[:, first:first + n].argmax(-1) + first)
+        first += n
+    return torch.stack(cols, dim=1)
+
+
+def evaluate_columns(logits: torch.Tensor, delta: torch.Tensor, col: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The members' mean distribution (softmax over atoms of the chosen actions' logits alone, fp32) and the portfolio
+    shift of the actions at columns col (N × NBR) of logits N × K × NB × A and delta N × (NB + 1): N × NBR × A,
+    N × NBR."""
+    N, K, _, A = logits.shape
+    lg = logits.gather(2, col.view(N, 1, -1, 1).expand(-1, K, -1, A))                      # N × K × NBR × A
+    return torch.softmax(lg.float(), -1).mean(1), delta.gather(1, col)
+
+
 C51_EPS = 1e-6
 """Floor of a predicted probability inside the C51 cross-entropy's log."""
 UTIL_THRESHOLD = 0.5

@@ -38,8 +38,9 @@ from services.trainer.env import RewardConfig, TrainEnv
 from services.trainer import fused_attention
 from services.trainer.flat_adamw import FlatAdamW, flatten_parameters
 from services.trainer.fused_c51 import available as fused_c51_available
-from services.trainer.losses import (adapt_entropy_coef, batch_sum, c51_branch_losses, expectile_loss,
-                                     nstep_returns, project_distribution, quantile_huber_loss, top_two)
+from services.trainer.losses import (adapt_entropy_coef, batch_sum, c51_branch_losses, evaluate_columns,
+                                     expectile_loss, greedy_columns, greedy_next, nstep_returns,
+                                     project_distribution, quantile_huber_loss, top_two)
 from services.trainer.replay import Batch, Replay
 
 FEATURE_WARMUP = 64  # shared.market zeroes feature rows before this bar
@@ -223,6 +224,11 @@ class TrainConfig:
     kernels: cuDNN's on the H200, four kernels backward). Side by side at batch 4 096 on the H200 the update's graph
     replay went 1.13 → 1.09 ms, 333 → 324 kernels (bench/train_profile.py --variants '' attention=sdpa, session
     21); values and gradients match SDPA's (tests/test_fused_attention.py)."""
+    fused_targets: bool = True
+    """On CUDA, the targets' double-Q selection (the online ensemble-mean Q of every action at the bootstrap states,
+    the greedy action of each branch, the target members' mean distribution and portfolio shift there) as one Triton
+    kernel (`services.trainer.fused_greedy`) instead of the five kernels torch.compile made of it; the same numbers
+    up to the order of float sums (an exact tie of two actions' Q aside)."""
     fused_c51: bool = True
     """On CUDA, the update's C51 chain of the taken actions (softmax, portfolio shift, cross-entropy, the direction
     branch's entropy and utilisation, forward and backward) as two Triton kernels (`services.trainer.fused_c51`)
@@ -520,8 +526,8 @@ def make_targets(agent: Agent, target: Agent, buf: UpdateBuffers, cfg: TrainConf
     horizons = cfg.horizons
     H, M, K = len(horizons), cfg.iqn_quantiles, agent.cfg.ensemble
     Hs = sample_horizons(cfg)                                                              # H' horizons per sample
-    slices = agent.cfg.branch_slices()
-    NBR = len(slices)
+    NBR = len(agent.cfg.branch_sizes)
+    fused = cfg.fused_targets and fused_c51_available(agent.v_max)
 
     @torch.no_grad()
     def targets(b: Batch, noise: torch.Tensor) -> Targets:
@@ -539,23 +545,24 @@ def make_targets(agent: Agent, target: Agent, buf: UpdateBuffers, cfg: TrainConf
             next_pf = next_pf.gather(1, h.unsqueeze(-1).expand(-1, -1, next_pf.shape[2]))
             w_h = torch.ones_like(R)                                                       # N × 1
         nb, npf = next_bar.reshape(-1), next_pf.reshape(N * Hs, -1)                        # n-major: N·H' rows
-        tg_n = target.head(buf.emb_target[nb], npf)                                        # cached embeddings
+        tg_n = target.head(buf.emb_target[nb], npf)                                         # cached embeddings
+        # the greedy next action of each branch (as a column among the NB actions), chosen by the online network;
+        # the ensemble shares one target: the target members' mean next distribution at the greedy action (the
+        # softmax is over atoms, per action: taken of the greedy actions' logits alone), all branches at once, and
+        # the target's portfolio shift there (its atoms sit at z + δ')
         if buf.view_online is not None:
             # the online selection reads the cached market view of the next bars (as stale as the cached
             # embeddings it would otherwise run the heads on) plus the current portfolio shift
             vn = buf.view_online.rows(nb)
             q_on = vn.q + agent.delta(vn.code, npf)[:, :agent.cfg.n_actions]              # N·H' × NB
+            col = greedy_columns(q_on, agent.cfg.branch_sizes)                             # N·H' × NBR
+            p_next, d_star = evaluate_columns(tg_n.logits, tg_n.delta, col)
         else:
             on_n = agent.head(buf.emb_online[nb], npf)
-            q_on = agent.q_values(on_n.logits, on_n.delta).mean(1)                         # N·H' × NB
-        # the greedy next action of each branch, as a column among the NB actions
-        col = torch.stack([q_on[:, sl].argmax(-1) for sl in slices], dim=1) + agent.branch_first  # N·H' × NBR
-        # the ensemble shares one target: the members' mean next distribution at the greedy action (the softmax is
-        # over atoms, per action: taken of the greedy actions' logits alone), all branches at once
-        lg = tg_n.logits.gather(2, col.view(N * Hs, 1, NBR, 1).expand(-1, K, -1, z.shape[0]))  # N·H' × K × NBR × A
-        p_next = torch.softmax(lg.float(), -1).mean(1).view(N, Hs, NBR, -1).transpose(1, 2)  # N × NBR × H' × A
-        # the target's portfolio shift of the greedy next action: its atoms sit at z + δ'
-        d_star = tg_n.delta.gather(1, col).view(N, Hs, NBR).transpose(1, 2)                 # N × NBR × H'
+            col, p_next, d_star = greedy_next(on_n.logits, on_n.delta, tg_n.logits, tg_n.delta, z,
+                                              agent.cfg.branch_sizes, fused=fused)
+        p_next = p_next.view(N, Hs, NBR, -1).transpose(1, 2)                               # N × NBR × H' × A
+        d_star = d_star.view(N, Hs, NBR).transpose(1, 2)                                   # N × NBR × H'
         # blended over horizons before the projection (Φ is linear in the probabilities)
         p_w = (p_next * w_h.view(N, 1, Hs, 1)).reshape(N, NBR, -1)                         # N × NBR × H'·A
         tz = R.view(N, 1, Hs, 1) + disc.view(N, 1, Hs, 1) * (z + d_star.unsqueeze(-1))     # N × NBR × H' × A
