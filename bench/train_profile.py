@@ -89,10 +89,10 @@ def phases(kernels: list[tuple[float, float, str]], gap_us: float = 100.0) -> li
     return [tuple(x) for x in out]
 
 
-def replay_ms(fn, reps: int = 20, trace: str | None = None, stream=None) -> float:
+def replay_ms(fn, reps: int = 20, trace: str | None = None) -> float:
     """GPU wall time per replay of fn captured in one CUDA graph (kernels plus the gaps between them). `trace`: also
     profile 3 replays and write the last one's kernels as the device ran them (`replay_timeline`)."""
-    g = Graphed(fn, warmup=1, stream=stream)
+    g = Graphed(fn, warmup=1)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     g()
     start.record()
@@ -198,12 +198,11 @@ def kernel_origins(root: str | None = None) -> dict[str, set[str]]:
 
 
 def report(name: str, fn, calls: int, top: int, body=None, trace: str | None = None,
-           replay_trace: str | None = None, stream=None) -> tuple[float, float, float]:
+           replay_trace: str | None = None) -> tuple[float, float, float]:
     """Print the profile of fn; returns (kernels per call, kernel ms per call, ms per graph replay or nan).
     `trace`: also write every kernel of the last call, in launch order, to that file (tab-separated: start µs from
     the call's first kernel, stream, µs, kernel, its source nodes), to see which phase of the step launches what.
-    `replay_trace`: the same for one graph replay as the device ran it (`replay_timeline`). `stream`: the stream the
-    replay is captured on (the trainer's, `StepRunner.capture_stream`)."""
+    `replay_trace`: the same for one graph replay as the device ran it (`replay_timeline`)."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
@@ -216,7 +215,7 @@ def report(name: str, fn, calls: int, top: int, body=None, trace: str | None = N
     print(f"\n## {name}: {len(kernels) / calls:.0f} kernels per call, {total / 1e3:.2f} ms GPU time per call")
     wall = float("nan")
     if body is not None:
-        wall = replay_ms(body, trace=replay_trace, stream=stream)
+        wall = replay_ms(body, trace=replay_trace)
         print(f"captured in one CUDA graph: {wall:.2f} ms per replay — kernels busy {total / 1e3 / wall:.0%} of it")
     cats: dict[str, list[float]] = {}
     for e in kernels:
@@ -327,7 +326,7 @@ def main() -> None:
             name = f"{label}, {a.config}, {a.accel}" + (f", {variant}" if variant else "")
             rows.append((variant or "as set", label, *report(
                 name, fn, a.calls, a.top, body if a.replay else None, f"{a.trace}{len(rows)}.tsv" if a.trace else None,
-                f"{a.trace}{len(rows)}_replay.tsv" if a.trace and a.replay else None, st.runner.capture_stream())))
+                f"{a.trace}{len(rows)}_replay.tsv" if a.trace and a.replay else None)))
             del st
             torch._dynamo.reset()
             torch.cuda.empty_cache()

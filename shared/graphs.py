@@ -64,17 +64,16 @@ class StaticState:
 class Graphed:
     """A step function recorded in one CUDA graph; calling it replays the graph (no Python in the hot path)."""
 
-    def __init__(self, fn: Callable[[], object], *, warmup: int = 3, pool=None,
-                 stream: torch.cuda.Stream | None = None):
+    def __init__(self, fn: Callable[[], object], *, warmup: int = 3, pool=None):
         self.fn = fn
-        stream = stream if stream is not None else torch.cuda.Stream()
+        stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):                 # warm-up: allocator, cuBLAS handles, lazy init
             for _ in range(warmup):
                 fn()
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool, stream=stream):
+        with torch.cuda.graph(self.graph, pool=pool, stream=stream):   # captured where it warmed up
             self.output = fn()
 
     def __call__(self) -> object:
@@ -82,11 +81,8 @@ class Graphed:
         return self.output
 
 
-def capture(fn: Callable[[], object], *, warmup: int = 3, pool=None,
-            stream: torch.cuda.Stream | None = None) -> Graphed:
+def capture(fn: Callable[[], object], *, warmup: int = 3, pool=None) -> Graphed:
     """Record `fn` in a CUDA graph after `warmup` eager calls on a side stream (which run for real: a step that
     changes state advances it `warmup` times). Returns the replayable `Graphed`; its `output` is what `fn`
-    returned while captured (static tensors, overwritten by each replay). `stream`: the stream to warm up and
-    capture on (a new one if None). PyTorch instantiates graphs with per-node priorities, so the kernels `fn`
-    launches on it keep its priority against those it launches on side streams."""
-    return Graphed(fn, warmup=warmup, pool=pool, stream=stream)
+    returned while captured (static tensors, overwritten by each replay)."""
+    return Graphed(fn, warmup=warmup, pool=pool)

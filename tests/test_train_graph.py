@@ -13,7 +13,7 @@ import torch
 from services.trainer.train import (METRICS, TrainConfig, apply_knobs, build_state, compile_step, device_lrs,
                                     group_lr, noise_width, train_epoch)
 from shared.agent import AgentConfig
-from shared.graphs import StaticState, capture, resolve_accel
+from shared.graphs import StaticState, resolve_accel
 from shared.rollout import compile_works
 from shared.knobs import Knobs
 from shared.market import chronological_split, compute_features
@@ -366,25 +366,6 @@ def test_fused_targets_give_the_update_of_the_reference_targets(data):
     rel = _relative_differences(g_r, g_f)
     worst = max(rel, key=rel.get)
     assert rel[worst] < 1e-3, (worst, rel[worst])
-
-
-@cuda
-def test_capture_on_a_given_stream_replays_and_online_priority_picks_a_higher_one(data):
-    """`capture(stream=)` warms up and records on that stream (its kernels keep its priority in the replay), and
-    the trainer's capture stream with `online_priority` ranks above the default priority of its side streams."""
-    s = torch.cuda.Stream(priority=-1)
-    x = torch.zeros(4, device="cuda")
-    g = capture(lambda: x.add_(1.0), warmup=1, stream=s)           # the warm-up step runs for real: x = 1
-    g()
-    g()
-    torch.cuda.synchronize()
-    assert x.tolist() == [3.0] * 4
-    bars, split, feats = data
-    cfg = tiny_cfg(feats.shape[1])
-    st = build_state(cfg, bars, split, 0, "cuda", features=feats, accel="graph")
-    assert st.runner.capture_stream() is None
-    cfg.online_priority = True
-    assert st.runner.capture_stream().priority < torch.cuda.Stream().priority
 
 
 @cuda

@@ -200,12 +200,6 @@ class TrainConfig:
     network's heads and IQN, the projections) on a side stream beside its online forward pass. On the H200 the
     batch-4 096 update's graph replay went 3.63 → 3.47 ms: the targets' kernels are large enough to fill the GPU, so
     the streams overlap little (bench/README.md, train_speed.py, session 11)."""
-    online_priority: bool = False
-    """In the graph modes on CUDA, the captured step's own stream (the update's sampling, online forward pass, loss
-    and backward pass) at a higher priority than its side streams (the targets, the rolling refresh and the priority
-    write): where kernels of both are ready, the GPU schedules the online pass's first. In session 22's replay
-    timelines the loss waited 34–61 µs for the online forward pass while the targets had ended first; the targets'
-    stream at the higher priority instead made the replay slower (1.04 → 1.06 ms). Off until timed on the H200."""
     priorities_aside: bool = True
     """On CUDA, the replay's priority write (`Replay.update_priorities`: a one-program scatter kernel, ~16 µs) on the
     rolling refresh's side stream as soon as the loss is known, beside the backward pass, instead of after the
@@ -829,13 +823,6 @@ class StepRunner:
             td.record_stream(side)
         return via
 
-    def capture_stream(self) -> torch.cuda.Stream | None:
-        """The stream the graphs are captured on: at a higher priority than the side streams (priority 0) with
-        `online_priority`, else None (a new one of normal priority)."""
-        if not self.state.cfg.online_priority:
-            return None
-        return torch.cuda.Stream(device=self.state.device, priority=-1)
-
     @property
     def graphed(self) -> bool:
         return "graph" in self.accel
@@ -846,7 +833,7 @@ class StepRunner:
         elif name in self._graphs:
             self._graphs[name]()
         else:
-            self._graphs[name] = capture(self._bodies[name], warmup=1, stream=self.capture_stream())
+            self._graphs[name] = capture(self._bodies[name], warmup=1)
 
     def _draw(self, t: torch.Tensor) -> None:
         torch.rand(t.shape, generator=self.state.generator, out=t)
