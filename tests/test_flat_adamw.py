@@ -114,3 +114,35 @@ def test_target_lerp_over_a_flat_copy_equals_the_per_parameter_lerp():
     tflat.lerp_(flat, 0.01)
     for t, e in zip(target.parameters(), expect):
         assert torch.allclose(t, e)
+
+
+def test_compiled_step_writes_the_flat_buffer_in_place_without_a_copy_back():
+    """Compiled, the step mutates the flat buffer inside its kernels. When a parameter (a view of the buffer) took
+    part in the step, AOTAutograd treated the buffer as an aliased graph input and wrote it back afterwards with a
+    whole-buffer `copy_` (a device-to-device memcpy at the end of every update on the GPU, session 23)."""
+    from shared.rollout import compile_works
+    if not compile_works(torch.device("cpu")):
+        pytest.skip("torch.compile cannot build kernels here")
+    net = _net()
+    opt = FlatAdamW(_groups(net), lr=1e-3, eps=1e-6)
+    assert any(opt._gaps), "the layout should leave gaps between parameters (their zeros are part of the step)"
+    x, y = torch.randn(16, 7), torch.randn(16, 3)
+    step = torch.compile(lambda: opt.step(1.0))
+    copies = []
+    orig = torch.Tensor.copy_
+
+    def spy(self, src, *args, **kwargs):
+        if self.data_ptr() == opt.flat.data_ptr():
+            copies.append(tuple(self.shape))
+        return orig(self, src, *args, **kwargs)
+    for spying in (False, True):                 # the first call compiles (tracing runs on fake tensors)
+        opt.zero_grad(set_to_none=True)
+        torch.nn.functional.mse_loss(net(x), y).backward()
+        before = opt.flat.clone()
+        torch.Tensor.copy_ = spy if spying else orig
+        try:
+            step()
+        finally:
+            torch.Tensor.copy_ = orig
+        assert not torch.equal(before, opt.flat), "the step should move the parameters"
+    assert copies == [], f"the flat buffer was copied back after the compiled step: {copies}"

@@ -103,11 +103,15 @@ class FlatAdamW:
 
     @torch.no_grad()
     def step(self, max_norm: float = float("inf")) -> torch.Tensor:
+        # the zeros are made from the flat buffer, not from a parameter: a parameter used in the compiled step
+        # becomes a graph input aliasing the buffer the step mutates, and AOTAutograd then writes the buffer back
+        # with a copy after the compiled kernels (a device-to-device memcpy of every parameter, ~9 µs at the end of
+        # the batch-4 096 update on the H200, session 23)
         parts = []
         for p, gap in zip(self.params, self._gaps):
-            parts.append((p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float())
+            parts.append(p.grad.reshape(-1).float() if p.grad is not None else self.flat.new_zeros(p.numel()))
             if gap:
-                parts.append(p.new_zeros(gap))
+                parts.append(self.flat.new_zeros(gap))
         g = torch.cat(parts)
         norm = g.square().sum().sqrt()
         if max_norm != float("inf"):
