@@ -157,6 +157,9 @@ class MarketOut:
     """Expectile value of the market state, N (before the portfolio shift)."""
     code: torch.Tensor
     """Market code c, N × C (what the portfolio shift reads)."""
+    wide: torch.Tensor | None = None
+    """The logits' product as computed, N × W: each row's first K·NB·A values are `logits`, then on CUDA the zero
+    columns that align its rows (a kernel that takes this hands back the gradient of the whole row, with no pad)."""
 
 
 @dataclass
@@ -172,6 +175,8 @@ class HeadOut:
     """Expectile value V_e(s, p) = V_e(s) + δ_V, N."""
     delta: torch.Tensor
     """Portfolio shift δ, N × (NB + 1): one column per action of every branch (direction, size, exit), then V_e's."""
+    wide: torch.Tensor | None = None
+    """`MarketOut.wide`: the padded product whose rows begin with `logits`."""
 
 
 @dataclass
@@ -485,9 +490,10 @@ class Agent(nn.Module):
         pad = -(K * NB * A) % 64 if h.is_cuda else 0
         if pad:
             w, b = torch.cat([w, w.new_zeros(w.shape[0], pad)], dim=1), torch.cat([b, b.new_zeros(pad)])
-        logits = torch.addmm(b, h, w)[:, :K * NB * A].view(N, K, NB, A)                     # N × K × NB × A
+        wide = torch.addmm(b, h, w)                                                         # N × W
+        logits = wide[:, :K * NB * A].view(N, K, NB, A)                                     # N × K × NB × A
         code, value_e = stacked_linear(h, (self.code, self.expectile))                      # N × C, N × 1
-        return MarketOut(logits=logits, hidden=h, value_e=value_e.squeeze(-1), code=code)
+        return MarketOut(logits=logits, hidden=h, value_e=value_e.squeeze(-1), code=code, wide=wide)
 
     def delta(self, code: torch.Tensor, portfolio: torch.Tensor) -> torch.Tensor:
         """Portfolio shift δ = v_max · MLP([code, portfolio]): N × (NB + 1) in return units, float32."""
@@ -498,7 +504,8 @@ class Agent(nn.Module):
         """Market heads + portfolio shift (what the update trains)."""
         m = self.market(emb)
         d = self.delta(m.code, portfolio)
-        return HeadOut(logits=m.logits, hidden=m.hidden, value_e=m.value_e.float() + d[:, -1], delta=d)
+        return HeadOut(logits=m.logits, hidden=m.hidden, value_e=m.value_e.float() + d[:, -1], delta=d,
+                       wide=m.wide)
 
     @torch.no_grad()
     def view(self, emb: torch.Tensor) -> MarketView:

@@ -94,3 +94,50 @@ def test_fused_under_torch_compile_equals_eager():
         grads.append((value.detach(), wide.grad, delta.grad))
     for a, b in zip(*grads):
         torch.testing.assert_close(a.float(), b.float(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", ["random", "zero", "past the ends"])
+def test_fused_with_the_direction_q_on_the_padded_output_equals_the_reference(case, dtype):
+    """`c51_branch_losses_q`: the C51 terms and every member's direction Q from the heads' padded output, values and
+    gradients (of the whole padded row: zeros in its padding, the direction Q's gradient added to the C51 one's)."""
+    from services.trainer.losses import c51_branch_losses_q
+    wide0, col, delta0, target, z, w_ce, w_ent, (N, K, NB, A) = _inputs(case, dtype)
+    w_q = torch.randn(N, K, 3, generator=torch.Generator().manual_seed(5))
+    out = []
+    for fused in (False, True):
+        wide = wide0.to(DEV, copy=True).requires_grad_()
+        delta = delta0.to(DEV, copy=True).requires_grad_()
+        ce, ent, util, q = c51_branch_losses_q(wide, K, col.to(DEV), delta, target.to(DEV), z.to(DEV), BRANCHES,
+                                               fused=fused)
+        ((ce * w_ce.to(DEV)).sum() + (ent * w_ent.to(DEV)).sum() + (q * w_q.to(DEV)).sum()).backward()
+        out.append([x.detach().float().cpu() for x in (ce, ent, util, q, wide.grad, delta.grad)])
+    for name, ref, got in zip(("ce", "entropy", "utilisation", "q", "d/dwide", "d/dδ"), *out):
+        scale = 1.0 + float(ref.abs().max())
+        tol = dict(rtol=1e-4, atol=1e-5 * scale) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2 * scale)
+        torch.testing.assert_close(got, ref, **tol, msg=lambda m: f"{case}, {dtype}, {name}: {m}")
+    assert torch.all(out[1][4][:, K * NB * A:] == 0), "the padding columns get no gradient"
+    direction = out[1][4][:, :K * NB * A].view(N, K, NB, A)[:, :, :3]
+    assert torch.all(direction.abs().sum(-1) > 0), "every direction action gets the Q's gradient, taken or not"
+
+
+def test_fused_with_the_direction_q_under_torch_compile_equals_eager():
+    """Compiled, the ops with the direction Q stay whole: the same numbers and gradients as called eagerly."""
+    if DEV != "cuda":
+        pytest.skip("torch.compile of the custom op: CUDA only")
+    from services.trainer.losses import c51_branch_losses_q
+    wide0, col, delta0, target, z, w_ce, w_ent, (N, K, NB, A) = _inputs("random", torch.bfloat16)
+    w_q = torch.randn(N, K, 3, device="cuda")
+
+    def loss(wide, delta):
+        ce, ent, _, q = c51_branch_losses_q(wide, K, col.cuda(), delta, target.cuda(), z.cuda(), BRANCHES, fused=True)
+        return (ce * w_ce.cuda()).sum() + (ent * w_ent.cuda()).sum() + (q * w_q).sum()
+
+    grads = []
+    for fn in (loss, torch.compile(loss, fullgraph=True)):
+        wide, delta = wide0.cuda().requires_grad_(), delta0.cuda().requires_grad_()
+        value = fn(wide, delta)
+        value.backward()
+        grads.append((value.detach(), wide.grad, delta.grad))
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a.float(), b.float(), rtol=1e-5, atol=1e-5)

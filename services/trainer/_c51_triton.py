@@ -102,7 +102,7 @@ def _bwd_taps(i, s, xs, inside, dz, t: tl.constexpr, A: tl.constexpr):
 
 
 @triton.jit
-def c51_bwd(logits_ptr, s_n, s_k, s_c, col_ptr, delta_ptr, z_ptr, n_rows, r_ptr, gce_ptr, gent_ptr, gl_ptr,
+def c51_bwd(logits_ptr, s_n, s_k, s_c, col_ptr, delta_ptr, z_ptr, n_rows, r_ptr, gce_ptr, gent_ptr, gl_ptr, g_sn,
             gd_ptr, NBR: tl.constexpr, K: tl.constexpr, A: tl.constexpr, AP: tl.constexpr,
             ROWS: tl.constexpr, NB: tl.constexpr, S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr,
             MAXB: tl.constexpr):
@@ -141,6 +141,51 @@ def c51_bwd(logits_ptr, s_n, s_k, s_c, col_ptr, delta_ptr, z_ptr, n_rows, r_ptr,
         out = gl.to(gl_ptr.dtype.element_ty)
         for a in tl.static_range(MAXB):
             cc = first + a
-            ptr = gl_ptr + ((n * K + k) * NB + cc) * A + i
+            ptr = gl_ptr + n * g_sn + (k * NB + cc) * A + i
             tl.store(ptr, tl.where(cc == c, out, tl.zeros_like(out)), mask=m2 & (a < size))
     tl.store(gd_ptr + tl.reshape(row, (ROWS,)), gd, mask=tl.reshape(rm, (ROWS,)))
+
+
+@triton.jit
+def _direction_tile(logits_ptr, s_n, s_k, s_c, z_ptr, n, K: tl.constexpr, KP: tl.constexpr, A: tl.constexpr,
+                    AP: tl.constexpr):
+    """Sample n's direction actions (the first three) of every member as the rows (k, a) of a KP·4 × AP tile: the
+    rows, their mask, the atoms, the probabilities (fp32), the support and each row's Q = Σ_i z_i p_i."""
+    r = tl.arange(0, KP * 4)
+    k, a = r // 4, r % 4
+    rm = (k < K) & (a < 3)
+    i = tl.arange(0, AP)
+    am = i < A
+    lg = tl.load(logits_ptr + n * s_n + k[:, None] * s_k + a[:, None] * s_c + i[None, :],
+                 mask=rm[:, None] & am[None, :], other=0.0).to(tl.float32)   # padded rows: finite zeros
+    lg = tl.where(am[None, :], lg, float("-inf"))
+    e = tl.exp(lg - tl.max(lg, axis=1)[:, None])
+    p = e * _div(1.0, tl.sum(e, axis=1))[:, None]
+    z = tl.load(z_ptr + i, mask=am, other=0.0)[None, :]
+    return k, a, rm, i, am, p, z, tl.sum(p * z, axis=1)
+
+
+@triton.jit
+def qdir_fwd(logits_ptr, s_n, s_k, s_c, z_ptr, q_ptr, K: tl.constexpr, KP: tl.constexpr, A: tl.constexpr,
+             AP: tl.constexpr):
+    """q[n, k, a] = Σ_i z_i softmax(logits[n, k, a])_i of the direction actions a < 3 (N × K × 3, fp32)."""
+    n = tl.program_id(0).to(tl.int64)
+    k, a, rm, i, am, p, z, q = _direction_tile(logits_ptr, s_n, s_k, s_c, z_ptr, n, K, KP, A, AP)
+    tl.store(q_ptr + (n * K + k) * 3 + a, q, mask=rm)
+
+
+@triton.jit
+def qdir_bwd(logits_ptr, s_n, s_k, s_c, z_ptr, gq_ptr, gl_ptr, g_sn, K: tl.constexpr, KP: tl.constexpr,
+             NB: tl.constexpr, A: tl.constexpr, AP: tl.constexpr, PAD: tl.constexpr, PADP: tl.constexpr):
+    """Adds ∂/∂logits of Σ g_q · q (∂q/∂l_i = p_i (z_i − q)) into the direction rows of the gradient c51_bwd has
+    written (row stride g_sn, each row K × NB × A), and writes zeros into the row's PAD columns after them."""
+    n = tl.program_id(0).to(tl.int64)
+    k, a, rm, i, am, p, z, q = _direction_tile(logits_ptr, s_n, s_k, s_c, z_ptr, n, K, KP, A, AP)
+    g = tl.load(gq_ptr + (n * K + k) * 3 + a, mask=rm, other=0.0)
+    m2 = rm[:, None] & am[None, :]
+    ptr = gl_ptr + n * g_sn + (k[:, None] * NB + a[:, None]) * A + i[None, :]
+    old = tl.load(ptr, mask=m2, other=0.0).to(tl.float32)
+    tl.store(ptr, (old + p * (z - q[:, None]) * g[:, None]).to(gl_ptr.dtype.element_ty), mask=m2)
+    if PAD > 0:
+        j = tl.arange(0, PADP)
+        tl.store(gl_ptr + n * g_sn + K * NB * A + j, tl.zeros((PADP,), dtype=gl_ptr.dtype.element_ty), mask=j < PAD)

@@ -29,6 +29,12 @@ gathered from registers were 186 µs at best.
 Values and subgradients are the reference's (the dense hat weights'), up to the order of float sums:
 tests/test_fused_c51.py compares them on the GPU.
 
+With the direction Q (`losses.c51_branch_losses_q`, `TrainConfig.direction_q_in_c51`): the ops take the heads'
+padded output (N × W, the logits at the front of each row) and also return every member's Q of the three direction
+actions (`qdir_fwd`: one program a sample, its K × 3 rows as one tile). Backward, `qdir_bwd` adds the Q's gradient
+p_i (z_i − q) g into the rows the C51 kernel has written and zeroes each row's padding, so the heads' GEMM gets the
+gradient of the whole padded row: no softmax backward, sum of two gradients and padded copy after the kernels.
+
 Triton is torch's own compiler backend (what torch.compile generates its kernels with), present wherever torch runs
 on CUDA; it is imported only when the fused path runs. The ops are torch custom ops, so torch.compile keeps them as
 they are and a CUDA graph captures their launches.
@@ -63,9 +69,8 @@ def _kernels():
     return triton, _c51_triton.c51_fwd, _c51_triton.c51_bwd
 
 
-@torch.library.custom_op("tradeloop::c51_branch_fwd", mutates_args=())
-def _fwd(logits: torch.Tensor, col: torch.Tensor, delta: torch.Tensor, target: torch.Tensor,
-         support: torch.Tensor, branch_sizes: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _launch_fwd(logits: torch.Tensor, col: torch.Tensor, delta: torch.Tensor, target: torch.Tensor,
+                support: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     N, K, NB, A = logits.shape
     NBR = col.shape[1]
     assert logits.stride(3) == 1, "the logits' atoms must be contiguous"
@@ -82,6 +87,12 @@ def _fwd(logits: torch.Tensor, col: torch.Tensor, delta: torch.Tensor, target: t
     return ce, ent, util, r
 
 
+@torch.library.custom_op("tradeloop::c51_branch_fwd", mutates_args=())
+def _fwd(logits: torch.Tensor, col: torch.Tensor, delta: torch.Tensor, target: torch.Tensor,
+         support: torch.Tensor, branch_sizes: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _launch_fwd(logits, col, delta, target, support)
+
+
 @_fwd.register_fake
 def _(logits, col, delta, target, support, branch_sizes):
     N, K, _, A = logits.shape
@@ -90,24 +101,33 @@ def _(logits, col, delta, target, support, branch_sizes):
     return e(N, NBR, K), e(N, K), e(N, K), e(N, NBR, K, A)
 
 
-@torch.library.custom_op("tradeloop::c51_branch_bwd", mutates_args=())
-def _bwd(logits: torch.Tensor, col: torch.Tensor, delta: torch.Tensor, support: torch.Tensor, r: torch.Tensor,
-         grad_ce: torch.Tensor, grad_ent: torch.Tensor, branch_sizes: list[int]
-         ) -> tuple[torch.Tensor, torch.Tensor]:
+def _launch_bwd(logits: torch.Tensor, col: torch.Tensor, delta: torch.Tensor, support: torch.Tensor, r: torch.Tensor,
+                grad_ce: torch.Tensor, grad_ent: torch.Tensor, branch_sizes: list[int], grad_logits: torch.Tensor,
+                g_sn: int) -> torch.Tensor:
+    """c51_bwd into grad_logits (rows of g_sn elements, each K × NB × A); returns ∂/∂δ."""
     N, K, NB, A = logits.shape
     NBR = col.shape[1]
     assert NBR == len(branch_sizes) == 3 and sum(branch_sizes) == NB, "three branches covering the NB actions"
-    grad_logits = torch.empty(N, K, NB, A, dtype=logits.dtype, device=logits.device)
     grad_delta = torch.empty(N, NBR, dtype=torch.float32, device=logits.device)
     triton, _, bwd = _kernels()
     rows = LAUNCH["rows"]
     bwd[(triton.cdiv(N * NBR, rows),)](
         logits, logits.stride(0), logits.stride(1), logits.stride(2), col.contiguous(), delta.contiguous().float(),
         support.contiguous().float(), N * NBR, r, grad_ce.contiguous().float(), grad_ent.contiguous().float(),
-        grad_logits, grad_delta, NBR=NBR, K=K, A=A, AP=triton.next_power_of_2(A), ROWS=rows, NB=NB,
+        grad_logits, g_sn, grad_delta, NBR=NBR, K=K, A=A, AP=triton.next_power_of_2(A), ROWS=rows, NB=NB,
         S0=branch_sizes[0], S1=branch_sizes[1], S2=branch_sizes[2], MAXB=max(branch_sizes),
         num_warps=LAUNCH["num_warps"])
-    return grad_logits, grad_delta
+    return grad_delta
+
+
+@torch.library.custom_op("tradeloop::c51_branch_bwd", mutates_args=())
+def _bwd(logits: torch.Tensor, col: torch.Tensor, delta: torch.Tensor, support: torch.Tensor, r: torch.Tensor,
+         grad_ce: torch.Tensor, grad_ent: torch.Tensor, branch_sizes: list[int]
+         ) -> tuple[torch.Tensor, torch.Tensor]:
+    N, K, NB, A = logits.shape
+    grad_logits = torch.empty(N, K, NB, A, dtype=logits.dtype, device=logits.device)
+    return grad_logits, _launch_bwd(logits, col, delta, support, r, grad_ce, grad_ent, branch_sizes, grad_logits,
+                                    K * NB * A)
 
 
 @_bwd.register_fake
@@ -142,3 +162,87 @@ def c51_branch_losses_fused(logits: torch.Tensor, col: torch.Tensor, delta: torc
     """`losses.c51_branch_losses_reference` on CUDA as two Triton kernels (the module's docstring)."""
     ce, ent, util, _ = _fwd(logits, col, delta, target.detach(), support, list(branch_sizes))
     return ce, ent, util
+
+
+# --- the same chain with the direction Q of every member, on the heads' padded logits ------------------------------
+def _wide_logits(wide: torch.Tensor, members: int, branch_sizes: list[int], atoms: int) -> torch.Tensor:
+    """The N × K × NB × A logits at the front of each row of the heads' output (N × W, W ≥ K·NB·A: padded)."""
+    return wide[:, :members * sum(branch_sizes) * atoms].view(wide.shape[0], members, sum(branch_sizes), atoms)
+
+
+@torch.library.custom_op("tradeloop::c51_branch_q_fwd", mutates_args=())
+def _fwd_q(wide: torch.Tensor, col: torch.Tensor, delta: torch.Tensor, target: torch.Tensor, support: torch.Tensor,
+           branch_sizes: list[int], members: int
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    logits = _wide_logits(wide, members, branch_sizes, support.shape[0])
+    ce, ent, util, r = _launch_fwd(logits, col, delta, target, support)
+    N, K, _, A = logits.shape
+    q = torch.empty(N, K, 3, dtype=torch.float32, device=wide.device)
+    triton = _kernels()[0]
+    from services.trainer._c51_triton import qdir_fwd
+    qdir_fwd[(N,)](logits, logits.stride(0), logits.stride(1), logits.stride(2), support.contiguous().float(), q,
+                   K=K, KP=triton.next_power_of_2(K), A=A, AP=triton.next_power_of_2(A), num_warps=1)
+    return ce, ent, util, r, q
+
+
+@_fwd_q.register_fake
+def _(wide, col, delta, target, support, branch_sizes, members):
+    N, NBR, A = wide.shape[0], col.shape[1], support.shape[0]
+    e = lambda *s: wide.new_empty(*s, dtype=torch.float32)  # noqa: E731
+    return e(N, NBR, members), e(N, members), e(N, members), e(N, NBR, members, A), e(N, members, 3)
+
+
+@torch.library.custom_op("tradeloop::c51_branch_q_bwd", mutates_args=())
+def _bwd_q(wide: torch.Tensor, col: torch.Tensor, delta: torch.Tensor, support: torch.Tensor, r: torch.Tensor,
+           grad_ce: torch.Tensor, grad_ent: torch.Tensor, grad_q: torch.Tensor, branch_sizes: list[int], members: int
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = _wide_logits(wide, members, branch_sizes, support.shape[0])
+    N, K, NB, A = logits.shape
+    W = wide.shape[1]
+    # the gradient of the whole padded output, written by the kernels (the C51 rows, then the direction Q added and
+    # the padding zeroed): the heads' GEMM takes it as it is, with no slice to pad back
+    grad_wide = torch.empty(N, W, dtype=wide.dtype, device=wide.device)
+    grad_delta = _launch_bwd(logits, col, delta, support, r, grad_ce, grad_ent, branch_sizes, grad_wide, W)
+    triton = _kernels()[0]
+    from services.trainer._c51_triton import qdir_bwd
+    pad = W - K * NB * A
+    qdir_bwd[(N,)](logits, logits.stride(0), logits.stride(1), logits.stride(2), support.contiguous().float(),
+                   grad_q.contiguous().float(), grad_wide, W, K=K, KP=triton.next_power_of_2(K), NB=NB, A=A,
+                   AP=triton.next_power_of_2(A), PAD=pad, PADP=triton.next_power_of_2(max(pad, 1)), num_warps=1)
+    return grad_wide, grad_delta
+
+
+@_bwd_q.register_fake
+def _(wide, col, delta, support, r, grad_ce, grad_ent, grad_q, branch_sizes, members):
+    return torch.empty_like(wide), wide.new_empty(wide.shape[0], col.shape[1], dtype=torch.float32)
+
+
+def _setup_context_q(ctx, inputs, output):
+    wide, col, delta, _, support, branch_sizes, members = inputs
+    ctx.branch_sizes, ctx.members = list(branch_sizes), members
+    ctx.save_for_backward(wide, col, delta, support, output[3])
+    ctx.mark_non_differentiable(output[2], output[3])
+
+
+def _backward_q(ctx, grad_ce, grad_ent, _grad_util, _grad_r, grad_q):
+    wide, col, delta, support, r = ctx.saved_tensors
+    N, K = wide.shape[0], ctx.members
+    zeros = lambda *s: torch.zeros(*s, device=wide.device)  # noqa: E731
+    grad_ce = zeros(N, col.shape[1], K) if grad_ce is None else grad_ce
+    grad_ent = zeros(N, K) if grad_ent is None else grad_ent
+    grad_q = zeros(N, K, 3) if grad_q is None else grad_q
+    grad_wide, grad_delta = _bwd_q(wide, col, delta, support, r, grad_ce, grad_ent, grad_q, ctx.branch_sizes,
+                                   ctx.members)
+    return grad_wide, None, grad_delta, None, None, None, None
+
+
+_fwd_q.register_autograd(_backward_q, setup_context=_setup_context_q)
+
+
+def c51_branch_losses_q_fused(wide: torch.Tensor, members: int, col: torch.Tensor, delta: torch.Tensor,
+                              target: torch.Tensor, support: torch.Tensor, branch_sizes: tuple[int, ...]
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`losses.c51_branch_losses_q_reference` on CUDA: the two C51 kernels and two more for the direction Q
+    (`qdir_fwd`, and `qdir_bwd`, which adds its gradient into the C51 kernel's and zeroes the padding)."""
+    ce, ent, util, _, q = _fwd_q(wide, col, delta, target.detach(), support, list(branch_sizes), members)
+    return ce, ent, util, q

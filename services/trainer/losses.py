@@ -182,6 +182,29 @@ def c51_branch_losses_reference(logits: torch.Tensor, col: torch.Tensor, delta: 
     return ce, atom_entropy(logits_a[:, 0]), atom_utilisation(logits_a[:, 0].detach())
 
 
+def c51_branch_losses_q(wide: torch.Tensor, members: int, col: torch.Tensor, delta: torch.Tensor,
+                        target: torch.Tensor, support: torch.Tensor, branch_sizes: tuple[int, ...], fused: bool = False
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`c51_branch_losses` on the heads' padded output (wide N × W, the N × K × NB × A logits at the front of each
+    row), plus every member's Q of the direction actions, q N × K × 3 = Σ_i z_i softmax(logits[:, k, a])_i (fp32):
+    `c51_branch_losses_q_reference`, or with `fused` (CUDA) from Triton kernels whose backward hands the heads'
+    GEMM the gradient of the whole padded output (`services.trainer.fused_c51`)."""
+    if fused:
+        from services.trainer.fused_c51 import c51_branch_losses_q_fused
+        return c51_branch_losses_q_fused(wide, members, col, delta, target, support, branch_sizes)
+    return c51_branch_losses_q_reference(wide, members, col, delta, target, support, branch_sizes)
+
+
+def c51_branch_losses_q_reference(wide: torch.Tensor, members: int, col: torch.Tensor, delta: torch.Tensor,
+                                  target: torch.Tensor, support: torch.Tensor, branch_sizes: tuple[int, ...]
+                                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`c51_branch_losses_q` written out."""
+    NB, A = sum(branch_sizes), support.shape[0]
+    logits = wide[:, :members * NB * A].view(wide.shape[0], members, NB, A)
+    q = (torch.softmax(logits[:, :, :3].float(), dim=-1) * support).sum(-1)                # N × K × 3
+    return (*c51_branch_losses_reference(logits, col, delta, target, support), q)
+
+
 def greedy_next(on_logits: torch.Tensor, on_delta: torch.Tensor, tg_logits: torch.Tensor, tg_delta: torch.Tensor,
                 support: torch.Tensor, branch_sizes: tuple[int, ...], fused: bool = False
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

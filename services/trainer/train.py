@@ -38,8 +38,8 @@ from services.trainer.env import RewardConfig, TrainEnv
 from services.trainer import fused_attention
 from services.trainer.flat_adamw import FlatAdamW, flatten_parameters
 from services.trainer.fused_c51 import available as fused_c51_available
-from services.trainer.losses import (adapt_entropy_coef, batch_sum, c51_branch_losses, evaluate_columns,
-                                     expectile_loss, greedy_columns, greedy_next, nstep_returns,
+from services.trainer.losses import (adapt_entropy_coef, batch_sum, c51_branch_losses, c51_branch_losses_q,
+                                     evaluate_columns, expectile_loss, greedy_columns, greedy_next, nstep_returns,
                                      project_distribution, quantile_huber_loss, top_two)
 from services.trainer.replay import Batch, Replay
 
@@ -223,6 +223,14 @@ class TrainConfig:
     the greedy action of each branch, the target members' mean distribution and portfolio shift there) as one Triton
     kernel (`services.trainer.fused_greedy`) instead of the five kernels torch.compile made of it; the same numbers
     up to the order of float sums (an exact tie of two actions' Q aside)."""
+    direction_q_in_c51: bool = False
+    """The online direction Q of the update's stability and hindsight terms (every member's Σ_i z_i p_i of the three
+    direction actions) computed with the C51 terms from the heads' padded output (`losses.c51_branch_losses_q`): on
+    CUDA with `fused_c51`, two more Triton kernels, the backward's adding its gradient into the C51 kernel's and
+    handing the heads' GEMM the gradient of the whole padded row, where compiled the Q's softmax (~18 µs forward),
+    its backward (~13 µs) and a pass that summed both gradients into a padded copy (~26 µs) ran on the update's
+    stream (bench/train_profile.py --trace, session 23). The same numbers up to the order of float sums. Off until
+    timed on the H200 (prepared in session 23)."""
     fused_c51: bool = True
     """On CUDA, the update's C51 chain of the taken actions (softmax, portfolio shift, cross-entropy, the direction
     branch's entropy and utilisation, forward and backward) as two Triton kernels (`services.trainer.fused_c51`)
@@ -623,17 +631,25 @@ def make_update(agent: Agent, target: Agent, opt: torch.optim.Optimizer, replay:
         taus = noise[:n_q, n_ens:n_ens + M]                                                # n_q × M
         th = agent.quantiles(out.hidden[:n_q], taus).float() + out.delta[:n_q, :3].unsqueeze(1)  # n_q × M × 3
         th = th.gather(2, b.action[:n_q, 0].view(n_q, 1, 1).expand(n_q, M, 1)).squeeze(2)  # n_q × M
-        q_dir = agent.q_values(out.logits[:, :, :3], out.delta).mean(1)                    # N × 3
         # only what the losses read crosses `wait()`, a graph break when compiled: a live `out` would make every
         # field of it an output of the forward graph, and the trunk state and the shift, which reach the loss only
         # through the terms above, would get no gradient there and autograd would fill zeros for them
-        logits, value_e = out.logits, out.value_e
+        if cfg.direction_q_in_c51:
+            wide, d_dir, value_e = out.wide, out.delta[:, :3], out.value_e
+        else:
+            q_dir = agent.q_values(out.logits[:, :, :3], out.delta).mean(1)                # N × 3
+            logits, value_e = out.logits, out.value_e
         del out
         wait()
         # --- C51 loss of every branch against its target; each ensemble member trains on its bootstrap mask ---
         # the distribution of (s, p, a): the market one with its atoms moved by the portfolio shift δ_a
-        ce, ent_k, util_k = c51_branch_losses(logits, col, d_a, tg.dist, z, agent.cfg.branch_sizes,
-                                              fused=fused)                                 # N × NBR × K, N × K
+        if cfg.direction_q_in_c51:      # with every member's direction Q, from the heads' padded output
+            ce, ent_k, util_k, q_k = c51_branch_losses_q(wide, n_ens, col, d_a, tg.dist, z,
+                                                         agent.cfg.branch_sizes, fused=fused)  # …, N × K × 3
+            q_dir = (q_k + d_dir.unsqueeze(1)).mean(1)                                     # N × 3
+        else:
+            ce, ent_k, util_k = c51_branch_losses(logits, col, d_a, tg.dist, z, agent.cfg.branch_sizes,
+                                                  fused=fused)                             # N × NBR × K, N × K
         member = (noise[:, :n_ens] < cfg.ensemble_mask_p).float()                          # N × K
         c51 = ((ce * member.unsqueeze(1)).sum(2) / member.sum(1, keepdim=True).clamp(min=1.0)).sum(1)  # N
         priority = ce[:, 0].mean(1).detach()
