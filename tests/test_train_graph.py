@@ -127,15 +127,20 @@ def test_accel_modes_are_checked():
         resolve_accel("fast", torch.device("cpu"))
 
 
-@pytest.mark.parametrize("device, accel", [("cpu", "eager"), pytest.param("cuda", "graph", marks=cuda),
-                                           pytest.param("cuda", "compile+graph", marks=cuda)])
-def test_rolling_refresh_stores_the_encodings_of_the_parameters_the_update_started_from(data, device, accel):
+@pytest.mark.parametrize("device, accel, at_backward", [
+    ("cpu", "eager", False), pytest.param("cuda", "graph", False, marks=cuda),
+    pytest.param("cuda", "compile+graph", False, marks=cuda), pytest.param("cuda", "graph", True, marks=cuda),
+    pytest.param("cuda", "compile+graph", True, marks=cuda)])
+def test_rolling_refresh_stores_the_encodings_of_the_parameters_the_update_started_from(data, device, accel,
+                                                                                        at_backward):
     """Each update re-encodes the next C bars with the parameters it starts from and stores them in both tables;
-    on CUDA the encoding runs on a side stream beside the forward and backward passes and must still land whole,
-    after the update's own reads and before the optimizer step moves the weights (which every call does here)."""
+    on CUDA the encoding runs on a side stream beside the forward and backward passes (`refresh_at_backward`: launched
+    when the loss is known) and must still land whole, after the update's own reads and before the optimizer step
+    moves the weights (which every call does here)."""
     import copy
     bars, split, feats = data
-    st = build_state(tiny_cfg(feats.shape[1], tf32=False), bars, split, 3, device=device, accel=accel)
+    st = build_state(tiny_cfg(feats.shape[1], tf32=False, refresh_at_backward=at_backward), bars, split, 3,
+                     device=device, accel=accel)
     st.env.reset_all()
     while st.replay.count <= max(st.cfg.horizons) + 2:
         st.runner.collect()
@@ -184,7 +189,9 @@ PRECISIONS = {"fp32": ("graph", dict(), 2e-3, 0.98),
               "fp32+compile, reference C51": ("compile+graph", dict(fused_c51=False), 1e-1, 0.9),
               "fp32+sub-batches": ("graph", dict(encoder_batch=16, iqn_batch=16, horizon_sample=True), 2e-3, 0.98),
               "fp32, flat AdamW": ("graph", dict(adamw="flat"), 2e-3, 0.98),
-              "fp32+compile, flat AdamW": ("compile+graph", dict(adamw="flat"), 1e-1, 0.9)}
+              "fp32+compile, flat AdamW": ("compile+graph", dict(adamw="flat"), 1e-1, 0.9),
+              "fp32, refresh at the backward": ("graph", dict(refresh_at_backward=True), 2e-3, 0.98),
+              "fp32+compile, direction Q with C51": ("compile+graph", dict(direction_q_in_c51=True), 1e-1, 0.9)}
 
 
 @cuda

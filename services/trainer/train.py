@@ -206,6 +206,13 @@ class TrainConfig:
     optimizer step on the update's own stream. Nothing in the update reads the priorities after its sampling. Side
     by side at batch 4 096 on the H200 the update's graph replay went 1.08 → 1.06 ms (bench/train_profile.py
     --variants '' priorities_aside=False, session 22)."""
+    refresh_at_backward: bool = False
+    """On CUDA with `priorities_aside`, the rolling refresh's encodings launched on their side stream when the loss is
+    known, beside the backward pass, instead of at the update's start, beside its forward pass. In session 23's replay
+    timelines the forward pass shared the GPU with the targets and the refresh (the GPU busy 117 % of the replay)
+    while the backward's small kernels ran alone; the encodings read only the parameters, which the backward does not
+    change. Session 21 measured launching them after the targets or at their join as equal. Off until timed on the
+    H200 (prepared in session 23)."""
     fold_ln: bool = True
     """The encoder blocks' LayerNorm affines folded into the linear layers after them (`shared.agent.ln_fold`):
     the same function and parameters, with γ's and β's gradients taken on the weights instead of summed over
@@ -777,11 +784,25 @@ class StepRunner:
             via = self._side_targets(targets_fn) if cfg.target_stream else None
             prio = self._side_priorities(side) if cfg.priorities_aside else None
 
-            def update_call(noise: torch.Tensor) -> None:
+            def encode_aside() -> None:
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):
                     torch._foreach_copy_(staging, list(encode_fn()))
-                update_fn(noise, staging, join, via, prio)
+
+            if cfg.refresh_at_backward and prio is not None:
+                write_priorities = prio
+
+                @torch._dynamo.disable
+                def prio(slot: torch.Tensor, td: torch.Tensor) -> None:   # the loss is known: the backward is next
+                    encode_aside()
+                    write_priorities(slot, td)
+
+                def update_call(noise: torch.Tensor) -> None:
+                    update_fn(noise, staging, join, via, prio)
+            else:
+                def update_call(noise: torch.Tensor) -> None:
+                    encode_aside()
+                    update_fn(noise, staging, join, via, prio)
         else:
             def update_call(noise: torch.Tensor) -> None:
                 update_fn(noise, None, lambda: None, None, None)
