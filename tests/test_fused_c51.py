@@ -75,16 +75,23 @@ def test_fused_equals_the_reference_values_and_gradients(case, dtype, launch):
     assert out[1][4].abs().sum() > 0
 
 
-def test_fused_under_torch_compile_equals_eager():
-    """Compiled, the custom ops stay whole: the same numbers as called eagerly."""
+@pytest.mark.parametrize("with_q", [False, True], ids=["C51 terms", "with the direction Q"])
+def test_fused_under_torch_compile_equals_eager(with_q):
+    """Compiled, the custom ops stay whole: the same numbers as called eagerly (`c51_branch_losses`, and
+    `c51_branch_losses_q` on the padded rows)."""
     if DEV != "cuda":
         pytest.skip("torch.compile of the custom op: CUDA only")
+    from services.trainer.losses import c51_branch_losses_q
     wide0, col, delta0, target, z, w_ce, w_ent, (N, K, NB, A) = _inputs("random", torch.bfloat16)
+    w_q = torch.randn(N, K, 3, device="cuda")
 
     def loss(wide, delta):
-        logits = wide[:, :K * NB * A].view(N, K, NB, A)
-        ce, ent, _ = c51_branch_losses(logits, col.cuda(), delta, target.cuda(), z.cuda(), BRANCHES, fused=True)
-        return (ce * w_ce.cuda()).sum() + (ent * w_ent.cuda()).sum()
+        args = (col.cuda(), delta, target.cuda(), z.cuda(), BRANCHES)
+        if with_q:
+            ce, ent, _, q = c51_branch_losses_q(wide, K, *args, fused=True)
+        else:
+            (ce, ent, _), q = c51_branch_losses(wide[:, :K * NB * A].view(N, K, NB, A), *args, fused=True), 0.0 * w_q
+        return (ce * w_ce.cuda()).sum() + (ent * w_ent.cuda()).sum() + (q * w_q).sum()
 
     grads = []
     for fn in (loss, torch.compile(loss, fullgraph=True)):
@@ -120,24 +127,3 @@ def test_fused_with_the_direction_q_on_the_padded_output_equals_the_reference(ca
     direction = out[1][4][:, :K * NB * A].view(N, K, NB, A)[:, :, :3]
     assert torch.all(direction.abs().sum(-1) > 0), "every direction action gets the Q's gradient, taken or not"
 
-
-def test_fused_with_the_direction_q_under_torch_compile_equals_eager():
-    """Compiled, the ops with the direction Q stay whole: the same numbers and gradients as called eagerly."""
-    if DEV != "cuda":
-        pytest.skip("torch.compile of the custom op: CUDA only")
-    from services.trainer.losses import c51_branch_losses_q
-    wide0, col, delta0, target, z, w_ce, w_ent, (N, K, NB, A) = _inputs("random", torch.bfloat16)
-    w_q = torch.randn(N, K, 3, device="cuda")
-
-    def loss(wide, delta):
-        ce, ent, _, q = c51_branch_losses_q(wide, K, col.cuda(), delta, target.cuda(), z.cuda(), BRANCHES, fused=True)
-        return (ce * w_ce.cuda()).sum() + (ent * w_ent.cuda()).sum() + (q * w_q).sum()
-
-    grads = []
-    for fn in (loss, torch.compile(loss, fullgraph=True)):
-        wide, delta = wide0.cuda().requires_grad_(), delta0.cuda().requires_grad_()
-        value = fn(wide, delta)
-        value.backward()
-        grads.append((value.detach(), wide.grad, delta.grad))
-    for a, b in zip(*grads):
-        torch.testing.assert_close(a.float(), b.float(), rtol=1e-5, atol=1e-5)
