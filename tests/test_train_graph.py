@@ -361,30 +361,21 @@ def test_compiled_update_equals_eager_on_one_batch(data, device, fused):
         assert rel[worst] < 1e-3, (off_kinks, worst, rel[worst])
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
-def test_direction_q_with_the_c51_terms_gives_the_same_update(data, device):
-    """`direction_q_in_c51`: the online direction Q taken with the C51 terms from the heads' padded output (on CUDA
-    by the fused kernels, whose backward hands the heads' GEMM the padded row's gradient) gives one update the same
-    metrics and gradients as the Q taken apart (eager, fp32, from the same state and batch)."""
-    m_a, g_a = one_update(data, device, "eager", True)
-    m_b, g_b = one_update(data, device, "eager", True, direction_q_in_c51=True)
+@pytest.mark.parametrize("device, option", [("cpu", "direction_q_in_c51"),
+                                            pytest.param("cuda", "direction_q_in_c51", marks=cuda),
+                                            pytest.param("cuda", "fused_targets", marks=cuda)])
+def test_an_option_of_the_same_arithmetic_gives_the_same_update(data, device, option):
+    """Options that compute the same numbers another way give one update the same metrics and gradients off and on
+    (eager, fp32, from the same state and batch, the portfolio shift off zero so it takes part):
+    `direction_q_in_c51`, the online direction Q taken with the C51 terms from the heads' padded output (on CUDA by
+    the fused kernels, whose backward hands the heads' GEMM the padded row's gradient); `fused_targets`, the
+    targets' double-Q selection as one Triton kernel (`services.trainer.fused_greedy`; tests/test_fused_greedy.py
+    checks the kernel alone)."""
+    m_a, g_a = one_update(data, device, "eager", True, **{option: False})
+    m_b, g_b = one_update(data, device, "eager", True, **{option: True})
     for k, v in m_a.items():
         assert math.isclose(v, m_b[k], rel_tol=1e-4, abs_tol=1e-6), (k, v, m_b[k])
     rel = _relative_differences(g_a, g_b)
-    worst = max(rel, key=rel.get)
-    assert rel[worst] < 1e-3, (worst, rel[worst])
-
-
-@cuda
-def test_fused_targets_give_the_update_of_the_reference_targets(data):
-    """`fused_targets`: the targets' double-Q selection as one Triton kernel (`services.trainer.fused_greedy`) gives
-    one update the same metrics and gradients as the reference chain (eager, fp32, from the same state and batch;
-    tests/test_fused_greedy.py checks the kernel alone), with the portfolio shift off zero so it takes part."""
-    m_r, g_r = one_update(data, "cuda", "eager", True, fused_targets=False)
-    m_f, g_f = one_update(data, "cuda", "eager", True, fused_targets=True)
-    for k, v in m_r.items():
-        assert math.isclose(v, m_f[k], rel_tol=1e-4, abs_tol=1e-6), (k, v, m_f[k])
-    rel = _relative_differences(g_r, g_f)
     worst = max(rel, key=rel.get)
     assert rel[worst] < 1e-3, (worst, rel[worst])
 
