@@ -201,8 +201,12 @@ def c51_branch_losses_q_reference(wide: torch.Tensor, members: int, col: torch.T
     """`c51_branch_losses_q` written out."""
     NB, A = sum(branch_sizes), support.shape[0]
     logits = wide[:, :members * NB * A].view(wide.shape[0], members, NB, A)
-    q = (torch.softmax(logits[:, :, :3].float(), dim=-1) * support).sum(-1)                # N × K × 3
-    return (*c51_branch_losses_reference(logits, col, delta, target, support), q)
+    return (*c51_branch_losses_reference(logits, col, delta, target, support), atom_mean(logits[:, :, :3], support))
+
+
+def atom_mean(logits: torch.Tensor, support: torch.Tensor) -> torch.Tensor:
+    """Σ_i z_i softmax(logits)_i of each distribution (fp32): ... × A → ... (`Agent.q_values` without the shift)."""
+    return (torch.softmax(logits.float(), dim=-1) * support).sum(-1)
 
 
 def greedy_next(on_logits: torch.Tensor, on_delta: torch.Tensor, tg_logits: torch.Tensor, tg_delta: torch.Tensor,
@@ -223,8 +227,7 @@ def greedy_next_reference(on_logits: torch.Tensor, on_delta: torch.Tensor, tg_lo
     selects the greedy action of each branch by its ensemble-mean Q, the target network (the same shapes) evaluates
     it. Returns (col N × NBR: the greedy actions as columns among the NB; p_next N × NBR × A: the target members'
     mean distribution there, fp32; d_star N × NBR: the target's portfolio shift there)."""
-    q_on = ((torch.softmax(on_logits.float(), dim=-1) * support).sum(-1)
-            + on_delta[:, :on_logits.shape[2]].unsqueeze(1)).mean(1)                      # N × NB
+    q_on = (atom_mean(on_logits, support) + on_delta[:, :on_logits.shape[2]].unsqueeze(1)).mean(1)  # N × NB
     col = greedy_columns(q_on, branch_sizes)
     return (col, *evaluate_columns(tg_logits, tg_delta, col))
 
