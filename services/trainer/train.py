@@ -211,8 +211,9 @@ class TrainConfig:
     known, beside the backward pass, instead of at the update's start, beside its forward pass. In session 23's replay
     timelines the forward pass shared the GPU with the targets and the refresh (the GPU busy 117 % of the replay)
     while the backward's small kernels ran alone; the encodings read only the parameters, which the backward does not
-    change. Session 21 measured launching them after the targets or at their join as equal. Off until timed on the
-    H200 (prepared in session 23)."""
+    change. Session 21 measured launching them after the targets or at their join as equal. Off: side by side at
+    batch 4 096 on the H200 the update's graph replay went 1.01 → 1.00 ms (bench/train_profile.py --variants ''
+    refresh_at_backward=True, session 24), within what one tree's rows differ by between runs."""
     fold_ln: bool = True
     """The encoder blocks' LayerNorm affines folded into the linear layers after them (`shared.agent.ln_fold`):
     the same function and parameters, with γ's and β's gradients taken on the weights instead of summed over
@@ -230,14 +231,15 @@ class TrainConfig:
     the greedy action of each branch, the target members' mean distribution and portfolio shift there) as one Triton
     kernel (`services.trainer.fused_greedy`) instead of the five kernels torch.compile made of it; the same numbers
     up to the order of float sums (an exact tie of two actions' Q aside)."""
-    direction_q_in_c51: bool = False
+    direction_q_in_c51: bool = True
     """The online direction Q of the update's stability and hindsight terms (every member's Σ_i z_i p_i of the three
     direction actions) computed with the C51 terms from the heads' padded output (`losses.c51_branch_losses_q`): on
     CUDA with `fused_c51`, two more Triton kernels, the backward's adding its gradient into the C51 kernel's and
     handing the heads' GEMM the gradient of the whole padded row, where compiled the Q's softmax (~18 µs forward),
     its backward (~13 µs) and a pass that summed both gradients into a padded copy (~26 µs) ran on the update's
-    stream (bench/train_profile.py --trace, session 23). The same numbers up to the order of float sums. Off until
-    timed on the H200 (prepared in session 23)."""
+    stream (bench/train_profile.py --trace, session 23). The same numbers up to the order of float sums. Side by
+    side at batch 4 096 on the H200 the update's graph replay went 1.01 → 0.97 ms, 331 → 333 kernels, GPU time a
+    call 1.17 → 1.13 ms (bench/train_profile.py --variants '' direction_q_in_c51=True, session 24)."""
     fused_c51: bool = True
     """On CUDA, the update's C51 chain of the taken actions (softmax, portfolio shift, cross-entropy, the direction
     branch's entropy and utilisation, forward and backward) as two Triton kernels (`services.trainer.fused_c51`)
