@@ -237,7 +237,8 @@ class TrainConfig:
     CUDA with `fused_c51`, two more Triton kernels, the backward's adding its gradient into the C51 kernel's and
     handing the heads' GEMM the gradient of the whole padded row, where compiled the Q's softmax (~18 µs forward),
     its backward (~13 µs) and a pass that summed both gradients into a padded copy (~26 µs) ran on the update's
-    stream (bench/train_profile.py --trace, session 23). The same numbers up to the order of float sums. Side by
+    stream (bench/train_profile.py --trace, session 23). The same numbers up to the order of float sums. Compiled
+    without the fused kernels the update keeps the written-out chain (see `make_update`). Side by
     side at batch 4 096 on the H200 the update's graph replay went 1.01 → 0.97 ms, 331 → 333 kernels, GPU time a
     call 1.17 → 1.13 ms (bench/train_profile.py --variants '' direction_q_in_c51=True, session 24)."""
     fused_c51: bool = True
@@ -643,7 +644,11 @@ def make_update(agent: Agent, target: Agent, opt: torch.optim.Optimizer, replay:
         # only what the losses read crosses `wait()`, a graph break when compiled: a live `out` would make every
         # field of it an output of the forward graph, and the trunk state and the shift, which reach the loss only
         # through the terms above, would get no gradient there and autograd would fill zeros for them
-        if cfg.direction_q_in_c51:
+        # the direction Q with the C51 terms where it pays, the fused kernels; compiled without them it is the same
+        # chain of compiled kernels, and torch 2.11's CPU inductor got its gradients wrong (session 24: the size and
+        # exit branches' and V's 100 % off eager, torch 2.13 exact; `test_compiled_update_equals_eager_on_one_batch`)
+        q_in_c51 = cfg.direction_q_in_c51 and (fused or not torch.compiler.is_compiling())
+        if q_in_c51:
             wide, d_dir, value_e = out.wide, out.delta[:, :3], out.value_e
         else:
             q_dir = agent.q_values(out.logits[:, :, :3], out.delta).mean(1)                # N × 3
@@ -652,7 +657,7 @@ def make_update(agent: Agent, target: Agent, opt: torch.optim.Optimizer, replay:
         wait()
         # --- C51 loss of every branch against its target; each ensemble member trains on its bootstrap mask ---
         # the distribution of (s, p, a): the market one with its atoms moved by the portfolio shift δ_a
-        if cfg.direction_q_in_c51:      # with every member's direction Q, from the heads' padded output
+        if q_in_c51:                    # with every member's direction Q, from the heads' padded output
             ce, ent_k, util_k, q_k = c51_branch_losses_q(wide, n_ens, col, d_a, tg.dist, z,
                                                          agent.cfg.branch_sizes, fused=fused)  # …, N × K × 3
             q_dir = (q_k + d_dir.unsqueeze(1)).mean(1)                                     # N × 3
