@@ -238,9 +238,9 @@ class TrainConfig:
     handing the heads' GEMM the gradient of the whole padded row, where compiled the Q's softmax (~18 µs forward),
     its backward (~13 µs) and a pass that summed both gradients into a padded copy (~26 µs) ran on the update's
     stream (bench/train_profile.py --trace, session 23). The same numbers up to the order of float sums. Compiled
-    without the fused kernels the update keeps the written-out chain (see `make_update`). Side by
-    side at batch 4 096 on the H200 the update's graph replay went 1.01 → 0.97 ms, 331 → 333 kernels, GPU time a
-    call 1.17 → 1.13 ms (bench/train_profile.py --variants '' direction_q_in_c51=True, session 24)."""
+    without the fused kernels the update keeps the written-out chain (see `make_update`). Side by side at batch
+    4 096 on the H200 the update's graph replay went 1.01 → 0.97 ms, 331 → 333 kernels, GPU time a call 1.17 →
+    1.13 ms (bench/train_profile.py --variants '' direction_q_in_c51=True, session 24)."""
     fused_c51: bool = True
     """On CUDA, the update's C51 chain of the taken actions (softmax, portfolio shift, cross-entropy, the direction
     branch's entropy and utilisation, forward and backward) as two Triton kernels (`services.trainer.fused_c51`)
