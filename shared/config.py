@@ -35,7 +35,8 @@ class ConfigError(ValueError):
     """Settings that do not validate; the message lists `TL_<FIELD>: problem` lines."""
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
+    """True for "localhost" and loopback IP addresses."""
     if host == "localhost":
         return True
     try:
@@ -100,7 +101,7 @@ class CommonSettings(BaseSettings):
         if not self.embedded and token == DEFAULT_API_TOKEN:
             raise ValueError(f"TL_API_TOKEN is the default {DEFAULT_API_TOKEN!r}, which is allowed only in embedded "
                              "mode (TL_EMBEDDED=true); set TL_API_TOKEN to a secret")
-        if self.embedded and not _is_loopback(self.host):
+        if self.embedded and not is_loopback(self.host):
             raise ValueError(f"TL_HOST={self.host!r}: embedded mode binds loopback only (127.0.0.1); "
                              "set TL_EMBEDDED=false and a secret TL_API_TOKEN to bind other addresses")
         return self

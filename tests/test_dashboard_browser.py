@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.redis_server import free_port
+from tradeloop.cmd_up import bind_listeners
 
 pytestmark = [pytest.mark.browser, pytest.mark.redis, pytest.mark.timeout(420)]
 
@@ -70,8 +70,10 @@ def wait_for(what: str, predicate, deadline_s: float, procs: dict, interval: flo
 
 @pytest.fixture
 def loop(redis_url, run_id, tmp_path):
-    """The four services as `tradeloop serve` processes on free ports; yields (urls, procs, logs)."""
-    ports = {name: free_port() for name in SERVICES}
+    """The four services as `tradeloop serve` processes on free ports, each serving on a socket bound here (as
+    `tradeloop up` does: no window for another process to take a port); yields (urls, procs, logs)."""
+    listeners = bind_listeners("127.0.0.1", {name: 0 for name in SERVICES})
+    ports = {name: s.getsockname()[1] for name, s in listeners.items()}
     env = {k: v for k, v in os.environ.items() if not k.startswith("TL_") and k != "REDIS_URL"}
     env.update({
         "TL_REDIS_URL": redis_url, "TL_RUN_ID": run_id, "TL_RUN_DIR": str(tmp_path / "runs"),
@@ -89,9 +91,12 @@ def loop(redis_url, run_id, tmp_path):
     try:
         for name in SERVICES:
             logs[name] = tmp_path / f"{name}.log"
-            procs[name] = subprocess.Popen([exe, "serve", name, "--log-level", "warning"], env=env,
+            fd = listeners[name].fileno()
+            procs[name] = subprocess.Popen([exe, "serve", name, "--log-level", "warning"],
+                                           env={**env, "TL_LISTEN_FD": str(fd)}, pass_fds=(fd,),
                                            stdout=open(logs[name], "wb"), stderr=subprocess.STDOUT,
                                            start_new_session=True)
+            listeners[name].close()  # the child's copy is the only one: once it dies, its port refuses
         urls = {n: f"http://127.0.0.1:{p}" for n, p in ports.items()}
         yield urls, procs, logs
     finally:
@@ -104,6 +109,8 @@ def loop(redis_url, run_id, tmp_path):
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        for sock in listeners.values():
+            sock.close()
 
 
 def chart_counts(page) -> dict:

@@ -21,7 +21,7 @@ import pytest
 import redis
 
 from shared.api import trainer_history_key
-from shared.redis_server import EmbeddedRedis, free_port
+from shared.redis_server import EmbeddedRedis
 from shared.store import run_key
 
 pytestmark = [pytest.mark.e2e, pytest.mark.redis]
@@ -30,11 +30,12 @@ TINY = {"TL_TRAIN_LEARNING_STARTS": "32", "TL_TRAIN_BATCH_SIZE": "32", "TL_TRAIN
         "OMP_NUM_THREADS": "1"}
 
 
-def _up(tmp_path: Path, run_id: str, ports: dict[str, int], *extra: str) -> subprocess.Popen:
+def _up(tmp_path: Path, run_id: str, *extra: str) -> subprocess.Popen:
+    """`tradeloop up` on free ports: it binds them itself (no window for another process to take one) and
+    writes where the services listen to <run dir>/services.json."""
     env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "TL_REDIS_URL")}
     env.update(TINY)
-    env.update({f"TL_{k.upper()}_PORT": str(v) for k, v in ports.items()})
-    cmd = [sys.executable, "-m", "tradeloop.cli", "up", "--epochs", str(EPOCHS), "--dataset", "synthetic",
+    cmd = [sys.executable, "-m", "tradeloop.cli", "up", "--free-ports", "--epochs", str(EPOCHS), "--dataset", "synthetic",
            "--device", "cpu", "--data-bars", "1000", "--iterations", "6", "--no-dashboard", "--no-live",
            "--run-dir", str(tmp_path / "runs"), "--run-id", run_id, "--summary", str(tmp_path / "summary.json"),
            "--feedback-timeout", "200", "--timeout", "280", *extra]
@@ -49,11 +50,30 @@ def _get(client: httpx.Client, url: str):
     return r.json() if r.status_code == 200 else None
 
 
-def _wait_and_capture(proc: subprocess.Popen, ports: dict[str, int], deadline_s: float) -> dict:
+def _service_urls(services_file: Path, proc: subprocess.Popen, deadline: float) -> dict[str, str] | None:
+    """The run's service URLs from services.json, once `up` has written it (None if `up` exited first)."""
+    while proc.poll() is None:
+        if services_file.exists():
+            try:
+                return json.loads(services_file.read_text())["urls"]
+            except (json.JSONDecodeError, KeyError):
+                pass  # being written
+        if time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"tradeloop up wrote no {services_file}:\n{proc.stdout.read()}")
+        time.sleep(0.1)
+    return None
+
+
+def _wait_and_capture(proc: subprocess.Popen, services_file: Path, deadline_s: float) -> dict:
     """Poll the REST endpoints until `up` exits; keep the last answer of each."""
-    t, e, f = (f"http://127.0.0.1:{ports[k]}" for k in ("trainer", "evaluator", "feedback"))
-    seen: dict = {"history": None, "reports": {}, "signals": {}, "status": {}}
+    seen: dict = {"history": None, "reports": {}, "signals": {}, "status": {}, "urls": None}
     deadline = time.monotonic() + deadline_s
+    urls = _service_urls(services_file, proc, deadline)
+    if urls is None:
+        return seen
+    seen["urls"] = urls
+    t, e, f = urls["trainer"], urls["evaluator-1"], urls["feedback"]
     with httpx.Client() as c:
         while proc.poll() is None:
             if time.monotonic() > deadline:
@@ -83,9 +103,8 @@ def _redis_of_run(run_dir: Path) -> EmbeddedRedis:
 
 
 def test_up_three_epochs_closes_the_loop(tmp_path):
-    ports = {k: free_port() for k in ("trainer", "evaluator", "feedback", "dashboard")}
-    proc = _up(tmp_path, "e2e", ports)
-    seen = _wait_and_capture(proc, ports, 290)
+    proc = _up(tmp_path, "e2e")
+    seen = _wait_and_capture(proc, tmp_path / "runs" / "e2e" / "services.json", 290)
     out = proc.stdout.read()
     assert proc.returncode == 0, out
     summary = json.loads((tmp_path / "summary.json").read_text())
@@ -103,6 +122,9 @@ def test_up_three_epochs_closes_the_loop(tmp_path):
     assert seen["status"]["trainer"]["run_id"] == "e2e" and seen["status"]["trainer"]["pid"] > 0
     assert "stream_lag" in seen["status"]["evaluator"]
     assert seen["status"]["evaluator"]["warm_up_s"] > 0      # data, features and a pass were ready before epoch 1
+    # the launcher bound the ports it wrote to services.json (the services answered there), and removed the file
+    assert set(seen["urls"]) == {"trainer", "evaluator-1", "feedback"}
+    assert not (tmp_path / "runs" / "e2e" / "services.json").exists()
 
     server = _redis_of_run(tmp_path / "runs" / "e2e")
     r = redis.Redis.from_url(server.url, decode_responses=True)
@@ -137,9 +159,8 @@ def test_up_three_epochs_closes_the_loop(tmp_path):
 
 
 def test_up_scale_out_two_evaluators_evaluate_each_checkpoint_once(tmp_path):
-    ports = {k: free_port() for k in ("trainer", "evaluator", "feedback", "dashboard")}
-    proc = _up(tmp_path, "e2e2", ports, "--evaluators", "2")
-    _wait_and_capture(proc, ports, 290)
+    proc = _up(tmp_path, "e2e2", "--evaluators", "2")
+    _wait_and_capture(proc, tmp_path / "runs" / "e2e2" / "services.json", 290)
     out = proc.stdout.read()
     assert proc.returncode == 0, out
     summary = json.loads((tmp_path / "summary.json").read_text())
@@ -171,9 +192,8 @@ def test_up_overlap_mode_applies_every_bundle_once_without_waiting_for_it(tmp_pa
     Every bundle applied is applied exactly once, in a later epoch; only the last bundle before the end may find
     no epoch left (stored after the last epoch trained); an epoch's final knobs are those of the last bundle it
     applied."""
-    ports = {k: free_port() for k in ("trainer", "evaluator", "feedback", "dashboard")}
-    proc = _up(tmp_path, "e2e3", ports, "--feedback-mode", "overlap", "--iterations", "60")
-    _wait_and_capture(proc, ports, 290)
+    proc = _up(tmp_path, "e2e3", "--feedback-mode", "overlap", "--iterations", "60")
+    _wait_and_capture(proc, tmp_path / "runs" / "e2e3" / "services.json", 290)
     out = proc.stdout.read()
     assert proc.returncode == 0, out
     summary = json.loads((tmp_path / "summary.json").read_text())

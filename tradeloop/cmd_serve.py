@@ -2,12 +2,15 @@
 
 Configuration comes from `TL_*` environment variables (shared/config.py; the trainer and evaluator add a
 few in their worker modules). Bad settings print the variables at fault and exit 2. The process binds
-`TL_HOST` on the service's port (`TL_TRAINER_PORT`, ...); SIGTERM / Ctrl-C stop it cleanly (uvicorn runs
-the app's shutdown: the worker stops after the item in hand).
+`TL_HOST` on the service's port (`TL_TRAINER_PORT`, ...), or, under `tradeloop up`, serves on the socket the
+launcher bound and passed down (`TL_LISTEN_FD`, held by the launcher across restarts); SIGTERM / Ctrl-C stop
+it cleanly (uvicorn runs the app's shutdown: the worker stops after the item in hand).
 """
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import sys
 from typing import Callable
 
@@ -37,8 +40,9 @@ def serve(service: str, *, log_level: str = "info") -> None:
     """Load the service's settings, build its app, run uvicorn until SIGTERM/SIGINT."""
     import uvicorn
 
-    from shared.config import ConfigError, load_settings
+    from shared.config import ConfigError, is_loopback, load_settings
 
+    listen_fd = os.environ.pop("TL_LISTEN_FD", None)  # not inherited by anything this process starts
     settings_cls, create_app = _factory(service)
     try:
         settings = load_settings(settings_cls)
@@ -51,8 +55,24 @@ def serve(service: str, *, log_level: str = "info") -> None:
         print(f"tradeloop serve {service}: {exc}", file=sys.stderr)
         raise typer.Exit(2)
     logging.basicConfig(level=log_level.upper(), format=f"%(asctime)s {service} %(levelname)s %(name)s: %(message)s")
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=log_level, access_log=False,
-                timeout_graceful_shutdown=10)
+    if listen_fd is None:
+        uvicorn.run(app, host=settings.host, port=settings.port, log_level=log_level, access_log=False,
+                    timeout_graceful_shutdown=10)
+        return
+    try:
+        sock = socket.socket(fileno=int(listen_fd))
+        bound = sock.getsockname()[0]
+    except (ValueError, OSError) as exc:
+        print(f"tradeloop serve {service}: TL_LISTEN_FD={listen_fd!r} is not an open socket ({exc})", file=sys.stderr)
+        raise typer.Exit(2)
+    if settings.embedded and not is_loopback(bound):
+        print(f"tradeloop serve {service}: TL_LISTEN_FD is bound to {bound}; embedded mode serves on loopback only",
+              file=sys.stderr)
+        raise typer.Exit(2)
+    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, access_log=False, timeout_graceful_shutdown=10))
+    server.run(sockets=[sock])
+    if not server.started:
+        raise typer.Exit(3)  # as uvicorn.run: the app's startup failed
 
 
 def register(app: typer.Typer) -> None:

