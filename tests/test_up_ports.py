@@ -9,11 +9,11 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
+from polling import poll_until
 
 from tradeloop.cmd_up import ServiceProc, Supervisor, bind_listeners, wanted_ports
 
@@ -89,11 +89,8 @@ def test_a_restarted_service_serves_on_the_same_socket(redis_url, run_id, tmp_pa
     try:
         proc.start()
         with httpx.Client() as client:
-            deadline = time.monotonic() + 60
-            while (first := _pid(client, url)) is None:
-                assert proc.alive, (tmp_path / "feedback.log").read_text()
-                assert time.monotonic() < deadline, "the feedback service never answered"
-                time.sleep(0.2)
+            first = poll_until(lambda: _pid(client, url), "the feedback service to answer", timeout_s=60,
+                               interval_s=0.2, alive=lambda: proc.alive)
             assert first == proc.proc.pid
             os.kill(first, signal.SIGKILL)
             proc.proc.wait(timeout=10)
@@ -101,12 +98,14 @@ def test_a_restarted_service_serves_on_the_same_socket(redis_url, run_id, tmp_pa
             with socket.socket() as intruder, pytest.raises(OSError) as info:
                 intruder.bind(("127.0.0.1", port))
             assert info.value.errno == errno.EADDRINUSE
-            msgs = []
-            deadline = time.monotonic() + 60
-            while (second := _pid(client, url)) in (None, first):
-                msgs += sup.poll()
-                assert time.monotonic() < deadline, f"not back on {url}: {msgs}"
-                time.sleep(0.2)
+            msgs: list[str] = []
+
+            def back() -> int | None:
+                msgs.extend(sup.poll())
+                pid = _pid(client, url)
+                return pid if pid not in (None, first) else None
+
+            second = poll_until(back, f"the restarted service on {url}", timeout_s=60, interval_s=0.2)
         assert second == proc.proc.pid and proc.restarts == 1
         assert any("exited with code -9" in m for m in msgs) and any("restart #1" in m for m in msgs), msgs
     finally:
