@@ -121,25 +121,27 @@ def _status(client: httpx.Client, services: Path) -> dict | None:
 def test_ctrl_c_mid_epoch_saves_it_and_a_resume_finishes_it_there(tmp_path):
     runs = tmp_path / "runs"
     run = runs / "cc"
-    iterations = 60
+    iterations = 40
     env = _env(runs)
     first = _up(env, "--run-id", "cc", "--epochs", "1", "--iterations", str(iterations))
-    with httpx.Client() as c:
-        st = poll_until(lambda: (s := _status(c, run / "services.json")) and s.get("phase") == "training"
-                        and s.get("iteration", 0) >= 3 and s, "the trainer in epoch 1, iteration 3",
-                        timeout_s=120, interval_s=0.1, alive=lambda: first.poll() is None)
-    assert st["training_epoch"] == 1
-    # while it runs: neither a new run of that id nor a resume can touch it
+    poll_until(lambda: (run / "services.json").exists(), "the run to start", timeout_s=60,
+               alive=lambda: first.poll() is None)
+    # while it runs, a resume cannot touch it
     busy = subprocess.run([sys.executable, "-m", "tradeloop.cli", "up", "--resume", "cc", "--free-ports",
                            "--no-dashboard"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert busy.returncode == 2 and f"tradeloop up pid {first.pid}" in busy.stderr, busy.stderr
+    with httpx.Client() as c:
+        st = poll_until(lambda: (s := _status(c, run / "services.json")) and s.get("phase") == "training"
+                        and s.get("iteration", 0) >= 2 and s, "the trainer in epoch 1, iteration 2",
+                        timeout_s=120, interval_s=0.05, alive=lambda: first.poll() is None)
+    assert st["training_epoch"] == 1
     os.kill(first.pid, signal.SIGINT)                                       # Ctrl-C
     out = _finish(first)
     assert first.returncode == 130, out
     assert "the trainer stops epoch 1 at its next iteration boundary" in out, out
     saved = next(line for line in out.splitlines() if "the trainer saved epoch 1 at iteration" in line)
     stopped_at = int(saved.split("at iteration ")[1].split("/")[0])
-    assert 3 <= stopped_at < iterations and f"/{iterations}" in saved
+    assert 2 <= stopped_at < iterations and f"/{iterations}" in saved
     assert "tradeloop up --resume cc" in out and "Traceback" not in out
     assert (run / "trainer" / "checkpoints" / "interrupted.safetensors").exists()
     assert not (run / "services.json").exists()

@@ -483,7 +483,8 @@ def new_run_id() -> str:
 
 
 def _resume_hint(run_id: str, run_dir: Path) -> str:
-    where = "" if Path(run_dir) == Path("runs") else f" --run-dir {run_dir}"
+    default = Path(os.environ.get("TL_RUN_DIR") or "runs")
+    where = "" if Path(run_dir) == default or Path(run_dir).resolve() == default.resolve() else f" --run-dir {run_dir}"
     return f"tradeloop up --resume {run_id}{where} (make up ARGS='--resume {run_id}{where}')"
 
 
@@ -838,7 +839,7 @@ def run_up(*, epochs: int, dataset: str, device: str, summary: Path | None, eval
                         break
                 time.sleep(0.2)
     finally:
-        note = _stopping_note(urls) if status != "completed" else "the services finish"
+        note = _stopping_note(urls) if status != "completed" else f"all {epochs} epochs are in; the services stop"
         print(f"tradeloop up: stopping ({status}): {note}", flush=True)
         at_stop, since = stop["signals"], time.time()
         ended = sup.stop_all(GRACE_S, TRAINER_GRACE_S, hurry=lambda: stop["signals"] > at_stop)
