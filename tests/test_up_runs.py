@@ -52,11 +52,13 @@ def test_run_ids_are_unique_and_a_resume_keeps_what_the_run_fixed(tmp_path, monk
     assert plan_run(None, tmp_path, None) == ("from-env", tmp_path / "from-env", False)
     assert plan_run("flag", tmp_path, None)[0] == "flag"                       # --run-id wins over TL_RUN_ID
     (tmp_path / "from-env").mkdir()
-    with pytest.raises(RunError, match="--resume from-env"):
+    with pytest.raises(RunError, match="holds no run; remove it"):
         plan_run(None, tmp_path, None)
     with pytest.raises(RunError, match="no run in"):                           # a directory that holds no run
         plan_run(None, tmp_path, "from-env")
     (tmp_path / "from-env" / RUN_FILE).write_text("{}")
+    with pytest.raises(RunError, match="holds a run; resume it with tradeloop up --resume from-env"):
+        plan_run(None, tmp_path, None)
     assert plan_run(None, tmp_path, "from-env") == ("from-env", tmp_path / "from-env", True)
     assert plan_run(None, Path("elsewhere"), str(tmp_path / "from-env"))[1] == tmp_path / "from-env"
     with pytest.raises(RunError, match="name different runs"):

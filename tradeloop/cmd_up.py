@@ -521,9 +521,11 @@ def plan_run(run_id: str | None, run_dir: Path, resume: str | None) -> tuple[str
     except ValueError as exc:
         raise RunError(f"{source}: {exc}") from None
     path = Path(run_dir) / run_id
+    if path.exists() and _is_run(path):
+        raise RunError(f"{path} already exists and holds a run; resume it with {_resume_hint(run_id, run_dir)}, "
+                       f"or choose another {source}")
     if path.exists():
-        raise RunError(f"{path} already exists{' and holds a run' if _is_run(path) else ''}; resume it with "
-                       f"{_resume_hint(run_id, run_dir)}, or choose another {source}")
+        raise RunError(f"{path} already exists and holds no run; remove it, or choose another {source}")
     return run_id, path, False
 
 
