@@ -84,8 +84,8 @@ def test_a_second_up_beside_a_running_one_names_the_run_that_holds_the_port(tmp_
                                                          "urls": {"trainer": f"http://127.0.0.1:{port}"}}))
         env = {k: v for k, v in os.environ.items() if not k.startswith("TL_") and k != "REDIS_URL"}
         env.update(TL_TRAINER_PORT=str(port), TL_RUN_DIR=str(runs))
-        r = subprocess.run([sys.executable, "-m", "tradeloop.cli", "up", "--no-dashboard", "--no-live", "--epochs", "1"],
-                           env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+        r = subprocess.run([sys.executable, "-m", "tradeloop.cli", "up", "--no-dashboard", "--no-live",
+                            "--epochs", "1"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stdout + r.stderr
     assert "run run-first holds it" in r.stderr and str(first / "services.json") in r.stderr, r.stderr
     assert f"pid {os.getpid()}" in r.stderr and "ARGS=--free-ports" in r.stderr, r.stderr

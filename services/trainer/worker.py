@@ -372,8 +372,7 @@ class TrainerWorker:
     # -- the loop -------------------------------------------------------------------------------------------
     async def run(self) -> None:
         """Train until TL_EPOCHS epochs exist, then idle (status phase "done") until the process stops."""
-        from services.trainer.train import (EpochInterrupted, prune_checkpoints, save_epoch, save_interrupted,
-                                            train_epoch)
+        from services.trainer.train import EpochInterrupted, prune_checkpoints, save_epoch, train_epoch
 
         self._phase("loading")
         tstate, meta, partial = await asyncio.to_thread(self._build)
