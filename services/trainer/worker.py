@@ -102,6 +102,12 @@ class TrainerWorker:
         self.phase = phase
         self.state.extra["phase"] = phase
 
+    def _compiling(self, what: str | None) -> None:
+        """`StepRunner.on_compile` (training thread): /status shows phase "compiling" and what, while the epoch's
+        first calls compile or capture its steps; `self.phase` stays "training" (an epoch is in hand)."""
+        self.state.extra["compiling"] = what
+        self.state.extra["phase"] = "compiling" if what is not None else self.phase
+
     # -- setup ------------------------------------------------------------------------------------------
     def _build(self):
         """Load data, build or resume the training state (blocking; run in a thread)."""
@@ -137,7 +143,8 @@ class TrainerWorker:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             run_json.write_text(json.dumps(meta, indent=2))
         device = s.device if s.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-        tstate = build_state(cfg, bars, split, seed, device, features=feats)
+        tstate = build_state(cfg, bars, split, seed, device, features=feats, accel=s.accel)
+        tstate.runner.on_compile = self._compiling
         done = complete_epoch(self.run_dir)
         if done:
             restore_state(tstate, self.run_dir, done)
@@ -312,7 +319,7 @@ class TrainerWorker:
         self._phase("loading")
         tstate, meta = await asyncio.to_thread(self._build)
         self.state.epoch = tstate.epoch
-        self.state.extra["device"] = str(tstate.device)
+        self.state.extra.update(device=str(tstate.device), accel=tstate.accel)
         if tstate.epoch and not await self.bus.redis.exists(run_key(self.bus.run_id, "done", "published", tstate.epoch)):
             # resumed after a crash between saving and publishing: publish the saved epoch (once)
             path = self.run_dir / "checkpoints" / f"epoch-{tstate.epoch:04d}.safetensors"
