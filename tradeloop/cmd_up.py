@@ -15,8 +15,9 @@
    service health) is read from the services' REST endpoints and shown with rich (a live table on a
    terminal, one line per event otherwise).
 5. After N epochs — N checkpoints, their reports and bundles stored — or on Ctrl-C / SIGTERM, every child
-   gets SIGTERM (SIGKILL after a grace period), the JSON summary is written (`--summary`, default
-   `<run dir>/summary.json`), and the embedded Redis is stopped (its AOF fsynced).
+   gets SIGTERM (SIGKILL after a grace period), the JSON summary is written (`<run dir>/summary.json`, and
+   `--summary FILE` too) with the run's best checkpoint by validation and the command that evaluates it, and the
+   embedded Redis is stopped (its AOF fsynced).
 
 Run directory: `--run-dir` (default `runs`) / run id (default a timestamp). Exit codes: 0 done, 1 the loop
 did not finish (timeout), 2 bad input, 130 interrupted.
@@ -215,6 +216,9 @@ def collect_summary(redis_url: str, run_id: str) -> dict:
                 "loss": rec.get("loss"), "epsilon": rec.get("epsilon"), "gamma": rec.get("gamma"),
                 "val_per_trade_sharpe": val.get("per_trade_sharpe"), "oos_per_trade_sharpe": oos.get("per_trade_sharpe"),
                 "val_dsr": val.get("dsr"), "evaluations": evals.get(e, 0),
+                "val_n_trades": None if "n_trades" not in val else int(val["n_trades"]),
+                "oos_n_trades": None if "n_trades" not in oos else int(oos["n_trades"]),
+                "val_n_trials": (rep or {}).get("n_trials"),
             })
         return {"epochs": rows, "evaluations": {str(k): v for k, v in sorted(evals.items())}}
     finally:
@@ -554,9 +558,17 @@ def run_up(*, epochs: int, dataset: str, device: str, summary: Path | None, eval
                "redis": "embedded" if server else "external", "evaluators": evaluators,
                "wall_seconds": round(time.monotonic() - t0, 1),
                "restarts": {p.name: p.restarts for p in procs}, **doc}
-        summary.parent.mkdir(parents=True, exist_ok=True)
-        summary.write_text(json.dumps(doc, indent=2))
+        from services.evaluator.runs import best_of_summary
+
+        doc["best_checkpoint"] = best = best_of_summary(doc["epochs"], run_path)
+        for path in dict.fromkeys((summary, run_path / "summary.json")):  # the run's copy: what evaluate reads
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(doc, indent=2))
         print(f"tradeloop up: summary written to {summary}", flush=True)
+        if best is not None:
+            print(f"tradeloop up: best checkpoint: epoch {best['epoch']} (val per-trade Sharpe "
+                  f"{_f(best['val_per_trade_sharpe'])} over {best['val_n_trades']} trades, {best['rule']}); "
+                  f"evaluate it: {best['command']}", flush=True)
         services_file.unlink(missing_ok=True)
         _close(listeners)
         if server is not None:
