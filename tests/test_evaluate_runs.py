@@ -188,3 +188,40 @@ def test_best_of_a_train_run_is_evaluated_on_validation_and_bad_choices_are_refu
         out = _cli("evaluate", *args)
         assert out.exit_code == 2 and words in out.stderr, (args, out.output)
         assert "Traceback" not in out.output
+
+
+def test_the_best_checkpoint_is_the_highest_val_sharpe_with_enough_trades():
+    import numpy as np
+
+    from shared.metrics import dsr, select_best, selection_dsr
+
+    assert select_best([0.5, 0.9, 0.7], [12, 3, 10]) == (2, True)       # 0.9 has too few trades
+    assert select_best([0.5, 0.9, 0.7], [1, 3, 2]) == (1, False)        # none has enough: the best of all
+    assert select_best([0.7, 0.7, 0.2], [10, 10, 10]) == (0, True)      # the first of equals
+    assert select_best([0.1], [0], min_trades=0) == (0, True)
+    for bad in (([], []), ([0.1, 0.2], [10])):
+        with pytest.raises(ValueError, match="one trade count per Sharpe"):
+            select_best(*bad)
+    r = np.random.default_rng(0).normal(0.01, 0.02, 40)
+    assert selection_dsr(r, [0.4]) == dsr(r, 1)
+    sharpes = [0.1, 0.3, 0.5, 0.2]
+    assert selection_dsr(r, sharpes) == dsr(r, 4, float(np.var(sharpes, ddof=1)))
+    assert selection_dsr(r, sharpes) < selection_dsr(r, [0.4])          # selecting among more costs confidence
+
+
+def test_up_summary_names_the_best_checkpoint_on_disk_and_its_command(tmp_path):
+    from services.evaluator.runs import best_of_summary
+
+    ck = tmp_path / "run" / "trainer" / "checkpoints"
+    ck.mkdir(parents=True)
+    for e in (2, 3):
+        (ck / f"epoch-{e:04d}.safetensors").write_bytes(b"x")
+    rows = [{"epoch": 1, "checkpoint_sha256": "a" * 64, "val_per_trade_sharpe": 2.0, "val_n_trades": 40},  # pruned
+            {"epoch": 2, "checkpoint_sha256": "b" * 64, "val_per_trade_sharpe": 0.4, "val_n_trades": 30},
+            {"epoch": 3, "checkpoint_sha256": "c" * 64, "val_per_trade_sharpe": 0.9, "val_n_trades": 4},
+            {"epoch": 4, "checkpoint_sha256": "d" * 64, "val_per_trade_sharpe": None, "val_n_trades": None}]
+    best = best_of_summary(rows, tmp_path / "run")
+    assert best["epoch"] == 2 and best["sha256"] == "b" * 64 and best["path"] == str(ck / "epoch-0002.safetensors")
+    assert best["selected_among"] == 2 and "(none had" not in best["rule"]
+    assert best["command"] == f"tradeloop evaluate --policy {tmp_path / 'run'} --checkpoint best --split test"
+    assert best_of_summary(rows[3:], tmp_path / "run") is None
