@@ -169,6 +169,11 @@ class TrainerSettings(CommonSettings):
                     "compile+graph (graph modes need CUDA); compiled kernels are cached in TORCHINDUCTOR_CACHE_DIR, "
                     "default ~/.cache/tradeloop/inductor")
 
+    compile_cache_dir: Path | None = Field(
+        default=None,
+        description="torch.compile's cache directory (sets TORCHINDUCTOR_CACHE_DIR); unset: TORCHINDUCTOR_CACHE_DIR, "
+                    "else ~/.cache/tradeloop/inductor (compose: on the checkpoints volume, so it outlives containers)")
+
     @model_validator(mode="after")
     def _accel_fits_device(self) -> "TrainerSettings":
         check_accel(self.accel, self.device, "TL_ACCEL", "TL_DEVICE")

@@ -58,7 +58,8 @@ def test_tl_accel_is_read_and_a_graph_mode_on_a_cpu_is_refused_by_name(monkeypat
 @pytest.mark.parametrize("accel, want", [(None, "eager"), ("compile", "compile")])
 def test_the_trainer_service_builds_its_state_with_tl_accel(monkeypatch, tmp_path, redis_url, run_id, accel, want):
     """The trainer service's settings from the environment → `TrainerWorker._build` → the `StepRunner`'s mode, with
-    the worker's phase hook installed (nothing is compiled here: building a state does not call a step)."""
+    the worker's phase hook installed, and TL_COMPILE_CACHE_DIR as torch.compile's cache (nothing is compiled here:
+    building a state does not call a step)."""
     from services.trainer.worker import TrainerServiceSettings, TrainerWorker
     from shared.api import ServiceState
     from shared.bus import Bus
@@ -67,16 +68,20 @@ def test_the_trainer_service_builds_its_state_with_tl_accel(monkeypatch, tmp_pat
            "TL_DATA_BARS": "800", "TL_TRAIN_N_ENVS": "4", "TL_TRAIN_BATCH_SIZE": "16"}
     for k, v in env.items():
         monkeypatch.setenv(k, v)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "theirs"))     # restored after the test
     if accel is None:
         monkeypatch.delenv("TL_ACCEL", raising=False)
+        monkeypatch.delenv("TL_COMPILE_CACHE_DIR", raising=False)
     else:
         monkeypatch.setenv("TL_ACCEL", accel)
+        monkeypatch.setenv("TL_COMPILE_CACHE_DIR", str(tmp_path / "cc"))
     settings = load_settings(TrainerServiceSettings)
     state = ServiceState("trainer", run_id)
     worker = TrainerWorker(settings, Bus(redis_url, run_id), state)
     tstate, _ = worker._build()
     assert tstate.accel == tstate.runner.accel == want
     assert tstate.runner.on_compile == worker._compiling
+    assert compile_cache_dir() == (tmp_path / ("theirs" if accel is None else "cc")).resolve()
     worker._phase("training")
     worker._compiling("compiling the collect step")
     assert state.extra["phase"] == "compiling" and state.extra["compiling"] == "compiling the collect step"

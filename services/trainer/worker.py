@@ -25,6 +25,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import os
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -117,6 +118,8 @@ class TrainerWorker:
         from shared.market import Split, chronological_split, compute_features, load_dataset
 
         s = self.settings
+        if s.compile_cache_dir is not None:             # before anything compiles (`shared.graphs.use_compile_cache`)
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(s.compile_cache_dir).resolve())
         if s.device == "cpu":
             torch.set_num_threads(max(1, min(torch.get_num_threads(), 4)))
         bars = load_dataset(s.data, seed=s.data_seed)
