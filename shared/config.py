@@ -137,7 +137,7 @@ class CommonSettings(BaseSettings):
 
 
 AccelMode = Literal["auto", "eager", "compile", "graph", "compile+graph"]
-"""`TL_ACCEL` / `--accel`: "auto" and `shared.graphs.ACCEL_MODES` (tests/test_config_events.py keeps them equal;
+"""`TL_ACCEL` / `--accel`: "auto" and `shared.graphs.ACCEL_MODES` (tests/test_accel.py keeps them equal;
 `shared.graphs.resolve_accel` says what "auto" becomes)."""
 
 

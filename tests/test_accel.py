@@ -151,3 +151,18 @@ def test_a_cache_directory_the_user_names_is_kept(monkeypatch, tmp_path):
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert compile_cache_dir() == tmp_path / "xdg" / "tradeloop" / "inductor"
+
+
+def test_up_and_train_refuse_a_graph_mode_on_a_cpu_before_starting(tmp_path):
+    from typer.testing import CliRunner
+
+    from tradeloop.cli import app
+
+    r = CliRunner().invoke(app, ["up", "--accel", "graph", "--device", "cpu", "--run-dir", str(tmp_path)])
+    assert r.exit_code == 2 and "--accel=graph captures CUDA graphs but --device is cpu" in r.stderr, r.output
+    r = CliRunner().invoke(app, ["up", "--accel", "fastest", "--run-dir", str(tmp_path)])
+    assert r.exit_code == 2 and "--accel must be one of auto, eager, compile, graph, compile+graph" in r.stderr
+    assert not any(tmp_path.iterdir())                  # nothing started, no run directory left
+    r = CliRunner().invoke(app, ["train", "--dataset", "synthetic", "--epochs", "1", "--out", str(tmp_path / "t"),
+                                 "--accel", "compile+graph"])
+    assert r.exit_code == 2 and "needs a CUDA device" in r.stderr and not (tmp_path / "t").exists()
