@@ -122,8 +122,9 @@ def test_evaluate_of_a_loop_checkpoint_equals_the_loops_report(tmp_path, redis_u
     assert f"checkpoint: epoch {EPOCHS} (latest) {run / 'trainer' / 'checkpoints'}" in out.stdout
 
 
-def _knobbed_run(tmp_path: Path):
-    """One epoch of a tiny `train_run` under knobs with an entry gate and closed regimes (returned too)."""
+@pytest.fixture(scope="module")
+def knobbed_run(tmp_path_factory):
+    """Two epochs of a tiny `train_run` under knobs with an entry gate and closed regimes (returned too)."""
     from services.trainer.train import train_run
     from shared.knobs import N_REGIMES, Knobs
     from shared.market import load_dataset
@@ -133,17 +134,17 @@ def _knobbed_run(tmp_path: Path):
     knobs = Knobs(gate_threshold=1e-3, regime_confidence=[0.0, 1.0, 0.5] * (N_REGIMES // 3))
     cfg = tiny_config()
     cfg.iterations, cfg.learning_starts = 20, 40
-    out = tmp_path / "run"
+    out = tmp_path_factory.mktemp("knobbed") / "run"
     train_run(bars, "synthetic", out, 2, config=cfg, seed=0, knobs_fn=lambda e: knobs)
     return out, knobs
 
 
-def test_plain_evaluate_applies_the_knobs_the_checkpoint_trained_under(tmp_path):
+def test_plain_evaluate_applies_the_knobs_the_checkpoint_trained_under(knobbed_run):
     from services.evaluator.runner import evaluate_checkpoint
     from shared.knobs import Knobs
     from shared.market import Split, load_dataset
 
-    run, knobs = _knobbed_run(tmp_path)
+    run, knobs = knobbed_run
     ck = run / "checkpoints" / "epoch-0002.safetensors"
     bars = load_dataset("synthetic", seed=0)
     split = Split.from_dict(json.loads((run / "run.json").read_text())["split"])
@@ -166,10 +167,10 @@ def test_plain_evaluate_applies_the_knobs_the_checkpoint_trained_under(tmp_path)
     assert rep["val"]["metrics"] == pytest.approx(as_trained.val.metrics, rel=1e-12, abs=1e-15)
 
 
-def test_best_of_a_train_run_is_evaluated_on_validation_and_bad_choices_are_refused(tmp_path):
+def test_best_of_a_train_run_is_evaluated_on_validation_and_bad_choices_are_refused(knobbed_run, tmp_path):
     from shared.metrics import select_best
 
-    run, _ = _knobbed_run(tmp_path)
+    run, _ = knobbed_run
     got = json.loads(_cli("evaluate", "--policy", str(run), "--checkpoint", "best", "--min-val-trades", "0",
                           "--json").stdout)
     cons = got["selection"]["considered"]
