@@ -14,10 +14,10 @@ The closed loop runs in-process, with no Redis and no services, through the very
         report_e : services.evaluator.runner.evaluate_checkpoint(checkpoint e, knobs_e, n_trials = e,
                    prior_sharpes = earlier val Sharpes)      (val, OOS, in-sample for E6/E7)
 
-Selection: the epoch with the best validation per-trade Sharpe among those with ≥ `--min-val-trades` val trades
-(default 10; all epochs when none has that many) — a multiple test over the E checkpoints, so the
-DSR printed is that checkpoint's validation DSR re-deflated over all E trials (`shared.metrics.dsr`, n_trials = E,
-variance of the E val Sharpes). Printed for it: val and OOS per-trade Sharpe (un-annualized, `shared.metrics`:
+Selection (`shared.metrics.select_best`, as `tradeloop evaluate --checkpoint best`): the epoch with the best
+validation per-trade Sharpe among those with ≥ `--min-val-trades` val trades (default 10; all epochs when none has
+that many) — a multiple test over the E checkpoints, so the DSR printed is that checkpoint's validation DSR
+re-deflated over all E trials (`shared.metrics.selection_dsr`: n_trials = E, variance of the E val Sharpes). Printed for it: val and OOS per-trade Sharpe (un-annualized, `shared.metrics`:
 a window with < 2 trades has Sharpe 0), the DSR, the val/OOS gap 1 − OOS/val (only meaningful when val > 0:
 "n/a" otherwise) and the trade counts. One markdown table per dataset, a row per seed × mode and a mean row
 per mode; then the goal check: feedback on has a higher mean OOS Sharpe or a smaller mean gap than off, and a
@@ -46,7 +46,7 @@ from services.feedback.signals import FeedbackConfig, compute_bundle  # noqa: E4
 from services.trainer.train import TrainConfig, train_run  # noqa: E402
 from shared.knobs import Knobs  # noqa: E402
 from shared.market import Split, compute_features, load_dataset  # noqa: E402
-from shared.metrics import dsr, per_trade_sharpe, val_oos_gap  # noqa: E402
+from shared.metrics import MIN_SELECTION_TRADES, per_trade_sharpe, select_best, selection_dsr, val_oos_gap  # noqa: E402
 
 GAP_GOAL = 0.15
 
@@ -104,13 +104,11 @@ def run_one(dataset: str, seed: int, feedback: bool, args, root: Path) -> dict:
     train_run(bars, dataset, run_dir, args.epochs, config=cfg, seed=seed, knobs_fn=knobs_fn, on_epoch=on_epoch)
     wall = time.perf_counter() - t0
     vals = [r.val.metrics["per_trade_sharpe"] or 0.0 for r in reports]
-    ok = [i for i, r in enumerate(reports) if r.val.metrics["n_trades"] >= args.min_val_trades] or list(range(len(vals)))
-    best = max(ok, key=lambda i: vals[i])
+    best, _ = select_best(vals, [int(r.val.metrics["n_trades"]) for r in reports], args.min_val_trades)
     rep = reports[best]
     val_sr, oos_sr = vals[best], rep.oos.metrics["per_trade_sharpe"] or 0.0
     val_tr = rep.val.trades.net_return.tolist()
-    var = float(np.var(vals, ddof=1)) if len(vals) >= 2 else None
-    d = dsr(val_tr, n_trials=len(vals), sharpe_var_trials=var)
+    d = selection_dsr(val_tr, vals)
     assert abs(per_trade_sharpe(val_tr) - val_sr) < 1e-9, "report trades disagree with the report's metrics"
     return dict(dataset=dataset, seed=seed, mode="on" if feedback else "off", epoch=rep.epoch, val=val_sr,
                 oos=oos_sr, dsr=d, gap=val_oos_gap(val_sr, oos_sr) if val_sr > 0 else float("nan"),
@@ -167,7 +165,7 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=4)
     ap.add_argument("--iterations", type=int, default=120, help="iterations (collect → update) per epoch")
     ap.add_argument("--learning-starts", type=int, default=1000, help="transitions before the first update")
-    ap.add_argument("--min-val-trades", type=int, default=10,
+    ap.add_argument("--min-val-trades", type=int, default=MIN_SELECTION_TRADES,
                     help="only checkpoints with at least this many val trades are selectable (all when none has)")
     ap.add_argument("--config", default="small", help="trainer config preset")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: fastest on a loaded VM)")

@@ -3,6 +3,8 @@
     python3 bench/train_speed.py --device cuda                      # on the H200: the issue's table
     .venv/bin/python bench/train_speed.py --device cpu --config small --modes eager --batches 128 \\
         --envs 16 --epoch-bars 0 --threads 1                         # CPU
+    .venv/bin/python bench/train_speed.py --device cpu --config small --modes eager --batches 128 --envs 16 \\
+        --epoch-bars 0 --updates 5 --collects 5 --threads 1 --product-set iterations=20 learning_starts=64  # smoke
 
 Rows (one column per mode, then each mode's ratio to eager):
   updates/s @ batch N     the whole update step (sampling, C51 + IQN + expectile + auxiliary losses, backward, clip,
@@ -12,7 +14,14 @@ Rows (one column per mode, then each mode's ratio to eager):
                           `TrainEnv.collect`)
   peak GPU memory         the largest `max_memory_allocated` of that mode's rows
   epoch s @ T bars        one epoch of the config (iterations × n_envs × env_steps ≈ T env-steps) on a training
-                          split of T synthetic bars, after a short warm-up epoch (captures, compiles)
+                          split of T synthetic bars, after a short warm-up epoch (captures, compiles); the same
+                          epoch's updates/s and env-steps/s as `train_epoch` counts them (`EpochStats`)
+  `tradeloop train` …     the product's own path, first in the run: `tradeloop.cmd_train.run_training` — what
+                          `tradeloop train --dataset D --config C --device X --epochs N` runs, default flags
+                          (`--accel auto`) — timed as its user sees it: each epoch's seconds, compile seconds,
+                          updates/s and env-steps/s (its `EpochStats`); the table shows epoch 2 (after the compile)
+                          in the column of the mode "auto" resolved to, and whether torch.compile's cache was cold.
+                          `--product-set` overrides preset fields (tiny CPU smoke runs); `--no-product` skips it
   GPU busy %              the union of kernel spans over `--busy-iterations` steady-state iterations
                           (`StepRunner.iteration`: collection + updates_per_iter updates, one CUDA graph in the graph
                           modes; torch.profiler, `--profile`), over the GPU timeline (first kernel's start to last
@@ -35,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from services.trainer.train import TrainConfig, build_state, train_epoch  # noqa: E402
+from shared.graphs import compile_cache_dir  # noqa: E402
 from shared.knobs import Knobs  # noqa: E402
 from shared.market import chronological_split, compute_features  # noqa: E402
 from shared.synthetic import generate  # noqa: E402
@@ -64,6 +74,7 @@ class Bench:
         self.a, self.dev = args, torch.device(args.device)
         self.data: dict[int, tuple] = {}
         self._busy: dict[str, tuple[float, float, float]] = {}
+        self._epochs: dict[tuple[str, int], object] = {}
 
     def dataset(self, n_train: int):
         """Synthetic bars whose training split holds about n_train bars (cached)."""
@@ -107,14 +118,40 @@ class Bench:
             st.runner.collect()
         return envs * st.cfg.env_steps_per_iter / self.timed(st.runner.collect, self.a.collects)
 
-    def epoch_seconds(self, mode: str, n_train: int) -> float:
-        st = self.state(mode, n_train)
-        iters = st.cfg.iterations
-        st.cfg.iterations, st.cfg.learning_starts = 20, 0
-        train_epoch(st, Knobs())                   # warm-up epoch: captures, compiles, fills replay
-        st.cfg.iterations = iters
-        s = train_epoch(st, Knobs())
-        return s.seconds
+    def epoch_stats(self, mode: str, n_train: int):
+        """`EpochStats` of one epoch after a short warm-up epoch (cached per mode and size)."""
+        if (mode, n_train) not in self._epochs:
+            st = self.state(mode, n_train)
+            iters = st.cfg.iterations
+            st.cfg.iterations, st.cfg.learning_starts = 20, 0
+            train_epoch(st, Knobs())                   # warm-up epoch: captures, compiles, fills replay
+            st.cfg.iterations = iters
+            self._epochs[(mode, n_train)] = train_epoch(st, Knobs())
+        return self._epochs[(mode, n_train)]
+
+    def product(self):
+        """`tradeloop train` as its user runs it (`run_training`, `--accel auto`) into a temporary directory:
+        (the mode "auto" resolved to, each epoch's `EpochStats`, whether the compile cache was empty before)."""
+        import tempfile
+
+        from services.trainer.train import TrainConfig
+        from shared.graphs import compile_cache_dir, resolve_accel
+        from shared.market import load_dataset
+        from tradeloop.cmd_train import run_training
+
+        a = self.a
+        config = a.config
+        if a.product_set:
+            feats = compute_features(load_dataset(a.product_dataset, seed=0))
+            config = TrainConfig.preset(a.config, feats.shape[1]).override(a.product_set)
+        cache = compile_cache_dir()
+        cold = not (cache.is_dir() and any(cache.iterdir()))
+        torch._dynamo.reset()
+        stats = []
+        with tempfile.TemporaryDirectory(prefix="tl-train-speed-") as d:
+            run_training(a.product_dataset, a.product_epochs, Path(d) / "run", device=a.device, config=config,
+                         seed=0, accel="auto", on_epoch=stats.append)
+        return resolve_accel("auto", self.dev), stats, cold
 
     def busy(self, mode: str) -> tuple[float, float, float]:
         """GPU busy over steady-state iterations: the union of kernel spans over (a) the GPU's timeline from the
@@ -161,6 +198,12 @@ class Bench:
         return self._busy[mode]
 
 
+def e2_batch(args) -> int:
+    """The batch size of the `tradeloop train` rows' preset (with `--product-set`)."""
+    cfg = TrainConfig.preset(args.config, 1)
+    return cfg.override(args.product_set).batch_size if args.product_set else cfg.batch_size
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -184,7 +227,15 @@ def main() -> None:
                     help="collection acts on the cached market view of every bar (TrainConfig.act_view_cache)")
     ap.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE",
                     help="override preset fields (agent.FIELD for the network's), e.g. agent.n_heads=2")
+    ap.add_argument("--product", action=argparse.BooleanOptionalAction, default=True,
+                    help="the rows of `tradeloop train` as its user runs it (first in the run)")
+    ap.add_argument("--product-dataset", default="synthetic", help="--dataset of the `tradeloop train` rows")
+    ap.add_argument("--product-epochs", type=int, default=2, help="--epochs of the `tradeloop train` rows (≥ 2)")
+    ap.add_argument("--product-set", nargs="*", default=[], metavar="FIELD=VALUE",
+                    help="override preset fields of the `tradeloop train` rows (tiny smoke runs), e.g. iterations=20")
     args = ap.parse_args()
+    if args.product and args.product_epochs < 2:
+        ap.error("--product-epochs must be >= 2: the rows show the epoch after the compile")
     if args.threads:
         torch.set_num_threads(args.threads)
     b = Bench(args)
@@ -192,12 +243,33 @@ def main() -> None:
     print(f"# train_speed: config={args.config} device={gpu} torch={torch.__version__} tf32={not args.no_tf32} "
           f"act_view_cache={args.act_view_cache} threads={torch.get_num_threads()} set={args.set}", flush=True)
     print(yardstick.line(b.dev), flush=True)     # figures of other machines compare through these
+    product_rows: dict[str, dict[str, str]] = {}
+    if args.product:
+        mode, stats, cold = b.product()
+        label = (f"tradeloop train --dataset {args.product_dataset} --config {args.config} --device {args.device} "
+                 f"--epochs {args.product_epochs}" + (f" (preset with {' '.join(args.product_set)})"
+                                                      if args.product_set else ""))
+        print(f"  as `{label}` runs it: --accel auto → {mode}; torch.compile cache "
+              f"{'cold' if cold else 'warm'} ({compile_cache_dir()})", flush=True)
+        for st in stats:
+            print(f"    epoch {st.epoch}: {st.seconds:.1f} s (compile {st.compile_s:.1f} s), "
+                  f"{st.updates_per_s:,.1f} updates/s, {st.env_steps_per_s:,.0f} env-steps/s", flush=True)
+        e2 = stats[1]
+        product_rows = {
+            f"`tradeloop train` updates/s, epoch 2 (batch {e2_batch(args)})": {mode: f"{e2.updates_per_s:,.4g}"},
+            "`tradeloop train` env-steps/s, epoch 2": {mode: f"{e2.env_steps_per_s:,.3g}"},
+            "`tradeloop train` epoch 1 / 2 s (compile s)":
+                {mode: f"{stats[0].seconds:.1f} / {e2.seconds:.1f} ({stats[0].compile_s:.1f}, "
+                       f"{'cold' if cold else 'warm'} cache)"}}
     rows: list[tuple[str, str, callable]] = []
     rows += [(f"updates/s @ batch {n}", "{:,.3g}", lambda m, n=n: b.updates_per_s(m, n)) for n in args.batches]
     rows += [(f"account-steps/s @ B={n}", "{:,.3g}", lambda m, n=n: b.account_steps_per_s(m, n)) for n in args.envs]
     if args.epoch_bars:
-        rows.append((f"epoch s @ {args.epoch_bars:,} train bars", "{:.1f}",
-                     lambda m: b.epoch_seconds(m, args.epoch_bars) if m in args.epoch_modes else None))
+        for name, field, fmt in (("s", "seconds", "{:.1f}"), ("updates/s", "updates_per_s", "{:,.4g}"),
+                                 ("env-steps/s", "env_steps_per_s", "{:,.3g}")):
+            rows.append((f"epoch {name} @ {args.epoch_bars:,} train bars", fmt,
+                         lambda m, f=field: getattr(b.epoch_stats(m, args.epoch_bars), f)
+                         if m in args.epoch_modes else None))
     if args.profile and b.dev.type == "cuda":
         rows += [(f"GPU busy % (kernel time / {over})", "{:.0%}",
                   lambda m, i=i: b.busy(m)[i] if m in args.busy_modes else None)
@@ -227,21 +299,23 @@ def main() -> None:
             print(f"  {label} [{m}] = {table[label][m]}", flush=True)
     if b.dev.type == "cuda":
         table["peak GPU memory"] = {m: f"{peak[m]:.2f} GiB" for m in args.modes}
+    table.update(product_rows)
+    modes = args.modes + [m for cells in product_rows.values() for m in cells if m not in args.modes][:1]
     ratios = [m for m in args.modes if m != "eager"] if "eager" in args.modes else []
-    head = "| row | " + " | ".join(args.modes) + "".join(f" | {m} / eager" for m in ratios) + " |"
+    head = "| row | " + " | ".join(modes) + "".join(f" | {m} / eager" for m in ratios) + " |"
     print()
     print(head)
-    print("|" + "---|" * (1 + len(args.modes) + len(ratios)))
+    print("|" + "---|" * (1 + len(modes) + len(ratios)))
     for label, cells in table.items():
         r = raw.get(label, {})
         rat = []
         for m in ratios:
             if m in r and "eager" in r and r["eager"] > 0:
                 x = r[m] / r["eager"]
-                rat.append(f"{1 / x:.1f}×" if label.startswith("epoch") else f"{x:.1f}×")
+                rat.append(f"{1 / x:.1f}×" if label.startswith("epoch s") else f"{x:.1f}×")
             else:
                 rat.append("")
-        print(f"| {label} | " + " | ".join(cells.get(m, "") for m in args.modes)
+        print(f"| {label} | " + " | ".join(cells.get(m, "") for m in modes)
               + "".join(f" | {x}" for x in rat) + " |")
 
 

@@ -260,10 +260,13 @@
     const last = state.history.length ? state.history[state.history.length - 1] : null;
     const epochs = num(s.epochs) ?? deepFind(s, /^(epochs|total_epochs|n_epochs)$/);
     const done = num(s.epoch) ?? (last ? num(last.epoch) : null);
-    const current = s.phase === "training" ? (num(s.training_epoch) ?? (done ?? 0) + 1) : null;
+    // "compiling": the epoch in hand compiles its steps first (a GPU's first epoch)
+    const current = s.phase === "training" || s.phase === "compiling"
+      ? (num(s.training_epoch) ?? (done ?? 0) + 1) : null;
     const overall = epochs && done !== null ? Math.min(1, done / epochs) : 0;
     $("progress-bar").style.width = `${(overall * 100).toFixed(1)}%`;
-    $("epoch").textContent = done !== null ? String(done) + (current !== null ? ` (training ${current})` : "") : "–";
+    const doing = s.phase === "compiling" ? "compiling for" : "training";
+    $("epoch").textContent = done !== null ? String(done) + (current !== null ? ` (${doing} ${current})` : "") : "–";
     $("epochs").textContent = epochs !== null ? String(epochs) : "–";
     let eta = num(s.eta_s);
     if (eta === null && epochs && done !== null && state.history.length) {

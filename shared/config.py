@@ -20,7 +20,7 @@ import os
 import re
 import socket
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import AliasChoices, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -142,6 +142,21 @@ class CommonSettings(BaseSettings):
         return f"http://{host}:{getattr(self, f'{service}_port')}"
 
 
+AccelMode = Literal["auto", "eager", "compile", "graph", "compile+graph"]
+"""`TL_ACCEL` / `--accel`: "auto" and `shared.graphs.ACCEL_MODES` (tests/test_accel.py keeps them equal;
+`shared.graphs.resolve_accel` says what "auto" becomes)."""
+
+
+def check_accel(accel: str, device: str, accel_name: str = "--accel", device_name: str = "--device") -> None:
+    """ValueError naming the option when `accel` is not a mode, or captures CUDA graphs on a cpu device."""
+    modes = get_args(AccelMode)
+    if accel not in modes:
+        raise ValueError(f"{accel_name} must be one of {', '.join(modes)}, got {accel!r}")
+    if "graph" in accel and device == "cpu":
+        raise ValueError(f"{accel_name}={accel} captures CUDA graphs but {device_name} is cpu; use auto, eager or "
+                         "compile")
+
+
 class TrainerSettings(CommonSettings):
     """Trainer service settings."""
 
@@ -154,6 +169,21 @@ class TrainerSettings(CommonSettings):
                     "is stored (the trainer waits only when evaluation + feedback outlast a whole epoch)")
     config: Literal["small", "full"] = Field(default="small", description="model/training preset: small or full")
     seed: int = Field(default=0, ge=0, description="random seed of the run")
+    accel: AccelMode = Field(
+        default="auto",
+        description="how the training step runs: auto (compile+graph on CUDA, eager on CPU), eager, compile, graph or "
+                    "compile+graph (graph modes need CUDA); compiled kernels are cached in TORCHINDUCTOR_CACHE_DIR, "
+                    "default ~/.cache/tradeloop/inductor")
+
+    compile_cache_dir: Path | None = Field(
+        default=None,
+        description="torch.compile's cache directory (sets TORCHINDUCTOR_CACHE_DIR); unset: TORCHINDUCTOR_CACHE_DIR, "
+                    "else ~/.cache/tradeloop/inductor (compose: on the checkpoints volume, so it outlives containers)")
+
+    @model_validator(mode="after")
+    def _accel_fits_device(self) -> "TrainerSettings":
+        check_accel(self.accel, self.device, "TL_ACCEL", "TL_DEVICE")
+        return self
 
     @property
     def port(self) -> int:

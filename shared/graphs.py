@@ -24,6 +24,8 @@ ML core: imports only torch.
 """
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -32,16 +34,63 @@ import torch
 ACCEL_MODES = ("eager", "compile", "graph", "compile+graph")
 """How a step function runs: eagerly, through torch.compile, captured in a CUDA graph, or compiled then captured."""
 
+AUTO_ACCEL = {"cuda": "compile+graph", "cpu": "eager"}
+"""What "auto" resolves to, by device type: the fastest mode measured there. On the H200 with the `full` preset,
+compile + graph trains at 1 122 updates/s in an epoch after its first (`tradeloop train`, epoch 2) against 250 for
+graph alone (bench/README.md, 2026-12-01). A CPU runs eagerly: no compiled mode has been measured faster there, and
+torch 2.11's CPU inductor got the update's gradients wrong (`services.trainer.train.compile_step`). Other device
+types run eagerly too."""
 
-def resolve_accel(accel: str, device: torch.device) -> str:
-    """'auto' → 'graph' on CUDA, 'eager' elsewhere; ValueError for an unknown mode or a graph mode off CUDA."""
+
+def resolve_accel(accel: str, device: torch.device | str) -> str:
+    """'auto' → `AUTO_ACCEL` of the device's type (eager where it names none); ValueError for an unknown mode or a
+    graph mode off CUDA."""
+    device = torch.device(device)
     if accel == "auto":
-        return "graph" if device.type == "cuda" else "eager"
+        return AUTO_ACCEL.get(device.type, "eager")
     if accel not in ACCEL_MODES:
         raise ValueError(f"unknown accel mode {accel!r}: use auto or one of {', '.join(ACCEL_MODES)}")
     if "graph" in accel and device.type != "cuda":
         raise ValueError(f"accel={accel!r} needs a CUDA device (got {device}); use eager or compile")
     return accel
+
+
+def _torch_default_cache_dir() -> str:
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    return os.path.abspath(default_cache_dir())
+
+
+def compile_cache_dir() -> Path:
+    """Where torch.compile's caches live (inductor's FX graph and AOTAutograd caches, the Triton kernels):
+    `TORCHINDUCTOR_CACHE_DIR` when the user set it, else `$XDG_CACHE_HOME/tradeloop/inductor` (default
+    `~/.cache/tradeloop/inductor`). torch's own default is a directory under /tmp, which a reboot or a fresh
+    machine empties: then every run compiles from scratch (~50 s for the `full` preset on the H200). torch writes
+    its default into `TORCHINDUCTOR_CACHE_DIR` when `torch._inductor` is first imported, so that value counts as
+    unset."""
+    given = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if given and os.path.abspath(given) != _torch_default_cache_dir():
+        return Path(given)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "tradeloop" / "inductor"
+
+
+def use_compile_cache() -> Path:
+    """Point torch.compile at `compile_cache_dir()`, with its local FX graph and AOTAutograd caches on, before this
+    process compiles anything (torch's in-memory caches of the directory are cleared when it moves); returns the
+    directory. A second run of the same configuration then loads its kernels instead of generating them."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    d = str(compile_cache_dir().resolve())
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR") != d:
+        from torch._inductor.utils import clear_caches
+
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = d
+        clear_caches()
+    inductor_config.fx_graph_cache = True
+    functorch_config.enable_autograd_cache = True
+    return Path(d)
 
 
 class StaticState:

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from statistics import NormalDist
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -215,6 +215,33 @@ def dsr(trade_returns: Any, n_trials: int = 1, sharpe_var_trials: float | None =
         return 0.0
     v = 1.0 / (r.size - 1) if sharpe_var_trials is None else float(sharpe_var_trials)
     return psr(r, sr_star=expected_max_sharpe(n_trials, v))
+
+
+MIN_SELECTION_TRADES = 10
+"""Validation trades a checkpoint needs to be selectable as a run's best (`select_best`)."""
+
+
+def select_best(val_sharpes: Sequence[float], val_trades: Sequence[int],
+                min_trades: int = MIN_SELECTION_TRADES) -> tuple[int, bool]:
+    """The run's best checkpoint: (index of the highest validation per-trade Sharpe among the checkpoints with at
+    least `min_trades` validation trades, whether any had that many). When none has, the highest among all — a
+    Sharpe of few trades says little, so the caller says so. The first of equal Sharpes wins; ValueError when
+    there is no checkpoint."""
+    if len(val_sharpes) != len(val_trades) or not val_sharpes:
+        raise ValueError(f"select_best needs one trade count per Sharpe and at least one checkpoint, got "
+                         f"{len(val_sharpes)} Sharpes and {len(val_trades)} trade counts")
+    ok = [i for i, n in enumerate(val_trades) if n >= min_trades]
+    pool = ok or list(range(len(val_sharpes)))
+    return max(pool, key=lambda i: (val_sharpes[i], -i)), bool(ok)
+
+
+def selection_dsr(best_trade_returns: Any, val_sharpes: Sequence[float]) -> float:
+    """DSR of the selected checkpoint's validation trades, deflated over every checkpoint considered: N = the
+    number of `val_sharpes` (per trade, un-annualized, one per checkpoint), V = their variance (ddof 1; the null
+    1/(n − 1) with one checkpoint). Picking the best epoch by validation is a multiple test."""
+    n = len(val_sharpes)
+    return dsr(best_trade_returns, n_trials=max(1, n),
+               sharpe_var_trials=float(np.var(np.asarray(val_sharpes, dtype=np.float64), ddof=1)) if n >= 2 else None)
 
 
 def val_oos_gap(val_sharpe: float, oos_sharpe: float) -> float:

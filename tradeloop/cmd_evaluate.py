@@ -1,12 +1,18 @@
 """`tradeloop evaluate` — run a policy over a split through the one simulator and print its metrics.
 
-Policies: a trained agent (`CKPT` file or `RUN_DIR`, latest checkpoint; run greedily by `shared.rollout`), or a
-baseline run through `shared.execution.run_positions`:
+Policies: a trained agent — a checkpoint file, or a run directory that `tradeloop train --out DIR` or `tradeloop up`
+wrote with `--checkpoint best|latest|N` (`services.evaluator.runs`: best = the highest validation per-trade Sharpe
+among the checkpoints with enough validation trades, as the loop's reports say) — or a baseline run through
+`shared.execution.run_positions`:
   oracle        synthetic only: the generator's hidden-regime positions (`shared.synthetic.oracle_positions`);
   random        seeded: a random side in {−1, 0, +1}, redrawn with probability 1/20 per bar (trades of ~20 bars);
   flat          never trades;
   buy-and-hold  long from the first bar to the last.
-Metrics (`shared.metrics.compute_metrics`; Sharpes un-annualized, per trade / per bar) of one account.
+An agent is evaluated as the loop's evaluator evaluates it, plain and `--report` alike
+(`services.evaluator.runner.report_for_cli`): the knobs it trained under (its entry gate and regime confidence),
+the run's costs, split and data, the loop's windows, and the val DSR deflated over the loop's trials — so the
+numbers are those the loop and the dashboard show for it. What it ran with (checkpoint, knobs) is printed.
+Metrics: `shared.metrics.compute_metrics` (Sharpes un-annualized, per trade / per bar) of one account.
 `policy_metrics` is the library entry point (used by bench/learning.py).
 """
 from __future__ import annotations
@@ -16,16 +22,21 @@ import math
 from pathlib import Path
 
 BASELINES = ("oracle", "random", "flat", "buy-and-hold")
+SPLITS = {"val": "val", "test": "oos"}
+"""--split → the report's window."""
 
 
-def resolve_checkpoint(policy: str) -> Path:
-    """A checkpoint file, or the latest `epoch-NNNN.safetensors` of RUN_DIR/checkpoints."""
+def resolve_checkpoint(policy: str, which: str = "latest") -> Path:
+    """A checkpoint file, or checkpoint `which` ("latest" or an epoch) of a run directory of either layout.
+    FileNotFoundError naming what is missing."""
+    from services.evaluator.runs import RunDirError, choose, find_run
+
     p = Path(policy)
     if p.is_dir():
-        cks = sorted((p / "checkpoints").glob("epoch-[0-9][0-9][0-9][0-9].safetensors"))
-        if not cks:
-            raise FileNotFoundError(f"{p}: no checkpoints/epoch-NNNN.safetensors in this run directory")
-        return cks[-1]
+        try:
+            return choose(find_run(p), which).path
+        except RunDirError as exc:
+            raise FileNotFoundError(str(exc)) from None
     if not p.is_file():
         raise FileNotFoundError(f"{policy}: not a checkpoint file, a run directory, or one of {', '.join(BASELINES)}")
     return p
@@ -57,95 +68,188 @@ def baseline_targets(policy: str, dataset: str, bars, start: int, stop: int, see
 
 
 def policy_metrics(policy: str, dataset: str, bars, split, which: str, *, seed: int = 0, device: str = "cpu",
-                   cost_bps: float = 1.0) -> dict:
-    """Metrics of `policy` (baseline name, checkpoint or run dir) on split window `which` of `bars`."""
-    import numpy as np
-
+                   cost_bps: float | None = None) -> dict:
+    """Metrics of `policy` (baseline name, checkpoint or run dir: its latest checkpoint) on split window `which`
+    ("val" or "test") of `bars`. An agent runs as the loop's evaluator runs it
+    (`services.evaluator.runner.evaluate_checkpoint`: the knobs and costs it trained under unless `cost_bps`)."""
     from shared.execution import CostModel, Prices, run_positions
-    from shared.metrics import compute_metrics, metrics_from_backtest
+    from shared.metrics import metrics_from_backtest
 
-    start, stop = split.window(which)
-    costs = CostModel(cost_bps)
     if policy in BASELINES:
+        start, stop = split.window(which)
         tg = baseline_targets(policy, dataset, bars, start, stop, seed)
-        res = run_positions(Prices.from_bars(bars.slice(start, stop)), tg, costs)
+        res = run_positions(Prices.from_bars(bars.slice(start, stop)), tg, CostModel(1.0 if cost_bps is None
+                                                                                    else cost_bps))
         return metrics_from_backtest(res)
-    from shared.agent import agent_from_checkpoint
-    from shared.checkpoints import load_checkpoint
-    from shared.rollout import MarketTensors, evaluate_policy
+    from services.evaluator.runner import evaluate_checkpoint
 
-    agent = agent_from_checkpoint(*load_checkpoint(resolve_checkpoint(policy)), device=device)
-    market = MarketTensors.from_bars(bars, start, stop, agent.cfg.window, device)
-    run = evaluate_policy(agent, market, costs=costs)
-    lg = run.ledger
-    return compute_metrics(lg["net_return"].to_numpy(np.float64), run.bar_returns, run.positions,
-                           lg["bars"].to_numpy(np.float64))
+    if which not in SPLITS:
+        raise ValueError(f"split window must be one of {', '.join(SPLITS)}, got {which!r}")
+    rep = evaluate_checkpoint(resolve_checkpoint(policy), expected_sha256=None, bars=bars, split=split, run_id="",
+                              epoch=0, insample_bars=0, oos=which == "test", device=device, dataset=dataset,
+                              costs=None if cost_bps is None else CostModel(cost_bps))
+    return dict(getattr(rep, SPLITS[which]).metrics)
 
 
-def _fmt(v: float) -> str:
-    return "nan" if isinstance(v, float) and math.isnan(v) else f"{v:.4g}"
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return "nan" if math.isnan(v) else f"{v:.4g}"
+    return str(v)
+
+
+def _knobs_used(knobs) -> dict:
+    """The knobs the policy reads when evaluated (the rest steer training only)."""
+    from shared.knobs import Knobs
+
+    k = knobs or Knobs()
+    return {"gate_threshold": None if math.isinf(k.gate_threshold) else k.gate_threshold,
+            "regime_confidence": list(k.regime_confidence)}
+
+
+def evaluate_agent(policy: str, *, which: str | None, split: str, dataset: str | None, seed: int | None,
+                   device: str, min_trades: int, report: bool, echo) -> dict:
+    """Evaluate a checkpoint or a run's chosen checkpoint as the loop does; `echo(line)` gets what it ran with.
+    Returns the JSON document of the plain output (with the report under "report"). Raises RunDirError,
+    EvaluateInputError."""
+    from services.evaluator.runner import report_for_cli
+    from services.evaluator.runs import (CHECKPOINT_NAME, Choice, RunDirError, choose, find_run, loop_trials,
+                                         run_of_checkpoint, sidecar_sha256)
+    from shared.metrics import selection_dsr
+
+    p = Path(policy)
+    if p.is_dir():
+        run = find_run(p)
+
+        def val_of(path: Path) -> tuple[float, int]:
+            ev = report_for_cli(path, data=dataset, device=device, data_seed=seed, insample=False, oos=False)
+            m = ev.report.val.metrics
+            echo(f"  evaluated epoch {ev.epoch} on validation: per-trade Sharpe {m['per_trade_sharpe']:.4g} over "
+                 f"{int(m['n_trades'])} trades")
+            return float(m["per_trade_sharpe"]), int(m["n_trades"])
+
+        choice = choose(run, which or "latest", min_trades=min_trades, val_of=val_of)
+    elif p.is_file():
+        if which is not None:
+            raise RunDirError(f"--checkpoint {which}: --policy {policy} is a checkpoint file; --checkpoint picks "
+                              "among a run directory's checkpoints")
+        run = run_of_checkpoint(p)
+        named = CHECKPOINT_NAME.match(p.name)
+        sha = sidecar_sha256(p) if p.with_name(p.name + ".sha256").is_file() else ""
+        choice = Choice(int(named.group(1)) if named else 0, p, sha, "file")
+    else:
+        raise RunDirError(f"{policy}: not a checkpoint file, a run directory, or one of {', '.join(BASELINES)}")
+
+    # the val DSR over the loop's trials when the run holds its reports (a file of a run: by the epoch in its name)
+    trials = loop_trials(run, choice.epoch) if run is not None and choice.epoch else None
+    ev = report_for_cli(choice.path, data=dataset, device=device, data_seed=seed, trials=trials)
+    rep = ev.report
+    sel = None
+    if choice.how == "best":
+        sharpes = [c.val_sharpe for c in choice.candidates]
+        sel = {"rule": "highest val per-trade Sharpe (un-annualized) among checkpoints with >= "
+                       f"{choice.min_trades} val trades", "enough_val_trades": choice.enough_trades,
+               "considered": [{"epoch": c.epoch, "val_per_trade_sharpe": c.val_sharpe, "val_n_trades": c.val_trades,
+                               "source": c.source, "on_disk": c.path is not None} for c in choice.candidates],
+               "dsr_deflated_over_considered": selection_dsr(rep.val.trades.net_return, sharpes)}
+    doc = {"checkpoint": {"epoch": ev.epoch, "path": str(ev.path), "sha256": ev.sha256, "how": choice.how},
+           "dataset": ev.dataset, "knobs": _knobs_used(ev.knobs), "knobs_source": ev.knobs_source,
+           "costs_bps": ev.costs.cost_bps + ev.costs.slippage_bps,
+           "val_dsr_trials": {"n_trials": ev.n_trials, "basis": ev.trials_source}, "selection": sel}
+    shown = Choice(ev.epoch, ev.path, ev.sha256, choice.how, choice.candidates, choice.enough_trades,
+                   choice.min_trades)
+    echo(f"checkpoint: {shown.describe()}")
+    k = doc["knobs"]
+    gate = "none" if k["gate_threshold"] is None else f"{k['gate_threshold']:.4g}"
+    echo(f"knobs: as trained, from {ev.knobs_source}: entry gate {gate}, regime confidence "
+         f"[{', '.join(f'{c:.3g}' for c in k['regime_confidence'])}]")
+    echo(f"val DSR deflated over {ev.trials_source}")
+    if sel is not None:
+        echo(f"selection DSR (val, deflated over the {len(choice.candidates)} checkpoints considered): "
+             f"{sel['dsr_deflated_over_considered']:.4g}")
+    window = getattr(rep, SPLITS[split])
+    doc["metrics"] = dict(window.metrics)
+    if report:
+        doc["report"] = rep
+    return doc
 
 
 def register(app) -> None:
     """Add `tradeloop evaluate` (typer is imported here, so `policy_metrics` needs no CLI stack)."""
     import typer
 
+    from shared.metrics import MIN_SELECTION_TRADES
+
     def evaluate(
-        policy: str = typer.Option(..., "--policy", help="CKPT file, RUN_DIR, or oracle|random|flat|buy-and-hold."),
-        dataset: str = typer.Option("synthetic", "--dataset", help="Dataset name (synthetic, sp500, eurusd) or file."),
+        policy: str = typer.Option(..., "--policy", help="CKPT file, RUN_DIR (tradeloop train --out DIR, or a "
+                                   "tradeloop up run), or oracle|random|flat|buy-and-hold."),
+        checkpoint: str = typer.Option(None, "--checkpoint", help="RUN_DIR only: best (highest val per-trade Sharpe "
+                                       "with enough val trades, as the loop reported), latest (default) or an "
+                                       "epoch number."),
+        min_val_trades: int = typer.Option(MIN_SELECTION_TRADES, "--min-val-trades",
+                                           help="--checkpoint best: val trades a checkpoint needs to be chosen."),
+        dataset: str = typer.Option(None, "--dataset", help="Dataset name (synthetic, sp500, eurusd) or file; "
+                                    "default: the agent's training data (synthetic for a baseline)."),
         split: str = typer.Option("val", "--split", help="val or test (OOS)."),
-        seed: int = typer.Option(0, "--seed", help="Seed of the synthetic data and of the random policy."),
+        seed: int = typer.Option(None, "--seed", help="Seed of the synthetic data (default: the run's) and of the "
+                                 "random policy (default 0)."),
         device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
         as_json: bool = typer.Option(False, "--json", help="Print the metrics as one JSON object."),
         report: bool = typer.Option(False, "--report", help="Agent only: the evaluator's full report (val, OOS, "
                                     "in-sample autopsy, calibration, ledgers, equity) as JSON, as the service "
                                     "stores it (trades and equity packed: shared.report.TradeTable.of(doc['val']"
-                                    "['trades']).records() gives rows)."),
+                                    "['trades']).records() gives rows); what it ran with goes to stderr."),
     ) -> None:
         """Run a policy over the validation or test split and print its metrics (Sharpes un-annualized)."""
         from shared.checkpoints import CheckpointError
         from shared.market import DataError, chronological_split, load_dataset
 
-        if report:
-            if policy in BASELINES:
-                typer.echo("error: --report needs a checkpoint or run directory (the autopsy reads the agent's "
-                           "predictions)", err=True)
-                raise typer.Exit(2)
-            from services.evaluator.runner import EvaluateInputError, report_for_cli
+        def fail(msg: str) -> None:
+            typer.echo(f"error: {msg}", err=True)
+            raise typer.Exit(2)
 
+        if split not in SPLITS:
+            fail(f"--split must be val or test, got {split!r}")
+        if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+            fail(f"--device must be cpu or cuda, got {device!r}")
+        if min_val_trades < 0:
+            fail(f"--min-val-trades must be >= 0, got {min_val_trades}")
+        if policy in BASELINES:
+            if report:
+                fail("--report needs a checkpoint or run directory (the autopsy reads the agent's predictions)")
+            if checkpoint is not None:
+                fail(f"--checkpoint picks among a run directory's checkpoints; {policy} is a baseline")
+            dataset = dataset or "synthetic"
             try:
-                rep = report_for_cli(resolve_checkpoint(policy), data=dataset, device=device)
-            except (EvaluateInputError, FileNotFoundError) as exc:
-                typer.echo(f"error: {exc}", err=True)
-                raise typer.Exit(2) from None
-            typer.echo(rep.model_dump_json())
+                bars = load_dataset(dataset, seed=seed or 0)
+                m = policy_metrics(policy, dataset, bars, chronological_split(len(bars)), split, seed=seed or 0)
+            except (DataError, ValueError, OSError) as exc:
+                fail(str(exc))
+            if as_json:
+                typer.echo(json.dumps({"policy": policy, "dataset": dataset, "split": split, "metrics": m}))
+                return
+            typer.echo(f"{policy} on {dataset} [{split}]  (Sharpes un-annualized)")
+            for k, v in m.items():
+                typer.echo(f"  {k:<18} {_fmt(v)}")
             return
 
-        if split not in ("val", "test", "train"):
-            typer.echo(f"error: --split must be val or test, got {split!r}", err=True)
-            raise typer.Exit(2)
-        if device not in ("cpu", "cuda"):
-            typer.echo(f"error: --device must be cpu or cuda, got {device!r}", err=True)
-            raise typer.Exit(2)
+        from services.evaluator.runner import EvaluateInputError
+        from services.evaluator.runs import RunDirError
+
+        quiet = as_json or report
         try:
-            bars = load_dataset(dataset, seed=seed)
-            sp = chronological_split(len(bars))
-            if policy not in BASELINES:
-                ck = resolve_checkpoint(policy)
-                run_json = (ck.parent.parent / "run.json")
-                if run_json.exists():  # evaluate on the run's own split
-                    from shared.market import Split
-
-                    sp = Split.from_dict(json.loads(run_json.read_text())["split"])
-            m = policy_metrics(policy, dataset, bars, sp, split, seed=seed, device=device)
-        except (DataError, CheckpointError, FileNotFoundError, ValueError, OSError) as exc:
-            typer.echo(f"error: {exc}", err=True)
-            raise typer.Exit(2) from None
-        if as_json:
-            typer.echo(json.dumps({"policy": policy, "dataset": dataset, "split": split, "metrics": m}))
+            doc = evaluate_agent(policy, which=checkpoint, split=split, dataset=dataset, seed=seed, device=device,
+                                 min_trades=min_val_trades, report=report,
+                                 echo=lambda line: typer.echo(line, err=quiet))
+        except (EvaluateInputError, RunDirError, CheckpointError, DataError, OSError) as exc:
+            fail(str(exc))
+        if report:
+            typer.echo(doc["report"].model_dump_json())
             return
-        typer.echo(f"{policy} on {dataset} [{split}]  (Sharpes un-annualized)")
-        for k, v in m.items():
+        if as_json:
+            typer.echo(json.dumps({"policy": policy, "split": split, **doc}))
+            return
+        typer.echo(f"{policy} on {doc['dataset']} [{split}]  (Sharpes un-annualized, per trade unless per_bar)")
+        for k, v in doc["metrics"].items():
             typer.echo(f"  {k:<18} {_fmt(v)}")
 
     app.command("evaluate")(evaluate)

@@ -3,15 +3,38 @@
     tradeloop train --dataset synthetic --epochs 5 --out runs/demo [--device cpu|cuda] [--config small|full] [--seed 0]
                     [--accel auto|eager|compile|graph|compile+graph]
 
-Progress on the terminal: a rich progress bar per epoch, then one line per epoch with loss, ε, γ, steps/s and the
-train per-trade Sharpe (un-annualized, trades closed while collecting, exploration included).
+Progress on the terminal: a rich progress bar per epoch (it names the compile while the first epoch's steps compile),
+then one line per epoch with loss, ε, γ, steps/s and the train per-trade Sharpe (un-annualized, trades closed while
+collecting, exploration included). `run_training` is what the command runs once its flags are checked
+(bench/train_speed.py times it as a user sees it).
 """
 from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING, Callable
 
 import typer
+
+if TYPE_CHECKING:
+    from services.trainer.train import EpochStats, TrainConfig, TrainState
+
+
+def run_training(dataset: str, epochs: int, out: Path, *, device: str = "cpu", config: "str | TrainConfig" = "small",
+                 seed: int = 0, accel: str = "auto", on_epoch: "Callable[[EpochStats], None] | None" = None,
+                 progress: Callable[[int, int], None] | None = None,
+                 on_compile: Callable[[str | None], None] | None = None) -> "TrainState":
+    """`tradeloop train`'s work: the dataset (seeded by `seed`), then `train_run` until `epochs` epochs exist in
+    `out`. Raises DataError, CheckpointError or ValueError (a dataset file that cannot be read among them)."""
+    from services.trainer.train import train_run
+    from shared.market import load_dataset
+
+    try:
+        bars = load_dataset(dataset, seed=seed)
+    except OSError as exc:
+        raise ValueError(f"{dataset}: cannot read: {exc}") from None
+    return train_run(bars, dataset, out, epochs, config=config, seed=seed, device=device, accel=accel,
+                     on_epoch=on_epoch, progress=progress, on_compile=on_compile)
 
 
 def train(
@@ -22,16 +45,17 @@ def train(
     config: str = typer.Option("small", "--config", help="Preset: small (CPU) or full (GPU)."),
     seed: int = typer.Option(0, "--seed", help="Seed of the run (and of the synthetic data)."),
     accel: str = typer.Option("auto", "--accel",
-                              help="auto (CUDA graphs on a GPU, eager on CPU), eager, compile, graph or compile+graph."),
+                              help="auto (compile+graph on a GPU, eager on CPU), eager, compile, graph or "
+                                   "compile+graph. Compiled kernels are cached (TORCHINDUCTOR_CACHE_DIR, default "
+                                   "~/.cache/tradeloop/inductor): a second run of a config starts in seconds."),
 ) -> None:
     """Train the distributional agent on the training split; checkpoints and history go to --out."""
     import torch
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from services.trainer.train import EpochStats, train_run
     from shared.checkpoints import CheckpointError
-    from shared.market import DataError, load_dataset
+    from shared.graphs import compile_cache_dir, resolve_accel
 
     err = Console(stderr=True)
     if epochs < 1:
@@ -46,46 +70,42 @@ def train(
     if device.startswith("cuda") and not torch.cuda.is_available():
         err.print("error: --device cuda but no CUDA device is available here")
         raise typer.Exit(2)
-    from shared.graphs import resolve_accel
     try:
-        resolve_accel(accel, torch.device(device))
+        mode = resolve_accel(accel, torch.device(device))
     except ValueError as exc:
         err.print(f"error: --accel: {exc}", markup=False)
         raise typer.Exit(2) from None
     if out.exists() and not out.is_dir():
         err.print(f"error: --out {out} exists and is not a directory")
         raise typer.Exit(2)
-    try:
-        bars = load_dataset(dataset, seed=seed)
-    except DataError as exc:
-        err.print(f"error: {exc}", markup=False)
-        raise typer.Exit(2) from None
-    except OSError as exc:
-        err.print(f"error: {dataset}: cannot read: {exc}", markup=False)
-        raise typer.Exit(2) from None
 
     console = Console()
+    how = f"{mode} ({accel} on {device})" if accel == "auto" else mode
+    cache = f"; compiled kernels cached in {compile_cache_dir()}" if "compile" in mode else ""
+    console.print(f"accel: {how}{cache}", markup=False)
     with Progress(TextColumn("[bold]epoch {task.fields[epoch]}"), BarColumn(), MofNCompleteColumn(),
-                  TimeRemainingColumn(), console=console, transient=True) as prog:
-        task = prog.add_task("train", total=1, epoch="…")
-        state_box: dict = {"epoch": None}
+                  TimeRemainingColumn(), TextColumn("{task.fields[phase]}"), console=console, transient=True) as prog:
+        task = prog.add_task("train", total=1, epoch="…", phase="loading")
+        state_box: dict = {}
 
         def progress(i: int, n: int) -> None:
-            if state_box["epoch"] is None:
-                state_box["epoch"] = 0
-            prog.update(task, completed=i, total=n, epoch=state_box.get("next", "?"))
+            prog.update(task, completed=i, total=n, epoch=state_box.get("next", "?"), phase="")
+
+        def on_compile(what: str | None) -> None:
+            prog.update(task, phase="" if what is None else f"{what} (first epoch only)…")
 
         def on_epoch(s: EpochStats) -> None:
             state_box["next"] = s.epoch + 1
             sr = "n/a" if math.isnan(s.train_per_trade_sharpe) else f"{s.train_per_trade_sharpe:.3f}"
+            comp = f" (compile {s.compile_s:.0f}s)" if s.compile_s >= 0.5 else ""
             console.print(f"epoch {s.epoch:>3}  loss {s.loss:.4f}  ε {s.epsilon:.3f}  γ {s.gamma:.3f}  "
                           f"env-steps/s {s.env_steps_per_s:,.0f}  updates/s {s.updates_per_s:,.1f}  "
-                          f"train per-trade Sharpe {sr} ({s.train_trades} trades)  {s.seconds:.0f}s")
+                          f"train per-trade Sharpe {sr} ({s.train_trades} trades)  {s.seconds:.0f}s{comp}")
 
         try:
-            state = train_run(bars, dataset, out, epochs, config=config, seed=seed, device=device,
-                              accel=accel, on_epoch=on_epoch, progress=progress)
-        except (CheckpointError, ValueError) as exc:
+            state = run_training(dataset, epochs, out, device=device, config=config, seed=seed, accel=accel,
+                                 on_epoch=on_epoch, progress=progress, on_compile=on_compile)
+        except (CheckpointError, ValueError) as exc:             # DataError among them
             err.print(f"error: {exc}", markup=False)
             raise typer.Exit(2) from None
     console.print(f"done: {state.epoch} epochs in {out} (checkpoints in {out / 'checkpoints'})")

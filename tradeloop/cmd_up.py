@@ -2,6 +2,7 @@
 
     tradeloop up [--epochs N] [--dataset NAME|FILE] [--device cpu|cuda] [--summary FILE] [--evaluators N]
                  [--run-id ID | --resume RUN] [--run-dir DIR] [--free-ports]
+                 [--accel auto|eager|compile|graph|compile+graph]
 
 0. The run: a new one gets `--run-id`, else `TL_RUN_ID`, else `run-<date>-<time>-<6 hex>`, and a directory
    `<run dir>/<run id>` (`--run-dir`, else `TL_RUN_DIR`, else `runs`) that must not exist yet: it is created
@@ -26,7 +27,8 @@
    gets SIGTERM; the launcher says what it waits for: the trainer stops at its next iteration boundary and
    saves its state there (up to `TRAINER_GRACE_S`; a resume finishes the epoch from that iteration), the
    others finish the message in hand (`GRACE_S`); SIGKILL after that, or at a second Ctrl-C. Then the JSON
-   summary is written (`--summary`, default `<run dir>/summary.json`), the embedded Redis is stopped (its AOF
+   summary is written (`<run dir>/summary.json`, and `--summary FILE` too) with the run's best
+   checkpoint by validation and the command that evaluates it, the embedded Redis is stopped (its AOF
    fsynced), and an unfinished run prints the command that resumes it.
 
 Exit codes: 0 done, 1 the loop did not finish (timeout), 2 bad input, 130 interrupted.
@@ -246,6 +248,9 @@ def collect_summary(redis_url: str, run_id: str) -> dict:
                 "loss": rec.get("loss"), "epsilon": rec.get("epsilon"), "gamma": rec.get("gamma"),
                 "val_per_trade_sharpe": val.get("per_trade_sharpe"), "oos_per_trade_sharpe": oos.get("per_trade_sharpe"),
                 "val_dsr": val.get("dsr"), "evaluations": evals.get(e, 0),
+                "val_n_trades": None if "n_trades" not in val else int(val["n_trades"]),
+                "oos_n_trades": None if "n_trades" not in oos else int(oos["n_trades"]),
+                "val_n_trials": (rep or {}).get("n_trials"),
             })
         return {"epochs": rows, "evaluations": {str(k): v for k, v in sorted(evals.items())}}
     finally:
@@ -470,7 +475,7 @@ RUN_FILE = "up.json"
 FIXED = ("dataset", "config", "data_bars", "iterations")
 """Settings a run keeps for good (its trainer's run.json fixes them): a resume may not change them."""
 DEFAULTS = {"epochs": 5, "dataset": "synthetic", "device": "cpu", "config": "small", "evaluators": 1,
-            "feedback_mode": "sync", "data_bars": None, "iterations": None}
+            "feedback_mode": "sync", "data_bars": None, "iterations": None, "accel": "auto"}
 
 
 class RunError(ValueError):
@@ -860,11 +865,19 @@ def run_up(*, epochs: int, dataset: str, device: str, summary: Path | None, eval
                "redis": "embedded" if server else "external", "evaluators": evaluators,
                "wall_seconds": round(time.monotonic() - t0, 1), "resumed": resuming, "stopped": ended,
                "restarts": {p.name: p.restarts for p in procs}, **doc}
-        summary.parent.mkdir(parents=True, exist_ok=True)
-        summary.write_text(json.dumps(doc, indent=2))
+        from services.evaluator.runs import best_of_summary
+
+        doc["best_checkpoint"] = best = best_of_summary(doc["epochs"], run_path)
+        for path in dict.fromkeys((summary, run_path / "summary.json")):  # the run's copy: what evaluate reads
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(doc, indent=2))
         print(f"tradeloop up: summary written to {summary}", flush=True)
         if status != "completed":
             print(f"tradeloop up: to continue this run: {_resume_hint(run_id, run_path.parent)}", flush=True)
+        if best is not None:
+            print(f"tradeloop up: best checkpoint: epoch {best['epoch']} (val per-trade Sharpe "
+                  f"{_f(best['val_per_trade_sharpe'])} over {best['val_n_trades']} trades, {best['rule']}); "
+                  f"evaluate it: {best['command']}", flush=True)
         services_file.unlink(missing_ok=True)
         _close(listeners)
         if server is not None:
@@ -903,10 +916,13 @@ def register(app: typer.Typer) -> None:
         live: bool = typer.Option(None, "--live/--no-live", help="live table (default: when stdout is a terminal)"),
         data_bars: int = typer.Option(None, "--data-bars", help="use only the first N bars of the dataset"),
         iterations: int = typer.Option(None, "--iterations", help="trainer iterations per epoch (default: preset)"),
+        accel: str = typer.Option(None, "--accel", help="trainer's step: auto (compile+graph on CUDA, eager on "
+                                  "CPU), eager, compile, graph or compile+graph (TL_ACCEL)"),
     ) -> None:
         """Run the closed loop on this machine: Redis, trainer, evaluator(s), feedback, dashboard."""
         given = {"epochs": epochs, "dataset": dataset, "device": device, "config": config, "evaluators": evaluators,
-                 "feedback_mode": feedback_mode, "data_bars": data_bars, "iterations": iterations}
+                 "feedback_mode": feedback_mode, "data_bars": data_bars, "iterations": iterations,
+                 "accel": accel}
         recorded = {}
         if resume:
             base = Path(run_dir if run_dir is not None else os.environ.get("TL_RUN_DIR") or "runs")
@@ -936,12 +952,17 @@ def register(app: typer.Typer) -> None:
             problems.append(f"--data-bars must be >= 500, got {cfg['data_bars']}")
         if cfg["iterations"] is not None and cfg["iterations"] < 1:
             problems.append(f"--iterations must be >= 1, got {cfg['iterations']}")
+        from shared.config import check_accel
+        try:
+            check_accel(cfg["accel"], cfg["device"])
+        except ValueError as exc:
+            problems.append(str(exc))
         if problems:
             for p in problems:
                 _err(p)
             raise typer.Exit(2)
         _check_dataset(cfg["dataset"])
-        extra = {"TL_FEEDBACK_MODE": cfg["feedback_mode"]}
+        extra = {"TL_FEEDBACK_MODE": cfg["feedback_mode"], "TL_ACCEL": cfg["accel"]}
         if cfg["data_bars"] is not None:
             extra["TL_DATA_BARS"] = str(cfg["data_bars"])
         if cfg["iterations"] is not None:

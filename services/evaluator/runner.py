@@ -3,7 +3,7 @@
     evaluate_checkpoint(ckpt, expected_sha256=..., bars=..., split=..., run_id=..., epoch=...) -> EvalReport
     run_split(agent, bars, window)    -> SplitRun   (one greedy continuous pass over one bar range)
     run_windows(agent, bars, windows) -> [SplitRun] (several ranges at once, as accounts of one simulator)
-    report_for_cli(checkpoint, ...)   -> EvalReport (what `tradeloop evaluate` prints)
+    report_for_cli(checkpoint, ...)   -> CliEvaluation (the report `tradeloop evaluate` prints, and its inputs)
 
 How a window is backtested
 --------------------------
@@ -329,15 +329,45 @@ def _knobs_from_history(run_dir: Path, epoch: int) -> dict | None:
     return found
 
 
+@dataclass
+class CliEvaluation:
+    """`report_for_cli`'s answer: the report, and what it was computed with (named on the command line)."""
+
+    report: EvalReport
+    path: Path
+    """The checkpoint file."""
+    sha256: str
+    """Its sha256, verified before it was loaded."""
+    epoch: int
+    knobs: Knobs | None
+    """The knobs the policy ran under (its gate threshold and regime confidence): those it trained under."""
+    knobs_source: str
+    """Where they came from: the checkpoint's metadata, the run's history.jsonl, or nowhere (no gate)."""
+    n_trials: int
+    trials_source: str
+    """What the val DSR is deflated over: the run's stored reports (the loop's trials) or the epoch count."""
+    costs: CostModel
+    dataset: str
+
+
 def report_for_cli(checkpoint: str | os.PathLike, *, data: str | None = None, expected_sha256: str | None = None,
                    run_id: str | None = None, device: str = "cpu", cost_bps: float | None = None,
-                   slippage_bps: float = 0.0, insample: bool = True) -> EvalReport:
-    """The full report of a checkpoint file for `tradeloop evaluate --json`.
+                   slippage_bps: float = 0.0, insample: bool = True, oos: bool = True, data_seed: int | None = None,
+                   trials: tuple[int, Sequence[float], str] | None = None) -> CliEvaluation:
+    """The full report of a checkpoint file, as the loop's evaluator computes it (`tradeloop evaluate`, plain and
+    `--report` alike).
 
-    data: a bundled dataset name or a CSV/Parquet path; default: the dataset the checkpoint trained on. On the
-    training data the run's split is used (metadata "split"); on other data a fresh chronological split.
-    The knobs come from the metadata, else from the run directory's history.jsonl (the checkpoint's
-    `<run>/checkpoints/` parent); n_trials = the checkpoint's epoch (one checkpoint per epoch so far).
+    data: a bundled dataset name or a CSV/Parquet path; default: the dataset the checkpoint trained on, seeded as the
+    run's data (run.json "data_seed", else the run's seed; `data_seed` overrides). On the training data the run's
+    split is used (metadata "split"); on other data a fresh chronological split.
+    The knobs are those the checkpoint trained under — the metadata's, else the run directory's history.jsonl (the
+    checkpoint's `<run>/checkpoints/` parent) — as the loop's evaluator applies them; costs: `cost_bps`, else the
+    metadata's (the loop's), else the run's config. The windows are the loop's (validation, OOS and, with `insample`, the
+    in-sample window), evaluated together as the loop's evaluator does; `oos=False`, `insample=False`: validation
+    alone (what choosing a run's best checkpoint needs).
+    trials: (n_trials, the earlier checkpoints' val per-trade Sharpes, where they came from) for the val DSR — the
+    loop's reports (`services.evaluator.runs.loop_trials`); default: n_trials = the checkpoint's epoch, the trials'
+    variance the null one (`shared.metrics.dsr`).
     Raises EvaluateInputError (message names the file / dataset and the problem) on bad input.
     """
     from shared.market import DataError
@@ -357,15 +387,17 @@ def report_for_cli(checkpoint: str | os.PathLike, *, data: str | None = None, ex
         meta = load_checkpoint(blob, expected)[1]
     except CheckpointError as exc:
         raise EvaluateInputError(str(exc).replace(f"<{len(blob)} bytes>", str(path))) from None
+    sha = checkpoint_sha256(blob)
     run_dir = _run_dir_of(path)
     run_meta = json.loads((run_dir / "run.json").read_text()) if run_dir else {}
     trained_on = meta.get("dataset") or run_meta.get("dataset")
     name = data or trained_on
     if not name:
-        raise EvaluateInputError(f"checkpoint {path}: its metadata names no dataset; pass --data NAME|FILE")
-    seed = int(meta.get("seed") or run_meta.get("seed") or 0)
+        raise EvaluateInputError(f"checkpoint {path}: its metadata names no dataset; pass --dataset NAME|FILE")
+    if data_seed is None:
+        data_seed = int(run_meta.get("data_seed", run_meta.get("seed", meta.get("seed"))) or 0)
     try:
-        bars = load_dataset(name, seed=seed)
+        bars = load_dataset(name, seed=data_seed)
     except DataError as exc:
         raise EvaluateInputError(str(exc)) from None
     except (FileNotFoundError, OSError) as exc:
@@ -379,20 +411,30 @@ def report_for_cli(checkpoint: str | os.PathLike, *, data: str | None = None, ex
     if same_data:
         hashes = meta.get("split_hashes") or run_meta.get("split_hashes") or {}
         if split.test[1] > len(bars) or (hashes.get("train") and hashes["train"] != split.window_hash(bars, "train")):
-            raise EvaluateInputError(f"dataset {name}: these bars differ from those checkpoint {path} trained on "
-                                     "(train window sha256 mismatch)")
+            raise EvaluateInputError(f"dataset {name} (seed {data_seed}): these bars differ from those checkpoint "
+                                     f"{path} trained on (train window sha256 mismatch)")
     epoch = int(meta.get("epoch") or 0)
-    knobs_d = meta.get("knobs")
+    knobs_d, knobs_source = meta.get("knobs"), "the checkpoint's metadata"
     if knobs_d is None and run_dir is not None:
-        knobs_d = _knobs_from_history(run_dir, epoch)
-    cfg_costs = (run_meta.get("config") or {}).get("costs_bps")
+        knobs_d, knobs_source = _knobs_from_history(run_dir, epoch), f"{run_dir / 'history.jsonl'} (epoch {epoch})"
+    if knobs_d is None:
+        knobs_source = "none recorded: no entry gate, regime confidence 1"
+    cfg_costs = meta.get("costs_bps", (run_meta.get("config") or {}).get("costs_bps"))   # the loop's: metadata
     costs = CostModel(cost_bps if cost_bps is not None else float(cfg_costs if cfg_costs is not None else 1.0),
                       slippage_bps)
+    if trials is not None and not same_data:
+        trials = None                                       # the loop's trials were on the run's own data
+    if trials is None:
+        trials = (max(1, epoch), (), f"{max(1, epoch)} checkpoints (the epoch; no stored reports of the earlier "
+                                     "ones on these data: the trials' variance is the null 1/(n − 1))")
+    n_trials, prior, trials_source = trials
+    knobs = None if knobs_d is None else Knobs.from_dict(knobs_d)
     try:
-        return evaluate_checkpoint(blob, expected_sha256=expected, bars=bars, split=split,
-                                   run_id=run_id or (run_dir.name if run_dir else path.stem), epoch=epoch,
-                                   n_trials=max(1, epoch), insample_bars=-1 if insample else 0, device=device,
-                                   costs=costs, dataset=str(name),
-                                   knobs=None if knobs_d is None else Knobs.from_dict(knobs_d))
+        rep = evaluate_checkpoint(blob, expected_sha256=expected, bars=bars, split=split,
+                                  run_id=run_id or (run_dir.name if run_dir else path.stem), epoch=epoch,
+                                  n_trials=n_trials, prior_sharpes=prior, insample_bars=-1 if insample else 0,
+                                  device=device, costs=costs, dataset=str(name), knobs=knobs, oos=oos)
     except (CheckpointError, ValueError) as exc:
         raise EvaluateInputError(str(exc)) from None
+    return CliEvaluation(report=rep, path=path, sha256=sha, epoch=epoch, knobs=knobs, knobs_source=knobs_source,
+                         n_trials=n_trials, trials_source=trials_source, costs=costs, dataset=str(name))

@@ -30,7 +30,7 @@ import torch
 from shared.agent import Agent, AgentConfig, MarketView, PolicyControls, agent_from_checkpoint
 from shared.checkpoints import load_checkpoint, save_checkpoint, sidecar_path
 from shared.execution import CostModel
-from shared.graphs import StaticState, capture, resolve_accel
+from shared.graphs import StaticState, capture, resolve_accel, use_compile_cache
 from shared.knobs import BRANCHES, Knobs
 from shared.market import Bars, Split, chronological_split, compute_features
 from shared.rollout import MarketTensors
@@ -828,6 +828,12 @@ class StepRunner:
         self._bodies = {"collect": collect_body, "update": lambda: update_call(self.update_noise[0]),
                         "iteration": iteration_body}
         self._graphs: dict[str, object] = {}
+        self._ran: set[str] = set()
+        self.compile_s = 0.0
+        """Seconds spent in first calls of the compiled or captured modes (compiling, capturing, running once)."""
+        self.on_compile: Callable[[str | None], None] | None = None
+        """Told what is being compiled when a first call starts ("compiling the iteration", …) and None when it
+        ends: the trainer's /status phase and `tradeloop train`'s progress show it."""
 
     def _side_targets(self, targets_fn: Callable[[Batch, torch.Tensor, list[torch.Tensor]], None]
                       ) -> Callable[[Batch, torch.Tensor], tuple[Targets, Callable[[], None]]]:
@@ -872,12 +878,32 @@ class StepRunner:
         return "graph" in self.accel
 
     def _run(self, name: str) -> None:
+        if self.accel != "eager" and name not in self._ran:
+            return self._first(name)
         if not self.graphed:
             self._bodies[name]()
         elif name in self._graphs:
             self._graphs[name]()
         else:
             self._graphs[name] = capture(self._bodies[name], warmup=1)
+
+    def _first(self, name: str) -> None:
+        """The first call of a step in a compiled or captured mode: compiles (torch.compile's caches in
+        `shared.graphs.compile_cache_dir()`) and/or captures it, timed into `compile_s`, announced to `on_compile`."""
+        what = " and capturing" if "compile" in self.accel and self.graphed else ""
+        label = f"{'compiling' if 'compile' in self.accel else 'capturing'}{what} the {name} step"
+        if self.on_compile is not None:
+            self.on_compile(label)
+        t0 = time.perf_counter()
+        try:
+            self._ran.add(name)
+            self._run(name)
+            if self.state.device.type == "cuda":
+                torch.cuda.synchronize(self.state.device)
+        finally:
+            self.compile_s += time.perf_counter() - t0
+            if self.on_compile is not None:
+                self.on_compile(None)
 
     def _draw(self, t: torch.Tensor) -> None:
         torch.rand(t.shape, generator=self.state.generator, out=t)
@@ -942,6 +968,7 @@ def compile_step(fn: Callable[..., object], cfg: TrainConfig, device: torch.devi
     gradients of the compiled update on the CPU (`adv_w` 0, `value_w` 1e-3 of eager; the same graph through
     `aot_eager` and the same inductor with `pattern_matcher` off matched eager within 1.4e-6; CUDA and torch 2.13
     unaffected — tests/test_train_graph.py's one-batch test, session 18)."""
+    use_compile_cache()
     options = inductor_options(cfg.inductor)
     if torch.device(device).type == "cpu" and torch.__version__ < "2.13":      # a TorchVersion: compared as one
         options.setdefault("pattern_matcher", False)
@@ -1012,6 +1039,9 @@ class EpochStats:
     graph) counts entirely here and in `updates_per_s`."""
     updates_per_s: float
     seconds: float
+    compile_s: float
+    """Of `seconds`, the first calls of the compiled or captured steps (compiling, capturing): the first epoch of a
+    process in those modes; 0 eagerly and once compiled."""
     train_per_trade_sharpe: float
     """Un-annualized, per trade, of the trades closed while collecting this epoch (with exploration)."""
     train_trades: int
@@ -1281,6 +1311,7 @@ def train_epoch(state: TrainState, knobs: Knobs, progress: Callable[[int, int], 
     refresh_embeddings(state)
     state.buffers.step.fill_(float(state.update_step))
     runner = state.runner
+    compile0 = runner.compile_s
     t0 = time.perf_counter()
     state.agent.train()
     cuda = state.device.type == "cuda"
@@ -1337,7 +1368,7 @@ def train_epoch(state: TrainState, knobs: Knobs, progress: Callable[[int, int], 
                       utilisation=means.get("utilisation", nan), epsilon=knobs.epsilon, gamma=knobs.gamma,
                       v_max=float(state.agent.v_max), maturity=mat, env_steps=env_steps, updates=n_upd,
                       env_steps_per_s=env_steps / max(t_env, 1e-9), updates_per_s=n_upd / max(t_upd, 1e-9),
-                      seconds=dt, train_per_trade_sharpe=sharpe, train_trades=int(n_trades), knobs=knobs.to_dict())
+                      seconds=dt, compile_s=runner.compile_s - compile0, train_per_trade_sharpe=sharpe, train_trades=int(n_trades), knobs=knobs.to_dict())
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -1523,11 +1554,12 @@ def latest_epoch(run_dir: Path) -> int:
 def train_run(bars: Bars, dataset: str, run_dir: Path, epochs: int, *, config: str | TrainConfig = "small",
               seed: int = 0, device="cpu", accel: str = "auto", knobs_fn: Callable[[int], Knobs] | None = None,
               on_epoch: Callable[[EpochStats], None] | None = None,
-              progress: Callable[[int, int], None] | None = None) -> TrainState:
+              progress: Callable[[int, int], None] | None = None,
+              on_compile: Callable[[str | None], None] | None = None) -> TrainState:
     """Train until `epochs` epochs exist in `run_dir`, resuming from its latest checkpoint when it holds a run.
 
     Knobs of epoch e (1-based) come from `knobs_fn(e)`, by default `Knobs.fixed_schedule(e, …)` with the
-    config's ε schedule and γ."""
+    config's ε schedule and γ. `on_compile`: see `StepRunner.on_compile`."""
     run_dir = Path(run_dir)
     feats = compute_features(bars)
     run_json = run_dir / "run.json"
@@ -1547,6 +1579,7 @@ def train_run(bars: Bars, dataset: str, run_dir: Path, epochs: int, *, config: s
         run_dir.mkdir(parents=True, exist_ok=True)
         run_json.write_text(json.dumps(meta, indent=2))
     state = build_state(cfg, bars, split, seed, device, features=feats, accel=accel)
+    state.runner.on_compile = on_compile
     done = latest_epoch(run_dir)
     if done:
         restore_state(state, run_dir, done)

@@ -31,6 +31,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import os
 import threading
 import time
 from dataclasses import asdict
@@ -131,6 +132,12 @@ class TrainerWorker:
         self.phase = phase
         self.state.extra["phase"] = phase
 
+    def _compiling(self, what: str | None) -> None:
+        """`StepRunner.on_compile` (training thread): /status shows phase "compiling" and what, while the epoch's
+        first calls compile or capture its steps; `self.phase` stays "training" (an epoch is in hand)."""
+        self.state.extra["compiling"] = what
+        self.state.extra["phase"] = "compiling" if what is not None else self.phase
+
     # -- setup ------------------------------------------------------------------------------------------
     def _build(self):
         """Load data, build or resume the training state (blocking; run in a thread). Returns (state, run meta,
@@ -142,6 +149,8 @@ class TrainerWorker:
         from shared.market import Split, chronological_split, compute_features, load_dataset
 
         s = self.settings
+        if s.compile_cache_dir is not None:             # before anything compiles (`shared.graphs.use_compile_cache`)
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(s.compile_cache_dir).resolve())
         if s.device == "cpu":
             torch.set_num_threads(max(1, min(torch.get_num_threads(), 4)))
         bars = load_dataset(s.data, seed=s.data_seed)
@@ -168,7 +177,8 @@ class TrainerWorker:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             run_json.write_text(json.dumps(meta, indent=2))
         device = s.device if s.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-        tstate = build_state(cfg, bars, split, seed, device, features=feats)
+        tstate = build_state(cfg, bars, split, seed, device, features=feats, accel=s.accel)
+        tstate.runner.on_compile = self._compiling
         done = complete_epoch(self.run_dir)
         partial = read_interrupted(self.run_dir, done, cfg.hash())
         if partial is not None:
@@ -377,7 +387,7 @@ class TrainerWorker:
         self._phase("loading")
         tstate, meta, partial = await asyncio.to_thread(self._build)
         self.state.epoch = tstate.epoch
-        self.state.extra["device"] = str(tstate.device)
+        self.state.extra.update(device=str(tstate.device), accel=tstate.accel)
         if tstate.epoch and not await self.bus.redis.exists(run_key(self.bus.run_id, "done", "published", tstate.epoch)):
             # resumed after a crash between saving and publishing: publish the saved epoch (once)
             path = self.run_dir / "checkpoints" / f"epoch-{tstate.epoch:04d}.safetensors"
