@@ -78,7 +78,7 @@ def test_the_trainer_service_builds_its_state_with_tl_accel(monkeypatch, tmp_pat
     settings = load_settings(TrainerServiceSettings)
     state = ServiceState("trainer", run_id)
     worker = TrainerWorker(settings, Bus(redis_url, run_id), state)
-    tstate, _ = worker._build()
+    tstate, _, _ = worker._build()
     assert tstate.accel == tstate.runner.accel == want
     assert tstate.runner.on_compile == worker._compiling
     assert compile_cache_dir() == (tmp_path / ("theirs" if accel is None else "cc")).resolve()
