@@ -31,7 +31,7 @@ from shared.agent import Agent, AgentConfig, MarketView, PolicyControls, agent_f
 from shared.checkpoints import load_checkpoint, save_checkpoint, sidecar_path
 from shared.execution import CostModel
 from shared.graphs import StaticState, capture, resolve_accel
-from shared.knobs import BRANCHES, Knobs
+from shared.knobs import BRANCHES, FixedSchedule, Knobs
 from shared.market import Bars, Split, chronological_split, compute_features
 from shared.rollout import MarketTensors
 from services.trainer.env import RewardConfig, TrainEnv
@@ -124,13 +124,13 @@ class TrainConfig:
     """Risk-head maturity m = 1 − exp(−updates / maturity_updates) scales the protection stack."""
     costs_bps: float = 1.0
     """Trading costs (bps of notional) in the training simulator."""
-    gamma: float = 0.99
-    """Fixed-schedule γ (feedback off): trends last ~100s of bars, so the horizon 1/(1−γ) should too."""
-    eps_start: float = 0.3
+    gamma: float = FixedSchedule.gamma
+    """Fixed-schedule γ (feedback off; default `shared.knobs.FixedSchedule`)."""
+    eps_start: float = FixedSchedule.eps_start
     """Fixed-schedule ε of the first epoch …"""
-    eps_end: float = 0.02
+    eps_end: float = FixedSchedule.eps_end
     """… decaying linearly to this …"""
-    eps_decay_epochs: int = 8
+    eps_decay_epochs: int = FixedSchedule.eps_decay_epochs
     """… over this many epochs."""
     bf16: bool = False
     """On CUDA, the forward passes of collection and update under bf16 autocast (losses and softmaxes in fp32)."""
@@ -255,6 +255,12 @@ class TrainConfig:
     is then as stale as the embeddings (≤ `emb_refresh` updates), its portfolio shift is current. The update's
     double-Q selection at the bootstrap states reads the same table. False: the heads run on the cached embeddings
     at every step and for the selection."""
+
+    @property
+    def schedule(self) -> FixedSchedule:
+        """The ε/γ schedule of feedback off with this config's values."""
+        return FixedSchedule(eps_start=self.eps_start, eps_end=self.eps_end, eps_decay_epochs=self.eps_decay_epochs,
+                             gamma=self.gamma)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -1388,8 +1394,8 @@ def train_run(bars: Bars, dataset: str, run_dir: Path, epochs: int, *, config: s
               progress: Callable[[int, int], None] | None = None) -> TrainState:
     """Train until `epochs` epochs exist in `run_dir`, resuming from its latest checkpoint when it holds a run.
 
-    Knobs of epoch e (1-based) come from `knobs_fn(e)`, by default `Knobs.fixed_schedule(e, …)` with the
-    config's ε schedule and γ."""
+    Knobs of epoch e (1-based) come from `knobs_fn(e)`, by default the config's fixed schedule
+    (`cfg.schedule.knobs(e)`)."""
     run_dir = Path(run_dir)
     feats = compute_features(bars)
     run_json = run_dir / "run.json"
@@ -1412,8 +1418,7 @@ def train_run(bars: Bars, dataset: str, run_dir: Path, epochs: int, *, config: s
     done = latest_epoch(run_dir)
     if done:
         restore_state(state, run_dir, done)
-    knobs_fn = knobs_fn or (lambda e: Knobs.fixed_schedule(e, eps_start=cfg.eps_start, eps_end=cfg.eps_end,
-                                                          eps_decay_epochs=cfg.eps_decay_epochs, gamma=cfg.gamma))
+    knobs_fn = knobs_fn or cfg.schedule.knobs
     while state.epoch < epochs:
         stats = train_epoch(state, knobs_fn(state.epoch + 1), progress)
         save_epoch(state, run_dir, meta)
