@@ -583,8 +583,14 @@ class FeedbackBundle(_Model):
     for_epoch: int
     """The epoch that trains under it (epoch + 1)."""
     enabled: bool = True
+    off: list[str] = Field(default_factory=list)
+    """Signals switched off (their knobs at the fixed schedule's values); "rollback": no rollback."""
     rollback: bool = False
+    """The trainer restores epoch `rollback_to_epoch`'s weights, target network and optimizer state before it
+    trains `for_epoch` (the knobs are that epoch's already)."""
     rollback_to_epoch: int | None = None
+    rollback_checkpoint_sha256: str = ""
+    """The sha256 of that epoch's checkpoint (the one its report evaluated); "" when the report did not say."""
     reason: str = ""
     signals: dict[str, Signal]
     knobs: dict[str, Any]
