@@ -27,7 +27,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import math
-from typing import Annotated, Any, Iterable, Iterator, Literal, Mapping
+from typing import Annotated, Any, Iterable, Iterator, Literal, Mapping, Sequence
 
 import numpy as np
 from pydantic import (BaseModel, ConfigDict, Field, GetCoreSchemaHandler, GetJsonSchemaHandler, PlainSerializer,
@@ -41,6 +41,19 @@ TAUS: tuple[float, ...] = (0.05, 0.25, 0.5, 0.75, 0.95)
 """Quantile levels of the predicted return distribution carried in the report."""
 DIRECTIONS = ("short", "flat", "long")
 SIGNAL_IDS = ("E1", "E2", "E3", "E4", "E5", "E6", "E7", "E8", "E9")
+OFF_NAMES = (*SIGNAL_IDS, "rollback")
+"""What a feedback config may switch off: a signal, or the rollback."""
+
+
+def parse_off(value: str | Sequence[str]) -> tuple[str, ...]:
+    """The names of switched-off signals from a comma-separated string or a sequence ("e2" → "E2"), each once;
+    ValueError naming what is not in `OFF_NAMES`."""
+    items = [p.strip() for p in value.split(",")] if isinstance(value, str) else [str(x).strip() for x in value]
+    norm = {x: x.upper() if x.upper() in SIGNAL_IDS else x.lower() for x in items if x}
+    bad = [x for x, n in norm.items() if n not in OFF_NAMES]
+    if bad:
+        raise ValueError(f"off names {bad}, not among {', '.join(OFF_NAMES)}")
+    return tuple(dict.fromkeys(norm.values()))
 SplitName = Literal["insample", "val", "oos"]
 
 

@@ -43,10 +43,7 @@ import numpy as np
 
 from services.feedback.guard import FeedbackView, HistoryEntry, HistoryPoint, build_view, check_train_indices
 from shared.knobs import BRANCHES, N_REGIMES, FixedSchedule, Knobs
-from shared.report import SIGNAL_IDS, EvalReport, FeedbackBundle, Provenance, Signal
-
-SWITCHABLE = (*SIGNAL_IDS, "rollback")
-"""What `FeedbackConfig.off` may name."""
+from shared.report import OFF_NAMES, SIGNAL_IDS, EvalReport, FeedbackBundle, Provenance, Signal, parse_off
 
 KNOB_OF = {"E1": "q_bias", "E2": "epsilon", "E3": "gamma", "E4": "lr_scale", "E5": "gate_threshold",
            "E6": "priority_boost", "E7": "hindsight", "E8": "regime_weights", "E9": "regime_confidence"}
@@ -124,14 +121,10 @@ class FeedbackConfig:
     the difference (the best of several noisy epochs is biased up, hence more than one)."""
 
     def __post_init__(self) -> None:
-        off = self.off
-        if isinstance(off, str):
-            off = [x for x in (p.strip() for p in off.split(",")) if x]
-        norm = {str(x): str(x).upper() if str(x).upper() in SIGNAL_IDS else str(x).lower() for x in off}
-        bad = [x for x, n in norm.items() if n not in SWITCHABLE]
-        if bad:
-            raise ValueError(f"feedback config: off names {bad}, not among {', '.join(SWITCHABLE)}")
-        object.__setattr__(self, "off", tuple(dict.fromkeys(norm.values())))
+        try:
+            object.__setattr__(self, "off", parse_off(self.off))
+        except ValueError as exc:
+            raise ValueError(f"feedback config: {exc}") from None
         if not (self.eps_start > 0 and self.eps_end > 0):
             raise ValueError(f"feedback config: eps_start and eps_end must be > 0 (E2 scales the schedule's ε), "
                              f"got {self.eps_start}, {self.eps_end}")
@@ -558,7 +551,7 @@ def _disabled_bundle(report: EvalReport, cfg: FeedbackConfig, now: str) -> Feedb
     why = "feedback disabled (ablation)"
     sig = _fixed_signals(SIGNAL_IDS, report, cfg, why, "feedback.enabled")
     return FeedbackBundle(run_id=report.run_id, epoch=report.epoch, for_epoch=report.epoch + 1, enabled=False,
-                          reason=why, signals=sig, knobs=_knobs_from_signals(sig).to_dict(), off=list(SWITCHABLE),
+                          reason=why, signals=sig, knobs=_knobs_from_signals(sig).to_dict(), off=list(OFF_NAMES),
                           report_checkpoint_sha256=report.checkpoint_sha256, created_at=now)
 
 
