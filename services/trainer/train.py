@@ -1022,6 +1022,8 @@ class EpochStats:
     """Un-annualized, per trade, of the trades closed while collecting this epoch (with exploration)."""
     train_trades: int
     knobs: dict
+    rolled_back_to: int | None = None
+    """The epoch whose learner a feedback rollback restored before this epoch trained (`roll_back`), else None."""
 
 
 @dataclass
@@ -1344,32 +1346,60 @@ def load_agent(path, expected_sha256: str | None = None, device="cpu") -> tuple[
     return agent_from_checkpoint(tensors, meta, device), meta
 
 
-def restore_state(state: TrainState, run_dir: Path, epoch: int) -> None:
-    """Load epoch `epoch`'s agent and trainer state into a freshly built `state` (same config)."""
+def _load_epoch(state: TrainState, run_dir: Path, epoch: int, expected_sha256: str | None = None
+                ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict]:
+    """Epoch `epoch`'s weights and trainer-state tensors, and the state's metadata, each file checked against its
+    sha256 (the weights against `expected_sha256` when given, else their sidecar)."""
     ck = Path(run_dir) / "checkpoints"
-    w, _ = load_checkpoint(ck / f"epoch-{epoch:04d}.safetensors")
+    w, _ = load_checkpoint(ck / f"epoch-{epoch:04d}.safetensors", expected_sha256)
     t, meta = load_checkpoint(ck / f"epoch-{epoch:04d}.state.safetensors")
     if meta["config_hash"] != state.cfg.hash():
         raise ValueError(f"{run_dir}: the run's config changed since epoch {epoch} (config hash mismatch)")
+    return w, t, meta
+
+
+@torch.no_grad()
+def _load_learner(state: TrainState, w: dict[str, torch.Tensor], t: dict[str, torch.Tensor]) -> None:
+    """Weights, target network, optimizer state and entropy coefficient from an epoch's tensors, copied in place:
+    the state exists from the optimizer's construction (`materialise_state`, or `FlatAdamW`'s views of its flat
+    buffers), on its device, at the addresses a captured step reads; so do the parameters (`load_state_dict`
+    copies into them)."""
     dev = state.device
     state.agent.load_state_dict({k: v.to(dev) for k, v in w.items()})
     state.target.load_state_dict({k[len("target."):]: v.to(dev) for k, v in t.items() if k.startswith("target.")})
     params = dict(state.agent.named_parameters())
     for key, v in t.items():
         if key.startswith("opt."):
-            # in place: the state exists from the optimizer's construction (`materialise_state`, or `FlatAdamW`'s
-            # views of its flat buffers), on its device, at the addresses a captured step reads
             name, slot = key[len("opt."):].rsplit(".", 1)
             state.opt.state[params[name]][slot].copy_(v)
+    state.buffers.entropy_coef.copy_(t["buf.entropy_coef"].to(dev))
+
+
+def restore_state(state: TrainState, run_dir: Path, epoch: int) -> None:
+    """Load epoch `epoch`'s agent and trainer state into a freshly built `state` (same config): resume."""
+    w, t, meta = _load_epoch(state, run_dir, epoch)
+    _load_learner(state, w, t)
     for g, age in zip(state.opt.param_groups, meta["group_ages"]):
         g["age"] = int(age)
+    dev = state.device
     state.replay.load_state({k[len("replay."):]: v.to(dev) for k, v in t.items() if k.startswith("replay.")},
                             meta["replay"])
     state.env.tracker.load_state({k[len("tracker."):]: v for k, v in t.items() if k.startswith("tracker.")})
     state.generator.set_state(t["rng.generator"])
     torch.set_rng_state(t["rng.torch"])
-    state.buffers.entropy_coef.copy_(t["buf.entropy_coef"].to(dev))
     state.epoch, state.update_step, state.env_steps = int(meta["epoch"]), int(meta["update_step"]), int(meta["env_steps"])
+
+
+def roll_back(state: TrainState, run_dir: Path, epoch: int, expected_sha256: str | None = None) -> None:
+    """A feedback rollback (population-based training's exploit step): the learner of the best epoch `epoch` —
+    its weights, target network, optimizer state (moments, step counts) and entropy coefficient, bit for bit from
+    its checkpoint files (`expected_sha256`: the checkpoint its report evaluated) — replaces the current one, in
+    place. What was collected stays (the replay buffer, the trade tracker), and time moves on (the RNGs, the epoch,
+    update and environment-step counters, the LR schedule's group ages). The embedding tables the updates and
+    collection read are recomputed from the restored encoders."""
+    w, t, _ = _load_epoch(state, run_dir, epoch, expected_sha256)
+    _load_learner(state, w, t)
+    refresh_embeddings(state)
 
 
 def latest_epoch(run_dir: Path) -> int:
@@ -1391,11 +1421,13 @@ def latest_epoch(run_dir: Path) -> int:
 def train_run(bars: Bars, dataset: str, run_dir: Path, epochs: int, *, config: str | TrainConfig = "small",
               seed: int = 0, device="cpu", accel: str = "auto", knobs_fn: Callable[[int], Knobs] | None = None,
               on_epoch: Callable[[EpochStats], None] | None = None,
-              progress: Callable[[int, int], None] | None = None) -> TrainState:
+              progress: Callable[[int, int], None] | None = None,
+              rollback_fn: Callable[[int], tuple[int, str] | None] | None = None) -> TrainState:
     """Train until `epochs` epochs exist in `run_dir`, resuming from its latest checkpoint when it holds a run.
 
     Knobs of epoch e (1-based) come from `knobs_fn(e)`, by default the config's fixed schedule
-    (`cfg.schedule.knobs(e)`)."""
+    (`cfg.schedule.knobs(e)`). `rollback_fn(e)`, when given and not None, is (epoch, checkpoint sha256 or "") of a
+    feedback rollback: `roll_back` to that epoch before epoch e trains (its record says `rolled_back_to`)."""
     run_dir = Path(run_dir)
     feats = compute_features(bars)
     run_json = run_dir / "run.json"
@@ -1420,7 +1452,11 @@ def train_run(bars: Bars, dataset: str, run_dir: Path, epochs: int, *, config: s
         restore_state(state, run_dir, done)
     knobs_fn = knobs_fn or cfg.schedule.knobs
     while state.epoch < epochs:
+        rb = rollback_fn(state.epoch + 1) if rollback_fn is not None else None
+        if rb is not None:
+            roll_back(state, run_dir, rb[0], rb[1] or None)
         stats = train_epoch(state, knobs_fn(state.epoch + 1), progress)
+        stats.rolled_back_to = None if rb is None else rb[0]
         save_epoch(state, run_dir, meta)
         with open(run_dir / "history.jsonl", "a") as f:
             f.write(json.dumps(asdict(stats)) + "\n")
