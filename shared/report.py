@@ -519,6 +519,9 @@ class EvalReport(_Model):
     """1 − OOS per-trade Sharpe / val per-trade Sharpe (None without an OOS backtest)."""
     knobs: dict[str, Any] | None = None
     """The `Knobs.to_dict()` the checkpoint was trained under (None: defaults)."""
+    policy_shaping: bool = True
+    """The greedy policy ran with the knobs that shape it (E5 gate, E9 regime confidence) as trained; False: without
+    them (an ablation telling learning from policy shaping; `services.evaluator.runner.eval_controls`)."""
     created_at: str = ""
 
     @field_validator("schema_version")

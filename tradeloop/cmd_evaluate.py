@@ -6,7 +6,8 @@ baseline run through `shared.execution.run_positions`:
   random        seeded: a random side in {−1, 0, +1}, redrawn with probability 1/20 per bar (trades of ~20 bars);
   flat          never trades;
   buy-and-hold  long from the first bar to the last.
-Metrics (`shared.metrics.compute_metrics`; Sharpes un-annualized, per trade / per bar) of one account.
+Metrics (`shared.metrics.compute_metrics`; Sharpes un-annualized, per trade / per bar) of one account. An agent runs
+with the knobs that shape its greedy policy as it trained (E5 gate, E9 regime confidence; `--no-shaping`: without).
 `policy_metrics` is the library entry point (used by bench/learning.py).
 """
 from __future__ import annotations
@@ -57,8 +58,9 @@ def baseline_targets(policy: str, dataset: str, bars, start: int, stop: int, see
 
 
 def policy_metrics(policy: str, dataset: str, bars, split, which: str, *, seed: int = 0, device: str = "cpu",
-                   cost_bps: float = 1.0) -> dict:
-    """Metrics of `policy` (baseline name, checkpoint or run dir) on split window `which` of `bars`."""
+                   cost_bps: float = 1.0, shaping: bool = True) -> dict:
+    """Metrics of `policy` (baseline name, checkpoint or run dir) on split window `which` of `bars`; an agent with
+    the policy-shaping knobs of its checkpoint (`shaping=False`: without; `services.evaluator.runner.eval_controls`)."""
     import numpy as np
 
     from shared.execution import CostModel, Prices, run_positions
@@ -70,13 +72,15 @@ def policy_metrics(policy: str, dataset: str, bars, split, which: str, *, seed: 
         tg = baseline_targets(policy, dataset, bars, start, stop, seed)
         res = run_positions(Prices.from_bars(bars.slice(start, stop)), tg, costs)
         return metrics_from_backtest(res)
+    from services.evaluator.runner import eval_controls, trained_knobs
     from shared.agent import agent_from_checkpoint
     from shared.checkpoints import load_checkpoint
     from shared.rollout import MarketTensors, evaluate_policy
 
-    agent = agent_from_checkpoint(*load_checkpoint(resolve_checkpoint(policy)), device=device)
+    tensors, meta = load_checkpoint(resolve_checkpoint(policy))
+    agent = agent_from_checkpoint(tensors, meta, device=device)
     market = MarketTensors.from_bars(bars, start, stop, agent.cfg.window, device)
-    run = evaluate_policy(agent, market, costs=costs)
+    run = evaluate_policy(agent, market, eval_controls(trained_knobs(meta), device, shaping), costs=costs)
     lg = run.ledger
     return compute_metrics(lg["net_return"].to_numpy(np.float64), run.bar_returns, run.positions,
                            lg["bars"].to_numpy(np.float64))
@@ -101,6 +105,10 @@ def register(app) -> None:
                                     "in-sample autopsy, calibration, ledgers, equity) as JSON, as the service "
                                     "stores it (trades and equity packed: shared.report.TradeTable.of(doc['val']"
                                     "['trades']).records() gives rows)."),
+        shaping: bool = typer.Option(True, "--shaping/--no-shaping",
+                                     help="Agent only: run the greedy policy with the knobs that shape it as "
+                                          "trained (E5 gate, E9 regime confidence), or without them (learning "
+                                          "alone)."),
     ) -> None:
         """Run a policy over the validation or test split and print its metrics (Sharpes un-annualized)."""
         from shared.checkpoints import CheckpointError
@@ -114,7 +122,7 @@ def register(app) -> None:
             from services.evaluator.runner import EvaluateInputError, report_for_cli
 
             try:
-                rep = report_for_cli(resolve_checkpoint(policy), data=dataset, device=device)
+                rep = report_for_cli(resolve_checkpoint(policy), data=dataset, device=device, shaping=shaping)
             except (EvaluateInputError, FileNotFoundError) as exc:
                 typer.echo(f"error: {exc}", err=True)
                 raise typer.Exit(2) from None
@@ -137,7 +145,7 @@ def register(app) -> None:
                     from shared.market import Split
 
                     sp = Split.from_dict(json.loads(run_json.read_text())["split"])
-            m = policy_metrics(policy, dataset, bars, sp, split, seed=seed, device=device)
+            m = policy_metrics(policy, dataset, bars, sp, split, seed=seed, device=device, shaping=shaping)
         except (DataError, CheckpointError, FileNotFoundError, ValueError, OSError) as exc:
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(2) from None
