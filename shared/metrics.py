@@ -19,8 +19,8 @@ Conventions (read these before comparing numbers with another library):
 - PSR (Bailey & López de Prado 2012) uses the per-trade Sharpe SR, the number of trades n and the
   sample skewness γ3 and (non-excess) kurtosis γ4 of the trade returns (biased moment estimators, as in
   the paper): PSR(SR*) = Φ((SR − SR*)·sqrt(n − 1) / sqrt(1 − γ3·SR + (γ4 − 1)/4·SR²)). `psr` is PSR(0).
-  The same denominator over sqrt(n − 1) is the Sharpe's standard error (`sharpe_se`), the noise level the
-  feedback signals compare validation changes with.
+  The same denominator over sqrt(n − 1) is the Sharpe's standard error (`sharpe_se_from_stats`); `sharpe_se`,
+  the noise level the feedback signals compare validation changes with, never goes below its normal-moment value.
 - DSR (Bailey & López de Prado 2014) is PSR(SR0) with the expected maximum Sharpe of N independent trials
   under the null: SR0 = sqrt(V)·((1 − γ)·Φ⁻¹(1 − 1/N) + γ·Φ⁻¹(1 − 1/(N·e))), γ = Euler–Mascheroni,
   N = n_trials (e.g. checkpoints evaluated in the run), V = variance of the trials' Sharpes. When V is
@@ -180,10 +180,15 @@ def sharpe_se_from_stats(sr: float, n: int, skew: float = 0.0, kurt: float = 3.0
 
 
 def sharpe_se(trade_returns: Any) -> float:
-    """`sharpe_se_from_stats` of the per-trade Sharpe of `trade_returns`, with their skewness and kurtosis."""
+    """The noise level of the per-trade Sharpe of `trade_returns`: the larger of `sharpe_se_from_stats` with their
+    skewness and kurtosis and with normal moments (γ3 = 0, γ4 = 3). Over tens of trades the sample skewness and
+    kurtosis are noisy themselves, and a positive skew under a positive Sharpe shrinks the moment form toward 0
+    (on 30 synthetic trades, γ3 ≈ 5: 0.09 against 0.19), which would make any change look significant; heavy
+    tails only ever widen it. inf with fewer than 2 returns."""
     r = _as_1d(trade_returns, "trade_returns")
     g3, g4 = moments(r)
-    return sharpe_se_from_stats(sharpe(r), r.size, g3, g4)
+    sr = sharpe(r)
+    return max(sharpe_se_from_stats(sr, r.size, g3, g4), sharpe_se_from_stats(sr, r.size))
 
 
 def psr_from_stats(sr: float, n: int, skew: float, kurt: float, sr_star: float = 0.0) -> float:

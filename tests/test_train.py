@@ -181,8 +181,7 @@ def test_rollback_restores_the_best_epochs_learner_bit_for_bit(tmp_path):
     """`roll_back` to epoch 1 of a 2-epoch run: the weights, target network, optimizer state and entropy coefficient
     equal epoch 1's files bit for bit; the replay and the counters move on. `train_run`'s rollback hook does the
     same before the epoch it names (its epoch 3 equals this state's epoch 3) and logs it in history.jsonl."""
-    from shared.checkpoints import CheckpointError, load_checkpoint
-    from shared.checkpoints import _read_sidecar
+    from shared.checkpoints import CheckpointError, checkpoint_sha256, load_checkpoint
 
     bars = generate(700, seed=3).bars
     cfg = tiny_config()
@@ -195,7 +194,7 @@ def test_rollback_restores_the_best_epochs_learner_bit_for_bit(tmp_path):
         roll_back(a, tmp_path / "a", 1, "0" * 64)
     replay = {k: v.clone() for k, v in a.replay.state_tensors().items()}
     steps = (a.epoch, a.update_step, a.env_steps)
-    roll_back(a, tmp_path / "a", 1, _read_sidecar(ck / "epoch-0001.safetensors"))
+    roll_back(a, tmp_path / "a", 1, checkpoint_sha256((ck / "epoch-0001.safetensors").read_bytes()))
     for k, v in a.agent.state_dict().items():
         assert torch.equal(v, w1[k]), k
     for k, v in a.target.state_dict().items():
