@@ -3,9 +3,13 @@ PY      ?= python3
 VENV    ?= .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
-EPOCHS  ?= 5
-DATASET ?= synthetic
-DEVICE  ?= cpu
+# `make up` passes these when set (the defaults are tradeloop up's own) and ARGS as they are:
+#   make up EPOCHS=10 DATASET=sp500 DEVICE=cuda ARGS="--free-ports"      make up ARGS="--resume RUN_ID"
+EPOCHS  ?=
+DATASET ?=
+DEVICE  ?=
+ARGS    ?=
+UP_ARGS := $(if $(EPOCHS),--epochs $(EPOCHS)) $(if $(DATASET),--dataset $(DATASET)) $(if $(DEVICE),--device $(DEVICE))
 
 .PHONY: setup up test test-fast bench clean
 
@@ -32,7 +36,7 @@ $(TRITON_STAMP): $(BIN)/python
 setup: $(STAMP)
 
 up: $(STAMP)
-	$(BIN)/tradeloop up --epochs $(EPOCHS) --dataset $(DATASET) --device $(DEVICE)
+	$(BIN)/tradeloop up $(UP_ARGS) $(ARGS)
 
 test: $(STAMP) $(TRITON_STAMP)
 	$(BIN)/python -m pytest -q -ra

@@ -117,6 +117,7 @@ class ChaosLoop:
         env.update(TINY_ENV)
         env.update({f"TL_{k.upper()}_PORT": str(v) for k, v in self.ports.items()})
         env["REDIS_URL"] = self.server.url
+        env["TL_KEEP_CHECKPOINTS"] = str(self.epochs)   # every epoch's weights stay on disk, to check against Redis
         cmd = [sys.executable, "-m", "tradeloop.cli", "up", "--epochs", str(self.epochs), "--dataset", "synthetic",
                "--device", "cpu", "--data-bars", str(self.data_bars), "--iterations", str(self.iterations),
                "--no-dashboard", "--no-live", "--run-dir", str(self.workdir / "runs"), "--run-id", self.run_id,

@@ -68,6 +68,7 @@ def run_one(dataset: str, seed: int, feedback: bool, args, root: Path) -> dict:
                             gamma_fixed=cfg.gamma, off=args.off)
     knobs_of: dict[int, Knobs] = {1: fixed(1)}
     rollback_of: dict[int, tuple[int, str]] = {}
+    best: set[int] = set()                   # the epoch a later rollback would restore: its files are kept
     reports: list = []
     trace: list[dict] = []
 
@@ -89,6 +90,8 @@ def run_one(dataset: str, seed: int, feedback: bool, args, root: Path) -> dict:
             knobs_of[e + 1] = Knobs.from_dict(bundle.knobs)
             if bundle.rollback:
                 rollback_of[e + 1] = (bundle.rollback_to_epoch, bundle.rollback_checkpoint_sha256)
+            best.clear()
+            best.update([] if bundle.best_epoch is None else [bundle.best_epoch])
             why = bundle.reason
         else:
             knobs_of[e + 1] = fixed(e + 1)
@@ -108,7 +111,7 @@ def run_one(dataset: str, seed: int, feedback: bool, args, root: Path) -> dict:
 
     t0 = time.perf_counter()
     train_run(bars, dataset, run_dir, args.epochs, config=cfg, seed=seed, knobs_fn=knobs_fn, on_epoch=on_epoch,
-              rollback_fn=rollback_of.get)
+              rollback_fn=rollback_of.get, pinned_fn=lambda: best)
     wall = time.perf_counter() - t0
     vals = [r.val.metrics["per_trade_sharpe"] or 0.0 for r in reports]
     ok = [i for i, r in enumerate(reports) if r.val.metrics["n_trades"] >= args.min_val_trades] or list(range(len(vals)))

@@ -98,10 +98,11 @@ class Bus:
         self.max_event_bytes = max_event_bytes
         self.stream_maxlen = stream_maxlen
         # No hidden retries inside redis-py: our loops decide when to back off and reconnect.
+        # TCP keepalive only where there is TCP (a unix:// URL is a local socket; redis-py refuses the option there)
+        tcp = {} if redis_url.startswith("unix://") else {"socket_keepalive": True}
         self.redis = aioredis.Redis.from_url(redis_url, socket_timeout=socket_timeout_s,
                                              socket_connect_timeout=socket_timeout_s,
-                                             socket_keepalive=True, retry=Retry(NoBackoff(), 0),
-                                             decode_responses=False)
+                                             retry=Retry(NoBackoff(), 0), decode_responses=False, **tcp)
         self.store = RunStore(self.redis, self.run_id, keep_checkpoints=keep_checkpoints)
 
     def stream(self, kind: str) -> str:

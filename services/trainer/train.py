@@ -22,7 +22,7 @@ import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 import numpy as np
 import torch
@@ -1231,22 +1231,64 @@ class PhaseClock:
         return out
 
 
+@dataclass
+class EpochProgress:
+    """How far an epoch got before it was interrupted at an iteration boundary: with the trainer state saved there
+    (`save_interrupted`), what `train_epoch(resume=…)` needs to finish it."""
+
+    epoch: int
+    """The epoch in progress (1-based; `state.epoch` is the last complete one, epoch − 1)."""
+    iteration: int
+    """Iterations done; the resumed epoch runs iterations `iteration` … iterations − 1."""
+    iterations: int
+    updates: int
+    env_steps: int
+    """Account-steps collected in this epoch so far."""
+    seconds: float
+    phases: dict[str, float]
+    """`PhaseClock.totals()` so far."""
+    knobs: dict
+    """The knobs in effect at the boundary (`Knobs.to_dict()`)."""
+
+
+class EpochInterrupted(Exception):
+    """`train_epoch` stopped at an iteration boundary because `interrupt()` returned True; the state is consistent
+    there (no step half done) and `progress` says how far the epoch got."""
+
+    def __init__(self, progress: EpochProgress):
+        super().__init__(f"epoch {progress.epoch} interrupted after iteration {progress.iteration}/"
+                         f"{progress.iterations}")
+        self.progress = progress
+
+
 def train_epoch(state: TrainState, knobs: Knobs, progress: Callable[[int, int], None] | None = None,
-                between: Callable[[int], Knobs | None] | None = None) -> EpochStats:
+                between: Callable[[int], Knobs | None] | None = None, *,
+                interrupt: Callable[[], bool] | None = None, resume: EpochProgress | None = None) -> EpochStats:
     """One epoch: apply knobs → fresh episodes → iterations of (collect E × env_steps_per_iter, update) → stats.
 
     `between(it)` is asked before each iteration: new knobs it returns are applied there and rule the rest of the
-    epoch (the trainer's overlap mode: a bundle that arrives mid-epoch)."""
+    epoch (the trainer's overlap mode: a bundle that arrives mid-epoch). `interrupt()` is asked there too: True
+    raises `EpochInterrupted` at that boundary. `resume` (with the state of `restore_interrupted`) finishes an
+    interrupted epoch: its remaining iterations under `knobs` (those in effect when it stopped), with fresh
+    episodes, the support as it was, and the epoch's sums carried, so its stats cover the whole epoch."""
     cfg, env = state.cfg, state.env
     apply_knobs(state, knobs)
-    adapt_support(state)
-    env.reset_all()
-    env.pop_trade_stats()
+    if resume is None:
+        adapt_support(state)
+        env.reset_all()
+        env.pop_trade_stats()
+        state.buffers.metric_sums.zero_()
+        start, n_upd, n_env0, t_before, spent_before = 0, 0, state.env_steps, 0.0, {}
+    else:
+        if (resume.epoch, resume.iterations) != (state.epoch + 1, cfg.iterations):
+            raise ValueError(f"cannot resume epoch {resume.epoch} ({resume.iterations} iterations) on a state after "
+                             f"epoch {state.epoch} ({cfg.iterations} iterations an epoch)")
+        env.reset_all()
+        start, n_upd = resume.iteration, resume.updates
+        n_env0, t_before, spent_before = state.env_steps - resume.env_steps, resume.seconds, resume.phases
     refresh_embeddings(state)
-    state.buffers.metric_sums.zero_()
     state.buffers.step.fill_(float(state.update_step))
     runner = state.runner
-    n_upd, n_env0 = 0, state.env_steps
     t0 = time.perf_counter()
     state.agent.train()
     cuda = state.device.type == "cuda"
@@ -1258,7 +1300,14 @@ def train_epoch(state: TrainState, knobs: Knobs, progress: Callable[[int, int], 
         n_upd += 1
         state.update_step += 1
 
-    for it in range(cfg.iterations):
+    for it in range(start, cfg.iterations):
+        if interrupt is not None and interrupt():
+            spent = clock.totals()
+            raise EpochInterrupted(EpochProgress(
+                epoch=state.epoch + 1, iteration=it, iterations=cfg.iterations, updates=n_upd,
+                env_steps=state.env_steps - n_env0, seconds=t_before + time.perf_counter() - t0,
+                phases={k: spent_before.get(k, 0.0) + spent.get(k, 0.0) for k in {*spent_before, *spent}},
+                knobs=knobs.to_dict()))
         if between is not None and (new := between(it)) is not None:
             apply_knobs(state, new)
             knobs = new
@@ -1278,6 +1327,7 @@ def train_epoch(state: TrainState, knobs: Knobs, progress: Callable[[int, int], 
         if progress is not None:
             progress(it + 1, cfg.iterations)
     spent = clock.totals()
+    spent = {k: spent_before.get(k, 0.0) + spent.get(k, 0.0) for k in {*spent_before, *spent}}
     t_it = spent.get("iteration", 0.0)
     t_env, t_upd = spent.get("env", 0.0) + t_it, spent.get("update", 0.0) + t_it
     mat = 1.0 - math.exp(-state.update_step / cfg.maturity_updates)
@@ -1286,7 +1336,7 @@ def train_epoch(state: TrainState, knobs: Knobs, progress: Callable[[int, int], 
     means = ({k: float(v) / n_upd for k, v in zip(METRICS, state.buffers.metric_sums.tolist())} if n_upd else {})
     sharpe, n_trades = env.pop_trade_stats()
     state.epoch += 1
-    dt = time.perf_counter() - t0
+    dt = t_before + time.perf_counter() - t0
     env_steps = state.env_steps - n_env0
     nan = float("nan")
     return EpochStats(epoch=state.epoch, loss=means.get("loss", nan), c51=means.get("c51", nan),
@@ -1322,7 +1372,13 @@ def save_epoch(state: TrainState, run_dir: Path, run_meta: dict) -> tuple[Path, 
     path = ck / f"epoch-{state.epoch:04d}.safetensors"
     weights = {k: v.detach().contiguous() for k, v in state.agent.state_dict().items()}
     sha = save_checkpoint(path, weights, agent_metadata(state, run_meta))
-    # trainer state: target net, optimizer (flattened), replay, tracker, RNG
+    save_checkpoint(ck / f"epoch-{state.epoch:04d}.state.safetensors", _state_tensors(state),
+                    {"kind": "trainer_state", **_state_meta(state)})
+    return path, sha
+
+
+def _state_tensors(state: TrainState) -> dict[str, torch.Tensor]:
+    """The trainer state beside the agent's weights: target net, optimizer (flattened), replay, tracker, RNG."""
     t: dict[str, torch.Tensor] = {f"target.{k}": v.detach().contiguous() for k, v in state.target.state_dict().items()}
     names = {p: n for n, p in state.agent.named_parameters()}
     for p, st in state.opt.state.items():
@@ -1333,11 +1389,92 @@ def save_epoch(state: TrainState, run_dir: Path, run_meta: dict) -> tuple[Path, 
     t["rng.generator"] = _rng_tensor(state.generator.get_state())
     t["rng.torch"] = _rng_tensor(torch.get_rng_state())
     t["buf.entropy_coef"] = state.buffers.entropy_coef.detach().clone()
-    meta = {"kind": "trainer_state", "epoch": state.epoch, "update_step": state.update_step,
-            "env_steps": state.env_steps, "replay": state.replay.state_meta(),
-            "group_ages": [g["age"] for g in state.opt.param_groups], "config_hash": state.cfg.hash()}
-    save_checkpoint(ck / f"epoch-{state.epoch:04d}.state.safetensors", t, meta)
-    return path, sha
+    return t
+
+
+def _state_meta(state: TrainState) -> dict:
+    return {"epoch": state.epoch, "update_step": state.update_step, "env_steps": state.env_steps,
+            "replay": state.replay.state_meta(), "group_ages": [g["age"] for g in state.opt.param_groups],
+            "config_hash": state.cfg.hash()}
+
+
+INTERRUPTED = "interrupted.safetensors"
+"""checkpoints/ file of an epoch interrupted at an iteration boundary: weights, trainer state and `EpochProgress`."""
+
+
+def save_interrupted(state: TrainState, run_dir: Path, progress: EpochProgress, record: dict | None = None) -> Path:
+    """Write DIR/checkpoints/interrupted.safetensors (atomically, with its sha256 sidecar): the agent, the trainer
+    state and the epoch's running sums at the boundary where `progress` stopped, and `record` (the caller's
+    notes on the epoch: where its knobs came from). Never published: it is not an epoch's checkpoint."""
+    env, buf = state.env, state.buffers
+    t = {f"agent.{k}": v.detach().contiguous() for k, v in state.agent.state_dict().items()}
+    t.update(_state_tensors(state))
+    t["epoch.metric_sums"] = buf.metric_sums.detach().clone()
+    t["epoch.trades"] = torch.stack([env.trade_sum, env.trade_sq, env.trade_n]).detach().clone()
+    path = Path(run_dir) / "checkpoints" / INTERRUPTED
+    save_checkpoint(path, t, {"kind": "interrupted_epoch", **_state_meta(state), "progress": asdict(progress),
+                              "record": record or {}})
+    return path
+
+
+def read_interrupted(run_dir: Path, epoch_done: int, config_hash: str) -> tuple[dict, dict] | None:
+    """(tensors, metadata) of DIR/checkpoints/interrupted.safetensors when it continues the last complete epoch
+    `epoch_done` under the same config and its sha256 checks; else None, and a file that cannot be used is
+    removed (it is older than the last complete epoch, or cut by a kill)."""
+    path = Path(run_dir) / "checkpoints" / INTERRUPTED
+    if not path.exists():
+        return None
+    try:
+        tensors, meta = load_checkpoint(path)
+        ok = (meta.get("kind") == "interrupted_epoch" and int(meta["epoch"]) == epoch_done
+              and meta.get("config_hash") == config_hash)
+    except (ValueError, KeyError, TypeError):   # CheckpointError is a ValueError
+        ok = False
+    if ok:
+        return tensors, meta
+    remove_checkpoint(path)
+    return None
+
+
+def restore_interrupted(state: TrainState, tensors: dict, meta: dict) -> EpochProgress:
+    """Load `read_interrupted`'s agent, trainer state and epoch sums into a freshly built `state` (same config);
+    returns the progress to pass to `train_epoch(resume=…)`."""
+    dev = state.device
+    state.agent.load_state_dict({k[len("agent."):]: v.to(dev) for k, v in tensors.items() if k.startswith("agent.")})
+    _load_state(state, tensors, meta)
+    state.buffers.metric_sums.copy_(tensors["epoch.metric_sums"].to(dev))
+    trades = tensors["epoch.trades"].to(dev)
+    for i, acc in enumerate((state.env.trade_sum, state.env.trade_sq, state.env.trade_n)):
+        acc.copy_(trades[i])
+    return EpochProgress(**meta["progress"])
+
+
+def remove_checkpoint(path: Path) -> None:
+    """Delete a checkpoint file and then its sidecar (a kill between the two leaves a sidecar alone, never a file
+    that looks complete)."""
+    Path(path).unlink(missing_ok=True)
+    sidecar_path(path).unlink(missing_ok=True)
+
+
+def prune_checkpoints(run_dir: Path, epoch: int, keep: int | None, pinned: Iterable[int] = ()) -> list[Path]:
+    """After epoch `epoch` is saved complete: delete the trainer state of every earlier epoch (a run resumes from
+    its last complete epoch only), an interrupted epoch's file, and, with `keep`, the weights of all but the last
+    `keep` epochs — except both files of the `pinned` epochs (a feedback rollback's candidates: `roll_back` needs
+    an epoch's weights and trainer state). Returns the files deleted."""
+    ck = Path(run_dir) / "checkpoints"
+    pinned = set(pinned)
+    gone = []
+    for p in ck.glob("epoch-[0-9]*.safetensors"):
+        e, state_file = int(p.name.split("-")[1].split(".")[0]), p.name.endswith(".state.safetensors")
+        if e in pinned:
+            continue
+        if (state_file and e < epoch) or (not state_file and keep is not None and e <= epoch - keep):
+            remove_checkpoint(p)
+            gone.append(p)
+    if (ck / INTERRUPTED).exists():
+        remove_checkpoint(ck / INTERRUPTED)
+        gone.append(ck / INTERRUPTED)
+    return gone
 
 
 def load_agent(path, expected_sha256: str | None = None, device="cpu") -> tuple[Agent, dict]:
@@ -1358,36 +1495,11 @@ def _load_epoch(state: TrainState, run_dir: Path, epoch: int, expected_sha256: s
     return w, t, meta
 
 
-@torch.no_grad()
-def _load_learner(state: TrainState, w: dict[str, torch.Tensor], t: dict[str, torch.Tensor]) -> None:
-    """Weights, target network, optimizer state and entropy coefficient from an epoch's tensors, copied in place:
-    the state exists from the optimizer's construction (`materialise_state`, or `FlatAdamW`'s views of its flat
-    buffers), on its device, at the addresses a captured step reads; so do the parameters (`load_state_dict`
-    copies into them)."""
-    dev = state.device
-    state.agent.load_state_dict({k: v.to(dev) for k, v in w.items()})
-    state.target.load_state_dict({k[len("target."):]: v.to(dev) for k, v in t.items() if k.startswith("target.")})
-    params = dict(state.agent.named_parameters())
-    for key, v in t.items():
-        if key.startswith("opt."):
-            name, slot = key[len("opt."):].rsplit(".", 1)
-            state.opt.state[params[name]][slot].copy_(v)
-    state.buffers.entropy_coef.copy_(t["buf.entropy_coef"].to(dev))
-
-
 def restore_state(state: TrainState, run_dir: Path, epoch: int) -> None:
     """Load epoch `epoch`'s agent and trainer state into a freshly built `state` (same config): resume."""
     w, t, meta = _load_epoch(state, run_dir, epoch)
-    _load_learner(state, w, t)
-    for g, age in zip(state.opt.param_groups, meta["group_ages"]):
-        g["age"] = int(age)
-    dev = state.device
-    state.replay.load_state({k[len("replay."):]: v.to(dev) for k, v in t.items() if k.startswith("replay.")},
-                            meta["replay"])
-    state.env.tracker.load_state({k[len("tracker."):]: v for k, v in t.items() if k.startswith("tracker.")})
-    state.generator.set_state(t["rng.generator"])
-    torch.set_rng_state(t["rng.torch"])
-    state.epoch, state.update_step, state.env_steps = int(meta["epoch"]), int(meta["update_step"]), int(meta["env_steps"])
+    state.agent.load_state_dict({k: v.to(state.device) for k, v in w.items()})
+    _load_state(state, t, meta)
 
 
 def roll_back(state: TrainState, run_dir: Path, epoch: int, expected_sha256: str | None = None) -> None:
@@ -1398,8 +1510,40 @@ def roll_back(state: TrainState, run_dir: Path, epoch: int, expected_sha256: str
     update and environment-step counters, the LR schedule's group ages). The embedding tables the updates and
     collection read are recomputed from the restored encoders."""
     w, t, _ = _load_epoch(state, run_dir, epoch, expected_sha256)
-    _load_learner(state, w, t)
+    with torch.no_grad():
+        state.agent.load_state_dict({k: v.to(state.device) for k, v in w.items()})
+    _load_learner(state, t)
     refresh_embeddings(state)
+
+
+@torch.no_grad()
+def _load_learner(state: TrainState, t: dict) -> None:
+    """The learner's part of `_state_tensors` back into `state`, in place: target network, optimizer state,
+    entropy coefficient."""
+    dev = state.device
+    state.target.load_state_dict({k[len("target."):]: v.to(dev) for k, v in t.items() if k.startswith("target.")})
+    params = dict(state.agent.named_parameters())
+    for key, v in t.items():
+        if key.startswith("opt."):
+            # in place: the state exists from the optimizer's construction (`materialise_state`, or `FlatAdamW`'s
+            # views of its flat buffers), on its device, at the addresses a captured step reads
+            name, slot = key[len("opt."):].rsplit(".", 1)
+            state.opt.state[params[name]][slot].copy_(v)
+    state.buffers.entropy_coef.copy_(t["buf.entropy_coef"].to(dev))
+
+
+def _load_state(state: TrainState, t: dict, meta: dict) -> None:
+    """`_state_tensors` / `_state_meta` back into `state`."""
+    dev = state.device
+    _load_learner(state, t)
+    for g, age in zip(state.opt.param_groups, meta["group_ages"]):
+        g["age"] = int(age)
+    state.replay.load_state({k[len("replay."):]: v.to(dev) for k, v in t.items() if k.startswith("replay.")},
+                            meta["replay"])
+    state.env.tracker.load_state({k[len("tracker."):]: v for k, v in t.items() if k.startswith("tracker.")})
+    state.generator.set_state(t["rng.generator"])
+    torch.set_rng_state(t["rng.torch"])
+    state.epoch, state.update_step, state.env_steps = int(meta["epoch"]), int(meta["update_step"]), int(meta["env_steps"])
 
 
 def latest_epoch(run_dir: Path) -> int:
@@ -1422,12 +1566,14 @@ def train_run(bars: Bars, dataset: str, run_dir: Path, epochs: int, *, config: s
               seed: int = 0, device="cpu", accel: str = "auto", knobs_fn: Callable[[int], Knobs] | None = None,
               on_epoch: Callable[[EpochStats], None] | None = None,
               progress: Callable[[int, int], None] | None = None,
-              rollback_fn: Callable[[int], tuple[int, str] | None] | None = None) -> TrainState:
+              rollback_fn: Callable[[int], tuple[int, str] | None] | None = None,
+              pinned_fn: Callable[[], Iterable[int]] | None = None) -> TrainState:
     """Train until `epochs` epochs exist in `run_dir`, resuming from its latest checkpoint when it holds a run.
 
     Knobs of epoch e (1-based) come from `knobs_fn(e)`, by default the config's fixed schedule
     (`cfg.schedule.knobs(e)`). `rollback_fn(e)`, when given and not None, is (epoch, checkpoint sha256 or "") of a
-    feedback rollback: `roll_back` to that epoch before epoch e trains (its record says `rolled_back_to`)."""
+    feedback rollback: `roll_back` to that epoch before epoch e trains (its record says `rolled_back_to`).
+    `pinned_fn()`: epochs whose trainer state the pruning keeps (a later rollback's candidates)."""
     run_dir = Path(run_dir)
     feats = compute_features(bars)
     run_json = run_dir / "run.json"
@@ -1458,6 +1604,8 @@ def train_run(bars: Bars, dataset: str, run_dir: Path, epochs: int, *, config: s
         stats = train_epoch(state, knobs_fn(state.epoch + 1), progress)
         stats.rolled_back_to = None if rb is None else rb[0]
         save_epoch(state, run_dir, meta)
+        # every epoch's weights stay; only the last state and the pinned ones
+        prune_checkpoints(run_dir, state.epoch, keep=None, pinned=pinned_fn() if pinned_fn is not None else ())
         with open(run_dir / "history.jsonl", "a") as f:
             f.write(json.dumps(asdict(stats)) + "\n")
         if on_epoch is not None:

@@ -11,13 +11,21 @@
                   restores that epoch's weights, target network and optimizer state before the epoch trains
                   (overlap mode: at the iteration where the bundle is applied); the record says `rolled_back_to`
         stats   = train_epoch(state, knobs)                     (a worker thread: HTTP stays responsive)
-        ckpt    = save_epoch(...)  → DIR/checkpoints/epoch-NNNN.safetensors (+ trainer state, for resume)
+        ckpt    = save_epoch(...)  → DIR/checkpoints/epoch-NNNN.safetensors (+ trainer state, for resume);
+                  older trainer states are deleted, and the weights of all but the last TL_KEEP_CHECKPOINTS epochs,
+                  except the files of the best epoch so far (named by the latest bundle: what a rollback restores)
+                  and of an epoch no bundle has judged yet
         Redis   ← checkpoint bytes (RunStore.put_checkpoint), the epoch record (history hash), then
         publish   checkpoint.published
 
 The run directory is `TL_RUN_DIR/TL_RUN_ID/trainer` (run.json, checkpoints, history.jsonl). A restarted
-trainer resumes from its latest checkpoint on disk; an epoch saved but not yet published (a crash between
-the two) is published again — consumers are idempotent on (run, epoch).
+trainer resumes from its latest complete checkpoint on disk; an epoch saved but not yet published (a crash
+between the two) is published again — consumers are idempotent on (run, epoch).
+
+Shutdown (SIGTERM / Ctrl-C, `interrupt()`): an epoch in training stops at the next iteration boundary and saves
+its state there (`checkpoints/interrupted.safetensors`: weights, trainer state, the epoch's sums, the knobs and
+record); a restart finishes that epoch from that iteration, under the same knobs (the record lists where it
+resumed: `resumed_at`). A feedback wait ends at once; a publish in hand is finished.
 
 The epoch record (`tl:{run}:trainer:history`, hash epoch → JSON) holds the stats, the checkpoint id and
 sha256, which bundle the epoch trained under (`bundle_epoch`, `bundle_id`, `feedback_timed_out`) and the epoch
@@ -29,6 +37,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -80,6 +89,7 @@ class TrainerWorker:
         self._resume = asyncio.Event()
         self._resume.set()
         self._stop = asyncio.Event()
+        self._interrupt = threading.Event()      # read by the training thread at each iteration boundary
         self.phase = "starting"
         self.last_bundle: dict | None = None   # the latest bundle received (what a timed-out epoch trains on)
         self._late: dict | None = None          # overlap: a bundle stored after its epoch ended, for the next start
@@ -104,16 +114,39 @@ class TrainerWorker:
         self._stop.set()
         self._resume.set()
 
+    def interrupt(self) -> None:
+        """Stop at the next iteration boundary (shutdown): an epoch in training saves its state there
+        (`save_interrupted`) and a restart finishes it; a feedback wait ends at once."""
+        self._interrupt.set()
+        self.stop()
+
+    def stopping_note(self) -> str:
+        """What a shutdown waits for, in words (the service logs it)."""
+        x = self.state.extra
+        if self.phase == "training":
+            return (f"epoch {x.get('training_epoch')} stops at its next iteration boundary (iteration "
+                    f"{x.get('iteration', 0)}/{x.get('iterations', '?')}) and saves its state there")
+        if self.phase == "saving":
+            return f"saving epoch {x.get('training_epoch')}'s state"
+        if self.phase == "publishing":
+            return f"publishing epoch {x.get('training_epoch')}'s checkpoint"
+        return f"nothing to save (phase {self.phase})"
+
+    def _progress(self, iteration: int, iterations: int) -> None:  # the training thread, after each iteration
+        self.state.extra.update(iteration=iteration, iterations=iterations)
+
     def _phase(self, phase: str) -> None:
         self.phase = phase
         self.state.extra["phase"] = phase
 
     # -- setup ------------------------------------------------------------------------------------------
     def _build(self):
-        """Load data, build or resume the training state (blocking; run in a thread)."""
+        """Load data, build or resume the training state (blocking; run in a thread). Returns (state, run meta,
+        the interrupted epoch's (progress, record) or None)."""
         import torch
 
-        from services.trainer.train import TrainConfig, build_state, restore_state
+        from services.trainer.train import (TrainConfig, build_state, read_interrupted, restore_interrupted,
+                                            restore_state)
         from shared.market import Split, chronological_split, compute_features, load_dataset
 
         s = self.settings
@@ -145,9 +178,16 @@ class TrainerWorker:
         device = s.device if s.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         tstate = build_state(cfg, bars, split, seed, device, features=feats)
         done = complete_epoch(self.run_dir)
+        partial = read_interrupted(self.run_dir, done, cfg.hash())
+        if partial is not None:
+            tensors, pmeta = partial
+            progress = restore_interrupted(tstate, tensors, pmeta)
+            log.info("resuming epoch %d at iteration %d/%d (its state was saved when it was interrupted)",
+                     progress.epoch, progress.iteration, progress.iterations)
+            return tstate, meta, (progress, pmeta.get("record") or {})
         if done:
             restore_state(tstate, self.run_dir, done)
-        return tstate, meta
+        return tstate, meta, None
 
     # -- feedback -----------------------------------------------------------------------------------------
     async def _wait_bundle(self, epoch: int) -> tuple[dict | None, bool, float]:
@@ -269,6 +309,34 @@ class TrainerWorker:
         rec["bundle_id"] = None if b is None else bundle_id(self.bus.run_id, b,
                                                             (src or {}).get("report_checkpoint_sha256", ""))
 
+    async def _resumed_knobs(self, epoch: int, progress, record: dict) -> tuple[Knobs, dict, "_BundleWaiter | None"]:
+        """An interrupted epoch resumes under the knobs it had when it stopped and its record (plus where it
+        resumed); in overlap mode, a bundle it had not applied yet is still waited for."""
+        rec = {**record, "resumed_at": [*record.get("resumed_at", []),
+                                        {"iteration": progress.iteration, "at": time.time()}]}
+        waiter = None
+        if (self.settings.feedback_mode == "overlap" and epoch > 1
+                and all(b["epoch"] != epoch - 1 for b in rec.get("bundles_applied", []))):
+            rec.setdefault("bundles_applied", [])
+            waiter = _BundleWaiter(self, epoch - 1)
+        if rec.get("bundle_epoch") is not None:
+            try:
+                self.last_bundle = await self.bus.store.get_bundle(int(rec["bundle_epoch"]))
+            except REDIS_DOWN as exc:
+                self._redis_down(exc)
+        self.state.extra["feedback"] = {"epoch": epoch, **rec}
+        return Knobs.from_dict(progress.knobs), rec, waiter
+
+    def _absorb(self, waiter: "_BundleWaiter | None", rec: dict) -> None:
+        """Overlap mode: a bundle applied mid-epoch goes into the epoch's record."""
+        if waiter is not None and waiter.applied is not None and waiter.applied not in rec["bundles_applied"]:
+            self.last_bundle = waiter.bundle
+            rec["bundles_applied"].append(waiter.applied)
+            rec["knobs_applied_at"] = waiter.applied["at"]
+            self._set_bundle(rec)
+            rec["knobs_source"] += f"; bundle {waiter.epoch} applied at iteration {waiter.applied['iteration']}"
+            rec.update(waiter.rollback)
+
     async def _overlap_finish(self, waiter: "_BundleWaiter", epoch: int) -> None:
         """After epoch `epoch` is published: a bundle not yet applied is waited for now (bounded by the
         timeout; the only wait of overlap mode) and then starts the next epoch."""
@@ -303,6 +371,15 @@ class TrainerWorker:
         log.info("rolled back to epoch %d's weights and optimizer state", target)
         return {"rolled_back_to": target}
 
+    def _pinned(self, epoch: int) -> set[int]:
+        """After epoch `epoch` is saved: the epochs whose checkpoint files pruning keeps — the best epoch so far
+        (`best_epoch` of the latest bundle: what a rollback restores) and the last two epochs that bundle has not
+        judged yet (one of them may be the next best; overlap mode trains one epoch ahead of its bundle)."""
+        b = self.last_bundle
+        judged = -1 if b is None else int(b["epoch"])
+        best = None if b is None else b.get("best_epoch")
+        return set(range(max(judged + 1, epoch - 1), epoch + 1)) | ({int(best)} if best is not None else set())
+
     # -- publishing -----------------------------------------------------------------------------------------
     def _redis_down(self, exc: BaseException) -> None:
         self.state.error(f"Redis unreachable ({type(exc).__name__}: {exc}); retrying")
@@ -334,10 +411,10 @@ class TrainerWorker:
     # -- the loop -------------------------------------------------------------------------------------------
     async def run(self) -> None:
         """Train until TL_EPOCHS epochs exist, then idle (status phase "done") until the process stops."""
-        from services.trainer.train import save_epoch, train_epoch
+        from services.trainer.train import EpochInterrupted, prune_checkpoints, save_epoch, train_epoch
 
         self._phase("loading")
-        tstate, meta = await asyncio.to_thread(self._build)
+        tstate, meta, partial = await asyncio.to_thread(self._build)
         self._tstate, self.schedule = tstate, tstate.cfg.schedule
         self.state.epoch = tstate.epoch
         self.state.extra["device"] = str(tstate.device)
@@ -356,7 +433,9 @@ class TrainerWorker:
                     break
             epoch = tstate.epoch + 1
             waiter = None
-            if self.settings.feedback_mode == "overlap" and epoch > 1:
+            if partial is not None:
+                knobs, rec, waiter = await self._resumed_knobs(epoch, *partial)
+            elif self.settings.feedback_mode == "overlap" and epoch > 1:
                 knobs, rec, waiter = await self._overlap_knobs(epoch)
             else:
                 knobs, rec = await self._knobs_for(epoch)
@@ -365,21 +444,27 @@ class TrainerWorker:
                 if waiter is not None:
                     waiter.cancel()
                 break
-            if rec.get("rollback_to_epoch") is not None:
+            if rec.get("rollback_to_epoch") is not None and "rolled_back_to" not in rec:   # not done (nor resumed)
                 self._phase("rolling_back")
                 rec.update(await asyncio.to_thread(self._roll_back, rec))
             self._phase("training")
-            self.state.extra["training_epoch"] = epoch
-            stats = await asyncio.to_thread(train_epoch, tstate, knobs, None,
-                                            None if waiter is None else waiter.poll)
-            if waiter is not None and waiter.applied is not None:
-                self.last_bundle = waiter.bundle
-                rec["bundles_applied"].append(waiter.applied)
-                rec["knobs_applied_at"] = waiter.applied["at"]
-                self._set_bundle(rec)
-                rec["knobs_source"] += f"; bundle {waiter.epoch} applied at iteration {waiter.applied['iteration']}"
-                rec.update(waiter.rollback)
+            self.state.extra.update(training_epoch=epoch, iteration=partial[0].iteration if partial else 0)
+            try:
+                stats = await asyncio.to_thread(train_epoch, tstate, knobs, self._progress,
+                                                None if waiter is None else waiter.poll,
+                                                interrupt=self._interrupt.is_set,
+                                                resume=partial[0] if partial else None)
+            except EpochInterrupted as exc:
+                self._absorb(waiter, rec)
+                if waiter is not None:
+                    waiter.cancel()
+                await self._save_interrupted(tstate, exc.progress, rec, partial[0] if partial else None)
+                break
+            partial = None
+            self._absorb(waiter, rec)
             path, _ = await asyncio.to_thread(save_epoch, tstate, self.run_dir, meta)
+            await asyncio.to_thread(prune_checkpoints, self.run_dir, epoch, self.settings.keep_checkpoints,
+                                    self._pinned(epoch))
             record = {**_finite(asdict(stats)), **rec}
             with open(self.run_dir / "history.jsonl", "a") as f:
                 f.write(json.dumps(record, allow_nan=False) + "\n")
@@ -395,7 +480,28 @@ class TrainerWorker:
                     await self._overlap_finish(waiter, epoch)
                 else:
                     waiter.cancel()             # no epoch left to apply it to: nothing to wait for
-        self._phase("stopped" if self._stop.is_set() and tstate.epoch < self.settings.epochs else "done")
+        if self.phase != "interrupted":
+            self._phase("stopped" if self._stop.is_set() and tstate.epoch < self.settings.epochs else "done")
+
+    async def _save_interrupted(self, tstate, progress, rec: dict, resumed) -> None:
+        """Save an epoch interrupted at an iteration boundary (unless it did no iteration since it (re)started:
+        then what is on disk already holds it)."""
+        from services.trainer.train import save_interrupted
+
+        self._phase("saving")
+        info = {"epoch": progress.epoch, "iteration": progress.iteration, "iterations": progress.iterations}
+        if progress.iteration > (resumed.iteration if resumed is not None else 0):
+            t0 = time.monotonic()
+            path = await asyncio.to_thread(save_interrupted, tstate, self.run_dir, progress, rec)
+            info.update(saved=str(path), save_seconds=round(time.monotonic() - t0, 2))
+            log.warning("epoch %d interrupted after iteration %d/%d: its state is saved in %s (%.1fs); a restart "
+                        "finishes the epoch from there", progress.epoch, progress.iteration, progress.iterations,
+                        path, info["save_seconds"])
+        else:
+            log.warning("epoch %d interrupted at iteration %d/%d, before any new iteration: nothing to save (a "
+                        "restart starts there again)", progress.epoch, progress.iteration, progress.iterations)
+        self.state.extra["interrupted"] = info
+        self._phase("interrupted")
 
     async def lag(self) -> int | None:
         """Checkpoints published but not yet acked by the evaluator group (None before the group exists)."""
