@@ -7,9 +7,11 @@ The closed loop runs in-process, with no Redis and no services, through the very
 
     for epoch e = 1..E:
         knobs_e  = epoch 1: the trainer config's fixed schedule (both modes)
-                   on : services.feedback.signals.compute_bundle(report_{e−1}, reports_{<e−1}, FeedbackConfig())
-                   off: the trainer's fixed schedule (`train_run`'s default knobs_fn: Knobs.fixed_schedule(e,
-                        config's ε schedule and γ)) — what `tradeloop train` does without feedback
+                   on : services.feedback.signals.compute_bundle(report_{e−1}, reports_{<e−1}, FeedbackConfig with
+                        the config's schedule and `--off`); a bundle that rolls back makes `train_run` restore that
+                        epoch's learner before epoch e (`rollback_fn` → `roll_back`)
+                   off: the trainer's fixed schedule (`train_run`'s default knobs_fn: cfg.schedule.knobs(e)) —
+                        what `tradeloop train` does without feedback
         train    : services.trainer.train.train_run (train_epoch → save_epoch → history.jsonl)
         report_e : services.evaluator.runner.evaluate_checkpoint(checkpoint e, knobs_e, n_trials = e,
                    prior_sharpes = earlier val Sharpes)      (val, OOS, in-sample for E6/E7)
@@ -61,9 +63,12 @@ def run_one(dataset: str, seed: int, feedback: bool, args, root: Path) -> dict:
         cfg.learning_starts = args.learning_starts
     run_dir = root / f"{dataset}-s{seed}-{'on' if feedback else 'off'}"
     run_id = run_dir.name
-    fixed = lambda e: Knobs.fixed_schedule(e - 1, eps_start=cfg.eps_start, eps_end=cfg.eps_end,  # noqa: E731
-                                           eps_decay_epochs=cfg.eps_decay_epochs, gamma=cfg.gamma)
+    fixed = cfg.schedule.knobs
+    fb_cfg = FeedbackConfig(eps_start=cfg.eps_start, eps_end=cfg.eps_end, eps_decay_epochs=cfg.eps_decay_epochs,
+                            gamma_fixed=cfg.gamma, off=args.off)
     knobs_of: dict[int, Knobs] = {1: fixed(1)}
+    rollback_of: dict[int, tuple[int, str]] = {}
+    best: set[int] = set()                   # the epoch a later rollback would restore: its files are kept
     reports: list = []
     trace: list[dict] = []
 
@@ -81,8 +86,12 @@ def run_one(dataset: str, seed: int, feedback: bool, args, root: Path) -> dict:
                                   dataset=dataset)
         t_eval = time.perf_counter() - t0
         if feedback:
-            bundle = compute_bundle(rep, reports, FeedbackConfig(), bars=bars)
+            bundle = compute_bundle(rep, reports, fb_cfg, bars=bars)
             knobs_of[e + 1] = Knobs.from_dict(bundle.knobs)
+            if bundle.rollback:
+                rollback_of[e + 1] = (bundle.rollback_to_epoch, bundle.rollback_checkpoint_sha256)
+            best.clear()
+            best.update([] if bundle.best_epoch is None else [bundle.best_epoch])
             why = bundle.reason
         else:
             knobs_of[e + 1] = fixed(e + 1)
@@ -101,7 +110,8 @@ def run_one(dataset: str, seed: int, feedback: bool, args, root: Path) -> dict:
                   f"conf0 {sum(c == 0 for c in k.regime_confidence)} — {why[:60]}", flush=True)
 
     t0 = time.perf_counter()
-    train_run(bars, dataset, run_dir, args.epochs, config=cfg, seed=seed, knobs_fn=knobs_fn, on_epoch=on_epoch)
+    train_run(bars, dataset, run_dir, args.epochs, config=cfg, seed=seed, knobs_fn=knobs_fn, on_epoch=on_epoch,
+              rollback_fn=rollback_of.get, pinned_fn=lambda: best)
     wall = time.perf_counter() - t0
     vals = [r.val.metrics["per_trade_sharpe"] or 0.0 for r in reports]
     best, _ = select_best(vals, [int(r.val.metrics["n_trades"]) for r in reports], args.min_val_trades)
@@ -168,6 +178,7 @@ def main() -> None:
     ap.add_argument("--min-val-trades", type=int, default=MIN_SELECTION_TRADES,
                     help="only checkpoints with at least this many val trades are selectable (all when none has)")
     ap.add_argument("--config", default="small", help="trainer config preset")
+    ap.add_argument("--off", default="", help="feedback on: signals switched off, comma-separated (E1…E9, rollback)")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: fastest on a loaded VM)")
     ap.add_argument("--out", default=None, help="keep run directories here (default: a temp dir)")
     ap.add_argument("--json", default=None, help="also write the rows as JSON here")

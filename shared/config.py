@@ -26,6 +26,7 @@ from pydantic import AliasChoices, Field, SecretStr, ValidationError, field_vali
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from shared.events import validate_run_id
+from shared.report import parse_off
 
 DEFAULT_API_TOKEN = "dev-token"
 ENV_PREFIX = "TL_"
@@ -213,6 +214,18 @@ class FeedbackSettings(CommonSettings):
     """Feedback service settings."""
 
     enabled: bool = Field(default=True, description="false: the ablation (publish fixed-schedule knobs)")
+    feedback_off: str = Field(default="", description="signals switched off, comma-separated (E1…E9, rollback): "
+                                                      "their knobs follow the fixed schedule")
+
+    @field_validator("feedback_off")
+    @classmethod
+    def _off(cls, v: str) -> str:
+        return ",".join(parse_off(v))
+
+    @property
+    def off(self) -> tuple[str, ...]:
+        """`feedback_off` as the names `FeedbackConfig.off` takes."""
+        return parse_off(self.feedback_off)
 
     @property
     def port(self) -> int:

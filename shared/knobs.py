@@ -3,7 +3,8 @@
 The trainer turns a `Knobs` into device tensors before the epoch (`copy_` into static buffers), so a
 captured training step reads them without a host sync. The evaluator reads the few that the policy
 itself uses (`gate_threshold`, `regime_confidence`). Feedback E1–E9 produce a `Knobs` for epoch e+1
-(services/feedback); with feedback off, `Knobs.fixed_schedule(epoch, ...)` is used instead.
+(services/feedback); with feedback off (or a signal switched off), the `FixedSchedule` defined here is used
+instead: the trainer's config and the feedback config take their ε/γ schedule defaults from it.
 
 ML core: imports only the standard library (and numpy for validation).
 """
@@ -65,10 +66,32 @@ class Knobs:
         return cls(**d).validate()
 
     @classmethod
-    def fixed_schedule(cls, epoch: int, *, eps_start: float = 0.3, eps_end: float = 0.02,
-                       eps_decay_epochs: int = 8, gamma: float = 0.99) -> "Knobs":
-        """The ablation's schedule (feedback off) for 1-based `epoch`: ε falls linearly from `eps_start` at
-        epoch 1 to `eps_end` at epoch 1 + `eps_decay_epochs`; everything else fixed. The defaults are the
-        trainer's (`TrainConfig`), so the trainer alone and the feedback service switched off agree."""
-        frac = min(1.0, max(0, epoch - 1) / max(1, eps_decay_epochs))
-        return cls(epsilon=eps_start + (eps_end - eps_start) * frac, gamma=gamma)
+    def fixed_schedule(cls, epoch: int, **schedule) -> "Knobs":
+        """`FixedSchedule(**schedule).knobs(epoch)`: the knobs of feedback off for 1-based `epoch`."""
+        return FixedSchedule(**schedule).knobs(epoch)
+
+
+@dataclass(frozen=True)
+class FixedSchedule:
+    """The ε/γ schedule of feedback off, defined once: `TrainConfig` (the trainer alone, `tradeloop train`) and
+    `FeedbackConfig` (the feedback service switched off, or a signal switched off) default to these values, so
+    the trainer alone and the feedback service switched off agree.
+
+    ε falls linearly from `eps_start` at epoch 1 to `eps_end` at epoch 1 + `eps_decay_epochs`; γ is fixed;
+    every other knob keeps its neutral default (no Q-bias, LR scales 1, no gate, no boosts or labels, uniform
+    regime weights, full confidence)."""
+
+    eps_start: float = 0.3
+    eps_end: float = 0.02
+    eps_decay_epochs: int = 8
+    gamma: float = 0.99
+    """Trends last ~100s of bars, so the horizon 1/(1 − γ) should too."""
+
+    def epsilon(self, epoch: int) -> float:
+        """ε of 1-based `epoch`."""
+        frac = min(1.0, max(0, epoch - 1) / max(1, self.eps_decay_epochs))
+        return self.eps_start + (self.eps_end - self.eps_start) * frac
+
+    def knobs(self, epoch: int) -> Knobs:
+        """The knobs of 1-based `epoch`."""
+        return Knobs(epsilon=self.epsilon(epoch), gamma=self.gamma)

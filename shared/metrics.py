@@ -19,6 +19,8 @@ Conventions (read these before comparing numbers with another library):
 - PSR (Bailey & López de Prado 2012) uses the per-trade Sharpe SR, the number of trades n and the
   sample skewness γ3 and (non-excess) kurtosis γ4 of the trade returns (biased moment estimators, as in
   the paper): PSR(SR*) = Φ((SR − SR*)·sqrt(n − 1) / sqrt(1 − γ3·SR + (γ4 − 1)/4·SR²)). `psr` is PSR(0).
+  The same denominator over sqrt(n − 1) is the Sharpe's standard error (`sharpe_se_from_stats`); `sharpe_se`,
+  the noise level the feedback signals compare validation changes with, never goes below its normal-moment value.
 - DSR (Bailey & López de Prado 2014) is PSR(SR0) with the expected maximum Sharpe of N independent trials
   under the null: SR0 = sqrt(V)·((1 − γ)·Φ⁻¹(1 − 1/N) + γ·Φ⁻¹(1 − 1/(N·e))), γ = Euler–Mascheroni,
   N = n_trials (e.g. checkpoints evaluated in the run), V = variance of the trials' Sharpes. When V is
@@ -166,8 +168,32 @@ def moments(returns: Any) -> tuple[float, float]:
     return float(np.mean(d ** 3)) / m2 ** 1.5, float(np.mean(d ** 4)) / m2 ** 2
 
 
+def sharpe_se_from_stats(sr: float, n: int, skew: float = 0.0, kurt: float = 3.0) -> float:
+    """Standard error of an un-annualized Sharpe `sr` estimated from n returns of skewness γ3 and non-excess
+    kurtosis γ4: sqrt((1 − γ3·SR + (γ4 − 1)/4·SR²) / (n − 1)) — the PSR's denominator (Bailey & López de Prado
+    2012); sqrt((1 + SR²/2) / (n − 1)) for normal returns. inf with n < 2 (no information); 0 where the
+    variance term is 0 (a two-point distribution)."""
+    if n < 2:
+        return math.inf
+    var = 1.0 - skew * sr + (kurt - 1.0) / 4.0 * sr * sr
+    return math.sqrt(var / (n - 1)) if var > 0.0 else 0.0
+
+
+def sharpe_se(trade_returns: Any) -> float:
+    """The noise level of the per-trade Sharpe of `trade_returns`: the larger of `sharpe_se_from_stats` with their
+    skewness and kurtosis and with normal moments (γ3 = 0, γ4 = 3). Over tens of trades the sample skewness and
+    kurtosis are noisy themselves, and a positive skew under a positive Sharpe shrinks the moment form toward 0
+    (on 30 synthetic trades, γ3 ≈ 5: 0.09 against 0.19), which would make any change look significant; heavy
+    tails only ever widen it. inf with fewer than 2 returns."""
+    r = _as_1d(trade_returns, "trade_returns")
+    g3, g4 = moments(r)
+    sr = sharpe(r)
+    return max(sharpe_se_from_stats(sr, r.size, g3, g4), sharpe_se_from_stats(sr, r.size))
+
+
 def psr_from_stats(sr: float, n: int, skew: float, kurt: float, sr_star: float = 0.0) -> float:
-    """Probabilistic Sharpe Ratio Φ((SR − SR*)·sqrt(n − 1) / sqrt(1 − γ3·SR + (γ4 − 1)/4·SR²)).
+    """Probabilistic Sharpe Ratio Φ((SR − SR*)·sqrt(n − 1) / sqrt(1 − γ3·SR + (γ4 − 1)/4·SR²)) = Φ((SR − SR*) / SE)
+    with SE = `sharpe_se_from_stats`.
 
     `sr`, `sr_star` are un-annualized Sharpes at the frequency of the n observations; `kurt` is non-excess
     (3 for a normal). Returns 0.0 with n < 2. The denominator is ≥ 0 for any sample (γ4 ≥ 1 + γ3²); where it
@@ -175,11 +201,10 @@ def psr_from_stats(sr: float, n: int, skew: float, kurt: float, sr_star: float =
     """
     if n < 2:
         return 0.0
-    var = 1.0 - skew * sr + (kurt - 1.0) / 4.0 * sr * sr
-    if not var > 0.0:
+    se = sharpe_se_from_stats(sr, n, skew, kurt)
+    if not se > 0.0:
         return 1.0 if sr > sr_star else 0.0
-    z = (sr - sr_star) * math.sqrt(n - 1) / math.sqrt(var)
-    return _STD_NORMAL.cdf(z)
+    return _STD_NORMAL.cdf((sr - sr_star) / se)
 
 
 def expected_max_sharpe(n_trials: int, var_trials: float) -> float:

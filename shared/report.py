@@ -27,7 +27,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import math
-from typing import Annotated, Any, Iterable, Iterator, Literal, Mapping
+from typing import Annotated, Any, Iterable, Iterator, Literal, Mapping, Sequence
 
 import numpy as np
 from pydantic import (BaseModel, ConfigDict, Field, GetCoreSchemaHandler, GetJsonSchemaHandler, PlainSerializer,
@@ -41,6 +41,19 @@ TAUS: tuple[float, ...] = (0.05, 0.25, 0.5, 0.75, 0.95)
 """Quantile levels of the predicted return distribution carried in the report."""
 DIRECTIONS = ("short", "flat", "long")
 SIGNAL_IDS = ("E1", "E2", "E3", "E4", "E5", "E6", "E7", "E8", "E9")
+OFF_NAMES = (*SIGNAL_IDS, "rollback")
+"""What a feedback config may switch off: a signal, or the rollback."""
+
+
+def parse_off(value: str | Sequence[str]) -> tuple[str, ...]:
+    """The names of switched-off signals from a comma-separated string or a sequence ("e2" → "E2"), each once;
+    ValueError naming what is not in `OFF_NAMES`."""
+    items = [p.strip() for p in value.split(",")] if isinstance(value, str) else [str(x).strip() for x in value]
+    norm = {x: x.upper() if x.upper() in SIGNAL_IDS else x.lower() for x in items if x}
+    bad = [x for x, n in norm.items() if n not in OFF_NAMES]
+    if bad:
+        raise ValueError(f"off names {bad}, not among {', '.join(OFF_NAMES)}")
+    return tuple(dict.fromkeys(norm.values()))
 SplitName = Literal["insample", "val", "oos"]
 
 
@@ -506,6 +519,9 @@ class EvalReport(_Model):
     """1 − OOS per-trade Sharpe / val per-trade Sharpe (None without an OOS backtest)."""
     knobs: dict[str, Any] | None = None
     """The `Knobs.to_dict()` the checkpoint was trained under (None: defaults)."""
+    policy_shaping: bool = True
+    """The greedy policy ran with the knobs that shape it (E5 gate, E9 regime confidence) as trained; False: without
+    them (an ablation telling learning from policy shaping; `services.evaluator.runner.eval_controls`)."""
     created_at: str = ""
 
     @field_validator("schema_version")
@@ -583,8 +599,17 @@ class FeedbackBundle(_Model):
     for_epoch: int
     """The epoch that trains under it (epoch + 1)."""
     enabled: bool = True
+    off: list[str] = Field(default_factory=list)
+    """Signals switched off (their knobs at the fixed schedule's values); "rollback": no rollback."""
     rollback: bool = False
+    """The trainer restores epoch `rollback_to_epoch`'s weights, target network and optimizer state before it
+    trains `for_epoch` (the knobs are that epoch's already)."""
     rollback_to_epoch: int | None = None
+    rollback_checkpoint_sha256: str = ""
+    """The sha256 of that epoch's checkpoint (the one its report evaluated); "" when the report did not say."""
+    best_epoch: int | None = None
+    """The epoch with the best validation per-trade Sharpe so far, this one included: what a later rollback would
+    restore, so the trainer keeps its checkpoint files. None with the rollback off."""
     reason: str = ""
     signals: dict[str, Signal]
     knobs: dict[str, Any]

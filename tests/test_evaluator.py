@@ -169,6 +169,43 @@ def test_gates_as_trained_are_applied(bars, feats):
                               split=chronological_split(len(bars), embargo=10), run_id="r", epoch=1,
                               insample_bars=0, oos=False, features=feats)
     assert len(rep.val.trades) == 0 and rep.val.equity[-1] == 1.0 and rep.insample is None and rep.oos is None
+    assert rep.policy_shaping and rep.trained_knobs() == closed
+
+
+def test_without_shaping_the_policy_runs_as_learned(bars, feats, tmp_path):
+    """`shaping=False` drops the knobs that shape the greedy policy (E5 gate, E9 regime confidence): the checkpoint
+    closed to every regime trades, exactly as one trained with neutral knobs; the report says so and keeps the
+    knobs it trained under (what feedback reads)."""
+    agent = tiny_agent(feats.shape[1], seed=4)
+    gated = Knobs(regime_confidence=[0.0] * 9, gate_threshold=0.0)
+    reps = {}
+    for name, k in (("gated", gated), ("plain", Knobs())):
+        blob = checkpoint_to_bytes(agent.state_dict(), _checkpoint_meta(agent, k))
+        reps[name] = evaluate_checkpoint(blob, expected_sha256=hashlib.sha256(blob).hexdigest(), bars=bars,
+                                         split=chronological_split(len(bars), embargo=10), run_id="r", epoch=1,
+                                         insample_bars=0, oos=False, features=feats, shaping=False)
+    g, p = reps["gated"], reps["plain"]
+    assert len(g.val.trades) > 0 and not g.policy_shaping and g.trained_knobs() == gated
+    assert g.val.metrics == p.val.metrics
+    # the command line: `tradeloop evaluate --no-shaping` (the plain metrics path runs the same controls)
+    import json
+
+    from typer.testing import CliRunner
+
+    from tradeloop.cli import app
+
+    path = tmp_path / "epoch-0001.safetensors"
+    save_checkpoint(path, agent.state_dict(), _checkpoint_meta(agent, gated))
+    n = {}
+    for flag in ("--shaping", "--no-shaping"):
+        r = CliRunner().invoke(app, ["evaluate", "--policy", str(path), "--dataset", "synthetic", "--seed", "3",
+                                     "--split", "val", "--json", flag])
+        assert r.exit_code == 0, r.output
+        n[flag] = json.loads(r.stdout)["metrics"]["n_trades"]
+    assert n["--shaping"] == 0 < n["--no-shaping"]
+    c_off, c_on = eval_controls(gated, shaping=False), eval_controls(gated)
+    assert float(c_off.gate_threshold) == math.inf and c_off.regime_confidence.tolist() == [1.0] * 9
+    assert float(c_on.gate_threshold) == 0.0 and c_on.regime_confidence.tolist() == [0.0] * 9
 
 
 def test_sha256_mismatch_and_untrusted_input_refused(bars, feats, tmp_path):

@@ -157,6 +157,7 @@ def test_reports_and_signals_match_redis(services, redis_url, run_id):
         (row,) = c.get(f"{fb}/signals").json()
         assert row["for_epoch"] == 3 and row["bundle_id"] == f"{run_id}-bundle-e0002-{'ab' * 6}"
         assert row["signals"]["E6"]["count"] == 1 and "priority_boost" not in row["knobs"]
+        assert (row["rollback"], row["rollback_to_epoch"], row["off"]) == (False, None, [])
         assert c.get(f"{fb}/signals/9").status_code == 404
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from services.evaluator import autopsy as ap
 from services.feedback.guard import build_view
-from services.feedback.signals import (FeedbackConfig, compute_bundle, e1_q_bias, e2_epsilon, e3_gamma,
+from services.feedback.signals import (KNOB_OF, FeedbackConfig, compute_bundle, e1_q_bias, e2_epsilon, e3_gamma,
                                        e4_lr_scale, e5_gate, e6_priority, e7_hindsight, e8_regime_weights,
                                        e9_regime_confidence)
 from shared.knobs import BRANCHES, N_REGIMES, Knobs
@@ -52,11 +52,12 @@ def split_report(name: str, trades: list[TradeRecord], window: tuple[int, int], 
 
 
 def report(val_trades: list[TradeRecord], *, epoch: int = 1, knobs: Knobs | None = None,
-           insample: list[TradeRecord] | None = None, **metrics) -> EvalReport:
+           insample: list[TradeRecord] | None = None, split: SplitDefinition = SPLIT, sha: str = "",
+           **metrics) -> EvalReport:
     ins = None if insample is None else split_report("insample", insample, (0, 600))
-    return EvalReport(run_id="run", epoch=epoch, split=SPLIT, n_trials=epoch + 1,
-                      val=split_report("val", val_trades, SPLIT.val, **metrics), insample=ins,
-                      knobs=None if knobs is None else knobs.to_dict())
+    val = split_report("val", val_trades, split.val, **metrics).model_copy(update={"window_hash": split.val_hash})
+    return EvalReport(run_id="run", epoch=epoch, split=split, n_trials=epoch + 1, val=val, insample=ins,
+                      knobs=None if knobs is None else knobs.to_dict(), checkpoint_sha256=sha)
 
 
 def view(val_trades, **kw):
@@ -101,26 +102,113 @@ def test_e1_disagreeing_calibration_halves_the_step():
 
 # --- E2 ---------------------------------------------------------------------------------------------------
 
-
-def _hist(epoch: int, sharpe: float, eps: float = 0.1) -> EvalReport:
-    trades = [tr(0.01 + sharpe * 0.001 * (i % 3), t=2 * i) for i in range(30)]
-    rep = report(trades, epoch=epoch, knobs=Knobs(epsilon=eps))
-    rep.val.metrics["per_trade_sharpe"] = sharpe
-    return rep
+S = CFG.schedule.epsilon                                                 # the fixed schedule's ε of an epoch
+# a validation window of 1 176 bars (the full config's synthetic split)
+LONG = SplitDefinition(n_bars=3000, train=(0, 1500), val=(1520, 2696), test=(2716, 3000), embargo=20,
+                       train_hash="T" * 64, val_hash="W" * 64, test_hash="X" * 64)
 
 
-def test_e2_explores_more_with_too_few_trades_and_on_stagnation():
-    few = e2_epsilon(view(alternating(5), knobs=Knobs(epsilon=0.1)), CFG)
-    assert few.value == pytest.approx(0.15)
-    # stagnation: the last `patience` = 2 epochs (epoch 2 and this one) do not beat epoch 0's 0.3
-    hist = [_hist(0, 0.3), _hist(1, 0.2), _hist(2, 0.25)]
-    cur = report(alternating(30), epoch=3, knobs=Knobs(epsilon=0.1), per_trade_sharpe=0.28)
-    assert e2_epsilon(build_view(cur, hist), CFG).value == pytest.approx(0.125)
-    # a new best: exploit more
-    best = report(alternating(30), epoch=3, knobs=Knobs(epsilon=0.1), per_trade_sharpe=0.5)
-    assert e2_epsilon(build_view(best, hist), CFG).value == pytest.approx(0.08)
-    # the ceiling holds
-    assert e2_epsilon(view(alternating(5), knobs=Knobs(epsilon=0.45)), CFG).value == pytest.approx(CFG.eps_max)
+def sharpe_trades(n: int, sharpe: float, *, bars: int = 2, start: int = 620) -> list[TradeRecord]:
+    """n (even) trades whose per-trade Sharpe is exactly `sharpe`: 0.01·(sharpe ± a), a = sqrt((n − 1)/n)."""
+    a = math.sqrt((n - 1) / n) if n else 0.0
+    return [tr(0.01 * (sharpe + (a if i % 2 else -a)), t=bars * i, bars=bars, start=start) for i in range(n)]
+
+
+def at(epoch: int, sharpe: float, n: int = 30, eps: float | None = None, **kw) -> EvalReport:
+    """Epoch `epoch`'s report: n validation trades of per-trade Sharpe `sharpe`, trained under ε = eps (default:
+    the schedule's) and the other knobs of `kw`."""
+    knobs = Knobs(epsilon=S(epoch) if eps is None else eps, **kw)
+    return report(sharpe_trades(n, sharpe), epoch=epoch, knobs=knobs, sha=f"{epoch:064d}")
+
+
+def test_sharpe_trades_have_the_sharpe_asked_for():
+    from shared.metrics import per_trade_sharpe
+    assert per_trade_sharpe([t.net_return for t in sharpe_trades(30, 0.4)]) == pytest.approx(0.4)
+    assert at(1, 0.4).val.metrics["per_trade_sharpe"] == pytest.approx(0.4)
+
+
+def test_e2_follows_the_schedule_without_evidence():
+    s = e2_epsilon(build_view(at(3, 0.2)), CFG)
+    assert s.value == pytest.approx(S(4)) and s.inputs["factor"] == 1.0 and not s.clamped
+    # a run that stood at twice the schedule keeps that multiplier
+    assert e2_epsilon(build_view(at(3, 0.2, eps=2 * S(3))), CFG).value == pytest.approx(2 * S(4))
+    # and a change within the noise is no evidence: 0.3 → 0.4 on 30 trades each (SE of the difference ≈ 0.26)
+    s = e2_epsilon(build_view(at(2, 0.4), [at(1, 0.3)]), CFG)
+    assert not s.inputs["new_best"] and s.value == pytest.approx(S(3))
+
+
+def test_e2_exploits_more_on_a_new_best_beyond_noise():
+    from shared.metrics import sharpe_se
+    hist, cur = at(1, 0.3), at(2, 1.0)
+    se = math.hypot(*(sharpe_se(r.val.trades.net_return) for r in (hist, cur)))
+    assert 0.7 > CFG.noise_z * se                                        # the gain exceeds its noise
+    s = e2_epsilon(build_view(cur, [hist]), CFG)
+    assert s.inputs["new_best"] and s.value == pytest.approx(S(3) / CFG.eps_improve)
+    # the same gain on 4 trades a side is within the noise
+    few = e2_epsilon(build_view(at(2, 1.0, n=4), [at(1, 0.3, n=4)]), CFG)
+    assert not few.inputs["new_best"]
+
+
+def test_e2_too_few_trades_is_relative_to_the_window_and_the_holding_time():
+    def e2(n: int, bars: int, **kw):
+        trades = sharpe_trades(n, 0.2, bars=bars, start=1520) if n else []
+        rep = report(trades, epoch=1, knobs=Knobs(epsilon=S(1)), split=LONG, mean_bars_held=float(bars), **kw)
+        return e2_epsilon(build_view(rep), CFG)
+    # 10 trades held 100 bars fill most of a 1 176-bar window: need = min(20, ¼·1176/100) = 2.94 — not too few
+    busy = e2(10, 100)
+    assert busy.inputs["min_trades_for_window"] == pytest.approx(0.25 * 1176 / 100)
+    assert busy.value == pytest.approx(S(2))
+    # 2 such trades are; so are 12 trades of 2 bars (need = min(20, 147) = 20); and no trade at all
+    for n, bars in ((2, 100), (12, 2), (0, 2)):
+        assert e2(n, bars).value == pytest.approx(S(2) * CFG.eps_step), (n, bars)
+
+
+def test_e2_never_raises_epsilon_while_validation_improves():
+    # too few trades, but better than the last epoch: ε is not raised
+    cur = report(sharpe_trades(2, 0.5), epoch=3, knobs=Knobs(epsilon=S(3)))
+    s = e2_epsilon(build_view(cur, [at(1, 0.1), at(2, -0.2)]), CFG)
+    assert s.inputs["improving"] and s.value <= S(3)
+    # a rising schedule would raise it: capped at the epoch's ε while validation improves
+    rising = FeedbackConfig(eps_start=0.05, eps_end=0.3)
+    s = e2_epsilon(build_view(at(2, 0.5, eps=0.1), [at(1, 0.4, eps=0.1)]), rising)
+    assert s.value == pytest.approx(0.1) and "not raised" in s.reason
+    # a rollback to an epoch of higher ε while validation improves on the last epoch: ε stays
+    b = compute_bundle(at(3, 0.0, n=60, eps=0.1), [at(1, 1.5, n=60), at(2, -0.5, n=60, eps=0.1)], CFG, now="t")
+    assert b.rollback and b.rollback_to_epoch == 1 and S(4) > 0.1
+    assert b.knobs["epsilon"] == pytest.approx(0.1)
+    # property: over random histories, whenever this epoch beats the last one ε does not rise — rollback included
+    rng = np.random.default_rng(3)
+    for _ in range(40):
+        e = int(rng.integers(2, 7))
+        hist = [at(k, float(rng.normal(0.3, 0.5)), n=int(rng.choice([4, 30, 80])),
+                   eps=float(rng.uniform(0.02, 0.5))) for k in range(1, e)]
+        cur = at(e, float(rng.normal(0.3, 0.5)), n=int(rng.choice([4, 30, 80])), eps=float(rng.uniform(0.02, 0.5)))
+        b = compute_bundle(cur, hist, CFG, now="t")
+        if cur.val.metrics["per_trade_sharpe"] > hist[-1].val.metrics["per_trade_sharpe"]:
+            assert b.knobs["epsilon"] <= cur.knobs["epsilon"] + 1e-15
+
+
+def test_e2_explores_more_below_the_best_beyond_noise_for_patience_epochs():
+    n = 60                                                               # SE of a difference ≈ 0.19
+    s = e2_epsilon(build_view(at(3, 0.1, n=n), [at(1, 1.0, n=n), at(2, 0.2, n=n)]), CFG)
+    assert s.inputs["stagnant"] and s.value == pytest.approx(S(4) * CFG.eps_stagnation)
+    # within the noise of the best: not stagnant, ε follows the schedule
+    s = e2_epsilon(build_view(at(3, 0.2, n=n), [at(1, 0.3, n=n), at(2, 0.25, n=n)]), CFG)
+    assert not s.inputs["stagnant"] and s.value == pytest.approx(S(4))
+    # one epoch below is not `patience` = 2 epochs
+    s = e2_epsilon(build_view(at(2, 0.1, n=n), [at(1, 1.0, n=n)]), CFG)
+    assert not s.inputs["stagnant"]
+
+
+def test_e2_step_limit_and_bounds():
+    # a factor past eps_step is cut to it (the multiplier moves at most ×/÷1.5 a epoch)
+    big = FeedbackConfig(eps_improve=3.0)
+    s = e2_epsilon(build_view(at(2, 1.0), [at(1, 0.3)]), big)
+    assert s.value == pytest.approx(S(3) / 1.5) and s.clamped
+    # the ceiling and the floor hold
+    assert e2_epsilon(build_view(at(1, 0.0, n=0, eps=0.45)), CFG).value == pytest.approx(CFG.eps_max)
+    low = e2_epsilon(build_view(at(9, 1.0, eps=0.012), [at(8, 0.2, eps=0.012)]), CFG)
+    assert low.value == pytest.approx(CFG.eps_min)                       # 0.012 / 1.25 → floor 0.01
 
 
 # --- E3 ---------------------------------------------------------------------------------------------------
@@ -242,7 +330,8 @@ def test_no_signal_ever_jumps_past_its_bound():
                            config=CFG, now="t").to_knobs()
         eps = 1e-12
         assert 0.01 - eps <= k.epsilon <= 0.5 + eps
-        assert prev.epsilon / 1.5 - eps <= k.epsilon <= prev.epsilon * 1.5 + eps
+        r = S(2) / S(1)                                                  # the schedule's own step, epoch 1 → 2
+        assert min(prev.epsilon * r / 1.5, 0.5) - eps <= k.epsilon <= max(prev.epsilon * r * 1.5, 0.01) + eps
         assert 0.9 - eps <= k.gamma <= 0.995 + eps and abs(k.gamma - prev.gamma) <= 0.01 + eps
         assert abs(k.q_bias) <= 0.05 + eps and abs(k.q_bias - prev.q_bias) <= 0.01 + eps
         for b in BRANCHES:
@@ -258,20 +347,64 @@ def test_no_signal_ever_jumps_past_its_bound():
             assert 0 <= new <= 1 and abs(new - old) <= 0.25 + eps
 
 
-def test_rollback_steps_halfway_back_to_the_best_epoch():
-    good = Knobs(epsilon=0.1, gamma=0.95, q_bias=0.0)
-    bad = Knobs(epsilon=0.3, gamma=0.96, q_bias=0.01)
-    h0 = _hist(0, 0.10, eps=0.2)
-    h1 = report(alternating(30), epoch=1, knobs=good, per_trade_sharpe=0.40)
-    cur = report(alternating(30), epoch=2, knobs=bad, per_trade_sharpe=0.05)
-    b = compute_bundle(cur, [h0, h1], CFG, now="t")
-    assert b.rollback and b.rollback_to_epoch == 1 and "rollback" in b.reason
+def test_rollback_only_beyond_the_noise_of_the_drop():
+    # a drop of 0.2 from the best is noise on 30 trades a side (2·SE ≈ 0.53) …
+    assert not compute_bundle(at(2, 0.4), [at(1, 0.6)], CFG, now="t").rollback
+    # … a drop of 0.9 is not …
+    b = compute_bundle(at(2, -0.3), [at(1, 0.6)], CFG, now="t")
+    assert b.rollback and b.rollback_to_epoch == 1 and b.reason.startswith("rollback")
+    # … and on 80 trades a side (2·SE ≈ 0.32) a drop of 0.4 is not noise either
+    assert compute_bundle(at(2, 0.2, n=80), [at(1, 0.6, n=80)], CFG, now="t").rollback
+    assert not compute_bundle(at(2, 0.2, n=30), [at(1, 0.6, n=30)], CFG, now="t").rollback
+    # no history, or "rollback" switched off: no rollback
+    assert not compute_bundle(at(1, -5.0), [], CFG, now="t").rollback
+    off = compute_bundle(at(2, -0.3), [at(1, 0.6)], {"off": ("rollback",)}, now="t")
+    assert not off.rollback and off.best_epoch is None                   # nothing to keep for a rollback
+    # the best epoch so far, this one included (ties: the earliest)
+    assert compute_bundle(at(3, 0.9), [at(1, 0.6), at(2, 0.6)], CFG, now="t").best_epoch == 3
+    assert compute_bundle(at(3, 0.6), [at(1, 0.6), at(2, 0.6)], CFG, now="t").best_epoch == 1
+
+
+def test_rollback_restores_the_best_epochs_knobs_and_names_its_checkpoint():
+    good = dict(eps=0.2, gamma=0.95, q_bias=0.01, lr_scale={"direction": 2.0, "size": 0.5, "exit": 1.0},
+                gate_threshold=0.3, regime_weights=[2.0] + [0.875] * 8, regime_confidence=[0.5] + [1.0] * 8)
+    bad = dict(eps=0.45, gamma=0.99, q_bias=-0.02, gate_threshold=math.inf)
+    ins = [tr(0.01 * (i % 3 - 1) + 0.001, t=5 * i, start=0, hindsight_dir=0 if i % 3 == 0 else None)
+           for i in range(30)]
+    cur = at(3, -0.4, **bad).model_copy(update={"insample": split_report("insample", ins, (0, 600))})
+    b = compute_bundle(cur, [at(1, 0.1), at(2, 0.8, **good)], CFG, now="t")
+    assert b.rollback and b.rollback_to_epoch == 2 and b.rollback_checkpoint_sha256 == f"{2:064d}"
+    assert b.best_epoch == 2                                             # the epoch whose files the trainer keeps
+    k, g = b.to_knobs(), at(2, 0.8, **good).trained_knobs()
+    assert (k.gamma, k.q_bias, k.lr_scale, k.gate_threshold, k.regime_weights, k.regime_confidence) == \
+           (g.gamma, g.q_bias, g.lr_scale, g.gate_threshold, g.regime_weights, g.regime_confidence)
+    assert k.epsilon == pytest.approx(S(4) * 0.2 / S(2))                 # epoch 2's multiplier of the schedule
+    for i in ("E1", "E2", "E3", "E4", "E5", "E8", "E9"):
+        assert b.signals[i].reason.startswith("rollback") and b.signals[i].inputs["rollback_to_epoch"] == 2
+    # the sample labels of the reported checkpoint are computed as usual
+    assert b.signals["E6"].value == compute_bundle(cur, [], CFG, now="t").signals["E6"].value != []
+
+
+def test_switched_off_signals_keep_the_fixed_schedule():
+    prev = Knobs(epsilon=0.4, gamma=0.95, q_bias=0.02, regime_confidence=[0.5] * 9)
+    trades = [tr(-0.01 + 0.002 * (i % 2), t=2 * i, regime=3, q=0.01) for i in range(40)]
+    cur = report(trades, epoch=3, knobs=prev, mean_bars_held=20.0)
+    on = compute_bundle(cur, [], CFG, now="t")
+    b = compute_bundle(cur, [], {"off": "E2, e3,E9"}, now="t")
+    fixed = Knobs.fixed_schedule(4)
+    assert b.off == ["E2", "E3", "E9"] and "switched off: E2, E3, E9" in b.reason
     k = b.to_knobs()
-    assert k.epsilon == pytest.approx(0.2) and k.gamma == pytest.approx(0.955) and k.q_bias == pytest.approx(0.005)
-    assert all("rollback" in b.signals[i].reason for i in ("E1", "E2", "E3", "E4", "E5", "E8", "E9"))
-    # a small dip is not a rollback
-    ok = report(alternating(30), epoch=2, knobs=bad, per_trade_sharpe=0.36)
-    assert not compute_bundle(ok, [h0, h1], CFG, now="t").rollback
+    assert (k.epsilon, k.gamma, k.regime_confidence) == (fixed.epsilon, fixed.gamma, fixed.regime_confidence)
+    assert (on.knobs["epsilon"], on.knobs["gamma"]) != (k.epsilon, k.gamma)        # on, they do move
+    for i in ("E2", "E3", "E9"):
+        assert b.signals[i].reason.startswith("switched off") and b.signals[i].previous == cur.knobs[KNOB_OF[i]]
+    for i in ("E1", "E4", "E5", "E6", "E7", "E8"):                       # the others are untouched
+        assert b.signals[i] == on.signals[i]
+    # a switched-off signal stays at the schedule through a rollback; the others roll back
+    rb = compute_bundle(at(2, -0.3, eps=0.45, q_bias=0.03), [at(1, 0.6, q_bias=0.01)], {"off": ("E2",)}, now="t")
+    assert rb.rollback and rb.knobs["epsilon"] == pytest.approx(S(3)) and rb.knobs["q_bias"] == 0.01
+    with pytest.raises(ValueError, match=r"off names \['E10'\]"):
+        FeedbackConfig(off=("E2", "E10"))
 
 
 def test_feedback_off_gives_the_fixed_schedule():

@@ -8,8 +8,8 @@ from typer.testing import CliRunner
 
 from services.trainer.env import RewardConfig
 from services.trainer.replay import Replay
-from services.trainer.train import (TrainConfig, build_optimizer, group_lr, inductor_options, set_lrs, train_run,
-                                    weight_decay_mask)
+from services.trainer.train import (TrainConfig, build_optimizer, group_lr, inductor_options, roll_back, set_lrs,
+                                    train_epoch, train_run, weight_decay_mask)
 from shared.agent import Agent, AgentConfig
 from shared.synthetic import generate
 
@@ -175,6 +175,51 @@ def test_seeded_run_resumes_identically(tmp_path, adamw):
     c = train_run(bars, "synthetic", tmp_path / "c", 1, config=cfg, seed=6)
     assert not torch.equal(c.agent.value_w, train_run(bars, "synthetic", tmp_path / "b", 1, config=cfg,
                                                       seed=5).agent.value_w)
+
+
+def test_rollback_restores_the_best_epochs_learner_bit_for_bit(tmp_path):
+    """`roll_back` to epoch 1 of a 2-epoch run: the weights, target network, optimizer state and entropy coefficient
+    equal epoch 1's files bit for bit; the replay and the counters move on. `train_run`'s rollback hook does the
+    same before the epoch it names (its epoch 3 equals this state's epoch 3) and logs it in history.jsonl."""
+    from shared.checkpoints import CheckpointError, checkpoint_sha256, load_checkpoint
+
+    bars = generate(700, seed=3).bars
+    cfg = tiny_config()
+    a = train_run(bars, "synthetic", tmp_path / "a", 2, config=cfg, seed=5, pinned_fn=lambda: {1})
+    ck = tmp_path / "a" / "checkpoints"
+    # the pruning kept the pinned epoch's trainer state (a run keeps only its last one otherwise)
+    assert sorted(p.name for p in ck.glob("*.state.safetensors")) == ["epoch-0001.state.safetensors",
+                                                                       "epoch-0002.state.safetensors"]
+    w1, _ = load_checkpoint(ck / "epoch-0001.safetensors")
+    t1, _ = load_checkpoint(ck / "epoch-0001.state.safetensors")
+    assert any(not torch.equal(v, w1[k]) for k, v in a.agent.state_dict().items())    # it has moved since epoch 1
+    with pytest.raises(CheckpointError, match="sha256 mismatch"):
+        roll_back(a, tmp_path / "a", 1, "0" * 64)
+    replay = {k: v.clone() for k, v in a.replay.state_tensors().items()}
+    steps = (a.epoch, a.update_step, a.env_steps)
+    roll_back(a, tmp_path / "a", 1, checkpoint_sha256((ck / "epoch-0001.safetensors").read_bytes()))
+    for k, v in a.agent.state_dict().items():
+        assert torch.equal(v, w1[k]), k
+    for k, v in a.target.state_dict().items():
+        assert torch.equal(v, t1[f"target.{k}"]), k
+    names = {p: n for n, p in a.agent.named_parameters()}
+    n_opt = 0
+    for p, st in a.opt.state.items():
+        for slot, v in st.items():
+            assert torch.equal(torch.as_tensor(v), t1[f"opt.{names[p]}.{slot}"]), (names[p], slot)
+            n_opt += 1
+    assert n_opt == sum(k.startswith("opt.") for k in t1) > 0
+    assert torch.equal(a.buffers.entropy_coef, t1["buf.entropy_coef"])
+    assert (a.epoch, a.update_step, a.env_steps) == steps
+    assert all(torch.equal(v, replay[k]) for k, v in a.replay.state_tensors().items())
+    # train_run's hook: a run rolled back to epoch 1 before epoch 3 trains epoch 3 as this state does
+    train_epoch(a, cfg.schedule.knobs(3))
+    c = train_run(bars, "synthetic", tmp_path / "c", 3, config=cfg, seed=5, pinned_fn=lambda: {1},
+                  rollback_fn=lambda e: (1, "") if e == 3 else None)
+    for (n, pa), pc in zip(a.agent.state_dict().items(), c.agent.state_dict().values()):
+        assert torch.equal(pa, pc), n
+    hist = [json.loads(x) for x in (tmp_path / "c" / "history.jsonl").read_text().splitlines()]
+    assert [h["rolled_back_to"] for h in hist] == [None, None, 1]
 
 
 def test_flat_adamw_trains_the_agent_as_torch_adamw_does(tmp_path):

@@ -107,7 +107,7 @@ def _knobs_used(knobs) -> dict:
 
 
 def evaluate_agent(policy: str, *, which: str | None, split: str, dataset: str | None, seed: int | None,
-                   device: str, min_trades: int, report: bool, echo) -> dict:
+                   device: str, min_trades: int, report: bool, echo, shaping: bool = True) -> dict:
     """Evaluate a checkpoint or a run's chosen checkpoint as the loop does; `echo(line)` gets what it ran with.
     Returns the JSON document of the plain output (with the report under "report"). Raises RunDirError,
     EvaluateInputError."""
@@ -121,7 +121,8 @@ def evaluate_agent(policy: str, *, which: str | None, split: str, dataset: str |
         run = find_run(p)
 
         def val_of(path: Path) -> tuple[float, int]:
-            ev = report_for_cli(path, data=dataset, device=device, data_seed=seed, insample=False, oos=False)
+            ev = report_for_cli(path, data=dataset, device=device, data_seed=seed, insample=False, oos=False,
+                                shaping=shaping)
             m = ev.report.val.metrics
             echo(f"  evaluated epoch {ev.epoch} on validation: per-trade Sharpe {m['per_trade_sharpe']:.4g} over "
                  f"{int(m['n_trades'])} trades")
@@ -141,7 +142,7 @@ def evaluate_agent(policy: str, *, which: str | None, split: str, dataset: str |
 
     # the val DSR over the loop's trials when the run holds its reports (a file of a run: by the epoch in its name)
     trials = loop_trials(run, choice.epoch) if run is not None and choice.epoch else None
-    ev = report_for_cli(choice.path, data=dataset, device=device, data_seed=seed, trials=trials)
+    ev = report_for_cli(choice.path, data=dataset, device=device, data_seed=seed, trials=trials, shaping=shaping)
     rep = ev.report
     sel = None
     if choice.how == "best":
@@ -160,6 +161,9 @@ def evaluate_agent(policy: str, *, which: str | None, split: str, dataset: str |
     echo(f"checkpoint: {shown.describe()}")
     k = doc["knobs"]
     gate = "none" if k["gate_threshold"] is None else f"{k['gate_threshold']:.4g}"
+    if not shaping:
+        echo("policy shaping off (--no-shaping): the greedy policy runs without its entry gate (E5) and regime "
+             "confidence (E9)")
     echo(f"knobs: as trained, from {ev.knobs_source}: entry gate {gate}, regime confidence "
          f"[{', '.join(f'{c:.3g}' for c in k['regime_confidence'])}]")
     echo(f"val DSR deflated over {ev.trials_source}")
@@ -198,6 +202,10 @@ def register(app) -> None:
                                     "in-sample autopsy, calibration, ledgers, equity) as JSON, as the service "
                                     "stores it (trades and equity packed: shared.report.TradeTable.of(doc['val']"
                                     "['trades']).records() gives rows); what it ran with goes to stderr."),
+        shaping: bool = typer.Option(True, "--shaping/--no-shaping",
+                                     help="Agent only: run the greedy policy with the knobs that shape it as "
+                                          "trained (E5 gate, E9 regime confidence), or without them (learning "
+                                          "alone)."),
     ) -> None:
         """Run a policy over the validation or test split and print its metrics (Sharpes un-annualized)."""
         from shared.checkpoints import CheckpointError
@@ -238,7 +246,7 @@ def register(app) -> None:
         quiet = as_json or report
         try:
             doc = evaluate_agent(policy, which=checkpoint, split=split, dataset=dataset, seed=seed, device=device,
-                                 min_trades=min_val_trades, report=report,
+                                 min_trades=min_val_trades, report=report, shaping=shaping,
                                  echo=lambda line: typer.echo(line, err=quiet))
         except (EvaluateInputError, RunDirError, CheckpointError, DataError, OSError) as exc:
             fail(str(exc))

@@ -96,7 +96,7 @@ def split_definition(split: Any, bars: Any) -> SplitDefinition:
 def build_eval_report(*, run_id: str, epoch: int, split: SplitDefinition, val: SplitReport,
                       oos: SplitReport | None = None, insample: SplitReport | None = None, n_trials: int = 1,
                       knobs: dict | None = None, checkpoint_sha256: str = "", config_hash: str = "",
-                      dataset: str = "", created_at: str | None = None) -> EvalReport:
+                      dataset: str = "", created_at: str | None = None, policy_shaping: bool = True) -> EvalReport:
     """The EvalReport of one checkpoint; the val/OOS gap = 1 − OOS / val per-trade Sharpe (un-annualized)."""
     gap = None
     if oos is not None:
@@ -104,5 +104,5 @@ def build_eval_report(*, run_id: str, epoch: int, split: SplitDefinition, val: S
     return EvalReport(
         run_id=run_id, epoch=epoch, checkpoint_sha256=checkpoint_sha256, config_hash=config_hash, dataset=dataset,
         split=split, n_trials=max(1, n_trials), val=val, oos=oos, insample=insample, val_oos_gap=gap, knobs=knobs,
-        created_at=created_at if created_at is not None else _dt.datetime.now(_dt.timezone.utc).isoformat(),
+        policy_shaping=policy_shaping, created_at=created_at if created_at is not None else _dt.datetime.now(_dt.timezone.utc).isoformat(),
     )

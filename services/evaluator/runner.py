@@ -98,9 +98,12 @@ def trained_knobs(meta: dict) -> Knobs | None:
     return None if k is None else Knobs.from_dict(k)
 
 
-def eval_controls(knobs: Knobs | None, device: str | torch.device = "cpu") -> PolicyControls:
-    """Greedy controls with the gates as trained: ε = 0, the knobs' gate threshold and regime confidence."""
-    k = knobs or Knobs()
+def eval_controls(knobs: Knobs | None, device: str | torch.device = "cpu", shaping: bool = True) -> PolicyControls:
+    """Greedy controls (ε = 0) with the gates as trained: the knobs' E5 gate threshold and E9 regime confidence —
+    the knobs that shape the greedy policy itself, so they move validation the next epoch without any learning.
+    `shaping=False`: neither (no gate, full size in every regime): the policy as learned. (E1's Q-bias enters
+    only the bootstrap targets of the update: it shapes learning, never the greedy policy.)"""
+    k = knobs if knobs is not None and shaping else Knobs()
     return PolicyControls.make(device, epsilon=0.0, gate_threshold=k.gate_threshold,
                                regime_confidence=k.regime_confidence)
 
@@ -260,7 +263,7 @@ def evaluate_checkpoint(ckpt_bytes_or_path: str | os.PathLike | bytes, *, expect
                         prior_sharpes: Sequence[float] = (), insample_bars: int | None = -1,
                         device: str | torch.device = "cpu", costs: CostModel | None = None, dataset: str = "",
                         oos: bool = True, features: np.ndarray | None = None,
-                        knobs: Knobs | None = None) -> EvalReport:
+                        knobs: Knobs | None = None, shaping: bool = True) -> EvalReport:
     """The full report of one checkpoint: val and OOS backtests (every metric, PSR, DSR deflated by `n_trials`
     = checkpoints evaluated in the run so far, this one included, with `prior_sharpes` = the earlier
     checkpoints' val per-trade Sharpes as the trials' variance), the val/OOS gap, ledgers with predictions,
@@ -270,6 +273,9 @@ def evaluate_checkpoint(ckpt_bytes_or_path: str | os.PathLike | bytes, *, expect
     validation window (so both share one pass), None = the whole train split, 0 = no in-sample backtest.
     costs: default `CostModel(metadata["costs_bps"])` when the checkpoint says, else `CostModel()`.
     knobs: the knobs the checkpoint trained under, when known from elsewhere (default: its metadata "knobs").
+    shaping: False runs the greedy policy without the knobs that shape it (E5 gate, E9 regime confidence:
+    `eval_controls`), to tell learning from policy shaping; the report says so (`policy_shaping`) and still
+    carries the knobs the checkpoint trained under.
     Raises CheckpointError (untrusted checkpoint) or ValueError (data that do not fit the agent / split).
     """
     from services.evaluator.report_builder import build_eval_report, build_split_report, split_definition
@@ -286,7 +292,7 @@ def evaluate_checkpoint(ckpt_bytes_or_path: str | os.PathLike | bytes, *, expect
     named = [("val", tuple(split.val))] + ([("oos", tuple(split.test))] if oos else []) + \
             ([("insample", ins)] if ins is not None else [])
     feats = compute_features(bars) if features is None else features
-    runs = run_windows(agent, bars, [w for _, w in named], controls=eval_controls(knobs, device), costs=costs,
+    runs = run_windows(agent, bars, [w for _, w in named], controls=eval_controls(knobs, device, shaping), costs=costs,
                        features=feats, device=device)
     sreps = {}
     for (name, w), run in zip(named, runs):
@@ -298,6 +304,7 @@ def evaluate_checkpoint(ckpt_bytes_or_path: str | os.PathLike | bytes, *, expect
     return build_eval_report(
         run_id=run_id, epoch=epoch, split=split_definition(split, bars), val=sreps["val"], oos=sreps.get("oos"),
         insample=sreps.get("insample"), n_trials=n_trials, knobs=None if knobs is None else knobs.to_dict(),
+        policy_shaping=shaping,
         checkpoint_sha256=sha, config_hash=str(meta.get("config_hash") or ""),
         dataset=dataset or str(meta.get("dataset") or bars.name))
 
@@ -353,7 +360,7 @@ class CliEvaluation:
 def report_for_cli(checkpoint: str | os.PathLike, *, data: str | None = None, expected_sha256: str | None = None,
                    run_id: str | None = None, device: str = "cpu", cost_bps: float | None = None,
                    slippage_bps: float = 0.0, insample: bool = True, oos: bool = True, data_seed: int | None = None,
-                   trials: tuple[int, Sequence[float], str] | None = None) -> CliEvaluation:
+                   trials: tuple[int, Sequence[float], str] | None = None, shaping: bool = True) -> CliEvaluation:
     """The full report of a checkpoint file, as the loop's evaluator computes it (`tradeloop evaluate`, plain and
     `--report` alike).
 
@@ -368,6 +375,7 @@ def report_for_cli(checkpoint: str | os.PathLike, *, data: str | None = None, ex
     trials: (n_trials, the earlier checkpoints' val per-trade Sharpes, where they came from) for the val DSR — the
     loop's reports (`services.evaluator.runs.loop_trials`); default: n_trials = the checkpoint's epoch, the trials'
     variance the null one (`shared.metrics.dsr`).
+    shaping: see `evaluate_checkpoint` (False: without the knobs that shape the greedy policy, E5 and E9).
     Raises EvaluateInputError (message names the file / dataset and the problem) on bad input.
     """
     from shared.market import DataError
@@ -433,7 +441,8 @@ def report_for_cli(checkpoint: str | os.PathLike, *, data: str | None = None, ex
         rep = evaluate_checkpoint(blob, expected_sha256=expected, bars=bars, split=split,
                                   run_id=run_id or (run_dir.name if run_dir else path.stem), epoch=epoch,
                                   n_trials=n_trials, prior_sharpes=prior, insample_bars=-1 if insample else 0,
-                                  device=device, costs=costs, dataset=str(name), knobs=knobs, oos=oos)
+                                  device=device, costs=costs, dataset=str(name), knobs=knobs, oos=oos,
+                                  shaping=shaping)
     except (CheckpointError, ValueError) as exc:
         raise EvaluateInputError(str(exc)) from None
     return CliEvaluation(report=rep, path=path, sha256=sha, epoch=epoch, knobs=knobs, knobs_source=knobs_source,

@@ -1,7 +1,7 @@
 """The feedback service (FastAPI): the consumer of `worker.py` plus read-only access to the bundles.
 
     GET /health /ready /status /metrics /docs   (shared/api.py)
-    GET /signals            per epoch: the E1–E9 values, the resulting knobs, rollback flag
+    GET /signals            per epoch: the E1–E9 values, the resulting knobs, signals off, the rollback and its epoch
     GET /signals/{epoch}    the full FeedbackBundle computed from that epoch's report, as stored in Redis
 """
 from __future__ import annotations
@@ -21,7 +21,8 @@ def bundle_summary(run_id: str, epoch: int, doc: dict) -> dict:
     """The /signals row of one stored bundle."""
     return {"epoch": epoch, "for_epoch": doc.get("for_epoch"),
             "bundle_id": bundle_id(run_id, epoch, doc.get("report_checkpoint_sha256", "")),
-            "enabled": doc.get("enabled"), "rollback": doc.get("rollback"), "reason": doc.get("reason"),
+            "enabled": doc.get("enabled"), "off": doc.get("off", []), "rollback": doc.get("rollback"),
+            "rollback_to_epoch": doc.get("rollback_to_epoch"), "reason": doc.get("reason"),
             "signals": {k: {"knob": s.get("knob"), "value": s.get("value"), "reason": s.get("reason"),
                             "clamped": s.get("clamped")}
                         for k, s in (doc.get("signals") or {}).items() if k not in ("E6", "E7")}

@@ -7,9 +7,11 @@ Rules, enforced here in code:
    run, with the same split definition, and from earlier epochs.
 2. Signals never see a report: they see a `FeedbackView` built here, which holds
    - `val`: AGGREGATES of the validation backtest only (metrics, calibration, branch error rates, per-regime
-     stats, gate curve, two scalar spreads) — no trade, no bar index of the validation window;
+     stats, gate curve, two scalar spreads, the Sharpe's standard error, the window's length) — no trade, no bar
+     index of the validation window;
    - `insample`: trade samples of the in-sample window of the TRAINING split (bar indices inside train);
-   - `history`: per earlier epoch, its validation per-trade Sharpe, trade count and trained knobs;
+   - `history`: per earlier epoch, its validation per-trade Sharpe with its standard error, trade count,
+     trained knobs and checkpoint sha256 (what a rollback restores);
    and no OOS field at all: the OOS backtest is reported, never fed back.
 3. Sample-level outputs (E6 priority boosts, E7 hindsight labels) are checked to index bars inside train
    (`check_train_indices`).
@@ -22,6 +24,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from shared.knobs import Knobs
+from shared.metrics import sharpe_se
 from shared.report import (BranchStats, Calibration, EvalReport, GatePoint, RegimeStats, SplitDefinition,
                            bars_window_hash)
 
@@ -44,6 +47,11 @@ class ValAggregates:
     """Std (ddof=0) of the validation trades' net returns (0 with < 2 trades): the unit of E8/E9."""
     max_ensemble_std: float
     """Largest ensemble std at entry over the validation trades (0 with none)."""
+    sharpe_se: float
+    """Standard error of the validation per-trade Sharpe (`shared.metrics.sharpe_se`; inf with < 2 trades): the
+    noise level a change in validation is compared with."""
+    window_bars: int
+    """Length of the validation window in bars: with the mean holding time, how many trades it can hold."""
 
     def metric(self, key: str, default: float = 0.0) -> float:
         v = self.metrics.get(key)
@@ -107,6 +115,10 @@ class HistoryPoint:
     val_n_trades: int
     knobs: Knobs
     """The knobs that epoch trained under."""
+    val_sharpe_se: float = float("inf")
+    """Standard error of `val_sharpe` (inf: unknown, or < 2 trades)."""
+    checkpoint_sha256: str = ""
+    """The sha256 of the checkpoint that report evaluated: what a rollback to this epoch restores."""
 
 
 @dataclass(frozen=True)
@@ -175,7 +187,9 @@ def history_entry(h: EvalReport) -> HistoryEntry:
     check_report(h)
     return HistoryEntry(run_id=h.run_id, epoch=h.epoch, split=h.split,
                         point=HistoryPoint(epoch=h.epoch, val_sharpe=h.val.metric("per_trade_sharpe"),
-                                           val_n_trades=len(h.val.trades), knobs=h.trained_knobs()))
+                                           val_n_trades=len(h.val.trades), knobs=h.trained_knobs(),
+                                           val_sharpe_se=sharpe_se(h.val.trades.net_return),
+                                           checkpoint_sha256=h.checkpoint_sha256))
 
 
 def check_history(report: EvalReport, history: Sequence[EvalReport | HistoryEntry]) -> list[HistoryEntry]:
@@ -210,7 +224,8 @@ def _val_aggregates(report: EvalReport) -> ValAggregates:
         window_hash=v.window_hash, metrics=dict(v.metrics), calibration=v.calibration.model_copy(deep=True),
         branches={k: b.model_copy() for k, b in v.branches.items()}, regimes=tuple(v.regimes),
         gate_curve=tuple(v.gate_curve), trade_return_std=float(r.std()) if r.size >= 2 else 0.0,
-        max_ensemble_std=float(s.max()) if s.size else 0.0,
+        max_ensemble_std=float(s.max()) if s.size else 0.0, sharpe_se=sharpe_se(r),
+        window_bars=int(v.window[1] - v.window[0]),
     )
 
 

@@ -4,11 +4,14 @@ Every signal reads a `FeedbackView` built by the leakage guard (services/feedbac
 aggregates, in-sample trade samples of the training split, and the run's history; never the OOS backtest — and
 returns a `shared.report.Signal`: its value, the previous value (the knobs the reported epoch trained under),
 the inputs, the provenance and a one-line reason. Each signal is bounded twice: a clamp to its range and a
-limit on how far it moves in one epoch. Formulas and bounds are in docs/feedback.md; in short, with
-prev = the knob the reported epoch trained under, n = validation trade count, w(n) = n / (n + n0):
+limit on how far it moves in one epoch; both are written once, in the signal's function. Formulas and bounds
+are in docs/feedback.md; in short, with prev = the knob the reported epoch e trained under, n = validation
+trade count, w(n) = n / (n + n0), S(e) = the fixed schedule's ε (`shared.knobs.FixedSchedule`):
 
   E1 q_bias      ← prev + η·w(n)·a·½(bias + median_bias)          |Δ| ≤ 0.01, |q_bias| ≤ 0.05
-  E2 epsilon     ← prev × {1.5 too few trades, 1.25 stagnation, 1/1.25 new best, 1 else}   [0.01, 0.5], ×/÷1.5
+  E2 epsilon     ← S(e+1)·m, m = prev/S(e) × {1/1.25 new best beyond noise; 1.5 too few trades for the window;
+                   1.25 below the best beyond noise for `patience` epochs; 1 else}, never raised while validation
+                   improves                                          [0.01, 0.5], m ×/÷1.5
   E3 gamma       ← 1 − 1/(k·mean_bars_held)                         [0.9, 0.995], |Δ| ≤ 0.01
   E4 lr_scale[b] ← 1 + w(n)·((err_b + s)/(mean_err + s) − 1)        [0.25, 4], ×/÷1.5
   E5 gate        ← argmax_θ Σ kept returns s.t. n_kept ≥ 20         ×/÷1.5 once a gate exists; None = no gate
@@ -17,12 +20,17 @@ prev = the knob the reported epoch trained under, n = validation trade count, w(
   E8 weights[k]  ← exp(−κ·z_k), z_k = (mean_k / σ)·w(n_k), normalised to mean 1   [0.25, 4], ×/÷1.5
   E9 conf[k]     ← clip(1 + λ·z_k, 0, 1)                            |Δ| ≤ 0.25
 
-Rollback: when the validation per-trade Sharpe (un-annualized) fell more than max(drop, rel·|best|) below the
-best earlier epoch's, the continuous knobs (E1–E5, E8, E9) move halfway back toward the knobs that best epoch
-trained under (still within the per-epoch step limits), and the bundle says "rollback".
+Noise: a change in validation counts only beyond `noise_z` standard errors of the difference of two per-trade
+Sharpes (un-annualized), sqrt(SE_a² + SE_b²) with SE = `shared.metrics.sharpe_se` (the PSR's denominator).
 
-Feedback off (`config.enabled = False`): `Knobs.fixed_schedule(epoch + 1, ...)` with reason
-"feedback disabled (ablation)".
+Rollback: when the validation per-trade Sharpe fell below the best earlier epoch's by more than `rollback_z`
+standard errors of the difference, the bundle says "rollback" with that epoch and its checkpoint's sha256: the
+trainer restores that epoch's weights, target network and optimizer state (PBT's exploit step), and the
+continuous knobs of the signals that are on (E1–E5, E8, E9) are that epoch's knobs (E2: its multiplier m).
+
+Switched off: a signal named in `config.off` leaves its knob at the fixed schedule's value for epoch e+1
+("rollback" in `off` switches the rollback off). Feedback off (`config.enabled = False`): every knob from the
+fixed schedule, reason "feedback disabled (ablation)".
 """
 from __future__ import annotations
 
@@ -33,9 +41,16 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from services.feedback.guard import FeedbackView, HistoryEntry, build_view, check_train_indices
-from shared.knobs import BRANCHES, N_REGIMES, Knobs
-from shared.report import EvalReport, FeedbackBundle, Provenance, Signal
+from services.feedback.guard import FeedbackView, HistoryEntry, HistoryPoint, build_view, check_train_indices
+from shared.knobs import BRANCHES, N_REGIMES, FixedSchedule, Knobs
+from shared.report import OFF_NAMES, SIGNAL_IDS, EvalReport, FeedbackBundle, Provenance, Signal, parse_off
+
+KNOB_OF = {"E1": "q_bias", "E2": "epsilon", "E3": "gamma", "E4": "lr_scale", "E5": "gate_threshold",
+           "E6": "priority_boost", "E7": "hindsight", "E8": "regime_weights", "E9": "regime_confidence"}
+"""The `Knobs` field each signal sets."""
+
+CONTINUOUS = ("E1", "E2", "E3", "E4", "E5", "E8", "E9")
+"""Signals that set a setting (restored by a rollback); E6/E7 are sample labels of the current checkpoint."""
 
 
 @dataclass(frozen=True)
@@ -44,13 +59,19 @@ class FeedbackConfig:
 
     enabled: bool = True
     """False: fixed schedules (the ablation)."""
-    # fixed schedule (feedback off)
-    eps_start: float = 0.3
-    eps_end: float = 0.02
-    eps_decay_epochs: int = 8
-    gamma_fixed: float = 0.99
+    off: tuple[str, ...] = ()
+    """Signals switched off, e.g. ("E2", "E3"): each leaves its knob at the fixed schedule's value; "rollback"
+    switches the rollback off. A comma-separated string is accepted ("E2,E3")."""
+    # fixed schedule (feedback off, or a signal switched off): shared.knobs.FixedSchedule
+    eps_start: float = FixedSchedule.eps_start
+    eps_end: float = FixedSchedule.eps_end
+    eps_decay_epochs: int = FixedSchedule.eps_decay_epochs
+    gamma_fixed: float = FixedSchedule.gamma
     n0: float = 20.0
     """Shrinkage constant of w(n) = n / (n + n0) for E1, E4 (validation trade counts)."""
+    noise_z: float = 1.0
+    """E2: a change in validation per-trade Sharpe counts when it exceeds noise_z standard errors of the
+    difference (new best; below the best for `patience` epochs)."""
     # E1
     q_bias_rate: float = 0.5
     q_bias_max: float = 0.05
@@ -59,11 +80,14 @@ class FeedbackConfig:
     eps_min: float = 0.01
     eps_max: float = 0.5
     eps_step: float = 1.5
+    """Largest factor of the multiplier m (ε over the schedule's ε) in one epoch; also the too-few-trades factor."""
     eps_stagnation: float = 1.25
     eps_improve: float = 1.25
     min_trades: int = 20
+    min_trade_frac: float = 0.25
+    """E2's activity threshold: too few validation trades is n < min(min_trades, min_trade_frac·L/d), L the
+    validation window's bars, d the mean bars held (L/d: trades the window holds back to back)."""
     patience: int = 2
-    min_improve: float = 0.01
     # E3
     gamma_k: float = 5.0
     gamma_min: float = 0.9
@@ -92,8 +116,28 @@ class FeedbackConfig:
     conf_n0: float = 20.0
     conf_step: float = 0.25
     # rollback
-    rollback_drop: float = 0.05
-    rollback_rel: float = 0.25
+    rollback_z: float = 2.0
+    """Roll back when validation fell below the best earlier epoch's by more than rollback_z standard errors of
+    the difference (the best of several noisy epochs is biased up, hence more than one)."""
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "off", parse_off(self.off))
+        except ValueError as exc:
+            raise ValueError(f"feedback config: {exc}") from None
+        if not (self.eps_start > 0 and self.eps_end > 0):
+            raise ValueError(f"feedback config: eps_start and eps_end must be > 0 (E2 scales the schedule's ε), "
+                             f"got {self.eps_start}, {self.eps_end}")
+
+    @property
+    def schedule(self) -> FixedSchedule:
+        """The fixed schedule of feedback off (and of a signal switched off)."""
+        return FixedSchedule(eps_start=self.eps_start, eps_end=self.eps_end, eps_decay_epochs=self.eps_decay_epochs,
+                             gamma=self.gamma_fixed)
+
+    def is_on(self, name: str) -> bool:
+        """Signal (or "rollback") `name` acts: feedback enabled and `name` not switched off."""
+        return self.enabled and name not in self.off
 
     @classmethod
     def coerce(cls, config: Any) -> "FeedbackConfig":
@@ -126,6 +170,16 @@ def _ratio_limit(x: float, prev: float, step: float) -> float:
 def _w(n: float, n0: float) -> float:
     """Shrinkage weight n / (n + n0)."""
     return n / (n + n0) if n + n0 > 0 else 0.0
+
+
+def _fin(x: float) -> float | None:
+    """x, or None where it is not finite (signal inputs are JSON without inf)."""
+    return x if math.isfinite(x) else None
+
+
+def _diff_se(se_a: float, se_b: float) -> float:
+    """Standard error of the difference of two independent estimates (inf when either is unknown)."""
+    return math.hypot(se_a, se_b)
 
 
 def _val_prov(view: FeedbackView, *fields_: str) -> Provenance:
@@ -185,37 +239,77 @@ def e1_q_bias(view: FeedbackView, cfg: FeedbackConfig) -> Signal:
                   reason=f"Q {sense}-predicts realised validation trades by {e:+.5f} (coverage gap at q50 {g:+.2f})")
 
 
-def e2_epsilon(view: FeedbackView, cfg: FeedbackConfig) -> Signal:
-    """E2 — ε from validation performance against the run's history.
+def _schedule_multiplier(eps: float, epoch: int, cfg: FeedbackConfig) -> float:
+    """m = ε / S(epoch): how far an epoch's ε stood from the fixed schedule's."""
+    return eps / cfg.schedule.epsilon(epoch)
 
-    Factor: ×1.5 with fewer than `min_trades` validation trades; ×1.25 on stagnation (none of the last `patience`
-    epochs, this one included, beat the best before them by `min_improve`); ÷1.25 on a new best (or no history);
-    ×1 otherwise. ε ← clamp(prev·factor, ε_min, ε_max), within ×/÷ eps_step of prev.
+
+def _epsilon(m: float, epoch: int, cfg: FeedbackConfig) -> float:
+    """ε of `epoch` at multiplier m of the schedule, within E2's bounds [eps_min, eps_max]."""
+    return _clamp(cfg.schedule.epsilon(epoch) * m, cfg.eps_min, cfg.eps_max)
+
+
+def _stagnant(view: FeedbackView, s: float, se: float, cfg: FeedbackConfig) -> bool:
+    """The last `patience` epochs (this one included) each fell below the best epoch before them by more than
+    noise_z standard errors of the difference."""
+    hist, k = view.history, cfg.patience
+    if len(hist) < k:
+        return False
+    before = hist[:len(hist) - (k - 1)]
+    recent = [(h.val_sharpe, h.val_sharpe_se) for h in hist[len(hist) - (k - 1):]] + [(s, se)]
+    best = max(before, key=lambda h: h.val_sharpe)
+    return all(best.val_sharpe - r > cfg.noise_z * _diff_se(r_se, best.val_sharpe_se) for r, r_se in recent)
+
+
+def e2_epsilon(view: FeedbackView, cfg: FeedbackConfig) -> Signal:
+    """E2 — ε as a multiplier m of the fixed schedule's, moved only by validation changes beyond their noise.
+
+    m_prev = prev / S(e). Factor, first that applies: ÷eps_improve when the validation per-trade Sharpe beat the
+    best earlier epoch's by more than noise_z·SE of the difference (exploit more); ×eps_step when the policy trades
+    too little for the window, n < min(min_trades, min_trade_frac·L/d), and validation does not improve;
+    ×eps_stagnation when the last `patience` epochs each fell below the best before them beyond noise and
+    validation does not improve; ×1 otherwise (ε follows the schedule). "Improves": this epoch's Sharpe is above
+    the previous epoch's. ε ← clamp(S(e+1)·m, ε_min, ε_max) with m within ×/÷ eps_step of m_prev, and never above
+    prev while validation improves.
     """
-    prev = view.knobs.epsilon
-    s, n = view.val.metric("per_trade_sharpe"), _n_val(view)
-    hist = [h.val_sharpe for h in view.history]
-    series = [*hist, s]
-    best_prev = max(hist) if hist else None
-    stagnant = False
-    if len(series) > cfg.patience:
-        before, recent = series[:-cfg.patience], series[-cfg.patience:]
-        stagnant = max(recent) <= max(before) + cfg.min_improve
-    if n < cfg.min_trades:
-        factor, why = cfg.eps_step, f"too few validation trades ({n} < {cfg.min_trades}): explore more"
-    elif stagnant:
-        factor, why = cfg.eps_stagnation, f"validation Sharpe stagnant over {cfg.patience} epochs: explore more"
-    elif best_prev is None or s > best_prev + cfg.min_improve:
-        factor, why = 1.0 / cfg.eps_improve, f"validation per-trade Sharpe {s:.3f} is a new best: exploit more"
+    prev, e = view.knobs.epsilon, view.epoch
+    s, n, se = view.val.metric("per_trade_sharpe"), _n_val(view), view.val.sharpe_se
+    d, L = view.val.metric("mean_bars_held"), view.val.window_bars
+    capacity = L / max(d, 1.0)                        # trades the window holds back to back at holding time d
+    need = min(float(cfg.min_trades), cfg.min_trade_frac * capacity)
+    last = view.history[-1] if view.history else None
+    improving = last is not None and s > last.val_sharpe
+    best = max(view.history, key=lambda h: h.val_sharpe) if view.history else None
+    gain_se = _diff_se(se, best.val_sharpe_se) if best is not None else math.inf
+    new_best = best is not None and s - best.val_sharpe > cfg.noise_z * gain_se
+    stagnant = _stagnant(view, s, se, cfg)
+    if new_best:
+        factor, why = 1.0 / cfg.eps_improve, (f"validation per-trade Sharpe {s:.3f} beats the best {best.val_sharpe:.3f}"
+                                              f" beyond noise ({cfg.noise_z:g}·SE = {cfg.noise_z * gain_se:.3f}): "
+                                              "exploit more")
+    elif n < need and not improving:
+        factor, why = cfg.eps_step, (f"too few validation trades for the window ({n} < {need:.1f} = min("
+                                     f"{cfg.min_trades}, {cfg.min_trade_frac:g}·{L}/{d:.0f} bars)): explore more")
+    elif stagnant and not improving:
+        factor, why = cfg.eps_stagnation, (f"validation below the best beyond noise for {cfg.patience} epochs: "
+                                           "explore more")
     else:
-        factor, why = 1.0, "validation Sharpe neither improving nor stagnant: ε kept"
-    raw = prev * factor
-    value = _clamp(_ratio_limit(raw, prev, cfg.eps_step), cfg.eps_min, cfg.eps_max)
+        factor, why = 1.0, "no validation change beyond noise: ε follows the schedule"
+    m_prev = _schedule_multiplier(prev, e, cfg)
+    m_raw = m_prev * factor
+    m = _ratio_limit(m_raw, m_prev, cfg.eps_step)
+    raw = cfg.schedule.epsilon(e + 1) * m_raw
+    value = _epsilon(m, e + 1, cfg)
+    if improving and value > prev:
+        value, why = prev, why + "; validation improves: ε not raised"
     return Signal(id="E2", knob="epsilon", value=value, previous=prev, clamped=value != raw,
-                  provenance=[_val_prov(view, "val.metrics.per_trade_sharpe", "val.metrics.n_trades"),
+                  provenance=[_val_prov(view, "val.metrics.per_trade_sharpe", "val.metrics.n_trades",
+                                        "val.metrics.mean_bars_held", "val.window_bars", "val.sharpe_se"),
                               _hist_prov(view)],
-                  inputs={"val_sharpe": s, "n_trades": n, "best_previous_sharpe": best_prev, "stagnant": stagnant,
-                          "factor": factor},
+                  inputs={"val_sharpe": s, "sharpe_se": _fin(se), "n_trades": n, "min_trades_for_window": need,
+                          "best_previous_sharpe": None if best is None else best.val_sharpe,
+                          "improving": improving, "new_best": new_best, "stagnant": stagnant, "factor": factor,
+                          "schedule_multiplier": m, "schedule_epsilon": cfg.schedule.epsilon(e + 1)},
                   reason=why)
 
 
@@ -390,60 +484,45 @@ def e9_regime_confidence(view: FeedbackView, cfg: FeedbackConfig) -> Signal:
                   "no regime loses on validation: full size everywhere")
 
 
-SIGNALS = (e1_q_bias, e2_epsilon, e3_gamma, e4_lr_scale, e5_gate, e6_priority, e7_hindsight, e8_regime_weights,
-           e9_regime_confidence)
+SIGNALS = {"E1": e1_q_bias, "E2": e2_epsilon, "E3": e3_gamma, "E4": e4_lr_scale, "E5": e5_gate, "E6": e6_priority,
+           "E7": e7_hindsight, "E8": e8_regime_weights, "E9": e9_regime_confidence}
 
 
 # --- rollback ---------------------------------------------------------------------------------------------
 
 
-def rollback_target(view: FeedbackView, cfg: FeedbackConfig):
-    """(best HistoryPoint, threshold) when this epoch's validation per-trade Sharpe fell more than
-    max(rollback_drop, rollback_rel·|best|) below the best earlier epoch's; None otherwise."""
+@dataclass(frozen=True)
+class Rollback:
+    """A rollback's evidence: the best earlier epoch, how far validation fell below it, and the noise."""
+
+    best: HistoryPoint
+    drop: float
+    """best.val_sharpe − this epoch's validation per-trade Sharpe (un-annualized)."""
+    se: float
+    """Standard error of that difference."""
+
+
+def rollback_target(view: FeedbackView, cfg: FeedbackConfig) -> Rollback | None:
+    """A `Rollback` when this epoch's validation per-trade Sharpe fell below the best earlier epoch's by more than
+    rollback_z standard errors of the difference; None otherwise (or with no history, or < 2 trades on a side)."""
     if not view.history:
         return None
     best = max(view.history, key=lambda h: h.val_sharpe)
-    thr = max(cfg.rollback_drop, cfg.rollback_rel * abs(best.val_sharpe))
-    s = view.val.metric("per_trade_sharpe")
-    return (best, thr) if s < best.val_sharpe - thr else None
+    drop = best.val_sharpe - view.val.metric("per_trade_sharpe")
+    se = _diff_se(view.val.sharpe_se, best.val_sharpe_se)
+    return Rollback(best, drop, se) if drop > cfg.rollback_z * se else None
 
 
-def _rolled_back(sig: Signal, cur: Knobs, good: Knobs, cfg: FeedbackConfig) -> Any:
-    """Halfway from the current knobs toward the good epoch's, within each knob's bounds and step limits."""
-    half = lambda a, b: a + 0.5 * (b - a)  # noqa: E731
-    if sig.id == "E1":
-        v = half(cur.q_bias, good.q_bias)
-        return _clamp(_clamp(v, cur.q_bias - cfg.q_bias_step, cur.q_bias + cfg.q_bias_step), -cfg.q_bias_max,
-                      cfg.q_bias_max)
-    if sig.id == "E2":
-        return _clamp(_ratio_limit(half(cur.epsilon, good.epsilon), cur.epsilon, cfg.eps_step), cfg.eps_min,
-                      cfg.eps_max)
-    if sig.id == "E3":
-        v = half(cur.gamma, good.gamma)
-        return _clamp(_clamp(v, cur.gamma - cfg.gamma_step, cur.gamma + cfg.gamma_step), cfg.gamma_min,
-                      cfg.gamma_max)
-    if sig.id == "E4":
-        return {b: _clamp(_ratio_limit(half(cur.lr_scale[b], good.lr_scale[b]), cur.lr_scale[b], cfg.lr_step),
-                          cfg.lr_min, cfg.lr_max) for b in BRANCHES}
-    if sig.id == "E5":
-        c, g = cur.gate_threshold, good.gate_threshold
-        if math.isinf(g):
-            return None if math.isinf(c) else c * cfg.gate_step
-        if math.isinf(c):
-            return g * cfg.gate_step
-        return _ratio_limit(half(c, g), c, cfg.gate_step)
-    if sig.id == "E8":
-        m = sum(cur.regime_weights) / N_REGIMES
-        base = [p / m for p in cur.regime_weights]
-        gm = sum(good.regime_weights) / N_REGIMES
-        target = [half(a, b / gm) for a, b in zip(base, good.regime_weights)]
-        lo = [max(cfg.regime_w_min, b / cfg.regime_step) for b in base]
-        hi = [min(cfg.regime_w_max, b * cfg.regime_step) for b in base]
-        return project_weights(target, lo, hi)
-    if sig.id == "E9":
-        return [_clamp(_clamp(half(a, b), a - cfg.conf_step, a + cfg.conf_step), 0.0, 1.0)
-                for a, b in zip(cur.regime_confidence, good.regime_confidence)]
-    return sig.value
+def _restored(i: str, view: FeedbackView, good: HistoryPoint, cfg: FeedbackConfig) -> Any:
+    """Signal i's value after a rollback to `good`: that epoch's knob (E2: its multiplier of the schedule, at
+    epoch e+1), as a signal value (gate None = no gate)."""
+    k = good.knobs
+    if i == "E2":
+        return _epsilon(_schedule_multiplier(k.epsilon, good.epoch, cfg), view.epoch + 1, cfg)
+    if i == "E5":
+        return None if math.isinf(k.gate_threshold) else k.gate_threshold
+    v = getattr(k, KNOB_OF[i])
+    return dict(v) if isinstance(v, dict) else list(v) if isinstance(v, list) else v
 
 
 # --- the bundle -------------------------------------------------------------------------------------------
@@ -458,17 +537,21 @@ def _knobs_from_signals(sig: dict[str, Signal]) -> Knobs:
                  regime_weights=list(sig["E8"].value), regime_confidence=list(sig["E9"].value)).validate()
 
 
+def _fixed_signals(ids: Sequence[str], report: EvalReport, cfg: FeedbackConfig, reason: str,
+                   field: str) -> dict[str, Signal]:
+    """Signals `ids` at the fixed schedule's knobs for epoch e+1 (a signal switched off, or feedback off)."""
+    d = cfg.schedule.knobs(report.epoch + 1).to_dict()
+    prev = report.trained_knobs().to_dict()
+    prov = [Provenance(run_id=report.run_id, epoch=report.epoch, split="config", fields=[field])]
+    return {i: Signal(id=i, knob=KNOB_OF[i], value=d[KNOB_OF[i]], previous=prev[KNOB_OF[i]], provenance=prov,
+                      reason=reason) for i in ids}
+
+
 def _disabled_bundle(report: EvalReport, cfg: FeedbackConfig, now: str) -> FeedbackBundle:
-    k = Knobs.fixed_schedule(report.epoch + 1, eps_start=cfg.eps_start, eps_end=cfg.eps_end,
-                             eps_decay_epochs=cfg.eps_decay_epochs, gamma=cfg.gamma_fixed)
-    d = k.to_dict()
-    names = {"E1": "q_bias", "E2": "epsilon", "E3": "gamma", "E4": "lr_scale", "E5": "gate_threshold",
-             "E6": "priority_boost", "E7": "hindsight", "E8": "regime_weights", "E9": "regime_confidence"}
-    prov = [Provenance(run_id=report.run_id, epoch=report.epoch, split="config", fields=["feedback.enabled"])]
-    sig = {i: Signal(id=i, knob=n, value=d[n], provenance=prov, reason="feedback disabled (ablation)")
-           for i, n in names.items()}
+    why = "feedback disabled (ablation)"
+    sig = _fixed_signals(SIGNAL_IDS, report, cfg, why, "feedback.enabled")
     return FeedbackBundle(run_id=report.run_id, epoch=report.epoch, for_epoch=report.epoch + 1, enabled=False,
-                          reason="feedback disabled (ablation)", signals=sig, knobs=d,
+                          reason=why, signals=sig, knobs=_knobs_from_signals(sig).to_dict(), off=list(OFF_NAMES),
                           report_checkpoint_sha256=report.checkpoint_sha256, created_at=now)
 
 
@@ -478,31 +561,47 @@ def compute_bundle(report: EvalReport, history: Sequence[EvalReport | HistoryEnt
     the config.
 
     The report and history pass the leakage guard first (LeakageError on a window of the wrong split; `bars`
-    lets it recompute window hashes). With `config.enabled` False: the fixed schedule (ablation).
+    lets it recompute window hashes). With `config.enabled` False: the fixed schedule (ablation); a signal in
+    `config.off`: its knob at the fixed schedule's value. A rollback (see `rollback_target`) names the epoch and
+    checkpoint the trainer restores, and sets the continuous knobs of the signals that are on to that epoch's.
     """
     cfg = FeedbackConfig.coerce(config)
     now = now if now is not None else _dt.datetime.now(_dt.timezone.utc).isoformat()
     view = build_view(report, history, bars)
     if not cfg.enabled:
         return _disabled_bundle(report, cfg, now)
-    sig = {s.id: s for s in (f(view, cfg) for f in SIGNALS)}
-    rb = rollback_target(view, cfg)
+    off = [i for i in SIGNAL_IDS if not cfg.is_on(i)]
+    sig = {i: f(view, cfg) for i, f in SIGNALS.items() if i not in off}
+    sig.update(_fixed_signals(off, report, cfg, "switched off (feedback config `off`): fixed schedule",
+                              "feedback.off"))
+    rb = rollback_target(view, cfg) if cfg.is_on("rollback") else None
     reason = "feedback from validation aggregates and the in-sample autopsy"
+    if off:
+        reason += f"; switched off: {', '.join(cfg.off)}"
     if rb is not None:
-        best, thr = rb
+        g = rb.best
         s = view.val.metric("per_trade_sharpe")
-        why = (f"rollback: val per-trade Sharpe {s:.3f} < best {best.val_sharpe:.3f} (epoch {best.epoch}) − "
-               f"{thr:.3f}; halfway back toward epoch {best.epoch}'s knobs")
-        for i in ("E1", "E2", "E3", "E4", "E5", "E8", "E9"):
+        why = (f"rollback: val per-trade Sharpe {s:.3f} fell {rb.drop:.3f} below epoch {g.epoch}'s "
+               f"{g.val_sharpe:.3f}, beyond {cfg.rollback_z:g}·SE = {cfg.rollback_z * rb.se:.3f}; the trainer "
+               f"restores epoch {g.epoch}'s weights and optimizer state, and its knobs")
+        for i in CONTINUOUS:
+            if i in off:
+                continue
             old = sig[i]
-            sig[i] = old.model_copy(update={
-                "value": _rolled_back(old, view.knobs, best.knobs, cfg), "reason": why, "clamped": True,
-                "inputs": {**old.inputs, "rollback_to_epoch": best.epoch, "signal_value": old.value},
-                "provenance": [*old.provenance, _hist_prov(view)]})
-            Signal.model_validate(sig[i].model_dump())
+            value = _restored(i, view, g, cfg)
+            if i == "E2" and old.inputs.get("improving") and value > old.previous:
+                value = old.previous                    # never raised while validation improves
+            sig[i] = Signal.model_validate({
+                **old.model_dump(), "value": value, "reason": why, "clamped": False,
+                "inputs": {**old.inputs, "rollback_to_epoch": g.epoch, "signal_value": old.value},
+                "provenance": [p.model_dump() for p in old.provenance] + [_hist_prov(view).model_dump()]})
         reason = why
     knobs = _knobs_from_signals(sig)
+    sharpes = [(h.val_sharpe, -h.epoch) for h in view.history] + [(view.val.metric("per_trade_sharpe"), -view.epoch)]
+    best_epoch = -max(sharpes)[1] if cfg.is_on("rollback") else None     # ties: the earliest
     return FeedbackBundle(run_id=report.run_id, epoch=report.epoch, for_epoch=report.epoch + 1, enabled=True,
-                          rollback=rb is not None, rollback_to_epoch=None if rb is None else rb[0].epoch,
-                          reason=reason, signals=sig, knobs=knobs.to_dict(),
+                          rollback=rb is not None, rollback_to_epoch=None if rb is None else rb.best.epoch,
+                          rollback_checkpoint_sha256="" if rb is None else rb.best.checkpoint_sha256,
+                          best_epoch=best_epoch,
+                          reason=reason, signals=sig, knobs=knobs.to_dict(), off=list(cfg.off),
                           report_checkpoint_sha256=report.checkpoint_sha256, created_at=now)

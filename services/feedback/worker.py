@@ -7,7 +7,8 @@ A member of the consumer group "feedback" on `tl:{run}:stream:reports`. Handling
 of JSON, so re-reading all of them at every epoch made the feedback stage grow with the run's length),
 `compute_bundle(report, history, settings)` (the leakage guard runs inside it), store the bundle (first
 wins), publish feedback.ready for epoch + 1. With TL_ENABLED=false the bundle carries the fixed schedule
-(the ablation).
+(the ablation); the signals named in TL_FEEDBACK_OFF (e.g. "E2,E3", or "rollback") keep their knobs at the fixed
+schedule's values.
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ class FeedbackWorker(ConsumerWorker):
         self.group = GROUP
         self.consumer = Consumer(bus, bus.stream("reports"), GROUP, name, self.handle,
                                  block_ms=int(min(1000, bus.socket_timeout_s * 500)))
-        state.extra.update(consumer=name, enabled=settings.enabled, bundled=[])
+        state.extra.update(consumer=name, enabled=settings.enabled, off=list(settings.off), bundled=[])
         self._history: dict[int, object] = {}     # epoch → guard.HistoryEntry of this run's earlier reports
 
     async def handle(self, event: Event) -> None:

@@ -22,7 +22,7 @@ import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 import numpy as np
 import torch
@@ -31,7 +31,7 @@ from shared.agent import Agent, AgentConfig, MarketView, PolicyControls, agent_f
 from shared.checkpoints import load_checkpoint, save_checkpoint, sidecar_path
 from shared.execution import CostModel
 from shared.graphs import StaticState, capture, resolve_accel, use_compile_cache
-from shared.knobs import BRANCHES, Knobs
+from shared.knobs import BRANCHES, FixedSchedule, Knobs
 from shared.market import Bars, Split, chronological_split, compute_features
 from shared.rollout import MarketTensors
 from services.trainer.env import RewardConfig, TrainEnv
@@ -124,13 +124,13 @@ class TrainConfig:
     """Risk-head maturity m = 1 − exp(−updates / maturity_updates) scales the protection stack."""
     costs_bps: float = 1.0
     """Trading costs (bps of notional) in the training simulator."""
-    gamma: float = 0.99
-    """Fixed-schedule γ (feedback off): trends last ~100s of bars, so the horizon 1/(1−γ) should too."""
-    eps_start: float = 0.3
+    gamma: float = FixedSchedule.gamma
+    """Fixed-schedule γ (feedback off; default `shared.knobs.FixedSchedule`)."""
+    eps_start: float = FixedSchedule.eps_start
     """Fixed-schedule ε of the first epoch …"""
-    eps_end: float = 0.02
+    eps_end: float = FixedSchedule.eps_end
     """… decaying linearly to this …"""
-    eps_decay_epochs: int = 8
+    eps_decay_epochs: int = FixedSchedule.eps_decay_epochs
     """… over this many epochs."""
     bf16: bool = False
     """On CUDA, the forward passes of collection and update under bf16 autocast (losses and softmaxes in fp32)."""
@@ -255,6 +255,12 @@ class TrainConfig:
     is then as stale as the embeddings (≤ `emb_refresh` updates), its portfolio shift is current. The update's
     double-Q selection at the bootstrap states reads the same table. False: the heads run on the cached embeddings
     at every step and for the selection."""
+
+    @property
+    def schedule(self) -> FixedSchedule:
+        """The ε/γ schedule of feedback off with this config's values."""
+        return FixedSchedule(eps_start=self.eps_start, eps_end=self.eps_end, eps_decay_epochs=self.eps_decay_epochs,
+                             gamma=self.gamma)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -1046,6 +1052,8 @@ class EpochStats:
     """Un-annualized, per trade, of the trades closed while collecting this epoch (with exploration)."""
     train_trades: int
     knobs: dict
+    rolled_back_to: int | None = None
+    """The epoch whose learner a feedback rollback restored before this epoch trained (`roll_back`), else None."""
 
 
 @dataclass
@@ -1479,14 +1487,18 @@ def remove_checkpoint(path: Path) -> None:
     sidecar_path(path).unlink(missing_ok=True)
 
 
-def prune_checkpoints(run_dir: Path, epoch: int, keep: int | None) -> list[Path]:
+def prune_checkpoints(run_dir: Path, epoch: int, keep: int | None, pinned: Iterable[int] = ()) -> list[Path]:
     """After epoch `epoch` is saved complete: delete the trainer state of every earlier epoch (a run resumes from
     its last complete epoch only), an interrupted epoch's file, and, with `keep`, the weights of all but the last
-    `keep` epochs. Returns the files deleted."""
+    `keep` epochs — except both files of the `pinned` epochs (a feedback rollback's candidates: `roll_back` needs
+    an epoch's weights and trainer state). Returns the files deleted."""
     ck = Path(run_dir) / "checkpoints"
+    pinned = set(pinned)
     gone = []
     for p in ck.glob("epoch-[0-9]*.safetensors"):
         e, state_file = int(p.name.split("-")[1].split(".")[0]), p.name.endswith(".state.safetensors")
+        if e in pinned:
+            continue
         if (state_file and e < epoch) or (not state_file and keep is not None and e <= epoch - keep):
             remove_checkpoint(p)
             gone.append(p)
@@ -1502,19 +1514,43 @@ def load_agent(path, expected_sha256: str | None = None, device="cpu") -> tuple[
     return agent_from_checkpoint(tensors, meta, device), meta
 
 
-def restore_state(state: TrainState, run_dir: Path, epoch: int) -> None:
-    """Load epoch `epoch`'s agent and trainer state into a freshly built `state` (same config)."""
+def _load_epoch(state: TrainState, run_dir: Path, epoch: int, expected_sha256: str | None = None
+                ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict]:
+    """Epoch `epoch`'s weights and trainer-state tensors, and the state's metadata, each file checked against its
+    sha256 (the weights against `expected_sha256` when given, else their sidecar)."""
     ck = Path(run_dir) / "checkpoints"
-    w, _ = load_checkpoint(ck / f"epoch-{epoch:04d}.safetensors")
+    w, _ = load_checkpoint(ck / f"epoch-{epoch:04d}.safetensors", expected_sha256)
     t, meta = load_checkpoint(ck / f"epoch-{epoch:04d}.state.safetensors")
     if meta["config_hash"] != state.cfg.hash():
         raise ValueError(f"{run_dir}: the run's config changed since epoch {epoch} (config hash mismatch)")
+    return w, t, meta
+
+
+def restore_state(state: TrainState, run_dir: Path, epoch: int) -> None:
+    """Load epoch `epoch`'s agent and trainer state into a freshly built `state` (same config): resume."""
+    w, t, meta = _load_epoch(state, run_dir, epoch)
     state.agent.load_state_dict({k: v.to(state.device) for k, v in w.items()})
     _load_state(state, t, meta)
 
 
-def _load_state(state: TrainState, t: dict, meta: dict) -> None:
-    """`_state_tensors` / `_state_meta` back into `state`."""
+def roll_back(state: TrainState, run_dir: Path, epoch: int, expected_sha256: str | None = None) -> None:
+    """A feedback rollback (population-based training's exploit step): the learner of the best epoch `epoch` —
+    its weights, target network, optimizer state (moments, step counts) and entropy coefficient, bit for bit from
+    its checkpoint files (`expected_sha256`: the checkpoint its report evaluated) — replaces the current one, in
+    place. What was collected stays (the replay buffer, the trade tracker), and time moves on (the RNGs, the epoch,
+    update and environment-step counters, the LR schedule's group ages). The embedding tables the updates and
+    collection read are recomputed from the restored encoders."""
+    w, t, _ = _load_epoch(state, run_dir, epoch, expected_sha256)
+    with torch.no_grad():
+        state.agent.load_state_dict({k: v.to(state.device) for k, v in w.items()})
+    _load_learner(state, t)
+    refresh_embeddings(state)
+
+
+@torch.no_grad()
+def _load_learner(state: TrainState, t: dict) -> None:
+    """The learner's part of `_state_tensors` back into `state`, in place: target network, optimizer state,
+    entropy coefficient."""
     dev = state.device
     state.target.load_state_dict({k[len("target."):]: v.to(dev) for k, v in t.items() if k.startswith("target.")})
     params = dict(state.agent.named_parameters())
@@ -1524,6 +1560,13 @@ def _load_state(state: TrainState, t: dict, meta: dict) -> None:
             # views of its flat buffers), on its device, at the addresses a captured step reads
             name, slot = key[len("opt."):].rsplit(".", 1)
             state.opt.state[params[name]][slot].copy_(v)
+    state.buffers.entropy_coef.copy_(t["buf.entropy_coef"].to(dev))
+
+
+def _load_state(state: TrainState, t: dict, meta: dict) -> None:
+    """`_state_tensors` / `_state_meta` back into `state`."""
+    dev = state.device
+    _load_learner(state, t)
     for g, age in zip(state.opt.param_groups, meta["group_ages"]):
         g["age"] = int(age)
     state.replay.load_state({k[len("replay."):]: v.to(dev) for k, v in t.items() if k.startswith("replay.")},
@@ -1531,7 +1574,6 @@ def _load_state(state: TrainState, t: dict, meta: dict) -> None:
     state.env.tracker.load_state({k[len("tracker."):]: v for k, v in t.items() if k.startswith("tracker.")})
     state.generator.set_state(t["rng.generator"])
     torch.set_rng_state(t["rng.torch"])
-    state.buffers.entropy_coef.copy_(t["buf.entropy_coef"].to(dev))
     state.epoch, state.update_step, state.env_steps = int(meta["epoch"]), int(meta["update_step"]), int(meta["env_steps"])
 
 
@@ -1555,11 +1597,16 @@ def train_run(bars: Bars, dataset: str, run_dir: Path, epochs: int, *, config: s
               seed: int = 0, device="cpu", accel: str = "auto", knobs_fn: Callable[[int], Knobs] | None = None,
               on_epoch: Callable[[EpochStats], None] | None = None,
               progress: Callable[[int, int], None] | None = None,
-              on_compile: Callable[[str | None], None] | None = None) -> TrainState:
+              on_compile: Callable[[str | None], None] | None = None,
+              rollback_fn: Callable[[int], tuple[int, str] | None] | None = None,
+              pinned_fn: Callable[[], Iterable[int]] | None = None) -> TrainState:
     """Train until `epochs` epochs exist in `run_dir`, resuming from its latest checkpoint when it holds a run.
 
-    Knobs of epoch e (1-based) come from `knobs_fn(e)`, by default `Knobs.fixed_schedule(e, …)` with the
-    config's ε schedule and γ. `on_compile`: see `StepRunner.on_compile`."""
+    Knobs of epoch e (1-based) come from `knobs_fn(e)`, by default the config's fixed schedule
+    (`cfg.schedule.knobs(e)`). `on_compile`: see `StepRunner.on_compile`. `rollback_fn(e)`, when given and not
+    None, is (epoch, checkpoint sha256 or "") of a feedback rollback: `roll_back` to that epoch before epoch e trains
+    (its record says `rolled_back_to`). `pinned_fn()`: epochs whose trainer state the pruning keeps (a later
+    rollback's candidates)."""
     run_dir = Path(run_dir)
     feats = compute_features(bars)
     run_json = run_dir / "run.json"
@@ -1583,12 +1630,16 @@ def train_run(bars: Bars, dataset: str, run_dir: Path, epochs: int, *, config: s
     done = latest_epoch(run_dir)
     if done:
         restore_state(state, run_dir, done)
-    knobs_fn = knobs_fn or (lambda e: Knobs.fixed_schedule(e, eps_start=cfg.eps_start, eps_end=cfg.eps_end,
-                                                          eps_decay_epochs=cfg.eps_decay_epochs, gamma=cfg.gamma))
+    knobs_fn = knobs_fn or cfg.schedule.knobs
     while state.epoch < epochs:
+        rb = rollback_fn(state.epoch + 1) if rollback_fn is not None else None
+        if rb is not None:
+            roll_back(state, run_dir, rb[0], rb[1] or None)
         stats = train_epoch(state, knobs_fn(state.epoch + 1), progress)
+        stats.rolled_back_to = None if rb is None else rb[0]
         save_epoch(state, run_dir, meta)
-        prune_checkpoints(run_dir, state.epoch, keep=None)  # every epoch's weights stay; only the last state
+        # every epoch's weights stay; only the last state and the pinned ones
+        prune_checkpoints(run_dir, state.epoch, keep=None, pinned=pinned_fn() if pinned_fn is not None else ())
         with open(run_dir / "history.jsonl", "a") as f:
             f.write(json.dumps(asdict(stats)) + "\n")
         if on_epoch is not None:

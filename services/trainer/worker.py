@@ -7,9 +7,14 @@
                   e−1 is applied at the first iteration boundary after it is stored (`_BundleWaiter`); the
                   trainer waits only when evaluation + feedback outlast a whole epoch (then bundle e−1 starts
                   epoch e+1). The record lists each bundle applied and the iteration (`bundles_applied`).
+        rollback= a bundle that says "rollback" (applied fresh, never again as a stale bundle): `train.roll_back`
+                  restores that epoch's weights, target network and optimizer state before the epoch trains
+                  (overlap mode: at the iteration where the bundle is applied); the record says `rolled_back_to`
         stats   = train_epoch(state, knobs)                     (a worker thread: HTTP stays responsive)
         ckpt    = save_epoch(...)  → DIR/checkpoints/epoch-NNNN.safetensors (+ trainer state, for resume);
-                  older trainer states are deleted, and the weights of all but the last TL_KEEP_CHECKPOINTS epochs
+                  older trainer states are deleted, and the weights of all but the last TL_KEEP_CHECKPOINTS epochs,
+                  except the files of the best epoch so far (named by the latest bundle: what a rollback restores)
+                  and of an epoch no bundle has judged yet
         Redis   ← checkpoint bytes (RunStore.put_checkpoint), the epoch record (history hash), then
         publish   checkpoint.published
 
@@ -23,7 +28,8 @@ record); a restart finishes that epoch from that iteration, under the same knobs
 resumed: `resumed_at`). A feedback wait ends at once; a publish in hand is finished.
 
 The epoch record (`tl:{run}:trainer:history`, hash epoch → JSON) holds the stats, the checkpoint id and
-sha256, and which bundle the epoch trained under (`bundle_epoch`, `bundle_id`, `feedback_timed_out`).
+sha256, which bundle the epoch trained under (`bundle_epoch`, `bundle_id`, `feedback_timed_out`) and the epoch
+whose learner a rollback restored (`rolled_back_to`; `rollback_error` when the restore was refused).
 """
 from __future__ import annotations
 
@@ -44,7 +50,7 @@ from shared.api import ServiceState, bundle_id, checkpoint_id, trainer_history_k
 from shared.bus import REDIS_DOWN, Backoff, Bus
 from shared.config import TrainerSettings
 from shared.events import CheckpointPublished, EventError, FeedbackReady, decode_event
-from shared.knobs import Knobs
+from shared.knobs import FixedSchedule, Knobs
 from shared.store import run_key
 
 log = logging.getLogger("tradeloop.trainer")
@@ -89,6 +95,8 @@ class TrainerWorker:
         self.last_bundle: dict | None = None   # the latest bundle received (what a timed-out epoch trains on)
         self._late: dict | None = None          # overlap: a bundle stored after its epoch ended, for the next start
         self._carry: dict = {}                  # overlap: the wait between two epochs, for the next record
+        self.schedule = FixedSchedule()          # the run's config's, once built: knobs without a bundle
+        self._tstate = None                      # the training state, once built (a mid-epoch rollback's target)
         state.extra.update(phase=self.phase, epochs=settings.epochs, feedback=None, paused=False)
 
     # -- control ----------------------------------------------------------------------------------------
@@ -232,7 +240,7 @@ class TrainerWorker:
     async def _knobs_for(self, epoch: int) -> tuple[Knobs, dict]:
         """The knobs epoch `epoch` trains under, and the record of where they came from."""
         if epoch == 1:
-            return Knobs.fixed_schedule(1), {"bundle_epoch": None, "bundle_id": None, "feedback_timed_out": False,
+            return self.schedule.knobs(1), {"bundle_epoch": None, "bundle_id": None, "feedback_timed_out": False,
                                              "feedback_wait_s": 0.0, "knobs_source": "fixed schedule (first epoch)"}
         self._phase("waiting_feedback")
         self.state.extra["feedback"] = {"waiting_for_bundle": epoch - 1, "timed_out": False}
@@ -249,7 +257,7 @@ class TrainerWorker:
         if timed_out:
             self.state.count("feedback_timeouts")
             log.warning("epoch %d: %s", epoch, src)
-        knobs = Knobs.from_dict(used["knobs"]) if used is not None else Knobs.fixed_schedule(epoch)
+        knobs = Knobs.from_dict(used["knobs"]) if used is not None else self.schedule.knobs(epoch)
         if bundle is None and used is not None:
             # a stale bundle: its hyper-parameters carry on, but its sample-level signals (E6 replay boosts,
             # E7 hindsight labels of that checkpoint's trades) were applied already — never apply them twice
@@ -258,7 +266,7 @@ class TrainerWorker:
                "bundle_id": None if used is None else bundle_id(self.bus.run_id, int(used["epoch"]),
                                                                  used.get("report_checkpoint_sha256", "")),
                "feedback_timed_out": timed_out, "feedback_wait_s": round(waited, 3), "knobs_source": src,
-               "stale_bundle": bundle is None and used is not None}
+               "stale_bundle": bundle is None and used is not None, **_rollback_rec(bundle)}
         self.state.extra["feedback"] = {"epoch": epoch, **rec}
         return knobs, rec
 
@@ -279,10 +287,12 @@ class TrainerWorker:
             self.last_bundle = bundle
             applied.append({"epoch": epoch - 1, "iteration": 0, "at": now})
             knobs, src = Knobs.from_dict(bundle["knobs"]), f"bundle of epoch {epoch - 1} (stored before the epoch)"
+            fresh = bundle
         else:
             used = self._late or self.last_bundle
+            fresh = self._late                   # a bundle not applied yet (its rollback too); None: all applied
             if used is None:
-                knobs, src = Knobs.fixed_schedule(epoch), "fixed schedule"
+                knobs, src = self.schedule.knobs(epoch), "fixed schedule"
             else:
                 knobs, src = Knobs.from_dict(used["knobs"]), f"bundle of epoch {used['epoch']}"
                 if self._late is None:           # already applied: its sample-level signals are not re-applied
@@ -291,7 +301,8 @@ class TrainerWorker:
             waiter = _BundleWaiter(self, epoch - 1)
         self._late = None
         rec = {"feedback_mode": "overlap", "feedback_timed_out": False, "feedback_wait_s": 0.0,
-               **self._carry, "knobs_source": src, "bundles_applied": applied, "stale_bundle": False}
+               **self._carry, "knobs_source": src, "bundles_applied": applied, "stale_bundle": False,
+               **_rollback_rec(fresh)}
         self._carry = {}
         self._set_bundle(rec)
         if applied:
@@ -334,6 +345,7 @@ class TrainerWorker:
             rec["knobs_applied_at"] = waiter.applied["at"]
             self._set_bundle(rec)
             rec["knobs_source"] += f"; bundle {waiter.epoch} applied at iteration {waiter.applied['iteration']}"
+            rec.update(waiter.rollback)
 
     async def _overlap_finish(self, waiter: "_BundleWaiter", epoch: int) -> None:
         """After epoch `epoch` is published: a bundle not yet applied is waited for now (bounded by the
@@ -350,6 +362,33 @@ class TrainerWorker:
             self.state.count("feedback_timeouts")
             log.warning("epoch %d: timeout waiting for bundle %d", epoch + 1, epoch - 1)
         self._carry = {"feedback_wait_s": round(waited, 3), "feedback_timed_out": timed_out}
+
+    def _roll_back(self, rec: dict) -> dict:
+        """The rollback a bundle asked for (`rec`'s rollback_to_epoch and checkpoint sha256), done now (blocking:
+        a worker thread, or the training thread between iterations): {"rolled_back_to": epoch}, or the error that
+        refused it (a missing or altered checkpoint: the epoch trains on from where it is, and the status says so)."""
+        from services.trainer.train import roll_back
+        from shared.checkpoints import CheckpointError
+
+        target = rec["rollback_to_epoch"]
+        try:
+            roll_back(self._tstate, self.run_dir, target, rec.get("rollback_checkpoint_sha256") or None)
+        except (CheckpointError, ValueError, OSError) as exc:
+            log.error("rollback to epoch %d refused: %s", target, exc)
+            self.state.error(f"rollback to epoch {target} refused: {exc}")
+            return {"rolled_back_to": None, "rollback_error": str(exc)}
+        self.state.count("rollbacks")
+        log.info("rolled back to epoch %d's weights and optimizer state", target)
+        return {"rolled_back_to": target}
+
+    def _pinned(self, epoch: int) -> set[int]:
+        """After epoch `epoch` is saved: the epochs whose checkpoint files pruning keeps — the best epoch so far
+        (`best_epoch` of the latest bundle: what a rollback restores) and the last two epochs that bundle has not
+        judged yet (one of them may be the next best; overlap mode trains one epoch ahead of its bundle)."""
+        b = self.last_bundle
+        judged = -1 if b is None else int(b["epoch"])
+        best = None if b is None else b.get("best_epoch")
+        return set(range(max(judged + 1, epoch - 1), epoch + 1)) | ({int(best)} if best is not None else set())
 
     # -- publishing -----------------------------------------------------------------------------------------
     def _redis_down(self, exc: BaseException) -> None:
@@ -386,6 +425,7 @@ class TrainerWorker:
 
         self._phase("loading")
         tstate, meta, partial = await asyncio.to_thread(self._build)
+        self._tstate, self.schedule = tstate, tstate.cfg.schedule
         self.state.epoch = tstate.epoch
         self.state.extra.update(device=str(tstate.device), accel=tstate.accel)
         if tstate.epoch and not await self.bus.redis.exists(run_key(self.bus.run_id, "done", "published", tstate.epoch)):
@@ -414,6 +454,9 @@ class TrainerWorker:
                 if waiter is not None:
                     waiter.cancel()
                 break
+            if rec.get("rollback_to_epoch") is not None and "rolled_back_to" not in rec:   # not done (nor resumed)
+                self._phase("rolling_back")
+                rec.update(await asyncio.to_thread(self._roll_back, rec))
             self._phase("training")
             self.state.extra.update(training_epoch=epoch, iteration=partial[0].iteration if partial else 0)
             try:
@@ -430,7 +473,8 @@ class TrainerWorker:
             partial = None
             self._absorb(waiter, rec)
             path, _ = await asyncio.to_thread(save_epoch, tstate, self.run_dir, meta)
-            await asyncio.to_thread(prune_checkpoints, self.run_dir, epoch, self.settings.keep_checkpoints)
+            await asyncio.to_thread(prune_checkpoints, self.run_dir, epoch, self.settings.keep_checkpoints,
+                                    self._pinned(epoch))
             record = {**_finite(asdict(stats)), **rec}
             with open(self.run_dir / "history.jsonl", "a") as f:
                 f.write(json.dumps(record, allow_nan=False) + "\n")
@@ -493,6 +537,8 @@ class _BundleWaiter:
     def __init__(self, worker: TrainerWorker, epoch: int):
         self.epoch = epoch
         self.applied: dict | None = None         # {"epoch", "iteration", "at"} once applied
+        self.rollback: dict = {}                 # the record of the bundle's rollback, done where it was applied
+        self._worker = worker
         self._result: tuple[dict | None, bool] | None = None
         self._task = asyncio.get_running_loop().create_task(worker._wait_bundle(epoch))
         self._task.add_done_callback(self._done)
@@ -508,11 +554,15 @@ class _BundleWaiter:
         return None if self._result is None else self._result[0]
 
     def poll(self, iteration: int) -> Knobs | None:
-        """Training thread, before each iteration: the bundle's knobs the first time it is seen, else None."""
+        """Training thread, before each iteration: the bundle's knobs the first time it is seen (after its
+        rollback, when it asks for one), else None."""
         r = self._result
         if self.applied is not None or r is None or r[0] is None:
             return None
         self.applied = {"epoch": self.epoch, "iteration": iteration, "at": time.time()}
+        req = _rollback_rec(r[0])
+        if req:
+            self.rollback = {**req, **self._worker._roll_back(req), "rollback_iteration": iteration}
         return Knobs.from_dict(r[0]["knobs"])
 
     async def result_async(self) -> tuple[dict | None, bool]:
@@ -522,6 +572,14 @@ class _BundleWaiter:
 
     def cancel(self) -> None:
         self._task.cancel()
+
+
+def _rollback_rec(bundle: dict | None) -> dict:
+    """{"rollback_to_epoch", "rollback_checkpoint_sha256"} of a bundle that asks for a rollback, else {}."""
+    if bundle and bundle.get("rollback") and bundle.get("rollback_to_epoch") is not None:
+        return {"rollback_to_epoch": int(bundle["rollback_to_epoch"]),
+                "rollback_checkpoint_sha256": str(bundle.get("rollback_checkpoint_sha256") or "")}
+    return {}
 
 
 def complete_epoch(run_dir: Path) -> int:

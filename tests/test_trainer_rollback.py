@@ -1,0 +1,82 @@
+"""The trainer service applies a bundle's rollback and keeps the files a rollback needs: a real Redis, the real
+`TrainerWorker` on a tiny run, and a stand-in for the feedback service that stores a bundle after each published
+epoch (the fixed schedule's knobs plus the rollback fields). A rollback whose checkpoint sha256 does not match is
+refused and recorded; one that matches restores that epoch's learner (bit for bit: tests/test_train.py) and the
+record says so."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+
+from services.feedback.signals import KNOB_OF
+from services.trainer.worker import TrainerServiceSettings, TrainerWorker, history_key
+from shared.api import service_plumbing
+from shared.knobs import Knobs
+from shared.report import SIGNAL_IDS, FeedbackBundle, Signal
+
+pytestmark = pytest.mark.redis
+
+
+def bundle(run_id: str, epoch: int, **rollback) -> FeedbackBundle:
+    """A bundle of epoch `epoch` with the fixed schedule's knobs for epoch + 1 and the given rollback fields."""
+    d = Knobs.fixed_schedule(epoch + 1).to_dict()
+    sig = {i: Signal(id=i, knob=KNOB_OF[i], value=d[KNOB_OF[i]], reason="test") for i in SIGNAL_IDS}
+    return FeedbackBundle(run_id=run_id, epoch=epoch, for_epoch=epoch + 1, signals=sig, knobs=d, **rollback)
+
+
+async def wait_for(coro_fn, what: str, timeout_s: float = 300.0):
+    deadline = time.monotonic() + timeout_s
+    while not (value := await coro_fn()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.05)
+    return value
+
+
+@pytest.mark.parametrize("mode", ["sync", "overlap"])
+async def test_trainer_restores_the_epoch_a_bundle_rolls_back_to(redis_url, run_id, tmp_path, mode):
+    """Bundle 1 asks for a rollback to epoch 1 with the wrong checkpoint sha256, bundle 2 with the right one. In
+    sync mode bundle e starts epoch e + 1; in overlap mode it is applied where it arrives (at an epoch's start or
+    between two iterations, the rollback with it)."""
+    settings = TrainerServiceSettings(redis_url=redis_url, run_id=run_id, run_dir=tmp_path, epochs=4,
+                                      data="synthetic", data_bars=1000, train_iterations=4, train_learning_starts=32,
+                                      train_batch_size=32, train_n_envs=4, feedback_timeout_s=300, feedback_mode=mode)
+    state, bus = service_plumbing("trainer", settings)
+    await bus.connect()
+    worker = TrainerWorker(settings, bus, state)
+    run = asyncio.create_task(worker.run())
+
+    async def record(e: int) -> dict | None:
+        raw = await bus.redis.hget(history_key(run_id), str(e))
+        return None if raw is None else json.loads(raw)
+
+    try:
+        r1 = await wait_for(lambda: record(1), "epoch 1")
+        await bus.store.put_bundle(1, bundle(run_id, 1, rollback=True, rollback_to_epoch=1,
+                                             rollback_checkpoint_sha256="0" * 64, best_epoch=1))
+        await wait_for(lambda: record(2), "epoch 2")
+        await bus.store.put_bundle(2, bundle(run_id, 2, rollback=True, rollback_to_epoch=1,
+                                             rollback_checkpoint_sha256=r1["sha256"], best_epoch=1))
+        await wait_for(lambda: record(3), "epoch 3")
+        await bus.store.put_bundle(3, bundle(run_id, 3, best_epoch=1))
+        await asyncio.wait_for(run, 300)
+        recs = [await record(e) for e in (2, 3, 4)]
+    finally:
+        if not run.done():
+            worker.stop()
+            run.cancel()
+        await bus.close()
+    refused = [r["epoch"] for r in recs if "sha256 mismatch" in (r.get("rollback_error") or "")]
+    restored = [r["epoch"] for r in recs if r.get("rolled_back_to") == 1]
+    keys = ("epoch", "bundles_applied", "rollback_to_epoch", "rolled_back_to", "rollback_error", "knobs_source")
+    assert len(restored) == 1 and state.counters.get("rollbacks") == 1, [{k: r.get(k) for k in keys} for r in recs]
+    if mode == "sync":                       # bundle e starts epoch e + 1
+        assert (refused, restored) == ([2], [3]) and "rollback to epoch 1 refused" in state.last_error
+    else:                                    # where bundle 1 lands depends on timing; a newer bundle supersedes it
+        assert len(refused) <= 1 and all(e < restored[0] for e in refused)
+    # the pruning keeps the best epoch's files (the bundles' best_epoch) beside the last state
+    ck = tmp_path / run_id / "trainer" / "checkpoints"
+    states = sorted(int(p.name[6:10]) for p in ck.glob("epoch-*.state.safetensors"))
+    assert states[0] == 1 and states[-1] == 4 and 2 not in states, states
