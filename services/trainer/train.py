@@ -1385,24 +1385,29 @@ def latest_epoch(run_dir: Path) -> int:
 def train_run(bars: Bars, dataset: str, run_dir: Path, epochs: int, *, config: str | TrainConfig = "small",
               seed: int = 0, device="cpu", accel: str = "auto", knobs_fn: Callable[[int], Knobs] | None = None,
               on_epoch: Callable[[EpochStats], None] | None = None,
-              progress: Callable[[int, int], None] | None = None) -> TrainState:
+              progress: Callable[[int, int], None] | None = None, split: Split | None = None,
+              features: np.ndarray | None = None) -> TrainState:
     """Train until `epochs` epochs exist in `run_dir`, resuming from its latest checkpoint when it holds a run.
 
     Knobs of epoch e (1-based) come from `knobs_fn(e)`, by default `Knobs.fixed_schedule(e, …)` with the
-    config's ε schedule and γ."""
+    config's ε schedule and γ. `split`: the bar ranges of a new run (default `chronological_split`; a walk-forward
+    fold, `shared.market.walk_forward_folds`); a resumed run keeps its own and refuses a different one.
+    `features`: `compute_features(bars)` when already computed."""
     run_dir = Path(run_dir)
-    feats = compute_features(bars)
+    feats = compute_features(bars) if features is None else features
     run_json = run_dir / "run.json"
     if run_json.exists():
         meta = json.loads(run_json.read_text())
         cfg = TrainConfig.from_dict(meta["config"])
-        split, seed = Split.from_dict(meta["split"]), int(meta["seed"])
+        asked, (split, seed) = split, (Split.from_dict(meta["split"]), int(meta["seed"]))
         if meta.get("bars_fingerprint") and meta["bars_fingerprint"] != bars.fingerprint():
             raise ValueError(f"{run_dir} holds a run on other data (dataset {meta.get('dataset')!r}); "
                              "use another --out directory")
+        if asked is not None and asked != split:
+            raise ValueError(f"{run_dir} holds a run on another split ({meta['split']}); use another --out directory")
     else:
         cfg = config if isinstance(config, TrainConfig) else TrainConfig.preset(config, feats.shape[1])
-        split = chronological_split(len(bars))
+        split = chronological_split(len(bars)) if split is None else split
         meta = {"dataset": dataset, "seed": seed, "config": cfg.to_dict(), "split": split.to_dict(),
                 "split_hashes": {w: split.window_hash(bars, w) for w in ("train", "val", "test")},
                 "bars_fingerprint": bars.fingerprint(), "n_bars": len(bars), "config_hash": cfg.hash()}
