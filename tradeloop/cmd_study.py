@@ -172,7 +172,7 @@ def study(
     from tradeloop.study.runner import prepare, run_study
     from tradeloop.study.spec import StudyError
 
-    err = Console(stderr=True)
+    err = Console(stderr=True, soft_wrap=True)
     cli = dict(dataset=dataset, variants=variants, seeds=seeds, folds=folds, epochs=epochs, device=device,
                parallel=parallel, out=out, config=config, preset=preset, set=set_, bars=bars,
                window_trades=window_trades, data_seed=data_seed, accel=accel, deterministic=deterministic,

@@ -351,6 +351,7 @@ def run_study(spec: StudySpec, out: Path, console=None) -> dict:
     t_start = time.time()
     failed: dict[str, str] = {}
     epochs_here = 0
+    workers: list = []
     if pending:
         ctx = mp.get_context("spawn")
         tasks, events = ctx.Queue(), ctx.Queue()
@@ -360,7 +361,7 @@ def run_study(spec: StudySpec, out: Path, console=None) -> dict:
             tasks.put(None)
         compiled = "compile" in spec.accel
         fixed = 0.0 if spec.stagger == "auto" else float(spec.stagger)
-        workers = []
+        workers.clear()
         for i in range(P):
             gpu = gpus[i % len(gpus)] if gpus else None
             wait = 600.0 if spec.stagger == "auto" and compiled and i > 0 and not (out / WARM_FILE).exists() else 0.0
@@ -423,13 +424,13 @@ def run_study(spec: StudySpec, out: Path, console=None) -> dict:
                 elif ev["type"] == "exit":
                     exited.add(w)
                 status.update(force=ev["type"] != "epoch", runs_failed=sorted(failed))
-        for p in workers:
-            p.join(timeout=10)
     wall = time.time() - t_start
     busy = sampler.stop() if sampler else {}
     baseline_thread.join()
     if failed:
         status.update(force=True, state="failed", runs_failed=sorted(failed))
+        for p in workers:
+            p.join(timeout=30)
         raise StudyError(f"{len(failed)} run(s) failed: {', '.join(sorted(failed))} (first: "
                          f"{next(iter(failed.values()))}); run the same command again to retry them")
     timing = {"wall_s": wall, "runs_at_once": P, "epochs_trained": epochs_here,
@@ -439,6 +440,8 @@ def run_study(spec: StudySpec, out: Path, console=None) -> dict:
 
     results = write_results(spec, out, timing)
     status.update(force=True, state="done")
+    for p in workers:                       # they have said "exit": only their interpreters' teardown is left
+        p.join(timeout=30)
     return results
 
 
