@@ -164,9 +164,14 @@ def test_killed_study_resumes_without_doing_a_run_twice(tiny, reference):
         assert (out / "runs" / r / "summary.json").read_bytes() == raw
     for r in half:                                # half-done runs resumed from their epoch, not from scratch
         assert sums[r]["epochs_trained_here"] == EPOCHS - 1, r
-    done_lines = [json.loads(x) for x in (out / "events.jsonl").read_text().splitlines()]
-    done = [e["run"] for e in done_lines if e["type"] == "done"]
-    assert sorted(done) == sorted(RUNS)           # each run finished exactly once over both invocations
+    attempts = {r: [json.loads(x) for x in (out / "runs" / r / "attempts.jsonl").read_text().splitlines()]
+                for r in RUNS}
+    for r in RUNS:                                # a run done before the kill was not started again; a half-done
+        starts = [a["from_epoch"] for a in attempts[r]]  # one started again from its epoch
+        if r in before:
+            assert starts == [0], (r, starts)
+        if r in half:
+            assert starts == [0, 1], (r, starts)
     for r in RUNS:                                # no epoch trained twice
         epochs = [json.loads(x)["epoch"] for x in (out / "runs" / r / "history.jsonl").read_text().splitlines()]
         assert len(epochs) == len(set(epochs)) and set(epochs) <= set(range(1, EPOCHS + 1)), (r, epochs)

@@ -4,10 +4,11 @@ and, when every run is done, the statistics and the report.
 Layout of the out directory:
     study.json                 what the study is (a resume must ask for the same)
     runs/<variant>-s<S>-f<K>/  one run: train_run's run.json, history.jsonl, checkpoints/; the loop's loop/epoch-N.json;
-                               summary.json, written atomically when the run is done (the done marker); .lock
+                               summary.json, written atomically when the run is done (the done marker); .lock;
+                               attempts.jsonl (a line per start, with the epoch it started from)
     baselines.json             random, flat, buy-and-hold (and the oracle on synthetic) on every (seed, fold)
     status.json                progress, rewritten atomically (state, runs done/running/failed, epochs/s, ETA)
-    events.jsonl               one line per run finished (and per run failed)
+    events.jsonl               one line per run finished (and per run failed) as the study process saw it
     results.json, report.md, report.png
 
 Workers (`multiprocessing`, spawn): worker i is pinned to GPU i mod G of the G visible ones (`CUDA_VISIBLE_DEVICES`
@@ -20,6 +21,7 @@ while it runs, so no run is ever done by two processes; a run killed half done r
 """
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import math
@@ -44,10 +46,10 @@ WARM_FILE = ".cache/warm"
 # One run (in a worker)
 # ---------------------------------------------------------------------------------------------------------
 class DataCache:
-    """Bars, features and folds per data seed, built once per worker process."""
+    """Bars, features and folds per data seed, built once per worker process (the last `keep` seeds kept)."""
 
-    def __init__(self, spec: StudySpec):
-        self.spec, self._cache = spec, {}
+    def __init__(self, spec: StudySpec, keep: int = 3):
+        self.spec, self.keep, self._cache = spec, keep, {}
 
     def get(self, data_seed: int):
         if data_seed not in self._cache:
@@ -55,7 +57,9 @@ class DataCache:
             from tradeloop.study.spec import load_study_bars, study_folds
 
             bars = load_study_bars(self.spec, data_seed)
-            self._cache = {data_seed: (bars, compute_features(bars), study_folds(self.spec, len(bars)))}
+            while len(self._cache) >= self.keep:
+                self._cache.pop(next(iter(self._cache)))
+            self._cache[data_seed] = (bars, compute_features(bars), study_folds(self.spec, len(bars)))
         return self._cache[data_seed]
 
 
@@ -80,6 +84,9 @@ def execute_run(spec: StudySpec, out: Path, rs: RunSpec, data: DataCache,
     split = folds[rs.fold]
     cfg, fb = spec.configs(spec.variant(rs.variant), feats.shape[1])
     trained_before = len(list((run_dir / "loop").glob("epoch-*.json"))) if run_dir.exists() else 0
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open(run_dir / "attempts.jsonl", "a") as f:   # one line per start: a resume shows its starting epoch
+        f.write(json.dumps({"pid": os.getpid(), "from_epoch": trained_before, "t": time.time()}) + "\n")
     records = run_closed_loop(bars, spec.dataset, run_dir, spec.epochs, config=cfg, feedback=fb, split=split,
                               seed=rs.seed, device=spec.device, accel=spec.accel, features=feats,
                               run_id=rs.run_id, on_epoch=on_epoch)
@@ -186,7 +193,7 @@ def worker_main(index: int, gpu: str | None, out: str, tasks, events, threads: i
     torch.set_num_threads(threads)
     if spec.deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
-        torch.backends.cudnn.benchmark = False
+        torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = False, True
     if delay > 0:
         time.sleep(delay)
     if wait_warm > 0:
@@ -223,6 +230,9 @@ def worker_main(index: int, gpu: str | None, out: str, tasks, events, threads: i
         finally:
             if lock is not None:
                 lock.release()
+            gc.collect()                      # the run's graphs, replay and caches, before the next run builds its own
+            if torch.cuda.is_available() and spec.device != "cpu":
+                torch.cuda.empty_cache()
     events.put({"type": "exit", "worker": index, "t": time.time()})
 
 
@@ -376,14 +386,16 @@ def run_study(spec: StudySpec, out: Path, console=None) -> dict:
         with Progress(*cols, console=console, transient=False) as prog:
             task = prog.add_task("study", total=len(runs) * spec.epochs, completed=before,
                                  runs=f"runs {len(done)}/{len(runs)}", rate="")
-            exited = set()
+            exited: set[int] = set()
+            t_check = 0.0
             while len(exited) < P:
-                try:
-                    ev = events.get(timeout=0.5)
-                except queue.Empty:
+                if time.monotonic() - t_check > 1.0:   # a worker that died (killed, out of memory) fails its run
+                    t_check = time.monotonic()
                     for i, p in enumerate(workers):
-                        if i not in exited and not p.is_alive():
+                        if i not in exited and not p.is_alive() and p.exitcode not in (None, 0):
                             exited.add(i)
+                            (out / WARM_FILE).parent.mkdir(parents=True, exist_ok=True)
+                            (out / WARM_FILE).touch()           # the others need not wait for its compile
                             if i in current:
                                 rid = current.pop(i)
                                 failed[rid] = f"worker {i} died (exit code {p.exitcode})"
@@ -391,6 +403,9 @@ def run_study(spec: StudySpec, out: Path, console=None) -> dict:
                                 status.doc["running"].pop(rid, None)
                                 _event_log(out, {"type": "error", "run": rid, "error": failed[rid]})
                     status.update(runs_failed=sorted(failed))
+                try:
+                    ev = events.get(timeout=0.5)
+                except queue.Empty:
                     continue
                 w, rid = ev["worker"], ev.get("run")
                 if ev["type"] == "start":
