@@ -196,7 +196,9 @@ def test_bad_input_is_refused_with_exit_2(tmp_path, tiny, reference):
     r = runner.invoke(app, [*base, "--variants", "on,x:eps_start=0.2"])
     assert r.exit_code == 2 and "write train.eps_start or feedback.eps_start" in r.output
     r = runner.invoke(app, [*base, "--folds", "40", "--bars", "500"])
-    assert r.exit_code == 2 and "--folds 40 on 500 bars" in r.output
+    assert r.exit_code == 2 and "--folds 40 on 500 bars leave windows of train 30, val 10" in r.output
+    r = runner.invoke(app, [*base, "--folds", "60", "--bars", "100"])
+    assert r.exit_code == 2 and "--folds 60 on 100 bars: walk_forward_folds" in r.output
     r = runner.invoke(app, [*base, "--seeds", "two"])
     assert r.exit_code == 2 and "--seeds" in r.output
     r = runner.invoke(app, ["study", "--config", str(tiny), "--out", str(reference[0]), "--epochs", "3"])
@@ -206,3 +208,42 @@ def test_bad_input_is_refused_with_exit_2(tmp_path, tiny, reference):
     r = runner.invoke(app, ["study", "--config", str(bad), "--out", str(tmp_path / "o2")])
     assert r.exit_code == 2 and "unknown keys windows" in r.output
     assert "Traceback" not in r.output
+
+
+@pytest.mark.redis
+def test_study_through_redis_with_workers_on_two_hosts(tiny, reference, redis_url):
+    """The study process queues the runs in Redis and runs none itself (--parallel 0); two `study-worker`s with
+    their own directories (two hosts) take them; every run is done once, and the results are the same runs and
+    selections as the local study's."""
+    out, hosts = tiny.parent / "coord", [tiny.parent / "host-a", tiny.parent / "host-b"]
+    coord = subprocess.Popen([*_cmd(tiny, out)[:-1], "0", "--redis", redis_url], cwd=ROOT, env=_env(),
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        from tradeloop.study.remote import key, study_id
+
+        sid = study_id(json.loads((reference[0] / "study.json").read_text())["identity"])
+        import redis as redis_py
+
+        r = redis_py.Redis.from_url(redis_url, decode_responses=True)
+        poll_until(lambda: r.exists(key(sid, "spec")), "the study in Redis", timeout_s=120,
+                   alive=lambda: coord.poll() is None)
+        workers = [subprocess.Popen([sys.executable, "-m", "tradeloop.cli", "study-worker", "--redis", redis_url,
+                                     "--study", sid, "--out", str(h)], cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True) for h in hosts]
+        outs = [w.communicate(timeout=400)[0] for w in workers]
+        assert all(w.returncode == 0 for w in workers), outs
+        text = coord.communicate(timeout=120)[0]
+    finally:
+        for p in (coord, *locals().get("workers", [])):
+            if p.poll() is None:
+                p.kill()
+    assert coord.returncode == 0, text[-3000:]
+    assert f"study {sid}" in text and "selected on validation" in text
+    by_host = [{r for r in RUNS if (h / "runs" / r / "summary.json").exists()} for h in hosts]
+    assert by_host[0] | by_host[1] == set(RUNS) and not by_host[0] & by_host[1]   # every run once, on one host
+    ref, sums = _summaries(reference[0]), _summaries(out)
+    for rid in RUNS:
+        assert (sums[rid]["selected_epoch"], sums[rid]["oos_sharpe"]) == \
+               (ref[rid]["selected_epoch"], ref[rid]["oos_sharpe"]), rid
+    assert json.loads((out / "results.json").read_text())["paired"]["on"]["oos_sharpe"] == \
+        json.loads((reference[0] / "results.json").read_text())["paired"]["on"]["oos_sharpe"]

@@ -102,15 +102,16 @@ def build_spec(cli: dict[str, Any]):
     return spec.validate(), Path(out)
 
 
-def check_runnable(spec) -> None:
-    """What can be checked before any worker starts: the device, the accel mode, the data and its folds."""
+def check_runnable(spec, local: bool = True) -> None:
+    """What can be checked before any worker starts: the device (when runs run here), the accel mode, the data and
+    its folds."""
     import torch
 
     from shared.graphs import resolve_accel
     from shared.market import DataError
     from tradeloop.study.spec import StudyError, load_study_bars, study_folds
 
-    if spec.device.startswith("cuda") and not torch.cuda.is_available():
+    if local and spec.device.startswith("cuda") and not torch.cuda.is_available():
         raise StudyError("--device cuda but no CUDA device is available here")
     try:
         resolve_accel(spec.accel, torch.device(spec.device))
@@ -163,12 +164,16 @@ def study(
     threads: Optional[int] = typer.Option(None, "--threads", help="torch threads per worker (default cores / P)."),
     stagger: Optional[str] = typer.Option(None, "--stagger", help="auto (compiled: the other workers start once "
                                           "the first has compiled) or seconds between worker starts."),
+    redis: Optional[str] = typer.Option(None, "--redis", help="Redis URL: runs go through its stream, where "
+                                        "`tradeloop study-worker` on other hosts take them too (--parallel 0: "
+                                        "none here)."),
 ) -> None:
     """Run variants × seeds × walk-forward folds of the closed loop; statistics with 95 % CIs (Sharpes un-annualized,
     per trade)."""
     from rich.console import Console
 
     from tradeloop.study.report import markdown
+    from shared.redis_server import RedisServerError
     from tradeloop.study.runner import prepare, run_study
     from tradeloop.study.spec import StudyError
 
@@ -180,9 +185,15 @@ def study(
                stagger=stagger)
     try:
         spec, out_dir = build_spec(cli)
-        check_runnable(spec)
+        check_runnable(spec, local=spec.parallel > 0)
+        if redis is None and spec.parallel < 1:
+            raise StudyError("--parallel 0 (no local worker) needs --redis: workers elsewhere take the runs")
+        if redis is not None:
+            from tradeloop.study.remote import client
+
+            client(redis)
         prepare(spec, out_dir)
-    except StudyError as exc:
+    except (StudyError, RedisServerError) as exc:
         err.print(f"error: {exc}", markup=False, highlight=False)
         raise typer.Exit(2) from None
     console = Console()
@@ -190,8 +201,8 @@ def study(
                   f"{len(spec.runs())} runs of {spec.epochs} epochs, {spec.parallel} at once, in {out_dir}",
                   markup=False, highlight=False)
     try:
-        res = run_study(spec, out_dir, console)
-    except StudyError as exc:
+        res = run_study(spec, out_dir, console, redis_url=redis)
+    except (StudyError, RedisServerError) as exc:
         err.print(f"error: {exc}", markup=False, highlight=False)
         raise typer.Exit(1) from None
     console.print(markdown(res).split("\n| run |")[0], markup=False, highlight=False, soft_wrap=True)
@@ -199,6 +210,32 @@ def study(
                   markup=False, highlight=False)
 
 
+def study_worker(
+    redis: str = typer.Option(..., "--redis", help="The study's Redis URL."),
+    study_id: str = typer.Option(..., "--study", help="The study's id (printed by `tradeloop study --redis`)."),
+    out: Path = typer.Option(..., "--out", help="This host's directory for the runs it does."),
+    parallel: int = typer.Option(1, "--parallel", help="Runs at once on this host (one GPU each, round-robin)."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="torch threads per worker (default cores / P)."),
+) -> None:
+    """Take runs of a study from its Redis stream until every run is done (the study process gathers the results)."""
+    from rich.console import Console
+
+    from shared.redis_server import RedisServerError
+    from tradeloop.study.runner import work_for
+    from tradeloop.study.spec import StudyError
+
+    err = Console(stderr=True, soft_wrap=True)
+    if parallel < 1:
+        err.print(f"error: --parallel must be ≥ 1, got {parallel}")
+        raise typer.Exit(2)
+    try:
+        work_for(redis, study_id, out, parallel, threads, Console(soft_wrap=True))
+    except (StudyError, RedisServerError) as exc:
+        err.print(f"error: {exc}", markup=False, highlight=False)
+        raise typer.Exit(2) from None
+
+
 def register(app: typer.Typer) -> None:
-    """Add `tradeloop study`."""
+    """Add `tradeloop study` and `tradeloop study-worker`."""
     app.command("study")(study)
+    app.command("study-worker")(study_worker)

@@ -175,9 +175,26 @@ def worker_env(out: Path, gpu: str | None, deterministic: bool) -> dict[str, str
     return env
 
 
-def worker_main(index: int, gpu: str | None, out: str, tasks, events, threads: int, wait_warm: float,
+class LocalSource:
+    """Runs from the study process's queue; events back to it."""
+
+    def __init__(self, tasks, events):
+        self.get, self.emit = tasks.get, events.put
+
+    def done(self, run_id: str, summary: dict) -> None:
+        pass                                  # summary.json is the done marker
+
+    def failed(self, run_id: str, error: str) -> None:
+        pass                                  # the study process records it from the event
+
+    def close(self) -> None:
+        pass
+
+
+def worker_main(index: int, gpu: str | None, out: str, source: tuple, threads: int, wait_warm: float,
                 delay: float, parent_pid: int) -> None:
-    """A worker process: take run ids from `tasks` until None, run each, report on `events`."""
+    """A worker process: take run ids from its source (("local", tasks, events) or ("redis", url, sid, n_runs))
+    until there is none left, run each, report progress as events."""
     _die_with_parent()
     if os.getppid() != parent_pid:
         return
@@ -200,13 +217,19 @@ def worker_main(index: int, gpu: str | None, out: str, tasks, events, threads: i
         deadline = time.monotonic() + wait_warm
         while not (out_p / WARM_FILE).exists() and time.monotonic() < deadline:
             time.sleep(0.5)
+    if source[0] == "redis":
+        from tradeloop.study.remote import RedisSource
+
+        src = RedisSource(*source[1:])
+    else:
+        src = LocalSource(*source[1:])
     data = DataCache(spec)
     while True:
-        run_id = tasks.get()
+        run_id = src.get()
         if run_id is None:
             break
         rs = spec.run(run_id)
-        events.put({"type": "start", "worker": index, "run": run_id, "gpu": gpu, "t": time.time()})
+        src.emit({"type": "start", "worker": index, "run": run_id, "gpu": gpu, "t": time.time()})
         lock = None
         try:
             lock = RunLock(out_p / "runs" / run_id)
@@ -216,24 +239,31 @@ def worker_main(index: int, gpu: str | None, out: str, tasks, events, threads: i
                 if not warm.exists():
                     warm.parent.mkdir(parents=True, exist_ok=True)
                     warm.write_text(f"{run_id} epoch {rec['epoch']}\n")
-                events.put({"type": "epoch", "worker": index, "run": run_id, "epoch": rec["epoch"],
-                            "val_sharpe": rec["history"]["val_sharpe"], "train_s": rec["seconds"]["train"],
-                            "eval_s": rec["seconds"]["eval"], "t": time.time()})
+                src.emit({"type": "epoch", "worker": index, "run": run_id, "epoch": rec["epoch"],
+                          "val_sharpe": rec["history"]["val_sharpe"], "train_s": rec["seconds"]["train"],
+                          "eval_s": rec["seconds"]["eval"], "t": time.time()})
 
             s = execute_run(spec, out_p, rs, data, on_epoch)
-            events.put({"type": "done", "worker": index, "run": run_id, "t": time.time(),
-                        "summary": {k: s[k] for k in ("selected_epoch", "val_sharpe", "val_trades", "oos_sharpe",
-                                                      "oos_trades", "run_dsr", "wall_s", "epochs_trained_here")}})
+            src.done(run_id, s)
+            src.emit({"type": "done", "worker": index, "run": run_id, "t": time.time(),
+                      "summary": {k: s[k] for k in ("selected_epoch", "val_sharpe", "val_trades", "oos_sharpe",
+                                                    "oos_trades", "run_dsr", "wall_s", "epochs_trained_here")}})
         except Exception as exc:  # noqa: BLE001 — reported to the study process, which decides
-            events.put({"type": "error", "worker": index, "run": run_id, "t": time.time(),
-                        "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()})
+            err = f"{type(exc).__name__}: {exc}"
+            src.failed(run_id, err)
+            src.emit({"type": "error", "worker": index, "run": run_id, "t": time.time(), "error": err,
+                      "traceback": traceback.format_exc()})
         finally:
             if lock is not None:
                 lock.release()
+            if "compile" in spec.accel:      # each run compiles new closures of the same code: without a reset
+                torch._dynamo.reset()         # dynamo's per-code cache fills up (recompile limit) and runs go eager;
+                                              # the compiled kernels stay in the shared on-disk cache
             gc.collect()                      # the run's graphs, replay and caches, before the next run builds its own
             if torch.cuda.is_available() and spec.device != "cpu":
                 torch.cuda.empty_cache()
-    events.put({"type": "exit", "worker": index, "t": time.time()})
+    src.emit({"type": "exit", "worker": index, "t": time.time()})
+    src.close()
 
 
 def visible_gpus() -> list[str]:
@@ -332,8 +362,19 @@ class Status:
             self.t_last = now
 
 
-def run_study(spec: StudySpec, out: Path, console=None) -> dict:
-    """Run every run of the study not done yet (P at once), then write the results; returns them.
+def _copy_remote_summaries(r, sid: str, out: Path) -> None:
+    """Summaries of runs done on other hosts into this out directory (what the results read)."""
+    from tradeloop.study.remote import key
+
+    for rid, raw in r.hgetall(key(sid, "summaries")).items():
+        path = out / "runs" / rid / "summary.json"
+        if not path.exists():
+            write_json_atomic(path, json.loads(raw))
+
+
+def run_study(spec: StudySpec, out: Path, console=None, redis_url: str | None = None) -> dict:
+    """Run every run of the study not done yet (P at once here; with `redis_url` through that Redis, where
+    `tradeloop study-worker` processes on other hosts take runs too), then write the results; returns them.
     Raises StudyError when runs failed (they are retried by running the same study again)."""
     import multiprocessing as mp
 
@@ -344,17 +385,25 @@ def run_study(spec: StudySpec, out: Path, console=None) -> dict:
     out = Path(out)
     prepare(spec, out)
     runs = spec.runs()
+    r = sid = None
+    if redis_url is not None:
+        from tradeloop.study import remote
+
+        r, sid = remote.client(redis_url), remote.study_id(spec.identity())
+        _copy_remote_summaries(r, sid, out)
+    elif spec.parallel < 1:
+        raise StudyError("--parallel 0 (no local worker) needs --redis: workers elsewhere take the runs")
     done = done_runs(spec, out)
-    pending = [r.run_id for r in runs if r.run_id not in done]
-    before = sum(epochs_done(out, r.run_id) for r in runs)
+    pending = [x.run_id for x in runs if x.run_id not in done]
+    before = sum(epochs_done(out, x.run_id) for x in runs)
     status = Status(out, spec, len(runs), len(done), before)
     if done:
         console.print(f"resuming {out}: {len(done)} of {len(runs)} runs done, {before} epochs on disk")
-    P = max(1, min(spec.parallel, len(pending)))
-    gpus = visible_gpus() if spec.device != "cpu" else []
-    if spec.device != "cpu" and not gpus:
+    P = max(0 if r is not None else 1, min(spec.parallel, len(pending)))
+    gpus = visible_gpus() if spec.device != "cpu" and P else []
+    if spec.device != "cpu" and P and not gpus:
         raise StudyError("--device cuda but no CUDA device is visible here")
-    threads = spec.threads or max(1, (os.cpu_count() or 1) // P)
+    threads = spec.threads or max(1, (os.cpu_count() or 1) // max(P, 1))
     sampler = GpuSampler(gpus) if gpus else None
     baseline_thread = threading.Thread(target=_baselines_safe, args=(spec, out), daemon=True)
     baseline_thread.start()
@@ -364,22 +413,22 @@ def run_study(spec: StudySpec, out: Path, console=None) -> dict:
     workers: list = []
     if pending:
         ctx = mp.get_context("spawn")
-        tasks, events = ctx.Queue(), ctx.Queue()
-        for r in pending:
-            tasks.put(r)
-        for _ in range(P):
-            tasks.put(None)
-        compiled = "compile" in spec.accel
-        fixed = 0.0 if spec.stagger == "auto" else float(spec.stagger)
-        workers.clear()
-        for i in range(P):
-            gpu = gpus[i % len(gpus)] if gpus else None
-            wait = 600.0 if spec.stagger == "auto" and compiled and i > 0 and not (out / WARM_FILE).exists() else 0.0
-            p = ctx.Process(target=worker_main, name=f"study-worker-{i}",
-                            args=(i, gpu, str(out), tasks, events, threads, wait, i * fixed, os.getpid()))
-            workers.append(p)
-        for p in workers:
-            p.start()
+        if r is not None:
+            from tradeloop.study.remote import RedisEvents, _redact_url, publish
+
+            events = RedisEvents(redis_url, sid)
+            publish(r, sid, json.loads((out / "study.json").read_text()), pending)
+            source: tuple = ("redis", redis_url, sid, len(runs))
+            console.print(f"study {sid} in {_redact_url(redis_url)}: workers elsewhere join with `tradeloop "
+                          f"study-worker --redis URL --study {sid} --out DIR`", markup=False, highlight=False)
+        else:
+            tasks, events = ctx.Queue(), ctx.Queue()
+            for x in pending:
+                tasks.put(x)
+            for _ in range(P):
+                tasks.put(None)
+            source = ("local", tasks, events)
+        workers = start_workers(ctx, spec, out, source, P, gpus, threads)
         current: dict[int, str] = {}
         cols = (TextColumn("[bold]study"), BarColumn(), MofNCompleteColumn(), TextColumn("epochs"),
                 TextColumn("{task.fields[runs]}"), TimeElapsedColumn(), TextColumn("{task.fields[rate]}"))
@@ -388,29 +437,43 @@ def run_study(spec: StudySpec, out: Path, console=None) -> dict:
                                  runs=f"runs {len(done)}/{len(runs)}", rate="")
             exited: set[int] = set()
             t_check = 0.0
-            while len(exited) < P:
-                if time.monotonic() - t_check > 1.0:   # a worker that died (killed, out of memory) fails its run
+            while True:
+                if time.monotonic() - t_check > 1.0:
                     t_check = time.monotonic()
-                    for i, p in enumerate(workers):
+                    if r is not None:                  # through Redis: over when every run is accounted for
+                        from tradeloop.study.remote import accounted
+
+                        ok, bad = accounted(r, sid)
+                        if len(ok | set(bad)) >= len(runs):
+                            failed.update(bad)
+                            break
+                    elif len(exited) >= P:
+                        break
+                    for i, p in enumerate(workers):    # a worker that died (killed, out of memory)
                         if i not in exited and not p.is_alive() and p.exitcode not in (None, 0):
                             exited.add(i)
                             (out / WARM_FILE).parent.mkdir(parents=True, exist_ok=True)
                             (out / WARM_FILE).touch()           # the others need not wait for its compile
                             if i in current:
                                 rid = current.pop(i)
-                                failed[rid] = f"worker {i} died (exit code {p.exitcode})"
-                                prog.console.print(f"[red]{rid}: worker {i} died (exit code {p.exitcode})")
                                 status.doc["running"].pop(rid, None)
-                                _event_log(out, {"type": "error", "run": rid, "error": failed[rid]})
+                                why = f"worker {i} died (exit code {p.exitcode})"
+                                if r is None:          # (through Redis another worker takes the run over)
+                                    failed[rid] = why
+                                    _event_log(out, {"type": "error", "run": rid, "error": why})
+                                prog.console.print(f"[red]{rid}: {why}")
                     status.update(runs_failed=sorted(failed))
                 try:
                     ev = events.get(timeout=0.5)
                 except queue.Empty:
+                    ev = None
+                if ev is None:
                     continue
                 w, rid = ev["worker"], ev.get("run")
+                where = f"worker {w}" + (f" of {ev['consumer']}" if "consumer" in ev else "")
                 if ev["type"] == "start":
                     current[w] = rid
-                    status.doc["running"][rid] = {"worker": w, "gpu": ev["gpu"], "epoch": epochs_done(out, rid)}
+                    status.doc["running"][rid] = {"worker": where, "gpu": ev["gpu"], "epoch": epochs_done(out, rid)}
                 elif ev["type"] == "epoch":
                     epochs_here += 1
                     status.doc["epochs_done"] += 1
@@ -427,21 +490,23 @@ def run_study(spec: StudySpec, out: Path, console=None) -> dict:
                     prog.console.print(
                         f"{rid}: epoch {s['selected_epoch']} selected on validation (val {s['val_sharpe']:+.3f}, "
                         f"{s['val_trades']} trades) → OOS {s['oos_sharpe']:+.3f} ({s['oos_trades']} trades), "
-                        f"run DSR {s['run_dsr']:.2f}, {s['wall_s']:.0f} s [worker {w}]")
+                        f"run DSR {s['run_dsr']:.2f}, {s['wall_s']:.0f} s [{where}]")
                     prog.update(task, runs=f"runs {status.doc['runs_done']}/{len(runs)}")
-                    _event_log(out, {"type": "done", "run": rid, "worker": w, "pid_t": ev["t"], **s})
+                    _event_log(out, {"type": "done", "run": rid, "worker": where, "pid_t": ev["t"], **s})
                 elif ev["type"] == "error":
                     current.pop(w, None)
                     status.doc["running"].pop(rid, None)
                     failed[rid] = ev["error"]
                     prog.console.print(f"[red]{rid} failed: {ev['error']}")
                     _event_log(out, {"type": "error", "run": rid, "error": ev["error"], "traceback": ev["traceback"]})
-                elif ev["type"] == "exit":
+                elif ev["type"] == "exit" and "consumer" not in ev:
                     exited.add(w)
                 status.update(force=ev["type"] != "epoch", runs_failed=sorted(failed))
     wall = time.time() - t_start
     busy = sampler.stop() if sampler else {}
     baseline_thread.join()
+    if r is not None:
+        _copy_remote_summaries(r, sid, out)
     if failed:
         status.update(force=True, state="failed", runs_failed=sorted(failed))
         for p in workers:
@@ -458,6 +523,51 @@ def run_study(spec: StudySpec, out: Path, console=None) -> dict:
     for p in workers:                       # they have said "exit": only their interpreters' teardown is left
         p.join(timeout=30)
     return results
+
+
+def start_workers(ctx, spec: StudySpec, out: Path, source: tuple, P: int, gpus: list[str], threads: int) -> list:
+    """P worker processes (spawn), worker i on GPU i mod G; with a compiled accel and `--stagger auto` the workers
+    after the first wait (≤ 10 min) for the first epoch of any run, so that its compile fills the shared cache."""
+    compiled = "compile" in spec.accel
+    fixed = 0.0 if spec.stagger == "auto" else float(spec.stagger)
+    workers = []
+    for i in range(P):
+        gpu = gpus[i % len(gpus)] if gpus else None
+        wait = 600.0 if spec.stagger == "auto" and compiled and i > 0 and not (out / WARM_FILE).exists() else 0.0
+        workers.append(ctx.Process(target=worker_main, name=f"study-worker-{i}",
+                                   args=(i, gpu, str(out), source, threads, wait, i * fixed, os.getpid())))
+    for p in workers:
+        p.start()
+    return workers
+
+
+def work_for(url: str, sid: str, out: Path, parallel: int, threads: int | None, console) -> int:
+    """`tradeloop study-worker`: P worker processes on this host take the study's runs from Redis until every run
+    is accounted for; returns how many runs this host did."""
+    import multiprocessing as mp
+
+    from tradeloop.study.remote import accounted, client, fetch_spec
+
+    doc = fetch_spec(url, sid)
+    spec = StudySpec.from_dict(doc["spec"])
+    out = Path(out)
+    prepare(spec, out)
+    n_runs = len(spec.runs())
+    gpus = visible_gpus() if spec.device != "cpu" else []
+    if spec.device != "cpu" and not gpus:
+        raise StudyError("the study runs on cuda but no CUDA device is visible here")
+    threads = threads or max(1, (os.cpu_count() or 1) // parallel)
+    before = done_runs(spec, out)
+    console.print(f"study {sid}: {n_runs} runs of {spec.epochs} epochs; {parallel} worker(s) here in {out}",
+                  markup=False, highlight=False)
+    workers = start_workers(mp.get_context("spawn"), spec, out, ("redis", url, sid, n_runs), parallel, gpus, threads)
+    for p in workers:
+        p.join()
+    ok, bad = accounted(client(url), sid)
+    mine = done_runs(spec, out) - before
+    console.print(f"done here: {len(mine)} run(s); the study: {len(ok)} of {n_runs} runs done, {len(bad)} failed",
+                  markup=False, highlight=False)
+    return len(mine)
 
 
 def _event_log(out: Path, doc: dict) -> None:

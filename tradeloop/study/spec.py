@@ -36,6 +36,7 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 _TARGETS = {"train": TrainConfig, "agent": AgentConfig, "reward": RewardConfig, "feedback": FeedbackConfig}
 SYNTHETIC_DEFAULT_BARS = 6000
+MIN_TRAIN_BARS, MIN_WINDOW_BARS = 300, 100
 
 
 class StudyError(ValueError):
@@ -318,9 +319,12 @@ class StudySpec:
         """StudyError naming the option on any value a study cannot run with."""
         if self.preset not in PRESETS:
             raise StudyError(f"--preset must be one of {', '.join(PRESETS)}, got {self.preset!r}")
-        for name in ("folds", "epochs", "parallel"):
+        for name in ("folds", "epochs"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise StudyError(f"--{name} must be an integer ≥ 1, got {getattr(self, name)!r}")
+        if not isinstance(self.parallel, int) or self.parallel < 0:
+            raise StudyError(f"--parallel must be an integer ≥ 1 (0: no local worker, with --redis), got "
+                             f"{self.parallel!r}")
         if not self.seeds or len(set(self.seeds)) != len(self.seeds) or min(self.seeds) < 0:
             raise StudyError(f"--seeds must name distinct seeds ≥ 0, got {self.seeds}")
         if self.bars is not None and self.bars < 100:
@@ -397,9 +401,15 @@ def study_folds(spec: StudySpec, n_bars: int):
     from shared.market import walk_forward_folds
 
     try:
-        return walk_forward_folds(n_bars, n_folds=spec.folds)
+        folds = walk_forward_folds(n_bars, n_folds=spec.folds)
     except ValueError as exc:
         raise StudyError(f"--folds {spec.folds} on {n_bars} bars: {exc} (use more --bars or fewer --folds)") from None
+    f = folds[0]
+    if f.train[1] - f.train[0] < MIN_TRAIN_BARS or min(f.val[1] - f.val[0], f.test[1] - f.test[0]) < MIN_WINDOW_BARS:
+        raise StudyError(f"--folds {spec.folds} on {n_bars} bars leave windows of train {f.train[1] - f.train[0]}, val "
+                         f"{f.val[1] - f.val[0]}, test {f.test[1] - f.test[0]} bars; a study needs ≥ {MIN_TRAIN_BARS} "
+                         f"training and ≥ {MIN_WINDOW_BARS} validation and test bars (use more --bars or fewer --folds)")
+    return folds
 
 
 def read_toml(path: Path) -> dict:
