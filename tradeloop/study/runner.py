@@ -436,7 +436,7 @@ def run_study(spec: StudySpec, out: Path, console=None, redis_url: str | None = 
             task = prog.add_task("study", total=len(runs) * spec.epochs, completed=before,
                                  runs=f"runs {len(done)}/{len(runs)}", rate="")
             exited: set[int] = set()
-            t_check = 0.0
+            t_check = t_event = 0.0
             while True:
                 if time.monotonic() - t_check > 1.0:
                     t_check = time.monotonic()
@@ -444,8 +444,8 @@ def run_study(spec: StudySpec, out: Path, console=None, redis_url: str | None = 
                         from tradeloop.study.remote import accounted
 
                         ok, bad = accounted(r, sid)
-                        if len(ok | set(bad)) >= len(runs):
-                            failed.update(bad)
+                        if len(ok | set(bad)) >= len(runs) and time.monotonic() - t_event > 1.0:
+                            failed.update(bad)         # (and its last events read: a second without any)
                             break
                     elif len(exited) >= P:
                         break
@@ -469,6 +469,7 @@ def run_study(spec: StudySpec, out: Path, console=None, redis_url: str | None = 
                     ev = None
                 if ev is None:
                     continue
+                t_event = time.monotonic()
                 w, rid = ev["worker"], ev.get("run")
                 where = f"worker {w}" + (f" of {ev['consumer']}" if "consumer" in ev else "")
                 if ev["type"] == "start":
@@ -556,7 +557,7 @@ def work_for(url: str, sid: str, out: Path, parallel: int, threads: int | None, 
     gpus = visible_gpus() if spec.device != "cpu" else []
     if spec.device != "cpu" and not gpus:
         raise StudyError("the study runs on cuda but no CUDA device is visible here")
-    threads = threads or max(1, (os.cpu_count() or 1) // parallel)
+    threads = threads or spec.threads or max(1, (os.cpu_count() or 1) // parallel)
     before = done_runs(spec, out)
     console.print(f"study {sid}: {n_runs} runs of {spec.epochs} epochs; {parallel} worker(s) here in {out}",
                   markup=False, highlight=False)
