@@ -196,7 +196,7 @@ def study(
     except (StudyError, RedisServerError) as exc:
         err.print(f"error: {exc}", markup=False, highlight=False)
         raise typer.Exit(2) from None
-    console = Console()
+    console = Console(soft_wrap=True)
     console.print(f"study: {len(spec.variants)} variants × {len(spec.seeds)} seeds × {spec.folds} folds = "
                   f"{len(spec.runs())} runs of {spec.epochs} epochs, {spec.parallel} at once, in {out_dir}",
                   markup=False, highlight=False)

@@ -195,9 +195,12 @@ def worker_main(index: int, gpu: str | None, out: str, source: tuple, threads: i
                 delay: float, parent_pid: int) -> None:
     """A worker process: take run ids from its source (("local", tasks, events) or ("redis", url, sid, n_runs))
     until there is none left, run each, report progress as events."""
+    import signal
+
     _die_with_parent()
     if os.getppid() != parent_pid:
         return
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the study process's to handle: it stops the workers
     out_p = Path(out)
     spec = StudySpec.from_dict(json.loads((out_p / "study.json").read_text())["spec"])
     for k, v in worker_env(out_p, gpu, spec.deterministic).items():
@@ -379,7 +382,6 @@ def run_study(spec: StudySpec, out: Path, console=None, redis_url: str | None = 
     import multiprocessing as mp
 
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     console = console or Console()
     out = Path(out)
@@ -429,80 +431,17 @@ def run_study(spec: StudySpec, out: Path, console=None, redis_url: str | None = 
                 tasks.put(None)
             source = ("local", tasks, events)
         workers = start_workers(ctx, spec, out, source, P, gpus, threads)
-        current: dict[int, str] = {}
-        cols = (TextColumn("[bold]study"), BarColumn(), MofNCompleteColumn(), TextColumn("epochs"),
-                TextColumn("{task.fields[runs]}"), TimeElapsedColumn(), TextColumn("{task.fields[rate]}"))
-        with Progress(*cols, console=console, transient=False) as prog:
-            task = prog.add_task("study", total=len(runs) * spec.epochs, completed=before,
-                                 runs=f"runs {len(done)}/{len(runs)}", rate="")
-            exited: set[int] = set()
-            t_check = t_event = 0.0
-            while True:
-                if time.monotonic() - t_check > 1.0:
-                    t_check = time.monotonic()
-                    if r is not None:                  # through Redis: over when every run is accounted for
-                        from tradeloop.study.remote import accounted
-
-                        ok, bad = accounted(r, sid)
-                        if len(ok | set(bad)) >= len(runs) and time.monotonic() - t_event > 1.0:
-                            failed.update(bad)         # (and its last events read: a second without any)
-                            break
-                    elif len(exited) >= P:
-                        break
-                    for i, p in enumerate(workers):    # a worker that died (killed, out of memory)
-                        if i not in exited and not p.is_alive() and p.exitcode not in (None, 0):
-                            exited.add(i)
-                            (out / WARM_FILE).parent.mkdir(parents=True, exist_ok=True)
-                            (out / WARM_FILE).touch()           # the others need not wait for its compile
-                            if i in current:
-                                rid = current.pop(i)
-                                status.doc["running"].pop(rid, None)
-                                why = f"worker {i} died (exit code {p.exitcode})"
-                                if r is None:          # (through Redis another worker takes the run over)
-                                    failed[rid] = why
-                                    _event_log(out, {"type": "error", "run": rid, "error": why})
-                                prog.console.print(f"[red]{rid}: {why}")
-                    status.update(runs_failed=sorted(failed))
-                try:
-                    ev = events.get(timeout=0.5)
-                except queue.Empty:
-                    ev = None
-                if ev is None:
-                    continue
-                t_event = time.monotonic()
-                w, rid = ev["worker"], ev.get("run")
-                where = f"worker {w}" + (f" of {ev['consumer']}" if "consumer" in ev else "")
-                if ev["type"] == "start":
-                    current[w] = rid
-                    status.doc["running"][rid] = {"worker": where, "gpu": ev["gpu"], "epoch": epochs_done(out, rid)}
-                elif ev["type"] == "epoch":
-                    epochs_here += 1
-                    status.doc["epochs_done"] += 1
-                    status.doc["epochs_this_session"] = epochs_here
-                    if rid in status.doc["running"]:
-                        status.doc["running"][rid]["epoch"] = ev["epoch"]
-                    rate = epochs_here / max(time.time() - t_start, 1e-9)
-                    prog.update(task, advance=1, rate=f"{rate:.2f} epochs/s")
-                elif ev["type"] == "done":
-                    current.pop(w, None)
-                    status.doc["running"].pop(rid, None)
-                    status.doc["runs_done"] += 1
-                    s = ev["summary"]
-                    prog.console.print(
-                        f"{rid}: epoch {s['selected_epoch']} selected on validation (val {s['val_sharpe']:+.3f}, "
-                        f"{s['val_trades']} trades) → OOS {s['oos_sharpe']:+.3f} ({s['oos_trades']} trades), "
-                        f"run DSR {s['run_dsr']:.2f}, {s['wall_s']:.0f} s [{where}]")
-                    prog.update(task, runs=f"runs {status.doc['runs_done']}/{len(runs)}")
-                    _event_log(out, {"type": "done", "run": rid, "worker": where, "pid_t": ev["t"], **s})
-                elif ev["type"] == "error":
-                    current.pop(w, None)
-                    status.doc["running"].pop(rid, None)
-                    failed[rid] = ev["error"]
-                    prog.console.print(f"[red]{rid} failed: {ev['error']}")
-                    _event_log(out, {"type": "error", "run": rid, "error": ev["error"], "traceback": ev["traceback"]})
-                elif ev["type"] == "exit" and "consumer" not in ev:
-                    exited.add(w)
-                status.update(force=ev["type"] != "epoch", runs_failed=sorted(failed))
+        try:
+            epochs_here = _follow(spec, out, runs, workers, events, status, failed, r, sid, P, before, len(done),
+                                  t_start, console)
+        except KeyboardInterrupt:
+            for p in workers:
+                p.terminate()
+            for p in workers:
+                p.join(timeout=30)
+            status.update(force=True, state="interrupted")
+            raise StudyError("interrupted: run the same command again to resume (done runs are kept, a run half "
+                             "done resumes from its last epoch)") from None
     wall = time.time() - t_start
     busy = sampler.stop() if sampler else {}
     baseline_thread.join()
@@ -524,6 +463,91 @@ def run_study(spec: StudySpec, out: Path, console=None, redis_url: str | None = 
     for p in workers:                       # they have said "exit": only their interpreters' teardown is left
         p.join(timeout=30)
     return results
+
+
+def _follow(spec: StudySpec, out: Path, runs: list, workers: list, events, status: "Status", failed: dict, r,
+            sid: str | None, P: int, before: int, n_done: int, t_start: float, console) -> int:
+    """The study process while its workers run: events → progress bar, one line per finished run, status.json;
+    failed runs into `failed`. Returns the epochs trained meanwhile."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    epochs_here = 0
+    current: dict[tuple, str] = {}                  # (consumer through Redis or None, worker) → its run
+    cols = (TextColumn("[bold]study"), BarColumn(), MofNCompleteColumn(), TextColumn("epochs"),
+            TextColumn("{task.fields[runs]}"), TimeElapsedColumn(), TextColumn("{task.fields[rate]}"))
+    with Progress(*cols, console=console, transient=False) as prog:
+        task = prog.add_task("study", total=len(runs) * spec.epochs, completed=before,
+                             runs=f"runs {n_done}/{len(runs)}", rate="")
+        exited: set[int] = set()
+        t_check = t_event = 0.0
+        while True:
+            if time.monotonic() - t_check > 1.0:
+                t_check = time.monotonic()
+                if r is not None:                  # through Redis: over when every run is accounted for
+                    from tradeloop.study.remote import accounted
+
+                    ok, bad = accounted(r, sid)
+                    if len(ok | set(bad)) >= len(runs) and time.monotonic() - t_event > 1.0:
+                        failed.update(bad)         # (and its last events read: a second without any)
+                        break
+                elif len(exited) >= P:
+                    break
+                for i, p in enumerate(workers):    # a worker that died (killed, out of memory)
+                    if i not in exited and not p.is_alive() and p.exitcode not in (None, 0):
+                        exited.add(i)
+                        (out / WARM_FILE).parent.mkdir(parents=True, exist_ok=True)
+                        (out / WARM_FILE).touch()           # the others need not wait for its compile
+                        if (None, i) in current:
+                            rid = current.pop((None, i))
+                            status.doc["running"].pop(rid, None)
+                            why = f"worker {i} died (exit code {p.exitcode})"
+                            if r is None:          # (through Redis another worker takes the run over)
+                                failed[rid] = why
+                                _event_log(out, {"type": "error", "run": rid, "error": why})
+                            prog.console.print(f"[red]{rid}: {why}")
+                status.update(runs_failed=sorted(failed))
+            try:
+                ev = events.get(timeout=0.5)
+            except queue.Empty:
+                ev = None
+            if ev is None:
+                continue
+            t_event = time.monotonic()
+            w, rid = ev["worker"], ev.get("run")
+            where = f"worker {w}" + (f" of {ev['consumer']}" if "consumer" in ev else "")
+            who = (ev.get("consumer"), w)
+            if ev["type"] == "start":
+                current[who] = rid
+                status.doc["running"][rid] = {"worker": where, "gpu": ev["gpu"], "epoch": epochs_done(out, rid)}
+            elif ev["type"] == "epoch":
+                epochs_here += 1
+                status.doc["epochs_done"] += 1
+                status.doc["epochs_this_session"] = epochs_here
+                if rid in status.doc["running"]:
+                    status.doc["running"][rid]["epoch"] = ev["epoch"]
+                rate = epochs_here / max(time.time() - t_start, 1e-9)
+                prog.update(task, advance=1, rate=f"{rate:.2f} epochs/s")
+            elif ev["type"] == "done":
+                current.pop(who, None)
+                status.doc["running"].pop(rid, None)
+                status.doc["runs_done"] += 1
+                s = ev["summary"]
+                prog.console.print(
+                    f"{rid}: epoch {s['selected_epoch']} selected on validation (val {s['val_sharpe']:+.3f}, "
+                    f"{s['val_trades']} trades) → OOS {s['oos_sharpe']:+.3f} ({s['oos_trades']} trades), "
+                    f"run DSR {s['run_dsr']:.2f}, {s['wall_s']:.0f} s [{where}]")
+                prog.update(task, runs=f"runs {status.doc['runs_done']}/{len(runs)}")
+                _event_log(out, {"type": "done", "run": rid, "worker": where, "pid_t": ev["t"], **s})
+            elif ev["type"] == "error":
+                current.pop(who, None)
+                status.doc["running"].pop(rid, None)
+                failed[rid] = ev["error"]
+                prog.console.print(f"[red]{rid} failed: {ev['error']}")
+                _event_log(out, {"type": "error", "run": rid, "error": ev["error"], "traceback": ev["traceback"]})
+            elif ev["type"] == "exit" and "consumer" not in ev:
+                exited.add(w)
+            status.update(force=ev["type"] != "epoch", runs_failed=sorted(failed))
+    return epochs_here
 
 
 def start_workers(ctx, spec: StudySpec, out: Path, source: tuple, P: int, gpus: list[str], threads: int) -> list:
