@@ -17,7 +17,9 @@ set before it loads CUDA), shares one compile cache under the out directory (`TO
 after the first start once the first has finished an epoch (its compiled kernels are then in the shared cache;
 `--stagger SECONDS`: worker i starts i × SECONDS later instead). A run holds an exclusive lock on its directory
 while it runs, so no run is ever done by two processes; a run killed half done resumes from its latest epoch
-(`tradeloop.study.loop`), and a done one (summary.json) is never run again.
+(`tradeloop.study.loop`), and a done one (summary.json) is never run again. With `--redis` the runs go through a
+Redis stream instead of the local queue (`tradeloop.study.remote`), and `tradeloop study-worker` processes on other
+hosts take them too (`work_for`).
 """
 from __future__ import annotations
 
