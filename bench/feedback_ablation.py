@@ -4,26 +4,20 @@
     .venv/bin/python bench/feedback_ablation.py --datasets synthetic --seeds 0 1 2 --epochs 6 --iterations 400
 
 The closed loop runs in-process, with no Redis and no services, through the very functions the services call:
+`tradeloop.study.loop.run_closed_loop` (what `tradeloop study` runs): for epoch e = 1..E, knobs_e (epoch 1: the
+trainer config's fixed schedule in both modes; then bundle e−1's) → `train_run` → `evaluate_checkpoint` (val and
+in-sample, n_trials = e) → `compute_bundle(report_e, earlier reports, FeedbackConfig(enabled=on|off))` — off is the
+product's fixed schedule, what the feedback service publishes with TL_ENABLED=false.
 
-    for epoch e = 1..E:
-        knobs_e  = epoch 1: the trainer config's fixed schedule (both modes)
-                   on : services.feedback.signals.compute_bundle(report_{e−1}, reports_{<e−1}, FeedbackConfig with
-                        the config's schedule and `--off`); a bundle that rolls back makes `train_run` restore that
-                        epoch's learner before epoch e (`rollback_fn` → `roll_back`)
-                   off: the trainer's fixed schedule (`train_run`'s default knobs_fn: cfg.schedule.knobs(e)) —
-                        what `tradeloop train` does without feedback
-        train    : services.trainer.train.train_run (train_epoch → save_epoch → history.jsonl)
-        report_e : services.evaluator.runner.evaluate_checkpoint(checkpoint e, knobs_e, n_trials = e,
-                   prior_sharpes = earlier val Sharpes)      (val, OOS, in-sample for E6/E7)
-
-Selection (`shared.metrics.select_best`, as `tradeloop evaluate --checkpoint best`): the epoch with the best
-validation per-trade Sharpe among those with ≥ `--min-val-trades` val trades (default 10; all epochs when none has
-that many) — a multiple test over the E checkpoints, so the DSR printed is that checkpoint's validation DSR
-re-deflated over all E trials (`shared.metrics.selection_dsr`: n_trials = E, variance of the E val Sharpes). Printed for it: val and OOS per-trade Sharpe (un-annualized, `shared.metrics`:
-a window with < 2 trades has Sharpe 0), the DSR, the val/OOS gap 1 − OOS/val (only meaningful when val > 0:
-"n/a" otherwise) and the trade counts. One markdown table per dataset, a row per seed × mode and a mean row
+Selection (`tradeloop.study.stats.select_epoch`): the epoch with the best validation per-trade Sharpe among those
+with ≥ `--min-val-trades` val trades (default 10; all epochs when none has that many) — a multiple test over the E
+checkpoints, so the DSR printed is that checkpoint's validation DSR re-deflated over all E trials
+(`shared.metrics.dsr`, n_trials = E, variance of the E val Sharpes). OOS is backtested for that checkpoint only
+(`tradeloop.study.loop.evaluate_selected`). Printed for it: val and OOS per-trade Sharpe (un-annualized,
+`shared.metrics`: a window with < 2 trades has Sharpe 0), the DSR, the val/OOS gap 1 − OOS/val (only meaningful when
+val > 0: "n/a" otherwise) and the trade counts. One markdown table per dataset, a row per seed × mode and a mean row
 per mode; then the goal check: feedback on has a higher mean OOS Sharpe or a smaller mean gap than off, and a
-mean gap < 15 %.
+mean gap < 15 %. For seeds × walk-forward folds × any variants with confidence intervals, use `tradeloop study`.
 
 Seeds: the training seed, and for `synthetic` also the generator seed (one market per seed). The split is the
 trainer's default chronological split (train | embargo | val | embargo | test).
@@ -43,12 +37,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from services.evaluator.runner import evaluate_checkpoint  # noqa: E402
-from services.feedback.signals import FeedbackConfig, compute_bundle  # noqa: E402
-from services.trainer.train import TrainConfig, train_run  # noqa: E402
-from shared.knobs import Knobs  # noqa: E402
-from shared.market import Split, compute_features, load_dataset  # noqa: E402
-from shared.metrics import MIN_SELECTION_TRADES, per_trade_sharpe, select_best, selection_dsr, val_oos_gap  # noqa: E402
+from services.feedback.signals import FeedbackConfig  # noqa: E402
+from services.trainer.train import TrainConfig  # noqa: E402
+from shared.market import chronological_split, compute_features, load_dataset  # noqa: E402
+from shared.metrics import MIN_SELECTION_TRADES, dsr, per_trade_sharpe, val_oos_gap  # noqa: E402
+from tradeloop.study.loop import evaluate_selected, run_closed_loop  # noqa: E402
+from tradeloop.study.stats import select_epoch  # noqa: E402
 
 GAP_GOAL = 0.15
 
@@ -62,68 +56,36 @@ def run_one(dataset: str, seed: int, feedback: bool, args, root: Path) -> dict:
     if args.learning_starts is not None:
         cfg.learning_starts = args.learning_starts
     run_dir = root / f"{dataset}-s{seed}-{'on' if feedback else 'off'}"
-    run_id = run_dir.name
-    fixed = cfg.schedule.knobs
-    fb_cfg = FeedbackConfig(eps_start=cfg.eps_start, eps_end=cfg.eps_end, eps_decay_epochs=cfg.eps_decay_epochs,
-                            gamma_fixed=cfg.gamma, off=args.off)
-    knobs_of: dict[int, Knobs] = {1: fixed(1)}
-    rollback_of: dict[int, tuple[int, str]] = {}
-    best: set[int] = set()                   # the epoch a later rollback would restore: its files are kept
-    reports: list = []
-    trace: list[dict] = []
+    split = chronological_split(len(bars))
 
-    def knobs_fn(e: int) -> Knobs:
-        return knobs_of.get(e) or fixed(e)
-
-    def on_epoch(stats) -> None:
-        e = stats.epoch
-        ck = run_dir / "checkpoints" / f"epoch-{e:04d}.safetensors"
-        split = Split.from_dict(json.loads((run_dir / "run.json").read_text())["split"])
-        prior = [r.val.metrics["per_trade_sharpe"] or 0.0 for r in reports]
-        t0 = time.perf_counter()
-        rep = evaluate_checkpoint(ck, expected_sha256=None, bars=bars, split=split, run_id=run_id, epoch=e,
-                                  n_trials=e, prior_sharpes=prior, features=feats, knobs=knobs_of[e],
-                                  dataset=dataset)
-        t_eval = time.perf_counter() - t0
-        if feedback:
-            bundle = compute_bundle(rep, reports, fb_cfg, bars=bars)
-            knobs_of[e + 1] = Knobs.from_dict(bundle.knobs)
-            if bundle.rollback:
-                rollback_of[e + 1] = (bundle.rollback_to_epoch, bundle.rollback_checkpoint_sha256)
-            best.clear()
-            best.update([] if bundle.best_epoch is None else [bundle.best_epoch])
-            why = bundle.reason
-        else:
-            knobs_of[e + 1] = fixed(e + 1)
-            why = "fixed schedule"
-        reports.append(rep)
-        vm, om = rep.val.metrics, rep.oos.metrics
-        k = knobs_of[e + 1]
-        trace.append(dict(epoch=e, val=vm["per_trade_sharpe"], oos=om["per_trade_sharpe"],
-                          n_val=int(vm["n_trades"]), n_oos=int(om["n_trades"])))
+    def on_epoch(rec: dict) -> None:
         if args.verbose:
-            gate = "∞" if math.isinf(k.gate_threshold) else f"{k.gate_threshold:.4f}"
-            print(f"    {run_id} e{e}: train {stats.seconds:.0f}s eval {t_eval:.0f}s | val SR "
-                  f"{vm['per_trade_sharpe']:+.3f} ({int(vm['n_trades'])}) OOS SR {om['per_trade_sharpe']:+.3f} "
-                  f"({int(om['n_trades'])}) | next: ε {k.epsilon:.3f} γ {k.gamma:.3f} qb {k.q_bias:+.4f} "
-                  f"gate {gate} E6 {len(k.priority_boost)} E7 {len(k.hindsight)} "
-                  f"conf0 {sum(c == 0 for c in k.regime_confidence)} — {why[:60]}", flush=True)
+            k, vm = rec["next_knobs"], rec["val"]
+            gate = "∞" if k["gate_threshold"] is None else f"{k['gate_threshold']:.4f}"
+            print(f"    {run_dir.name} e{rec['epoch']}: train {rec['seconds']['train']:.0f}s eval "
+                  f"{rec['seconds']['eval']:.0f}s | val SR {vm['per_trade_sharpe']:+.3f} ({int(vm['n_trades'])}) | "
+                  f"next: ε {k['epsilon']:.3f} γ {k['gamma']:.3f} qb {k['q_bias']:+.4f} gate {gate} "
+                  f"E6 {len(k['priority_boost'])} E7 {len(k['hindsight'])} "
+                  f"conf0 {sum(c == 0 for c in k['regime_confidence'])} — {rec['bundle']['reason'][:60]}", flush=True)
 
     t0 = time.perf_counter()
-    train_run(bars, dataset, run_dir, args.epochs, config=cfg, seed=seed, knobs_fn=knobs_fn, on_epoch=on_epoch,
-              rollback_fn=rollback_of.get, pinned_fn=lambda: best)
+    records = run_closed_loop(bars, dataset, run_dir, args.epochs, config=cfg,
+                              feedback=FeedbackConfig(enabled=feedback, off=args.off), split=split, seed=seed, features=feats,
+                              on_epoch=on_epoch)
+    vals = [r["history"]["val_sharpe"] for r in records]
+    n_val = [r["history"]["val_n_trades"] for r in records]
+    best, _ = select_epoch(vals, n_val, args.min_val_trades)
+    chosen = evaluate_selected(run_dir, best, records, bars=bars, split=split, dataset=dataset, features=feats)
     wall = time.perf_counter() - t0
-    vals = [r.val.metrics["per_trade_sharpe"] or 0.0 for r in reports]
-    best, _ = select_best(vals, [int(r.val.metrics["n_trades"]) for r in reports], args.min_val_trades)
-    rep = reports[best]
-    val_sr, oos_sr = vals[best], rep.oos.metrics["per_trade_sharpe"] or 0.0
-    val_tr = rep.val.trades.net_return.tolist()
-    d = selection_dsr(val_tr, vals)
+    val_sr, oos_sr = vals[best - 1], chosen["oos"]["per_trade_sharpe"] or 0.0
+    val_tr = records[best - 1]["val_trade_returns"]
+    var = float(np.var(vals, ddof=1)) if len(vals) >= 2 else None
+    d = dsr(val_tr, n_trials=len(vals), sharpe_var_trials=var)
     assert abs(per_trade_sharpe(val_tr) - val_sr) < 1e-9, "report trades disagree with the report's metrics"
-    return dict(dataset=dataset, seed=seed, mode="on" if feedback else "off", epoch=rep.epoch, val=val_sr,
+    return dict(dataset=dataset, seed=seed, mode="on" if feedback else "off", epoch=best, val=val_sr,
                 oos=oos_sr, dsr=d, gap=val_oos_gap(val_sr, oos_sr) if val_sr > 0 else float("nan"),
-                n_val=int(rep.val.metrics["n_trades"]), n_oos=int(rep.oos.metrics["n_trades"]), wall=wall,
-                trace=trace)
+                n_val=n_val[best - 1], n_oos=int(chosen["oos"]["n_trades"]), wall=wall,
+                trace=[dict(epoch=r["epoch"], val=vals[i], n_val=n_val[i]) for i, r in enumerate(records)])
 
 
 def fmt(x: float, spec: str = "+.3f") -> str:

@@ -1599,27 +1599,32 @@ def train_run(bars: Bars, dataset: str, run_dir: Path, epochs: int, *, config: s
               progress: Callable[[int, int], None] | None = None,
               on_compile: Callable[[str | None], None] | None = None,
               rollback_fn: Callable[[int], tuple[int, str] | None] | None = None,
-              pinned_fn: Callable[[], Iterable[int]] | None = None) -> TrainState:
+              pinned_fn: Callable[[], Iterable[int]] | None = None, split: Split | None = None,
+              features: np.ndarray | None = None) -> TrainState:
     """Train until `epochs` epochs exist in `run_dir`, resuming from its latest checkpoint when it holds a run.
 
     Knobs of epoch e (1-based) come from `knobs_fn(e)`, by default the config's fixed schedule
     (`cfg.schedule.knobs(e)`). `on_compile`: see `StepRunner.on_compile`. `rollback_fn(e)`, when given and not
     None, is (epoch, checkpoint sha256 or "") of a feedback rollback: `roll_back` to that epoch before epoch e trains
     (its record says `rolled_back_to`). `pinned_fn()`: epochs whose trainer state the pruning keeps (a later
-    rollback's candidates)."""
+    rollback's candidates). `split`: the bar ranges of a new run (default `chronological_split`; a walk-forward
+    fold, `shared.market.walk_forward_folds`); a resumed run keeps its own and refuses a different one.
+    `features`: `compute_features(bars)` when already computed."""
     run_dir = Path(run_dir)
-    feats = compute_features(bars)
+    feats = compute_features(bars) if features is None else features
     run_json = run_dir / "run.json"
     if run_json.exists():
         meta = json.loads(run_json.read_text())
         cfg = TrainConfig.from_dict(meta["config"])
-        split, seed = Split.from_dict(meta["split"]), int(meta["seed"])
+        asked, (split, seed) = split, (Split.from_dict(meta["split"]), int(meta["seed"]))
         if meta.get("bars_fingerprint") and meta["bars_fingerprint"] != bars.fingerprint():
             raise ValueError(f"{run_dir} holds a run on other data (dataset {meta.get('dataset')!r}); "
                              "use another --out directory")
+        if asked is not None and asked != split:
+            raise ValueError(f"{run_dir} holds a run on another split ({meta['split']}); use another --out directory")
     else:
         cfg = config if isinstance(config, TrainConfig) else TrainConfig.preset(config, feats.shape[1])
-        split = chronological_split(len(bars))
+        split = chronological_split(len(bars)) if split is None else split
         meta = {"dataset": dataset, "seed": seed, "config": cfg.to_dict(), "split": split.to_dict(),
                 "split_hashes": {w: split.window_hash(bars, w) for w in ("train", "val", "test")},
                 "bars_fingerprint": bars.fingerprint(), "n_bars": len(bars), "config_hash": cfg.hash()}

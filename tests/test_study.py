@@ -1,0 +1,249 @@
+"""`tradeloop study` end to end on the CPU: a tiny study (2 variants × 2 seeds × 2 folds) as a subprocess with two
+worker processes; the same study killed with SIGKILL mid-run and resumed (no run done twice, the same results);
+bad input refused with exit 2."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from tests.polling import poll_until
+from tradeloop.cli import app
+from tradeloop.study.stats import select_epoch
+
+ROOT = Path(__file__).resolve().parents[1]
+EPOCHS = 2
+TINY = f"""
+dataset = "synthetic"
+seeds = 2
+folds = 2
+epochs = {EPOCHS}
+bars = 3000
+preset = "small"
+min_val_trades = 5
+n_boot = 2000
+threads = 1
+
+[variants.on]
+[variants.off]
+
+[set]
+iterations = 14
+n_envs = 4
+env_steps_per_iter = 2
+batch_size = 16
+replay_capacity = 400
+learning_starts = 40
+horizons = [1, 2, 4]
+iqn_quantiles = 4
+lr_warmup = 5
+cosine_period = 7
+emb_refresh = 5
+agent = {{ window = 8, d_model = 16, n_heads = 2, hidden = 24, n_atoms = 11, ensemble = 2, iqn_embed = 8, iqn_quantiles_act = 8 }}
+reward = {{ episode_bars = 60, grace_bars = 10 }}
+"""
+RUNS = [f"{v}-s{s}-f{k}" for s in (0, 1) for k in (0, 1) for v in ("on", "off")]
+
+
+def _cmd(cfg: Path, out: Path) -> list[str]:
+    return [sys.executable, "-m", "tradeloop.cli", "study", "--config", str(cfg), "--out", str(out), "--parallel", "2"]
+
+
+def _env() -> dict:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("study")
+    (d / "tiny.toml").write_text(TINY)
+    return d / "tiny.toml"
+
+
+@pytest.fixture(scope="module")
+def reference(tiny) -> tuple[Path, subprocess.CompletedProcess]:
+    out = tiny.parent / "ref"
+    p = subprocess.run(_cmd(tiny, out), cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return out, p
+
+
+def _summaries(out: Path) -> dict[str, dict]:
+    return {r: json.loads((out / "runs" / r / "summary.json").read_text()) for r in RUNS}
+
+
+def test_tiny_study_end_to_end(reference):
+    out, p = reference
+    res = json.loads((out / "results.json").read_text())
+    sums = _summaries(out)
+    # every run selected on validation only, by the rule, and pruned to that checkpoint
+    for rid, s in sums.items():
+        vals = [e["val_sharpe"] for e in s["epochs"]]
+        trades = [e["val_trades"] for e in s["epochs"]]
+        assert (s["selected_epoch"], s["selectable"]) == select_epoch(vals, trades, 5), rid
+        assert s["val_recheck"] == 0.0                      # the OOS pass's validation equals the loop's
+        kept = sorted(x.name for x in (out / "runs" / rid / "checkpoints").glob("*.safetensors"))
+        assert kept == [f"epoch-{s['selected_epoch']:04d}.safetensors"], rid
+        assert len(s["epochs"]) == EPOCHS and s["split"]["test"][1] <= 3000
+    # the folds are walk-forward: fold 1 is fold 0 moved by its test length
+    f0, f1 = sums["on-s0-f0"]["split"], sums["on-s0-f1"]["split"]
+    step = f0["test"][1] - f0["test"][0]
+    assert [a + step for a in f0["train"]] == f1["train"] and [a + step for a in f0["test"]] == f1["test"]
+    # paired difference on (seed, fold) units = mean of the per-unit differences
+    units = [(s, k) for s in (0, 1) for k in (0, 1)]
+    d = [sums[f"on-s{s}-f{k}"]["oos_sharpe"] - sums[f"off-s{s}-f{k}"]["oos_sharpe"] for s, k in units]
+    pd_ = res["paired"]["on"]["oos_sharpe"]
+    assert res["reference"] == "off" and pd_["n"] == 4 and pd_["mean"] == pytest.approx(sum(d) / 4)
+    assert pd_["lo"] <= pd_["mean"] <= pd_["hi"]
+    # pairing: on and off share seed, data and first-epoch knobs → identical epoch-1 checkpoints on a CPU
+    assert res["pairing"]["groups"] == 4 and res["pairing"]["identical_checkpoints"] == 4
+    assert res["n_trials"] == len(RUNS) * EPOCHS
+    assert set(res["baselines"]) == {"random", "flat", "buy-and-hold", "oracle"}
+    assert res["variants"]["on"]["verdict"] in ("validated edge", "no validated edge")
+    status = json.loads((out / "status.json").read_text())
+    assert status["state"] == "done" and status["runs_done"] == 8 and status["epochs_done"] == 16
+    png = (out / "report.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
+    md = (out / "report.md").read_text()
+    assert "Paired differences, variant − off" in md and "| oracle (baseline) |" in md
+    assert "runs at once" in p.stdout and "epochs/s" in p.stdout and "wall" in p.stdout
+    finished = [line.split(":")[0] for line in p.stdout.splitlines() if "selected on validation (val" in line]
+    assert sorted(finished) == sorted(RUNS)                # one line per finished run
+
+
+def _pids(out: Path) -> list[int]:
+    pids = []
+    for lock in (out / "runs").glob("*/.lock"):
+        text = lock.read_text().split()
+        if len(text) == 2 and text[1].isdigit():
+            pids.append(int(text[1]))
+    return pids
+
+
+def test_killed_study_resumes_without_doing_a_run_twice(tiny, reference):
+    out = tiny.parent / "killed"
+    proc = subprocess.Popen(_cmd(tiny, out), cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+
+    def half_done() -> list[str]:
+        """Runs with epoch 1 recorded and epoch 2 not, once some other run is done."""
+        runs = out / "runs"
+        if not any((runs / r / "summary.json").exists() for r in RUNS):
+            return []
+        return [r for r in RUNS if (runs / r / "loop" / "epoch-0001.json").exists()
+                and not (runs / r / "loop" / "epoch-0002.json").exists()]
+
+    try:
+        poll_until(half_done, "a run half done after another finished", timeout_s=150, interval_s=0.02,
+                   alive=lambda: proc.poll() is None)
+        workers = _pids(out)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    # the workers die with the study (PR_SET_PDEATHSIG): nothing goes on training behind the resume
+    poll_until(lambda: not any(Path(f"/proc/{pid}").exists() and "zombie" not in _state(pid) for pid in workers),
+               "the workers to die with the study", timeout_s=10)
+    before = {r: (out / "runs" / r / "summary.json").read_bytes() for r in RUNS
+              if (out / "runs" / r / "summary.json").exists()}
+    half = half_done()
+    assert before and len(before) < len(RUNS) and half
+
+    p = subprocess.run(_cmd(tiny, out), cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert f"resuming {out}: {len(before)} of {len(RUNS)} runs done" in " ".join(p.stdout.split())
+    sums = _summaries(out)
+    for r, raw in before.items():                 # done runs were not touched
+        assert (out / "runs" / r / "summary.json").read_bytes() == raw
+    for r in half:                                # half-done runs resumed from their epoch, not from scratch
+        assert sums[r]["epochs_trained_here"] == EPOCHS - 1, r
+    attempts = {r: [json.loads(x) for x in (out / "runs" / r / "attempts.jsonl").read_text().splitlines()]
+                for r in RUNS}
+    for r in RUNS:                                # a run done before the kill was not started again; a half-done
+        starts = [a["from_epoch"] for a in attempts[r]]  # one started again from its epoch
+        if r in before:
+            assert starts == [0], (r, starts)
+        if r in half:
+            assert starts == [0, 1], (r, starts)
+    for r in RUNS:                                # no epoch trained twice
+        epochs = [json.loads(x)["epoch"] for x in (out / "runs" / r / "history.jsonl").read_text().splitlines()]
+        assert len(epochs) == len(set(epochs)) and set(epochs) <= set(range(1, EPOCHS + 1)), (r, epochs)
+    # and a resumed run gives what an uninterrupted one gives
+    ref = _summaries(reference[0])
+    for r in RUNS:
+        a, b = sums[r], ref[r]
+        assert (a["selected_epoch"], a["val_sharpe"], a["oos_sharpe"]) == \
+               (b["selected_epoch"], b["val_sharpe"], b["oos_sharpe"]), r
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return "zombie"
+
+
+def test_bad_input_is_refused_with_exit_2(tmp_path, tiny, reference):
+    runner = CliRunner()
+    base = ["study", "--dataset", "synthetic", "--epochs", "1", "--out", str(tmp_path / "o")]
+    r = runner.invoke(app, [*base, "--variants", "on,x:eps_start=0.2"])
+    assert r.exit_code == 2 and "write train.eps_start or feedback.eps_start" in r.output
+    r = runner.invoke(app, [*base, "--folds", "40", "--bars", "500"])
+    assert r.exit_code == 2 and "--folds 40 on 500 bars leave windows of train 30, val 10" in r.output
+    r = runner.invoke(app, [*base, "--folds", "60", "--bars", "100"])
+    assert r.exit_code == 2 and "--folds 60 on 100 bars: walk_forward_folds" in r.output
+    r = runner.invoke(app, [*base, "--seeds", "two"])
+    assert r.exit_code == 2 and "--seeds" in r.output
+    r = runner.invoke(app, ["study", "--config", str(tiny), "--out", str(reference[0]), "--epochs", "3"])
+    assert r.exit_code == 2 and "holds another study (it differs in epochs)" in r.output
+    bad = tmp_path / "bad.toml"
+    bad.write_text('dataset = "synthetic"\nepochs = 1\nwindows = 3\n')
+    r = runner.invoke(app, ["study", "--config", str(bad), "--out", str(tmp_path / "o2")])
+    assert r.exit_code == 2 and "unknown keys windows" in r.output
+    assert "Traceback" not in r.output
+
+
+@pytest.mark.redis
+def test_study_through_redis_with_workers_on_two_hosts(tiny, reference, redis_url):
+    """The study process queues the runs in Redis and runs none itself (--parallel 0); two `study-worker`s with
+    their own directories (two hosts) take them; every run is done once, and the results are the same runs and
+    selections as the local study's."""
+    out, hosts = tiny.parent / "coord", [tiny.parent / "host-a", tiny.parent / "host-b"]
+    coord = subprocess.Popen([*_cmd(tiny, out)[:-1], "0", "--redis", redis_url], cwd=ROOT, env=_env(),
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        from tradeloop.study.remote import key, study_id
+
+        sid = study_id(json.loads((reference[0] / "study.json").read_text())["identity"])
+        import redis as redis_py
+
+        r = redis_py.Redis.from_url(redis_url, decode_responses=True)
+        poll_until(lambda: r.exists(key(sid, "spec")), "the study in Redis", timeout_s=120,
+                   alive=lambda: coord.poll() is None)
+        workers = [subprocess.Popen([sys.executable, "-m", "tradeloop.cli", "study-worker", "--redis", redis_url,
+                                     "--study", sid, "--out", str(h)], cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True) for h in hosts]
+        outs = [w.communicate(timeout=400)[0] for w in workers]
+        assert all(w.returncode == 0 for w in workers), outs
+        text = coord.communicate(timeout=120)[0]
+    finally:
+        for p in (coord, *locals().get("workers", [])):
+            if p.poll() is None:
+                p.kill()
+    assert coord.returncode == 0, text[-3000:]
+    assert f"study {sid}" in text and "selected on validation" in text
+    by_host = [{r for r in RUNS if (h / "runs" / r / "summary.json").exists()} for h in hosts]
+    assert by_host[0] | by_host[1] == set(RUNS) and not by_host[0] & by_host[1]   # every run once, on one host
+    ref, sums = _summaries(reference[0]), _summaries(out)
+    for rid in RUNS:
+        assert (sums[rid]["selected_epoch"], sums[rid]["oos_sharpe"]) == \
+               (ref[rid]["selected_epoch"], ref[rid]["oos_sharpe"]), rid
+    assert json.loads((out / "results.json").read_text())["paired"]["on"]["oos_sharpe"] == \
+        json.loads((reference[0] / "results.json").read_text())["paired"]["on"]["oos_sharpe"]

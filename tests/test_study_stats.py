@@ -1,0 +1,177 @@
+"""`tradeloop study`'s statistics and its variant grammar: hand-computed cases (pure logic, no runs)."""
+from __future__ import annotations
+
+import typing
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from services.feedback.signals import FeedbackConfig
+from services.trainer.train import TrainConfig
+from shared.metrics import dsr
+from tradeloop.study.spec import (StudyError, StudySpec, apply_settings, parse_value, parse_variants, resolve_key,
+                                  synthetic_bars_for, variants_from_toml)
+from tradeloop.study.stats import aggregate, bootstrap_ci, gap_ci, paired, select_epoch
+
+
+# --- selection on validation only ---------------------------------------------------------------------------
+def test_selection_takes_the_best_validation_sharpe_with_enough_trades_not_what_oos_would_pick():
+    # epoch:           1     2     3     4
+    val_sharpe = [0.50, 0.90, 0.70, 0.70]
+    val_trades = [30, 5, 25, 40]          # epoch 2 has the best val Sharpe but too few trades
+    oos_sharpe = [0.80, 1.20, -0.30, 0.10]  # OOS would pick epoch 2 (or epoch 1 among those with enough trades)
+    epoch, selectable = select_epoch(val_sharpe, val_trades, min_trades=20)
+    assert (epoch, selectable) == (3, True)            # the earliest of the two 0.70s
+    assert oos_sharpe[epoch - 1] == -0.30               # and its OOS is what the study reports, bad as it is
+    assert int(np.argmax(oos_sharpe)) + 1 != epoch
+    # no epoch with enough trades: the best of all, flagged
+    assert select_epoch(val_sharpe, val_trades, min_trades=100) == (2, False)
+    with pytest.raises(ValueError):
+        select_epoch([0.1], [1, 2], 0)
+
+
+# --- bootstrap CIs: exact distributions of the resampled mean -------------------------------------------------
+def test_bootstrap_ci_of_two_values_spans_both():
+    # resampled mean of [0, 1] ∈ {0, ½, 1} with P = ¼, ½, ¼: its 2.5 % and 97.5 % quantiles are 0 and 1
+    ci = bootstrap_ci([0.0, 1.0], n_boot=20_000, seed=0)
+    assert (ci["mean"], ci["lo"], ci["hi"], ci["n"]) == (0.5, 0.0, 1.0, 2)
+
+
+def test_bootstrap_ci_of_a_skewed_sample_matches_the_binomial_quantiles():
+    # mean of 4 draws from [0, 0, 0, 1] = K/4, K ~ Binomial(4, ¼): P(K=0) = 0.316 > 2.5 % → lo = 0;
+    # P(K ≤ 2) = 0.949 < 97.5 % < P(K ≤ 3) = 0.996 → hi = 3/4
+    ci = bootstrap_ci([0.0, 0.0, 0.0, 1.0], n_boot=20_000, seed=7)
+    assert (ci["mean"], ci["lo"], ci["hi"]) == (0.25, 0.0, 0.75)
+
+
+def test_bootstrap_ci_is_fixed_by_its_seed_and_equals_the_documented_procedure():
+    x = np.array([0.3, -0.1, 0.8, 0.05, 0.4, -0.6, 1.1])
+    a, b = bootstrap_ci(x, n_boot=5000, seed=3), bootstrap_ci(x, n_boot=5000, seed=3)
+    assert a == b
+    assert bootstrap_ci(x, n_boot=5000, seed=4) != a
+    # the procedure written out: one integers(0, n, size=(B, n)) draw, the mean per row, numpy's quantiles
+    rng = np.random.default_rng(3)
+    idx = rng.integers(0, len(x), size=(5000, len(x)))
+    means = [x[row].mean() for row in idx]
+    lo, hi = np.quantile(means, [0.025, 0.975])
+    assert a["lo"] == pytest.approx(lo, abs=1e-12) and a["hi"] == pytest.approx(hi, abs=1e-12)
+    assert a["mean"] == pytest.approx(x.mean())
+    assert bootstrap_ci([2.5])["lo"] == bootstrap_ci([2.5])["hi"] == 2.5
+    assert bootstrap_ci([])["mean"] is None
+
+
+def test_paired_difference_on_shared_units_by_hand():
+    a = {(0, 0): 1.0, (0, 1): 2.0, (1, 0): 3.0}
+    b = {(0, 0): 0.0, (0, 1): 2.0, (1, 0): 1.0, (1, 1): 9.0}   # (1, 1) has no partner: left out
+    d = paired(a, b, n_boot=20_000, seed=0)
+    # differences [1, 0, 2]: mean 1; resampled sums 0 and 6 each have P = 1/27 = 3.7 % > 2.5 % → CI [0, 2]
+    assert (d["mean"], d["lo"], d["hi"], d["n"], d["wins"]) == (1.0, 0.0, 2.0, 3, 2)
+
+
+def test_gap_is_the_gap_of_the_means_and_undefined_when_validation_is_not_positive():
+    g = gap_ci([0.4, 0.6], [0.2, 0.3], n_boot=2000)
+    assert g["mean"] == pytest.approx(0.5) and g["lo"] == pytest.approx(0.5) and g["hi"] == pytest.approx(0.5)
+    assert gap_ci([-0.1, 0.05], [0.2, 0.3])["mean"] is None
+
+
+def _summary(variant, seed, fold, vals, sel, oos, trades=30):
+    rng = np.random.default_rng(seed * 10 + fold + (variant == "on"))
+    return {"run_id": f"{variant}-s{seed}-f{fold}", "variant": variant, "seed": seed, "fold": fold,
+            "selected_epoch": sel, "selectable": True, "val_sharpe": vals[sel - 1], "oos_sharpe": oos,
+            "val_trades": trades, "oos_trades": trades, "run_dsr": 0.5, "first_epoch_key": "k",
+            "selected_val_trade_returns": list(rng.normal(0.01, 0.02, trades)),
+            "epochs": [{"epoch": i + 1, "val_sharpe": v, "checkpoint_sha256": "same" if i == 0 else f"{variant}{i}"}
+                       for i, v in enumerate(vals)]}
+
+
+def test_aggregate_deflates_by_every_checkpoint_of_the_study_and_pairs_by_seed_and_fold():
+    runs = [_summary("on", 0, 0, [0.1, 0.4], 2, 0.30), _summary("off", 0, 0, [0.1, 0.2], 2, 0.10),
+            _summary("on", 1, 0, [0.2, 0.5], 2, 0.50), _summary("off", 1, 0, [0.2, 0.1], 1, 0.20)]
+    res = aggregate(runs, [], ["on", "off"], "off", n_boot=2000, seed=0)
+    allv = [0.1, 0.4, 0.1, 0.2, 0.2, 0.5, 0.2, 0.1]
+    assert res["n_trials"] == 8 and res["trial_sharpe_var"] == pytest.approx(np.var(allv, ddof=1))
+    row = next(r for r in res["runs"] if r["run_id"] == "on-s1-f0")
+    assert row["dsr"] == pytest.approx(dsr(runs[2]["selected_val_trade_returns"], 8, np.var(allv, ddof=1)))
+    p = res["paired"]["on"]["oos_sharpe"]
+    assert p["mean"] == pytest.approx(((0.30 - 0.10) + (0.50 - 0.20)) / 2) and p["wins"] == 2 and p["n"] == 2
+    assert res["paired"]["on"]["last_val_sharpe"]["mean"] == pytest.approx(((0.4 - 0.2) + (0.5 - 0.1)) / 2)
+    assert res["variants"]["on"]["oos_sharpe"]["mean"] == pytest.approx(0.40)
+    assert res["variants"]["on"]["gap"]["mean"] == pytest.approx(1 - 0.40 / 0.45)
+    assert res["variants"]["on"]["verdict"] == ("validated edge" if res["variants"]["on"]["dsr"]["mean"] >= 0.95
+                                                else "no validated edge")
+    assert res["pairing"] == {"groups": 2, "identical_checkpoints": 2, "max_epoch1_val_spread": 0.0,
+                              "mean_epoch1_val_spread": 0.0}
+
+
+# --- the variant grammar ---------------------------------------------------------------------------------------
+def test_variants_parse_builtins_and_changed_loops():
+    vs = parse_variants("on,off,slow:train.lr=1e-4;rollback_drop=0.1,noE:feedback=off;horizons=1+5+20")
+    assert [v.name for v in vs] == ["on", "off", "slow", "noE"]
+    assert vs[0].settings == () and vs[1].settings == (("feedback.enabled", False),)
+    assert vs[2].settings == (("train.lr", 1e-4), ("feedback.rollback_drop", 0.1)) and vs[2].feedback
+    assert vs[3].settings == (("feedback.enabled", False), ("train.horizons", (1, 5, 20))) and not vs[3].feedback
+    spec = StudySpec(dataset="synthetic", variants=vs, seeds=[0], folds=1, epochs=1)
+    cfg, fb = spec.configs(vs[2], 14)
+    assert cfg.lr == 1e-4 and fb.rollback_drop == 0.1 and fb.enabled
+    cfg, fb = spec.configs(vs[3], 14)
+    assert cfg.horizons == (1, 5, 20) and not fb.enabled
+    assert [r.run_id for r in spec.runs()] == ["on-s0-f0", "off-s0-f0", "slow-s0-f0", "noE-s0-f0"]
+
+
+@pytest.mark.parametrize("text, message", [
+    ("on,nope", "neither 'on' nor 'off'"),
+    ("x:eps_start=0.2", "write train.eps_start or feedback.eps_start"),
+    ("x:lr=fast", "expected a number"),
+    ("x:nonsense=1", "no field of that name"),
+    ("x:bf16=maybe", "expected true or false"),
+    ("on,on", "repeated: on"),
+    ("on:lr=1", "built-in"),
+    ("bad/name:lr=1", "variant name"),
+    ("x:train.nope=1", "TrainConfig has no field 'nope'"),
+])
+def test_bad_variants_are_refused_naming_the_problem(text, message):
+    with pytest.raises(StudyError, match=message):
+        parse_variants(text)
+
+
+def test_tuple_fields_parse_generically_from_their_declared_type():
+    @dataclass(frozen=True)
+    class Signals:
+        off: tuple[str, ...] = ()
+        pair: tuple[int, float] = (0, 0.0)
+        limit: float | None = None
+
+    hints = typing.get_type_hints(Signals)
+    assert parse_value("E2+E3", hints["off"], "off") == ("E2", "E3")
+    assert parse_value("E2", hints["off"], "off") == ("E2",)
+    assert parse_value("", hints["off"], "off") == ()
+    assert parse_value(["E1", "E9"], hints["off"], "off") == ("E1", "E9")     # a TOML array
+    assert parse_value("3+0.5", hints["pair"], "pair") == (3, 0.5)
+    assert parse_value("none", hints["limit"], "limit") is None and parse_value("2", hints["limit"], "limit") == 2.0
+    with pytest.raises(StudyError, match="expected 2 items"):
+        parse_value("1+2+3", hints["pair"], "pair")
+
+
+def test_toml_variants_with_dotted_keys_and_config_checks():
+    vs = variants_from_toml({"on": {}, "off": {}, "short": {"train": {"iterations": 7}, "feedback": {"n0": 5}}},
+                            "--config s.toml")
+    assert vs[2].settings == (("train.iterations", 7), ("feedback.n0", 5.0))
+    assert resolve_key("d_model") == ("agent", "d_model") and resolve_key("churn") == ("reward", "churn")
+    with pytest.raises(StudyError, match="expected an integer"):
+        variants_from_toml({"x": {"iterations": 2.5}}, "--config s.toml")
+    base = TrainConfig.preset("small", 14)
+    cfg, fb = apply_settings(base, FeedbackConfig(), [("agent.d_model", 64), ("feedback.enabled", False)])
+    assert base.agent.d_model == 32 and not fb.enabled            # copies: the base config is untouched
+    assert cfg.agent.d_model == 64
+
+
+def test_auto_bars_give_walk_forward_windows_of_the_asked_trades():
+    from shared.market import walk_forward_folds
+    from shared.synthetic import MEAN_DURATION
+
+    n = synthetic_bars_for(200, 3)
+    folds = walk_forward_folds(n, n_folds=3)
+    for f in folds:
+        for a, b in (f.val, f.test):
+            assert (b - a) / (1.5 * MEAN_DURATION) >= 200 * 1.1

@@ -1,0 +1,241 @@
+"""`tradeloop study` — variants × seeds × walk-forward folds of the closed loop, many runs at once, with confidence
+intervals.
+
+    tradeloop study --dataset synthetic --variants on,off --seeds 5 --folds 3 --epochs 8 --out runs/study
+                    [--preset small|full] [--set KEY=VALUE ...] [--bars N|auto] [--device cpu|cuda] [--parallel P]
+                    [--accel auto|eager|compile|graph|compile+graph] [--deterministic] [--config study.toml]
+
+Options given on the command line win over the same keys of `--config FILE.toml` (keys: the long option names with
+'_' for '-'; `variants` a table of `[variants.NAME]` tables; `set` a list of "KEY=VALUE" or a table). The run
+logic is `tradeloop.study`; this module parses, checks and prints.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+
+TOML_KEYS = ("dataset", "variants", "seeds", "folds", "epochs", "device", "parallel", "out", "preset", "set", "bars",
+             "window_trades", "data_seed", "accel", "deterministic", "min_val_trades", "reference", "n_boot",
+             "ci_seed", "threads", "stagger")
+
+
+def parse_seeds(value: Any, where: str = "--seeds") -> list[int]:
+    """N (seeds 0 … N−1) or a list "3,7,9" (or a TOML array)."""
+    from tradeloop.study.spec import StudyError
+
+    try:
+        if isinstance(value, list):
+            return [int(x) for x in value]
+        if isinstance(value, int) and not isinstance(value, bool):
+            return list(range(value))
+        text = str(value).strip()
+        if "," in text:
+            return [int(x) for x in text.split(",") if x.strip()]
+        return list(range(int(text)))
+    except (TypeError, ValueError):
+        raise StudyError(f"{where}: expected a count N (seeds 0 … N−1) or a list like 0,3,7; got {value!r}") from None
+
+
+def build_spec(cli: dict[str, Any]):
+    """The StudySpec and out directory from the command line's values (None: not given) merged over --config."""
+    from tradeloop.study.spec import (StudyError, StudySpec, parse_setting, parse_variants, read_toml, split_assignment,
+                                      synthetic_bars_for, variants_from_toml)
+
+    conf: dict[str, Any] = {}
+    where = "--config"
+    if cli.get("config") is not None:
+        where = f"--config {cli['config']}"
+        conf = read_toml(Path(cli["config"]))
+        conf = {k.replace("-", "_"): v for k, v in conf.items()}
+        unknown = sorted(set(conf) - set(TOML_KEYS))
+        if unknown:
+            raise StudyError(f"{where}: unknown keys {', '.join(unknown)} (known: {', '.join(TOML_KEYS)})")
+    pick = lambda k, default=None: cli[k] if cli.get(k) is not None else conf.get(k, default)  # noqa: E731
+    dataset = pick("dataset")
+    if not dataset:
+        raise StudyError("--dataset is required (synthetic, sp500, eurusd or a CSV/Parquet file)")
+    if cli.get("variants") is not None:
+        variants = parse_variants(cli["variants"])
+    else:
+        variants = variants_from_toml(conf.get("variants", "on,off"), where)
+    settings = []
+    raw_set = cli["set"] if cli.get("set") else conf.get("set", [])
+    if isinstance(raw_set, dict):
+        from tradeloop.study.spec import _flatten
+
+        settings = [parse_setting(k, v, f"{where} set") for k, v in _flatten(raw_set)]
+    else:
+        for item in raw_set:
+            k, v = split_assignment(str(item), "--set")
+            settings.append(parse_setting(k, v, "--set"))
+    folds = int(pick("folds", 3))
+    bars = pick("bars")
+    if bars is not None and str(bars).strip().lower() == "auto":
+        if str(dataset).strip().lower() != "synthetic":
+            raise StudyError("--bars auto sizes the synthetic market only; give a number for a file")
+        bars = synthetic_bars_for(int(pick("window_trades", 200)), folds)
+    elif bars is not None:
+        try:
+            bars = int(bars)
+        except (TypeError, ValueError):
+            raise StudyError(f"--bars must be a number of bars or auto, got {bars!r}") from None
+    epochs = pick("epochs")
+    if epochs is None:
+        raise StudyError("--epochs is required")
+    out = pick("out")
+    if out is None:
+        raise StudyError("--out is required (the study's directory; a study there is resumed)")
+    try:
+        spec = StudySpec(
+            dataset=str(dataset), variants=variants, seeds=parse_seeds(pick("seeds", 3)), folds=folds,
+            epochs=int(epochs), preset=str(pick("preset", "small")), settings=settings, bars=bars,
+            data_seed=None if pick("data_seed") is None else int(pick("data_seed")),
+            device=str(pick("device", "cpu")), accel=str(pick("accel", "auto")),
+            deterministic=bool(pick("deterministic", False)), min_val_trades=int(pick("min_val_trades", 20)),
+            reference=pick("reference"), n_boot=int(pick("n_boot", 10_000)), ci_seed=int(pick("ci_seed", 0)),
+            parallel=int(pick("parallel", 1)), threads=None if pick("threads") is None else int(pick("threads")),
+            stagger=str(pick("stagger", "auto")))
+    except (TypeError, ValueError) as exc:
+        raise StudyError(f"{where}: {exc}") from None
+    return spec.validate(), Path(out)
+
+
+def check_runnable(spec, local: bool = True) -> None:
+    """What can be checked before any worker starts: the device (when runs run here), the accel mode, the data and
+    its folds."""
+    import torch
+
+    from shared.graphs import resolve_accel
+    from shared.market import DataError
+    from tradeloop.study.spec import StudyError, load_study_bars, study_folds
+
+    if local and spec.device.startswith("cuda") and not torch.cuda.is_available():
+        raise StudyError("--device cuda but no CUDA device is available here")
+    try:
+        resolve_accel(spec.accel, torch.device(spec.device))
+    except ValueError as exc:
+        raise StudyError(f"--accel: {exc}") from None
+    if spec.dataset.strip().lower() == "synthetic":
+        from tradeloop.study.spec import SYNTHETIC_DEFAULT_BARS
+
+        study_folds(spec, spec.bars or SYNTHETIC_DEFAULT_BARS)
+        return
+    try:
+        bars = load_study_bars(spec, 0)
+    except DataError as exc:
+        raise StudyError(str(exc)) from None
+    except OSError as exc:
+        raise StudyError(f"--dataset {spec.dataset}: cannot read: {exc}") from None
+    study_folds(spec, len(bars))
+
+
+def study(
+    dataset: Optional[str] = typer.Option(None, "--dataset", help="synthetic, sp500, eurusd, or a CSV/Parquet file."),
+    variants: Optional[str] = typer.Option(None, "--variants",
+                                           help="on,off[,NAME:KEY=VALUE;KEY=VALUE,...] (default on,off)."),
+    seeds: Optional[str] = typer.Option(None, "--seeds", help="N (seeds 0…N−1) or a list 0,3,7 (default 3)."),
+    folds: Optional[int] = typer.Option(None, "--folds", help="Rolling walk-forward folds (default 3)."),
+    epochs: Optional[int] = typer.Option(None, "--epochs", help="Epochs of every run."),
+    device: Optional[str] = typer.Option(None, "--device", help="cpu or cuda (every visible GPU is used)."),
+    parallel: Optional[int] = typer.Option(None, "--parallel", help="Runs at once (worker processes; default 1)."),
+    out: Optional[Path] = typer.Option(None, "--out", help="The study's directory (a study there is resumed)."),
+    config: Optional[Path] = typer.Option(None, "--config", help="A study file (TOML) with the same keys."),
+    preset: Optional[str] = typer.Option(None, "--preset", help="Trainer preset: small (CPU) or full (GPU)."),
+    set_: Optional[list[str]] = typer.Option(None, "--set", help="KEY=VALUE for every variant (repeatable), "
+                                             "e.g. iterations=1000 or agent.d_model=64."),
+    bars: Optional[str] = typer.Option(None, "--bars", help="Bars of the data: N, or auto (synthetic: val and test "
+                                       "windows of ≥ --window-trades trades of a trade-holding policy)."),
+    window_trades: Optional[int] = typer.Option(None, "--window-trades", help="Trades per window for --bars auto "
+                                                "(default 200)."),
+    data_seed: Optional[int] = typer.Option(None, "--data-seed", help="Synthetic market seed (default: each run's "
+                                            "seed)."),
+    accel: Optional[str] = typer.Option(None, "--accel", help="auto, eager, compile, graph or compile+graph."),
+    deterministic: Optional[bool] = typer.Option(None, "--deterministic/--no-deterministic",
+                                                 help="torch's deterministic algorithms in every run (GPU: "
+                                                 "reproducible pairing, at a cost)."),
+    min_val_trades: Optional[int] = typer.Option(None, "--min-val-trades", help="Fewest validation trades of a "
+                                                 "selectable checkpoint (default 20)."),
+    reference: Optional[str] = typer.Option(None, "--reference", help="Variant the paired differences are taken "
+                                            "against (default off, else the first)."),
+    n_boot: Optional[int] = typer.Option(None, "--n-boot", help="Bootstrap resamples (default 10000)."),
+    ci_seed: Optional[int] = typer.Option(None, "--ci-seed", help="Seed of the bootstrap's resampling (default 0)."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="torch threads per worker (default cores / P)."),
+    stagger: Optional[str] = typer.Option(None, "--stagger", help="auto (compiled: the other workers start once "
+                                          "the first has compiled) or seconds between worker starts."),
+    redis: Optional[str] = typer.Option(None, "--redis", help="Redis URL: runs go through its stream, where "
+                                        "`tradeloop study-worker` on other hosts take them too (--parallel 0: "
+                                        "none here)."),
+) -> None:
+    """Run variants × seeds × walk-forward folds of the closed loop; statistics with 95 % CIs (Sharpes un-annualized,
+    per trade)."""
+    from rich.console import Console
+
+    from tradeloop.study.report import markdown
+    from shared.redis_server import RedisServerError
+    from tradeloop.study.runner import prepare, run_study
+    from tradeloop.study.spec import StudyError
+
+    err = Console(stderr=True, soft_wrap=True)
+    cli = dict(dataset=dataset, variants=variants, seeds=seeds, folds=folds, epochs=epochs, device=device,
+               parallel=parallel, out=out, config=config, preset=preset, set=set_, bars=bars,
+               window_trades=window_trades, data_seed=data_seed, accel=accel, deterministic=deterministic,
+               min_val_trades=min_val_trades, reference=reference, n_boot=n_boot, ci_seed=ci_seed, threads=threads,
+               stagger=stagger)
+    try:
+        spec, out_dir = build_spec(cli)
+        check_runnable(spec, local=spec.parallel > 0)
+        if redis is None and spec.parallel < 1:
+            raise StudyError("--parallel 0 (no local worker) needs --redis: workers elsewhere take the runs")
+        if redis is not None:
+            from tradeloop.study.remote import client
+
+            client(redis)
+        prepare(spec, out_dir)
+    except (StudyError, RedisServerError) as exc:
+        err.print(f"error: {exc}", markup=False, highlight=False)
+        raise typer.Exit(2) from None
+    console = Console(soft_wrap=True)
+    console.print(f"study: {len(spec.variants)} variants × {len(spec.seeds)} seeds × {spec.folds} folds = "
+                  f"{len(spec.runs())} runs of {spec.epochs} epochs, {spec.parallel} at once, in {out_dir}",
+                  markup=False, highlight=False)
+    try:
+        res = run_study(spec, out_dir, console, redis_url=redis)
+    except (StudyError, RedisServerError) as exc:
+        err.print(f"error: {exc}", markup=False, highlight=False)
+        raise typer.Exit(1) from None
+    console.print(markdown(res).split("\n| run |")[0], markup=False, highlight=False, soft_wrap=True)
+    console.print(f"results: {out_dir / 'report.md'}, {out_dir / 'results.json'}, {out_dir / 'report.png'}",
+                  markup=False, highlight=False)
+
+
+def study_worker(
+    redis: str = typer.Option(..., "--redis", help="The study's Redis URL."),
+    study_id: str = typer.Option(..., "--study", help="The study's id (printed by `tradeloop study --redis`)."),
+    out: Path = typer.Option(..., "--out", help="This host's directory for the runs it does."),
+    parallel: int = typer.Option(1, "--parallel", help="Runs at once on this host (one GPU each, round-robin)."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="torch threads per worker (default cores / P)."),
+) -> None:
+    """Take runs of a study from its Redis stream until every run is done (the study process gathers the results)."""
+    from rich.console import Console
+
+    from shared.redis_server import RedisServerError
+    from tradeloop.study.runner import work_for
+    from tradeloop.study.spec import StudyError
+
+    err = Console(stderr=True, soft_wrap=True)
+    if parallel < 1:
+        err.print(f"error: --parallel must be ≥ 1, got {parallel}")
+        raise typer.Exit(2)
+    try:
+        work_for(redis, study_id, out, parallel, threads, Console(soft_wrap=True))
+    except (StudyError, RedisServerError) as exc:
+        err.print(f"error: {exc}", markup=False, highlight=False)
+        raise typer.Exit(2) from None
+
+
+def register(app: typer.Typer) -> None:
+    """Add `tradeloop study` and `tradeloop study-worker`."""
+    app.command("study")(study)
+    app.command("study-worker")(study_worker)

@@ -1,0 +1,9 @@
+"""`tradeloop study`: the closed loop over variants × seeds × walk-forward folds, with confidence intervals.
+
+    spec.py    variants (the loop with settings changed), seeds, folds, data; the command line and TOML forms
+    loop.py    one run: the closed loop in-process through the functions the services call, resumable
+    runner.py  worker processes (one GPU each, round-robin), resume, progress, status.json, baselines
+    remote.py  the runs through a Redis stream, for `tradeloop study-worker` on other hosts
+    stats.py   selection on validation, bootstrap CIs, paired differences, the study-wide DSR
+    report.py  results.json, report.md, report.png
+"""

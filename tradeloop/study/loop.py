@@ -1,0 +1,205 @@
+"""The closed loop in one process, through the very functions the services call (no Redis, no HTTP):
+
+    for epoch e = 1..E:
+        knobs_e  = epoch 1: the trainer config's fixed schedule (`Knobs.fixed_schedule(1, …)`), whatever the feedback
+                   settings, so variants of one seed and fold share their first epoch
+                   e > 1: bundle e−1's knobs
+        train    : services.trainer.train.train_run (train_epoch → save_epoch → history.jsonl), resumed from the
+                   run directory's latest checkpoint
+        report_e : services.evaluator.runner.evaluate_checkpoint(checkpoint e, knobs_e, n_trials = e, prior_sharpes =
+                   earlier val Sharpes, oos=False)  — validation and the in-sample autopsy; the OOS window is not
+                   backtested here (`evaluate_selected` reads it for the checkpoint selected on validation only)
+        bundle_e : services.feedback.signals.compute_bundle(report_e, earlier reports' history entries, feedback)
+                   — with `feedback.enabled` False the product's fixed schedule ("feedback disabled (ablation)")
+
+What the services keep in Redis is kept here in the run directory, one JSON file per epoch written atomically after
+the epoch's bundle (`loop/epoch-NNNN.json`: the knobs it trained under, the next epoch's knobs, the validation
+metrics and trade returns, the history entry the feedback service would keep, timings). A loop killed at any
+point resumes where it stopped: an epoch whose checkpoint exists but whose record does not is evaluated again
+(evaluation and feedback are pure functions of the checkpoint and the earlier records), then `train_run`
+resumes from the latest checkpoint. Only the latest epoch's trainer state (optimizer, replay, RNG: what resuming
+needs, hundreds of MB at the `full` preset) is kept.
+
+Sharpes are un-annualized, per trade.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from services.evaluator.runner import evaluate_checkpoint
+from services.feedback.guard import HistoryEntry, HistoryPoint
+from services.feedback.signals import FeedbackConfig, compute_bundle
+from services.trainer.train import EpochStats, TrainConfig, latest_epoch, train_run
+from shared.checkpoints import sidecar_path
+from shared.knobs import Knobs
+from shared.market import Bars, Split, compute_features
+from shared.metrics import sharpe_se
+from shared.report import SplitDefinition
+
+LOOP_DIR = "loop"
+
+
+def write_json_atomic(path: Path, doc: Any) -> None:
+    """Write JSON to `path` through a temporary file and a rename: a reader (or a resume) sees all of it or none."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(doc, f, allow_nan=False, separators=(",", ":"))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def checkpoint_path(run_dir: Path, epoch: int, state: bool = False) -> Path:
+    """The agent checkpoint (or with `state` the trainer state) of `epoch` in a run directory."""
+    return Path(run_dir) / "checkpoints" / f"epoch-{epoch:04d}{'.state' if state else ''}.safetensors"
+
+
+def first_knobs(cfg: TrainConfig) -> Knobs:
+    """The knobs of epoch 1: the trainer config's fixed schedule (the same for feedback on and off)."""
+    return cfg.schedule.knobs(1)
+
+
+def record_path(run_dir: Path, epoch: int) -> Path:
+    return Path(run_dir) / LOOP_DIR / f"epoch-{epoch:04d}.json"
+
+
+def read_records(run_dir: Path) -> dict[int, dict]:
+    """The epoch records of a run directory (epoch → record)."""
+    out = {}
+    for p in sorted((Path(run_dir) / LOOP_DIR).glob("epoch-[0-9]*.json")):
+        rec = json.loads(p.read_text())
+        out[int(rec["epoch"])] = rec
+    return out
+
+
+def history_of(record: dict, run_id: str, split_def: SplitDefinition) -> HistoryEntry:
+    """The `HistoryEntry` the feedback service keeps of an epoch's report (`guard.history_entry`), from its record."""
+    return HistoryEntry(run_id=run_id, epoch=int(record["epoch"]), split=split_def,
+                        point=HistoryPoint(epoch=int(record["epoch"]), val_sharpe=float(record["history"]["val_sharpe"]),
+                                           val_n_trades=int(record["history"]["val_n_trades"]),
+                                           knobs=Knobs.from_dict(record["knobs"]),
+                                           val_sharpe_se=sharpe_se(np.asarray(record["val_trade_returns"],
+                                                                              dtype=np.float64)),
+                                           checkpoint_sha256=record.get("checkpoint_sha256") or ""))
+
+
+def _drop(path: Path) -> None:
+    for p in (path, sidecar_path(path)):
+        p.unlink(missing_ok=True)
+
+
+def run_closed_loop(bars: Bars, dataset: str, run_dir: Path, epochs: int, *, config: TrainConfig,
+                    feedback: FeedbackConfig, split: Split, seed: int, device: str = "cpu", accel: str = "auto",
+                    features: np.ndarray | None = None, run_id: str | None = None,
+                    on_epoch: Callable[[dict], None] | None = None,
+                    progress: Callable[[int, int], None] | None = None) -> list[dict]:
+    """Run (or resume) the closed loop for `epochs` epochs in `run_dir`; returns the E epoch records in order.
+
+    `on_epoch(record)` is called after each epoch's record is stored (not for epochs a resume found done)."""
+    run_dir = Path(run_dir)
+    run_id = run_id or run_dir.name
+    feats = compute_features(bars) if features is None else features
+    sched = config.schedule           # one schedule: feedback off (or a signal off) falls back to the trainer's
+    feedback = dataclasses.replace(feedback, eps_start=sched.eps_start, eps_end=sched.eps_end,
+                                   eps_decay_epochs=sched.eps_decay_epochs, gamma_fixed=sched.gamma)
+    records = {e: r for e, r in read_records(run_dir).items() if e <= epochs}
+    split_file = run_dir / LOOP_DIR / "split_definition.json"
+    box: dict[str, Any] = {"split_def": (SplitDefinition.model_validate_json(split_file.read_text())
+                                         if split_file.exists() else None)}
+
+    def knobs_for(e: int) -> Knobs:
+        return first_knobs(config) if e == 1 else Knobs.from_dict(records[e - 1]["next_knobs"])
+
+    def close_epoch(e: int, stats: EpochStats | None) -> dict:
+        """Evaluate checkpoint e on validation (+ in-sample), compute bundle e, store the epoch's record."""
+        knobs = knobs_for(e)
+        prior = [records[k]["history"]["val_sharpe"] for k in range(1, e)]
+        t0 = time.perf_counter()
+        rep = evaluate_checkpoint(checkpoint_path(run_dir, e), expected_sha256=None, bars=bars, split=split,
+                                  run_id=run_id, epoch=e, n_trials=e, prior_sharpes=prior, device=device,
+                                  dataset=dataset, oos=False, features=feats, knobs=knobs)
+        t1 = time.perf_counter()
+        if box["split_def"] is None:
+            box["split_def"] = rep.split
+            write_json_atomic(split_file, rep.split.model_dump(mode="json"))
+        history = [history_of(records[k], run_id, box["split_def"]) for k in range(1, e)]
+        bundle = compute_bundle(rep, history, feedback, bars=bars)
+        t2 = time.perf_counter()
+        vm = rep.val.metrics
+        rec = {"epoch": e, "knobs": knobs.to_dict(), "next_knobs": bundle.knobs,
+               "bundle": {"enabled": bundle.enabled, "rollback": bundle.rollback, "reason": bundle.reason,
+                          "rollback_to_epoch": bundle.rollback_to_epoch,
+                          "rollback_checkpoint_sha256": bundle.rollback_checkpoint_sha256,
+                          "best_epoch": bundle.best_epoch},
+               "val": {k: v for k, v in vm.items()},
+               "val_trade_returns": [float(x) for x in rep.val.trades.net_return],
+               "history": {"val_sharpe": rep.val.metric("per_trade_sharpe"), "val_n_trades": len(rep.val.trades)},
+               "train": None if stats is None else {k: (v if not isinstance(v, float) or np.isfinite(v) else None)
+                                                    for k, v in asdict(stats).items() if k != "knobs"},
+               "seconds": {"train": None if stats is None else stats.seconds, "eval": t1 - t0, "feedback": t2 - t1},
+               "checkpoint_sha256": rep.checkpoint_sha256}
+        write_json_atomic(record_path(run_dir, e), rec)
+        records[e] = rec
+        return rec
+
+    def rollback_for(e: int) -> tuple[int, str] | None:
+        """Bundle e−1's rollback: (the epoch whose learner `train_run` restores before epoch e, its sha256)."""
+        b = records.get(e - 1, {}).get("bundle", {})
+        return (int(b["rollback_to_epoch"]), b.get("rollback_checkpoint_sha256") or "") if b.get("rollback") else None
+
+    def pinned() -> set[int]:
+        """The epoch a later rollback would restore (the latest bundle's best epoch): its trainer state is kept."""
+        b = records[max(records)]["bundle"] if records else {}
+        return set() if b.get("best_epoch") is None else {int(b["best_epoch"])}
+
+    # a resume: epochs checkpointed before a kill but not yet evaluated
+    done = latest_epoch(run_dir) if (run_dir / "run.json").exists() else 0
+    for e in range(1, min(done, epochs) + 1):
+        if e not in records:
+            close_epoch(e, None)
+
+    def after_epoch(stats: EpochStats) -> None:
+        rec = close_epoch(stats.epoch, stats)
+        if on_epoch is not None:
+            on_epoch(rec)
+
+    if done < epochs:
+        train_run(bars, dataset, run_dir, epochs, config=config, seed=seed, device=device, accel=accel,
+                  knobs_fn=knobs_for, on_epoch=after_epoch, progress=progress, split=split, features=feats,
+                  rollback_fn=rollback_for, pinned_fn=pinned)
+    return [records[e] for e in range(1, epochs + 1)]
+
+
+def evaluate_selected(run_dir: Path, epoch: int, records: list[dict], *, bars: Bars, split: Split, dataset: str,
+                      device: str = "cpu", features: np.ndarray | None = None, run_id: str | None = None) -> dict:
+    """The OOS backtest of the one checkpoint selected on validation (epoch `epoch`), with its validation backtest
+    again (the same pass: its per-trade Sharpe must equal the record's). Returns {"val": metrics, "oos": metrics,
+    "oos_trade_returns": [...]}."""
+    run_dir = Path(run_dir)
+    rec = records[epoch - 1]
+    prior = [r["history"]["val_sharpe"] for r in records[:epoch - 1]]
+    rep = evaluate_checkpoint(checkpoint_path(run_dir, epoch), expected_sha256=None, bars=bars, split=split,
+                              run_id=run_id or run_dir.name, epoch=epoch, n_trials=epoch, prior_sharpes=prior,
+                              insample_bars=0, device=device, dataset=dataset, oos=True, features=features,
+                              knobs=Knobs.from_dict(rec["knobs"]))
+    return {"val": dict(rep.val.metrics), "oos": dict(rep.oos.metrics),
+            "oos_trade_returns": [float(x) for x in rep.oos.trades.net_return]}
+
+
+def prune_checkpoints(run_dir: Path, keep: set[int]) -> None:
+    """Delete every trainer state and every agent checkpoint of a finished run except the epochs in `keep`."""
+    ck = Path(run_dir) / "checkpoints"
+    for p in ck.glob("epoch-*.safetensors"):
+        e = int(p.name.split("-")[1].split(".")[0])
+        if p.name.endswith(".state.safetensors") or e not in keep:
+            _drop(p)

@@ -1,0 +1,158 @@
+"""A study's results out: results.json (everything), report.md (the tables) and report.png (matplotlib: the
+per-epoch validation curves per variant, the paired differences, OOS per variant against the baselines).
+Sharpes are un-annualized, per trade."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+from tradeloop.study.loop import write_json_atomic
+from tradeloop.study.spec import StudySpec
+from tradeloop.study.stats import DSR_BAR, aggregate, describe
+
+
+def load_summaries(spec: StudySpec, out: Path) -> list[dict]:
+    return [json.loads((out / "runs" / r.run_id / "summary.json").read_text()) for r in spec.runs()]
+
+
+def write_results(spec: StudySpec, out: Path, timing: dict) -> dict:
+    """Aggregate the finished study in `out` and write results.json, report.md and report.png; returns the results."""
+    from tradeloop.study.runner import baselines
+
+    out = Path(out)
+    summaries = load_summaries(spec, out)
+    epoch_s = [e["train_s"] + e["eval_s"] for m in summaries for e in m["epochs"] if e["train_s"] is not None]
+    timing = {**timing, "mean_epoch_s": float(np.mean(epoch_s)) if epoch_s else None}
+    res = aggregate(summaries, baselines(spec, out), [v.name for v in spec.variants], spec.reference_name,
+                    n_boot=spec.n_boot, seed=spec.ci_seed)
+    res = {"study": spec.to_dict(), "timing": timing, **res}
+    write_json_atomic(out / "results.json", res)
+    (out / "report.md").write_text(markdown(res))
+    plot(res, out / "report.png")
+    return res
+
+
+def _n(x, spec: str = "+.3f") -> str:
+    return "n/a" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, spec)
+
+
+def markdown(res: dict) -> str:
+    s, t = res["study"], res["timing"]
+    from tradeloop.study.runner import fmt_timing
+
+    units = len(s["seeds"]) * s["folds"]
+    lines = [f"# Study: {s['dataset']} — {len(s['variants'])} variants × {len(s['seeds'])} seeds × {s['folds']} folds "
+             f"× {s['epochs']} epochs",
+             "",
+             f"Preset `{s['preset']}`{', settings ' + '; '.join(f'`{k}={v}`' for k, v in s['settings']) if s['settings'] else ''}"
+             f", device {s['device']}, accel {s['accel']}{', deterministic' if s['deterministic'] else ''}; "
+             f"bars {s['bars'] or 'dataset default'}; rolling walk-forward folds (train | embargo | val | embargo | "
+             f"test). Each run's checkpoint is selected on validation only (best val per-trade Sharpe among epochs with "
+             f"≥ {s['min_val_trades']} val trades); OOS is read for that checkpoint alone. Sharpes are un-annualized, "
+             f"per trade. Mean [95 % CI]: percentile bootstrap over the {units} (seed, fold) units, "
+             f"{s['n_boot']} resamples, rng seed {s['ci_seed']}. DSR: the selected checkpoint's validation trades "
+             f"deflated by all N = {res['n_trials']} checkpoints of the study (variance of their val Sharpes "
+             f"{_n(res['trial_sharpe_var'], '.4f')}); verdict \"validated edge\" only when the mean DSR reaches "
+             f"{DSR_BAR}.",
+             "",
+             f"Timing: {fmt_timing(t)}.",
+             "",
+             "| policy | runs | OOS per-trade Sharpe | val per-trade Sharpe | val/OOS gap (of the means) | DSR (study) "
+             "| val trades | OOS trades | verdict |",
+             "|---|---:|---|---|---|---|---|---|---|"]
+    for name, d in res["variants"].items():
+        variant = next(v for v in s["variants"] if v["name"] == name)
+        what = "; ".join(f"{k}={v}" for k, v in variant["settings"]) or "as shipped"
+        lines.append(f"| **{name}** ({what}) | {d['n_runs']} | {describe(d['oos_sharpe'])} | {describe(d['val_sharpe'])} "
+                     f"| {describe(d['gap'], '+.1%')} | {describe(d['dsr'], '.3f')} | {describe(d['val_trades'], '.0f')} "
+                     f"| {describe(d['oos_trades'], '.0f')} | {d['verdict']} ({d['dsr_at_bar']}/{d['n_runs']} runs "
+                     f"≥ {DSR_BAR}) |")
+    for name, d in res["baselines"].items():
+        lines.append(f"| {name} (baseline) | {d['n_runs']} | {describe(d['oos_sharpe'])} | {describe(d['val_sharpe'])} "
+                     f"| {describe(d['gap'], '+.1%')} | — | {describe(d['val_trades'], '.0f')} "
+                     f"| {describe(d['oos_trades'], '.0f')} | — |")
+    if res["paired"]:
+        lines += ["", f"Paired differences, variant − {res['reference']}, on the same seed and fold "
+                      "(mean [95 % CI]; wins: units where the variant is higher):", "",
+                  "| variant | Δ OOS per-trade Sharpe | wins | Δ val per-trade Sharpe | Δ last-epoch val | Δ DSR |",
+                  "|---|---|---:|---|---|---|"]
+        for name, d in res["paired"].items():
+            lines.append(f"| {name} | {describe(d['oos_sharpe'])} | {d['oos_sharpe']['wins']}/{d['oos_sharpe']['n']} "
+                         f"| {describe(d['val_sharpe'])} | {describe(d['last_val_sharpe'])} "
+                         f"({d['last_val_sharpe']['wins']}/{d['last_val_sharpe']['n']} higher) | {describe(d['dsr'], '+.3f')} |")
+    p = res["pairing"]
+    if p["groups"]:
+        lines += ["", f"Pairing: in {p['groups']} (seed, fold) groups of variants whose first epoch trains under the "
+                      f"same config and knobs, epoch 1's checkpoints were byte-identical in {p['identical_checkpoints']}; "
+                      f"epoch-1 val per-trade Sharpe spread within a group: max {_n(p['max_epoch1_val_spread'], '.4f')}, "
+                      f"mean {_n(p['mean_epoch1_val_spread'], '.4f')} (0 where identical: the noise a GPU adds)."]
+    lines += ["", "| run | seed | fold | selected epoch | val SR | val trades | OOS SR | OOS trades | DSR (study) "
+                  "| DSR (run) | last-epoch val SR |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in res["runs"]:
+        lines.append(f"| {r['run_id']} | {r['seed']} | {r['fold']} | {r['selected_epoch']}{'' if r['selectable'] else '*'} "
+                     f"| {_n(r['val_sharpe'])} | {r['val_trades']} | {_n(r['oos_sharpe'])} | {r['oos_trades']} "
+                     f"| {_n(r['dsr'], '.3f')} | {_n(r['run_dsr'], '.3f')} | {_n(r['last_val_sharpe'])} |")
+    if any(not r["selectable"] for r in res["runs"]):
+        lines.append(f"\n\\* no epoch had {s['min_val_trades']} validation trades: the best of all was taken.")
+    return "\n".join(lines) + "\n"
+
+
+def plot(res: dict, path: Path) -> None:
+    """report.png: validation curves per variant; paired Δ OOS per variant; OOS per variant and baseline."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(res["variants"])
+    colors = {n: plt.get_cmap("tab10")(i % 10) for i, n in enumerate(names)}
+    fig, axes = plt.subplots(1, 3, figsize=(17, 5.2), gridspec_kw={"width_ratios": [1.4, 1, 1]})
+    ax = axes[0]
+    for n in names:
+        curves = list(res["curves"][n].values())
+        for c in curves:
+            ax.plot(range(1, len(c) + 1), c, color=colors[n], alpha=0.2, lw=0.8)
+        m = np.mean(np.array(curves, dtype=float), axis=0)
+        ax.plot(range(1, len(m) + 1), m, color=colors[n], lw=2.4, marker="o", ms=4, label=f"{n} (mean of {len(curves)})")
+    ax.axhline(0, color="grey", lw=0.8)
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.set(xlabel="epoch", ylabel="val per-trade Sharpe (un-annualized)", title="Validation by epoch (thin: each run)")
+    ax.legend(fontsize=8)
+    ax = axes[1]
+    ref = res["reference"]
+    by_run = {(r["variant"], r["seed"], r["fold"]): r for r in res["runs"]}
+    pnames = list(res["paired"])
+    rng = np.random.default_rng(0)
+    for i, n in enumerate(pnames):
+        d = [r["oos_sharpe"] - by_run[(ref, r["seed"], r["fold"])]["oos_sharpe"] for r in res["runs"]
+             if r["variant"] == n and (ref, r["seed"], r["fold"]) in by_run]
+        ax.scatter(i + rng.uniform(-0.12, 0.12, len(d)), d, color=colors[n], alpha=0.5, s=14)
+        ci = res["paired"][n]["oos_sharpe"]
+        ax.errorbar([i], [ci["mean"]], yerr=[[ci["mean"] - ci["lo"]], [ci["hi"] - ci["mean"]]], fmt="D",
+                    color="black", capsize=6, ms=6)
+    ax.axhline(0, color="grey", lw=0.8)
+    ax.set_xticks(range(len(pnames)), pnames, rotation=30, ha="right")
+    ax.set_xlim(-0.6, max(len(pnames), 1) - 0.4)
+    ax.set(ylabel=f"Δ OOS per-trade Sharpe vs {ref}", title=f"Paired: variant − {ref} (same seed, fold; 95 % CI)")
+    ax = axes[2]
+    rows = [(n, res["variants"][n]["oos_sharpe"], colors[n]) for n in names] + \
+           [(f"{n}\n(baseline)", d["oos_sharpe"], "lightgrey") for n, d in res["baselines"].items()]
+    for i, (n, ci, c) in enumerate(rows):
+        if ci["mean"] is None:
+            continue
+        ax.bar(i, ci["mean"], color=c, alpha=0.8)
+        ax.errorbar([i], [ci["mean"]], yerr=[[ci["mean"] - ci["lo"]], [ci["hi"] - ci["mean"]]], color="black",
+                    capsize=5)
+    ax.axhline(0, color="grey", lw=0.8)
+    ax.set_xticks(range(len(rows)), [r[0] for r in rows], rotation=30, ha="right", fontsize=8)
+    ax.set(ylabel="OOS per-trade Sharpe (un-annualized)", title="OOS of the val-selected checkpoint (95 % CI)")
+    s = res["study"]
+    fig.suptitle(f"tradeloop study — {s['dataset']}, {len(s['seeds'])} seeds × {s['folds']} folds × {s['epochs']} "
+                 f"epochs, preset {s['preset']}", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

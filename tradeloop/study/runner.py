@@ -1,0 +1,647 @@
+"""Running a study: P worker processes take runs from a queue; the study process shows progress, keeps `status.json`
+and, when every run is done, the statistics and the report.
+
+Layout of the out directory:
+    study.json                 what the study is (a resume must ask for the same)
+    runs/<variant>-s<S>-f<K>/  one run: train_run's run.json, history.jsonl, checkpoints/; the loop's loop/epoch-N.json;
+                               summary.json, written atomically when the run is done (the done marker); .lock;
+                               attempts.jsonl (a line per start, with the epoch it started from)
+    baselines.json             random, flat, buy-and-hold (and the oracle on synthetic) on every (seed, fold)
+    status.json                progress, rewritten atomically (state, runs done/running/failed, epochs/s, ETA)
+    events.jsonl               one line per run finished (and per run failed) as the study process saw it
+    results.json, report.md, report.png
+
+Workers (`multiprocessing`, spawn): worker i is pinned to GPU i mod G of the G visible ones (`CUDA_VISIBLE_DEVICES`
+set before it loads CUDA), shares one compile cache under the out directory (`TORCHINDUCTOR_CACHE_DIR`,
+`TRITON_CACHE_DIR`), and dies with the study process (`PR_SET_PDEATHSIG`). With a compiled `--accel` the workers
+after the first start once the first has finished an epoch (its compiled kernels are then in the shared cache;
+`--stagger SECONDS`: worker i starts i × SECONDS later instead). A run holds an exclusive lock on its directory
+while it runs, so no run is ever done by two processes; a run killed half done resumes from its latest epoch
+(`tradeloop.study.loop`), and a done one (summary.json) is never run again. With `--redis` the runs go through a
+Redis stream instead of the local queue (`tradeloop.study.remote`), and `tradeloop study-worker` processes on other
+hosts take them too (`work_for`).
+"""
+from __future__ import annotations
+
+import gc
+import hashlib
+import json
+import math
+import os
+import queue
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+from tradeloop.study.loop import write_json_atomic
+from tradeloop.study.spec import RunSpec, StudyError, StudySpec
+
+WARM_FILE = ".cache/warm"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# One run (in a worker)
+# ---------------------------------------------------------------------------------------------------------
+class DataCache:
+    """Bars, features and folds per data seed, built once per worker process (the last `keep` seeds kept)."""
+
+    def __init__(self, spec: StudySpec, keep: int = 3):
+        self.spec, self.keep, self._cache = spec, keep, {}
+
+    def get(self, data_seed: int):
+        if data_seed not in self._cache:
+            from shared.market import compute_features
+            from tradeloop.study.spec import load_study_bars, study_folds
+
+            bars = load_study_bars(self.spec, data_seed)
+            while len(self._cache) >= self.keep:
+                self._cache.pop(next(iter(self._cache)))
+            self._cache[data_seed] = (bars, compute_features(bars), study_folds(self.spec, len(bars)))
+        return self._cache[data_seed]
+
+
+def first_epoch_key(cfg, knobs) -> str:
+    """Runs whose first epoch trains under the same config and knobs (and seed and data) must agree there."""
+    doc = json.dumps([cfg.to_dict(), knobs.to_dict()], sort_keys=True, default=str)
+    return hashlib.sha256(doc.encode()).hexdigest()[:16]
+
+
+def execute_run(spec: StudySpec, out: Path, rs: RunSpec, data: DataCache,
+                on_epoch: Callable[[dict], None] | None = None) -> dict:
+    """Run (or resume) one run of the study to its end; returns its summary (also written to summary.json)."""
+    import numpy as np
+
+    from shared.metrics import dsr
+    from tradeloop.study.loop import evaluate_selected, first_knobs, prune_checkpoints, run_closed_loop
+    from tradeloop.study.stats import select_epoch
+
+    t0 = time.perf_counter()
+    run_dir = out / "runs" / rs.run_id
+    bars, feats, folds = data.get(spec.data_seed_of(rs.seed))
+    split = folds[rs.fold]
+    cfg, fb = spec.configs(spec.variant(rs.variant), feats.shape[1])
+    trained_before = len(list((run_dir / "loop").glob("epoch-*.json"))) if run_dir.exists() else 0
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open(run_dir / "attempts.jsonl", "a") as f:   # one line per start: a resume shows its starting epoch
+        f.write(json.dumps({"pid": os.getpid(), "from_epoch": trained_before, "t": time.time()}) + "\n")
+    records = run_closed_loop(bars, spec.dataset, run_dir, spec.epochs, config=cfg, feedback=fb, split=split,
+                              seed=rs.seed, device=spec.device, accel=spec.accel, features=feats,
+                              run_id=rs.run_id, on_epoch=on_epoch)
+    vals = [float(r["history"]["val_sharpe"]) for r in records]
+    trades = [int(r["history"]["val_n_trades"]) for r in records]
+    sel, selectable = select_epoch(vals, trades, spec.min_val_trades)
+    chosen = evaluate_selected(run_dir, sel, records, bars=bars, split=split, dataset=spec.dataset,
+                               device=spec.device, features=feats, run_id=rs.run_id)
+    val_tr = records[sel - 1]["val_trade_returns"]
+    om, vm = chosen["oos"], records[sel - 1]["val"]
+    summary = {
+        "run_id": rs.run_id, "variant": rs.variant, "seed": rs.seed, "fold": rs.fold,
+        "data_seed": spec.data_seed_of(rs.seed), "split": split.to_dict(), "n_bars": len(bars),
+        "epochs": [{"epoch": r["epoch"], "val_sharpe": vals[i], "val_trades": trades[i],
+                    "train_s": r["seconds"]["train"], "eval_s": r["seconds"]["eval"],
+                    "epsilon": r["knobs"]["epsilon"], "gamma": r["knobs"]["gamma"],
+                    "rollback": r["bundle"]["rollback"], "reason": r["bundle"]["reason"],
+                    "checkpoint_sha256": r["checkpoint_sha256"]} for i, r in enumerate(records)],
+        "selected_epoch": sel, "selectable": selectable,
+        "val_sharpe": vals[sel - 1], "val_trades": trades[sel - 1],
+        "oos_sharpe": float(om["per_trade_sharpe"] or 0.0), "oos_trades": int(om["n_trades"]),
+        "val_metrics": vm, "oos_metrics": om,
+        "val_recheck": float(chosen["val"]["per_trade_sharpe"] or 0.0) - vals[sel - 1],
+        "selected_val_trade_returns": val_tr,
+        "run_dsr": dsr(val_tr, n_trials=len(vals), sharpe_var_trials=float(np.var(vals, ddof=1))
+                       if len(vals) >= 2 else None),
+        "first_epoch_key": first_epoch_key(cfg, first_knobs(cfg)), "config_hash": cfg.hash(),
+        "feedback": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(fb).items()},
+        "epochs_trained_here": spec.epochs - trained_before, "wall_s": time.perf_counter() - t0,
+        "device": spec.device, "gpu": os.environ.get("CUDA_VISIBLE_DEVICES") if spec.device != "cpu" else None,
+        "pid": os.getpid(),
+    }
+    write_json_atomic(run_dir / "summary.json", summary)
+    prune_checkpoints(run_dir, {sel})
+    return summary
+
+
+class RunLock:
+    """An exclusive, non-blocking `flock` on a run directory's .lock, released when the process ends (even killed)."""
+
+    def __init__(self, run_dir: Path):
+        import fcntl
+
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.f = open(run_dir / ".lock", "a+")
+        try:
+            fcntl.flock(self.f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.f.seek(0)
+            holder = self.f.read().strip()
+            self.f.close()
+            raise StudyError(f"{run_dir} is being run by another process ({holder or 'unknown'})") from None
+        self.f.seek(0)
+        self.f.truncate()
+        self.f.write(f"pid {os.getpid()}\n")
+        self.f.flush()
+
+    def release(self) -> None:
+        self.f.close()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Worker processes
+# ---------------------------------------------------------------------------------------------------------
+def _die_with_parent() -> None:
+    """SIGKILL this process when the study process dies (Linux prctl PR_SET_PDEATHSIG), so a killed study leaves no
+    worker running on."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+        except OSError:
+            pass
+
+
+def worker_env(out: Path, gpu: str | None, deterministic: bool) -> dict[str, str]:
+    """The environment a worker sets before it loads torch."""
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(out / ".cache" / "inductor"),
+           "TRITON_CACHE_DIR": str(out / ".cache" / "triton")}
+    if gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = gpu
+    if deterministic:
+        env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+    return env
+
+
+class LocalSource:
+    """Runs from the study process's queue; events back to it."""
+
+    def __init__(self, tasks, events):
+        self.get, self.emit = tasks.get, events.put
+
+    def done(self, run_id: str, summary: dict) -> None:
+        pass                                  # summary.json is the done marker
+
+    def failed(self, run_id: str, error: str) -> None:
+        pass                                  # the study process records it from the event
+
+    def close(self) -> None:
+        pass
+
+
+def worker_main(index: int, gpu: str | None, out: str, source: tuple, threads: int, wait_warm: float,
+                delay: float, parent_pid: int) -> None:
+    """A worker process: take run ids from its source (("local", tasks, events) or ("redis", url, sid, n_runs))
+    until there is none left, run each, report progress as events."""
+    import signal
+
+    _die_with_parent()
+    if os.getppid() != parent_pid:
+        return
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the study process's to handle: it stops the workers
+    out_p = Path(out)
+    spec = StudySpec.from_dict(json.loads((out_p / "study.json").read_text())["spec"])
+    for k, v in worker_env(out_p, gpu, spec.deterministic).items():
+        if k.endswith("_CACHE_DIR"):
+            os.environ.setdefault(k, v)   # a cache the user points at is kept
+        else:
+            os.environ[k] = v
+    import torch
+
+    torch.set_num_threads(threads)
+    if spec.deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = False, True
+    if delay > 0:
+        time.sleep(delay)
+    if wait_warm > 0:
+        deadline = time.monotonic() + wait_warm
+        while not (out_p / WARM_FILE).exists() and time.monotonic() < deadline:
+            time.sleep(0.5)
+    if source[0] == "redis":
+        from tradeloop.study.remote import RedisSource
+
+        src = RedisSource(*source[1:])
+    else:
+        src = LocalSource(*source[1:])
+    data = DataCache(spec)
+    while True:
+        run_id = src.get()
+        if run_id is None:
+            break
+        rs = spec.run(run_id)
+        src.emit({"type": "start", "worker": index, "run": run_id, "gpu": gpu, "t": time.time()})
+        lock = None
+        try:
+            lock = RunLock(out_p / "runs" / run_id)
+
+            def on_epoch(rec: dict) -> None:
+                warm = out_p / WARM_FILE
+                if not warm.exists():
+                    warm.parent.mkdir(parents=True, exist_ok=True)
+                    warm.write_text(f"{run_id} epoch {rec['epoch']}\n")
+                src.emit({"type": "epoch", "worker": index, "run": run_id, "epoch": rec["epoch"],
+                          "val_sharpe": rec["history"]["val_sharpe"], "train_s": rec["seconds"]["train"],
+                          "eval_s": rec["seconds"]["eval"], "t": time.time()})
+
+            s = execute_run(spec, out_p, rs, data, on_epoch)
+            src.done(run_id, s)
+            src.emit({"type": "done", "worker": index, "run": run_id, "t": time.time(),
+                      "summary": {k: s[k] for k in ("selected_epoch", "val_sharpe", "val_trades", "oos_sharpe",
+                                                    "oos_trades", "run_dsr", "wall_s", "epochs_trained_here")}})
+        except Exception as exc:  # noqa: BLE001 — reported to the study process, which decides
+            err = f"{type(exc).__name__}: {exc}"
+            src.failed(run_id, err)
+            src.emit({"type": "error", "worker": index, "run": run_id, "t": time.time(), "error": err,
+                      "traceback": traceback.format_exc()})
+        finally:
+            if lock is not None:
+                lock.release()
+            if "compile" in spec.accel:      # each run compiles new closures of the same code: without a reset
+                torch._dynamo.reset()         # dynamo's per-code cache fills up (recompile limit) and runs go eager;
+                                              # the compiled kernels stay in the shared on-disk cache
+            gc.collect()                      # the run's graphs, replay and caches, before the next run builds its own
+            if torch.cuda.is_available() and spec.device != "cpu":
+                torch.cuda.empty_cache()
+    src.emit({"type": "exit", "worker": index, "t": time.time()})
+    src.close()
+
+
+def visible_gpus() -> list[str]:
+    """The GPUs this process may use, as CUDA_VISIBLE_DEVICES entries (those of its own CUDA_VISIBLE_DEVICES, else
+    0 … n−1); the study process does not create a CUDA context."""
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None and env.strip():
+        return [g.strip() for g in env.split(",") if g.strip()]
+    import torch
+
+    return [str(i) for i in range(torch.cuda.device_count())]
+
+
+class GpuSampler:
+    """Samples each GPU's utilisation (`nvidia-smi`, every `period` s) in a thread: the mean busy % per GPU."""
+
+    def __init__(self, gpus: list[str], period: float = 2.0):
+        self.gpus, self.period, self.samples = gpus, period, {g: [] for g in gpus}
+        self._stop = threading.Event()
+        self.exe = shutil.which("nvidia-smi")
+        self._t = threading.Thread(target=self._run, daemon=True)
+        if self.exe and gpus:
+            self._t.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period):
+            try:
+                out = subprocess.run([self.exe, "--query-gpu=index,uuid,utilization.gpu",
+                                      "--format=csv,noheader,nounits"], capture_output=True, text=True,
+                                     timeout=10).stdout
+            except (OSError, subprocess.SubprocessError):
+                continue
+            for line in out.splitlines():
+                parts = [p.strip() for p in line.split(",")]
+                if len(parts) == 3:
+                    for key in (parts[0], parts[1]):
+                        if key in self.samples:
+                            self.samples[key].append(float(parts[2]))
+
+    def stop(self) -> dict[str, float | None]:
+        self._stop.set()
+        return {g: (sum(s) / len(s) if s else None) for g, s in self.samples.items()}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The study process
+# ---------------------------------------------------------------------------------------------------------
+def prepare(spec: StudySpec, out: Path) -> None:
+    """Create the out directory with study.json, or check that the study there is this one (StudyError if not)."""
+    sj = out / "study.json"
+    if sj.exists():
+        try:
+            old = json.loads(sj.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise StudyError(f"--out {out}: study.json is unreadable ({exc})") from None
+        mine, theirs = spec.identity(), old.get("identity", {})
+        diff = [k for k in mine if json.dumps(mine[k], sort_keys=True) != json.dumps(theirs.get(k), sort_keys=True)]
+        if diff:
+            raise StudyError(f"--out {out} holds another study (it differs in {', '.join(diff)}); use another --out "
+                             "or ask for the same study to resume it")
+    elif out.exists() and not out.is_dir():
+        raise StudyError(f"--out {out} exists and is not a directory")
+    elif out.exists() and any(out.iterdir()):
+        raise StudyError(f"--out {out} is not empty and holds no study.json; use an empty or new directory")
+    write_json_atomic(sj, {"identity": spec.identity(), "spec": spec.to_dict()})
+
+
+def done_runs(spec: StudySpec, out: Path) -> set[str]:
+    return {r.run_id for r in spec.runs() if (out / "runs" / r.run_id / "summary.json").exists()}
+
+
+def epochs_done(out: Path, run_id: str) -> int:
+    return len(list((out / "runs" / run_id / "loop").glob("epoch-*.json")))
+
+
+class Status:
+    """status.json: rewritten atomically at most once a second (and on every state change)."""
+
+    def __init__(self, out: Path, spec: StudySpec, n_runs: int, runs_done: int, epochs_before: int):
+        self.path, self.t0, self.t_last = out / "status.json", time.time(), 0.0
+        self.doc: dict[str, Any] = {
+            "state": "running", "pid": os.getpid(), "started_at": self.t0, "runs_total": n_runs,
+            "runs_done": runs_done, "runs_failed": [], "running": {}, "epochs_total": n_runs * spec.epochs,
+            "epochs_done": epochs_before, "epochs_this_session": 0, "parallel": spec.parallel}
+
+    def update(self, force: bool = False, **kw) -> None:
+        self.doc.update(kw)
+        now = time.time()
+        d = self.doc
+        d["updated_at"], d["wall_s"] = now, now - self.t0
+        d["epochs_per_s"] = d["epochs_this_session"] / d["wall_s"] if d["wall_s"] > 0 else 0.0
+        left = d["epochs_total"] - d["epochs_done"]
+        d["eta_s"] = left / d["epochs_per_s"] if d["epochs_per_s"] > 0 else None
+        if force or now - self.t_last >= 1.0:
+            write_json_atomic(self.path, d)
+            self.t_last = now
+
+
+def _copy_remote_summaries(r, sid: str, out: Path) -> None:
+    """Summaries of runs done on other hosts into this out directory (what the results read)."""
+    from tradeloop.study.remote import key
+
+    for rid, raw in r.hgetall(key(sid, "summaries")).items():
+        path = out / "runs" / rid / "summary.json"
+        if not path.exists():
+            write_json_atomic(path, json.loads(raw))
+
+
+def run_study(spec: StudySpec, out: Path, console=None, redis_url: str | None = None) -> dict:
+    """Run every run of the study not done yet (P at once here; with `redis_url` through that Redis, where
+    `tradeloop study-worker` processes on other hosts take runs too), then write the results; returns them.
+    Raises StudyError when runs failed (they are retried by running the same study again)."""
+    import multiprocessing as mp
+
+    from rich.console import Console
+
+    console = console or Console()
+    out = Path(out)
+    prepare(spec, out)
+    runs = spec.runs()
+    r = sid = None
+    if redis_url is not None:
+        from tradeloop.study import remote
+
+        r, sid = remote.client(redis_url), remote.study_id(spec.identity())
+        _copy_remote_summaries(r, sid, out)
+    elif spec.parallel < 1:
+        raise StudyError("--parallel 0 (no local worker) needs --redis: workers elsewhere take the runs")
+    done = done_runs(spec, out)
+    pending = [x.run_id for x in runs if x.run_id not in done]
+    before = sum(epochs_done(out, x.run_id) for x in runs)
+    status = Status(out, spec, len(runs), len(done), before)
+    if done:
+        console.print(f"resuming {out}: {len(done)} of {len(runs)} runs done, {before} epochs on disk")
+    P = max(0 if r is not None else 1, min(spec.parallel, len(pending)))
+    gpus = visible_gpus() if spec.device != "cpu" and P else []
+    if spec.device != "cpu" and P and not gpus:
+        raise StudyError("--device cuda but no CUDA device is visible here")
+    threads = spec.threads or max(1, (os.cpu_count() or 1) // max(P, 1))
+    sampler = GpuSampler(gpus) if gpus else None
+    baseline_thread = threading.Thread(target=_baselines_safe, args=(spec, out), daemon=True)
+    baseline_thread.start()
+    t_start = time.time()
+    failed: dict[str, str] = {}
+    epochs_here = 0
+    workers: list = []
+    if pending:
+        ctx = mp.get_context("spawn")
+        if r is not None:
+            from tradeloop.study.remote import RedisEvents, _redact_url, publish
+
+            events = RedisEvents(redis_url, sid)
+            publish(r, sid, json.loads((out / "study.json").read_text()), pending)
+            source: tuple = ("redis", redis_url, sid, len(runs))
+            console.print(f"study {sid} in {_redact_url(redis_url)}: workers elsewhere join with `tradeloop "
+                          f"study-worker --redis URL --study {sid} --out DIR`", markup=False, highlight=False)
+        else:
+            tasks, events = ctx.Queue(), ctx.Queue()
+            for x in pending:
+                tasks.put(x)
+            for _ in range(P):
+                tasks.put(None)
+            source = ("local", tasks, events)
+        workers = start_workers(ctx, spec, out, source, P, gpus, threads)
+        try:
+            epochs_here = _follow(spec, out, runs, workers, events, status, failed, r, sid, P, before, len(done),
+                                  t_start, console)
+        except KeyboardInterrupt:
+            for p in workers:
+                p.terminate()
+            for p in workers:
+                p.join(timeout=30)
+            status.update(force=True, state="interrupted")
+            raise StudyError("interrupted: run the same command again to resume (done runs are kept, a run half "
+                             "done resumes from its last epoch)") from None
+    wall = time.time() - t_start
+    busy = sampler.stop() if sampler else {}
+    baseline_thread.join()
+    if r is not None:
+        _copy_remote_summaries(r, sid, out)
+    if failed:
+        status.update(force=True, state="failed", runs_failed=sorted(failed))
+        for p in workers:
+            p.join(timeout=30)
+        raise StudyError(f"{len(failed)} run(s) failed: {', '.join(sorted(failed))} (first: "
+                         f"{next(iter(failed.values()))}); run the same command again to retry them")
+    timing = {"wall_s": wall, "runs_at_once": P, "epochs_trained": epochs_here,
+              "epochs_per_s": epochs_here / wall if wall > 0 and epochs_here else None,
+              "gpu_busy_pct": busy, "gpus": gpus, "threads_per_worker": threads}
+    from tradeloop.study.report import write_results
+
+    results = write_results(spec, out, timing)
+    status.update(force=True, state="done")
+    for p in workers:                       # they have said "exit": only their interpreters' teardown is left
+        p.join(timeout=30)
+    return results
+
+
+def _follow(spec: StudySpec, out: Path, runs: list, workers: list, events, status: "Status", failed: dict, r,
+            sid: str | None, P: int, before: int, n_done: int, t_start: float, console) -> int:
+    """The study process while its workers run: events → progress bar, one line per finished run, status.json;
+    failed runs into `failed`. Returns the epochs trained meanwhile."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    epochs_here = 0
+    current: dict[tuple, str] = {}                  # (consumer through Redis or None, worker) → its run
+    cols = (TextColumn("[bold]study"), BarColumn(), MofNCompleteColumn(), TextColumn("epochs"),
+            TextColumn("{task.fields[runs]}"), TimeElapsedColumn(), TextColumn("{task.fields[rate]}"))
+    with Progress(*cols, console=console, transient=False) as prog:
+        task = prog.add_task("study", total=len(runs) * spec.epochs, completed=before,
+                             runs=f"runs {n_done}/{len(runs)}", rate="")
+        exited: set[int] = set()
+        t_check = t_event = 0.0
+        while True:
+            if time.monotonic() - t_check > 1.0:
+                t_check = time.monotonic()
+                if r is not None:                  # through Redis: over when every run is accounted for
+                    from tradeloop.study.remote import accounted
+
+                    ok, bad = accounted(r, sid)
+                    if len(ok | set(bad)) >= len(runs) and time.monotonic() - t_event > 1.0:
+                        failed.update(bad)         # (and its last events read: a second without any)
+                        break
+                elif len(exited) >= P:
+                    break
+                for i, p in enumerate(workers):    # a worker that died (killed, out of memory)
+                    if i not in exited and not p.is_alive() and p.exitcode not in (None, 0):
+                        exited.add(i)
+                        (out / WARM_FILE).parent.mkdir(parents=True, exist_ok=True)
+                        (out / WARM_FILE).touch()           # the others need not wait for its compile
+                        if (None, i) in current:
+                            rid = current.pop((None, i))
+                            status.doc["running"].pop(rid, None)
+                            why = f"worker {i} died (exit code {p.exitcode})"
+                            if r is None:          # (through Redis another worker takes the run over)
+                                failed[rid] = why
+                                _event_log(out, {"type": "error", "run": rid, "error": why})
+                            prog.console.print(f"[red]{rid}: {why}")
+                status.update(runs_failed=sorted(failed))
+            try:
+                ev = events.get(timeout=0.5)
+            except queue.Empty:
+                ev = None
+            if ev is None:
+                continue
+            t_event = time.monotonic()
+            w, rid = ev["worker"], ev.get("run")
+            where = f"worker {w}" + (f" of {ev['consumer']}" if "consumer" in ev else "")
+            who = (ev.get("consumer"), w)
+            if ev["type"] == "start":
+                current[who] = rid
+                status.doc["running"][rid] = {"worker": where, "gpu": ev["gpu"], "epoch": epochs_done(out, rid)}
+            elif ev["type"] == "epoch":
+                epochs_here += 1
+                status.doc["epochs_done"] += 1
+                status.doc["epochs_this_session"] = epochs_here
+                if rid in status.doc["running"]:
+                    status.doc["running"][rid]["epoch"] = ev["epoch"]
+                rate = epochs_here / max(time.time() - t_start, 1e-9)
+                prog.update(task, advance=1, rate=f"{rate:.2f} epochs/s")
+            elif ev["type"] == "done":
+                current.pop(who, None)
+                status.doc["running"].pop(rid, None)
+                status.doc["runs_done"] += 1
+                s = ev["summary"]
+                prog.console.print(
+                    f"{rid}: epoch {s['selected_epoch']} selected on validation (val {s['val_sharpe']:+.3f}, "
+                    f"{s['val_trades']} trades) → OOS {s['oos_sharpe']:+.3f} ({s['oos_trades']} trades), "
+                    f"run DSR {s['run_dsr']:.2f}, {s['wall_s']:.0f} s [{where}]")
+                prog.update(task, runs=f"runs {status.doc['runs_done']}/{len(runs)}")
+                _event_log(out, {"type": "done", "run": rid, "worker": where, "pid_t": ev["t"], **s})
+            elif ev["type"] == "error":
+                current.pop(who, None)
+                status.doc["running"].pop(rid, None)
+                failed[rid] = ev["error"]
+                prog.console.print(f"[red]{rid} failed: {ev['error']}")
+                _event_log(out, {"type": "error", "run": rid, "error": ev["error"], "traceback": ev["traceback"]})
+            elif ev["type"] == "exit" and "consumer" not in ev:
+                exited.add(w)
+            status.update(force=ev["type"] != "epoch", runs_failed=sorted(failed))
+    return epochs_here
+
+
+def start_workers(ctx, spec: StudySpec, out: Path, source: tuple, P: int, gpus: list[str], threads: int) -> list:
+    """P worker processes (spawn), worker i on GPU i mod G; with a compiled accel and `--stagger auto` the workers
+    after the first wait (≤ 10 min) for the first epoch of any run, so that its compile fills the shared cache."""
+    compiled = "compile" in spec.accel
+    fixed = 0.0 if spec.stagger == "auto" else float(spec.stagger)
+    workers = []
+    for i in range(P):
+        gpu = gpus[i % len(gpus)] if gpus else None
+        wait = 600.0 if spec.stagger == "auto" and compiled and i > 0 and not (out / WARM_FILE).exists() else 0.0
+        workers.append(ctx.Process(target=worker_main, name=f"study-worker-{i}",
+                                   args=(i, gpu, str(out), source, threads, wait, i * fixed, os.getpid())))
+    for p in workers:
+        p.start()
+    return workers
+
+
+def work_for(url: str, sid: str, out: Path, parallel: int, threads: int | None, console) -> int:
+    """`tradeloop study-worker`: P worker processes on this host take the study's runs from Redis until every run
+    is accounted for; returns how many runs this host did."""
+    import multiprocessing as mp
+
+    from tradeloop.study.remote import accounted, client, fetch_spec
+
+    doc = fetch_spec(url, sid)
+    spec = StudySpec.from_dict(doc["spec"])
+    out = Path(out)
+    prepare(spec, out)
+    n_runs = len(spec.runs())
+    gpus = visible_gpus() if spec.device != "cpu" else []
+    if spec.device != "cpu" and not gpus:
+        raise StudyError("the study runs on cuda but no CUDA device is visible here")
+    threads = threads or spec.threads or max(1, (os.cpu_count() or 1) // parallel)
+    before = done_runs(spec, out)
+    console.print(f"study {sid}: {n_runs} runs of {spec.epochs} epochs; {parallel} worker(s) here in {out}",
+                  markup=False, highlight=False)
+    workers = start_workers(mp.get_context("spawn"), spec, out, ("redis", url, sid, n_runs), parallel, gpus, threads)
+    for p in workers:
+        p.join()
+    ok, bad = accounted(client(url), sid)
+    mine = done_runs(spec, out) - before
+    console.print(f"done here: {len(mine)} run(s); the study: {len(ok)} of {n_runs} runs done, {len(bad)} failed",
+                  markup=False, highlight=False)
+    return len(mine)
+
+
+def _event_log(out: Path, doc: dict) -> None:
+    with open(out / "events.jsonl", "a") as f:
+        f.write(json.dumps(doc, default=str) + "\n")
+
+
+def baselines(spec: StudySpec, out: Path) -> list[dict]:
+    """The baseline policies on every (seed, fold)'s validation and test windows (cached in baselines.json)."""
+    from tradeloop.cmd_evaluate import policy_metrics
+    from tradeloop.study.spec import load_study_bars, study_folds
+
+    path = out / "baselines.json"
+    if path.exists():
+        doc = json.loads(path.read_text())
+        if doc.get("identity") == json.loads(json.dumps(spec.identity())):
+            return doc["rows"]
+    synthetic = spec.dataset.strip().lower() == "synthetic"
+    policies = ["random", "flat", "buy-and-hold"] + (["oracle"] if synthetic else [])
+    rows = []
+    for seed in spec.seeds:
+        ds = spec.data_seed_of(seed)
+        bars = load_study_bars(spec, ds)
+        for k, split in enumerate(study_folds(spec, len(bars))):
+            for pol in policies:
+                m = {w: policy_metrics(pol, spec.dataset, bars, split, w, seed=ds if pol == "oracle" else seed)
+                     for w in ("val", "test")}
+                rows.append({"policy": pol, "seed": seed, "fold": k,
+                             "val_sharpe": float(m["val"]["per_trade_sharpe"]),
+                             "val_trades": int(m["val"]["n_trades"]),
+                             "oos_sharpe": float(m["test"]["per_trade_sharpe"]),
+                             "oos_trades": int(m["test"]["n_trades"])})
+    write_json_atomic(path, {"identity": spec.identity(), "rows": rows})
+    return rows
+
+
+def _baselines_safe(spec: StudySpec, out: Path) -> None:
+    try:
+        baselines(spec, out)
+    except Exception:  # noqa: BLE001 — written again (and raised) when the results are made
+        pass
+
+
+def fmt_timing(t: dict) -> str:
+    busy = ", ".join(f"GPU {g}: {v:.0f} %" for g, v in t.get("gpu_busy_pct", {}).items() if v is not None)
+    eps = t.get("epochs_per_s")
+    return (f"wall {t['wall_s']:.0f} s, {t['runs_at_once']} runs at once, {t['epochs_trained']} epochs trained, "
+            f"aggregate {'n/a' if eps is None else f'{eps:.3f}'} epochs/s" + (f"; busy {busy}" if busy else "")
+            + (f"; mean epoch {t['mean_epoch_s']:.1f} s a run (train + evaluation)"
+               if t.get("mean_epoch_s") is not None and math.isfinite(t["mean_epoch_s"]) else ""))

@@ -1,0 +1,425 @@
+"""What a study runs: its variants, seeds, walk-forward folds and data, parsed from the command line or a TOML file.
+
+A variant is the product's loop with settings changed. Settings are `KEY=VALUE`, where KEY names a field of
+    `TrainConfig` (`train.FIELD`, or `agent.FIELD` / `reward.FIELD` for its network and reward parts) or of
+    `FeedbackConfig` (`feedback.FIELD`); an unqualified FIELD is looked up in all four and must name exactly one;
+    `feedback=on|off` is short for `feedback.enabled=true|false`.
+VALUE is parsed by the field's declared type: bools from true/false/1/0/yes/no/on/off, a tuple from items joined by
+`+` (`off=E2+E3`; empty for an empty tuple), `none` for an optional field; in a TOML file values are TOML's own
+(arrays for tuples). The built-in variants: `on` (the loop as shipped) and `off` (feedback off: the fixed schedule).
+
+    --variants on,off,noE2:off=E2,slow:train.lr=1e-4;feedback.rollback_drop=0.1
+
+Runs: every variant × seed × fold, `<variant>-s<seed>-f<fold>`, ordered so that the variants of one (seed, fold)
+come together. Variants of one seed and fold share the seed, the data and the first epoch's knobs.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import re
+import types
+import typing
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from services.feedback.signals import FeedbackConfig
+from services.trainer.env import RewardConfig
+from services.trainer.train import TrainConfig
+from shared.agent import AgentConfig
+
+PRESETS = ("small", "full")
+BUILTIN = {"on": (), "off": (("feedback.enabled", False),)}
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+_TARGETS = {"train": TrainConfig, "agent": AgentConfig, "reward": RewardConfig, "feedback": FeedbackConfig}
+SYNTHETIC_DEFAULT_BARS = 6000
+MIN_TRAIN_BARS, MIN_WINDOW_BARS = 300, 100
+
+
+class StudyError(ValueError):
+    """A study that cannot run as asked; the message names the option or file and what is wrong."""
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Settings: KEY=VALUE on a config dataclass, parsed by the field's type
+# ---------------------------------------------------------------------------------------------------------
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def parse_value(value: Any, hint: Any, where: str) -> Any:
+    """`value` (text from the command line, or a TOML value) as type `hint`; StudyError naming `where`."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if type(None) in args and (value is None or (isinstance(value, str) and value.strip().lower() == "none")):
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return parse_value(value, a, where)
+            except StudyError as exc:
+                errors.append(str(exc))
+        raise StudyError(errors[0] if errors else f"{where}: cannot parse {value!r}")
+    if origin is tuple:
+        if isinstance(value, str):
+            items = [s.strip() for s in value.split("+")] if value.strip() else []
+        elif isinstance(value, (list, tuple)):
+            items = list(value)
+        else:
+            raise StudyError(f"{where}: expected a list (items joined by '+'), got {value!r}")
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(parse_value(x, args[0], f"{where}[{i}]") for i, x in enumerate(items))
+        if len(items) != len(args):
+            raise StudyError(f"{where}: expected {len(args)} items, got {len(items)} ({value!r})")
+        return tuple(parse_value(x, a, f"{where}[{i}]") for i, (x, a) in enumerate(zip(items, args)))
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
+            return value.strip().lower() in _TRUE
+        raise StudyError(f"{where}: expected true or false, got {value!r}")
+    if hint in (int, float):
+        if isinstance(value, bool):
+            raise StudyError(f"{where}: expected a number, got {value!r}")
+        try:
+            x = hint(value.strip()) if isinstance(value, str) else hint(value)
+        except (TypeError, ValueError):
+            raise StudyError(f"{where}: expected {'an integer' if hint is int else 'a number'}, got {value!r}") from None
+        if hint is int and not isinstance(value, str) and x != value:
+            raise StudyError(f"{where}: expected an integer, got {value!r}")
+        if hint is float and not math.isfinite(x) and not (isinstance(value, str) and "inf" in value.lower()):
+            raise StudyError(f"{where}: expected a finite number, got {value!r}")
+        return x
+    if hint is str:
+        if not isinstance(value, str):
+            raise StudyError(f"{where}: expected text, got {value!r}")
+        return value
+    raise StudyError(f"{where}: fields of type {hint} cannot be set from a study")
+
+
+def resolve_key(key: str) -> tuple[str, str]:
+    """(target, field) of a setting KEY: `train.X`, `agent.X`, `reward.X`, `feedback.X`, or an unqualified X that
+    names a field of exactly one of them. StudyError otherwise."""
+    key = key.strip()
+    if key == "feedback":
+        return "feedback", "enabled"
+    if "." in key:
+        target, name = key.split(".", 1)
+        if target not in _TARGETS:
+            raise StudyError(f"setting {key!r}: the prefix must be one of {', '.join(_TARGETS)}")
+        if name not in {f.name for f in fields(_TARGETS[target])} or name in ("agent", "reward"):
+            raise StudyError(f"setting {key!r}: {_TARGETS[target].__name__} has no field {name!r}")
+        return target, name
+    found = [t for t, cls in _TARGETS.items() if key in {f.name for f in fields(cls)} and key not in ("agent", "reward")]
+    if not found:
+        raise StudyError(f"setting {key!r}: no field of that name in TrainConfig, AgentConfig, RewardConfig or "
+                         "FeedbackConfig")
+    if len(found) > 1:
+        raise StudyError(f"setting {key!r} is a field of {' and '.join(_TARGETS[t].__name__ for t in found)}: write "
+                         f"{' or '.join(f'{t}.{key}' for t in found)}")
+    return found[0], key
+
+
+def parse_setting(key: str, value: Any, where: str) -> tuple[str, Any]:
+    """A setting as (canonical key `target.field`, typed value)."""
+    target, name = resolve_key(key)
+    if (target, name) == ("feedback", "enabled") and isinstance(value, str) and value.strip().lower() in ("on", "off"):
+        value = value.strip().lower() == "on"
+    return f"{target}.{name}", parse_value(value, _hints(_TARGETS[target])[name], f"{where}: {key}")
+
+
+def split_assignment(text: str, where: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise StudyError(f"{where}: expected KEY=VALUE, got {text!r}")
+    return key.strip(), value.strip()
+
+
+def apply_settings(cfg: TrainConfig, fb: FeedbackConfig, settings: list[tuple[str, Any]]
+                   ) -> tuple[TrainConfig, FeedbackConfig]:
+    """Copies of (cfg, fb) with the settings applied; StudyError when the result is not a valid config."""
+    cfg = copy.deepcopy(cfg)
+    fb_over: dict[str, Any] = {}
+    for key, value in settings:
+        target, name = key.split(".", 1)
+        if target == "feedback":
+            fb_over[name] = value
+        else:
+            setattr({"train": cfg, "agent": cfg.agent, "reward": cfg.reward}[target], name, value)
+    try:
+        TrainConfig.from_dict(cfg.to_dict())
+        fb = dataclasses.replace(fb, **fb_over)
+    except (TypeError, ValueError) as exc:
+        raise StudyError(f"settings {settings}: {exc}") from None
+    return cfg, fb
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Variants
+# ---------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    settings: tuple[tuple[str, Any], ...]
+    """(canonical key, typed value) in the order given."""
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "settings": [[k, list(v) if isinstance(v, tuple) else v] for k, v in self.settings]}
+
+    @property
+    def feedback(self) -> bool:
+        return dict(self.settings).get("feedback.enabled", True)
+
+
+def make_variant(name: str, items: list[tuple[str, Any]], where: str) -> Variant:
+    if not _NAME_RE.match(name):
+        raise StudyError(f"{where}: variant name {name!r} must be letters, digits, '_', '.', '+' or '-'")
+    if name in BUILTIN and items:
+        raise StudyError(f"{where}: {name!r} is a built-in variant; give the changed loop another name")
+    base = [(k, v) for k, v in BUILTIN.get(name, ())]
+    return Variant(name, tuple(base + [parse_setting(k, v, f"{where} {name}") for k, v in items]))
+
+
+def parse_variants(text: str) -> list[Variant]:
+    """`on,off,NAME:KEY=VALUE;KEY=VALUE,...` → variants (StudyError on a bad item)."""
+    out: list[Variant] = []
+    for item in (s.strip() for s in text.split(",")):
+        if not item:
+            continue
+        name, sep, body = item.partition(":")
+        name = name.strip()
+        if not sep and name not in BUILTIN:
+            raise StudyError(f"--variants: {name!r} is neither 'on' nor 'off'; a changed loop is NAME:KEY=VALUE[;...]")
+        items = [split_assignment(a, f"--variants {name}") for a in body.split(";") if a.strip()] if sep else []
+        if sep and not items:
+            raise StudyError(f"--variants {name}: no KEY=VALUE after ':'")
+        out.append(make_variant(name, items, "--variants"))
+    return _check_variants(out, "--variants")
+
+
+def variants_from_toml(table: Any, where: str) -> list[Variant]:
+    """A TOML `[variants.NAME]` table (keys → values; `[variants.on]` empty) or the command line's string."""
+    if isinstance(table, str):
+        return parse_variants(table)
+    if not isinstance(table, dict):
+        raise StudyError(f"{where}: 'variants' must be a table of [variants.NAME] tables or a string")
+    out = []
+    for name, body in table.items():
+        if not isinstance(body, dict):
+            raise StudyError(f"{where}: [variants.{name}] must be a table of KEY = VALUE")
+        out.append(make_variant(name, list(_flatten(body)), where))
+    return _check_variants(out, where)
+
+
+def _flatten(body: dict, prefix: str = ""):
+    """TOML dotted keys arrive as nested tables: {"train": {"lr": 1e-4}} → ("train.lr", 1e-4)."""
+    for k, v in body.items():
+        if isinstance(v, dict):
+            yield from _flatten(v, f"{prefix}{k}.")
+        else:
+            yield f"{prefix}{k}", v
+
+
+def _check_variants(vs: list[Variant], where: str) -> list[Variant]:
+    if not vs:
+        raise StudyError(f"{where}: no variant given")
+    names = [v.name for v in vs]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise StudyError(f"{where}: variant names must be unique, repeated: {', '.join(dup)}")
+    return vs
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The study
+# ---------------------------------------------------------------------------------------------------------
+@dataclass
+class StudySpec:
+    """Everything that decides a study's results (saved as `study.json`; a resume must ask for the same), plus how
+    it runs (`parallel`, `threads`, `stagger`: free to change between a kill and a resume)."""
+
+    dataset: str
+    variants: list[Variant]
+    seeds: list[int]
+    folds: int
+    epochs: int
+    preset: str = "small"
+    settings: list[tuple[str, Any]] = field(default_factory=list)
+    """Base settings applied to every variant before its own (`--set KEY=VALUE`)."""
+    bars: int | None = None
+    """Bars of the dataset: synthetic generates this many; a file uses its first `bars` (None: all / 6000)."""
+    data_seed: int | None = None
+    """Seed of the synthetic market; None: each run's seed (one market per seed)."""
+    device: str = "cpu"
+    accel: str = "auto"
+    deterministic: bool = False
+    min_val_trades: int = 20
+    reference: str | None = None
+    n_boot: int = 10_000
+    ci_seed: int = 0
+    # how it runs
+    parallel: int = 1
+    threads: int | None = None
+    stagger: str = "auto"
+
+    IDENTITY = ("dataset", "variants", "seeds", "folds", "epochs", "preset", "settings", "bars", "data_seed",
+                "device", "accel", "deterministic")
+
+    def to_dict(self) -> dict:
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["variants"] = [v.to_dict() for v in self.variants]
+        d["settings"] = [[k, list(v) if isinstance(v, tuple) else v] for k, v in self.settings]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "StudySpec":
+        d = dict(d)
+        d["variants"] = [Variant(v["name"], tuple(parse_setting(k, x, "study.json") for k, x in v["settings"]))
+                         for v in d["variants"]]
+        d["settings"] = [parse_setting(k, v, "study.json") for k, v in d["settings"]]
+        return cls(**{k: v for k, v in d.items() if k in {f.name for f in fields(cls)}})
+
+    def identity(self) -> dict:
+        d = self.to_dict()
+        return {k: d[k] for k in self.IDENTITY}
+
+    @property
+    def reference_name(self) -> str:
+        names = [v.name for v in self.variants]
+        if self.reference is not None:
+            return self.reference
+        return "off" if "off" in names else names[0]
+
+    def variant(self, name: str) -> Variant:
+        return next(v for v in self.variants if v.name == name)
+
+    def configs(self, variant: Variant, n_features: int) -> tuple[TrainConfig, FeedbackConfig]:
+        """The TrainConfig and FeedbackConfig of a variant: the preset, the base settings, the variant's."""
+        cfg = TrainConfig.preset(self.preset, n_features)
+        return apply_settings(cfg, FeedbackConfig(), [*self.settings, *variant.settings])
+
+    def runs(self) -> list["RunSpec"]:
+        return [RunSpec(v.name, s, k) for s in self.seeds for k in range(self.folds) for v in self.variants]
+
+    def run(self, run_id: str) -> "RunSpec":
+        r = next((r for r in self.runs() if r.run_id == run_id), None)
+        if r is None:
+            raise StudyError(f"run {run_id!r} is not part of this study")
+        return r
+
+    def data_seed_of(self, seed: int) -> int:
+        return seed if self.data_seed is None else self.data_seed
+
+    def validate(self) -> "StudySpec":
+        """StudyError naming the option on any value a study cannot run with."""
+        if self.preset not in PRESETS:
+            raise StudyError(f"--preset must be one of {', '.join(PRESETS)}, got {self.preset!r}")
+        for name in ("folds", "epochs"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise StudyError(f"--{name} must be an integer ≥ 1, got {getattr(self, name)!r}")
+        if not isinstance(self.parallel, int) or self.parallel < 0:
+            raise StudyError(f"--parallel must be an integer ≥ 1 (0: no local worker, with --redis), got "
+                             f"{self.parallel!r}")
+        if not self.seeds or len(set(self.seeds)) != len(self.seeds) or min(self.seeds) < 0:
+            raise StudyError(f"--seeds must name distinct seeds ≥ 0, got {self.seeds}")
+        if self.bars is not None and self.bars < 100:
+            raise StudyError(f"--bars must be ≥ 100, got {self.bars}")
+        if self.min_val_trades < 0:
+            raise StudyError(f"--min-val-trades must be ≥ 0, got {self.min_val_trades}")
+        if self.n_boot < 100:
+            raise StudyError(f"--n-boot must be ≥ 100, got {self.n_boot}")
+        if self.device != "cpu" and not re.fullmatch(r"cuda(:\d+)?", self.device):
+            raise StudyError(f"--device must be cpu or cuda, got {self.device!r}")
+        if self.reference is not None and self.reference not in [v.name for v in self.variants]:
+            raise StudyError(f"--reference {self.reference!r} is not one of the variants "
+                             f"({', '.join(v.name for v in self.variants)})")
+        if self.stagger != "auto":
+            try:
+                if float(self.stagger) < 0:
+                    raise ValueError
+            except ValueError:
+                raise StudyError(f"--stagger must be auto or seconds ≥ 0, got {self.stagger!r}") from None
+        for v in self.variants:  # every variant's config builds
+            self.configs(v, 14)
+        return self
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    variant: str
+    seed: int
+    fold: int
+
+    @property
+    def run_id(self) -> str:
+        return f"{self.variant}-s{self.seed}-f{self.fold}"
+
+    @property
+    def unit(self) -> tuple[int, int]:
+        """(seed, fold): the unit that variants are paired on and that the bootstrap resamples."""
+        return (self.seed, self.fold)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Data and folds
+# ---------------------------------------------------------------------------------------------------------
+def synthetic_bars_for(window_trades: int, folds: int) -> int:
+    """Bars of a synthetic series whose walk-forward val and test windows each hold ≥ `window_trades` trades of a
+    policy that holds a trade through a trend (the oracle: one trade per trending regime, one in 1.5 regimes, i.e.
+    one per 1.5 × MEAN_DURATION bars), with 15 % to spare; `walk_forward_folds`' default sizes (train:val:test =
+    3:1:1, step = test) and its 1 % embargo."""
+    from shared.synthetic import MEAN_DURATION
+
+    window = math.ceil(1.15 * 1.5 * MEAN_DURATION * window_trades)
+    return math.ceil(((4 + folds) * window) / 0.98) + 2
+
+
+def load_study_bars(spec: StudySpec, data_seed: int):
+    """The bars of a study for one data seed (synthetic: generated; a file or bundled set: loaded, first `bars`)."""
+    from shared.market import load_dataset
+
+    if spec.dataset.strip().lower() == "synthetic":
+        from shared.synthetic import generate
+
+        n = spec.bars or SYNTHETIC_DEFAULT_BARS
+        return generate(n, seed=data_seed, freq="h" if n < 2_000_000 else "min").bars
+    bars = load_dataset(spec.dataset)
+    if spec.bars is not None:
+        if spec.bars > len(bars):
+            raise StudyError(f"--bars {spec.bars}: {spec.dataset} has only {len(bars)} bars")
+        bars = bars.slice(0, spec.bars)
+    return bars
+
+
+def study_folds(spec: StudySpec, n_bars: int):
+    """The walk-forward folds (train | embargo | val | embargo | test) of a series of `n_bars` bars."""
+    from shared.market import walk_forward_folds
+
+    try:
+        folds = walk_forward_folds(n_bars, n_folds=spec.folds)
+    except ValueError as exc:
+        raise StudyError(f"--folds {spec.folds} on {n_bars} bars: {exc} (use more --bars or fewer --folds)") from None
+    f = folds[0]
+    if f.train[1] - f.train[0] < MIN_TRAIN_BARS or min(f.val[1] - f.val[0], f.test[1] - f.test[0]) < MIN_WINDOW_BARS:
+        raise StudyError(f"--folds {spec.folds} on {n_bars} bars leave windows of train {f.train[1] - f.train[0]}, val "
+                         f"{f.val[1] - f.val[0]}, test {f.test[1] - f.test[0]} bars; a study needs ≥ {MIN_TRAIN_BARS} "
+                         f"training and ≥ {MIN_WINDOW_BARS} validation and test bars (use more --bars or fewer --folds)")
+    return folds
+
+
+def read_toml(path: Path) -> dict:
+    """A study file (TOML); StudyError naming the file on a read or syntax error."""
+    import tomllib
+
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except OSError as exc:
+        raise StudyError(f"--config {path}: cannot read: {exc.strerror or exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise StudyError(f"--config {path}: not valid TOML: {exc}") from None

@@ -1,0 +1,188 @@
+"""A study's statistics: selection on validation, bootstrap confidence intervals, paired differences, the DSR
+deflated by every trial of the study, and the results table. Pure numpy over the runs' summaries.
+
+- Selection (`select_epoch`): each run's checkpoint is the epoch with the best validation per-trade Sharpe among
+  those with ≥ `min_trades` validation trades (the earliest on a tie); when no epoch has that many, the best of all,
+  and the run is flagged not selectable. OOS is never an input: it is read afterwards for that checkpoint only.
+- Units: a (seed, fold) pair. A variant's figure is the mean over its units; its 95 % CI the percentile bootstrap
+  over units (`bootstrap_ci`: B resamples of the units with replacement, drawn from `numpy.random.default_rng(seed)`
+  as one `integers(0, n, size=(B, n))` call, the 2.5 % and 97.5 % quantiles of the resampled statistic).
+- Paired differences (`paired`): variant − reference on the units both ran, the bootstrap CI of their mean.
+- The val/OOS gap of a variant is the gap of its means, 1 − mean OOS / mean val (a per-run gap explodes where val is
+  near 0), with its CI from the same resamples (those whose mean val > 0; "n/a" when fewer than 95 % are).
+- DSR (`shared.metrics.dsr`): a selected checkpoint's validation trades against the expected maximum Sharpe of N
+  trials, N = every checkpoint of every variant of the study (variants × seeds × folds × epochs), with the
+  variance of all their validation Sharpes. Verdict per variant: "validated edge" only when the mean of its runs'
+  DSRs reaches 0.95, else "no validated edge".
+Sharpes are un-annualized, per trade.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from shared.metrics import dsr
+
+DSR_BAR = 0.95
+CI_LEVEL = 0.95
+GAP_VALID = 0.95
+
+
+def select_epoch(val_sharpes: Sequence[float], val_trades: Sequence[int], min_trades: int) -> tuple[int, bool]:
+    """(1-based epoch of the best validation per-trade Sharpe among epochs with ≥ min_trades validation trades,
+    whether any epoch had that many): `shared.metrics.select_best`, the rule `tradeloop evaluate --checkpoint best`
+    uses. Validation only: OOS figures are never passed in."""
+    from shared.metrics import select_best
+
+    if not len(val_sharpes) or len(val_sharpes) != len(val_trades):
+        raise ValueError("select_epoch needs one validation Sharpe and trade count per epoch")
+    best, enough = select_best(list(val_sharpes), list(val_trades), min_trades)
+    return best + 1, enough
+
+
+def resample_indices(n: int, n_boot: int, seed: int) -> np.ndarray:
+    """B × n unit indices drawn with replacement (`default_rng(seed).integers(0, n, size=(B, n))`)."""
+    return np.random.default_rng(seed).integers(0, n, size=(n_boot, n))
+
+
+def _interval(stats: np.ndarray, level: float = CI_LEVEL) -> tuple[float, float]:
+    a = (1.0 - level) / 2.0
+    lo, hi = np.quantile(stats, [a, 1.0 - a])
+    return float(lo), float(hi)
+
+
+def bootstrap_ci(values: Sequence[float], *, n_boot: int = 10_000, seed: int = 0,
+                 level: float = CI_LEVEL) -> dict:
+    """Mean of `values` and its percentile-bootstrap CI: {"mean", "lo", "hi", "n"} (lo = hi = mean for n = 1;
+    all None for n = 0)."""
+    x = np.asarray(values, dtype=np.float64)
+    if x.size == 0:
+        return {"mean": None, "lo": None, "hi": None, "n": 0}
+    if x.size == 1:
+        return {"mean": float(x[0]), "lo": float(x[0]), "hi": float(x[0]), "n": 1}
+    means = x[resample_indices(x.size, n_boot, seed)].mean(axis=1)
+    lo, hi = _interval(means, level)
+    return {"mean": float(x.mean()), "lo": lo, "hi": hi, "n": int(x.size)}
+
+
+def gap_ci(val: Sequence[float], oos: Sequence[float], *, n_boot: int = 10_000, seed: int = 0) -> dict:
+    """The gap of the means 1 − mean(oos) / mean(val) and its bootstrap CI over units (the same resamples for both);
+    None where mean val ≤ 0 (and the CI None when fewer than 95 % of the resamples have mean val > 0)."""
+    v, o = np.asarray(val, dtype=np.float64), np.asarray(oos, dtype=np.float64)
+    out: dict = {"mean": None, "lo": None, "hi": None, "n": int(v.size)}
+    if v.size == 0 or not v.mean() > 0:
+        return out
+    out["mean"] = float(1.0 - o.mean() / v.mean())
+    if v.size == 1:
+        out["lo"] = out["hi"] = out["mean"]
+        return out
+    idx = resample_indices(v.size, n_boot, seed)
+    mv, mo = v[idx].mean(axis=1), o[idx].mean(axis=1)
+    ok = mv > 0
+    if ok.mean() >= GAP_VALID:
+        out["lo"], out["hi"] = _interval(1.0 - mo[ok] / mv[ok])
+    return out
+
+
+def paired(a: dict, b: dict, *, n_boot: int = 10_000, seed: int = 0) -> dict:
+    """a − b on the units both have (dicts unit → value): {"mean", "lo", "hi", "n", "wins"} (wins: units with
+    a > b)."""
+    units = sorted(set(a) & set(b))
+    d = [a[u] - b[u] for u in units]
+    out = bootstrap_ci(d, n_boot=n_boot, seed=seed)
+    out["wins"] = int(sum(x > 0 for x in d))
+    return out
+
+
+def study_trials(summaries: Sequence[dict]) -> tuple[int, float | None]:
+    """(N, V): every checkpoint's validation Sharpe of every run of the study — their number and variance."""
+    s = [float(r["val_sharpe"]) for m in summaries for r in m["epochs"]]
+    return len(s), (float(np.var(s, ddof=1)) if len(s) >= 2 else None)
+
+
+def study_dsr(val_trade_returns: Sequence[float], n_trials: int, sharpe_var: float | None) -> float:
+    """DSR of a selected checkpoint's validation trades deflated by the study's N trials of variance V."""
+    return dsr(val_trade_returns, n_trials=max(1, n_trials), sharpe_var_trials=sharpe_var)
+
+
+def describe(ci: dict, spec: str = "+.3f") -> str:
+    """'mean [lo, hi]' of a CI dict."""
+    f = lambda x: "n/a" if x is None else format(x, spec)  # noqa: E731
+    if ci.get("mean") is None:
+        return "n/a"
+    if ci.get("lo") is None:
+        return f"{f(ci['mean'])} [n/a]"
+    return f"{f(ci['mean'])} [{f(ci['lo'])}, {f(ci['hi'])}]"
+
+
+METRICS = (("oos_sharpe", "OOS per-trade Sharpe"), ("val_sharpe", "val per-trade Sharpe"),
+           ("dsr", "DSR (study)"), ("val_trades", "val trades"), ("oos_trades", "OOS trades"),
+           ("last_val_sharpe", "last-epoch val per-trade Sharpe"))
+
+
+def aggregate(summaries: Sequence[dict], baselines: Sequence[dict], variants: Sequence[str], reference: str, *,
+              n_boot: int = 10_000, seed: int = 0) -> dict:
+    """The study's results from its runs' summaries (and the baselines' rows): per variant and baseline the mean and
+    CI of each metric, the gap, the verdict; paired differences against `reference`; validation curves."""
+    n_trials, var = study_trials(summaries)
+    rows = []
+    for m in summaries:
+        rows.append({**{k: m[k] for k in ("run_id", "variant", "seed", "fold", "selected_epoch", "selectable",
+                                          "val_sharpe", "oos_sharpe", "val_trades", "oos_trades")},
+                     "last_val_sharpe": m["epochs"][-1]["val_sharpe"],
+                     "dsr": study_dsr(m["selected_val_trade_returns"], n_trials, var),
+                     "run_dsr": m["run_dsr"]})
+    ci = lambda xs: bootstrap_ci(xs, n_boot=n_boot, seed=seed)  # noqa: E731
+    out_v = {}
+    for name in variants:
+        rs = sorted((r for r in rows if r["variant"] == name), key=lambda r: (r["seed"], r["fold"]))
+        if not rs:
+            continue
+        d = {k: ci([r[k] for r in rs]) for k, _ in METRICS}
+        d["gap"] = gap_ci([r["val_sharpe"] for r in rs], [r["oos_sharpe"] for r in rs], n_boot=n_boot, seed=seed)
+        d["n_runs"] = len(rs)
+        d["selectable"] = sum(r["selectable"] for r in rs)
+        d["dsr_at_bar"] = sum(r["dsr"] >= DSR_BAR for r in rs)
+        d["verdict"] = "validated edge" if d["dsr"]["mean"] >= DSR_BAR else "no validated edge"
+        out_v[name] = d
+    out_b = {}
+    for name in dict.fromkeys(b["policy"] for b in baselines):
+        bs = sorted((b for b in baselines if b["policy"] == name), key=lambda b: (b["seed"], b["fold"]))
+        d = {k: ci([b[k] for b in bs]) for k in ("oos_sharpe", "val_sharpe", "val_trades", "oos_trades")}
+        d["gap"] = gap_ci([b["val_sharpe"] for b in bs], [b["oos_sharpe"] for b in bs], n_boot=n_boot, seed=seed)
+        d["n_runs"] = len(bs)
+        out_b[name] = d
+    out_p = {}
+    by = lambda name, k: {(r["seed"], r["fold"]): r[k] for r in rows if r["variant"] == name}  # noqa: E731
+    for name in variants:
+        if name == reference or name not in out_v or reference not in out_v:
+            continue
+        out_p[name] = {k: paired(by(name, k), by(reference, k), n_boot=n_boot, seed=seed)
+                       for k in ("oos_sharpe", "val_sharpe", "last_val_sharpe", "dsr")}
+    curves = {name: {str(m["seed"]) + "/" + str(m["fold"]): [e["val_sharpe"] for e in m["epochs"]]
+                     for m in summaries if m["variant"] == name} for name in variants}
+    return {"n_trials": n_trials, "trial_sharpe_var": var, "reference": reference, "variants": out_v,
+            "baselines": out_b, "paired": out_p, "runs": rows, "curves": curves,
+            "pairing": pairing_check(summaries)}
+
+
+def pairing_check(summaries: Sequence[dict]) -> dict:
+    """Variants of one unit that trained their first epoch under the same config and knobs (same `first_epoch_key`)
+    should agree there: per unit and key, the spread of epoch 1's validation Sharpe and whether the epoch-1
+    checkpoints are byte-identical (sha256). On a CPU they are; on a GPU the spread is the run-to-run noise."""
+    groups: dict[tuple, list[dict]] = {}
+    for m in summaries:
+        groups.setdefault((m["seed"], m["fold"], m["first_epoch_key"]), []).append(m)
+    spreads, identical, n = [], 0, 0
+    for ms in groups.values():
+        if len(ms) < 2:
+            continue
+        n += 1
+        v = [m["epochs"][0]["val_sharpe"] for m in ms]
+        spreads.append(max(v) - min(v))
+        identical += len({m["epochs"][0]["checkpoint_sha256"] for m in ms}) == 1
+    return {"groups": n, "identical_checkpoints": identical,
+            "max_epoch1_val_spread": max(spreads) if spreads else None,
+            "mean_epoch1_val_spread": float(np.mean(spreads)) if spreads else None}
+
