@@ -20,8 +20,9 @@ first `steps` bars of the T-bar series are timed — the step cost does not depe
   instead and the cell says so. Its ledger is checked against the Python loop on a prefix (under the table).
 - `python loop`: the same fill and cost rules written as a per-bar Python loop for one account (over --T-python
   bars), ledger kept as a list; checked against the simulator on a prefix (printed under the table).
-- `vectorbt`: `vbt.Portfolio.from_orders(size_type="targetpercent")` on the same targets (fill at the next open,
-  same fees), over --T-vectorbt bars, when vectorbt is importable (never installed by this script).
+- `vectorbt`: `vbt.Portfolio.from_orders(size_type="targetpercent")` on the same targets (an order at the next
+  open where the target changes, same fees), over --T-vectorbt bars, when vectorbt is importable (the `test` extra
+  installs it; this script never does).
 """
 from __future__ import annotations
 
@@ -39,8 +40,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from shared.execution import CostModel, Prices, Simulator, run_positions  # noqa: E402
 
 TABLE_ROWS = 4096
-STATE = ("t", "position", "equity", "entry_price", "entry_size", "growth", "tp_price", "sl_price", "entry_t",
-         "bars_in_trade")
+STATE = ("t", "position", "units", "cash", "equity", "entry_equity", "entry_price", "entry_size", "tp_price",
+         "sl_price", "entry_t", "bars_in_trade")
 """Simulator attributes a step rebinds: the CUDA graph copies them back into its static inputs."""
 
 
@@ -154,46 +155,39 @@ def bench_graph(prices: Prices, table: torch.Tensor, costs: CostModel, ledger: b
 
 
 def python_loop(o, h, l, c, targets, rate: float) -> tuple[float, list[tuple]]:
-    """One account, the simulator's rules without profit target / stop loss, one bar at a time.
+    """One account, the simulator's rules without profit target / stop loss, one bar at a time: units bought at a
+    fill, held until the next one; equity = cash + units × price.
 
     Returns the final equity and the ledger [(entry_t, exit_t, side, size, entry_price, exit_price, net_return)].
     """
     T = len(o)
-    pos, eq, g = 0.0, 1.0, 1.0
-    entry_t, entry_px, entry_size = 0, 0.0, 0.0
+    pos, units, cash, eq = 0.0, 0.0, 1.0, 1.0
+    entry_t, entry_px, entry_size, entry_eq = 0, 0.0, 0.0, 1.0
     trades = []
     for t in range(T - 1):
         op, cl = o[t + 1], c[t + 1]
-        f = 1.0 + pos * (op / c[t] - 1.0)  # overnight with the old position
-        eq *= f
-        g *= f
         tgt = targets[t]
-        old_side = (pos > 0) - (pos < 0)
-        new_side = (tgt > 0) - (tgt < 0)
-        if old_side != 0 and new_side != old_side:  # close at the open (signal or flip)
-            f = 1.0 - rate * abs(pos)
-            eq *= f
-            g *= f
-            trades.append((entry_t, t + 1, old_side, entry_size, entry_px, op, g - 1.0))
-        if new_side != 0 and new_side != old_side:  # open at the open
-            f = 1.0 - rate * abs(tgt)
-            eq *= f
-            g = f
-            entry_t, entry_px, entry_size = t + 1, op, abs(tgt)
-        elif old_side != 0 and new_side == old_side:  # resize inside the trade
-            f = 1.0 - rate * abs(tgt - pos)
-            eq *= f
-            g *= f
-        pos = tgt
-        f = 1.0 + pos * (cl / op - 1.0)  # open → close
-        eq *= f
-        g *= f
-        if t + 1 == T - 1 and pos != 0:  # last bar: close at its close
-            f = 1.0 - rate * abs(pos)
-            eq *= f
-            g *= f
-            trades.append((entry_t, t + 1, new_side, entry_size, entry_px, cl, g - 1.0))
+        if tgt != pos:                                  # a fill at the open
+            old_side = (pos > 0) - (pos < 0)
+            new_side = (tgt > 0) - (tgt < 0)
+            if old_side != 0 and new_side != old_side:  # close (signal or flip)
+                cash = (cash + units * op) - rate * abs(units) * op
+                units = 0.0
+                trades.append((entry_t, t + 1, old_side, entry_size, entry_px, op, cash / entry_eq - 1.0))
+            if new_side != 0:                           # open, or resize inside the trade
+                eq_fill = cash + units * op
+                du = tgt * eq_fill / op - units
+                cash = (cash - du * op) - rate * abs(du) * op
+                units += du
+                if new_side != old_side:
+                    entry_t, entry_px, entry_size, entry_eq = t + 1, op, abs(tgt), eq_fill
+            pos = tgt
+        if t + 1 == T - 1 and pos != 0:                 # last bar: close at its close
+            cash = (cash + units * cl) - rate * abs(units) * cl
+            units = 0.0
+            trades.append((entry_t, t + 1, (pos > 0) - (pos < 0), entry_size, entry_px, cl, cash / entry_eq - 1.0))
             pos = 0.0
+        eq = cash + units * cl
     return eq, trades
 
 
@@ -270,6 +264,8 @@ def bench_vectorbt(ohlc, table: np.ndarray, costs: CostModel, T: int) -> float |
     o, _, _, c = (a[:T] for a in ohlc)
     tg = np.resize(table, (T, B))  # the same per-step table, tiled over T steps
     size = np.vstack([np.full((1, B), np.nan), tg[:-1]])  # decided at close t → ordered at open t+1
+    held = np.vstack([np.full((1, B), np.nan), tg[:-2]])
+    size[1:][size[1:] == np.nan_to_num(held, nan=0.0)] = np.nan  # an unchanged target is no order: units held
     close = pd.DataFrame(np.repeat(c[:, None], B, 1))
     price = pd.DataFrame(np.repeat(o[:, None], B, 1))
 
