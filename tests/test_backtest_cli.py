@@ -104,6 +104,24 @@ def test_held_target_and_end_exit(app, bars_csv, tmp_path):
     assert t["net_return"] == pytest.approx(expected, rel=1e-12)
 
 
+def test_fixed_fee_and_borrow(app, bars_csv, tmp_path):
+    # short 1 decided at close 0 → sells 1/100 units at open 1 (100); flat decided at close 2 → buys back at open 3
+    # (104). Held short at closes 1 (102) and 2 (105): borrow 876.6 bps a year over 8 766 bars a year = 0.1 bp a bar
+    pos = write(tmp_path, f"timestamp,position\n{TIMES[0]},-1\n{TIMES[2]},0\n")
+    res = invoke(app, "--data", bars_csv, "--positions", pos, "--cost-bps", 0, "--fee", 1e-3, "--borrow-bps", 876.6,
+                 "--bars-per-year", 8766, "--json")
+    assert res.exit_code == 0, res.output
+    (t,) = json.loads(res.stdout)["trades"]
+    assert t["net_return"] == pytest.approx(-(104 / 100 - 1) - 2e-3 - 1e-5 * (102 + 105) / 100, rel=1e-12)
+    # by default the bars a year are the data's own: 6 hourly bars span 5 hours → 5 / (5 / 8766) = 8 766 here too
+    res = invoke(app, "--data", bars_csv, "--positions", pos, "--cost-bps", 0, "--fee", 1e-3, "--borrow-bps", 876.6,
+                 "--json")
+    assert json.loads(res.stdout)["trades"][0]["net_return"] == pytest.approx(t["net_return"], rel=1e-9)
+    for flag, value in (("--fee", -1), ("--borrow-bps", "nan"), ("--bars-per-year", 0)):
+        bad = invoke(app, "--data", bars_csv, "--positions", pos, flag, value)
+        assert bad.exit_code == 2 and flag in bad.output
+
+
 def test_table_output(app, bars_csv, tmp_path):
     pos = write(tmp_path, f"timestamp,position\n{TIMES[0]},-1\n")
     res = invoke(app, "--data", bars_csv, "--positions", pos)
