@@ -493,9 +493,11 @@ def _replay_blocks(prices: Prices, tg: torch.Tensor, costs: CostModel, block_ele
     pos[:, 0], equity[:, 0], bar_ret[:, 0] = 0.0, 1.0, 0.0
     rows, width = _block_shape(B, T - 1, block_elements)               # bars 1..T-1 are replayed (bar 0: flat)
     n = rows * width
-    fbuf = [torch.empty(n, device=dev, dtype=dt) for _ in range(3)]
-    sbuf = torch.empty(rows * (width + 1), device=dev, dtype=dt)
-    mbuf = [torch.empty(n, device=dev, dtype=torch.bool) for _ in range(3)]
+    fbuf = [torch.empty(n, device=dev, dtype=dt) for _ in range(2)]
+    chg_buf = torch.empty(n, device=dev, dtype=torch.bool)
+    id_buf = torch.empty(n, device=dev, dtype=torch.long)
+    pos_flat = pos.view(-1)
+    sel = lambda x, i: x.index_select(0, i)  # noqa: E731  1-D gathers (cheaper than advanced indexing)
     ent_acct, ent_t, ent_p, ent_l, ex_t, ex_code, ex_l = [], [], [], [], [], [], []
     for b0 in range(0, B, rows) if T > 1 else ():
         nb = min(rows, B - b0)
@@ -509,95 +511,81 @@ def _replay_blocks(prices: Prices, tg: torch.Tensor, costs: CostModel, block_ele
             t1 = min(T, t0 + width)
             w = t1 - t0
             last = t1 == T
-            view = lambda buf, k=w: buf[:nb * k].view(nb, k)  # noqa: E731  contiguous [nb, k] scratch
             cur = pos[b0:b0 + nb, t0:t1]                                  # p_t, t in [t0, t1)
             cur.copy_(tg[b0:b0 + nb, t0 - 1:t1 - 1])
             prev = pos[b0:b0 + nb, t0 - 1:t1 - 1]                         # p_{t-1}
-            chg, held, flipm = (view(b) for b in mbuf)
-            torch.ne(cur, prev, out=chg)
+            chg = chg_buf[:nb * w].view(nb, w)
+            torch.ne(cur, prev, out=chg)                                  # a fill at the open of bar t
             # legs: each row's carried leg (index r + fills in rows before r), then one leg per fill, row-major
-            legid = torch.cumsum(chg.view(-1), 0).view(nb, w)
-            legid.add_(ar.unsqueeze(1))
+            legid = id_buf[:nb * w]
+            torch.cumsum(chg.view(-1), 0, out=legid)
+            legid.view(nb, w).add_(ar.unsqueeze(1))
             ci = chg.view(-1).nonzero().view(-1)                          # fills, flat index
             rc = torch.div(ci, w, rounding_mode="floor")
             tc = ci - rc * w
-            nf = len(ci)
-            n_legs = nb + nf
-            lid = legid.view(-1)[ci]                                      # the leg each fill starts
-            carried = torch.ones(n_legs, device=dev, dtype=torch.bool)
-            carried[lid] = False
-            cidx = carried.nonzero().view(-1)                             # [nb] each row's carried leg
+            n_legs = nb + len(ci)
+            lid = legid.index_select(0, ci)                               # the leg each fill starts
+            per_row = torch.bincount(rc, minlength=nb)
+            cidx = ar + torch.cumsum(per_row, 0) - per_row                # each row's carried leg
             lp = torch.empty(n_legs, device=dev, dtype=dt)
-            loe = torch.empty_like(lp)
-            kap = torch.empty_like(lp)
-            lp[cidx], loe[cidx], kap[cidx] = prev[:, 0], c_oe, c_kap
-            p_new, p_old = cur[rc, tc], prev[rc, tc]
-            o_f = o[tc + t0]
-            lp[lid], loe[lid] = p_new, o_f
-            # the leg before each fill: its end factor at the fill's open
+            loe, kap, lg = torch.empty_like(lp), torch.empty_like(lp), torch.empty_like(lp)
+            flat = (rc + b0) * T + (tc + t0)                              # the fills in pos, flattened
+            p_new, p_old = sel(pos_flat, flat), sel(pos_flat, flat - 1)
+            o_f = sel(o, tc + t0)
+            lp.index_copy_(0, cidx, prev[:, 0]).index_copy_(0, lid, p_new)
+            loe.index_copy_(0, cidx, c_oe).index_copy_(0, lid, o_f)
+            # the leg before each fill: its end factor g at the fill's open
             pl = lid - 1
-            r = o_f / loe[pl]
+            r = o_f / sel(loe, pl)
             flip = torch.sign(p_new) != torch.sign(p_old)                 # the previous trade closes here
-            rz = (~flip).nonzero().view(-1)                               # resizes
-            kap[lid] = c * p_new.abs()                                    # opens (flat legs: p = 0, κ = 0)
-            if len(rz):                                                   # κ of resizes: fixed-point passes
-                lz, pz, rr, pp = lid[rz], p_new[rz], r[rz], p_old[rz]
+            kap.index_copy_(0, cidx, c_kap).index_copy_(0, lid, c * p_new.abs())  # opens; flat legs: p = κ = 0
+            rz = (~flip).nonzero().view(-1)                               # resizes: κ by fixed-point passes
+            if len(rz):
+                lz, pz, rr, pp = sel(lid, rz), sel(p_new, rz), sel(r, rz), sel(p_old, rz)
                 for _ in range(len(rz) + 1):
-                    d = pp * rr / (1.0 - kap[lz - 1] + pp * (rr - 1.0))
+                    d = pp * rr / (1.0 - sel(kap, lz - 1) + pp * (rr - 1.0))
                     k_new = c * (pz - d).abs()
-                    if torch.equal(k_new, kap[lz]):
+                    if torch.equal(k_new, sel(kap, lz)):
                         break
-                    kap[lz] = k_new
-            g = 1.0 - kap[pl] + p_old * (r - 1.0) - torch.where(flip, c * p_old.abs() * r, torch.zeros_like(r))
-            # log E per bar: the carried leg's, plus log g at each fill, summed along the row
-            z, le, eqv = (view(b) for b in fbuf)
-            z.zero_()
-            z.view(-1)[ci] = torch.log(g)
-            torch.cumsum(z, dim=1, out=le)
-            le.add_(c_le.unsqueeze(1))
-            a = z
-            # equity at each close: E · (1 − κ + p (close / o_e − 1))
-            lg = legid.view(-1)
-            torch.div(cl[t0:t1].expand(nb, w), loe[lg].view(nb, w), out=a)
-            a.sub_(1.0).mul_(cur).add_(1.0).sub_(kap[lg].view(nb, w))
+                    kap.index_copy_(0, lz, k_new)
+            g = 1.0 - sel(kap, pl) + p_old * (r - 1.0)
+            g.sub_(torch.where(flip, c * p_old.abs() * r, torch.zeros_like(r)))
+            # log E of every leg: the carried leg's, plus log g at each fill, summed along the row
+            lg.index_copy_(0, cidx, c_le).index_copy_(0, lid, torch.log(g))
+            le = torch.cumsum(lg, 0)
+            row_of = torch.empty(n_legs, device=dev, dtype=torch.long).index_copy_(0, cidx, ar).index_copy_(0, lid, rc)
+            le.sub_(sel(sel(le, cidx) - c_le, row_of))
+            # each leg's cash E·(1 − κ − p) and units E·p/o_e, then at every close: equity = cash + units × close
+            e_leg = torch.exp(le)
+            units = e_leg * lp / loe
+            cash = e_leg * (1.0 - kap - lp)
+            eqv, tmp = (x[:nb * w].view(nb, w) for x in fbuf)
+            torch.index_select(cash, 0, legid, out=eqv.view(-1))
+            torch.index_select(units, 0, legid, out=tmp.view(-1))
+            eqv.addcmul_(tmp, cl[t0:t1])
             if last:                                                      # the end exit's fill at the last close
-                ae = a[:, -1] - c * cur[:, -1].abs() * cl[T - 1] / loe[lg.view(nb, w)[:, -1]]
-                a[:, -1] = ae
-            torch.exp(le, out=eqv)
-            eqv.mul_(a)
+                eqv[:, -1].sub_(c * cl[T - 1] * tmp[:, -1].abs())
             equity[b0:b0 + nb, t0:t1] = eqv
             br = bar_ret[b0:b0 + nb, t0:t1]
             torch.div(eqv[:, 1:], eqv[:, :-1], out=br[:, 1:])
             torch.div(eqv[:, 0], c_eq, out=br[:, 0])
             br.sub_(1.0)
-            lend = lg.view(nb, w)[:, -1]
-            c_oe, c_kap, c_le, c_eq = loe[lend], kap[lend], le[:, -1].clone(), eqv[:, -1].clone()
-            # trades: sign changes of the position between bar t-1 and bar t
-            s = sbuf[:nb * (w + 1)].view(nb, w + 1)
-            torch.sign(pos[b0:b0 + nb, t0 - 1:t1], out=s)
-            sp, sc = s[:, :-1], s[:, 1:]
-            torch.ne(sc, sp, out=flipm)
-            torch.ne(sp, 0.0, out=held)
-            torch.logical_and(flipm, held, out=chg)                       # closes (chg is free again)
-            torch.ne(sc, 0.0, out=held)
-            torch.logical_and(flipm, held, out=held)                      # opens
-            L = le.view(-1)
-            oi = held.view(-1).nonzero().view(-1)
-            ro = torch.div(oi, w, rounding_mode="floor")
-            to = oi - ro * w
-            ent_acct.append(ro + b0)
-            ent_t.append(to + t0)
-            ent_p.append(cur[ro, to])
-            ent_l.append(L[oi])
-            xi = chg.view(-1).nonzero().view(-1)
-            rx = torch.div(xi, w, rounding_mode="floor")
-            tx = xi - rx * w
-            cx = cur[rx, tx]                                              # 0: back to flat; else a flip
-            xt, xcode, xl = tx + t0, torch.where(cx == 0, _SIGNAL, _FLIP), L[xi]
+            lend = legid.view(nb, w)[:, -1]
+            c_oe, c_kap, c_le, c_eq = sel(loe, lend), sel(kap, lend), sel(le, lend), eqv[:, -1].clone()
+            # trades: the fills that change the sign; entries and exits at a leg's E
+            oi = (flip & (p_new != 0)).nonzero().view(-1)
+            ent_acct.append(sel(rc, oi) + b0)
+            ent_t.append(sel(tc, oi) + t0)
+            ent_p.append(sel(p_new, oi))
+            ent_l.append(sel(le, sel(lid, oi)))
+            xi = (flip & (p_old != 0)).nonzero().view(-1)
+            rx = sel(rc, xi)
+            xt = sel(tc, xi) + t0
+            xcode, xl = torch.where(sel(p_new, xi) == 0, _SIGNAL, _FLIP), sel(le, sel(lid, xi))
             if last:                                                      # still open at the last close: "end"
                 em = cur[:, -1] != 0
                 re = em.nonzero().view(-1)
-                l_end = le[re, -1] + torch.log(ae[re])
+                l_end = torch.log(eqv[re, -1])
                 if nb == 1:
                     xt = torch.cat([xt, torch.full_like(re, T - 1)])
                     xcode = torch.cat([xcode, torch.full_like(re, _END)])

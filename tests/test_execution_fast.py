@@ -118,3 +118,20 @@ def test_cpu_thread_setting_is_restored():
     before = torch.get_num_threads()
     replay(walk(20), np.ones((2, 20)), 8)
     assert torch.get_num_threads() == before
+
+
+def test_fixed_fees_and_borrow_take_the_step_simulator():
+    """The replay's legs scale with equity; a fixed fee or a borrow charge does not, so `run_positions` steps those
+    bar by bar whatever `fast` says, and the replay refuses them."""
+    p = walk(30, seed=5)
+    tg = np.zeros((2, 30))
+    tg[0, 3:12], tg[1, 5:20] = 1.0, -0.5
+    for costs in (CostModel(cost_bps=2, fee=1e-4), CostModel(cost_bps=2, borrow_bps=300, bars_per_year=250)):
+        assert not costs.proportional
+        with pytest.raises(ValueError, match="proportional"):
+            _run_positions_vectorized(p, torch.as_tensor(tg), costs)
+        a, b = run_positions(p, tg, costs, fast=True), run_positions(p, tg, costs, fast=False)
+        assert a.ledger.equals(b.ledger) and (a.equity == b.equity).all()
+        plain = run_positions(p, tg, CostModel(cost_bps=2))
+        worse = a.ledger.net_return.to_numpy() - plain.ledger.net_return.to_numpy()
+        assert (worse <= 0).all() and (worse < 0).any()                     # borrow: the short only
