@@ -1,6 +1,6 @@
 """Speed of the simulator (shared/execution.py) in account-bars per second, beside a plain Python loop and vectorbt.
 
-    python bench/backtest_speed.py [--device cpu|cuda] [--T 1000000] [--B 1,64,1024] [--seconds 3]
+    python bench/backtest_speed.py [--device cpu|cuda] [--T 1000000] [--B 1,64,1024] [--seconds 3] [--clock wall|cpu]
                                    [--replay-max-cells 100000000] [--T-replay-large 100000]
 
 Workload: one synthetic OHLC series of T bars (geometric random walk); B accounts, each with its own random
@@ -40,6 +40,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from shared.execution import CostModel, Prices, Simulator, run_positions  # noqa: E402
 
 TABLE_ROWS = 4096
+CLOCK = time.perf_counter
+"""The timer of every cell: wall time, or with --clock cpu this process's CPU time (steadier on a shared machine)."""
 STATE = ("t", "position", "units", "cash", "equity", "entry_equity", "entry_price", "entry_size", "tp_price",
          "sl_price", "entry_t", "bars_in_trade")
 """Simulator attributes a step rebinds: the CUDA graph copies them back into its static inputs."""
@@ -85,18 +87,18 @@ def bench_eager(prices: Prices, table: torch.Tensor, costs: CostModel, ledger: b
         sim.step(table[k])
     sim = Simulator(prices, B, costs, record_ledger=ledger)
     _sync(dev)
-    steps, t0 = 0, time.perf_counter()
+    steps, t0 = 0, CLOCK()
     while steps < max_steps:
         for _ in range(min(64, max_steps - steps)):
             sim.step(table[steps % TABLE_ROWS])
             steps += 1
         _sync(dev)
-        if time.perf_counter() - t0 >= seconds:
+        if CLOCK() - t0 >= seconds:
             break
     if ledger:
         sim.ledger()
     _sync(dev)
-    return B * steps / (time.perf_counter() - t0), steps
+    return B * steps / (CLOCK() - t0), steps
 
 
 def bench_graph(prices: Prices, table: torch.Tensor, costs: CostModel, ledger: bool, seconds: float,
@@ -136,7 +138,7 @@ def bench_graph(prices: Prices, table: torch.Tensor, costs: CostModel, ledger: b
     for k in range(2):  # warm replays
         graph.replay()
     _sync(dev)
-    steps, t0 = 0, time.perf_counter()
+    steps, t0 = 0, CLOCK()
     while steps + K <= max_steps - 2 * K:
         for _ in range(8):
             r = (steps % TABLE_ROWS)
@@ -146,12 +148,12 @@ def bench_graph(prices: Prices, table: torch.Tensor, costs: CostModel, ledger: b
                 lb.flush()
             steps += K
         _sync(dev)
-        if time.perf_counter() - t0 >= seconds:
+        if CLOCK() - t0 >= seconds:
             break
     if lb is not None:
         sim.ledger()
     _sync(dev)
-    return B * steps / (time.perf_counter() - t0), steps
+    return B * steps / (CLOCK() - t0), steps
 
 
 def python_loop(o, h, l, c, targets, rate: float) -> tuple[float, list[tuple]]:
@@ -218,10 +220,10 @@ def bench_replay(ohlc, table: np.ndarray, costs: CostModel, T: int, device: torc
     best = math.inf
     for _ in range(repeats):
         _sync(device)
-        t0 = time.perf_counter()
+        t0 = CLOCK()
         res = run_positions(prices, targets, costs)
         _sync(device)
-        best = min(best, time.perf_counter() - t0)
+        best = min(best, CLOCK() - t0)
         del res
     return B * T / best
 
@@ -247,9 +249,9 @@ def bench_python(ohlc, targets: np.ndarray, costs: CostModel, T: int) -> float:
     o, h, l, c = (a[:T].tolist() for a in ohlc)
     tg = targets[:T].tolist()
     python_loop(o[:1000], h[:1000], l[:1000], c[:1000], tg[:1000], costs.rate)
-    t0 = time.perf_counter()
+    t0 = CLOCK()
     python_loop(o, h, l, c, tg, costs.rate)
-    return (T - 1) / (time.perf_counter() - t0)
+    return (T - 1) / (CLOCK() - t0)
 
 
 def bench_vectorbt(ohlc, table: np.ndarray, costs: CostModel, T: int) -> float | str:
@@ -275,9 +277,9 @@ def bench_vectorbt(ohlc, table: np.ndarray, costs: CostModel, T: int) -> float |
         return pf.trades.records_readable  # the ledger, to compare like with like
 
     run()
-    t0 = time.perf_counter()
+    t0 = CLOCK()
     run()
-    return B * (T - 1) / (time.perf_counter() - t0)
+    return B * (T - 1) / (CLOCK() - t0)
 
 
 def fmt(x) -> str:
@@ -297,6 +299,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--compile", action="store_true", help="cuda: add a column with the step compiled "
                                                            "(torch.compile) inside the CUDA graph, equity only")
     ap.add_argument("--cost-bps", type=float, default=1.0)
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                    help="time cells by wall clock, or by this process's CPU time (all its threads: steadier than "
+                         "wall time on a machine other jobs share; the GPU's time is not counted)")
     ap.add_argument("--check-bars", type=int, default=2000, help="bars of the Python-loop vs simulator check")
     ap.add_argument("--replay-max-cells", type=float, default=1e8,
                     help="largest B·T of the replay column; above it the replay runs over --T-replay-large bars")
@@ -304,6 +309,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--replay-repeats", type=int, default=2, help="timed replay runs per cell (best is shown)")
     ap.add_argument("--replay-check-bars", type=int, default=20_000, help="bars of the Python-loop vs replay check")
     a = ap.parse_args(argv)
+    global CLOCK
+    CLOCK = time.process_time if a.clock == "cpu" else time.perf_counter
     if a.device == "cuda" and not torch.cuda.is_available():
         sys.exit("error: --device cuda but no CUDA device is available")
     dev = torch.device(a.device)
@@ -348,7 +355,7 @@ def main(argv: list[str] | None = None) -> None:
 
     dname = torch.cuda.get_device_name(dev) if dev.type == "cuda" else (platform.processor() or platform.machine())
     print(f"\naccount-bars/s — device {a.device} ({dname}), torch {torch.__version__}, "
-          f"{torch.get_num_threads()} CPU threads, T={a.T}, cost {a.cost_bps} bps, targets in {{-1,0,1}} "
+          f"{torch.get_num_threads()} CPU threads, T={a.T}, cost {a.cost_bps} bps, {a.clock} clock, targets in {{-1,0,1}} "
           f"redrawn every 1–5 bars\n")
     print("| " + " | ".join(cols) + " |")
     print("|" + "|".join("---:" for _ in cols) + "|")
