@@ -455,16 +455,19 @@ def _run_positions_vectorized(prices: Prices, tg: torch.Tensor, costs: CostModel
     leg has p = κ = 0 (a = 1). The leg ending at the open o_x of the next leg passes on
         E_next = E · g,   g = a(o_x) − c|p|·o_x/o_e on a close or flip (its closing fill), a(o_x) on a resize,
     so log E of every leg is a cumulative sum of log g over the legs before it, and the equity at each close is
-    E·a(close). A trade's net return is E at its exit over E at its entry − 1 (both are leg equities: the exit's
-    is the next leg's E, or E·g at the last close for the "end" exit). A resize's κ depends on its previous leg's
-    κ through d, a chain only along consecutive resizes: κ is solved by fixed-point passes over the resize legs
-    (each pass makes one more leg of every chain exact, and shrinks the error by ~c·|d|), until none changes.
-    Per block: a few element-wise passes, one integer and one float cumsum, gathers of the legs' o_e and κ, one
-    exp; entries and exits are read off at the sign changes. Blocks are [rows, bars] of about `block_elements`
+    E·a(close) = cash + units × close, with the leg's cash E·(1 − κ − p) and units E·p/o_e. A trade's net return
+    is E at its exit over E at its entry − 1 (both are leg equities: the exit's is the next leg's E, or E·g at the
+    last close for the "end" exit). A resize's κ depends on its previous leg's κ through d, a chain only along
+    consecutive resizes: κ is solved by fixed-point passes over the resize legs (each pass makes one more leg of
+    every chain exact, and shrinks the error by ~c·|d|), until none changes.
+    Per bar of a block: the fill mask, an integer cumsum (each bar's leg), two gathers of the legs' cash and units
+    and one multiply-add; the logs, the exps and the cumsum of log g run per leg, and entries and exits are read
+    off at the fills that change the sign. Blocks are [rows, bars] of about `block_elements`
     (default 2^17 on CPU, 2^25 on CUDA; tests force tiny ones), carrying each account's current leg (p, o_e, κ,
     log E) and last equity into the next. Blocks are whole rows or one account wide, so entries and exits come out
     in (account, time) order: the k-th exit of an account closes its k-th entry, no sort.
-    Precision: log E is a running float64 sum, so a trade's log growth carries an absolute error ~1e-16·|log E|.
+    Precision: log E is a running float64 sum over a block's legs, so a trade's log growth carries an absolute
+    error ~1e-16 times the largest |log E| summed in its block.
     """
     if not costs.proportional:
         raise ValueError("the vectorised replay takes proportional costs only (no fixed fee, no borrow)")
