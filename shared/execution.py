@@ -522,7 +522,8 @@ def _replay_blocks(prices: Prices, tg: torch.Tensor, costs: CostModel, block_ele
             # legs: each row's carried leg (index r + fills in rows before r), then one leg per fill, row-major
             legid = id_buf[:nb * w]
             torch.cumsum(chg.view(-1), 0, out=legid)
-            legid.view(nb, w).add_(ar.unsqueeze(1))
+            if nb > 1:
+                legid.view(nb, w).add_(ar.unsqueeze(1))
             ci = chg.view(-1).nonzero().view(-1)                          # fills, flat index
             rc = torch.div(ci, w, rounding_mode="floor")
             tc = ci - rc * w
@@ -562,13 +563,16 @@ def _replay_blocks(prices: Prices, tg: torch.Tensor, costs: CostModel, block_ele
             e_leg = torch.exp(le)
             units = e_leg * lp / loe
             cash = e_leg * (1.0 - kap - lp)
-            eqv, tmp = (x[:nb * w].view(nb, w) for x in fbuf)
+            eq_out = equity[b0:b0 + nb, t0:t1]
+            eqv = eq_out if eq_out.is_contiguous() else fbuf[0][:nb * w].view(nb, w)   # written in place if it can
+            tmp = fbuf[1][:nb * w].view(nb, w)
             torch.index_select(cash, 0, legid, out=eqv.view(-1))
             torch.index_select(units, 0, legid, out=tmp.view(-1))
             eqv.addcmul_(tmp, cl[t0:t1])
             if last:                                                      # the end exit's fill at the last close
                 eqv[:, -1].sub_(c * cl[T - 1] * tmp[:, -1].abs())
-            equity[b0:b0 + nb, t0:t1] = eqv
+            if eqv is not eq_out:
+                eq_out.copy_(eqv)
             br = bar_ret[b0:b0 + nb, t0:t1]
             torch.div(eqv[:, 1:], eqv[:, :-1], out=br[:, 1:])
             torch.div(eqv[:, 0], c_eq, out=br[:, 0])
