@@ -355,7 +355,8 @@ def main(argv: list[str] | None = None) -> None:
 
     dname = torch.cuda.get_device_name(dev) if dev.type == "cuda" else (platform.processor() or platform.machine())
     print(f"\naccount-bars/s — device {a.device} ({dname}), torch {torch.__version__}, "
-          f"{torch.get_num_threads()} CPU threads, T={a.T}, cost {a.cost_bps} bps, {a.clock} clock, targets in {{-1,0,1}} "
+          f"{torch.get_num_threads()} CPU threads, T={a.T}, cost {a.cost_bps} bps, {a.clock} clock, "
+          f"targets in {{-1,0,1}} "
           f"redrawn every 1–5 bars\n")
     print("| " + " | ".join(cols) + " |")
     print("|" + "|".join("---:" for _ in cols) + "|")

@@ -455,9 +455,9 @@ def _run_positions_vectorized(prices: Prices, tg: torch.Tensor, costs: CostModel
     leg has p = κ = 0 (a = 1). The leg ending at the open o_x of the next leg passes on
         E_next = E · g,   g = a(o_x) − c|p|·o_x/o_e on a close or flip (its closing fill), a(o_x) on a resize,
     so log E of every leg is a cumulative sum of log g over the legs before it, and the equity at each close is
-    E·a(close) = cash + units × close, with the leg's cash E·(1 − κ − p) and units E·p/o_e. A trade's net return
-    is E at its exit over E at its entry − 1 (both are leg equities: the exit's is the next leg's E, or E·g at the
-    last close for the "end" exit). A resize's κ depends on its previous leg's κ through d, a chain only along
+    E·a(close) = cash + units × close, with the leg's cash E·(1 − κ − p) and units E·p/o_e. A trade's net
+    return is E at its exit over E at its entry − 1 (both are leg equities: the exit's is the next leg's E, or E·g
+    at the last close for the "end" exit). A resize's κ depends on its previous leg's κ through d, a chain only along
     consecutive resizes: κ is solved by fixed-point passes over the resize legs (each pass makes one more leg of
     every chain exact, and shrinks the error by ~c·|d|), until none changes.
     Per bar of a block: the fill mask, an integer cumsum (each bar's leg), two gathers of the legs' cash and units
@@ -559,7 +559,7 @@ def _replay_blocks(prices: Prices, tg: torch.Tensor, costs: CostModel, block_ele
             le = torch.cumsum(lg, 0)
             row_of = torch.empty(n_legs, device=dev, dtype=torch.long).index_copy_(0, cidx, ar).index_copy_(0, lid, rc)
             le.sub_(sel(sel(le, cidx) - c_le, row_of))
-            # each leg's cash E·(1 − κ − p) and units E·p/o_e, then at every close: equity = cash + units × close
+            # each leg's cash E·(1 − κ − p) and units E·p/o_e; at every close, equity = cash + units × close
             e_leg = torch.exp(le)
             units = e_leg * lp / loe
             cash = e_leg * (1.0 - kap - lp)
