@@ -1,6 +1,6 @@
 """Speed of the simulator (shared/execution.py) in account-bars per second, beside a plain Python loop and vectorbt.
 
-    python bench/backtest_speed.py [--device cpu|cuda] [--T 1000000] [--B 1,64,1024] [--seconds 3]
+    python bench/backtest_speed.py [--device cpu|cuda] [--T 1000000] [--B 1,64,1024] [--seconds 3] [--clock wall|cpu]
                                    [--replay-max-cells 100000000] [--T-replay-large 100000]
 
 Workload: one synthetic OHLC series of T bars (geometric random walk); B accounts, each with its own random
@@ -20,8 +20,9 @@ first `steps` bars of the T-bar series are timed — the step cost does not depe
   instead and the cell says so. Its ledger is checked against the Python loop on a prefix (under the table).
 - `python loop`: the same fill and cost rules written as a per-bar Python loop for one account (over --T-python
   bars), ledger kept as a list; checked against the simulator on a prefix (printed under the table).
-- `vectorbt`: `vbt.Portfolio.from_orders(size_type="targetpercent")` on the same targets (fill at the next open,
-  same fees), over --T-vectorbt bars, when vectorbt is importable (never installed by this script).
+- `vectorbt`: `vbt.Portfolio.from_orders(size_type="targetpercent")` on the same targets (an order at the next
+  open where the target changes, same fees), over --T-vectorbt bars, when vectorbt is importable (the `test` extra
+  installs it; this script never does).
 """
 from __future__ import annotations
 
@@ -39,8 +40,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from shared.execution import CostModel, Prices, Simulator, run_positions  # noqa: E402
 
 TABLE_ROWS = 4096
-STATE = ("t", "position", "equity", "entry_price", "entry_size", "growth", "tp_price", "sl_price", "entry_t",
-         "bars_in_trade")
+CLOCK = time.perf_counter
+"""The timer of every cell: wall time, or with --clock cpu this process's CPU time (steadier on a shared machine)."""
+STATE = ("t", "position", "units", "cash", "equity", "entry_equity", "entry_price", "entry_size", "tp_price",
+         "sl_price", "entry_t", "bars_in_trade")
 """Simulator attributes a step rebinds: the CUDA graph copies them back into its static inputs."""
 
 
@@ -84,18 +87,18 @@ def bench_eager(prices: Prices, table: torch.Tensor, costs: CostModel, ledger: b
         sim.step(table[k])
     sim = Simulator(prices, B, costs, record_ledger=ledger)
     _sync(dev)
-    steps, t0 = 0, time.perf_counter()
+    steps, t0 = 0, CLOCK()
     while steps < max_steps:
         for _ in range(min(64, max_steps - steps)):
             sim.step(table[steps % TABLE_ROWS])
             steps += 1
         _sync(dev)
-        if time.perf_counter() - t0 >= seconds:
+        if CLOCK() - t0 >= seconds:
             break
     if ledger:
         sim.ledger()
     _sync(dev)
-    return B * steps / (time.perf_counter() - t0), steps
+    return B * steps / (CLOCK() - t0), steps
 
 
 def bench_graph(prices: Prices, table: torch.Tensor, costs: CostModel, ledger: bool, seconds: float,
@@ -135,7 +138,7 @@ def bench_graph(prices: Prices, table: torch.Tensor, costs: CostModel, ledger: b
     for k in range(2):  # warm replays
         graph.replay()
     _sync(dev)
-    steps, t0 = 0, time.perf_counter()
+    steps, t0 = 0, CLOCK()
     while steps + K <= max_steps - 2 * K:
         for _ in range(8):
             r = (steps % TABLE_ROWS)
@@ -145,55 +148,48 @@ def bench_graph(prices: Prices, table: torch.Tensor, costs: CostModel, ledger: b
                 lb.flush()
             steps += K
         _sync(dev)
-        if time.perf_counter() - t0 >= seconds:
+        if CLOCK() - t0 >= seconds:
             break
     if lb is not None:
         sim.ledger()
     _sync(dev)
-    return B * steps / (time.perf_counter() - t0), steps
+    return B * steps / (CLOCK() - t0), steps
 
 
 def python_loop(o, h, l, c, targets, rate: float) -> tuple[float, list[tuple]]:
-    """One account, the simulator's rules without profit target / stop loss, one bar at a time.
+    """One account, the simulator's rules without profit target / stop loss, one bar at a time: units bought at a
+    fill, held until the next one; equity = cash + units × price.
 
     Returns the final equity and the ledger [(entry_t, exit_t, side, size, entry_price, exit_price, net_return)].
     """
     T = len(o)
-    pos, eq, g = 0.0, 1.0, 1.0
-    entry_t, entry_px, entry_size = 0, 0.0, 0.0
+    pos, units, cash, eq = 0.0, 0.0, 1.0, 1.0
+    entry_t, entry_px, entry_size, entry_eq = 0, 0.0, 0.0, 1.0
     trades = []
     for t in range(T - 1):
         op, cl = o[t + 1], c[t + 1]
-        f = 1.0 + pos * (op / c[t] - 1.0)  # overnight with the old position
-        eq *= f
-        g *= f
         tgt = targets[t]
-        old_side = (pos > 0) - (pos < 0)
-        new_side = (tgt > 0) - (tgt < 0)
-        if old_side != 0 and new_side != old_side:  # close at the open (signal or flip)
-            f = 1.0 - rate * abs(pos)
-            eq *= f
-            g *= f
-            trades.append((entry_t, t + 1, old_side, entry_size, entry_px, op, g - 1.0))
-        if new_side != 0 and new_side != old_side:  # open at the open
-            f = 1.0 - rate * abs(tgt)
-            eq *= f
-            g = f
-            entry_t, entry_px, entry_size = t + 1, op, abs(tgt)
-        elif old_side != 0 and new_side == old_side:  # resize inside the trade
-            f = 1.0 - rate * abs(tgt - pos)
-            eq *= f
-            g *= f
-        pos = tgt
-        f = 1.0 + pos * (cl / op - 1.0)  # open → close
-        eq *= f
-        g *= f
-        if t + 1 == T - 1 and pos != 0:  # last bar: close at its close
-            f = 1.0 - rate * abs(pos)
-            eq *= f
-            g *= f
-            trades.append((entry_t, t + 1, new_side, entry_size, entry_px, cl, g - 1.0))
+        if tgt != pos:                                  # a fill at the open
+            old_side = (pos > 0) - (pos < 0)
+            new_side = (tgt > 0) - (tgt < 0)
+            if old_side != 0 and new_side != old_side:  # close (signal or flip)
+                cash = (cash + units * op) - rate * abs(units) * op
+                units = 0.0
+                trades.append((entry_t, t + 1, old_side, entry_size, entry_px, op, cash / entry_eq - 1.0))
+            if new_side != 0:                           # open, or resize inside the trade
+                eq_fill = cash + units * op
+                du = tgt * eq_fill / op - units
+                cash = (cash - du * op) - rate * abs(du) * op
+                units += du
+                if new_side != old_side:
+                    entry_t, entry_px, entry_size, entry_eq = t + 1, op, abs(tgt), eq_fill
+            pos = tgt
+        if t + 1 == T - 1 and pos != 0:                 # last bar: close at its close
+            cash = (cash + units * cl) - rate * abs(units) * cl
+            units = 0.0
+            trades.append((entry_t, t + 1, (pos > 0) - (pos < 0), entry_size, entry_px, cl, cash / entry_eq - 1.0))
             pos = 0.0
+        eq = cash + units * cl
     return eq, trades
 
 
@@ -224,10 +220,10 @@ def bench_replay(ohlc, table: np.ndarray, costs: CostModel, T: int, device: torc
     best = math.inf
     for _ in range(repeats):
         _sync(device)
-        t0 = time.perf_counter()
+        t0 = CLOCK()
         res = run_positions(prices, targets, costs)
         _sync(device)
-        best = min(best, time.perf_counter() - t0)
+        best = min(best, CLOCK() - t0)
         del res
     return B * T / best
 
@@ -253,9 +249,9 @@ def bench_python(ohlc, targets: np.ndarray, costs: CostModel, T: int) -> float:
     o, h, l, c = (a[:T].tolist() for a in ohlc)
     tg = targets[:T].tolist()
     python_loop(o[:1000], h[:1000], l[:1000], c[:1000], tg[:1000], costs.rate)
-    t0 = time.perf_counter()
+    t0 = CLOCK()
     python_loop(o, h, l, c, tg, costs.rate)
-    return (T - 1) / (time.perf_counter() - t0)
+    return (T - 1) / (CLOCK() - t0)
 
 
 def bench_vectorbt(ohlc, table: np.ndarray, costs: CostModel, T: int) -> float | str:
@@ -270,6 +266,8 @@ def bench_vectorbt(ohlc, table: np.ndarray, costs: CostModel, T: int) -> float |
     o, _, _, c = (a[:T] for a in ohlc)
     tg = np.resize(table, (T, B))  # the same per-step table, tiled over T steps
     size = np.vstack([np.full((1, B), np.nan), tg[:-1]])  # decided at close t → ordered at open t+1
+    held = np.vstack([np.full((1, B), np.nan), tg[:-2]])
+    size[1:][size[1:] == np.nan_to_num(held, nan=0.0)] = np.nan  # an unchanged target is no order: units held
     close = pd.DataFrame(np.repeat(c[:, None], B, 1))
     price = pd.DataFrame(np.repeat(o[:, None], B, 1))
 
@@ -279,9 +277,9 @@ def bench_vectorbt(ohlc, table: np.ndarray, costs: CostModel, T: int) -> float |
         return pf.trades.records_readable  # the ledger, to compare like with like
 
     run()
-    t0 = time.perf_counter()
+    t0 = CLOCK()
     run()
-    return B * (T - 1) / (time.perf_counter() - t0)
+    return B * (T - 1) / (CLOCK() - t0)
 
 
 def fmt(x) -> str:
@@ -301,6 +299,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--compile", action="store_true", help="cuda: add a column with the step compiled "
                                                            "(torch.compile) inside the CUDA graph, equity only")
     ap.add_argument("--cost-bps", type=float, default=1.0)
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                    help="time cells by wall clock, or by this process's CPU time (all its threads: steadier than "
+                         "wall time on a machine other jobs share; the GPU's time is not counted)")
     ap.add_argument("--check-bars", type=int, default=2000, help="bars of the Python-loop vs simulator check")
     ap.add_argument("--replay-max-cells", type=float, default=1e8,
                     help="largest B·T of the replay column; above it the replay runs over --T-replay-large bars")
@@ -308,6 +309,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--replay-repeats", type=int, default=2, help="timed replay runs per cell (best is shown)")
     ap.add_argument("--replay-check-bars", type=int, default=20_000, help="bars of the Python-loop vs replay check")
     a = ap.parse_args(argv)
+    global CLOCK
+    CLOCK = time.process_time if a.clock == "cpu" else time.perf_counter
     if a.device == "cuda" and not torch.cuda.is_available():
         sys.exit("error: --device cuda but no CUDA device is available")
     dev = torch.device(a.device)
@@ -352,7 +355,8 @@ def main(argv: list[str] | None = None) -> None:
 
     dname = torch.cuda.get_device_name(dev) if dev.type == "cuda" else (platform.processor() or platform.machine())
     print(f"\naccount-bars/s — device {a.device} ({dname}), torch {torch.__version__}, "
-          f"{torch.get_num_threads()} CPU threads, T={a.T}, cost {a.cost_bps} bps, targets in {{-1,0,1}} "
+          f"{torch.get_num_threads()} CPU threads, T={a.T}, cost {a.cost_bps} bps, {a.clock} clock, "
+          f"targets in {{-1,0,1}} "
           f"redrawn every 1–5 bars\n")
     print("| " + " | ".join(cols) + " |")
     print("|" + "|".join("---:" for _ in cols) + "|")

@@ -55,7 +55,7 @@ typedef struct {
     int32_t *rl;               /* S × B × 4 */
     double *ev64;              /* S × B × 3 */
     int32_t *flags;            /* S × B */
-    double *final_;            /* B × 10 */
+    double *final_;            /* B × 12 */
     int64_t threads;
 } Pass;
 
@@ -180,13 +180,15 @@ static void run_account(const Pass *p, int64_t b, float *work) {
           *quant = qm + round16(NB);                                                       /* quant: MT × 3 */
     float *x = xin + C;                        /* the portfolio vector, after the code */
 
-    /* state: Simulator.reset (flat, equity 1) and PortfolioTracker.__init__ priors */
+    /* state: Simulator.reset (flat, cash = equity = 1) and PortfolioTracker.__init__ priors */
     int64_t t = p->starts[b];
-    double pos = 0, eq = 1, growth = 1, entry_price = 0, entry_size = 0, tp_price = 0, sl_price = 0;
+    double pos = 0, units = 0, cash = 1, eq = 1, entry_equity = 1, entry_price = 0, entry_size = 0, tp_price = 0,
+           sl_price = 0;
     int64_t entry_t = 0, bars = 0;
     double win_rate = 0.5, mean_win = c[8], mean_loss = c[8], dsr_a = 0, dsr_b = c[7], dsr = 0;
     const double rate = c[0], kelly_floor = c[1], cvar_limit = c[2], min_hold = c[3], dsr_size_cut = c[4];
     const double decay = c[5], eta = c[6], eps_loss = c[9], eps_b = c[10], eps_var = c[11];
+    const double fee = c[12], borrow = c[13];
     const float m = fminf(fmaxf(p->maturity, 1e-3f), 1.0f);              /* float32, as in act */
     const float cvar_floor = -((float)cvar_limit) / m, gate_m = p->gate / m, hold = (float)min_hold * m;
     const double cut = (double)((float)dsr_size_cut * m);
@@ -198,7 +200,7 @@ static void run_account(const Pass *p, int64_t b, float *work) {
         const double vol_t = p->vol[t], close_t = p->close[t];
         const int in_trade = pos != 0;
         const double side0 = sgn(pos);
-        double upnl = in_trade ? (growth - 1.0) / vol_t : 0.0;
+        double upnl = in_trade ? (eq / entry_equity - 1.0) / vol_t : 0.0;
         upnl = clampd(upnl, -20.0, 20.0) / 5.0;
         const double barsf = mind((double)bars / 50.0, 4.0);
         double tp_d = (in_trade && fabs(tp_price) < INFINITY) ? side0 * (tp_price / close_t - 1.0) / vol_t : 0.0;
@@ -260,19 +262,27 @@ static void run_account(const Pass *p, int64_t b, float *work) {
         const double o = p->open[t1], hi = p->high[t1], lo = p->low[t1], cl = p->close[t1];
         const double tgt = live ? clampd(target, -1.0, 1.0) : pos;
         const double eq0 = eq;
-        const double f_gap = 1.0 + pos * (o / close_t - 1.0);
-        double g = growth * f_gap;
-        double eq1 = eq0 * f_gap;
+        /* fills at the open: the closing fill, then the opening or resizing one on the equity left */
+        const int fill = tgt != pos;
         const double old_side = sgn(pos), new_side = sgn(tgt);
-        const int closes = (old_side != 0) && (new_side != old_side);
-        const int opens = (new_side != 0) && (new_side != old_side);
-        const int resize = (old_side != 0) && (new_side == old_side);
-        const double f_close = 1.0 - rate * fabs(pos), f_open = 1.0 - rate * fabs(tgt);
-        const double f_resize = 1.0 - rate * fabs(tgt - pos);
-        const double ret1 = closes ? g * f_close - 1.0 : 0.0;
-        eq1 = eq1 * (closes ? f_close : 1.0) * (opens ? f_open : 1.0) * (resize ? f_resize : 1.0);
-        g = opens ? f_open : (resize ? g * f_resize : g);
+        const int closes = fill && (old_side != 0) && (new_side != old_side);
+        const int opens = fill && (new_side != 0) && (new_side != old_side);
+        const int resize = fill && (old_side != 0) && (new_side == old_side);
+        double u = units, csh = cash;
+        if (closes) {
+            csh = (csh + u * o) - (rate * fabs(u) * o + fee);
+            u = 0.0;
+        }
+        const double eq_fill = csh + u * o;
+        const double ret1 = closes ? eq_fill / entry_equity - 1.0 : 0.0;
+        if (opens || resize) {
+            const double u_new = tgt * eq_fill / o;
+            const double du = u_new - u;
+            csh = (csh - du * o) - (rate * fabs(du) * o + fee);
+            u = u_new;
+        }
         const int flip = new_side != 0;
+        const double n_entry_equity = opens ? eq_fill : entry_equity;
         const double n_entry_price = opens ? o : entry_price, n_entry_size = opens ? fabs(tgt) : entry_size;
         const int64_t n_entry_t = opens ? t1 : entry_t;
         const double n_tp = opens ? (new_side > 0 ? o * (1.0 + tp) : o * (1.0 - tp)) : tp_price;
@@ -287,18 +297,22 @@ static void run_account(const Pass *p, int64_t b, float *work) {
         const int last = t1 == T - 1;
         const int exit_end = !exit_intrabar && (new_side != 0) && last && live;
         const double exit_px = stop_hit ? stop_px : (tgt_hit ? tgt_px : cl);
-        const double f_move = 1.0 + p2 * (exit_px / o - 1.0);
+        if (borrow != 0 && is_short && !exit_intrabar) csh = csh - borrow * fabs(u) * cl;
         const int exits2 = exit_intrabar || exit_end;
-        const double f_exit = exits2 ? 1.0 - rate * fabs(p2) : 1.0;
-        g = g * f_move * f_exit;
-        eq1 = eq1 * f_move * f_exit;
-        const double ret2 = exits2 ? g - 1.0 : 0.0;
+        if (exits2) {
+            csh = (csh + u * exit_px) - (rate * fabs(u) * exit_px + fee);
+            u = 0.0;
+        }
+        const double eq1 = csh + u * cl;
+        const double ret2 = exits2 ? csh / n_entry_equity - 1.0 : 0.0;
         const int reason2 = stop_hit ? 0 : (tgt_hit ? 1 : 2);
         if (exits2) p2 = 0.0;
         if (live) {   /* commit (an account at the last bar keeps its state) */
             pos = p2;
+            units = u;
+            cash = csh;
             eq = eq1;
-            growth = p2 != 0 ? g : 1.0;
+            entry_equity = n_entry_equity;
             entry_price = n_entry_price;
             entry_size = n_entry_size;
             entry_t = n_entry_t;
@@ -331,9 +345,10 @@ static void run_account(const Pass *p, int64_t b, float *work) {
         dsr_a = dsr_a + eta * da;
         dsr_b = dsr_b + eta * db;
     }
-    double *fp = p->final_ + b * 10;
-    fp[0] = (double)t; fp[1] = pos; fp[2] = eq; fp[3] = growth; fp[4] = entry_price; fp[5] = entry_size;
-    fp[6] = (double)entry_t; fp[7] = tp_price; fp[8] = sl_price; fp[9] = (double)bars;
+    double *fp = p->final_ + b * 12;
+    fp[0] = (double)t; fp[1] = pos; fp[2] = eq; fp[3] = units; fp[4] = cash; fp[5] = entry_equity;
+    fp[6] = entry_price; fp[7] = entry_size; fp[8] = (double)entry_t; fp[9] = tp_price; fp[10] = sl_price;
+    fp[11] = (double)bars;
 }
 
 /* All B accounts, `threads` of them at a time (OpenMP). Returns 0, or −1 when out of memory. */

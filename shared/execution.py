@@ -3,30 +3,40 @@
 Used by the trainer's environment, by every evaluator backtest and by `tradeloop backtest`; nothing else in
 tradeloop turns positions into trades.
 
+The convention, checkable by hand
+---------------------------------
+A fill at a bar's open turns the target fraction of equity into units at that open price, and the units are held
+unchanged until the next fill, so equity = cash + units × price. A trade's net return is its own P&L (price moves
+of its units, minus its costs) over the equity at its entry: a long at size 1 gives exactly exit / entry − 1, a
+short at size s gives −s · (exit / entry − 1), at zero cost.
+
 Fill rules
 ----------
 - A target position in [-1, 1] (a signed fraction of equity) decided at the close of bar t fills at the open
   of bar t+1. No look-ahead: the decision at t never sees bar t+1.
-- Positions are fractions of equity: between fills the account holds `position × equity` of notional, so a
-  bar's account return is `position × price return` (re-marked each bar, no rebalancing cost).
-- Costs: a fill that changes the position by |Δ| costs `(cost_bps + slippage_bps) · 1e-4 · |Δ|` of equity.
-  Slippage is modelled as extra bps, not as a moved fill price; ledger prices are the raw bar prices.
+- A fill happens when the target differs from the position held (the target of the last fill, `position`); a
+  target equal to it holds the units (no fill, no cost). The fill sets units = target × equity / open, the equity
+  taken at that open after any closing fill of the same bar. Between fills the fraction of equity the units are
+  worth drifts with the price; nothing rebalances it.
+- Costs per fill: `(cost_bps + slippage_bps) · 1e-4` of the traded notional |Δunits| × fill price, plus the fixed
+  `fee` (in units of the starting equity, which is 1). A short held at a bar's close pays borrow on its notional
+  there, `borrow_bps · 1e-4 / bars_per_year` a bar. Costs come out of cash. Slippage is extra bps, not a moved
+  fill price; ledger prices are the raw bar prices.
 - Profit target / stop loss are fractions of the entry price, fixed when a trade opens (`+inf` = none). On each
   bar a position is held, the bar's low/high are checked; when both levels are inside the bar's range the stop
   is assumed first (the conservative order). A level the open already gapped through fills at the open.
   After a stop or target the account is flat until the next decision (which may re-enter at the next open).
-- A trade runs from a flat position to the next flat position. A change of size with the same sign stays in
-  the trade; a sign flip closes one trade and opens the next at the same open.
+- A trade runs from a flat position to the next flat position. A change of size with the same sign (a resize)
+  changes the units at its fill and stays in the trade; a sign flip is two fills at the same open: the old trade
+  closes (its cost is the old trade's), then the new one opens on the equity left.
 - A position still open on the last bar is closed at that bar's close, with `exit_reason = "end"`.
 
-Cost convention (how a trade's net return includes costs)
-----------------------------------------------------------
-Each trade keeps its own growth factor `g`, the product of the factors its own P&L and costs applied to
-equity: `(1 - c·|size_entry|)` at entry, `(1 + p·r)` for each price move held, `(1 - c·|Δ|)` for each size
-change, `(1 - c·|p|)` at exit. Its `net_return = g - 1`: the trade's equity after its exit fill over equity
-before its entry fill. On a flip, the closing part of the turnover (|old|) is charged to the old trade and
-the opening part (|new|) to the new one. When the account is flat between trades, equity is exactly the
-product of `(1 + net_return)` over its trades.
+Trade accounting: each trade keeps the equity at its entry (before its entry fill, after the previous trade's
+closing fill on a flip). `net_return = equity after its exit fill / equity at its entry − 1`: while it is open the
+trade is the account's only source of P&L, so that is its own P&L, costs included, over its entry equity. When
+the account is flat between trades, equity is exactly the product of `(1 + net_return)` over its trades.
+Without a resize and at zero cost, `net_return = side · size · (exit_price / entry_price − 1)`
+(`held_return` gives the closed form with costs).
 
 Ledger columns: account, entry_t, exit_t (bar indices of the entry and exit fills), side (+1/-1), size
 (|position| at entry), entry_price, exit_price, net_return, bars (bars the position was held, the entry bar
@@ -36,6 +46,7 @@ ML core: imports only torch, numpy and pandas.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -50,19 +61,51 @@ LEDGER_COLUMNS = ("account", "entry_t", "exit_t", "side", "size", "entry_price",
 
 @dataclass(frozen=True)
 class CostModel:
+    """What a fill and a held short cost (see the module docstring). The defaults: 1 bp of traded notional."""
+
     cost_bps: float = 1.0
-    """Commission and spread, in basis points of traded notional."""
+    """Commission and spread, in basis points of traded notional, per fill."""
     slippage_bps: float = 0.0
-    """Extra basis points of traded notional for slippage."""
+    """Extra basis points of traded notional for slippage, per fill."""
+    fee: float = 0.0
+    """Fixed fee per fill, in units of the account's starting equity (1): 1e-5 is $1 on $100 000."""
+    borrow_bps: float = 0.0
+    """Borrow cost of a short, basis points a year of its notional, charged at each close it is held."""
+    bars_per_year: float = 252.0
+    """Bars in a year: turns `borrow_bps` into a rate per bar (252 for daily equities, ~6 200 for hourly FX)."""
 
     @property
     def rate(self) -> float:
-        """Fraction of equity lost per unit of |Δposition|."""
+        """Fraction of the traded notional a fill costs (besides the fixed fee)."""
         return (self.cost_bps + self.slippage_bps) * 1e-4
 
+    @property
+    def borrow_rate(self) -> float:
+        """Fraction of a short's notional charged at each close it is held."""
+        return self.borrow_bps * 1e-4 / self.bars_per_year
+
+    @property
+    def proportional(self) -> bool:
+        """Only costs proportional to the traded notional (no fixed fee, no borrow): a trade's net return then
+        does not depend on the equity level, which the vectorised replay relies on."""
+        return self.fee == 0 and self.borrow_bps == 0
+
     def __post_init__(self) -> None:
-        if not (self.cost_bps >= 0 and self.slippage_bps >= 0):
-            raise ValueError(f"costs must be non-negative, got cost_bps={self.cost_bps}, slippage_bps={self.slippage_bps}")
+        for name in ("cost_bps", "slippage_bps", "fee", "borrow_bps", "bars_per_year"):
+            v = getattr(self, name)
+            ok = isinstance(v, (int, float)) and math.isfinite(v) and (v > 0 if name == "bars_per_year" else v >= 0)
+            if not ok:
+                raise ValueError(f"CostModel.{name} must be a finite number {'>' if name == 'bars_per_year' else '>='}"
+                                 f" 0, got {v!r}")
+
+
+def held_return(side, size, entry_price, exit_price, rate: float = 0.0):
+    """Net return of a trade held at one size (no resize) from `entry_price` to `exit_price`, with proportional
+    costs `rate` (`CostModel.rate`) on its two fills: units = size / entry_price per unit of entry equity, so
+        net = side · size · (exit / entry − 1) − rate · size · (1 + exit / entry).
+    Works on floats and numpy arrays alike."""
+    ratio = exit_price / entry_price
+    return side * size * (ratio - 1.0) - rate * size * (1.0 + ratio)
 
 
 @dataclass(frozen=True)
@@ -172,7 +215,12 @@ class _LedgerBuffer:
 
 
 class Simulator:
-    """B accounts stepping through one price series, each at its own bar index `t`."""
+    """B accounts stepping through one price series, each at its own bar index `t`.
+
+    State per account ([B] tensors): `position` (the target of the last fill: the signed fraction of equity the
+    trade was opened or resized to), `units` (signed units held), `cash`, `equity` (cash + units × the close of
+    bar t), the open trade's `entry_equity`, `entry_price`, `entry_size`, `entry_t`, `tp_price`, `sl_price` and
+    `bars_in_trade`. Every account starts flat with cash = equity = 1."""
 
     def __init__(self, prices: Prices, n_accounts: int, costs: CostModel = CostModel(), *,
                  record_ledger: bool = False, ledger_flush_every: int = 256):
@@ -181,11 +229,11 @@ class Simulator:
         self.prices, self.costs, self.B = prices, costs, n_accounts
         dev, dt = prices.device, prices.dtype
         self.T = len(prices)
-        self.rate = costs.rate
+        self.rate, self.fee, self.borrow = costs.rate, float(costs.fee), costs.borrow_rate
         z = lambda: torch.zeros(n_accounts, device=dev, dtype=dt)  # noqa: E731
         self.t = torch.zeros(n_accounts, device=dev, dtype=torch.long)
-        self.position, self.equity = z(), z() + 1.0
-        self.entry_price, self.entry_size, self.growth = z(), z(), z() + 1.0
+        self.position, self.units, self.cash, self.equity = z(), z(), z() + 1.0, z() + 1.0
+        self.entry_equity, self.entry_price, self.entry_size = z() + 1.0, z(), z()
         self.tp_price, self.sl_price = z(), z()
         self.entry_t = torch.zeros(n_accounts, device=dev, dtype=torch.long)
         self.bars_in_trade = torch.zeros(n_accounts, device=dev, dtype=torch.long)
@@ -199,8 +247,8 @@ class Simulator:
 
     @property
     def trade_return_open(self) -> torch.Tensor:
-        """Net return of the open trade so far, costs to date included (0 when flat)."""
-        return torch.where(self.position != 0, self.growth - 1.0, torch.zeros_like(self.growth))
+        """Net return of the open trade so far (marked at the current close, costs to date included; 0 when flat)."""
+        return torch.where(self.position != 0, self.equity / self.entry_equity - 1.0, torch.zeros_like(self.equity))
 
     def reset(self, start: torch.Tensor, mask: torch.Tensor | None = None) -> None:
         """Put the selected accounts flat at bar `start` with equity 1 (no trade is recorded: they must be flat,
@@ -210,55 +258,59 @@ class Simulator:
         zero = torch.zeros_like(self.equity)
         self.t = torch.where(m, start, self.t)
         self.position = torch.where(m, zero, self.position)
+        self.units = torch.where(m, zero, self.units)
+        self.cash = torch.where(m, zero + 1.0, self.cash)
         self.equity = torch.where(m, zero + 1.0, self.equity)
-        self.growth = torch.where(m, zero + 1.0, self.growth)
+        self.entry_equity = torch.where(m, zero + 1.0, self.entry_equity)
         self.bars_in_trade = torch.where(m, torch.zeros_like(self.bars_in_trade), self.bars_in_trade)
+
+    def _fill_cost(self, units: torch.Tensor, price: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Cost of fills of |units| at `price` where `mask` (0 elsewhere): bps of the notional plus the fixed fee."""
+        return torch.where(mask, self.rate * units.abs() * price + self.fee, torch.zeros_like(price))
 
     # --- the step ------------------------------------------------------------------------------------------
     def step(self, target: torch.Tensor, take_profit: torch.Tensor | None = None,
              stop_loss: torch.Tensor | None = None) -> StepResult:
         """Move every account not yet at the last bar from bar t to t+1 (see the module docstring)."""
-        P, c = self.prices, self.rate
+        P = self.prices
         live = ~self.done                                                     # [B]
         t1 = torch.clamp(self.t + 1, max=self.T - 1)
         o, h, l, cl = P.open[t1], P.high[t1], P.low[t1], P.close[t1]
-        c_prev = P.close[self.t]
-        zero, one = torch.zeros_like(self.equity), torch.ones_like(self.equity)
+        zero = torch.zeros_like(self.equity)
         inf = torch.full_like(self.equity, float("inf"))
         tp = inf if take_profit is None else torch.as_tensor(take_profit, dtype=zero.dtype, device=zero.device)
         sl = inf if stop_loss is None else torch.as_tensor(stop_loss, dtype=zero.dtype, device=zero.device)
         target = torch.where(live, torch.clamp(target.to(zero.dtype), -1.0, 1.0), self.position)
+        pos, u, cash, eq0 = self.position, self.units, self.cash, self.equity
 
-        pos, g, eq0 = self.position, self.growth, self.equity
-        # 1) overnight: close t → open t+1 with the old position
-        f_gap = 1.0 + pos * (o / c_prev - 1.0)
-        g, eq = g * f_gap, eq0 * f_gap
-
-        # 2) fill at the open
+        # 1) fills at the open of t+1; the units held overnight are marked at it
+        fill = target != pos
         old_side, new_side = torch.sign(pos), torch.sign(target)
-        closes = (old_side != 0) & (new_side != old_side)                    # old trade ends here
-        opens = (new_side != 0) & (new_side != old_side)                     # a new trade starts here
-        resize = (old_side != 0) & (new_side == old_side)
-        f_close = 1.0 - c * pos.abs()
-        f_open = 1.0 - c * target.abs()
-        f_resize = 1.0 - c * (target - pos).abs()
-        closed_g = g * f_close                                               # net growth of the closing trade
-        closed_ret1 = torch.where(closes, closed_g - 1.0, zero)
-        eq = eq * torch.where(closes, f_close, one) * torch.where(opens, f_open, one) * torch.where(resize, f_resize, one)
-        g = torch.where(opens, f_open, torch.where(resize, g * f_resize, g))
+        closes = fill & (old_side != 0) & (new_side != old_side)             # old trade ends here
+        opens = fill & (new_side != 0) & (new_side != old_side)              # a new trade starts here
+        resize = fill & (old_side != 0) & (new_side == old_side)
+        cash = torch.where(closes, cash + u * o, cash) - self._fill_cost(u, o, closes)
+        u = torch.where(closes, zero, u)
+        eq_fill = cash + u * o                      # equity at the open after any closing fill: what targets apply to
+        closed_ret1 = torch.where(closes, eq_fill / self.entry_equity - 1.0, zero)
         if self.ledger_buf is not None:
             reason = torch.where(new_side == 0, _SIGNAL, _FLIP)
             self.ledger_buf.add(closes, self.entry_t, t1, old_side, self.entry_size, self.entry_price, o,
                                 closed_ret1, reason)
+        sets = opens | resize
+        u_new = torch.where(sets, target * eq_fill / o, u)
+        du = u_new - u
+        cash = cash - du * o - self._fill_cost(du, o, sets)
+        u = u_new
+        entry_equity = torch.where(opens, eq_fill, self.entry_equity)
         entry_price = torch.where(opens, o, self.entry_price)
         entry_size = torch.where(opens, target.abs(), self.entry_size)
         entry_t = torch.where(opens, t1, self.entry_t)
         tp_price = torch.where(opens, torch.where(new_side > 0, o * (1.0 + tp), o * (1.0 - tp)), self.tp_price)
         sl_price = torch.where(opens, torch.where(new_side > 0, o * (1.0 - sl), o * (1.0 + sl)), self.sl_price)
-        pos = target
         side = new_side
 
-        # 3) intrabar: stop first, then target; a level the open is already past fills at the open
+        # 2) intrabar: stop first, then target; a level the open is already past fills at the open
         long, short = side > 0, side < 0
         stop_hit = (long & (l <= sl_price)) | (short & (h >= sl_price))
         tgt_hit = ~stop_hit & ((long & (h >= tp_price)) | (short & (l <= tp_price)))
@@ -268,24 +320,25 @@ class Simulator:
         last = t1 == self.T - 1
         exit_end = ~exit_intrabar & (side != 0) & last & live
         exit_px = torch.where(stop_hit, stop_px, torch.where(tgt_hit, tgt_px, cl))
-        # open → exit price (or → close when held), then the exit fill's cost
-        f_move = 1.0 + pos * (exit_px / o - 1.0)
+        if self.borrow:                             # a short held at the close pays its borrow there
+            cash = cash - torch.where(short & ~exit_intrabar, self.borrow * u.abs() * cl, zero)
         exits2 = exit_intrabar | exit_end
-        f_exit = torch.where(exits2, 1.0 - c * pos.abs(), one)
-        g, eq = g * f_move * f_exit, eq * f_move * f_exit
-        closed_ret2 = torch.where(exits2, g - 1.0, zero)
+        cash = torch.where(exits2, cash + u * exit_px, cash) - self._fill_cost(u, exit_px, exits2)
+        u = torch.where(exits2, zero, u)
+        eq = cash + u * cl
+        closed_ret2 = torch.where(exits2, cash / entry_equity - 1.0, zero)  # flat after the exit: equity = cash
         if self.ledger_buf is not None:
             reason = torch.where(stop_hit, _STOP, torch.where(tgt_hit, _TARGET, _END))
             self.ledger_buf.add(exits2 & live, entry_t, t1, side, entry_size, entry_price, exit_px, closed_ret2,
                                 reason)
             self.ledger_buf.tick()
-        pos = torch.where(exits2, zero, pos)
+        pos = torch.where(exits2, zero, target)
 
         # commit (accounts at the last bar keep their state)
         keep = lambda new, old: torch.where(live, new, old)  # noqa: E731
-        self.position = keep(pos, self.position)
-        self.equity = keep(eq, self.equity)
-        self.growth = keep(torch.where(pos != 0, g, one), self.growth)
+        self.position, self.units = keep(pos, self.position), keep(u, self.units)
+        self.cash, self.equity = keep(cash, self.cash), keep(eq, self.equity)
+        self.entry_equity = keep(entry_equity, self.entry_equity)
         self.entry_price, self.entry_size = keep(entry_price, self.entry_price), keep(entry_size, self.entry_size)
         self.entry_t = keep(entry_t, self.entry_t)
         self.tp_price, self.sl_price = keep(tp_price, self.tp_price), keep(sl_price, self.sl_price)
@@ -305,16 +358,15 @@ class Simulator:
     def close_all(self) -> torch.Tensor:
         """Close open positions at the current bar's close (exit_reason "end"); returns their net returns."""
         open_ = self.position != 0
-        f_exit = 1.0 - self.rate * self.position.abs()
-        g = self.growth * f_exit
-        ret = torch.where(open_, g - 1.0, torch.zeros_like(g))
+        cl = self.prices.close[self.t]
+        cash = torch.where(open_, self.cash + self.units * cl, self.cash) - self._fill_cost(self.units, cl, open_)
+        ret = torch.where(open_, cash / self.entry_equity - 1.0, torch.zeros_like(cash))
         if self.ledger_buf is not None:
             self.ledger_buf.add(open_, self.entry_t, self.t, torch.sign(self.position), self.entry_size,
-                                self.entry_price, self.prices.close[self.t], ret,
-                                torch.full_like(self.t, _END))
-        self.equity = torch.where(open_, self.equity * f_exit, self.equity)
+                                self.entry_price, cl, ret, torch.full_like(self.t, _END))
+        self.cash, self.equity = cash, cash
+        self.units = torch.zeros_like(self.units)
         self.position = torch.zeros_like(self.position)
-        self.growth = torch.ones_like(self.growth)
         self.bars_in_trade = torch.zeros_like(self.bars_in_trade)
         return ret
 
@@ -344,8 +396,9 @@ def run_positions(prices: Prices, targets, costs: CostModel = CostModel(), *, ta
     positions still open at the last bar close at its close. `take_profit` / `stop_loss` are fractions of the
     entry price ([B, T] like targets, or scalars), read when a trade opens.
 
-    Without target/stop levels the whole path is known in advance, and `fast=True` takes the vectorised
-    form of the same rules (`_run_positions_vectorized`, pinned to `Simulator.step` by an equivalence test).
+    Without target/stop levels, fixed fee or borrow cost the whole path is known in advance, and `fast=True`
+    takes the vectorised form of the same rules (`_run_positions_vectorized`, pinned to `Simulator.step` by
+    equivalence tests); otherwise the step simulator runs bar by bar.
     """
     tg = torch.as_tensor(targets, dtype=prices.dtype, device=prices.device)
     if tg.dim() == 1:
@@ -356,7 +409,7 @@ def run_positions(prices: Prices, targets, costs: CostModel = CostModel(), *, ta
     if not torch.isfinite(tg).all():
         raise ValueError("targets must be finite")
     tg = tg.clamp(-1.0, 1.0)
-    if take_profit is None and stop_loss is None and fast:
+    if take_profit is None and stop_loss is None and fast and costs.proportional:
         return _run_positions_vectorized(prices, tg, costs)
     sim = Simulator(prices, B, costs, record_ledger=True)
     sim.reset(torch.zeros(B, dtype=torch.long, device=prices.device))
@@ -387,35 +440,37 @@ def _block_shape(B: int, n_bars: int, block_elements: int) -> tuple[int, int]:
     return 1, block_elements
 
 
-def _post_log(cv: torch.Tensor, mr: torch.Tensor, at_end: torch.Tensor, c: float) -> torch.Tensor:
-    """Log of the factors a trade opened at a bar's open owns on that bar: open cost, open → close move and,
-    on the last bar, the end-of-data exit cost. `cv` is the position held out of the bar (0 → 0)."""
-    cost = torch.log1p(-c * cv.abs())
-    return cost * (1.0 + at_end.to(cv.dtype)) + torch.log1p(cv * mr)
-
-
 def _run_positions_vectorized(prices: Prices, tg: torch.Tensor, costs: CostModel,
                               block_elements: int | None = None) -> BacktestResult:
-    """`run_positions` without target/stop levels: the same rules vectorised over bars, in cache-sized blocks.
+    """`run_positions` without target/stop levels and with proportional costs only (`CostModel.proportional`):
+    the same rules vectorised over bars, in cache-sized blocks.
 
-    With no intrabar exits the position held over bar t is p_t = targets[:, t-1] (p_0 = 0), so every bar's
-    account factor is known at once (c = cost rate, ρg_t = open_t/close_{t-1} - 1, ρm_t = close_t/open_t - 1):
-      f_t = (1 + p_{t-1}·ρg_t) · fill_t · (1 + p_t·ρm_t)   [· (1 - c|p_{T-1}|) on the last bar: the end exit]
-      fill_t = 1 - c|p_t - p_{t-1}|, or (1 - c|p_{t-1}|)(1 - c|p_t|) on a flip
-             = 1 - c·(|p_t - p_{t-1}| + c·min(p_{t-1}·p_t, 0))
-    and log equity L_t = Σ_{s≤t} log f_s. A trade's growth is a segment of that sum: the trade opened at the
-    open of bar e and closed at the open of bar x owns everything in between except the part of bar e before
-    its fill (owned by the trade it flipped out of, if any) and the part of bar x after the exit fill (owned by
-    the next trade, if a flip). With post_t = log(1 - c|p_t|) + log(1 + p_t·ρm_t) [+ log(1 - c|p_t|) at T-1],
-    the part of an open bar after its fill,
-      log g = (L_x - post_x) - (L_e - post_e);   for the "end" exit at the last close, L_{T-1} - (L_e - post_e).
-    So the per-bar work is a handful of element-wise passes, one cumsum and one exp per block; entries and
-    exits are read off at the sign changes. Blocks are [rows, bars] of about `block_elements` (default 2^17 on
-    CPU, 2^25 on CUDA; tests force tiny ones), carrying the account's log equity (and, through the bar before
-    the block, its position) from one block to the next. Blocks are whole rows or one account wide, so entries
-    and exits come out in (account, time) order: the k-th exit of an account closes its k-th entry, no sort.
-    Precision: L is a running float64 sum, so a trade's log growth carries an absolute error ~1e-16·|L|.
+    With no intrabar exits the position held over bar t is p_t = targets[:, t-1] (p_0 = 0), and a fill happens at
+    the open of bar t where p_t ≠ p_{t-1}. A *leg* is a run of bars with one p: constant units. A leg of position
+    p whose fill was at open o_e, with E its equity before that fill (after the previous trade's closing fill on a
+    flip), holds u = p·E/o_e units, so at any price X inside it (c = cost rate)
+        equity = E · a(X),   a(X) = 1 − κ + p·(X/o_e − 1),
+    κ being its fill's cost over E: c|p| when it opens a trade, c|p − d| on a resize, where d = p'·r/a'(o_e) is
+    the fraction of equity the previous leg's units (p', opened at o', r = o_e/o') are worth at that open; a flat
+    leg has p = κ = 0 (a = 1). The leg ending at the open o_x of the next leg passes on
+        E_next = E · g,   g = a(o_x) − c|p|·o_x/o_e on a close or flip (its closing fill), a(o_x) on a resize,
+    so log E of every leg is a cumulative sum of log g over the legs before it, and the equity at each close is
+    E·a(close) = cash + units × close, with the leg's cash E·(1 − κ − p) and units E·p/o_e. A trade's net
+    return is E at its exit over E at its entry − 1 (both are leg equities: the exit's is the next leg's E, or E·g
+    at the last close for the "end" exit). A resize's κ depends on its previous leg's κ through d, a chain only along
+    consecutive resizes: κ is solved by fixed-point passes over the resize legs (each pass makes one more leg of
+    every chain exact, and shrinks the error by ~c·|d|), until none changes.
+    Per bar of a block: the fill mask, an integer cumsum (each bar's leg), two gathers of the legs' cash and units
+    and one multiply-add; the logs, the exps and the cumsum of log g run per leg, and entries and exits are read
+    off at the fills that change the sign. Blocks are [rows, bars] of about `block_elements`
+    (default 2^17 on CPU, 2^25 on CUDA; tests force tiny ones), carrying each account's current leg (p, o_e, κ,
+    log E) and last equity into the next. Blocks are whole rows or one account wide, so entries and exits come out
+    in (account, time) order: the k-th exit of an account closes its k-th entry, no sort.
+    Precision: log E is a running float64 sum over a block's legs, so a trade's log growth carries an absolute
+    error ~1e-16 times the largest |log E| summed in its block.
     """
+    if not costs.proportional:
+        raise ValueError("the vectorised replay takes proportional costs only (no fixed fee, no borrow)")
     if prices.device.type != "cpu":
         return _replay_blocks(prices, tg, costs, block_elements or (1 << 25))
     # CPU: one intra-op thread. The blocks are cache-sized, and handing each small op to a thread pool costs
@@ -434,9 +489,6 @@ def _replay_blocks(prices: Prices, tg: torch.Tensor, costs: CostModel, block_ele
     c = float(costs.rate)
     dev, dt = prices.device, prices.dtype
     o, cl = prices.open, prices.close
-    gap_r = torch.zeros(T, device=dev, dtype=dt)
-    gap_r[1:] = o[1:] / cl[:-1] - 1.0                                  # [T] close t-1 → open t
-    move_r = cl / o - 1.0                                              # [T] open t → close t
     # outputs [B, T]: on CPU these are the returned numpy arrays themselves (written in place, block by block)
     pos = torch.empty(B, T, device=dev, dtype=dt)                      # position held at each close
     equity = torch.empty_like(pos)
@@ -444,83 +496,118 @@ def _replay_blocks(prices: Prices, tg: torch.Tensor, costs: CostModel, block_ele
     pos[:, 0], equity[:, 0], bar_ret[:, 0] = 0.0, 1.0, 0.0
     rows, width = _block_shape(B, T - 1, block_elements)               # bars 1..T-1 are replayed (bar 0: flat)
     n = rows * width
-    fbuf = [torch.empty(n, device=dev, dtype=dt) for _ in range(4)]
-    sbuf = torch.empty(rows * (width + 1), device=dev, dtype=dt)
-    mbuf = [torch.empty(n, device=dev, dtype=torch.bool) for _ in range(4)]
-    one = torch.ones((), device=dev, dtype=dt)
+    fbuf = [torch.empty(n, device=dev, dtype=dt) for _ in range(2)]
+    chg_buf = torch.empty(n, device=dev, dtype=torch.bool)
+    id_buf = torch.empty(n, device=dev, dtype=torch.long)
+    pos_flat = pos.view(-1)
+    sel = lambda x, i: x.index_select(0, i)  # noqa: E731  1-D gathers (cheaper than advanced indexing)
     ent_acct, ent_t, ent_p, ent_l, ex_t, ex_code, ex_l = [], [], [], [], [], [], []
     for b0 in range(0, B, rows) if T > 1 else ():
         nb = min(rows, B - b0)
-        lcarry = torch.zeros(nb, 1, device=dev, dtype=dt)                # log equity at the close before the block
+        ar = torch.arange(nb, device=dev)
+        # the current leg of each account, carried from block to block: entry open, κ, log E; and the last equity
+        c_oe = torch.ones(nb, device=dev, dtype=dt)
+        c_kap = torch.zeros(nb, device=dev, dtype=dt)
+        c_le = torch.zeros(nb, device=dev, dtype=dt)
+        c_eq = torch.ones(nb, device=dev, dtype=dt)
         for t0 in range(1, T, width):
             t1 = min(T, t0 + width)
             w = t1 - t0
             last = t1 == T
-            view = lambda buf, k=w: buf[:nb * k].view(nb, k)  # noqa: E731  contiguous [nb, k] scratch
             cur = pos[b0:b0 + nb, t0:t1]                                  # p_t, t in [t0, t1)
             cur.copy_(tg[b0:b0 + nb, t0 - 1:t1 - 1])
             prev = pos[b0:b0 + nb, t0 - 1:t1 - 1]                         # p_{t-1}
-            gr, mr = gap_r[t0:t1], move_r[t0:t1]
-            # f = (1 + p_{t-1}ρ^gap)(1 + p_tρ^mv)(1 - c·(|Δp| + c·min(p_{t-1}p_t, 0)))
-            d, q, f, lg = (view(b) for b in fbuf)
-            torch.sub(cur, prev, out=d).abs_()
-            torch.mul(prev, cur, out=q).clamp_(max=0.0)
-            d.add_(q, alpha=c)                                            # |Δp| + c·min(p_{t-1}p_t, 0)
-            torch.addcmul(one, prev, gr, out=f)
-            torch.addcmul(one, cur, mr, out=q)
-            f.mul_(q)
-            f.addcmul_(f, d, value=-c)
-            if last:                                                      # the end exit at the last close
-                f[:, -1].mul_(1.0 - c * cur[:, -1].abs())
-            torch.sub(f, 1.0, out=bar_ret[b0:b0 + nb, t0:t1])
-            torch.log(f, out=lg)
-            torch.cumsum(lg, dim=1, out=f)
-            f.add_(lcarry)                                                # f is now L_t
-            torch.exp(f, out=equity[b0:b0 + nb, t0:t1])
-            lcarry = f[:, -1:].clone()
-            L = f.view(-1)
-            # trades: sign changes of the position between bar t-1 and bar t
-            s = sbuf[:nb * (w + 1)].view(nb, w + 1)
-            torch.sign(pos[b0:b0 + nb, t0 - 1:t1], out=s)
-            sp, sc = s[:, :-1], s[:, 1:]
-            chg, held, opens, closes = (view(b) for b in mbuf)
-            torch.ne(sc, sp, out=chg)
-            torch.ne(sp, 0.0, out=held)
-            torch.logical_and(chg, held, out=closes)
-            torch.ne(sc, 0.0, out=held)
-            torch.logical_and(chg, held, out=opens)
-            oi = opens.view(-1).nonzero().view(-1)
-            ro = torch.div(oi, w, rounding_mode="floor")
-            to = oi - ro * w
-            cv = cur[ro, to]
-            ent_acct.append(ro + b0)
-            ent_t.append(to + t0)
-            ent_p.append(cv)
-            ent_l.append(L[oi] - _post_log(cv, mr[to], to + t0 == T - 1, c))
-            ci = closes.view(-1).nonzero().view(-1)
+            chg = chg_buf[:nb * w].view(nb, w)
+            torch.ne(cur, prev, out=chg)                                  # a fill at the open of bar t
+            # legs: each row's carried leg (index r + fills in rows before r), then one leg per fill, row-major
+            legid = id_buf[:nb * w]
+            torch.cumsum(chg.view(-1), 0, out=legid)
+            if nb > 1:
+                legid.view(nb, w).add_(ar.unsqueeze(1))
+            ci = chg.view(-1).nonzero().view(-1)                          # fills, flat index
             rc = torch.div(ci, w, rounding_mode="floor")
             tc = ci - rc * w
-            cx = cur[rc, tc]                                              # 0: back to flat; else a flip
-            xt, xcode = tc + t0, torch.where(cx == 0, _SIGNAL, _FLIP)
-            xl = L[ci] - _post_log(cx, mr[tc], tc + t0 == T - 1, c)
+            n_legs = nb + len(ci)
+            lid = legid.index_select(0, ci)                               # the leg each fill starts
+            per_row = torch.bincount(rc, minlength=nb)
+            cidx = ar + torch.cumsum(per_row, 0) - per_row                # each row's carried leg
+            lp = torch.empty(n_legs, device=dev, dtype=dt)
+            loe, kap, lg = torch.empty_like(lp), torch.empty_like(lp), torch.empty_like(lp)
+            flat = (rc + b0) * T + (tc + t0)                              # the fills in pos, flattened
+            p_new, p_old = sel(pos_flat, flat), sel(pos_flat, flat - 1)
+            o_f = sel(o, tc + t0)
+            lp.index_copy_(0, cidx, prev[:, 0]).index_copy_(0, lid, p_new)
+            loe.index_copy_(0, cidx, c_oe).index_copy_(0, lid, o_f)
+            # the leg before each fill: its end factor g at the fill's open
+            pl = lid - 1
+            r = o_f / sel(loe, pl)
+            flip = torch.sign(p_new) != torch.sign(p_old)                 # the previous trade closes here
+            kap.index_copy_(0, cidx, c_kap).index_copy_(0, lid, c * p_new.abs())  # opens; flat legs: p = κ = 0
+            rz = (~flip).nonzero().view(-1)                               # resizes: κ by fixed-point passes
+            if len(rz):
+                lz, pz, rr, pp = sel(lid, rz), sel(p_new, rz), sel(r, rz), sel(p_old, rz)
+                for _ in range(len(rz) + 1):
+                    d = pp * rr / (1.0 - sel(kap, lz - 1) + pp * (rr - 1.0))
+                    k_new = c * (pz - d).abs()
+                    if torch.equal(k_new, sel(kap, lz)):
+                        break
+                    kap.index_copy_(0, lz, k_new)
+            g = 1.0 - sel(kap, pl) + p_old * (r - 1.0)
+            g.sub_(torch.where(flip, c * p_old.abs() * r, torch.zeros_like(r)))
+            # log E of every leg: the carried leg's, plus log g at each fill, summed along the row
+            lg.index_copy_(0, cidx, c_le).index_copy_(0, lid, torch.log(g))
+            le = torch.cumsum(lg, 0)
+            row_of = torch.empty(n_legs, device=dev, dtype=torch.long).index_copy_(0, cidx, ar).index_copy_(0, lid, rc)
+            le.sub_(sel(sel(le, cidx) - c_le, row_of))
+            # each leg's cash E·(1 − κ − p) and units E·p/o_e; at every close, equity = cash + units × close
+            e_leg = torch.exp(le)
+            units = e_leg * lp / loe
+            cash = e_leg * (1.0 - kap - lp)
+            eq_out = equity[b0:b0 + nb, t0:t1]
+            eqv = eq_out if eq_out.is_contiguous() else fbuf[0][:nb * w].view(nb, w)   # written in place if it can
+            tmp = fbuf[1][:nb * w].view(nb, w)
+            torch.index_select(cash, 0, legid, out=eqv.view(-1))
+            torch.index_select(units, 0, legid, out=tmp.view(-1))
+            eqv.addcmul_(tmp, cl[t0:t1])
+            if last:                                                      # the end exit's fill at the last close
+                eqv[:, -1].sub_(c * cl[T - 1] * tmp[:, -1].abs())
+            if eqv is not eq_out:
+                eq_out.copy_(eqv)
+            br = bar_ret[b0:b0 + nb, t0:t1]
+            torch.div(eqv[:, 1:], eqv[:, :-1], out=br[:, 1:])
+            torch.div(eqv[:, 0], c_eq, out=br[:, 0])
+            br.sub_(1.0)
+            lend = legid.view(nb, w)[:, -1]
+            c_oe, c_kap, c_le, c_eq = sel(loe, lend), sel(kap, lend), sel(le, lend), eqv[:, -1].clone()
+            # trades: the fills that change the sign; entries and exits at a leg's E
+            oi = (flip & (p_new != 0)).nonzero().view(-1)
+            ent_acct.append(sel(rc, oi) + b0)
+            ent_t.append(sel(tc, oi) + t0)
+            ent_p.append(sel(p_new, oi))
+            ent_l.append(sel(le, sel(lid, oi)))
+            xi = (flip & (p_old != 0)).nonzero().view(-1)
+            rx = sel(rc, xi)
+            xt = sel(tc, xi) + t0
+            xcode, xl = torch.where(sel(p_new, xi) == 0, _SIGNAL, _FLIP), sel(le, sel(lid, xi))
             if last:                                                      # still open at the last close: "end"
                 em = cur[:, -1] != 0
                 re = em.nonzero().view(-1)
+                l_end = torch.log(eqv[re, -1])
                 if nb == 1:
                     xt = torch.cat([xt, torch.full_like(re, T - 1)])
                     xcode = torch.cat([xcode, torch.full_like(re, _END)])
-                    xl = torch.cat([xl, f[re, -1]])
+                    xl = torch.cat([xl, l_end])
                 else:                                                     # merge each row's end after its closes
                     ends_before = torch.cumsum(em.long(), 0) - em.long()  # [nb] end exits in earlier rows
-                    closes_upto = torch.cumsum(torch.bincount(rc, minlength=nb), 0)
-                    dc = torch.arange(len(ci), device=dev) + ends_before[rc]
+                    closes_upto = torch.cumsum(torch.bincount(rx, minlength=nb), 0)
+                    dc = torch.arange(len(xi), device=dev) + ends_before[rx]
                     de = closes_upto[re] + ends_before[re]
-                    m = len(ci) + len(re)
+                    m = len(xi) + len(re)
                     xt = torch.empty(m, device=dev, dtype=torch.long).index_copy_(0, dc, xt).index_copy_(
                         0, de, torch.full_like(re, T - 1))
                     xcode = torch.empty(m, device=dev, dtype=torch.long).index_copy_(0, dc, xcode).index_copy_(
                         0, de, torch.full_like(re, _END))
-                    xl = torch.empty(m, device=dev, dtype=dt).index_copy_(0, dc, xl).index_copy_(0, de, f[re, -1])
+                    xl = torch.empty(m, device=dev, dtype=dt).index_copy_(0, dc, xl).index_copy_(0, de, l_end)
             ex_t.append(xt)
             ex_code.append(xcode)
             ex_l.append(xl)

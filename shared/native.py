@@ -85,7 +85,8 @@ class PassOutputs:
     flags: torch.Tensor
     """S × B int32: F_OPEN | F_CLOSE1 | F_FLIP | F_EXIT2 | reason2 << F_REASON2_SHIFT."""
     final: torch.Tensor
-    """B × 10 float64: t, position, equity, growth, entry price, entry size, entry t, tp, sl, bars in trade."""
+    """B × 12 float64: t, position, equity, units, cash, entry equity, entry price, entry size, entry t, tp, sl,
+    bars in trade."""
 
     def to(self, device) -> "PassOutputs":
         return PassOutputs(**{k: getattr(self, k).to(device) for k in ("r64", "r32", "rl", "ev64", "flags",
@@ -187,9 +188,9 @@ def run_native(agent: Agent, market, view: MarketView, starts: torch.Tensor, len
     # the loop writes every element (a row per step and account, the final state of every account)
     out = PassOutputs(r64=torch.empty(S, B, 4, dtype=f64), r32=torch.empty(S, B, 4 + P, dtype=f32),
                       rl=torch.empty(S, B, 4, dtype=torch.int32), ev64=torch.empty(S, B, 3, dtype=f64),
-                      flags=torch.empty(S, B, dtype=torch.int32), final=torch.empty(B, 10, dtype=f64))
+                      flags=torch.empty(S, B, dtype=torch.int32), final=torch.empty(B, 12, dtype=f64))
     consts = torch.tensor([costs.rate, cfg.kelly_floor, cfg.cvar_limit, cfg.min_hold, cfg.dsr_size_cut,
-                           0.05, 0.01, 1e-4, 0.01, 1e-8, 1e-3, 1e-10], dtype=f64)
+                           0.05, 0.01, 1e-4, 0.01, 1e-8, 1e-3, 1e-10, costs.fee, costs.borrow_rate], dtype=f64)
     pr = market.prices
     p = _Pass(open=ptr(pr.open, f64), high=ptr(pr.high, f64), low=ptr(pr.low, f64), close=ptr(pr.close, f64),
               vol=ptr(market.vol, f64), regime=ptr(market.regime, i64),
@@ -266,9 +267,10 @@ def finish_simulator(out: PassOutputs, market, costs: CostModel, rows: np.ndarra
     sim = Simulator(market.prices, B, costs, record_ledger=True)
     f = out.final.to(market.prices.open.device)
     sim.t = f[:, 0].long()
-    sim.position, sim.equity, sim.growth = f[:, 1].clone(), f[:, 2].clone(), f[:, 3].clone()
-    sim.entry_price, sim.entry_size, sim.entry_t = f[:, 4].clone(), f[:, 5].clone(), f[:, 6].long()
-    sim.tp_price, sim.sl_price, sim.bars_in_trade = f[:, 7].clone(), f[:, 8].clone(), f[:, 9].long()
+    sim.position, sim.equity, sim.units = f[:, 1].clone(), f[:, 2].clone(), f[:, 3].clone()
+    sim.cash, sim.entry_equity = f[:, 4].clone(), f[:, 5].clone()
+    sim.entry_price, sim.entry_size, sim.entry_t = f[:, 6].clone(), f[:, 7].clone(), f[:, 8].long()
+    sim.tp_price, sim.sl_price, sim.bars_in_trade = f[:, 9].clone(), f[:, 10].clone(), f[:, 11].long()
     if len(rows):
         sim.ledger_buf.chunks.append(rows)
     return sim

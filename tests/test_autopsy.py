@@ -16,7 +16,7 @@ from services.evaluator import autopsy as ap
 from services.evaluator.report_builder import build_eval_report, build_split_report, split_definition
 from shared.report import SCHEMA_VERSION, TAUS, EvalReport, TradeTable, bars_window_hash
 
-C = 1e-4  # 1 bp per unit of |Δposition|
+C = 1e-4  # 1 bp of the traded notional per fill
 T = 30
 
 
@@ -38,8 +38,9 @@ def _ledger(rows: list[dict]) -> pd.DataFrame:
 
 
 def _long_ret(E: float, X: float, p: float = 1.0) -> float:
-    """Net return of a long of size p from E to X, costs c·p at each fill (hand formula)."""
-    return (1 - C * p) * (1 + p * (X / E - 1)) * (1 - C * p) - 1
+    """Net return of a long of size p from E to X: p/E units per unit of equity, c of the notional at each fill
+    (p at the entry, p·X/E at the exit) (hand formula)."""
+    return p * (X / E - 1) - C * p - C * p * X / E
 
 
 def test_decision_bar_and_entry_predictions():
@@ -65,14 +66,15 @@ def test_hindsight_direction_of_losers():
         {"entry_t": 6, "exit_t": 8, "entry_price": E, "exit_price": 99.995, "net_return": _long_ret(E, 99.995)},
         # a short that lost 3 %: long would have won
         {"entry_t": 10, "exit_t": 12, "side": -1, "entry_price": E, "exit_price": 103.0,
-         "net_return": (1 - C) ** 2 * 0.97 - 1},
+         "net_return": -0.03 - C - C * 1.03},
         # a winner: no hindsight label
         {"entry_t": 14, "exit_t": 16, "entry_price": E, "exit_price": 102.0, "net_return": _long_ret(E, 102.0)},
     ])
     trades = ap.build_trades(led, _preds(), np.zeros(T, dtype=int), close, cost_rate=C, hindsight=True)
     assert [t.hindsight_dir for t in trades] == [0, 1, 2, None]
-    # short from 100 to 98 at size 1 with 1 bp per fill: 0.9999² · 1.02 − 1, by hand
-    assert trades[0].hindsight_returns == pytest.approx([0.99980001 * 1.02 - 1, 0.0, 0.99980001 * 0.98 - 1])
+    # short from 100 to 98 at size 1 with 1 bp per fill: +2 % less 1 bp of 100 and 1 bp of 98, by hand
+    assert trades[0].hindsight_returns == pytest.approx([0.02 - 0.0001 - 0.000098, 0.0, -0.02 - 0.0001 - 0.000098],
+                                                        abs=1e-15)
     assert ap.losing_with_hindsight(trades) == [2, 0, 1]       # worst loss first
     # without hindsight (val / OOS windows) nothing is labelled
     assert all(t.hindsight_dir is None for t in

@@ -57,16 +57,16 @@ def invoke(app, *args):
 
 def test_hand_computed_flip_and_signal_exit(app, bars_csv, tmp_path):
     # long 1 decided at close 0 → fills at open 1 (100); flip to short 1 decided at close 2 → open 3 (104);
-    # flat decided at close 3 → open 4 (101). 10 bps per unit of |Δposition|.
+    # flat decided at close 3 → open 4 (101). 10 bps of each fill's traded notional.
     pos = write(tmp_path, f"timestamp,position\n{TIMES[0]},1\n{TIMES[2]},-1\n{TIMES[3]},0\n")
     res = invoke(app, "--data", bars_csv, "--positions", pos, "--cost-bps", 10, "--json")
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout)
     c = 10e-4
-    # trade 1: entry cost, open1→close1, close1→open2, open2→close2, close2→open3, closing half of the flip's cost
-    long_ret = (1 - c) * (102 / 100) * (102 / 102) * (105 / 102) * (104 / 105) * (1 - c) - 1
-    # trade 2 (short): opening half of the flip, open3→close3, close3→open4, exit cost at open 4
-    short_ret = (1 - c) * (1 - (101 / 104 - 1)) * (1 - (101 / 101 - 1)) * (1 - c) - 1
+    # trade 1: 1/100 units bought at open 1 (100), sold at open 3 (104) by the flip; c of each fill's notional
+    long_ret = 104 / 100 - 1 - c - c * 104 / 100
+    # trade 2 (short): opened on the equity left, sold at 104, bought back at open 4 (101)
+    short_ret = -(101 / 104 - 1) - c - c * 101 / 104
     trades = out["trades"]
     assert [(t["entry_time"], t["exit_time"], t["side"], t["size"], t["entry_price"], t["exit_price"], t["bars"],
              t["exit_reason"]) for t in trades] == [
@@ -97,11 +97,29 @@ def test_held_target_and_end_exit(app, bars_csv, tmp_path):
     assert res.exit_code == 0, res.output
     (t,) = json.loads(res.stdout)["trades"]
     c = 20e-4
-    expected = (1 - c * 0.5) * (1 + 0.5 * (96 / 101 - 1)) * (1 + 0.5 * (96 / 96 - 1)) * (1 + 0.5 * (98 / 96 - 1)) \
-        * (1 - c * 0.5) - 1
+    # 0.5/101 units bought at open 4 (101), held to the last close (98): c of each fill's notional
+    expected = 0.5 * (98 / 101 - 1) - c * 0.5 - c * 0.5 * 98 / 101
     assert (t["entry_time"], t["exit_time"], t["side"], t["size"], t["exit_price"], t["bars"], t["exit_reason"]) \
         == (TIMES[4], TIMES[5], 1, 0.5, 98.0, 2, "end")
     assert t["net_return"] == pytest.approx(expected, rel=1e-12)
+
+
+def test_fixed_fee_and_borrow(app, bars_csv, tmp_path):
+    # short 1 decided at close 0 → sells 1/100 units at open 1 (100); flat decided at close 2 → buys back at open 3
+    # (104). Held short at closes 1 (102) and 2 (105): borrow 876.6 bps a year over 8 766 bars a year = 0.1 bp a bar
+    pos = write(tmp_path, f"timestamp,position\n{TIMES[0]},-1\n{TIMES[2]},0\n")
+    res = invoke(app, "--data", bars_csv, "--positions", pos, "--cost-bps", 0, "--fee", 1e-3, "--borrow-bps", 876.6,
+                 "--bars-per-year", 8766, "--json")
+    assert res.exit_code == 0, res.output
+    (t,) = json.loads(res.stdout)["trades"]
+    assert t["net_return"] == pytest.approx(-(104 / 100 - 1) - 2e-3 - 1e-5 * (102 + 105) / 100, rel=1e-12)
+    # by default the bars a year are the data's own: 6 hourly bars span 5 hours → 5 / (5 / 8766) = 8 766 here too
+    res = invoke(app, "--data", bars_csv, "--positions", pos, "--cost-bps", 0, "--fee", 1e-3, "--borrow-bps", 876.6,
+                 "--json")
+    assert json.loads(res.stdout)["trades"][0]["net_return"] == pytest.approx(t["net_return"], rel=1e-9)
+    for flag, value in (("--fee", -1), ("--borrow-bps", "nan"), ("--bars-per-year", 0)):
+        bad = invoke(app, "--data", bars_csv, "--positions", pos, flag, value)
+        assert bad.exit_code == 2 and flag in bad.output
 
 
 def test_table_output(app, bars_csv, tmp_path):

@@ -1,6 +1,7 @@
 """The simulator pinned to hand-computed ledgers (shared/execution.py).
 
-Every expected number below is written out from the fill rules in the module docstring, not taken from a run.
+Every expected number below is written out from the fill rules in the module docstring (units bought at the
+fill, held until the next fill; equity = cash + units × price), not taken from a run.
 """
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from shared.execution import CostModel, Prices, Simulator, run_positions
+from shared.execution import CostModel, Prices, Simulator, held_return, run_positions
 
 C = 10e-4  # 10 bps
 
@@ -32,14 +33,31 @@ def test_long_round_trip_costs_and_bars():
     res = run_positions(p, [1, 1, 0, 0, 0], CostModel(cost_bps=10))
     assert len(res.ledger) == 1
     tr = one_trade(res)
-    # decided at close 0, in at open[1]=101 (cost 0.001); held through bars 1 and 2; the 0 decided at close 2
-    # fills at open[3]=103 (cost 0.001)
-    expect = (1 - C) * (101.5 / 101) * (102 / 101.5) * (102.5 / 102) * (103 / 102.5) * (1 - C) - 1
-    assert tr.net_return == pytest.approx(expect, abs=1e-12)
+    # decided at close 0, in at open[1]=101: 1/101 units bought with equity 1, cost C·1 → cash −C.
+    # Held through bars 1 and 2; the 0 decided at close 2 sells them at open[3]=103, cost C·103/101.
+    assert tr.net_return == pytest.approx(103 / 101 - 1 - C - C * 103 / 101, abs=1e-15)
     assert (tr.entry_t, tr.exit_t, tr.side, tr.bars, tr.exit_reason) == (1, 3, 1, 2, "signal")
     assert (tr.entry_price, tr.exit_price, tr["size"]) == (101, 103, 1.0)
+    # equity = cash + units × close at every close
+    np.testing.assert_allclose(res.equity[0], [1, -C + 101.5 / 101, -C + 102.5 / 101, 1 + tr.net_return,
+                                               1 + tr.net_return], rtol=0, atol=1e-15)
     # flat afterwards: equity is the trade's growth
-    assert res.equity[0, -1] == pytest.approx(1 + expect, abs=1e-12)
+    assert res.equity[0, -1] == pytest.approx(1 + tr.net_return, abs=1e-15)
+
+
+def test_a_short_through_a_trend_holds_its_units():
+    # a full short held while the price rises 50 % loses 50 %; held while it halves, it gains 50 %
+    up = run_positions(prices([100, 100, 150, 150]), [-1, -1, 0, 0], CostModel(cost_bps=0))
+    assert one_trade(up).net_return == pytest.approx(-0.5, abs=1e-15)
+    down = run_positions(prices([100, 100, 50, 50]), [-1, -1, 0, 0], CostModel(cost_bps=0))
+    assert one_trade(down).net_return == pytest.approx(0.5, abs=1e-15)
+    # in between, equity = cash 2 − 1/100 units × close (no rebalancing at any close)
+    assert up.equity[0, 1] == pytest.approx(2 - 100.5 / 100, abs=1e-15)
+    assert up.equity[0, 2] == pytest.approx(2 - 150.5 / 100, abs=1e-15)
+    # half size: −0.5 · (150 / 100 − 1), and the bar returns compound to it
+    half = run_positions(prices([100, 100, 150, 150]), [-0.5, -0.5, 0, 0], CostModel(cost_bps=0))
+    assert one_trade(half).net_return == pytest.approx(-0.25, abs=1e-15)
+    assert np.prod(1 + half.bar_returns[0]) == pytest.approx(0.75, abs=1e-15)
 
 
 def test_flip_closes_one_trade_and_opens_the_next():
@@ -47,13 +65,14 @@ def test_flip_closes_one_trade_and_opens_the_next():
     res = run_positions(p, [1, -1, 0, 0, 0], CostModel(cost_bps=10))
     assert list(res.ledger.exit_reason) == ["flip", "signal"]
     long_, short = res.ledger.iloc[0], res.ledger.iloc[1]
-    # long: 101 → 102; the flip's |Δ|=2 cost is split: 1 unit to each trade
-    assert long_.net_return == pytest.approx((1 - C) * (102 / 101) * (1 - C) - 1, abs=1e-12)
-    # short: in at 102, held to close[2]=102.5, gap to open[3]=103, out there
-    g_short = (1 - C) * (1 - (102.5 / 102 - 1)) * (1 - (103 / 102.5 - 1)) * (1 - C)
-    assert short.net_return == pytest.approx(g_short - 1, abs=1e-12)
-    assert (short.side, short.entry_t, short.exit_t) == (-1, 2, 3)
-    assert res.equity[0, -1] == pytest.approx((1 + long_.net_return) * (1 + short.net_return), abs=1e-12)
+    # long: 1/101 units from 101 to 102, its closing fill (C of 102/101) is its own
+    e1 = 102 / 101 - C - C * 102 / 101
+    assert long_.net_return == pytest.approx(e1 - 1, abs=1e-15)
+    # short: opened on the equity left, e1: −e1/102 units from 102, out at open[3]=103
+    assert short.net_return == pytest.approx(-(103 / 102 - 1) - C - C * 103 / 102, abs=1e-15)
+    assert (short.side, short.entry_t, short.exit_t, short.entry_price, short.exit_price) == (-1, 2, 3, 102, 103)
+    assert res.equity[0, 2] == pytest.approx(e1 * (1 - C) - e1 / 102 * (102.5 - 102), abs=1e-15)
+    assert res.equity[0, -1] == pytest.approx((1 + long_.net_return) * (1 + short.net_return), abs=1e-15)
 
 
 def test_partial_size_and_resize_stay_one_trade():
@@ -61,11 +80,32 @@ def test_partial_size_and_resize_stay_one_trade():
     res = run_positions(p, [0.5, 1.0, 0, 0, 0], CostModel(cost_bps=10))
     assert len(res.ledger) == 1
     tr = one_trade(res)
-    g = (1 - 0.5 * C) * (1 + 0.5 * (101.5 / 101 - 1)) * (1 + 0.5 * (102 / 101.5 - 1))  # in at half size
-    g *= (1 - 0.5 * C)                                                                # resize 0.5 → 1.0
-    g *= (1 + (102.5 / 102 - 1)) * (1 + (103 / 102.5 - 1)) * (1 - C)                   # hold, exit at open[3]
-    assert tr.net_return == pytest.approx(g - 1, abs=1e-12)
+    # in at half size: 0.5/101 units, cash 0.5 − 0.5·C
+    u1, cash = 0.5 / 101, 0.5 - 0.5 * C
+    assert res.equity[0, 1] == pytest.approx(cash + u1 * 101.5, abs=1e-15)
+    # resize at open[2]=102 to the whole equity there: units E/102, the cost on the units bought only
+    e = cash + u1 * 102
+    u2 = e / 102
+    cash -= (u2 - u1) * 102 + C * (u2 - u1) * 102
+    assert res.equity[0, 2] == pytest.approx(cash + u2 * 102.5, abs=1e-15)
+    # out at open[3]=103
+    cash += u2 * 103 - C * u2 * 103
+    assert tr.net_return == pytest.approx(cash - 1, abs=1e-15)
     assert (tr["size"], tr.entry_t, tr.exit_t, tr.bars) == (0.5, 1, 3, 2)
+    # at zero cost the resize is plain P&L of the units held: 0.5/101 units from 101 to 102, then E/102 to 103
+    free = one_trade(run_positions(p, [0.5, 1.0, 0, 0, 0], CostModel(cost_bps=0)))
+    e = 1 + 0.5 / 101 * (102 - 101)
+    assert free.net_return == pytest.approx(e * 103 / 102 - 1, abs=1e-15)
+
+
+def test_units_drift_and_a_repeated_target_is_no_fill():
+    # a half-size long: the same target again holds the units (no fill, no cost); the fraction of equity they are
+    # worth drifts with the price
+    p = prices([100, 100, 200, 200, 200])
+    res = run_positions(p, [0.5, 0.5, 0.5, 0, 0], CostModel(cost_bps=10))
+    tr = one_trade(res)
+    assert tr.net_return == pytest.approx(0.5 * (200 / 100 - 1) - C * 0.5 - C * 0.5 * 2, abs=1e-15)
+    assert len(res.ledger) == 1 and res.positions[0, 1:4].tolist() == [0.5, 0.5, 0.5]
 
 
 def test_stop_and_target_in_the_same_bar_stop_first():
@@ -74,7 +114,7 @@ def test_stop_and_target_in_the_same_bar_stop_first():
     res = run_positions(p, [1, 0, 0, 0], CostModel(cost_bps=10), take_profit=0.02, stop_loss=0.02)
     tr = one_trade(res)
     assert tr.exit_reason == "stop" and tr.exit_price == pytest.approx(98.0)
-    assert tr.net_return == pytest.approx((1 - C) * (98 / 100) * (1 - C) - 1, abs=1e-12)
+    assert tr.net_return == pytest.approx(98 / 100 - 1 - C - C * 0.98, abs=1e-15)
     assert (tr.entry_t, tr.exit_t, tr.bars) == (1, 1, 1)
     assert res.positions[0, 1] == 0.0
 
@@ -96,9 +136,14 @@ def test_gap_through_stop_fills_at_the_open():
     res = run_positions(p, [1, 1, 1, 0], CostModel(cost_bps=0), stop_loss=0.02)
     tr = one_trade(res)
     assert tr.exit_reason == "stop" and tr.exit_price == 95.0 and tr.exit_t == 2
-    assert tr.net_return == pytest.approx(95 / 100 - 1, abs=1e-12)
+    assert tr.net_return == pytest.approx(95 / 100 - 1, abs=1e-15)
     # the target is still +1 after the stop: a new trade opens at the next open and ends at the last close
     assert len(res.ledger) == 2 and res.ledger.iloc[1].exit_reason == "end"
+    # a half-size short gapped through its stop (102) at an open of 106, with costs: the open is its fill
+    p = prices([100, 100, 106, 106], h=[101, 101, 107, 107], l=[99, 99.5, 105, 105], c=[100, 100, 106, 106])
+    tr = one_trade(run_positions(p, [-0.5, -0.5, 0, 0], CostModel(cost_bps=10), stop_loss=0.02))
+    assert (tr.exit_reason, tr.exit_price, tr.exit_t) == ("stop", 106.0, 2)
+    assert tr.net_return == pytest.approx(-0.5 * (106 / 100 - 1) - 0.5 * C - 0.5 * C * 1.06, abs=1e-15)
 
 
 def test_position_open_at_the_end_is_closed_at_the_last_close():
@@ -106,9 +151,41 @@ def test_position_open_at_the_end_is_closed_at_the_last_close():
     res = run_positions(p, [0, 1, 1, 1], CostModel(cost_bps=10))
     tr = one_trade(res)
     assert tr.exit_reason == "end" and tr.exit_t == 3 and tr.exit_price == 103.5
-    g = (1 - C) * (102.5 / 102) * (103 / 102.5) * (103.5 / 103) * (1 - C)
-    assert tr.net_return == pytest.approx(g - 1, abs=1e-12)
+    assert tr.net_return == pytest.approx(103.5 / 102 - 1 - C - C * 103.5 / 102, abs=1e-15)
     assert tr.bars == 2 and res.positions[0, -1] == 0.0
+
+
+def test_fixed_fee_per_fill():
+    F = 1e-3                                         # in units of the starting equity (1)
+    p = prices([100, 101, 102, 103, 104])
+    tr = one_trade(run_positions(p, [1, 1, 0, 0, 0], CostModel(cost_bps=0, fee=F)))
+    assert tr.net_return == pytest.approx(103 / 101 - 1 - 2 * F, abs=1e-15)
+    # a flip is two fills (the close, then the open): a fee each; the new trade is sized on the equity left
+    res = run_positions(p, [1, -1, 0, 0, 0], CostModel(cost_bps=10, fee=F))
+    long_, short = res.ledger.iloc[0], res.ledger.iloc[1]
+    e1 = 1 - F + (102 - 101) / 101 - C * 102 / 101 - C - F
+    assert long_.net_return == pytest.approx(e1 - 1, abs=1e-15)
+    e2 = e1 - F - C * e1 - e1 / 102 * (103 - 102) - C * e1 / 102 * 103 - F
+    assert short.net_return == pytest.approx(e2 / e1 - 1, abs=1e-15)
+    assert res.equity[0, -1] == pytest.approx(e2, abs=1e-15)
+    # a resize is a fill: 0.5 → 1.0 pays a fee
+    r = one_trade(run_positions(p, [0.5, 1.0, 0, 0, 0], CostModel(cost_bps=0, fee=F)))
+    e = 1 - F + 0.5 / 101 * (102 - 101)
+    assert r.net_return == pytest.approx(e - F + e / 102 * (103 - 102) - F - 1, abs=1e-15)
+
+
+def test_borrow_is_charged_at_each_close_a_short_is_held():
+    costs = CostModel(cost_bps=0, borrow_bps=100, bars_per_year=1)       # 1 % of the notional a bar
+    p = prices([100, 101, 102, 103, 104])
+    tr = one_trade(run_positions(p, [-1, -1, 0, 0, 0], costs))
+    # −1/101 units, held at close 1 (101.5) and close 2 (102.5), bought back at open 3 (103)
+    assert tr.net_return == pytest.approx(-(103 / 101 - 1) - 0.01 * (101.5 + 102.5) / 101, abs=1e-15)
+    longs = one_trade(run_positions(p, [1, 1, 0, 0, 0], costs))
+    assert longs.net_return == pytest.approx(103 / 101 - 1, abs=1e-15)   # a long borrows nothing
+    # in at open 3 (103), held into the end: closes 3 (103.5) and 4 (104.5, the last) are charged, then the end fill
+    end = one_trade(run_positions(p, [0, 0, -0.5, -0.5, 0], costs))
+    assert end.net_return == pytest.approx(-0.5 * (104.5 / 103 - 1) - 0.01 * 0.5 * (103.5 + 104.5) / 103, abs=1e-15)
+    assert costs.borrow_rate == pytest.approx(0.01)
 
 
 def test_no_lookahead_decision_at_t_fills_at_next_open():
@@ -146,11 +223,11 @@ def test_step_reward_is_the_closed_trade_return_and_done_accounts_freeze():
     r1 = sim.step(torch.tensor([1.0, 1.0]))
     assert r1.opened.tolist() == [True, True] and r1.n_closed.tolist() == [0, 1]  # account 1 hit the last bar
     assert sim.done.tolist() == [False, True]
-    expect_end = (1 - C) * (103.5 / 103) * (1 - C) - 1
-    assert r1.trade_return[1].item() == pytest.approx(expect_end, abs=1e-12)
+    assert r1.trade_return[1].item() == pytest.approx(103.5 / 103 - 1 - C - C * 103.5 / 103, abs=1e-15)
+    assert sim.trade_return_open[0].item() == pytest.approx(101.5 / 101 - 1 - C, abs=1e-15)
     eq_before = sim.equity[1].item()
     r2 = sim.step(torch.tensor([0.0, 1.0]))
-    assert r2.trade_return[0].item() == pytest.approx((1 - C) * (101.5 / 101) * (102 / 101.5) * (1 - C) - 1, abs=1e-12)
+    assert r2.trade_return[0].item() == pytest.approx(102 / 101 - 1 - C - C * 102 / 101, abs=1e-15)
     assert sim.equity[1].item() == eq_before and r2.n_closed[1].item() == 0
 
 
@@ -175,6 +252,7 @@ def test_vectorised_replay_matches_the_step_simulator():
     p = Prices.from_arrays(open_, np.maximum(open_, close) * 1.004, np.minimum(open_, close) * 0.996, close)
     tg = rng.choice([-1.0, -0.5, 0.0, 0.25, 1.0], size=(5, T))
     tg[1, :] = 1.0                      # always long: one trade closed at the end
+    tg[3, 100:140] = np.linspace(0.1, 1.0, 40)  # a resize every bar: a chain of resizes inside one trade
     tg[2, -3:] = [1.0, -1.0, 1.0]       # a flip into the last bar, then the end close
     costs = CostModel(cost_bps=3, slippage_bps=2)
     fast = run_positions(p, tg, costs, fast=True)
@@ -187,3 +265,61 @@ def test_vectorised_replay_matches_the_step_simulator():
     np.testing.assert_allclose(fast.equity, slow.equity, rtol=1e-9)
     np.testing.assert_allclose(fast.bar_returns, slow.bar_returns, rtol=1e-9, atol=1e-12)
     np.testing.assert_array_equal(fast.positions, slow.positions)
+
+
+def _random_market(rng, T):
+    close = 100 * np.exp(np.cumsum(rng.normal(0, 0.02, T)))
+    open_ = np.r_[100, close[:-1]] * np.exp(rng.normal(0, 0.01, T))
+    high = np.maximum(open_, close) * (1 + rng.uniform(0, 0.02, T))
+    low = np.minimum(open_, close) * (1 - rng.uniform(0, 0.02, T))
+    return Prices.from_arrays(open_, high, low, close)
+
+
+def _random_targets(rng, B, T):
+    """Runs of random length of random targets: flat, partial and full, long and short, resizes and flips."""
+    levels = np.array([-1.0, -0.7, -0.3, 0.0, 0.0, 0.2, 0.5, 1.0])
+    out = np.empty((B, T))
+    for b in range(B):
+        t = 0
+        while t < T:
+            n = int(rng.integers(1, 12))
+            out[b, t:t + n] = rng.choice(levels) if rng.random() < 0.9 else rng.uniform(-1, 1)
+            t += n
+    return out
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_property_each_trade_without_a_resize_returns_side_size_times_the_price_move(seed):
+    """For any target path, at zero cost, every trade without a resize inside it has
+    net_return = side · size · (exit_price / entry_price − 1): the step simulator with random stops and targets,
+    and the vectorised replay without them. With costs, a flat account's equity is the product of its trades'
+    (1 + net_return), and each trade without a resize matches `held_return`."""
+    rng = np.random.default_rng(seed)
+    T, B = 300, 6
+    p = _random_market(rng, T)
+    tg = _random_targets(rng, B, T)
+    tg[:, -2:] = 0.0
+    tp = np.where(rng.random((B, T)) < 0.5, rng.uniform(0.01, 0.08, (B, T)), np.inf)
+    sl = np.where(rng.random((B, T)) < 0.5, rng.uniform(0.01, 0.08, (B, T)), np.inf)
+    for costs in (CostModel(cost_bps=0), CostModel(cost_bps=25, slippage_bps=5)):
+        for kw in (dict(take_profit=tp, stop_loss=sl), dict(fast=True), dict(fast=False)):
+            res = run_positions(p, tg, costs, **kw)
+            led = res.ledger
+            assert len(led) > 50
+            unresized = 0
+            for tr in led.itertuples(index=False):
+                # the decisions that filled inside the trade: from its entry's to the one before its exit fill
+                # (an exit at an open is the fill of the last decision; a stop, target or end exit comes after it)
+                last = tr.exit_t - 1 if tr.exit_reason in ("signal", "flip") else tr.exit_t
+                if not (tg[tr.account, tr.entry_t - 1:last] == tr.side * tr.size).all():
+                    continue                                               # a resize inside: P&L of both sizes
+                unresized += 1
+                expect = held_return(tr.side, tr.size, tr.entry_price, tr.exit_price, costs.rate)
+                assert tr.net_return == pytest.approx(expect, abs=1e-12)
+                if costs.rate == 0:
+                    assert tr.net_return == pytest.approx(tr.side * tr.size * (tr.exit_price / tr.entry_price - 1),
+                                                          abs=1e-12)
+            assert unresized > 30
+            for b in range(B):
+                r = led.net_return[led.account == b].to_numpy()
+                assert res.equity[b, -1] == pytest.approx(np.prod(1 + r), rel=1e-12)

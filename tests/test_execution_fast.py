@@ -68,10 +68,9 @@ def test_trade_spanning_blocks_and_flips_on_block_boundaries():
         (1, T - 1, "end")]
     a2 = led[led.account == 2]
     assert list(a2.entry_t) == [1, 6, 11, 21] and list(a2.exit_reason) == ["flip", "flip", "flip", "end"]
-    # the spanning trade's growth by hand: entry cost, every bar's moves, the end exit's cost
+    # the spanning trade by hand: 1/o[1] units from open 1 to the last close, a fill cost at each end
     o, cl, c = p.open.numpy(), p.close.numpy(), COSTS.rate
-    g = (1 - c) * np.prod(cl[1:] / o[1:]) * np.prod(o[2:] / cl[1:-1]) * (1 - c)
-    assert led.net_return.iloc[0] == pytest.approx(g - 1, rel=1e-10)
+    assert led.net_return.iloc[0] == pytest.approx(cl[-1] / o[1] - 1 - c - c * cl[-1] / o[1], rel=1e-10)
 
 
 def test_trade_opened_at_the_last_bar():
@@ -89,7 +88,7 @@ def test_trade_opened_at_the_last_bar():
         assert_same(fast, slow)
         last = fast.ledger[fast.ledger.account == 0].iloc[-1]
         assert (last.entry_t, last.exit_t, last.bars, last.exit_reason) == (T - 1, T - 1, 1, "end")
-        assert last.net_return == pytest.approx((1 - c) * (cl[-1] / o[-1]) * (1 - c) - 1, rel=1e-12)
+        assert last.net_return == pytest.approx(cl[-1] / o[-1] - 1 - c - c * cl[-1] / o[-1], rel=1e-12)
         assert list(fast.ledger[fast.ledger.account == 1].exit_reason) == ["flip", "end"]
 
 
@@ -102,6 +101,7 @@ def test_random_paths_match_the_step_simulator(B, block_elements):
     p = walk(T, seed=B)
     tg = rng.choice([-1.0, -0.5, 0.0, 0.0, 0.3, 1.0, 1.5], size=(B, T))  # 1.5 is clamped to 1
     tg[:, -2] = rng.choice([-1.0, 0.0, 1.0], size=B)
+    tg[0, 10:25] = np.linspace(0.2, 0.9, 15)      # a chain of resizes, across block edges
     assert_same(replay(p, tg, block_elements), run_positions(p, tg, COSTS, fast=False))
 
 
@@ -118,3 +118,20 @@ def test_cpu_thread_setting_is_restored():
     before = torch.get_num_threads()
     replay(walk(20), np.ones((2, 20)), 8)
     assert torch.get_num_threads() == before
+
+
+def test_fixed_fees_and_borrow_take_the_step_simulator():
+    """The replay's legs scale with equity; a fixed fee or a borrow charge does not, so `run_positions` steps those
+    bar by bar whatever `fast` says, and the replay refuses them."""
+    p = walk(30, seed=5)
+    tg = np.zeros((2, 30))
+    tg[0, 3:12], tg[1, 5:20] = 1.0, -0.5
+    for costs in (CostModel(cost_bps=2, fee=1e-4), CostModel(cost_bps=2, borrow_bps=300, bars_per_year=250)):
+        assert not costs.proportional
+        with pytest.raises(ValueError, match="proportional"):
+            _run_positions_vectorized(p, torch.as_tensor(tg), costs)
+        a, b = run_positions(p, tg, costs, fast=True), run_positions(p, tg, costs, fast=False)
+        assert a.ledger.equals(b.ledger) and (a.equity == b.equity).all()
+        plain = run_positions(p, tg, CostModel(cost_bps=2))
+        worse = a.ledger.net_return.to_numpy() - plain.ledger.net_return.to_numpy()
+        assert (worse <= 0).all() and (worse < 0).any()                     # borrow: the short only

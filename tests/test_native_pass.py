@@ -106,6 +106,26 @@ def test_native_pass_equals_eager(starts, length):
 
 
 @NATIVE
+def test_native_pass_equals_eager_with_fixed_fees_and_borrow():
+    """The fixed fee per fill and the borrow of shorts held at a close, in the loop as in `Simulator.step`."""
+    from test_eval_graph import COSTS
+
+    from shared.execution import CostModel
+    from shared.rollout import greedy_pass
+
+    costs = CostModel(cost_bps=2.0, fee=2e-4, borrow_bps=300.0, bars_per_year=250.0)
+    agent, market, view, controls = make(450, 3)
+    st = torch.tensor([10, 120])
+    eager = greedy_pass(agent, market, view, st, 320, controls, costs, accel="eager")
+    torch.set_num_threads(2)
+    nat = greedy_pass(agent, market, view, st, 320, controls, costs, accel="native")
+    check_same(nat, eager)
+    assert (eager.ledger.side < 0).any() and len(eager.ledger) > 10
+    plain = greedy_pass(agent, market, view, st, 320, controls, COSTS, accel="native")
+    assert not torch.allclose(plain.equity, nat.equity, rtol=0, atol=1e-6)       # the fee and borrow were charged
+
+
+@NATIVE
 @pytest.mark.parametrize("cvar_alpha", [0.2, 0.01])          # M_α = 6 tail quantiles; none (CVaR = 0)
 def test_native_pass_other_sizes(cvar_alpha):
     """No fixed limits in the loop: a 9-member ensemble (vectorised sums in torch), 5 size levels, 4 exit plans,

@@ -1,11 +1,17 @@
 """`tradeloop backtest`: replay a target-position series through the one simulator and report trades and metrics.
 
-    tradeloop backtest --data FILE|NAME --positions POS.csv [--cost-bps X] [--slippage-bps Y] [--json]
+    tradeloop backtest --data FILE|NAME --positions POS.csv [--cost-bps X] [--slippage-bps Y] [--fee F]
+                       [--borrow-bps B] [--bars-per-year N] [--json]
 
 POS.csv has the columns `timestamp,position` (extra columns are ignored). Each row sets the target position
 (a signed fraction of equity in [-1, 1]) decided at the close of the bar with that timestamp; it fills at the
-next bar's open (shared/execution.py). Bars without a row hold the previous target; bars before the first row
+next bar's open (shared/execution.py): the fill buys or sells units worth that fraction of equity, and the units
+are held until the target changes. Bars without a row hold the previous target; bars before the first row
 are flat. Every timestamp must be one of the data's bars, rows must be in increasing time order.
+
+Costs: `--cost-bps` + `--slippage-bps` of each fill's traded notional, `--fee` per fill (in units of the starting
+equity, 1), `--borrow-bps` a year of a short's notional, charged at each close it is held (per bar: divided by
+`--bars-per-year`, by default the data's own: its bars over the years it spans).
 
 Output: a rich table (default), or with `--json` one JSON object `{"trades": [...], "metrics": {...}}` on stdout.
 A trade has entry_time (the bar whose open filled the entry), exit_time (the bar of the exit fill: its open for
@@ -157,13 +163,25 @@ def iso_format(timestamps) -> list[str]:
     return [t.isoformat(timespec=timespec) for t in idx]
 
 
-def run_backtest(bars, targets, *, cost_bps: float = 1.0, slippage_bps: float = 0.0,
-                 n_trials: int = 1) -> dict:
+def bars_per_year(timestamps) -> float:
+    """Bars a year of a series: its bars after the first over the years between its first and last timestamp
+    (252 where they span no time)."""
+    import pandas as pd
+
+    ts = pd.DatetimeIndex(timestamps)
+    years = (ts[-1] - ts[0]).total_seconds() / (365.25 * 86400) if len(ts) > 1 else 0.0
+    return (len(ts) - 1) / years if years > 0 else 252.0
+
+
+def run_backtest(bars, targets, *, cost_bps: float = 1.0, slippage_bps: float = 0.0, fee: float = 0.0,
+                 borrow_bps: float = 0.0, n_bars_per_year: float | None = None, n_trials: int = 1) -> dict:
     """Run one account through `shared.execution.run_positions`; return {"trades": [...], "metrics": {...}}."""
     from shared.execution import CostModel, Prices, run_positions
     from shared.metrics import metrics_from_backtest
 
-    res = run_positions(Prices.from_bars(bars), targets, CostModel(cost_bps=cost_bps, slippage_bps=slippage_bps))
+    costs = CostModel(cost_bps=cost_bps, slippage_bps=slippage_bps, fee=fee, borrow_bps=borrow_bps,
+                      bars_per_year=n_bars_per_year or bars_per_year(bars.timestamps))
+    res = run_positions(Prices.from_bars(bars), targets, costs)
     times = iso_format(bars.timestamps)
     trades = [
         {
@@ -211,8 +229,16 @@ def _print_table(result: dict, data_name: str, max_trades: int) -> None:
 def backtest(
     data: Annotated[str, typer.Option("--data", help="Dataset name (synthetic, sp500, eurusd) or a CSV/Parquet file.")],
     positions: Annotated[Path, typer.Option("--positions", help="CSV with columns timestamp,position.")],
-    cost_bps: Annotated[float, typer.Option("--cost-bps", help="Cost per unit of |Δposition|, bps of notional.")] = 1.0,
-    slippage_bps: Annotated[float, typer.Option("--slippage-bps", help="Extra slippage, bps of notional.")] = 0.0,
+    cost_bps: Annotated[float, typer.Option("--cost-bps", help="Cost per fill, bps of the traded notional.")] = 1.0,
+    slippage_bps: Annotated[float, typer.Option("--slippage-bps", help="Extra slippage per fill, bps of the traded "
+                                                                       "notional.")] = 0.0,
+    fee: Annotated[float, typer.Option("--fee", help="Fixed fee per fill, in units of the starting equity (1): "
+                                                     "1e-5 is $1 on $100 000.")] = 0.0,
+    borrow_bps: Annotated[float, typer.Option("--borrow-bps", help="Borrow cost of shorts, bps a year of their "
+                                                                   "notional, charged at each close held.")] = 0.0,
+    n_bars_per_year: Annotated[float | None, typer.Option("--bars-per-year", help="Bars a year for --borrow-bps "
+                                                          "(default: the data's bar count over the years it spans)."
+                                                          )] = None,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the synthetic dataset.")] = 0,
     n_trials: Annotated[int, typer.Option("--n-trials", help="Trials the DSR deflates by.")] = 1,
     as_json: Annotated[bool, typer.Option("--json", help='Print {"trades": [...], "metrics": {...}} as JSON.')] = False,
@@ -223,6 +249,12 @@ def backtest(
         _fail(f"--cost-bps must be a non-negative number, got {cost_bps}")
     if not (math.isfinite(slippage_bps) and slippage_bps >= 0):
         _fail(f"--slippage-bps must be a non-negative number, got {slippage_bps}")
+    if not (math.isfinite(fee) and fee >= 0):
+        _fail(f"--fee must be a non-negative number, got {fee}")
+    if not (math.isfinite(borrow_bps) and borrow_bps >= 0):
+        _fail(f"--borrow-bps must be a non-negative number, got {borrow_bps}")
+    if n_bars_per_year is not None and not (math.isfinite(n_bars_per_year) and n_bars_per_year > 0):
+        _fail(f"--bars-per-year must be a positive number, got {n_bars_per_year}")
     if n_trials < 1:
         _fail(f"--n-trials must be >= 1, got {n_trials}")
     try:
@@ -245,7 +277,8 @@ def backtest(
     except PositionsError as exc:
         _fail(str(exc))
 
-    result = run_backtest(bars, targets, cost_bps=cost_bps, slippage_bps=slippage_bps, n_trials=n_trials)
+    result = run_backtest(bars, targets, cost_bps=cost_bps, slippage_bps=slippage_bps, fee=fee, borrow_bps=borrow_bps,
+                          n_bars_per_year=n_bars_per_year, n_trials=n_trials)
     if as_json:
         sys.stdout.write(json.dumps(result, allow_nan=False) + "\n")
     else:

@@ -9,10 +9,10 @@ Definitions (tested in tests/test_autopsy.py):
 
 - decision bar: the ledger's `entry_t` is the entry FILL bar (at its open); the decision was taken at the close
   of `entry_t − 1`, so the predictions of a trade are read at `decision_t = entry_t − 1`.
-- cost factor: with c = (cost_bps + slippage_bps)·1e-4 and size p, a round trip multiplies equity by (1 − c·p)².
-- hindsight return of a fixed position (side s, size p) from the entry price E to an exit price X:
-      r(s, p, X) = (1 − c·p)² · (1 + s·p·(X/E − 1)) − 1
-  (a fixed notional from the entry; the simulator re-marks each bar, which differs by O(p(1−p)·r²)).
+- cost rate: c = (cost_bps + slippage_bps)·1e-4 of the traded notional per fill.
+- hindsight return of a position held at one size (side s, size p: units bought at the entry price E, held) to an
+  exit price X, the simulator's own trade return (`shared.execution.held_return`):
+      r(s, p, X) = s·p·(X/E − 1) − c·p·(1 + X/E)
 - direction error: the trade lost money net (net_return < 0).
 - size error (only with more than one size level): a loser (net_return < −material) taken at the LARGEST size, or
   a winner (net_return > material) taken at the SMALLEST size — a different size would have been materially
@@ -31,7 +31,8 @@ Definitions (tested in tests/test_autopsy.py):
   r); median_bias = median(q_0.5 − r); mae = mean |q_pred − r|.
 - top winners: the ceil(frac · n_winners) winning trades (net_return > 0) with the largest net returns.
 
-Imports numpy and pandas, plus the payload models of shared.report (the records it returns).
+Imports numpy and pandas, the payload models of shared.report (the records it returns) and the simulator's trade
+return (shared.execution).
 """
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+from shared.execution import held_return
 from shared.knobs import BRANCHES, N_REGIMES
 from shared.report import TAUS, BranchStats, Calibration, GatePoint, RegimeStats, TradeTable
 
@@ -110,9 +112,9 @@ def check_ledger(ledger: pd.DataFrame, n_bars: int) -> None:
 
 
 def fixed_position_return(side: float, size: float, entry: float, exit_: np.ndarray | float, cost_rate: float):
-    """r(s, p, X) = (1 − c·p)²·(1 + s·p·(X/E − 1)) − 1: net return of a fixed position from E to X (see module)."""
-    keep = (1.0 - cost_rate * size) ** 2
-    return keep * (1.0 + side * size * (np.asarray(exit_, dtype=np.float64) / entry - 1.0)) - 1.0
+    """r(s, p, X) = s·p·(X/E − 1) − c·p·(1 + X/E): net return of a position held at one size from E to X (see
+    module), as the simulator books it."""
+    return held_return(side, size, entry, np.asarray(exit_, dtype=np.float64), cost_rate)
 
 
 def hindsight_returns(size: np.ndarray | float, entry: np.ndarray | float, exit_: np.ndarray | float,

@@ -21,8 +21,8 @@ How a window is backtested
   give the same ledger — `tests/test_eval_graph.py`, `tests/test_native_pass.py`.
 - Several windows are run together as accounts of one `Simulator` over the span that covers them (each account
   at its own bar index). Windows of equal length share one sequential pass; different lengths get one pass per
-  length. The end close of a window that does not end the span is `Simulator.close_all()`, which applies the
-  same factors in the same order as the in-step end exit, so results are bit-identical to a pass over the window
+  length. The end close of a window that does not end the span is `Simulator.close_all()`, which books the
+  same end fill in the same order as the in-step end exit, so results are bit-identical to a pass over the window
   alone (pinned by tests/test_evaluator.py against `shared.rollout.evaluate_policy` and the trainer's env).
 - Per-decision predictions for the autopsy (`services.evaluator.autopsy.Predictions`): the chosen action's Q and
   ensemble std as `act` reported them (every decision, recorded by the pass); Q of each direction (ensemble mean)
