@@ -185,7 +185,27 @@ class FeedbackSettings(CommonSettings):
 
 
 class DashboardSettings(CommonSettings):
-    """Dashboard settings."""
+    """Dashboard settings: where its proxy (`/api/<service>/…`) reaches each service."""
+
+    trainer_url: str | None = Field(default=None, description="the trainer's base URL for the dashboard's proxy "
+                                                              "(None: TL_HOST and TL_TRAINER_PORT)")
+    evaluator_url: str | None = Field(default=None, description="the evaluator's base URL for the dashboard's proxy "
+                                                                "(None: TL_HOST and TL_EVALUATOR_PORT)")
+    feedback_url: str | None = Field(default=None, description="the feedback service's base URL for the dashboard's "
+                                                               "proxy (None: TL_HOST and TL_FEEDBACK_PORT)")
+
+    @field_validator("trainer_url", "evaluator_url", "feedback_url")
+    @classmethod
+    def _upstream(cls, v: str | None) -> str | None:
+        if v is None:
+            return None
+        if not re.match(r"^https?://[^/\s]+$", v.rstrip("/")):
+            raise ValueError(f"must be http(s)://host[:port], got {v!r}")
+        return v.rstrip("/")
+
+    def upstream(self, service: Literal["trainer", "evaluator", "feedback"]) -> str:
+        """Base URL the dashboard's proxy forwards `/api/<service>/…` to."""
+        return getattr(self, f"{service}_url") or self.service_url(service)
 
     @property
     def port(self) -> int:
