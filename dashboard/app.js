@@ -6,7 +6,7 @@
  *   page URL overrides the poll interval.
  * - Each service is polled on its own, every request with a timeout; one that does not answer /health is shown
  *   as down, keeps its last data on the charts, and never stops the others from updating.
- * - The proxy forwards only GET/HEAD and nothing here sends a token: the page only reads. A service the proxy
+ * - The proxy forwards only GET and nothing here sends a token: the page only reads. A service the proxy
  *   cannot reach answers 502, and the page shows it down.
  * - Per-trade Sharpe and DSR are un-annualized, per closed trade (shared/metrics.py).
  * - The readers below (`reportsOf`, `splitMetric`, `equityOf`, ...) accept the services' JSON shapes and a few

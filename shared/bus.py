@@ -89,7 +89,7 @@ class Backoff:
 class Bus:
     """A run's connection to Redis: publish events, consume streams, store blobs (`.store`)."""
 
-    def __init__(self, redis_url: str, run_id: str, *, socket_timeout_s: float = 5.0,
+    def __init__(self, redis_url: str, run_id: str, *, password: str | None = None, socket_timeout_s: float = 5.0,
                  max_event_bytes: int = MAX_EVENT_BYTES, stream_maxlen: int = 100_000,
                  keep_checkpoints: int = 5):
         self.run_id = validate_run_id(run_id)
@@ -98,7 +98,8 @@ class Bus:
         self.max_event_bytes = max_event_bytes
         self.stream_maxlen = stream_maxlen
         # No hidden retries inside redis-py: our loops decide when to back off and reconnect.
-        self.redis = aioredis.Redis.from_url(redis_url, socket_timeout=socket_timeout_s,
+        # `password` (TL_REDIS_PASSWORD) is used as it is; a password in the URL is percent-decoded by redis-py
+        self.redis = aioredis.Redis.from_url(redis_url, password=password, socket_timeout=socket_timeout_s,
                                              socket_connect_timeout=socket_timeout_s,
                                              socket_keepalive=True, retry=Retry(NoBackoff(), 0),
                                              decode_responses=False)

@@ -20,6 +20,7 @@ import re
 import socket
 from pathlib import Path
 from typing import Literal
+from urllib.parse import urlsplit
 
 from pydantic import AliasChoices, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -33,6 +34,11 @@ _DEVICE_RE = re.compile(r"^(cpu|auto|cuda(:\d+)?)$")
 
 class ConfigError(ValueError):
     """Settings that do not validate; the message lists `TL_<FIELD>: problem` lines."""
+
+
+def redact_url(url: str) -> str:
+    """`url` with its user info (a password) replaced by ***, for messages."""
+    return re.sub(r"^([a-z]+://).*@", r"\1***@", url)
 
 
 def is_loopback(host: str) -> bool:
@@ -53,6 +59,9 @@ class CommonSettings(BaseSettings):
     redis_url: str | None = Field(
         default=None, validation_alias=AliasChoices("TL_REDIS_URL", "REDIS_URL"),
         description="Redis URL (redis://[:password@]host:port/db); unset: start the embedded server")
+    redis_password: SecretStr | None = Field(
+        default=None, description="Redis password, taken as it is (any characters); a password inside "
+                                  "TL_REDIS_URL must have / ? # @ : % percent-encoded")
     run_id: str = Field(default="dev", description="run namespace of all Redis keys (tl:{run}:…) and of run_dir")
     api_token: SecretStr = Field(
         default=SecretStr(DEFAULT_API_TOKEN),
@@ -91,6 +100,12 @@ class CommonSettings(BaseSettings):
     def _redis_url(cls, v: str | None) -> str | None:
         if v is not None and not v.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError("must start with redis://, rediss:// or unix://")
+        if v and not v.startswith("unix://"):
+            try:
+                urlsplit(v).port
+            except ValueError as exc:
+                raise ValueError(f"not a valid URL ({exc}): percent-encode / ? # @ : % in a password, "
+                                 "or give the password in TL_REDIS_PASSWORD instead") from None
         return v or None
 
     @model_validator(mode="after")
@@ -101,6 +116,9 @@ class CommonSettings(BaseSettings):
         if not self.embedded and token == DEFAULT_API_TOKEN:
             raise ValueError(f"TL_API_TOKEN is the default {DEFAULT_API_TOKEN!r}, which is allowed only in embedded "
                              "mode (TL_EMBEDDED=true); set TL_API_TOKEN to a secret")
+        if self.redis_password is not None and self.redis_url and urlsplit(self.redis_url).password:
+            raise ValueError("the Redis password is given twice (in TL_REDIS_URL and in TL_REDIS_PASSWORD); "
+                             "keep one")
         if self.embedded and not is_loopback(self.host):
             raise ValueError(f"TL_HOST={self.host!r}: embedded mode binds loopback only (127.0.0.1); "
                              "set TL_EMBEDDED=false and a secret TL_API_TOKEN to bind other addresses")
@@ -221,6 +239,15 @@ def _env_name(cls: type[BaseSettings], field: str) -> str:
     return f"{ENV_PREFIX}{field.upper()}"
 
 
+def _field_of(cls: type[BaseSettings], loc: str) -> str:
+    """The field an error location names: the field itself, or one of its alias choices (e.g. TL_REDIS_URL)."""
+    for name, info in cls.model_fields.items():
+        alias = getattr(info, "validation_alias", None)
+        if loc == name or (isinstance(alias, AliasChoices) and loc in alias.choices):
+            return name
+    return loc
+
+
 def load_settings(cls: type[CommonSettings] = CommonSettings, **overrides) -> CommonSettings:
     """Build settings from the environment (+ overrides); raise ConfigError naming each bad variable."""
     try:
@@ -229,9 +256,13 @@ def load_settings(cls: type[CommonSettings] = CommonSettings, **overrides) -> Co
         lines = []
         for e in exc.errors():
             loc = [str(p) for p in e["loc"]]
-            where = _env_name(cls, loc[0]) if loc else "settings"
+            field = _field_of(cls, loc[0]) if loc else None
+            where = _env_name(cls, field) if loc else "settings"
             msg = e["msg"].removeprefix("Value error, ")
-            got = f" (got {e['input']!r})" if loc and not isinstance(e.get("input"), (dict, SecretStr)) else ""
+            value = e.get("input")
+            got = f" (got {value!r})" if loc and not isinstance(value, (dict, SecretStr)) else ""
+            if field == "redis_url" and isinstance(value, str):
+                got = f" (got {redact_url(value)!r})"     # a URL can hold a password
             lines.append(f"{where}: {msg}{got}" if loc else msg)
         raise ConfigError(f"invalid {cls.__name__}:\n  " + "\n  ".join(lines)) from None
 

@@ -10,7 +10,7 @@ Conventions:
 - `/config.json` gives the page the base path of each service (relative to the page, so the dashboard also works
   behind a reverse proxy under a path prefix), the poll interval and the run id.
 - A service that does not answer gives 502 (naming it and its URL), so the page marks it down.
-- `/health` is liveness, `/ready` says the page's files are there. Only GET/HEAD; no state, no token: the proxy
+- `/health` is liveness, `/ready` says the page's files are there. Only GET; no state, no token: the proxy
   forwards no mutating request.
 """
 from __future__ import annotations
@@ -77,15 +77,15 @@ def create_app(settings: DashboardSettings, *, static_dir: Path | None = None,
         """Where the page finds the three services."""
         return JSONResponse(config, headers={"Cache-Control": "no-store"})
 
-    @app.api_route("/api/{service}/{path:path}", methods=["GET", "HEAD"])
+    @app.get("/api/{service}/{path:path}")
     async def proxy(service: str, path: str, request: Request) -> Response:
-        """GET/HEAD `/api/<service>/<path>?<query>` forwarded to the service, the body streamed through."""
+        """GET `/api/<service>/<path>?<query>` forwarded to the service, the body streamed through."""
         base = upstreams.get(service)
         if base is None:
             raise HTTPException(404, f"no service {service!r} behind the dashboard (one of {', '.join(PROXIED)})")
         client: httpx.AsyncClient = request.app.state.client
         url = httpx.URL(f"{base}/{path}", query=request.url.query.encode())
-        upstream_request = client.build_request(request.method, url,
+        upstream_request = client.build_request("GET", url,
                                                 headers={"accept": request.headers.get("accept", "*/*")})
         try:
             upstream = await client.send(upstream_request, stream=True)
