@@ -18,6 +18,7 @@ import ipaddress
 import os
 import re
 import socket
+import tempfile
 from pathlib import Path
 from typing import Literal
 from urllib.parse import urlsplit
@@ -142,6 +143,22 @@ class CommonSettings(BaseSettings):
             raise ValueError(f"TL_DATA={data}: {exc}") from None
         except OSError as exc:
             raise ValueError(f"TL_DATA={data}: cannot read: {exc}") from None
+
+    def check_run_dir(self, sub: str = "") -> Path:
+        """Create this run's directory (`run_path / sub`) and refuse one this process cannot write: ValueError naming
+        TL_RUN_DIR, the path, the user and the fix, so `tradeloop serve` exits 2 with the reason instead of failing
+        at its first write (a root-owned directory mounted into the container, where the services run as a user)."""
+        path = self.run_path / sub if sub else self.run_path
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=path, prefix=".write-check-"):
+                pass
+        except OSError as exc:
+            uid = os.getuid()
+            raise ValueError(f"TL_RUN_DIR={self.run_dir}: cannot write {path} as uid {uid} ({exc.strerror}); make "
+                             f"the directory writable by uid {uid} (a host directory mounted into the container: "
+                             f"chown -R {uid} it on the host)") from None
+        return path
 
     @property
     def run_path(self) -> Path:

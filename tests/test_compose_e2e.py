@@ -11,8 +11,9 @@
    proxy /api/<service>/..., compared with the services' own answers) are read through the published ports.
 4. The run ends with one checkpoint (a file on the volume and in Redis), one report and one bundle per epoch;
    each checkpoint evaluated once (the killed replica's by the other), one event per epoch on each stream,
-   nothing dead-lettered or pending; bundle e applied in epoch e + 1. `docker compose down -v` leaves no container
-   and no volume.
+   nothing dead-lettered or pending; bundle e applied in epoch e + 1.
+5. The image's trainer on a checkpoints directory its user cannot write exits 2 naming TL_RUN_DIR and the fix.
+   `docker compose down -v` leaves no container and no volume.
 The GPU override is checked with `docker compose config` (no GPU, no daemon needed).
 
 Images: BASE_IMAGE, REDIS_IMAGE and TORCH_WHEEL from the environment when set (`scripts/docker-ci.sh start`
@@ -293,6 +294,18 @@ def test_compose_up_runs_the_loop_and_survives_a_killed_evaluator(tmp_path):
             assert proxied.status_code == direct.status_code == 200 and proxied.content == direct.content
             assert client.get(f"{dashboard}/api/redis/info", timeout=5).status_code == 404
             assert client.post(f"{dashboard}/{config['trainer']}/control/stop", timeout=5).status_code == 405
+
+        # the image's user and a checkpoints directory it cannot write (a root-owned host directory): the trainer
+        # exits 2 at once naming TL_RUN_DIR, the user and the fix (not a traceback, not unhealthy forever)
+        image = by_service["trainer"][0]["Image"]
+        root_owned = tmp_path / "root-owned"
+        root_owned.mkdir(mode=0o755)
+        r = subprocess.run(["docker", "run", "--rm", "-v", f"{root_owned}:/data/runs", "-e", "TL_EMBEDDED=false",
+                            "-e", "TL_HOST=0.0.0.0", "-e", f"TL_API_TOKEN={SETTINGS['TL_API_TOKEN']}",
+                            "-e", "TL_REDIS_URL=redis://redis.invalid:6379/0", "-e", "TL_RUN_DIR=/data/runs",
+                            image, "tradeloop", "serve", "trainer"], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 2 and "TL_RUN_DIR=/data/runs: cannot write" in r.stderr, (r.returncode, r.stderr)
+        assert "uid 10001" in r.stderr and "Traceback" not in r.stderr, r.stderr
     except BaseException:
         print(stack.logs())
         raise
