@@ -38,12 +38,13 @@ RUN --mount=type=bind,source=docker/wheels,target=/wheels \
     else pip install --index-url "$TORCH_INDEX_URL" "torch>=2.11"; fi \
     && sh /usr/local/bin/drop-tests
 
-# The other dependencies, read from pyproject.toml (one list): a code edit does not reinstall them.
+# The other dependencies and the build backend, read from pyproject.toml (one list): a code edit does not reinstall
+# them, and the project's own install below needs no download.
 WORKDIR /app
 COPY pyproject.toml /app/
 RUN --mount=type=bind,source=docker/drop-tests.sh,target=/usr/local/bin/drop-tests \
-    python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" \
-        > /tmp/requirements.txt \
+    python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb')); \
+print('\n'.join(p['project']['dependencies'] + p['build-system']['requires']))" > /tmp/requirements.txt \
     && pip install -r /tmp/requirements.txt \
     && rm /tmp/requirements.txt \
     && sh /usr/local/bin/drop-tests
@@ -54,7 +55,7 @@ COPY dashboard /app/dashboard
 COPY tradeloop /app/tradeloop
 COPY shared /app/shared
 COPY services /app/services
-RUN pip install --no-deps -e /app
+RUN pip install --no-deps --no-build-isolation -e /app
 
 USER tradeloop
 VOLUME ["/data/runs"]

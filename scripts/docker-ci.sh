@@ -106,7 +106,8 @@ local_base() {
   command -v mmdebstrap >/dev/null 2>&1 || apt_install mmdebstrap
   log "building $tag with mmdebstrap ($SUITE minbase + $BASE_PACKAGES, the host's CA certificates)"
   local t0=$SECONDS
-  $SUDO mmdebstrap --quiet --variant=minbase --include="$BASE_PACKAGES" \
+  $SUDO mmdebstrap --quiet --variant=minbase --include="$BASE_PACKAGES" --dpkgopt=force-unsafe-io \
+    --aptopt='Acquire::Languages "none"' \
     --customize-hook="$HOOK_CERTS" --customize-hook="$HOOK_CLEAN" "$SUITE" - "$SOURCES" \
     | docker import --change 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
         --change 'ENV LANG=C.UTF-8' --change 'CMD ["python3"]' - "$tag" >&2

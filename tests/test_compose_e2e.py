@@ -311,7 +311,7 @@ def test_compose_up_runs_the_loop_and_survives_a_killed_evaluator(tmp_path):
         raise
     finally:
         t_down = time.monotonic()
-        stack.compose("down", "--volumes", "--remove-orphans", "--timeout", "20", timeout=300, check=False)
+        stack.compose("down", "--volumes", "--remove-orphans", "--timeout", "5", timeout=300, check=False)
         timings["down -v"] = time.monotonic() - t_down
         left = docker("ps", "--all", "--quiet", "--filter", f"label=com.docker.compose.project={stack.project}")
         volumes = docker("volume", "ls", "--quiet", "--filter", f"label=com.docker.compose.project={stack.project}")
