@@ -57,6 +57,7 @@ COPY shared /app/shared
 COPY services /app/services
 RUN pip install --no-deps --no-build-isolation -e /app
 
+LABEL org.opencontainers.image.title="tradeloop"
 USER tradeloop
 VOLUME ["/data/runs"]
 EXPOSE 8000 8001 8002 8003

@@ -2,7 +2,8 @@
 # A Docker engine for the compose test (tests/test_compose_e2e.py), on a machine that may have none.
 #
 #   eval "$(scripts/docker-ci.sh start)"   # engine up, images ready; prints the `export` lines of the images to use
-#   scripts/docker-ci.sh stop              # stops the dockerd that `start` started (by its pid), nothing else
+#   scripts/docker-ci.sh stop              # stops the dockerd that `start` started (by its pid), nothing else,
+#                                          # after removing the untagged images of earlier tradeloop builds
 #
 # start:
 #   1. An engine that answers is used as it is (and `stop` leaves it alone). Otherwise, as root on Debian:
@@ -166,6 +167,8 @@ case "${1:-}" in
     [ -f "$PIDFILE" ] || { log "no dockerd started here; nothing to stop"; exit 0; }
     pid=$(cat "$PIDFILE")
     if kill -0 "$pid" 2>/dev/null; then
+      # the images earlier builds of this project left untagged (each run's code layers); layers still in use stay
+      docker image prune -f --filter label=org.opencontainers.image.title=tradeloop >/dev/null 2>&1 || true
       log "stopping dockerd (pid $pid)"
       $SUDO kill -TERM "$pid"
       for _ in $(seq 1 60); do kill -0 "$pid" 2>/dev/null || break; sleep 0.5; done
