@@ -10,6 +10,8 @@ DATASET ?=
 DEVICE  ?=
 ARGS    ?=
 UP_ARGS := $(if $(EPOCHS),--epochs $(EPOCHS)) $(if $(DATASET),--dataset $(DATASET)) $(if $(DEVICE),--device $(DEVICE))
+# The torch release tried first (on these machines a local CPU wheel; scripts/docker-ci.sh puts it in the image).
+TORCH_PIN := torch==2.13.0
 
 .PHONY: setup up test test-fast bench clean
 
@@ -17,9 +19,9 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-# torch==2.13.0 first: on these machines it is a local CPU wheel; any torch>=2.11 satisfies the package.
+# TORCH_PIN first; any torch>=2.11 satisfies the package.
 $(STAMP): $(BIN)/python pyproject.toml
-	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "torch==2.13.0" || $(BIN)/pip install -q "torch>=2.11"
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "$(TORCH_PIN)" || $(BIN)/pip install -q "torch>=2.11"
 	$(BIN)/pip install -q -e ".[test]"
 	touch $(STAMP)
 

@@ -1,12 +1,13 @@
 /* app.js — the tradeloop dashboard: polls the trainer, evaluator and feedback services and draws the run.
  *
  * Conventions:
- * - The service base URLs come from the dashboard's own /config.json ({trainer, evaluator, feedback, poll_ms,
- *   run_id}); `?poll=MS` in the page URL overrides the poll interval.
+ * - The page talks only to its own origin: /config.json ({trainer, evaluator, feedback, poll_ms, run_id}) gives
+ *   each service's base path on the dashboard's proxy (`api/<service>`, relative to the page); `?poll=MS` in the
+ *   page URL overrides the poll interval.
  * - Each service is polled on its own, every request with a timeout; one that does not answer /health is shown
  *   as down, keeps its last data on the charts, and never stops the others from updating.
- * - Services answer cross-origin requests from this page (CORS is configured there); nothing here sends a token:
- *   the page only reads.
+ * - The proxy forwards only GET and nothing here sends a token: the page only reads. A service the proxy
+ *   cannot reach answers 502, and the page shows it down.
  * - Per-trade Sharpe and DSR are un-annualized, per closed trade (shared/metrics.py).
  * - The readers below (`reportsOf`, `splitMetric`, `equityOf`, ...) accept the services' JSON shapes and a few
  *   near variants, so a renamed wrapper key degrades one panel to "no data yet" rather than breaking the page.
@@ -45,7 +46,7 @@
     const ctl = new AbortController();
     const timer = setTimeout(() => ctl.abort(), TIMEOUT_MS);
     try {
-      const r = await fetch(base + path, {signal: ctl.signal, cache: "no-store", mode: "cors"});
+      const r = await fetch(base + path, {signal: ctl.signal, cache: "no-store", mode: "same-origin"});
       if (!r.ok) { const e = new Error(`${path}: HTTP ${r.status}`); e.status = r.status; throw e; }
       return await r.json();
     } finally {

@@ -310,6 +310,7 @@ def service_plumbing(name: str, settings: CommonSettings) -> tuple[ServiceState,
     if not settings.redis_url:
         raise ValueError(f"TL_REDIS_URL (or REDIS_URL) is required by the {name} service")
     state = ServiceState(name, settings.run_id)
-    bus = Bus(settings.redis_url, settings.run_id, socket_timeout_s=settings.redis_socket_timeout_s,
-              keep_checkpoints=settings.keep_checkpoints)
+    password = settings.redis_password.get_secret_value() if settings.redis_password is not None else None
+    bus = Bus(settings.redis_url, settings.run_id, password=password,
+              socket_timeout_s=settings.redis_socket_timeout_s, keep_checkpoints=settings.keep_checkpoints)
     return state, bus

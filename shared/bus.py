@@ -89,7 +89,7 @@ class Backoff:
 class Bus:
     """A run's connection to Redis: publish events, consume streams, store blobs (`.store`)."""
 
-    def __init__(self, redis_url: str, run_id: str, *, socket_timeout_s: float = 5.0,
+    def __init__(self, redis_url: str, run_id: str, *, password: str | None = None, socket_timeout_s: float = 5.0,
                  max_event_bytes: int = MAX_EVENT_BYTES, stream_maxlen: int = 100_000,
                  keep_checkpoints: int = 5):
         self.run_id = validate_run_id(run_id)
@@ -98,9 +98,10 @@ class Bus:
         self.max_event_bytes = max_event_bytes
         self.stream_maxlen = stream_maxlen
         # No hidden retries inside redis-py: our loops decide when to back off and reconnect.
-        # TCP keepalive only where there is TCP (a unix:// URL is a local socket; redis-py refuses the option there)
+        # TCP keepalive only where there is TCP (a unix:// URL is a local socket; redis-py refuses the option there).
+        # `password` (TL_REDIS_PASSWORD) is used as it is; a password in the URL is percent-decoded by redis-py
         tcp = {} if redis_url.startswith("unix://") else {"socket_keepalive": True}
-        self.redis = aioredis.Redis.from_url(redis_url, socket_timeout=socket_timeout_s,
+        self.redis = aioredis.Redis.from_url(redis_url, password=password, socket_timeout=socket_timeout_s,
                                              socket_connect_timeout=socket_timeout_s,
                                              retry=Retry(NoBackoff(), 0), decode_responses=False, **tcp)
         self.store = RunStore(self.redis, self.run_id, keep_checkpoints=keep_checkpoints)

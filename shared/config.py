@@ -19,8 +19,10 @@ import ipaddress
 import os
 import re
 import socket
+import tempfile
 from pathlib import Path
 from typing import Literal, get_args
+from urllib.parse import urlsplit
 
 from pydantic import AliasChoices, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -35,6 +37,11 @@ _DEVICE_RE = re.compile(r"^(cpu|auto|cuda(:\d+)?)$")
 
 class ConfigError(ValueError):
     """Settings that do not validate; the message lists `TL_<FIELD>: problem` lines."""
+
+
+def redact_url(url: str) -> str:
+    """`url` with its user info (a password) replaced by ***, for messages."""
+    return re.sub(r"^([a-z]+://).*@", r"\1***@", url)
 
 
 def is_loopback(host: str) -> bool:
@@ -56,6 +63,9 @@ class CommonSettings(BaseSettings):
         default=None, validation_alias=AliasChoices("TL_REDIS_URL", "REDIS_URL"),
         description="Redis URL (redis://[:password@]host:port/db, or unix://[:password@]/path/redis.sock); unset: "
                     "start the embedded server")
+    redis_password: SecretStr | None = Field(
+        default=None, description="Redis password, taken as it is (any characters); a password inside "
+                                  "TL_REDIS_URL must have / ? # @ : % percent-encoded")
     run_id: str = Field(default="dev", description="run namespace of all Redis keys (tl:{run}:…) and of run_dir; "
                                                    "`tradeloop up`: the id of a new run (unset: the time and a "
                                                    "random suffix)")
@@ -98,6 +108,12 @@ class CommonSettings(BaseSettings):
     def _redis_url(cls, v: str | None) -> str | None:
         if v is not None and not v.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError("must start with redis://, rediss:// or unix://")
+        if v and not v.startswith("unix://"):
+            try:
+                urlsplit(v).port
+            except ValueError as exc:
+                raise ValueError(f"not a valid URL ({exc}): percent-encode / ? # @ : % in a password, "
+                                 "or give the password in TL_REDIS_PASSWORD instead") from None
         return v or None
 
     @model_validator(mode="after")
@@ -108,6 +124,9 @@ class CommonSettings(BaseSettings):
         if not self.embedded and token == DEFAULT_API_TOKEN:
             raise ValueError(f"TL_API_TOKEN is the default {DEFAULT_API_TOKEN!r}, which is allowed only in embedded "
                              "mode (TL_EMBEDDED=true); set TL_API_TOKEN to a secret")
+        if self.redis_password is not None and self.redis_url and urlsplit(self.redis_url).password:
+            raise ValueError("the Redis password is given twice (in TL_REDIS_URL and in TL_REDIS_PASSWORD); "
+                             "keep one")
         if self.embedded and not is_loopback(self.host):
             raise ValueError(f"TL_HOST={self.host!r}: embedded mode binds loopback only (127.0.0.1); "
                              "set TL_EMBEDDED=false and a secret TL_API_TOKEN to bind other addresses")
@@ -131,6 +150,22 @@ class CommonSettings(BaseSettings):
             raise ValueError(f"TL_DATA={data}: {exc}") from None
         except OSError as exc:
             raise ValueError(f"TL_DATA={data}: cannot read: {exc}") from None
+
+    def check_run_dir(self, sub: str = "") -> Path:
+        """Create this run's directory (`run_path / sub`) and refuse one this process cannot write: ValueError naming
+        TL_RUN_DIR, the path, the user and the fix, so `tradeloop serve` exits 2 with the reason instead of failing
+        at its first write (a root-owned directory mounted into the container, where the services run as a user)."""
+        path = self.run_path / sub if sub else self.run_path
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=path, prefix=".write-check-"):
+                pass
+        except OSError as exc:
+            uid = os.getuid()
+            raise ValueError(f"TL_RUN_DIR={self.run_dir}: cannot write {path} as uid {uid} ({exc.strerror}); make "
+                             f"the directory writable by uid {uid} (a host directory mounted into the container: "
+                             f"chown -R {uid} it on the host)") from None
+        return path
 
     @property
     def run_path(self) -> Path:
@@ -234,7 +269,27 @@ class FeedbackSettings(CommonSettings):
 
 
 class DashboardSettings(CommonSettings):
-    """Dashboard settings."""
+    """Dashboard settings: where its proxy (`/api/<service>/…`) reaches each service."""
+
+    trainer_url: str | None = Field(default=None, description="the trainer's base URL for the dashboard's proxy "
+                                                              "(None: TL_HOST and TL_TRAINER_PORT)")
+    evaluator_url: str | None = Field(default=None, description="the evaluator's base URL for the dashboard's proxy "
+                                                                "(None: TL_HOST and TL_EVALUATOR_PORT)")
+    feedback_url: str | None = Field(default=None, description="the feedback service's base URL for the dashboard's "
+                                                               "proxy (None: TL_HOST and TL_FEEDBACK_PORT)")
+
+    @field_validator("trainer_url", "evaluator_url", "feedback_url")
+    @classmethod
+    def _upstream(cls, v: str | None) -> str | None:
+        if v is None:
+            return None
+        if not re.match(r"^https?://[^/\s]+$", v.rstrip("/")):
+            raise ValueError(f"must be http(s)://host[:port], got {v!r}")
+        return v.rstrip("/")
+
+    def upstream(self, service: Literal["trainer", "evaluator", "feedback"]) -> str:
+        """Base URL the dashboard's proxy forwards `/api/<service>/…` to."""
+        return getattr(self, f"{service}_url") or self.service_url(service)
 
     @property
     def port(self) -> int:
@@ -250,6 +305,15 @@ def _env_name(cls: type[BaseSettings], field: str) -> str:
     return f"{ENV_PREFIX}{field.upper()}"
 
 
+def _field_of(cls: type[BaseSettings], loc: str) -> str:
+    """The field an error location names: the field itself, or one of its alias choices (e.g. TL_REDIS_URL)."""
+    for name, info in cls.model_fields.items():
+        alias = getattr(info, "validation_alias", None)
+        if loc == name or (isinstance(alias, AliasChoices) and loc in alias.choices):
+            return name
+    return loc
+
+
 def load_settings(cls: type[CommonSettings] = CommonSettings, **overrides) -> CommonSettings:
     """Build settings from the environment (+ overrides); raise ConfigError naming each bad variable."""
     try:
@@ -258,9 +322,13 @@ def load_settings(cls: type[CommonSettings] = CommonSettings, **overrides) -> Co
         lines = []
         for e in exc.errors():
             loc = [str(p) for p in e["loc"]]
-            where = _env_name(cls, loc[0]) if loc else "settings"
+            field = _field_of(cls, loc[0]) if loc else None
+            where = _env_name(cls, field) if loc else "settings"
             msg = e["msg"].removeprefix("Value error, ")
-            got = f" (got {e['input']!r})" if loc and not isinstance(e.get("input"), (dict, SecretStr)) else ""
+            value = e.get("input")
+            got = f" (got {value!r})" if loc and not isinstance(value, (dict, SecretStr)) else ""
+            if field == "redis_url" and isinstance(value, str):
+                got = f" (got {redact_url(value)!r})"     # a URL can hold a password
             lines.append(f"{where}: {msg}{got}" if loc else msg)
         raise ConfigError(f"invalid {cls.__name__}:\n  " + "\n  ".join(lines)) from None
 

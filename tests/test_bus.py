@@ -250,3 +250,36 @@ async def test_server_killed_and_restarted_on_aof_consumer_reconnects(tmp_path, 
             assert await pending_count(bus, stream, "g") == 0
     finally:
         server.stop()
+
+
+async def test_redis_password_with_url_reserved_characters(tmp_path, run_id, monkeypatch):
+    """A password that a redis:// URL cannot hold as it is (docker compose passes any secret): inside TL_REDIS_URL
+    it is refused, naming the variable and not the password; given in TL_REDIS_PASSWORD it reaches the server."""
+    from shared.api import service_plumbing
+    from shared.config import ConfigError, FeedbackSettings, load_settings
+
+    password = "p/@ss+w=rd?x:y%z"
+    (tmp_path / "redis").mkdir()
+    (tmp_path / "redis" / "password").write_text(password + "\n")   # EmbeddedRedis's requirepass
+    server = EmbeddedRedis(tmp_path / "redis").start()
+    try:
+        for k in ("REDIS_URL", "TL_REDIS_URL", "TL_REDIS_PASSWORD"):
+            monkeypatch.delenv(k, raising=False)
+        monkeypatch.setenv("TL_RUN_ID", run_id)
+        monkeypatch.setenv("TL_REDIS_URL", server.url)                # the password inside the URL, unencoded
+        with pytest.raises(ConfigError, match="TL_REDIS_URL.*TL_REDIS_PASSWORD") as ei:
+            load_settings(FeedbackSettings)
+        assert "w=rd" not in str(ei.value), "the message must not show the password"
+
+        monkeypatch.setenv("TL_REDIS_URL", f"redis://{server.host}:{server.port}/0")
+        monkeypatch.setenv("TL_REDIS_PASSWORD", password)
+        _, bus = service_plumbing("feedback", load_settings(FeedbackSettings))
+        try:
+            assert await bus.redis.ping()
+        finally:
+            await bus.close()
+        monkeypatch.setenv("TL_REDIS_URL", f"redis://:other@{server.host}:{server.port}/0")
+        with pytest.raises(ConfigError, match="given twice"):
+            load_settings(FeedbackSettings)
+    finally:
+        server.stop()

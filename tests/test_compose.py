@@ -4,8 +4,9 @@ No Docker engine is needed: the compose files are parsed (a tiny parser for the 
 in; PyYAML is not a dependency) and checked against the entry points (`tradeloop serve <service>`) and the
 settings models of shared/config.py: every TL_* variable is a real setting of that service, the values
 validate, container ports and healthcheck URLs are the ports the settings make the service bind, the
-dashboard's /config.json points at the ports compose publishes, and every ${VAR} is documented in
-.env.example.
+dashboard's proxy reaches each service by its compose name and container port, and every ${VAR} (and every
+variable passed through without a value) is documented in .env.example. tests/test_compose_e2e.py runs the
+files on a Docker engine.
 """
 from __future__ import annotations
 
@@ -176,10 +177,19 @@ def substitute(value: str, env: dict[str, str]) -> str:
     return _VAR.sub(one, value).replace("$$", "$")
 
 
-def service_env(svc: dict, env: dict[str, str]) -> dict[str, str]:
+def service_env(svc: dict, env: dict[str, str], passed: dict[str, str] | None = None) -> dict[str, str]:
+    """The container's environment: the valued entries interpolated from `env`; an entry without a value passes
+    through from the caller's environment (`passed`) when set there, and is absent otherwise (as compose does)."""
     raw = svc.get("environment") or {}
     assert isinstance(raw, dict), "environment must be a mapping"
-    return {k: substitute(v or "", env) for k, v in raw.items()}
+    out = {k: substitute(v, env) for k, v in raw.items() if v is not None}
+    out.update({k: passed[k] for k, v in raw.items() if v is None and k in (passed or {})})
+    return out
+
+
+def passthrough(svc: dict) -> set[str]:
+    """The environment entries listed without a value."""
+    return {k for k, v in (svc.get("environment") or {}).items() if v is None}
 
 
 def settings_from(monkeypatch, cls, environ: dict[str, str]):
@@ -197,9 +207,10 @@ def env_names(cls) -> set[str]:
     return {cfg._env_name(cls, f) for f in cls.model_fields}
 
 
-def port_of(mapping: str) -> tuple[str, int]:
-    """'127.0.0.1:8002-8011:8002' → ('8002-8011', 8002): (host port or range, container port)."""
-    parts = mapping.split(":")
+def port_of(mapping: str, env: dict[str, str]) -> tuple[str, int]:
+    """'${PUBLISH_ADDRESS:-127.0.0.1}:${EVALUATOR_PORTS:-8002-8011}:8002' → ('8002-8011', 8002) with `env`'s
+    values: (host port or range, container port)."""
+    parts = substitute(mapping, env).split(":")
     return parts[-2], int(parts[-1])
 
 
@@ -229,58 +240,72 @@ def test_environment_is_the_settings_model(compose, env_example, monkeypatch, na
     svc = compose["services"][name]
     cls = settings_class(name)
     env = service_env(svc, env_example)
-    unknown = {k for k in env if k.startswith("TL_")} - env_names(cls)
+    listed = set(svc.get("environment") or {})
+    unknown = {k for k in listed if k.startswith("TL_")} - env_names(cls)
     assert not unknown, f"{name}: {sorted(unknown)} are not settings of {cls.__name__}"
-    non_tl = {k for k in env if not k.startswith("TL_")}
+    non_tl = {k for k in listed if not k.startswith("TL_")}
     assert not non_tl, f"{name}: variables outside the TL_ namespace: {sorted(non_tl)}"
     settings = settings_from(monkeypatch, cls, env)   # raises ConfigError naming a bad value
     assert settings.embedded is False and settings.host == "0.0.0.0"
     assert settings.api_token.get_secret_value() == env_example["TL_API_TOKEN"]
-    assert settings.dashboard_origin == env_example["TL_DASHBOARD_ORIGIN"]
+    assert "TL_DASHBOARD_ORIGIN" not in env, f"{name}: the page reaches the services through the dashboard (no CORS)"
 
     # the port the service binds == the container port compose publishes == the healthcheck's port, on /ready
-    (host_ports, container_port), = [port_of(p) for p in svc["ports"]]
+    (host_ports, container_port), = [port_of(p, env_example) for p in svc["ports"]]
+    assert substitute(svc["ports"][0], env_example).startswith(env_example["PUBLISH_ADDRESS"] + ":")
     assert settings.port == container_port, f"{name}: binds {settings.port}, compose publishes {container_port}"
     test = " ".join(svc["healthcheck"]["test"])
     assert f"http://127.0.0.1:{settings.port}/ready" in test, f"{name}: healthcheck {test!r}"
     if name != "dashboard":
-        url = settings.redis_url
-        assert url == f"redis://:{env_example['REDIS_PASSWORD']}@redis:6379/0", f"{name}: {url}"
+        # the password beside the URL, taken as it is: any character of a secret works (none goes into a URL)
+        assert settings.redis_url == "redis://redis:6379/0", f"{name}: {settings.redis_url}"
+        assert settings.redis_password.get_secret_value() == env_example["REDIS_PASSWORD"]
         assert svc["depends_on"]["redis"]["condition"] == "service_healthy"
     if name == "trainer":
         assert ("checkpoints:" + str(settings.run_dir)) in svc["volumes"], "checkpoints volume must hold TL_RUN_DIR"
         assert settings.device == "cpu"
+        # as `tradeloop up` does: the trainer starts once the consumers are ready
+        assert {k: v["condition"] for k, v in svc["depends_on"].items()} == {
+            "redis": "service_healthy", "evaluator": "service_healthy", "feedback": "service_healthy"}
+    # the size of a run passes through when set (a tiny CI run), else the presets apply
+    size = dict.fromkeys(passthrough(svc), "1000")
+    sized = settings_from(monkeypatch, cls, service_env(svc, env_example, passed=size))
+    for k in size:
+        field = next(f for f in cls.model_fields if cfg._env_name(cls, f) == k)
+        assert getattr(sized, field) == int(size[k]), (name, k)
 
 
-def test_evaluator_scales(compose):
-    (host, container), = [port_of(p) for p in compose["services"]["evaluator"]["ports"]]
+def test_evaluator_scales(compose, env_example):
+    (host, container), = [port_of(p, env_example) for p in compose["services"]["evaluator"]["ports"]]
     lo, _, hi = host.partition("-")
     assert hi and int(hi) - int(lo) >= 3, f"evaluator host port {host!r}: a fixed port breaks --scale evaluator=N"
 
 
-def test_dashboard_config_points_at_published_ports(compose, env_example, monkeypatch):
+def test_dashboard_proxies_to_the_compose_services(compose, env_example, monkeypatch):
+    """The page calls only the dashboard (relative paths); its proxy reaches each service by its compose name on
+    the port that service binds, so any published port, or none, works for the page."""
     from services.dashboard.app import page_config
 
     settings = settings_from(monkeypatch, settings_class("dashboard"),
                              service_env(compose["services"]["dashboard"], env_example))
     page = page_config(settings)
     for name in ("trainer", "evaluator", "feedback"):
-        host, _ = port_of(compose["services"][name]["ports"][0])
-        first = int(host.split("-")[0])
-        assert page[name] == f"http://127.0.0.1:{first}", f"the page would poll {page[name]} for {name}"
-    origin_port = int(env_example["TL_DASHBOARD_ORIGIN"].rsplit(":", 1)[1])
-    assert port_of(compose["services"]["dashboard"]["ports"][0])[0] == str(origin_port)
+        _, container_port = port_of(compose["services"][name]["ports"][0], env_example)
+        assert settings.upstream(name) == f"http://{name}:{container_port}", name
+        assert page[name] == f"api/{name}", f"the page would poll {page[name]} for {name}"
+    assert "depends_on" not in compose["services"]["dashboard"], "the page shows services down until they are up"
 
 
 def test_redis_service(compose):
     redis = compose["services"]["redis"]
-    image = redis["image"]
+    image = re.fullmatch(r"\$\{REDIS_IMAGE:-([^}]+)\}", redis["image"]).group(1)   # the official image by default
     assert re.fullmatch(r"redis:(\d+)\.(\d+)\.(\d+)(-[a-z0-9.]+)?", image), f"redis image not pinned: {image}"
     major, minor = map(int, re.match(r"redis:(\d+)\.(\d+)", image).groups())
     assert (major, minor) >= (6, 2), "tradeloop needs Redis >= 6.2 (XAUTOCLAIM)"
     cmd = " ".join(redis["command"])
     assert "--appendonly yes" in cmd and "--requirepass" in cmd and "$$REDIS_PASSWORD" in cmd
-    assert "ping" in " ".join(redis["healthcheck"]["test"]).lower()
+    health = " ".join(redis["healthcheck"]["test"])
+    assert "ping" in health.lower() and "REDISCLI_AUTH=" in health and " -a " not in health, "no password in argv"
     assert redis["environment"]["REDIS_PASSWORD"].startswith("${REDIS_PASSWORD:?"), "no default password"
     assert "ports" not in redis, "Redis is reachable only inside the compose network"
     assert {"checkpoints", "redis-data"} <= set(compose["volumes"])
@@ -292,6 +317,9 @@ def test_env_example_documents_every_variable(compose, env_example):
     used = {m.group(1) for m in _VAR.finditer(text)}
     assert used == set(env_example), (f"in compose, not in .env.example: {sorted(used - set(env_example))}; "
                                       f"in .env.example, unused: {sorted(set(env_example) - used)}")
+    passed = set().union(*(passthrough(svc) for svc in compose["services"].values()))
+    documented = set(re.findall(r"^# (TL_[A-Z0-9_]+)=", (ROOT / ".env.example").read_text(), re.M))
+    assert passed == documented, f"passed through: {sorted(passed)}; documented in .env.example: {sorted(documented)}"
     for secret in ("REDIS_PASSWORD", "TL_API_TOKEN"):
         assert f"${{{secret}:?" in text, f"{secret} must be required (no default) in docker-compose.yml"
         assert env_example[secret] != cfg.DEFAULT_API_TOKEN
@@ -305,7 +333,9 @@ def test_gpu_override(gpu, env_example, compose, monkeypatch):
     merged = {**service_env(compose["services"]["trainer"], env_example), **service_env(trainer, env_example)}
     assert settings_from(monkeypatch, settings_class("trainer"), merged).device == "cuda"
     assert trainer["build"]["args"]["TORCH_INDEX_URL"].startswith("${TORCH_CUDA_INDEX_URL")
-    assert "ARG TORCH_INDEX_URL" in (ROOT / "Dockerfile").read_text()
+    assert trainer["build"]["args"]["TORCH_WHEEL"] == "", "the GPU image never gets the CPU wheel"
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert "ARG TORCH_INDEX_URL" in dockerfile and "ARG TORCH_WHEEL" in dockerfile
 
 
 def test_services_agree_on_the_run(compose, env_example, monkeypatch):
@@ -314,6 +344,7 @@ def test_services_agree_on_the_run(compose, env_example, monkeypatch):
               for name in TL_SERVICES}
     assert len({s.run_id for s in loaded.values()}) == 1
     assert loaded["trainer"].redis_url == loaded["evaluator"].redis_url == loaded["feedback"].redis_url
+    assert loaded["trainer"].redis_password == loaded["evaluator"].redis_password == loaded["feedback"].redis_password
     for field in ("data", "data_seed"):
         assert getattr(loaded["trainer"], field) == getattr(loaded["evaluator"], field), field
     for name in TL_SERVICES:
@@ -334,8 +365,11 @@ def test_dashboard_app_serves_the_page_and_its_config(tmp_path):
     settings = cfg.DashboardSettings(trainer_port=18001, evaluator_port=18002, feedback_port=18003, run_id="r1")
     client = TestClient(create_app(settings, poll_ms=750))
     assert client.get("/config.json").json() == {
-        "trainer": "http://127.0.0.1:18001", "evaluator": "http://127.0.0.1:18002",
-        "feedback": "http://127.0.0.1:18003", "poll_ms": 750, "run_id": "r1"}
+        "trainer": "api/trainer", "evaluator": "api/evaluator", "feedback": "api/feedback", "poll_ms": 750,
+        "run_id": "r1"}
+    # embedded (`tradeloop up`): the proxy reaches the services on the ports the launcher gave them
+    assert [settings.upstream(n) for n in ("trainer", "evaluator", "feedback")] == [
+        "http://127.0.0.1:18001", "http://127.0.0.1:18002", "http://127.0.0.1:18003"]
     page = client.get("/")
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     for src in re.findall(r'(?:src|href)="([^"]+)"', page.text):

@@ -151,3 +151,14 @@ def test_decode_rejects_with_reasons():
 def test_raw_fields_truncated_for_dead_letters():
     out = raw_fields({b"data": b"y" * 10_000, "k": "v"})
     assert out["k"] == "v" and out["data"].startswith("y" * 2048) and out["data"].endswith("[10000 chars]")
+
+
+def test_run_dir_not_writable_is_refused_naming_the_variable(tmp_path):
+    """The trainer's first step: its run directory, created and written to, or a clear refusal (the container case,
+    a root-owned directory under a non-root user, is run on a real engine by tests/test_compose_e2e.py)."""
+    s = TrainerSettings(run_dir=tmp_path / "runs", run_id="r1")
+    assert s.check_run_dir("trainer") == tmp_path / "runs" / "r1" / "trainer" and (tmp_path / "runs/r1/trainer").is_dir()
+    assert list((tmp_path / "runs/r1/trainer").iterdir()) == [], "the write check leaves nothing behind"
+    (tmp_path / "file").write_text("not a directory")
+    with pytest.raises(ValueError, match=r"TL_RUN_DIR=.*cannot write .* as uid \d+"):
+        TrainerSettings(run_dir=tmp_path / "file", run_id="r1").check_run_dir("trainer")

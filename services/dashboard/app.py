@@ -1,21 +1,27 @@
-"""The dashboard service: a FastAPI app that serves the static page (`dashboard/` at the repository root) and
-`/config.json`, which tells the page where the trainer, evaluator and feedback services answer.
+"""The dashboard service: a FastAPI app that serves the static page (`dashboard/` at the repository root),
+`/config.json`, and a read-only proxy to the trainer, evaluator and feedback services.
 
 Conventions:
-- The page is static (no CDN: the chart code is `dashboard/chart.js`); it calls the three services from the
-  browser, which is why those services allow the dashboard's origin (`TL_DASHBOARD_ORIGIN`) through CORS.
-- The URLs in `/config.json` come from the settings (`CommonSettings.service_url`): the ports of
-  `TL_TRAINER_PORT`, ... on the host the services bind (loopback when they bind all interfaces), i.e. the
-  addresses a browser on the same machine reaches — also true under docker compose, which publishes the ports
-  on the host's loopback.
-- `/health` is liveness, `/ready` says the page's files are there. Only GET/HEAD; no state, no token.
+- The page is static (no CDN: the chart code is `dashboard/chart.js`) and talks only to its own origin: GET
+  `/api/<service>/<path>` is forwarded to that service (`DashboardSettings.upstream`: `TL_TRAINER_URL`, ... or
+  the service's port on `TL_HOST`), the response streamed back as it arrives (a report is tens of MB). So the
+  page works from any machine that reaches the dashboard, with any published port, and needs no CORS: under
+  docker compose the services are reached by their names inside the compose network.
+- `/config.json` gives the page the base path of each service (relative to the page, so the dashboard also works
+  behind a reverse proxy under a path prefix), the poll interval and the run id.
+- A service that does not answer gives 502 (naming it and its URL), so the page marks it down.
+- `/health` is liveness, `/ready` says the page's files are there. Only GET; no state, no token: the proxy
+  forwards no mutating request.
 """
 from __future__ import annotations
 
+from contextlib import asynccontextmanager
 from pathlib import Path
 
-from fastapi import FastAPI, HTTPException
-from fastapi.responses import FileResponse, JSONResponse
+import httpx
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 
 from shared.config import DashboardSettings
 
@@ -24,19 +30,32 @@ PAGE_FILES = ("index.html", "app.js", "chart.js", "style.css")
 MEDIA_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
                ".css": "text/css; charset=utf-8", ".png": "image/png", ".svg": "image/svg+xml"}
 DEFAULT_POLL_MS = 3000
+PROXIED = ("trainer", "evaluator", "feedback")
+PROXY_TIMEOUT = httpx.Timeout(30.0, connect=3.0)   # read: a report's first bytes can take a while to build
+PASSED_HEADERS = ("content-type", "content-length", "cache-control", "etag", "last-modified")
 
 
 def page_config(settings: DashboardSettings, poll_ms: int = DEFAULT_POLL_MS) -> dict:
-    """The `/config.json` document: base URL of each service, poll interval, run id."""
-    return {"trainer": settings.service_url("trainer"), "evaluator": settings.service_url("evaluator"),
-            "feedback": settings.service_url("feedback"), "poll_ms": int(poll_ms), "run_id": settings.run_id}
+    """The `/config.json` document: base path of each service (the page's own proxy), poll interval, run id."""
+    return {**{name: f"api/{name}" for name in PROXIED}, "poll_ms": int(poll_ms), "run_id": settings.run_id}
 
 
 def create_app(settings: DashboardSettings, *, static_dir: Path | None = None,
                poll_ms: int = DEFAULT_POLL_MS) -> FastAPI:
-    """The dashboard app: `/` (the page), its files, `/config.json`, `/health`, `/ready`."""
+    """The dashboard app: `/` (the page), its files, `/config.json`, `/api/<service>/…`, `/health`, `/ready`."""
     root = Path(static_dir) if static_dir is not None else STATIC_DIR
-    app = FastAPI(title="tradeloop dashboard", docs_url=None, redoc_url=None, openapi_url=None)
+    upstreams = {name: settings.upstream(name) for name in PROXIED}
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        # one pool for all proxied requests; a connection error is retried once on a new connection (a scaled
+        # service's replica that went away: the name resolves to the others)
+        async with httpx.AsyncClient(timeout=PROXY_TIMEOUT, transport=httpx.AsyncHTTPTransport(retries=1),
+                                     headers={"accept-encoding": "identity"}) as client:
+            app.state.client = client
+            yield
+
+    app = FastAPI(title="tradeloop dashboard", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     config = page_config(settings, poll_ms)
     allowed = {name: (root / name) for name in PAGE_FILES}
 
@@ -57,6 +76,25 @@ def create_app(settings: DashboardSettings, *, static_dir: Path | None = None,
     def config_json() -> JSONResponse:
         """Where the page finds the three services."""
         return JSONResponse(config, headers={"Cache-Control": "no-store"})
+
+    @app.get("/api/{service}/{path:path}")
+    async def proxy(service: str, path: str, request: Request) -> Response:
+        """GET `/api/<service>/<path>?<query>` forwarded to the service, the body streamed through."""
+        base = upstreams.get(service)
+        if base is None:
+            raise HTTPException(404, f"no service {service!r} behind the dashboard (one of {', '.join(PROXIED)})")
+        client: httpx.AsyncClient = request.app.state.client
+        url = httpx.URL(f"{base}/{path}", query=request.url.query.encode())
+        upstream_request = client.build_request("GET", url,
+                                                headers={"accept": request.headers.get("accept", "*/*")})
+        try:
+            upstream = await client.send(upstream_request, stream=True)
+        except httpx.HTTPError as exc:
+            return JSONResponse({"detail": f"{service} does not answer at {base}: {type(exc).__name__}: {exc}"},
+                                status_code=502, headers={"Cache-Control": "no-store"})
+        headers = {k: upstream.headers[k] for k in PASSED_HEADERS if k in upstream.headers}
+        return StreamingResponse(upstream.aiter_raw(), status_code=upstream.status_code, headers=headers,
+                                 background=BackgroundTask(upstream.aclose))
 
     def _file(name: str) -> FileResponse:
         path = allowed.get(name)

@@ -97,7 +97,8 @@ class EvaluatorWorker(ConsumerWorker):
         self._data: dict[tuple, dict] = {}
         self._val_sharpes: dict[int, float | None] = {}   # epoch → val per-trade Sharpe of the stored reports
         self._warm: asyncio.Task | None = None
-        state.extra.update(consumer=settings.consumer_name, evaluated=[], last_eval_s=None)
+        # evaluating: the epoch whose checkpoint this replica is evaluating (taken from the stream, not acked yet)
+        state.extra.update(consumer=settings.consumer_name, evaluated=[], evaluating=None, last_eval_s=None)
 
     async def run(self) -> None:
         """Consume (`ConsumerWorker.run`), warming up beside it (`warm_up`)."""
@@ -140,17 +141,21 @@ class EvaluatorWorker(ConsumerWorker):
         store, epoch = self.bus.store, event.epoch
         doc = None
         if not await store.has_report(epoch):
-            report = await self._evaluate(event)
-            # the report and its tallies in one atomic write: a Redis killed right after it keeps both or neither
-            if await store.put_report(epoch, report, tally=(run_key(self.bus.run_id, "evaluations"),),
-                                      mark={run_key(self.bus.run_id, "evaluated_by"): self.consumer.name}):
-                self.state.extra["evaluated"] = [*self.state.extra["evaluated"], epoch][-100:]
-                self.state.count("reports_stored")
-                s = report.val.metrics.get("per_trade_sharpe")
-                self._val_sharpes[epoch] = None if s is None else float(s)
-                # what the event carries, from the report in hand (not read back: tens of MB of JSON)
-                doc = {w: {"metrics": dict(getattr(report, w).metrics)} if getattr(report, w) is not None else None
-                       for w in ("val", "oos")}
+            self.state.extra["evaluating"] = epoch
+            try:
+                report = await self._evaluate(event)
+                # the report and its tallies in one atomic write: a Redis killed right after it keeps both or neither
+                if await store.put_report(epoch, report, tally=(run_key(self.bus.run_id, "evaluations"),),
+                                          mark={run_key(self.bus.run_id, "evaluated_by"): self.consumer.name}):
+                    self.state.extra["evaluated"] = [*self.state.extra["evaluated"], epoch][-100:]
+                    self.state.count("reports_stored")
+                    s = report.val.metrics.get("per_trade_sharpe")
+                    self._val_sharpes[epoch] = None if s is None else float(s)
+                    # what the event carries, from the report in hand (not read back: tens of MB of JSON)
+                    doc = {w: {"metrics": dict(getattr(report, w).metrics)} if getattr(report, w) is not None
+                           else None for w in ("val", "oos")}
+            finally:
+                self.state.extra["evaluating"] = None
         if doc is None:                  # stored by another replica, or before a redelivery: read what it says
             raw = await store.get_raw("report", epoch)
             doc = await asyncio.to_thread(json.loads, raw)

@@ -86,7 +86,7 @@ class TrainerWorker:
 
         settings.check_data()
         self.settings, self.bus, self.state = settings, bus, state
-        self.run_dir = Path(settings.run_path) / "trainer"
+        self.run_dir = settings.check_run_dir("trainer")
         self._resume = asyncio.Event()
         self._resume.set()
         self._stop = asyncio.Event()
