@@ -57,7 +57,7 @@ def train(
     from shared.checkpoints import CheckpointError
     from shared.graphs import compile_cache_dir, resolve_accel
 
-    err = Console(stderr=True)
+    err = Console(stderr=True, soft_wrap=True)
     if epochs < 1:
         err.print(f"error: --epochs must be ≥ 1, got {epochs}")
         raise typer.Exit(2)
