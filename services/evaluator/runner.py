@@ -50,6 +50,7 @@ from shared.checkpoints import CheckpointError, checkpoint_sha256, load_checkpoi
 from shared.execution import CostModel
 from shared.knobs import Knobs
 from shared.market import Bars, Split, chronological_split, compute_features, load_dataset
+from shared.runfiles import RunFiles
 from shared.rollout import MarketTensors, chosen_outputs, greedy_pass, market_view
 
 if TYPE_CHECKING:
@@ -309,6 +310,14 @@ class EvaluateInputError(ValueError):
     """Bad input to `tradeloop evaluate` (message names the file and what is wrong); the CLI exits 2."""
 
 
+def val_sharpe_of(raw: bytes | str | None) -> float | None:
+    """The validation per-trade Sharpe of a stored report's JSON (None when absent)."""
+    if raw is None:
+        return None
+    s = ((json.loads(raw).get("val") or {}).get("metrics") or {}).get("per_trade_sharpe")
+    return None if s is None else float(s)
+
+
 def _run_dir_of(checkpoint: Path) -> Path | None:
     d = checkpoint.resolve().parent.parent
     return d if (d / "run.json").exists() else None
@@ -337,7 +346,9 @@ def report_for_cli(checkpoint: str | os.PathLike, *, data: str | None = None, ex
     data: a bundled dataset name or a CSV/Parquet path; default: the dataset the checkpoint trained on. On the
     training data the run's split is used (metadata "split"); on other data a fresh chronological split.
     The knobs come from the metadata, else from the run directory's history.jsonl (the checkpoint's
-    `<run>/checkpoints/` parent); n_trials = the checkpoint's epoch (one checkpoint per epoch so far).
+    `<run>/checkpoints/` parent). The DSR's trials: the run directory's stored reports of earlier epochs when it has
+    them (`shared.runfiles`: their number + 1, their validation per-trade Sharpes as the trials' variance — what the
+    evaluator service used), else n_trials = the checkpoint's epoch (one checkpoint per epoch so far).
     Raises EvaluateInputError (message names the file / dataset and the problem) on bad input.
     """
     from shared.market import DataError
@@ -388,11 +399,17 @@ def report_for_cli(checkpoint: str | os.PathLike, *, data: str | None = None, ex
     cfg_costs = (run_meta.get("config") or {}).get("costs_bps")
     costs = CostModel(cost_bps if cost_bps is not None else float(cfg_costs if cfg_costs is not None else 1.0),
                       slippage_bps)
+    n_trials, prior = max(1, epoch), ()
+    files = RunFiles.of_checkpoint(path)
+    earlier = [e for e in files.epochs("report") if e < epoch] if files is not None else []
+    if earlier:      # the run's stored reports: the DSR's trials, as the evaluator service counted them
+        sharpes = [val_sharpe_of(files.read_bytes("report", e)) for e in earlier]
+        n_trials, prior = len(earlier) + 1, [s for s in sharpes if s is not None]
     try:
         return evaluate_checkpoint(blob, expected_sha256=expected, bars=bars, split=split,
                                    run_id=run_id or (run_dir.name if run_dir else path.stem), epoch=epoch,
-                                   n_trials=max(1, epoch), insample_bars=-1 if insample else 0, device=device,
-                                   costs=costs, dataset=str(name),
+                                   n_trials=n_trials, prior_sharpes=prior, insample_bars=-1 if insample else 0,
+                                   device=device, costs=costs, dataset=str(name),
                                    knobs=None if knobs_d is None else Knobs.from_dict(knobs_d))
     except (CheckpointError, ValueError) as exc:
         raise EvaluateInputError(str(exc)) from None

@@ -32,7 +32,7 @@ from typing import Any
 
 from pydantic import Field
 
-from shared.api import ServiceState, bundle_id, checkpoint_id, trainer_history_key
+from shared.api import ServiceState, bundle_id, checkpoint_id, knob_gauges, trainer_history_key
 from shared.bus import REDIS_DOWN, Backoff, Bus
 from shared.config import TrainerSettings
 from shared.events import CheckpointPublished, EventError, FeedbackReady, decode_event
@@ -56,6 +56,8 @@ class TrainerServiceSettings(TrainerSettings):
 
 
 history_key = trainer_history_key
+PHASES = ("starting", "loading", "waiting_feedback", "training", "publishing", "paused", "done", "stopped", "failed")
+"""The trainer's phases (/status "phase"; /metrics `phase{phase=…}` is 1 for the current one)."""
 
 
 async def read_history(bus: Bus) -> list[dict]:
@@ -76,11 +78,12 @@ class TrainerWorker:
         self._resume = asyncio.Event()
         self._resume.set()
         self._stop = asyncio.Event()
-        self.phase = "starting"
+        self.set_phase("starting")
         self.last_bundle: dict | None = None   # the latest bundle received (what a timed-out epoch trains on)
         self._late: dict | None = None          # overlap: a bundle stored after its epoch ended, for the next start
         self._carry: dict = {}                  # overlap: the wait between two epochs, for the next record
-        state.extra.update(phase=self.phase, epochs=settings.epochs, feedback=None, paused=False)
+        state.extra.update(epochs=settings.epochs, feedback=None, paused=False, training_epoch=None, iteration=None,
+                           iterations=None, updates_per_s=None, env_steps_per_s=None)
 
     # -- control ----------------------------------------------------------------------------------------
     def pause(self) -> None:
@@ -98,9 +101,31 @@ class TrainerWorker:
         self._stop.set()
         self._resume.set()
 
-    def _phase(self, phase: str) -> None:
+    def set_phase(self, phase: str) -> None:
         self.phase = phase
         self.state.extra["phase"] = phase
+        self.state.set_labeled("phase", "phase", {p: float(p == phase) for p in PHASES})
+
+    def _knobs(self, knobs: Knobs) -> None:
+        """The knobs training runs under now, on /metrics (`knob{knob=…}`)."""
+        self.state.set_labeled("knob", "knob", knob_gauges(knobs.to_dict()))
+
+    def _progress(self, tstate, epoch: int):
+        """`train_epoch`'s progress callback (training thread): iteration i of n of the epoch, and the epoch's update
+        and account-step rates so far, on /status and /metrics. Host counters only: no device synchronisation."""
+        t0, u0, s0 = time.perf_counter(), tstate.update_step, tstate.env_steps
+        self.state.extra.update(training_epoch=epoch, iteration=0, iterations=tstate.cfg.iterations)
+
+        def progress(it: int, n: int) -> None:
+            dt = time.perf_counter() - t0
+            self.state.extra["iteration"], self.state.extra["iterations"] = it, n
+            self.state.gauges["epoch_progress"] = it / max(1, n)
+            if dt > 0:
+                ups, sps = (tstate.update_step - u0) / dt, (tstate.env_steps - s0) / dt
+                self.state.gauges["updates_per_s"] = self.state.extra["updates_per_s"] = ups
+                self.state.gauges["env_steps_per_s"] = self.state.extra["env_steps_per_s"] = sps
+
+        return progress
 
     # -- setup ------------------------------------------------------------------------------------------
     def _build(self):
@@ -186,7 +211,7 @@ class TrainerWorker:
         if epoch == 1:
             return Knobs.fixed_schedule(1), {"bundle_epoch": None, "bundle_id": None, "feedback_timed_out": False,
                                              "feedback_wait_s": 0.0, "knobs_source": "fixed schedule (first epoch)"}
-        self._phase("waiting_feedback")
+        self.set_phase("waiting_feedback")
         self.state.extra["feedback"] = {"waiting_for_bundle": epoch - 1, "timed_out": False}
         bundle, timed_out, waited = await self._wait_bundle(epoch - 1)
         if bundle is not None:
@@ -263,7 +288,7 @@ class TrainerWorker:
     async def _overlap_finish(self, waiter: "_BundleWaiter", epoch: int) -> None:
         """After epoch `epoch` is published: a bundle not yet applied is waited for now (bounded by the
         timeout; the only wait of overlap mode) and then starts the next epoch."""
-        self._phase("waiting_feedback")
+        self.set_phase("waiting_feedback")
         t0 = time.monotonic()
         bundle, timed_out = await waiter.result_async()
         waited = time.monotonic() - t0
@@ -297,7 +322,7 @@ class TrainerWorker:
         key, sha = await self.bus.store.put_checkpoint(epoch, data)
         cid = checkpoint_id(self.bus.run_id, epoch, sha)
         record = {**record, "epoch": epoch, "checkpoint_id": cid, "sha256": sha, "checkpoint_key": key}
-        await self.bus.redis.hset(history_key(self.bus.run_id), str(epoch), json.dumps(record, allow_nan=False))
+        await self.bus.store.put_epoch_record(epoch, record)     # Redis, and the run directory's epochs/
         # marker done:published:{epoch} + event in one Lua script: never lost, never published twice
         await self.bus.publish_once("published", CheckpointPublished(
             run_id=self.bus.run_id, epoch=epoch, checkpoint_id=cid, sha256=sha, key=key, size_bytes=len(data),
@@ -309,7 +334,7 @@ class TrainerWorker:
         """Train until TL_EPOCHS epochs exist, then idle (status phase "done") until the process stops."""
         from services.trainer.train import save_epoch, train_epoch
 
-        self._phase("loading")
+        self.set_phase("loading")
         tstate, meta = await asyncio.to_thread(self._build)
         self.state.epoch = tstate.epoch
         self.state.extra["device"] = str(tstate.device)
@@ -322,7 +347,7 @@ class TrainerWorker:
         self.state.ready = True
         while tstate.epoch < self.settings.epochs and not self._stop.is_set():
             if not self._resume.is_set():
-                self._phase("paused")
+                self.set_phase("paused")
                 await self._resume.wait()
                 if self._stop.is_set():
                     break
@@ -337,12 +362,13 @@ class TrainerWorker:
                 if waiter is not None:
                     waiter.cancel()
                 break
-            self._phase("training")
-            self.state.extra["training_epoch"] = epoch
-            stats = await asyncio.to_thread(train_epoch, tstate, knobs, None,
+            self.set_phase("training")
+            self._knobs(knobs)
+            stats = await asyncio.to_thread(train_epoch, tstate, knobs, self._progress(tstate, epoch),
                                             None if waiter is None else waiter.poll)
             if waiter is not None and waiter.applied is not None:
                 self.last_bundle = waiter.bundle
+                self._knobs(Knobs.from_dict(waiter.bundle["knobs"]))
                 rec["bundles_applied"].append(waiter.applied)
                 rec["knobs_applied_at"] = waiter.applied["at"]
                 self._set_bundle(rec)
@@ -351,11 +377,12 @@ class TrainerWorker:
             record = {**_finite(asdict(stats)), **rec}
             with open(self.run_dir / "history.jsonl", "a") as f:
                 f.write(json.dumps(record, allow_nan=False) + "\n")
-            self._phase("publishing")
+            self.set_phase("publishing")
             await self._publish(epoch, path, meta, record)
             self.state.epoch = epoch
             self.state.gauges.update(loss=record["loss"] or 0.0, epoch_seconds=stats.seconds,
-                                     env_steps_per_s=stats.env_steps_per_s, updates_per_s=stats.updates_per_s)
+                                     env_steps_per_s=stats.env_steps_per_s, updates_per_s=stats.updates_per_s,
+                                     feedback_wait_seconds=float(record.get("feedback_wait_s") or 0.0))
             self.state.count("epochs_trained")
             log.info("epoch %d trained (loss %s, %s)", epoch, record["loss"], rec["knobs_source"])
             if waiter is not None:
@@ -363,7 +390,7 @@ class TrainerWorker:
                     await self._overlap_finish(waiter, epoch)
                 else:
                     waiter.cancel()             # no epoch left to apply it to: nothing to wait for
-        self._phase("stopped" if self._stop.is_set() and tstate.epoch < self.settings.epochs else "done")
+        self.set_phase("stopped" if self._stop.is_set() and tstate.epoch < self.settings.epochs else "done")
 
     async def lag(self) -> int | None:
         """Checkpoints published but not yet acked by the evaluator group (None before the group exists)."""
