@@ -161,18 +161,24 @@
     return d;
   }
 
-  async function loadSheet(run, epoch, split) {
+  /* One backtest of a checkpoint: {sheet, equity} as promises (cached), each resolving on its own — the equity
+     chart is drawn as soon as its curve arrives. t0: when the request left (the equity chart's timing). */
+  function loadSheet(run, epoch, split) {
     const key = `${run}|${epoch}|${split}`;
     if (state.sheets[key]) return state.sheets[key];
     const chart = charts[`equity_${split}`];
     const maxPoints = Math.max(400, Math.min(4000, 2 * Math.round(chart ? chart.width() : 800)));
-    const t0 = performance.now();
-    const [sheet, eq] = await Promise.all([
-      api("evaluator", `/reports/${epoch}/tearsheet?split=${split}`, run),
-      api("evaluator", `/reports/${epoch}/equity?split=${split}&packed=true&max_points=${maxPoints}`, run)]);
-    const equity = {n_bars: eq.n_bars, window: eq.window};
-    for (const k of ["x", "equity", "drawdown", "t", "benchmark", "benchmark_drawdown"]) equity[k] = eq.packed ? unpack(eq[k]) : eq[k];
-    const entry = {sheet, equity, t0, fetchedAt: performance.now()};
+    const entry = {t0: performance.now()};
+    entry.sheet = api("evaluator", `/reports/${epoch}/tearsheet?split=${split}`, run);
+    entry.equity = api("evaluator", `/reports/${epoch}/equity?split=${split}&packed=true&max_points=${maxPoints}`, run)
+      .then((eq) => {
+        const out = {n_bars: eq.n_bars, window: eq.window};
+        for (const k of ["x", "equity", "drawdown", "t", "benchmark", "benchmark_drawdown"]) out[k] = eq.packed ? unpack(eq[k]) : eq[k];
+        entry.fetchedAt = performance.now();
+        return out;
+      });
+    entry.sheet.catch(() => { delete state.sheets[key]; });      // a failed request is asked again next time
+    entry.equity.catch(() => { delete state.sheets[key]; });
     state.sheets[key] = entry;
     return entry;
   }
@@ -468,60 +474,71 @@
       return;
     }
     box.classList.remove("hidden");
-    const vis = oosVisible(d, epoch);
-    const splits = vis ? ["val", "oos"] : ["val"];
-    let sheets;
-    try {
-      const got = await Promise.all(splits.map((s) => loadSheet(run, epoch, s).catch((e) => (s === "val" ? Promise.reject(e) : null))));
-      sheets = {val: got[0], oos: got[1] || null};
-    } catch (e) {
-      $("headline-note").textContent = `cannot load the report of epoch ${epoch}: ${e.message}`;
-      return;
-    }
-    if (token !== sheetToken) return;                     // another checkpoint was picked meanwhile
-    const showOos = vis && !!sheets.oos;
+    const row = (d.reports || []).find((r) => r.epoch === epoch) || {};
+    const hasOos = Object.keys((row.metrics || {}).oos || {}).length > 0;    // the report has an OOS backtest
+    const showOos = oosVisible(d, epoch) && hasOos;
     box.classList.toggle("no-oos", !showOos);
-    $("headline").innerHTML = headlineTable(sheets, showOos);
-    const sel = selectedEpoch(d);
-    $("headline-note").textContent = (epoch === sel
-      ? `Epoch ${epoch} is the checkpoint validation selects: its OOS result is the test of that choice. `
-      : (showOos ? `Epoch ${epoch} is not the checkpoint validation selects; its OOS is shown because the OOS toggle is on. `
-                 : `OOS hidden: epoch ${epoch} is not the checkpoint validation selects (epoch ${sel}); the OOS toggle above shows it. `))
-      + `Sharpe ratios un-annualized, per trade. Checkpoint sha256 ${String(sheets.val.sheet.checkpoint_sha256 || "").slice(0, 12)}.`;
-    for (const s of ["val", "oos"]) {
-      const entry = sheets[s];
-      if (!entry || (s === "oos" && !showOos)) {
+    const entries = {val: loadSheet(run, epoch, "val"), oos: showOos ? loadSheet(run, epoch, "oos") : null};
+
+    // the curves first, each as soon as it is in
+    const drawn = ["val", "oos"].map(async (s) => {
+      const entry = entries[s];
+      if (!entry) {
         charts[`equity_${s}`].setData([], {});
         charts[`drawdown_${s}`].setData([], {});
-        continue;
+        return;
       }
-      const [eqS, ddS] = equitySeries(entry.equity);
+      let eq;
+      try { eq = await entry.equity; } catch (e) { return; }
+      if (token !== sheetToken) return;                   // another checkpoint was picked meanwhile
+      const [eqS, ddS] = equitySeries(eq);
       const name = s === "val" ? "Validation" : "OOS";
-      const xdesc = entry.equity.t ? "" : " (x: bars into the window)";
+      const xdesc = eq.t ? "" : " (x: bars into the window)";
       charts[`equity_${s}`].setTitle(`${name} equity, epoch ${epoch}, against buy-and-hold${xdesc}`);
       charts[`drawdown_${s}`].setTitle(`${name} drawdown, epoch ${epoch}${xdesc}`);
-      setChartX(charts[`equity_${s}`], !!entry.equity.t);
-      setChartX(charts[`drawdown_${s}`], !!entry.equity.t);
+      setChartX(charts[`equity_${s}`], !!eq.t);
+      setChartX(charts[`drawdown_${s}`], !!eq.t);
       charts[`equity_${s}`].setData(eqS, {});
       charts[`drawdown_${s}`].setData(ddS, {});
       if (!entry.timed) {
         entry.timed = true;
         await new Promise((r) => requestAnimationFrame(() => r()));
-        state.timings[`equity_${s}`] = {ms: charts[`equity_${s}`].lastDrawAt - entry.t0, n_bars: entry.equity.n_bars,
-                                       points: entry.equity.equity.length, fetch_ms: entry.fetchedAt - entry.t0};
+        state.timings[`equity_${s}`] = {ms: charts[`equity_${s}`].lastDrawAt - entry.t0, n_bars: eq.n_bars,
+                                       points: eq.equity.length, fetch_ms: entry.fetchedAt - entry.t0};
       }
+    });
+
+    // then the numbers
+    let sheets;
+    try {
+      sheets = {val: {sheet: await entries.val.sheet}, oos: null};
+      if (entries.oos) sheets.oos = {sheet: await entries.oos.sheet.catch(() => null)};
+      if (sheets.oos && !sheets.oos.sheet) sheets.oos = null;
+    } catch (e) {
+      $("headline-note").textContent = `cannot load the report of epoch ${epoch}: ${e.message}`;
+      await Promise.all(drawn);
+      return;
     }
+    if (token !== sheetToken) return;
+    const withOos = showOos && !!sheets.oos;
+    $("headline").innerHTML = headlineTable(sheets, withOos);
+    const sel = selectedEpoch(d);
+    $("headline-note").textContent = (epoch === sel
+      ? `Epoch ${epoch} is the checkpoint validation selects: its OOS result is the test of that choice. `
+      : (withOos ? `Epoch ${epoch} is not the checkpoint validation selects; its OOS is shown because the OOS toggle is on. `
+                 : `OOS hidden: epoch ${epoch} is not the checkpoint validation selects (epoch ${sel}); the OOS toggle above shows it. `))
+      + `Sharpe ratios un-annualized, per trade. Checkpoint sha256 ${String(sheets.val.sheet.checkpoint_sha256 || "").slice(0, 12)}.`;
     $("monthly").innerHTML = `<div class="label small">validation</div>${monthlyTable(sheets.val.sheet)}` +
-      (showOos ? `<div class="label small">OOS (test)</div>${monthlyTable(sheets.oos.sheet)}` : "");
+      (withOos ? `<div class="label small">OOS (test)</div>${monthlyTable(sheets.oos.sheet)}` : "");
     $("knobs").innerHTML = knobsTable(sheets.val.sheet.knobs);
     const ts = $("trades-split");
-    const want = showOos ? ["val", "oos"] : ["val"];
+    const want = withOos ? ["val", "oos"] : ["val"];
     if (ts.options.length !== want.length) {
       ts.innerHTML = want.map((s) => `<option value="${s}">${s === "val" ? "validation" : "OOS (test)"}</option>`).join("");
     }
     if (!want.includes(state.trades.split)) state.trades = {split: "val", offset: 0};
     ts.value = state.trades.split;
-    await renderTrades(run, epoch);
+    await Promise.all([renderTrades(run, epoch), ...drawn]);
   }
 
   function setChartX(chart, time) {
@@ -584,7 +601,7 @@
     const curves = await Promise.all(ids.map(async (id) => {
       const d = runData(id), sel = selectedEpoch(d);
       if (sel === null) return null;
-      try { return (await loadSheet(id, sel, "val")).equity; } catch (e) { return null; }
+      try { return await loadSheet(id, sel, "val").equity; } catch (e) { return null; }
     }));
     ids.forEach((id, i) => {
       const d = runData(id), color = RUN_COLORS[i % RUN_COLORS.length];

@@ -44,6 +44,7 @@ def atomic_write(path: Path, data: bytes | str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, 0o644)                      # mkstemp's 0600 would hide the run's files from other readers
         with os.fdopen(fd, "wb") as f:
             f.write(data.encode() if isinstance(data, str) else data)
             f.flush()
@@ -156,14 +157,14 @@ class RunFiles:
                           "close": pa.array(np.asarray(close, dtype=np.float64)),
                           "buy_and_hold": pa.array(np.asarray(buy_and_hold, dtype=np.float64))})
         buf = io.BytesIO()
-        pq.write_table(table, buf)
+        pq.write_table(table, buf, compression="none", use_dictionary=False)   # read back in ~30 ms per 10^6 bars
         p = self.market_path(split)
         atomic_write(p, buf.getvalue())
         return p
 
-    def read_market(self, split: str) -> dict | None:
-        """{column: numpy array} of the market file of `split` (timestamp as int64 ns), or None when absent or
-        unreadable."""
+    def read_market(self, split: str, columns: Iterable[str] = ("bar", "timestamp", "buy_and_hold")) -> dict | None:
+        """{column: numpy array} of `columns` of the market file of `split` (timestamp as int64 ns), or None when
+        absent or unreadable."""
         p = self.market_path(split)
         if not p.is_file():
             return None
@@ -171,11 +172,12 @@ class RunFiles:
         import pyarrow.parquet as pq
 
         try:
-            t = pq.read_table(p, columns=list(MARKET_COLUMNS))
+            t = pq.read_table(p, columns=list(columns), use_threads=False, memory_map=True)
         except Exception:  # noqa: BLE001 — a damaged file reads as absent: the page shows bars, not dates
             return None
-        out = {c: t.column(c).to_numpy() for c in MARKET_COLUMNS}
-        out["timestamp"] = np.asarray(out["timestamp"]).astype("datetime64[ns]").astype(np.int64)
+        out = {c: t.column(c).to_numpy() for c in columns}
+        if "timestamp" in out:
+            out["timestamp"] = np.asarray(out["timestamp"]).astype("datetime64[ns]").astype(np.int64)
         return out
 
     @classmethod

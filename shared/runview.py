@@ -16,6 +16,7 @@ simple fractions; a drawdown is ≤ 0 (equity / running peak − 1).
 from __future__ import annotations
 
 import asyncio
+import base64
 from typing import Any, Mapping
 
 import numpy as np
@@ -23,6 +24,29 @@ import numpy as np
 from shared.report import TradeTable, pack, unpack_floats
 
 SUMMARY_SPLITS = ("val", "oos")
+
+
+_DECODED: list[tuple[str, np.ndarray]] = []      # the last few packed curves decoded: (packed text, array)
+
+
+def equity_of(part: Mapping[str, Any]) -> np.ndarray:
+    """A backtest's equity curve as float64, decoded straight from its packed form (`shared.report.PackedFloats`);
+    the last few decoded are kept (keyed by the packed text object itself), so the views of one report — equity,
+    tearsheet — decode a 10^6-bar curve once."""
+    v = part.get("equity") or []
+    if not isinstance(v, str):
+        return np.asarray(unpack_floats(v), dtype=np.float64)
+    for text, arr in list(_DECODED):
+        if text is v:
+            return arr
+    raw = base64.b64decode(v)
+    if len(raw) % 8:
+        raise ValueError(f"packed float64 array: {len(raw)} bytes is not a multiple of 8")
+    a = np.frombuffer(raw, dtype="<f8")
+    if not np.isfinite(a).all():
+        raise ValueError(f"equity value at index {int(np.flatnonzero(~np.isfinite(a))[0])} is not finite")
+    _DECODED[:] = [*_DECODED[-3:], (v, a)]
+    return a
 
 
 def report_summary(epoch: int, doc: Mapping[str, Any]) -> dict:
@@ -124,7 +148,7 @@ def equity_view(doc: Mapping[str, Any], split: str, market: Mapping[str, np.ndar
     Drawdowns are computed on every bar before decimating; the kept bars are the union of the equity's and the
     benchmark's min-max points. `packed`: each array as base64 of float64 (`shared.report.pack`)."""
     part = _split(doc, split)
-    eq = np.asarray(unpack_floats(part.get("equity") or []), dtype=np.float64)
+    eq = equity_of(part)
     window = part.get("window")
     mk = market_for(market, window, len(eq))
     bench = None if mk is None else np.asarray(mk["buy_and_hold"], dtype=np.float64)
@@ -172,17 +196,27 @@ def trades_page(doc: Mapping[str, Any], split: str, market: Mapping[str, np.ndar
             "trades": rows}
 
 
+def month_ends(timestamps_ns: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(months as datetime64[M], index of the last bar of each) of ascending UTC timestamps in ns."""
+    ts = np.asarray(timestamps_ns, dtype=np.int64)
+    first, last = (np.datetime64(int(t), "ns").astype("datetime64[M]") for t in (ts[0], ts[-1]))
+    months = np.arange(first, last + 1)
+    starts = months[1:].astype("datetime64[ns]").astype(np.int64)
+    ends = np.r_[np.searchsorted(ts, starts, side="left") - 1, len(ts) - 1]
+    keep = np.r_[True, np.diff(ends) > 0]                 # a month without a bar is skipped
+    return months[keep], ends[keep]
+
+
 def monthly_returns(equity: np.ndarray, timestamps_ns: np.ndarray) -> list[dict]:
     """[{"month": "YYYY-MM", "return": r}] of an equity curve: the last equity of each calendar month (UTC) over
     that of the month before (the first month over the window's starting equity)."""
     eq = np.asarray(equity, dtype=np.float64)
     if not len(eq):
         return []
-    months = np.asarray(timestamps_ns, dtype="datetime64[ns]").astype("datetime64[M]")
-    last = np.flatnonzero(np.r_[months[1:] != months[:-1], True])      # last bar of each month
+    months, last = month_ends(timestamps_ns)
     ends = eq[last]
     prev = np.r_[eq[0], ends[:-1]]
-    return [{"month": str(m), "return": float(r)} for m, r in zip(months[last], ends / prev - 1.0)]
+    return [{"month": str(m), "return": float(r)} for m, r in zip(months, ends / prev - 1.0)]
 
 
 def tearsheet(doc: Mapping[str, Any], split: str, market: Mapping[str, np.ndarray] | None = None) -> dict:
@@ -190,7 +224,7 @@ def tearsheet(doc: Mapping[str, Any], split: str, market: Mapping[str, np.ndarra
     un-annualized), the report's val/OOS gap and DSR trials, the window's dates, buy-and-hold's total return and max
     drawdown over the same bars, monthly returns of both, and the knobs the checkpoint trained under."""
     part = _split(doc, split)
-    eq = np.asarray(unpack_floats(part.get("equity") or []), dtype=np.float64)
+    eq = equity_of(part)
     window = part.get("window")
     mk = market_for(market, window, len(eq))
     out = {"epoch": doc.get("epoch"), "split": split, "window": window, "n_bars": len(eq),
@@ -218,6 +252,7 @@ class DocCache:
 
     def __init__(self, size: int = 8):
         self.size, self._d = size, {}
+        self._pending: dict[tuple, asyncio.Future] = {}
 
     def lookup(self, key: Any, version: Any) -> Any:
         """The value stored for (key, version), else `DocCache.MISS`."""
@@ -235,6 +270,14 @@ class DocCache:
         return value
 
     async def aget(self, key: Any, version: Any, load) -> Any:
-        """The cached value, else `load()` run in a worker thread (parsing stays off the event loop) and kept."""
+        """The cached value, else `load()` run in a worker thread (parsing stays off the event loop) and kept;
+        concurrent requests for the same (key, version) share one load."""
         v = self.lookup(key, version)
-        return v if v is not self.MISS else self.put(key, version, await asyncio.to_thread(load))
+        if v is not self.MISS:
+            return v
+        pending = self._pending.get((key, version))
+        if pending is None:
+            pending = self._pending[(key, version)] = asyncio.ensure_future(asyncio.to_thread(load))
+            pending.add_done_callback(lambda _: self._pending.pop((key, version), None))
+        value = await asyncio.shield(pending)
+        return self.put(key, version, value)

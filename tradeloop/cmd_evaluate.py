@@ -92,7 +92,8 @@ def register(app) -> None:
 
     def evaluate(
         policy: str = typer.Option(..., "--policy", help="CKPT file, RUN_DIR, or oracle|random|flat|buy-and-hold."),
-        dataset: str = typer.Option("synthetic", "--dataset", help="Dataset name (synthetic, sp500, eurusd) or file."),
+        dataset: str = typer.Option(None, "--dataset", help="Dataset name (synthetic, sp500, eurusd) or file; default: "
+                                    "the one the checkpoint trained on (a baseline: synthetic)."),
         split: str = typer.Option("val", "--split", help="val or test (OOS)."),
         seed: int = typer.Option(0, "--seed", help="Seed of the synthetic data and of the random policy."),
         device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
@@ -128,15 +129,20 @@ def register(app) -> None:
             typer.echo(f"error: --device must be cpu or cuda, got {device!r}", err=True)
             raise typer.Exit(2)
         try:
+            run_json = None
+            if policy not in BASELINES:
+                run_json = resolve_checkpoint(policy).parent.parent / "run.json"
+                run_meta = json.loads(run_json.read_text()) if run_json.exists() else {}
+                if dataset not in (None, run_meta.get("dataset")):
+                    run_json = None                  # other data than the run's: a fresh split of it
+                dataset = dataset or run_meta.get("dataset")
+            dataset = dataset or "synthetic"
             bars = load_dataset(dataset, seed=seed)
             sp = chronological_split(len(bars))
-            if policy not in BASELINES:
-                ck = resolve_checkpoint(policy)
-                run_json = (ck.parent.parent / "run.json")
-                if run_json.exists():  # evaluate on the run's own split
-                    from shared.market import Split
+            if run_json is not None and run_json.exists():  # evaluate on the run's own split
+                from shared.market import Split
 
-                    sp = Split.from_dict(json.loads(run_json.read_text())["split"])
+                sp = Split.from_dict(json.loads(run_json.read_text())["split"])
             m = policy_metrics(policy, dataset, bars, sp, split, seed=seed, device=device)
         except (DataError, CheckpointError, FileNotFoundError, ValueError, OSError) as exc:
             typer.echo(f"error: {exc}", err=True)

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Annotated, Literal
 
+import pyarrow.parquet  # noqa: F401 — the market files' reader, loaded at start rather than on the first request
 from fastapi import APIRouter, HTTPException, Query
 from fastapi import Path as PathParam
 

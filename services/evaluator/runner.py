@@ -374,7 +374,8 @@ def report_for_cli(checkpoint: str | os.PathLike, *, data: str | None = None, ex
     name = data or trained_on
     if not name:
         raise EvaluateInputError(f"checkpoint {path}: its metadata names no dataset; pass --data NAME|FILE")
-    seed = int(meta.get("seed") or run_meta.get("seed") or 0)
+    # the dataset's seed: the run's data_seed (a synthetic market), else the checkpoint's training seed (older runs)
+    seed = int(run_meta["data_seed"]) if "data_seed" in run_meta else int(meta.get("seed") or run_meta.get("seed") or 0)
     try:
         bars = load_dataset(name, seed=seed)
     except DataError as exc:

@@ -262,8 +262,7 @@ def _write_market(files, name: str, bars, window, cost_bps: float) -> None:
     s, e = (int(x) for x in window)
     sub = bars.slice(s, e)
     res = run_positions(Prices.from_bars(sub), baseline_targets("buy-and-hold", "", bars, s, e, 0), CostModel(cost_bps))
-    ts = sub.timestamps
-    ts = np.asarray(ts.asi8 if hasattr(ts, "asi8") else ts, dtype=np.int64)
+    ts = np.asarray(sub.timestamps, dtype="datetime64[ns]").astype(np.int64)    # whatever unit the index has
     files.write_market(name, np.arange(s, e), ts, np.asarray(sub.close, dtype=np.float64), res.equity[0])
 
 
