@@ -269,10 +269,17 @@
       const btn = document.createElement("button");
       btn.type = "button";
       btn.className = "run-open";
-      const sel = r.selected && isNum(r.selected.val_per_trade_sharpe)
-        ? ` · best e${r.selected_epoch} val SR ${r.selected.val_per_trade_sharpe.toFixed(3)}` : "";
+      let nEpochs = r.n_epochs, best = r.selected_epoch, bestSR = r.selected ? r.selected.val_per_trade_sharpe : null;
+      const d = state.data[r.id];
+      if (r.live && d && d.loaded) {                     // the live run's row from its latest poll
+        nEpochs = d.history.length;
+        best = selectedEpoch(d);
+        const row = d.reports.find((x) => x.epoch === best);
+        bestSR = row ? row.val_per_trade_sharpe : null;
+      }
+      const sel = isNum(bestSR) ? ` · best e${best} val SR ${bestSR.toFixed(3)}` : "";
       btn.innerHTML = `<b>${esc(r.id)}</b>${r.live ? ' <span class="live-badge">live</span>' : ""}` +
-        `<br><span class="muted small">${esc(r.dataset || "?")} · ${r.n_epochs} epoch${r.n_epochs === 1 ? "" : "s"}${esc(sel)}</span>`;
+        `<br><span class="muted small">${esc(r.dataset || "?")} · ${nEpochs} epoch${nEpochs === 1 ? "" : "s"}${esc(sel)}</span>`;
       btn.addEventListener("click", () => openRun(r.id));
       row.append(cb, btn);
       box.appendChild(row);
@@ -712,7 +719,8 @@
           await renderTearsheet(state.live, d, epoch);
         }
       }
-      if (++polls % 5 === 0) { await loadRuns(); renderRunList(); }
+      if (++polls % 5 === 0) await loadRuns();
+      renderRunList();
       $("last-poll").textContent = `updated ${new Date().toLocaleTimeString()}`;
     } catch (e) {
       console.error("dashboard poll failed", e);  // a bug in a reader must not stop the loop
