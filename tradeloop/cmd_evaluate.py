@@ -1,11 +1,7 @@
 """`tradeloop evaluate` — run a policy over a split through the one simulator and print its metrics.
 
 Policies: a trained agent (`CKPT` file or `RUN_DIR`, latest checkpoint; run greedily by `shared.rollout`), or a
-baseline run through `shared.execution.run_positions`:
-  oracle        synthetic only: the generator's hidden-regime positions (`shared.synthetic.oracle_positions`);
-  random        seeded: a random side in {−1, 0, +1}, redrawn with probability 1/20 per bar (trades of ~20 bars);
-  flat          never trades;
-  buy-and-hold  long from the first bar to the last.
+baseline of `shared.baselines` (oracle, random, flat, buy-and-hold) run through `shared.execution.run_positions`.
 Metrics (`shared.metrics.compute_metrics`; Sharpes un-annualized, per trade / per bar) of one account.
 `policy_metrics` is the library entry point (used by bench/learning.py).
 """
@@ -15,7 +11,9 @@ import json
 import math
 from pathlib import Path
 
-BASELINES = ("oracle", "random", "flat", "buy-and-hold")
+from shared.baselines import BASELINES, baseline_targets
+
+__all__ = ["BASELINES", "baseline_targets", "policy_metrics", "register", "resolve_checkpoint"]
 
 
 def resolve_checkpoint(policy: str) -> Path:
@@ -29,31 +27,6 @@ def resolve_checkpoint(policy: str) -> Path:
     if not p.is_file():
         raise FileNotFoundError(f"{policy}: not a checkpoint file, a run directory, or one of {', '.join(BASELINES)}")
     return p
-
-
-def baseline_targets(policy: str, dataset: str, bars, start: int, stop: int, seed: int):
-    """Target positions [stop − start] of a baseline policy on bars [start, stop)."""
-    import numpy as np
-
-    T = stop - start
-    if policy == "flat":
-        return np.zeros(T)
-    if policy == "buy-and-hold":
-        return np.ones(T)
-    if policy == "random":
-        rng = np.random.default_rng(seed)
-        redraw = rng.random(T) < 1.0 / 20.0
-        redraw[0] = True
-        sides = rng.integers(-1, 2, size=T).astype(np.float64)
-        idx = np.maximum.accumulate(np.where(redraw, np.arange(T), 0))
-        return sides[idx]
-    if policy == "oracle":
-        if dataset.strip().lower() != "synthetic":
-            raise ValueError("the oracle policy exists only for --dataset synthetic (its hidden regimes are known)")
-        from shared.synthetic import generate, oracle_positions
-
-        return oracle_positions(generate(len(bars), seed=seed))[start:stop]
-    raise ValueError(f"unknown policy {policy!r}")
 
 
 def policy_metrics(policy: str, dataset: str, bars, split, which: str, *, seed: int = 0, device: str = "cpu",

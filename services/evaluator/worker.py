@@ -253,15 +253,16 @@ def _warm_passes(bars, feats, device: str) -> None:
 
 def _write_market(files, name: str, bars, window, cost_bps: float) -> None:
     """The market file of one window: each bar's timestamp and close, and the equity of buy-and-hold through the
-    simulator with the checkpoint's costs (`tradeloop evaluate --policy buy-and-hold`'s positions)."""
+    simulator with the checkpoint's costs (`shared.baselines`: `tradeloop evaluate --policy buy-and-hold`)."""
     import numpy as np
 
     from shared.execution import CostModel, Prices, run_positions
-    from tradeloop.cmd_evaluate import baseline_targets
+    from shared.baselines import baseline_targets
 
     s, e = (int(x) for x in window)
     sub = bars.slice(s, e)
-    res = run_positions(Prices.from_bars(sub), baseline_targets("buy-and-hold", "", bars, s, e, 0), CostModel(cost_bps))
+    res = run_positions(Prices.from_bars(sub), baseline_targets("buy-and-hold", "", bars, s, e, 0),
+                        CostModel(cost_bps))
     ts = np.asarray(sub.timestamps, dtype="datetime64[ns]").astype(np.int64)    # whatever unit the index has
     files.write_market(name, np.arange(s, e), ts, np.asarray(sub.close, dtype=np.float64), res.equity[0])
 
