@@ -161,15 +161,14 @@
     return d;
   }
 
-  /* One backtest of a checkpoint: {sheet, equity} as promises (cached), each resolving on its own — the equity
-     chart is drawn as soon as its curve arrives. t0: when the request left (the equity chart's timing). */
+  /* One backtest of a checkpoint: {sheet, equity} as promises (cached) — the curve first, drawn as soon as it
+     arrives, then the numbers. t0: when the curve's request left (the equity chart's timing). */
   function loadSheet(run, epoch, split) {
     const key = `${run}|${epoch}|${split}`;
     if (state.sheets[key]) return state.sheets[key];
     const chart = charts[`equity_${split}`];
     const maxPoints = Math.max(400, Math.min(4000, 2 * Math.round(chart ? chart.width() : 800)));
     const entry = {t0: performance.now()};
-    entry.sheet = api("evaluator", `/reports/${epoch}/tearsheet?split=${split}`, run);
     entry.equity = api("evaluator", `/reports/${epoch}/equity?split=${split}&packed=true&max_points=${maxPoints}`, run)
       .then((eq) => {
         const out = {n_bars: eq.n_bars, window: eq.window};
@@ -177,6 +176,8 @@
         entry.fetchedAt = performance.now();
         return out;
       });
+    // the numbers once the curve is in: the chart comes first, the server does one thing at a time
+    entry.sheet = entry.equity.catch(() => null).then(() => api("evaluator", `/reports/${epoch}/tearsheet?split=${split}`, run));
     entry.sheet.catch(() => { delete state.sheets[key]; });      // a failed request is asked again next time
     entry.equity.catch(() => { delete state.sheets[key]; });
     state.sheets[key] = entry;

@@ -27,6 +27,7 @@ SUMMARY_SPLITS = ("val", "oos")
 
 
 _DECODED: list[tuple[str, np.ndarray]] = []      # the last few packed curves decoded: (packed text, array)
+_KEEP_DECODED = 8
 
 
 def equity_of(part: Mapping[str, Any]) -> np.ndarray:
@@ -45,7 +46,7 @@ def equity_of(part: Mapping[str, Any]) -> np.ndarray:
     a = np.frombuffer(raw, dtype="<f8")
     if not np.isfinite(a).all():
         raise ValueError(f"equity value at index {int(np.flatnonzero(~np.isfinite(a))[0])} is not finite")
-    _DECODED[:] = [*_DECODED[-3:], (v, a)]
+    _DECODED[:] = [*_DECODED[-(_KEEP_DECODED - 1):], (v, a)]
     return a
 
 
@@ -246,12 +247,14 @@ def tearsheet(doc: Mapping[str, Any], split: str, market: Mapping[str, np.ndarra
 
 class DocCache:
     """Parsed documents kept by key and a version (e.g. a file's mtime and size): a report is tens of MB of JSON,
-    parsed once and served many times. At most `size` entries (the least recently used go first)."""
+    parsed once and served many times. At most `size` entries and, with `max_weight`, at most that total weight
+    (e.g. bytes of the files they came from); the least recently used go first."""
 
     MISS = object()
 
-    def __init__(self, size: int = 8):
-        self.size, self._d = size, {}
+    def __init__(self, size: int = 8, max_weight: float | None = None):
+        self.size, self.max_weight = size, max_weight
+        self._d: dict[Any, tuple[Any, Any, float]] = {}
         self._pending: dict[tuple, asyncio.Future] = {}
 
     def lookup(self, key: Any, version: Any) -> Any:
@@ -262,14 +265,15 @@ class DocCache:
         self._d[key] = hit
         return hit[1]
 
-    def put(self, key: Any, version: Any, value: Any) -> Any:
+    def put(self, key: Any, version: Any, value: Any, weight: float = 1.0) -> Any:
         self._d.pop(key, None)
-        self._d[key] = (version, value)
-        while len(self._d) > self.size:
+        self._d[key] = (version, value, weight)
+        while len(self._d) > 1 and (len(self._d) > self.size or (
+                self.max_weight is not None and sum(w for _, _, w in self._d.values()) > self.max_weight)):
             self._d.pop(next(iter(self._d)))
         return value
 
-    async def aget(self, key: Any, version: Any, load) -> Any:
+    async def aget(self, key: Any, version: Any, load, weight: float = 1.0) -> Any:
         """The cached value, else `load()` run in a worker thread (parsing stays off the event loop) and kept;
         concurrent requests for the same (key, version) share one load."""
         v = self.lookup(key, version)
@@ -280,4 +284,4 @@ class DocCache:
             pending = self._pending[(key, version)] = asyncio.ensure_future(asyncio.to_thread(load))
             pending.add_done_callback(lambda _: self._pending.pop((key, version), None))
         value = await asyncio.shield(pending)
-        return self.put(key, version, value)
+        return self.put(key, version, value, weight)

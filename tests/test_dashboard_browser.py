@@ -233,10 +233,19 @@ def assert_distinct_ticks(page) -> int:
     return checked
 
 
-def shot(page, name: str) -> None:
-    if SHOTS:
-        Path(SHOTS).mkdir(parents=True, exist_ok=True)
-        page.screenshot(path=str(Path(SHOTS) / name), full_page=True)
+def shot(page, name: str, selector: str | None = None, max_height: int = 1400) -> None:
+    """With TL_DASHBOARD_SCREENSHOTS: a PNG of the page's top (or of `selector`, at most `max_height` px)."""
+    if not SHOTS:
+        return
+    Path(SHOTS).mkdir(parents=True, exist_ok=True)
+    page.wait_for_timeout(300)                                # uPlot draws on the next frame
+    if selector is None:
+        page.screenshot(path=str(Path(SHOTS) / name))
+        return
+    box = page.locator(selector).bounding_box()
+    page.screenshot(path=str(Path(SHOTS) / name), full_page=True,
+                    clip={"x": 0, "y": max(0, box["y"] - 60), "width": page.viewport_size["width"],
+                          "height": min(max_height, box["height"] + 60)})
 
 
 def run_docs(root: Path, run: str) -> tuple[list[dict], list[dict]]:
@@ -278,6 +287,7 @@ def test_a_finished_run_is_browsed_with_no_redis(disk_dashboard, page):
     months = page.eval_on_selector_all("#monthly table:first-of-type td[data-month]", "es => es.filter(e => e.textContent).length")
     start, end = page.inner_text("#headline tr:last-child td").split("→")
     assert months >= 10, (months, start, end)
+    shot(page, "dashboard-run.png", "#tearsheet")
     # the trade table pages through every trade
     n_trades = int(rep["val"]["metrics"]["n_trades"])
     assert page.get_attribute("#trades", "data-total") == str(n_trades)
@@ -293,7 +303,6 @@ def test_a_finished_run_is_browsed_with_no_redis(disk_dashboard, page):
     note = page.inner_text("#note-E5")
     assert ("no gate" in note) == bool(no_gate) and "no data" not in page.inner_text("#chart-E5")
     assert assert_distinct_ticks(page) >= 10
-    shot(page, "dashboard-run.png")
 
 
 def test_the_tearsheet_equals_evaluate_report(disk_dashboard, page):

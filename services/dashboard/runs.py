@@ -20,17 +20,18 @@ import time
 from pathlib import Path
 from typing import Annotated, Literal
 
-import pyarrow.parquet  # noqa: F401 — the market files' reader, loaded at start rather than on the first request
 from fastapi import APIRouter, HTTPException, Query
 from fastapi import Path as PathParam
 
 from shared.runfiles import RunFiles, find_runs
-from shared.runview import (DocCache, bundle_summary, equity_view, report_rows, report_summary, selected_epoch,
-                            tearsheet, trades_page)
+from shared.runview import (DocCache, bundle_summary, equity_of, equity_view, report_rows, report_summary,
+                            selected_epoch, tearsheet, trades_page)
 
 EpochPath = Annotated[int, PathParam(ge=0, le=1_000_000, description="training epoch")]
 SplitQuery = Annotated[Literal["val", "oos", "insample"], Query(description="which backtest")]
 RESCAN_S = 2.0
+DOC_CACHE_BYTES = 256 << 20
+"""Parsed reports kept, by the size of their files (a parsed report takes ~2× its file in memory)."""
 
 
 class RunCatalog:
@@ -68,10 +69,35 @@ def _version(p: Path):
     return st.st_mtime_ns, st.st_size
 
 
+def warm_parquet() -> None:
+    """Read a small Parquet table once: the first read in a process costs ~0.3 s of CPU whatever the file's size
+    (pyarrow's lazy set-up), which would otherwise land on the first tearsheet's request."""
+    import io
+
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    buf = io.BytesIO()
+    pq.write_table(pa.table({"x": np.arange(1000)}), buf, compression="none", use_dictionary=False)
+    pq.read_table(pa.BufferReader(buf.getvalue()), use_threads=False)
+
+
+def _load_report(files: RunFiles, epoch: int) -> dict:
+    """A report file parsed, its equity curves decoded once here (`shared.runview.equity_of` keeps them) rather
+    than on the first chart's request."""
+    doc = files.read("report", epoch)
+    for split in ("val", "oos"):
+        if isinstance(doc, dict) and isinstance(doc.get(split), dict):
+            equity_of(doc[split])
+    return doc
+
+
 def create_router(catalog: RunCatalog) -> APIRouter:
     """The /runs routes over `catalog`."""
+    warm_parquet()
     router = APIRouter(prefix="/runs", tags=["runs"])
-    docs = DocCache(size=6)          # parsed reports (tens of MB of JSON each)
+    docs = DocCache(size=64, max_weight=DOC_CACHE_BYTES)   # parsed reports, weighed by their files' bytes
     rows = DocCache(size=4096)       # their summary rows
     markets = DocCache(size=8)
 
@@ -81,11 +107,14 @@ def create_router(catalog: RunCatalog) -> APIRouter:
         if v is None:
             raise HTTPException(404, f"no {kind} of epoch {epoch} in {files.root}")
         try:
-            return await docs.aget((str(p),), v, lambda: files.read(kind, epoch))
+            return await docs.aget((str(p),), v,
+                                   lambda: _load_report(files, epoch) if kind == "report" else files.read(kind, epoch),
+                                   weight=v[1])
         except ValueError as exc:
             raise HTTPException(422, str(exc)) from None
 
     async def summaries(files: RunFiles) -> list[dict]:
+        """The /reports rows of a run, each computed once per report file."""
         out = []
         for e in await asyncio.to_thread(files.epochs, "report"):
             p = files.path("report", e)
@@ -97,6 +126,21 @@ def create_router(catalog: RunCatalog) -> APIRouter:
                 row = rows.put(str(p), v, report_summary(e, await doc(files, "report", e)))
             out.append(row)
         return report_rows(out)
+
+    background: set[asyncio.Task] = set()
+
+    def prefetch(*aws) -> None:
+        """Start loading what the page asks for next (kept in the caches; errors surface on the real request)."""
+        async def quiet(aw):
+            try:
+                await aw
+            except Exception:  # noqa: BLE001
+                pass
+
+        for aw in aws:
+            task = asyncio.create_task(quiet(aw))
+            background.add(task)
+            task.add_done_callback(background.discard)
 
     async def market(files: RunFiles, split: str):
         if split not in ("val", "oos"):
@@ -148,16 +192,14 @@ def create_router(catalog: RunCatalog) -> APIRouter:
     async def history(run: str) -> list[dict]:
         return await asyncio.to_thread(catalog.files(run).history)
 
-    background: set[asyncio.Task] = set()
-
     @router.get("/{run:path}/evaluator/reports", summary="One summary row per report")
     async def reports(run: str) -> list[dict]:
         files = catalog.files(run)
-        for split in ("val", "oos"):       # the page asks for a checkpoint's curves next: read the windows' dates now
-            task = asyncio.create_task(market(files, split))
-            background.add(task)
-            task.add_done_callback(background.discard)
-        return await summaries(files)
+        out = await summaries(files)
+        sel = selected_epoch(out)
+        # the page opens the selected checkpoint next: its report and the windows' dates, read now
+        prefetch(market(files, "val"), market(files, "oos"), *([doc(files, "report", sel)] if sel is not None else []))
+        return out
 
     @router.get("/{run:path}/evaluator/reports/{epoch}", summary="The full report of an epoch")
     async def report(run: str, epoch: EpochPath) -> dict:
