@@ -250,7 +250,9 @@
 
   // -------------------------------------------------------------------------------------------------- render: runs
   function renderRunList() {
-    $("runs-root").textContent = state.root ? `in ${state.root}` : "";
+    const parts = state.root.split("/").filter(Boolean);
+    $("runs-root").textContent = state.root ? `in ${parts.length > 2 ? "…/" + parts.slice(-2).join("/") : state.root}` : "";
+    $("runs-root").title = state.root;
     const box = $("runs-list");
     if (!state.runs.length) { box.innerHTML = `<div class="muted small">no runs yet</div>`; return; }
     box.innerHTML = "";

@@ -176,8 +176,8 @@ class RunFiles:
         except Exception:  # noqa: BLE001 — a damaged file reads as absent: the page shows bars, not dates
             return None
         out = {c: t.column(c).to_numpy() for c in columns}
-        if "timestamp" in out:
-            out["timestamp"] = np.asarray(out["timestamp"]).astype("datetime64[ns]").astype(np.int64)
+        if "timestamp" in out:              # ns since the epoch as int64 (a view: no copy when the file holds ns)
+            out["timestamp"] = np.ascontiguousarray(out["timestamp"].astype("datetime64[ns]", copy=False)).view(np.int64)
         return out
 
     @classmethod

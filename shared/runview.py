@@ -50,6 +50,33 @@ def equity_of(part: Mapping[str, Any]) -> np.ndarray:
     return a
 
 
+_DERIVED: dict[tuple[int, Any], tuple[np.ndarray, Any]] = {}
+
+
+def derived(arr: np.ndarray, what: Any, fn) -> Any:
+    """`fn(arr)`, kept for this very array object (a decoded curve, a cached market column): the drawdowns, month
+    ends and decimations of a 10^6-bar window are computed once, not on every request (at most 48 kept)."""
+    key = (id(arr), what)
+    hit = _DERIVED.get(key)
+    if hit is not None and hit[0] is arr:
+        return hit[1]
+    value = fn(arr)
+    if len(_DERIVED) >= 48:
+        _DERIVED.clear()
+    _DERIVED[key] = (arr, value)
+    return value
+
+
+def prepare(part: Mapping[str, Any] | None = None, market: Mapping[str, np.ndarray] | None = None) -> None:
+    """Decode a backtest's curve and compute the drawdowns and month ends its views need, ahead of the requests
+    (the dashboard calls it when it loads a report or a market file)."""
+    if part is not None:
+        derived(equity_of(part), "drawdown", drawdown)
+    if market is not None and len(market.get("bar", ())):
+        derived(market["buy_and_hold"], "drawdown", drawdown)
+        derived(market["timestamp"], "month_ends", month_ends)
+
+
 def report_summary(epoch: int, doc: Mapping[str, Any]) -> dict:
     """The /reports row of one stored report (Sharpes un-annualized, per trade), with every metric of its val and
     OOS backtests under "metrics" (what the dashboard shows, without reading the report itself)."""
@@ -152,18 +179,18 @@ def equity_view(doc: Mapping[str, Any], split: str, market: Mapping[str, np.ndar
     eq = equity_of(part)
     window = part.get("window")
     mk = market_for(market, window, len(eq))
-    bench = None if mk is None else np.asarray(mk["buy_and_hold"], dtype=np.float64)
+    bench = None if mk is None else mk["buy_and_hold"]
     if max_points is None:
         x = np.arange(len(eq))
     else:
-        x = decimate(eq, max_points)
+        x = derived(eq, ("decimate", max_points), lambda a: decimate(a, max_points))
         if bench is not None:
-            x = np.union1d(x, decimate(bench, max_points))
+            x = np.union1d(x, derived(bench, ("decimate", max_points), lambda a: decimate(a, max_points)))
     cols: dict[str, np.ndarray | None] = {
-        "x": x.astype(np.float64), "equity": eq[x], "drawdown": drawdown(eq)[x],
+        "x": x.astype(np.float64), "equity": eq[x], "drawdown": derived(eq, "drawdown", drawdown)[x],
         "t": None if mk is None else mk["timestamp"][x].astype(np.float64) / 1e9,
         "benchmark": None if bench is None else bench[x],
-        "benchmark_drawdown": None if bench is None else drawdown(bench)[x]}
+        "benchmark_drawdown": None if bench is None else derived(bench, "drawdown", drawdown)[x]}
     enc = (lambda a: pack(np.asarray(a, dtype="<f8"))) if packed else (lambda a: a.tolist())
     out = {k: (None if v is None else enc(v)) for k, v in cols.items()}
     if not packed:
@@ -214,7 +241,8 @@ def monthly_returns(equity: np.ndarray, timestamps_ns: np.ndarray) -> list[dict]
     eq = np.asarray(equity, dtype=np.float64)
     if not len(eq):
         return []
-    months, last = month_ends(timestamps_ns)
+    months, last = derived(timestamps_ns, "month_ends", month_ends) if isinstance(timestamps_ns, np.ndarray) \
+        else month_ends(timestamps_ns)
     ends = eq[last]
     prev = np.r_[eq[0], ends[:-1]]
     return [{"month": str(m), "return": float(r)} for m, r in zip(months, ends / prev - 1.0)]
@@ -234,11 +262,11 @@ def tearsheet(doc: Mapping[str, Any], split: str, market: Mapping[str, np.ndarra
            "dataset": doc.get("dataset"), "knobs": doc.get("knobs"), "created_at": doc.get("created_at"),
            "start": None, "end": None, "benchmark": None, "monthly": []}
     if mk is not None:
-        bench = np.asarray(mk["buy_and_hold"], dtype=np.float64)
+        bench = mk["buy_and_hold"]
         ts = mk["timestamp"]
         out["start"], out["end"] = _iso(ts[[0, -1]])
         out["benchmark"] = {"name": "buy-and-hold", "total_return": float(bench[-1] / bench[0] - 1.0),
-                            "max_drawdown": float(-drawdown(bench).min())}
+                            "max_drawdown": float(-derived(bench, "drawdown", drawdown).min())}
         strat, bh = monthly_returns(eq, ts), monthly_returns(bench, ts)
         out["monthly"] = [{"month": s["month"], "return": s["return"], "benchmark": b["return"]}
                           for s, b in zip(strat, bh)]

@@ -24,7 +24,7 @@ from fastapi import APIRouter, HTTPException, Query
 from fastapi import Path as PathParam
 
 from shared.runfiles import RunFiles, find_runs
-from shared.runview import (DocCache, bundle_summary, equity_of, equity_view, report_rows, report_summary,
+from shared.runview import (DocCache, bundle_summary, equity_view, prepare, report_rows, report_summary,
                             selected_epoch, tearsheet, trades_page)
 
 EpochPath = Annotated[int, PathParam(ge=0, le=1_000_000, description="training epoch")]
@@ -84,13 +84,19 @@ def warm_parquet() -> None:
 
 
 def _load_report(files: RunFiles, epoch: int) -> dict:
-    """A report file parsed, its equity curves decoded once here (`shared.runview.equity_of` keeps them) rather
-    than on the first chart's request."""
+    """A report file parsed, its equity curves decoded and their drawdowns computed here (`shared.runview.prepare`)
+    rather than on the first chart's request."""
     doc = files.read("report", epoch)
     for split in ("val", "oos"):
         if isinstance(doc, dict) and isinstance(doc.get(split), dict):
-            equity_of(doc[split])
+            prepare(doc[split])
     return doc
+
+
+def _load_market(files: RunFiles, split: str) -> dict | None:
+    m = files.read_market(split)
+    prepare(market=m)
+    return m
 
 
 def create_router(catalog: RunCatalog) -> APIRouter:
@@ -147,7 +153,7 @@ def create_router(catalog: RunCatalog) -> APIRouter:
             return None
         p = files.market_path(split)
         v = _version(p)
-        return None if v is None else await markets.aget(str(p), v, lambda: files.read_market(split))
+        return None if v is None else await markets.aget(str(p), v, lambda: _load_market(files, split))
 
     def split_of(d: dict, split: str, epoch: int) -> None:
         if d.get(split) is None:
