@@ -485,6 +485,9 @@ def test_the_live_run_and_a_stopped_service(loop, chromium, run_id):
                  "tradeloop_trainer_dead_letters", "tradeloop_trainer_feedback_wait_seconds"):
         assert (name, frozenset()) in tr, name
     assert np.isfinite(tr[("tradeloop_trainer_loss", frozenset())])
+    st = get_json(urls["trainer"] + "/status")      # progress inside the epoch: the last one's iterations all done
+    assert st["iterations"] == 6 and 1 <= st["iteration"] <= 6 and st["updates_per_s"] >= 0, st
+    assert 0 < tr[("tradeloop_trainer_epoch_progress", frozenset())] <= 1
     phases = {dict(k[1])["phase"]: v for k, v in tr.items() if k[0] == "tradeloop_trainer_phase"}
     assert sum(phases.values()) == 1 and {"training", "waiting_feedback", "done"} <= set(phases)
     knobs = {dict(k[1])["knob"] for k in tr if k[0] == "tradeloop_trainer_knob"}
