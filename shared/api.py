@@ -57,6 +57,9 @@ class ServiceState:
     """Monotonic counts, exported as Prometheus counters `tradeloop_<service>_<name>_total`."""
     gauges: dict[str, float] = field(default_factory=dict)
     """Current values, exported as Prometheus gauges `tradeloop_<service>_<name>`."""
+    labeled: dict[str, tuple[str, dict[str, float]]] = field(default_factory=dict)
+    """Gauges with one label: name → (label, {label value: value}), exported as
+    `tradeloop_<service>_<name>{run_id=…, <label>=…}` (e.g. `knob{knob="epsilon"}`, `phase{phase="training"}`)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Service-specific JSON fields of /status."""
 
@@ -67,6 +70,10 @@ class ServiceState:
     def count(self, name: str, n: float = 1) -> None:
         """Add `n` to counter `name`."""
         self.counters[name] = self.counters.get(name, 0) + n
+
+    def set_labeled(self, name: str, label: str, values: dict[str, float]) -> None:
+        """Replace labelled gauge `name` (one assignment: a scrape on another thread sees the old or the new set)."""
+        self.labeled[name] = (label, {str(k): float(v) for k, v in values.items()})
 
     def status(self) -> dict[str, Any]:
         """The /status document."""
@@ -97,6 +104,11 @@ class _StateCollector:
         for name, value in sorted(s.gauges.items()):
             g = GaugeMetricFamily(f"{p}_{name}", name, labels=["run_id"])
             g.add_metric([s.run_id], float(value))
+            yield g
+        for name, (label, values) in sorted(s.labeled.items()):
+            g = GaugeMetricFamily(f"{p}_{name}", name, labels=["run_id", label])
+            for k, v in sorted(values.items()):
+                g.add_metric([s.run_id, k], v)
             yield g
         for name, value in sorted(s.counters.items()):
             c = CounterMetricFamily(f"{p}_{name}", name, labels=["run_id"])
@@ -212,6 +224,28 @@ def require_token(app: FastAPI):
 
 
 
+def knob_gauges(knobs: dict[str, Any] | None) -> dict[str, float]:
+    """The knobs of a `Knobs.to_dict()` as one gauge value each (label `knob`): the scalars by name, `gate_threshold`
+    +Inf for "no gate", `lr_scale_<branch>`, `regime_weight_<r>` and `regime_confidence_<r>` per regime, and the sizes
+    of the sample-level lists (`priority_boost_count`, `hindsight_count`)."""
+    import math
+
+    out: dict[str, float] = {}
+    for k, v in (knobs or {}).items():
+        if k == "gate_threshold":
+            out[k] = math.inf if v is None else float(v)
+        elif k in ("priority_boost", "hindsight"):
+            out[f"{k}_count"] = float(len(v or []))
+        elif isinstance(v, dict):
+            out.update({f"{k}_{b}": float(x) for b, x in v.items()})
+        elif isinstance(v, (list, tuple)):
+            stem = {"regime_weights": "regime_weight", "regime_confidence": "regime_confidence"}.get(k, k)
+            out.update({f"{stem}_{i}": float(x) for i, x in enumerate(v)})
+        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+            out[k] = float(v)
+    return out
+
+
 # --- ids shared by the services (stable per (run, epoch, checkpoint), so a retried handler reuses them) ---
 def checkpoint_id(run_id: str, epoch: int, sha256: str) -> str:
     """`{run}-e{epoch:04d}-{sha[:12]}`: the checkpoint of one epoch."""
@@ -229,10 +263,10 @@ def bundle_id(run_id: str, epoch: int, checkpoint_sha256: str) -> str:
 
 
 def trainer_history_key(run_id: str) -> str:
-    """`tl:{run}:trainer:history` — hash epoch → JSON epoch record (stats, checkpoint, knobs, bundle applied)."""
-    from shared.store import run_key
+    """`tl:{run}:trainer:history` — hash epoch → JSON epoch record (`shared.store.trainer_history_key`)."""
+    from shared.store import trainer_history_key as key
 
-    return run_key(run_id, "trainer", "history")
+    return key(run_id)
 
 
 class ConsumerWorker:
@@ -260,6 +294,8 @@ class ConsumerWorker:
             try:
                 self.state.stream_lag = await self.consumer.lag()
                 st = self.consumer.stats
+                self.state.counters["dead_lettered"] = st.dead      # entries this consumer sent to the dead stream
+                self.state.gauges["dead_letters"] = await self.bus.redis.xlen(self.bus.stream("dead"))
                 if st.last_error and st.last_error_at != self.state.last_error_at:
                     self.state.last_error, self.state.last_error_at = st.last_error, st.last_error_at
                 self.state.extra["consumer_stats"] = self.consumer.status()
@@ -312,5 +348,6 @@ def service_plumbing(name: str, settings: CommonSettings) -> tuple[ServiceState,
     state = ServiceState(name, settings.run_id)
     password = settings.redis_password.get_secret_value() if settings.redis_password is not None else None
     bus = Bus(settings.redis_url, settings.run_id, password=password,
-              socket_timeout_s=settings.redis_socket_timeout_s, keep_checkpoints=settings.keep_checkpoints)
+              socket_timeout_s=settings.redis_socket_timeout_s, keep_checkpoints=settings.keep_checkpoints,
+              run_dir=settings.run_path)
     return state, bus

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import time
 from dataclasses import asdict, dataclass
@@ -45,6 +46,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from shared.events import (MAX_EVENT_BYTES, DeadLetter, Event, EventError, decode_event, encode_event,
                            raw_fields, stream_for, stream_name, validate_run_id)
 from shared.redis_server import check_redis_version
+from shared.runfiles import RunFiles
 from shared.store import RunStore
 
 Handler = Callable[[Event], Awaitable[None]]
@@ -91,7 +93,7 @@ class Bus:
 
     def __init__(self, redis_url: str, run_id: str, *, password: str | None = None, socket_timeout_s: float = 5.0,
                  max_event_bytes: int = MAX_EVENT_BYTES, stream_maxlen: int = 100_000,
-                 keep_checkpoints: int = 5):
+                 keep_checkpoints: int = 5, run_dir: str | os.PathLike | None = None):
         self.run_id = validate_run_id(run_id)
         self.redis_url = redis_url
         self.socket_timeout_s = socket_timeout_s
@@ -104,7 +106,9 @@ class Bus:
         self.redis = aioredis.Redis.from_url(redis_url, password=password, socket_timeout=socket_timeout_s,
                                              socket_connect_timeout=socket_timeout_s,
                                              retry=Retry(NoBackoff(), 0), decode_responses=False, **tcp)
-        self.store = RunStore(self.redis, self.run_id, keep_checkpoints=keep_checkpoints)
+        # run_dir: the run's directory, where every stored document is also written as a file (shared/runfiles.py)
+        self.store = RunStore(self.redis, self.run_id, keep_checkpoints=keep_checkpoints,
+                              files=None if run_dir is None else RunFiles(run_dir))
 
     def stream(self, kind: str) -> str:
         """`tl:{run}:stream:{kind}` (checkpoints|reports|feedback|dead)."""

@@ -7,9 +7,12 @@ Keys (all under `tl:{run}:`; `run_key(run, ...)` builds them):
   report:{epoch}          evaluator report JSON          (index: report:index)
   bundle:{epoch}          feedback bundle JSON           (index: bundle:index)
   done:{kind}:{epoch}     idempotency marker (SET NX)
+  trainer:history         hash epoch → the trainer's epoch record JSON
 
 JSON documents are written first-wins (SET NX): a handler retried after a crash computes the same
-thing again and `put_*` returns False instead of overwriting. Everything is async (redis.asyncio);
+thing again and `put_*` returns False instead of overwriting. With `files` (a `shared.runfiles.RunFiles` of the
+run directory) every report, bundle and epoch record is also written there as a file, atomically, when it is
+stored; `mirror(kind, epoch)` writes the stored one where a crash came between the two. Everything is async (redis.asyncio);
 the client should be created with `decode_responses=False` (checkpoints are binary).
 """
 from __future__ import annotations
@@ -22,6 +25,7 @@ import redis.asyncio as aioredis
 
 from shared.checkpoints import CheckpointError, checkpoint_sha256
 from shared.events import validate_run_id
+from shared.runfiles import RunFiles
 
 MAX_CHECKPOINT_BYTES = 512 * 1024 * 1024  # Redis' largest string
 JSON_KINDS = ("report", "bundle")
@@ -37,6 +41,11 @@ class StoreError(KeyError):
 def run_key(run_id: str, *parts: object) -> str:
     """`tl:{run}:part1:part2…`"""
     return ":".join(["tl", validate_run_id(run_id), *map(str, parts)])
+
+
+def trainer_history_key(run_id: str) -> str:
+    """`tl:{run}:trainer:history` — hash epoch → JSON epoch record (stats, checkpoint, knobs, bundle applied)."""
+    return run_key(run_id, "trainer", "history")
 
 
 def _to_json(obj: Any) -> str:
@@ -66,12 +75,15 @@ text, epoch, number of tallies, the marks' values."""
 class RunStore:
     """Redis storage of one run. `client`: a redis.asyncio.Redis with decode_responses=False."""
 
-    def __init__(self, client: aioredis.Redis, run_id: str, *, keep_checkpoints: int = 5):
+    def __init__(self, client: aioredis.Redis, run_id: str, *, keep_checkpoints: int = 5,
+                 files: RunFiles | None = None):
         if keep_checkpoints < 1:
             raise ValueError(f"keep_checkpoints must be >= 1, got {keep_checkpoints}")
         self.redis = client
         self.run_id = validate_run_id(run_id)
         self.keep_checkpoints = keep_checkpoints
+        self.files = files
+        """The run directory's files: every document stored here is also written there (None: Redis only)."""
 
     def key(self, *parts: object) -> str:
         """`tl:{run}:…` of this run."""
@@ -151,7 +163,32 @@ class RunStore:
         e = int(epoch)
         created = await self.redis.eval(PUT_JSON, 2 + len(tally) + len(mark), self.key(kind, e),
                                         self.key(kind, "index"), *tally, *mark, text, e, len(tally), *mark.values())
+        if created and self.files is not None:
+            await asyncio.to_thread(self.files.write, kind, e, text)
+        elif self.files is not None:
+            await self.mirror(kind, e)
         return bool(created)
+
+    async def mirror(self, kind: str, epoch: int) -> bool:
+        """Write the stored document of `kind` for `epoch` to the run directory when its file is missing (a crash
+        between the Redis write and the file's); True when a file was written. No-op without `files`."""
+        if self.files is None or await asyncio.to_thread(self.files.has, kind, epoch):
+            return False
+        raw = await self.get_raw(kind, epoch) if kind in JSON_KINDS else \
+            await self.redis.hget(trainer_history_key(self.run_id), str(int(epoch)))
+        if raw is None:
+            return False
+        await asyncio.to_thread(self.files.write, kind, int(epoch), raw)
+        return True
+
+    async def put_epoch_record(self, epoch: int, record: dict) -> None:
+        """The trainer's record of `epoch` (stats, checkpoint id and sha256, knobs, bundle applied): field `epoch`
+        of the history hash `tl:{run}:trainer:history` (overwritten: a re-published epoch rewrites it) and, with
+        `files`, `epochs/epoch-NNNN.json`."""
+        text = json.dumps(record, allow_nan=False)
+        await self.redis.hset(trainer_history_key(self.run_id), str(int(epoch)), text)
+        if self.files is not None:
+            await asyncio.to_thread(self.files.write, "epoch", int(epoch), text)
 
     async def get_raw(self, kind: str, epoch: int) -> bytes | None:
         """The stored JSON text of `kind` for `epoch` (bytes, unparsed), or None."""

@@ -382,5 +382,6 @@ def test_dashboard_app_serves_the_page_and_its_config(tmp_path):
     (tmp_path / "index.html").write_text("<html></html>")
     partial = TestClient(create_app(settings, static_dir=tmp_path))
     r = partial.get("/ready")
-    assert r.status_code == 503 and any(m.endswith("chart.js") for m in r.json()["missing"])
-    assert set(PAGE_FILES) == {"index.html", "app.js", "chart.js", "style.css"}
+    assert r.status_code == 503 and any(m.endswith("charts.js") for m in r.json()["missing"])
+    assert set(PAGE_FILES) == {"index.html", "app.js", "charts.js", "style.css", "vendor/uPlot.iife.min.js",
+                               "vendor/uPlot.min.css"}

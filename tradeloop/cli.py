@@ -24,7 +24,8 @@ def _root() -> None:
     """Train, evaluate and backtest distributional RL trading agents in a closed loop."""
 
 
-COMMAND_MODULES = ("cmd_data", "cmd_backtest", "cmd_train", "cmd_evaluate", "cmd_up", "cmd_serve", "cmd_study")
+COMMAND_MODULES = ("cmd_data", "cmd_backtest", "cmd_train", "cmd_evaluate", "cmd_up", "cmd_serve", "cmd_study",
+                   "cmd_show")
 
 for _name in COMMAND_MODULES:
     try:

@@ -21,7 +21,8 @@ import json
 import math
 from pathlib import Path
 
-BASELINES = ("oracle", "random", "flat", "buy-and-hold")
+from shared.baselines import BASELINES, baseline_targets  # noqa: F401 (re-exported)
+
 SPLITS = {"val": "val", "test": "oos"}
 """--split → the report's window."""
 
@@ -40,31 +41,6 @@ def resolve_checkpoint(policy: str, which: str = "latest") -> Path:
     if not p.is_file():
         raise FileNotFoundError(f"{policy}: not a checkpoint file, a run directory, or one of {', '.join(BASELINES)}")
     return p
-
-
-def baseline_targets(policy: str, dataset: str, bars, start: int, stop: int, seed: int):
-    """Target positions [stop − start] of a baseline policy on bars [start, stop)."""
-    import numpy as np
-
-    T = stop - start
-    if policy == "flat":
-        return np.zeros(T)
-    if policy == "buy-and-hold":
-        return np.ones(T)
-    if policy == "random":
-        rng = np.random.default_rng(seed)
-        redraw = rng.random(T) < 1.0 / 20.0
-        redraw[0] = True
-        sides = rng.integers(-1, 2, size=T).astype(np.float64)
-        idx = np.maximum.accumulate(np.where(redraw, np.arange(T), 0))
-        return sides[idx]
-    if policy == "oracle":
-        if dataset.strip().lower() != "synthetic":
-            raise ValueError("the oracle policy exists only for --dataset synthetic (its hidden regimes are known)")
-        from shared.synthetic import generate, oracle_positions
-
-        return oracle_positions(generate(len(bars), seed=seed))[start:stop]
-    raise ValueError(f"unknown policy {policy!r}")
 
 
 def policy_metrics(policy: str, dataset: str, bars, split, which: str, *, seed: int = 0, device: str = "cpu",

@@ -5,6 +5,9 @@ few in their worker modules). Bad settings print the variables at fault and exit
 `TL_HOST` on the service's port (`TL_TRAINER_PORT`, ...), or, under `tradeloop up`, serves on the socket the
 launcher bound and passed down (`TL_LISTEN_FD`, held by the launcher across restarts); SIGTERM / Ctrl-C stop
 it cleanly (uvicorn runs the app's shutdown: the worker stops after the item in hand).
+
+`tradeloop serve dashboard --runs DIR` serves the runs on disk under DIR (no service, no Redis): the run browser
+of `services/dashboard/runs.py`.
 """
 from __future__ import annotations
 
@@ -13,6 +16,8 @@ import os
 import socket
 import sys
 from typing import Callable
+
+from pathlib import Path
 
 import typer
 
@@ -36,8 +41,9 @@ def _factory(service: str) -> tuple[type, Callable]:
     return S, create_app
 
 
-def serve(service: str, *, log_level: str = "info") -> None:
-    """Load the service's settings, build its app, run uvicorn until SIGTERM/SIGINT."""
+def serve(service: str, *, log_level: str = "info", runs: Path | None = None) -> None:
+    """Load the service's settings, build its app, run uvicorn until SIGTERM/SIGINT. `runs` (dashboard only): serve
+    the runs under that directory instead of the live run."""
     import uvicorn
 
     from shared.config import ConfigError, is_loopback, load_settings
@@ -50,7 +56,7 @@ def serve(service: str, *, log_level: str = "info") -> None:
         print(f"tradeloop serve {service}: {exc}", file=sys.stderr)
         raise typer.Exit(2)
     try:
-        app = create_app(settings)
+        app = create_app(settings) if runs is None else create_app(settings, runs_dir=runs)
     except ValueError as exc:
         print(f"tradeloop serve {service}: {exc}", file=sys.stderr)
         raise typer.Exit(2)
@@ -82,6 +88,8 @@ def register(app: typer.Typer) -> None:
     def serve_cmd(
         service: str = typer.Argument(..., help="trainer, evaluator, feedback or dashboard"),
         log_level: str = typer.Option("info", "--log-level", help="uvicorn/python log level"),
+        runs: Path = typer.Option(None, "--runs", help="dashboard only: serve the runs on disk under this directory "
+                                  "(no live services, no Redis)"),
     ) -> None:
         """Run one tradeloop service (configured by TL_* environment variables)."""
         if service not in SERVICES:
@@ -99,4 +107,11 @@ def register(app: typer.Typer) -> None:
                     importlib.util.find_spec("services.dashboard.app") is None:
                 print("tradeloop serve dashboard: services/dashboard/app.py is not installed", file=sys.stderr)
                 raise typer.Exit(2)
-        serve(service, log_level=log_level.lower())
+        if runs is not None:
+            if service != "dashboard":
+                print(f"tradeloop serve: --runs is for the dashboard, not the {service}", file=sys.stderr)
+                raise typer.Exit(2)
+            if not runs.is_dir():
+                print(f"tradeloop serve dashboard: --runs {runs}: no such directory", file=sys.stderr)
+                raise typer.Exit(2)
+        serve(service, log_level=log_level.lower(), runs=runs)

@@ -2,7 +2,7 @@
 `/config.json`, and a read-only proxy to the trainer, evaluator and feedback services.
 
 Conventions:
-- The page is static (no CDN: the chart code is `dashboard/chart.js`) and talks only to its own origin: GET
+- The page is static (no CDN: the charts are uPlot, vendored in `dashboard/vendor/` with its licence) and talks only to its own origin: GET
   `/api/<service>/<path>` is forwarded to that service (`DashboardSettings.upstream`: `TL_TRAINER_URL`, ... or
   the service's port on `TL_HOST`), the response streamed back as it arrives (a report is tens of MB). So the
   page works from any machine that reaches the dashboard, with any published port, and needs no CORS: under
@@ -10,6 +10,9 @@ Conventions:
 - `/config.json` gives the page the base path of each service (relative to the page, so the dashboard also works
   behind a reverse proxy under a path prefix), the poll interval and the run id.
 - A service that does not answer gives 502 (naming it and its URL), so the page marks it down.
+- Runs on disk: `/runs…` (`runs.py`) serves the finished runs under `TL_RUN_DIR` (live mode) or under DIR
+  (`create_app(settings, runs_dir=DIR)`: `tradeloop serve dashboard --runs DIR`, `tradeloop show RUN`, no service
+  and no proxy) in the services' own response shapes.
 - `/health` is liveness, `/ready` says the page's files are there. Only GET; no state, no token: the proxy
   forwards no mutating request.
 """
@@ -26,7 +29,7 @@ from starlette.background import BackgroundTask
 from shared.config import DashboardSettings
 
 STATIC_DIR = Path(__file__).resolve().parents[2] / "dashboard"
-PAGE_FILES = ("index.html", "app.js", "chart.js", "style.css")
+PAGE_FILES = ("index.html", "app.js", "charts.js", "style.css", "vendor/uPlot.iife.min.js", "vendor/uPlot.min.css")
 MEDIA_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
                ".css": "text/css; charset=utf-8", ".png": "image/png", ".svg": "image/svg+xml"}
 DEFAULT_POLL_MS = 3000
@@ -41,9 +44,13 @@ def page_config(settings: DashboardSettings, poll_ms: int = DEFAULT_POLL_MS) -> 
 
 
 def create_app(settings: DashboardSettings, *, static_dir: Path | None = None,
-               poll_ms: int = DEFAULT_POLL_MS) -> FastAPI:
-    """The dashboard app: `/` (the page), its files, `/config.json`, `/api/<service>/…`, `/health`, `/ready`."""
+               poll_ms: int = DEFAULT_POLL_MS, runs_dir: Path | None = None) -> FastAPI:
+    """The dashboard app: `/` (the page), its files, `/config.json`, `/health`, `/ready`, `/runs…` (the runs under
+    `runs_dir`, else under `settings.run_dir`) and, without `runs_dir`, the live run's services at `/api/…`."""
+    from services.dashboard import runs
+
     root = Path(static_dir) if static_dir is not None else STATIC_DIR
+    live = runs_dir is None
     upstreams = {name: settings.upstream(name) for name in PROXIED}
 
     @asynccontextmanager
@@ -58,6 +65,8 @@ def create_app(settings: DashboardSettings, *, static_dir: Path | None = None,
     app = FastAPI(title="tradeloop dashboard", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     config = page_config(settings, poll_ms)
     allowed = {name: (root / name) for name in PAGE_FILES}
+    app.include_router(runs.create_router(runs.RunCatalog(runs_dir if not live else settings.run_dir,
+                                                          live=settings.run_id if live else None)))
 
     @app.get("/health")
     def health() -> dict:
@@ -80,7 +89,7 @@ def create_app(settings: DashboardSettings, *, static_dir: Path | None = None,
     @app.get("/api/{service}/{path:path}")
     async def proxy(service: str, path: str, request: Request) -> Response:
         """GET `/api/<service>/<path>?<query>` forwarded to the service, the body streamed through."""
-        base = upstreams.get(service)
+        base = upstreams.get(service) if live else None
         if base is None:
             raise HTTPException(404, f"no service {service!r} behind the dashboard (one of {', '.join(PROXIED)})")
         client: httpx.AsyncClient = request.app.state.client
@@ -107,7 +116,7 @@ def create_app(settings: DashboardSettings, *, static_dir: Path | None = None,
         """The page."""
         return _file("index.html")
 
-    @app.get("/{name}")
+    @app.get("/{name:path}")
     def static_file(name: str) -> FileResponse:
         """One of the page's files (a fixed list: nothing else on disk is reachable)."""
         return _file(name)

@@ -5,10 +5,15 @@
     GET /reports/{epoch}                               the full EvalReport as stored in Redis (trades and equity
                                                        packed: `shared.report.TradeTable`, `PackedFloats`)
     GET /reports/{epoch}/trades?split=&offset=&limit=  the trades of one backtest, one JSON object per trade
-    GET /reports/{epoch}/equity?split=&max_points=     the equity curve of one backtest: bar offsets "x" and
-                                                       values "equity" (min-max decimated to max_points)
+    GET /reports/{epoch}/equity?split=&max_points=&packed=   the equity curve of one backtest: bar offsets "x",
+                                                       "equity", "drawdown", and the dates "t" and buy-and-hold
+                                                       "benchmark" (min-max decimated to max_points)
+    GET /reports/{epoch}/tearsheet?split=              headline metrics, val/OOS gap, buy-and-hold, monthly returns,
+                                                       the knobs the checkpoint trained under
 
-Reports are read from Redis (the source of truth), so every replica answers the same.
+Reports are read from Redis (the source of truth), so every replica answers the same; the dates and the benchmark
+come from the run directory's market files (`shared.runfiles`, written by the evaluator that evaluated the run).
+The views are `shared.runview`'s, which the dashboard's run browser serves for runs on disk.
 """
 from __future__ import annotations
 
@@ -16,49 +21,18 @@ import asyncio
 import logging
 from typing import Annotated, Literal
 
-import numpy as np
 from fastapi import FastAPI, HTTPException, Path, Query
 
 from services.evaluator.worker import EvaluatorServiceSettings, EvaluatorWorker
 from shared.api import service_plumbing, consumer_lifespan, create_service_app
 from shared.config import load_settings
-from shared.report import TradeTable, unpack_floats
+from shared.runview import DocCache, decimate, equity_view, report_rows, report_summary, tearsheet, trades_page
+
+__all__ = ["create_app", "decimate", "report_summary"]
 
 log = logging.getLogger("tradeloop.evaluator")
 EpochPath = Annotated[int, Path(ge=0, le=1_000_000, description="training epoch")]
 SplitQuery = Annotated[Literal["val", "oos", "insample"], Query(description="which backtest")]
-
-
-def report_summary(epoch: int, doc: dict) -> dict:
-    """The /reports row of one stored report (Sharpes un-annualized, per trade), with every metric of its val and
-    OOS backtests under "metrics" (what the dashboard shows, without reading the report itself)."""
-    def m(split: str, key: str):
-        return ((doc.get(split) or {}).get("metrics") or {}).get(key)
-
-    return {"epoch": epoch, "checkpoint_sha256": doc.get("checkpoint_sha256"), "n_trials": doc.get("n_trials"),
-            "val_per_trade_sharpe": m("val", "per_trade_sharpe"), "oos_per_trade_sharpe": m("oos", "per_trade_sharpe"),
-            "val_dsr": m("val", "dsr"), "val_psr": m("val", "psr"), "val_n_trades": m("val", "n_trades"),
-            "oos_n_trades": m("oos", "n_trades"), "val_total_return": m("val", "total_return"),
-            "oos_total_return": m("oos", "total_return"), "val_oos_gap": doc.get("val_oos_gap"),
-            "created_at": doc.get("created_at"),
-            "metrics": {w: dict((doc.get(w) or {}).get("metrics") or {}) for w in ("val", "oos")}}
-
-
-def decimate(curve: np.ndarray, max_points: int) -> np.ndarray:
-    """Indices of at most `max_points` points of `curve` that keep its shape, ascending: the first and the last
-    point, and the minimum and the maximum of each of (max_points − 2) / 2 equal buckets in between (all of them
-    when the curve is that short)."""
-    n = len(curve)
-    if n <= max_points:
-        return np.arange(n)
-    k = max(1, (max_points - 2) // 2)
-    edges = np.linspace(1, n - 1, k + 1).astype(np.int64)
-    idx = [0, n - 1]
-    for a, b in zip(edges[:-1], edges[1:]):
-        if b > a:
-            seg = curve[a:b]
-            idx += [a + int(np.argmin(seg)), a + int(np.argmax(seg))]
-    return np.unique(np.asarray(idx, dtype=np.int64))
 
 
 def create_app(settings: EvaluatorServiceSettings | None = None) -> FastAPI:
@@ -72,10 +46,15 @@ def create_app(settings: EvaluatorServiceSettings | None = None) -> FastAPI:
     app = create_service_app("evaluator", settings, state, lifespan=lifespan,
                              description="Backtests each checkpoint on validation and OOS data.")
 
+    docs = DocCache(size=4)     # a report is stored once (first wins): parsed once, served from here after
+
     async def get(epoch: int) -> dict:
-        doc = await bus.store.get_report(epoch)
-        if doc is None:
-            raise HTTPException(404, f"no report for epoch {epoch} of run {settings.run_id}")
+        doc = docs.lookup(epoch, 0)
+        if doc is DocCache.MISS:
+            doc = await bus.store.get_report(epoch)
+            if doc is None:
+                raise HTTPException(404, f"no report for epoch {epoch} of run {settings.run_id}")
+            docs.put(epoch, 0, doc)
         return doc
 
     def split_of(doc: dict, split: str, epoch: int) -> dict:
@@ -83,6 +62,20 @@ def create_app(settings: EvaluatorServiceSettings | None = None) -> FastAPI:
         if part is None:
             raise HTTPException(404, f"report of epoch {epoch} has no {split} backtest")
         return part
+
+    markets = DocCache(size=4)
+
+    async def market(split: str):
+        """The window's dates and buy-and-hold (the run directory's market file), or None."""
+        files = bus.store.files
+        if files is None or split not in ("val", "oos"):
+            return None
+        p = files.market_path(split)
+        try:
+            st = p.stat()
+        except OSError:
+            return None
+        return await markets.aget(split, (st.st_mtime_ns, st.st_size), lambda: files.read_market(split))
 
     # a report is stored once per epoch (first wins: `Store.put_report`), so its summary row is computed once —
     # the dashboard polls this list, and a report is tens to hundreds of MB
@@ -98,7 +91,7 @@ def create_app(settings: EvaluatorServiceSettings | None = None) -> FastAPI:
                     continue
                 summaries[e] = report_summary(e, doc)
             out.append(summaries[e])
-        return out
+        return report_rows(out)
 
     @app.get("/reports/{epoch}", tags=["reports"], summary="The full report of an epoch")
     async def report(epoch: EpochPath) -> dict:
@@ -108,22 +101,25 @@ def create_app(settings: EvaluatorServiceSettings | None = None) -> FastAPI:
     async def trades(epoch: EpochPath, split: SplitQuery = "val",
                      offset: Annotated[int, Query(ge=0, description="first trade")] = 0,
                      limit: Annotated[int | None, Query(ge=0, description="at most this many trades")] = None) -> dict:
-        part = split_of(await get(epoch), split, epoch)
-        table = await asyncio.to_thread(TradeTable.of, part.get("trades") or [])
-        stop = None if limit is None else offset + limit
-        rows = await asyncio.to_thread(table.records, offset, stop)
-        return {"epoch": epoch, "split": split, "window": part.get("window"), "n_trades": len(table),
-                "offset": offset, "trades": rows}
+        doc = await get(epoch)
+        split_of(doc, split, epoch)
+        return await asyncio.to_thread(trades_page, doc, split, await market(split), offset=offset, limit=limit)
 
     @app.get("/reports/{epoch}/equity", tags=["reports"], summary="Equity curve of one backtest of an epoch")
     async def equity(epoch: EpochPath, split: SplitQuery = "val",
                      max_points: Annotated[int | None, Query(ge=4, description="decimate to at most this many "
-                                                             "points (min and max per bucket)")] = None) -> dict:
-        part = split_of(await get(epoch), split, epoch)
-        eq = np.asarray(unpack_floats(part.get("equity") or []))
-        x = decimate(eq, max_points) if max_points is not None else np.arange(len(eq))
-        return {"epoch": epoch, "split": split, "window": part.get("window"), "n_bars": len(eq),
-                "x": x.tolist(), "equity": eq[x].tolist()}
+                                                             "points (min and max per bucket)")] = None,
+                     packed: Annotated[bool, Query(description="arrays as base64 of float64")] = False) -> dict:
+        doc = await get(epoch)
+        split_of(doc, split, epoch)
+        return await asyncio.to_thread(equity_view, doc, split, await market(split), max_points=max_points,
+                                       packed=packed)
+
+    @app.get("/reports/{epoch}/tearsheet", tags=["reports"], summary="Headline numbers of one backtest of an epoch")
+    async def tearsheet_of(epoch: EpochPath, split: SplitQuery = "val") -> dict:
+        doc = await get(epoch)
+        split_of(doc, split, epoch)
+        return await asyncio.to_thread(tearsheet, doc, split, await market(split))
 
     app.state.worker, app.state.bus = worker, bus
     return app

@@ -50,6 +50,7 @@ from shared.checkpoints import CheckpointError, checkpoint_sha256, load_checkpoi
 from shared.execution import CostModel
 from shared.knobs import Knobs
 from shared.market import Bars, Split, chronological_split, compute_features, load_dataset
+from shared.runfiles import RunFiles
 from shared.rollout import MarketTensors, chosen_outputs, greedy_pass, market_view
 
 if TYPE_CHECKING:
@@ -314,6 +315,14 @@ def evaluate_checkpoint(ckpt_bytes_or_path: str | os.PathLike | bytes, *, expect
 # ---------------------------------------------------------------------------------------------------------
 class EvaluateInputError(ValueError):
     """Bad input to `tradeloop evaluate` (message names the file and what is wrong); the CLI exits 2."""
+
+
+def val_sharpe_of(raw: bytes | str | None) -> float | None:
+    """The validation per-trade Sharpe of a stored report's JSON (None when absent)."""
+    if raw is None:
+        return None
+    s = ((json.loads(raw).get("val") or {}).get("metrics") or {}).get("per_trade_sharpe")
+    return None if s is None else float(s)
 
 
 def _run_dir_of(checkpoint: Path) -> Path | None:

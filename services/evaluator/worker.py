@@ -151,6 +151,7 @@ class EvaluatorWorker(ConsumerWorker):
                     self.state.count("reports_stored")
                     s = report.val.metrics.get("per_trade_sharpe")
                     self._val_sharpes[epoch] = None if s is None else float(s)
+                    self._report_gauges(event, report)
                     # what the event carries, from the report in hand (not read back: tens of MB of JSON)
                     doc = {w: {"metrics": dict(getattr(report, w).metrics)} if getattr(report, w) is not None
                            else None for w in ("val", "oos")}
@@ -159,10 +160,12 @@ class EvaluatorWorker(ConsumerWorker):
         if doc is None:                  # stored by another replica, or before a redelivery: read what it says
             raw = await store.get_raw("report", epoch)
             doc = await asyncio.to_thread(json.loads, raw)
+            await store.mirror("report", epoch)   # its file, where a crash came between the two writes
         await self._publish(event, doc)  # once per epoch: marker and event are written atomically
         self.state.epoch = max(self.state.epoch, epoch)
 
     async def _evaluate(self, event: CheckpointPublished) -> EvalReport:
+        from services.evaluator.runner import val_sharpe_of
         from shared.market import Split
 
         if self._warm is not None and not self._warm.done():   # the same data: wait for it rather than load twice
@@ -190,7 +193,7 @@ class EvaluatorWorker(ConsumerWorker):
         earlier = [e for e in await self.bus.store.json_epochs("report") if e < event.epoch]
         for e in earlier:
             if e not in self._val_sharpes:
-                self._val_sharpes[e] = _val_sharpe(await self.bus.store.get_raw("report", e))
+                self._val_sharpes[e] = val_sharpe_of(await self.bus.store.get_raw("report", e))
         prior = [float(self._val_sharpes[e]) for e in earlier if self._val_sharpes[e] is not None]
         rec = await self.bus.redis.hget(trainer_history_key(self.bus.run_id), str(event.epoch))
         knobs = Knobs.from_dict(json.loads(rec)["knobs"]) if rec and "knobs" in json.loads(rec) else None
@@ -201,8 +204,27 @@ class EvaluatorWorker(ConsumerWorker):
         self.state.extra["last_eval_s"] = round(dt, 3)
         self.state.gauges["last_eval_seconds"] = dt
         self.state.count("evaluations")
+        self.state.count("evaluation_seconds", dt)
+        files = self.bus.store.files
+        if files is not None:       # the windows' dates and buy-and-hold benchmark, once per run (shared/runfiles.py)
+            costs = float(meta.get("costs_bps", 1.0))
+            for name, window in (("val", split.val), ("oos", split.test)):
+                if not await asyncio.to_thread(files.has_market, name, window):
+                    await asyncio.to_thread(_write_market, files, name, bars, window, costs)
         log.info("epoch %d evaluated in %.1fs", event.epoch, dt)
         return report
+
+    def _report_gauges(self, event: CheckpointPublished, report: EvalReport) -> None:
+        """/metrics of the last stored report: its validation per-trade Sharpe (un-annualized) and DSR, and the
+        seconds from the checkpoint's publication to its report stored (evaluation latency)."""
+        for key in ("per_trade_sharpe", "dsr"):
+            v = report.val.metrics.get(key)
+            if v is not None:
+                self.state.gauges[f"last_val_{key}"] = float(v)
+        self.state.gauges["last_report_epoch"] = float(report.epoch)
+        latency = time.time() - event.created_at.timestamp()
+        self.state.gauges["last_eval_latency_seconds"] = latency
+        self.state.count("eval_latency_seconds", latency)
 
     async def _publish(self, event: CheckpointPublished, doc: dict) -> None:
         val = (doc.get("val") or {}).get("metrics", {})
@@ -212,14 +234,6 @@ class EvaluatorWorker(ConsumerWorker):
             checkpoint_id=event.checkpoint_id, report_key=self.bus.store.key("report", event.epoch),
             val_per_trade_sharpe=val.get("per_trade_sharpe"), oos_per_trade_sharpe=oos.get("per_trade_sharpe"),
             dsr=val.get("dsr"), n_trades=int(val.get("n_trades") or 0)))
-
-
-def _val_sharpe(raw: bytes | None) -> float | None:
-    """The validation per-trade Sharpe of a stored report's JSON (None when absent)."""
-    if raw is None:
-        return None
-    s = ((json.loads(raw).get("val") or {}).get("metrics") or {}).get("per_trade_sharpe")
-    return None if s is None else float(s)
 
 
 def _metadata(data: bytes) -> dict:
@@ -240,6 +254,22 @@ def _warm_passes(bars, feats, device: str) -> None:
         return
     agent = Agent(AgentConfig(n_features=feats.shape[1])).to(device)
     window_passes(agent, bars.slice(0, n), [(0, n)], taus=(0.5,), features=feats[:n], device=device)
+
+
+def _write_market(files, name: str, bars, window, cost_bps: float) -> None:
+    """The market file of one window: each bar's timestamp and close, and the equity of buy-and-hold through the
+    simulator with the checkpoint's costs (`shared.baselines`: `tradeloop evaluate --policy buy-and-hold`)."""
+    import numpy as np
+
+    from shared.execution import CostModel, Prices, run_positions
+    from shared.baselines import baseline_targets
+
+    s, e = (int(x) for x in window)
+    sub = bars.slice(s, e)
+    res = run_positions(Prices.from_bars(sub), baseline_targets("buy-and-hold", "", bars, s, e, 0),
+                        CostModel(cost_bps))
+    ts = np.asarray(sub.timestamps, dtype="datetime64[ns]").astype(np.int64)    # whatever unit the index has
+    files.write_market(name, np.arange(s, e), ts, np.asarray(sub.close, dtype=np.float64), res.equity[0])
 
 
 def _run_eval(data, event, bars, split, n_trials, prior, knobs, feats, device, dataset) -> EvalReport:

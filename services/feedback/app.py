@@ -11,25 +11,13 @@ from typing import Annotated
 from fastapi import FastAPI, HTTPException, Path
 
 from services.feedback.worker import FeedbackWorker
-from shared.api import service_plumbing, consumer_lifespan, bundle_id, create_service_app
+from shared.api import service_plumbing, consumer_lifespan, create_service_app
 from shared.config import FeedbackSettings, load_settings
+from shared.runview import bundle_summary
+
+__all__ = ["bundle_summary", "create_app"]
 
 EpochPath = Annotated[int, Path(ge=0, le=1_000_000, description="epoch whose report the bundle came from")]
-
-
-def bundle_summary(run_id: str, epoch: int, doc: dict) -> dict:
-    """The /signals row of one stored bundle."""
-    return {"epoch": epoch, "for_epoch": doc.get("for_epoch"),
-            "bundle_id": bundle_id(run_id, epoch, doc.get("report_checkpoint_sha256", "")),
-            "enabled": doc.get("enabled"), "off": doc.get("off", []), "rollback": doc.get("rollback"),
-            "rollback_to_epoch": doc.get("rollback_to_epoch"), "reason": doc.get("reason"),
-            "signals": {k: {"knob": s.get("knob"), "value": s.get("value"), "reason": s.get("reason"),
-                            "clamped": s.get("clamped")}
-                        for k, s in (doc.get("signals") or {}).items() if k not in ("E6", "E7")}
-            | {k: {"knob": s.get("knob"), "count": len(s.get("value") or []), "reason": s.get("reason")}
-               for k, s in (doc.get("signals") or {}).items() if k in ("E6", "E7")},
-            "knobs": {k: v for k, v in (doc.get("knobs") or {}).items() if k not in ("priority_boost", "hindsight")},
-            "created_at": doc.get("created_at")}
 
 
 def create_app(settings: FeedbackSettings | None = None) -> FastAPI:

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
-from shared.api import ConsumerWorker, ServiceState, bundle_id, report_id
+from shared.api import ConsumerWorker, ServiceState, bundle_id, knob_gauges, report_id
 from shared.bus import Bus, Consumer
 from shared.config import FeedbackSettings
 from shared.events import EvalCompleted, Event, FeedbackReady
@@ -66,11 +67,20 @@ class FeedbackWorker(ConsumerWorker):
                             await asyncio.to_thread(EvalReport.model_validate_json, h))
                     history.append(self._history[e])
 
+            t0 = time.perf_counter()
             bundle = await asyncio.to_thread(compute_bundle, report, history, self.settings)
             self._history.setdefault(epoch, history_entry(report))       # guarded above, for the next epochs
             if await store.put_bundle(epoch, bundle):
                 self.state.count("bundles_stored")
                 self.state.extra["bundled"] = [*self.state.extra["bundled"], epoch][-100:]
+                # feedback latency: the report's eval.completed → its bundle stored; and the computation alone
+                latency = time.time() - event.created_at.timestamp()
+                self.state.gauges["last_feedback_latency_seconds"] = latency
+                self.state.gauges["last_bundle_seconds"] = time.perf_counter() - t0
+                self.state.count("feedback_latency_seconds", latency)
+                self.state.count("rollbacks", int(bundle.rollback))
+        else:
+            await store.mirror("bundle", epoch)    # its file, where a crash came between the two writes
         doc = await store.get_bundle(epoch)
         sha = doc.get("report_checkpoint_sha256", "")
         await self.bus.publish_once("feedback", FeedbackReady(  # marker + event atomically: exactly once
@@ -80,3 +90,4 @@ class FeedbackWorker(ConsumerWorker):
         self.state.epoch = max(self.state.epoch, epoch)
         self.state.extra["latest_knobs"] = {k: doc["knobs"].get(k) for k in ("epsilon", "gamma", "q_bias",
                                                                               "gate_threshold")}
+        self.state.set_labeled("knob", "knob", knob_gauges(doc["knobs"]))     # what the next epoch trains under

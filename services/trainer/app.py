@@ -51,18 +51,19 @@ def create_app(settings: TrainerServiceSettings | None = None) -> FastAPI:
             except ValueError as exc:  # bad data or settings (DataError is a ValueError): no traceback
                 log.error("trainer loop failed: %s", exc)
                 state.error(f"{type(exc).__name__}: {exc}")
-                state.extra["phase"] = "failed"
+                worker.set_phase("failed")
                 return
             except Exception as exc:  # noqa: BLE001 — reported on /status
                 log.exception("trainer loop failed")
                 state.error(f"{type(exc).__name__}: {exc}")
-                state.extra["phase"] = "failed"
+                worker.set_phase("failed")
                 return
 
     async def refresh_lag() -> None:
         while True:
             try:
                 state.stream_lag = await worker.lag()
+                state.gauges["dead_letters"] = await bus.redis.xlen(bus.stream("dead"))
             except Exception as exc:  # noqa: BLE001
                 state.error(f"lag: {type(exc).__name__}: {exc}")
             await asyncio.sleep(1.0)

@@ -46,7 +46,7 @@ from typing import Any
 
 from pydantic import Field
 
-from shared.api import ServiceState, bundle_id, checkpoint_id, trainer_history_key
+from shared.api import ServiceState, bundle_id, checkpoint_id, knob_gauges, trainer_history_key
 from shared.bus import REDIS_DOWN, Backoff, Bus
 from shared.config import TrainerSettings
 from shared.events import CheckpointPublished, EventError, FeedbackReady, decode_event
@@ -70,6 +70,9 @@ class TrainerServiceSettings(TrainerSettings):
 
 
 history_key = trainer_history_key
+PHASES = ("starting", "loading", "waiting_feedback", "rolling_back", "training", "saving", "publishing", "paused",
+          "interrupted", "done", "stopped", "failed")
+"""The trainer's phases (/status "phase"; /metrics `phase{phase=…}` is 1 for the current one)."""
 
 
 async def read_history(bus: Bus) -> list[dict]:
@@ -92,12 +95,14 @@ class TrainerWorker:
         self._stop = asyncio.Event()
         self._interrupt = threading.Event()      # read by the training thread at each iteration boundary
         self.phase = "starting"
+        self.set_phase("starting")
         self.last_bundle: dict | None = None   # the latest bundle received (what a timed-out epoch trains on)
         self._late: dict | None = None          # overlap: a bundle stored after its epoch ended, for the next start
         self._carry: dict = {}                  # overlap: the wait between two epochs, for the next record
         self.schedule = FixedSchedule()          # the run's config's, once built: knobs without a bundle
         self._tstate = None                      # the training state, once built (a mid-epoch rollback's target)
-        state.extra.update(phase=self.phase, epochs=settings.epochs, feedback=None, paused=False)
+        state.extra.update(epochs=settings.epochs, feedback=None, paused=False, training_epoch=None, iteration=None,
+                           iterations=None, updates_per_s=None, env_steps_per_s=None)
 
     # -- control ----------------------------------------------------------------------------------------
     def pause(self) -> None:
@@ -133,12 +138,31 @@ class TrainerWorker:
             return f"publishing epoch {x.get('training_epoch')}'s checkpoint"
         return f"nothing to save (phase {self.phase})"
 
-    def _progress(self, iteration: int, iterations: int) -> None:  # the training thread, after each iteration
-        self.state.extra.update(iteration=iteration, iterations=iterations)
-
-    def _phase(self, phase: str) -> None:
+    def set_phase(self, phase: str) -> None:
         self.phase = phase
         self.state.extra["phase"] = phase
+        self.state.set_labeled("phase", "phase", {p: float(p == phase) for p in PHASES})
+
+    def _knobs(self, knobs: Knobs) -> None:
+        """The knobs training runs under now, on /metrics (`knob{knob=…}`)."""
+        self.state.set_labeled("knob", "knob", knob_gauges(knobs.to_dict()))
+
+    def _progress(self, tstate, epoch: int):
+        """`train_epoch`'s progress callback (training thread): iteration i of n of the epoch, and the epoch's update
+        and account-step rates so far, on /status and /metrics. Host counters only: no device synchronisation."""
+        t0, u0, s0 = time.perf_counter(), tstate.update_step, tstate.env_steps
+        self.state.extra.update(training_epoch=epoch, iteration=0, iterations=tstate.cfg.iterations)
+
+        def progress(it: int, n: int) -> None:
+            dt = time.perf_counter() - t0
+            self.state.extra["iteration"], self.state.extra["iterations"] = it, n
+            self.state.gauges["epoch_progress"] = it / max(1, n)
+            if dt > 0:
+                ups, sps = (tstate.update_step - u0) / dt, (tstate.env_steps - s0) / dt
+                self.state.gauges["updates_per_s"] = self.state.extra["updates_per_s"] = ups
+                self.state.gauges["env_steps_per_s"] = self.state.extra["env_steps_per_s"] = sps
+
+        return progress
 
     def _compiling(self, what: str | None) -> None:
         """`StepRunner.on_compile` (training thread): /status shows phase "compiling" and what, while the epoch's
@@ -242,7 +266,7 @@ class TrainerWorker:
         if epoch == 1:
             return self.schedule.knobs(1), {"bundle_epoch": None, "bundle_id": None, "feedback_timed_out": False,
                                              "feedback_wait_s": 0.0, "knobs_source": "fixed schedule (first epoch)"}
-        self._phase("waiting_feedback")
+        self.set_phase("waiting_feedback")
         self.state.extra["feedback"] = {"waiting_for_bundle": epoch - 1, "timed_out": False}
         bundle, timed_out, waited = await self._wait_bundle(epoch - 1)
         if bundle is not None:
@@ -350,7 +374,7 @@ class TrainerWorker:
     async def _overlap_finish(self, waiter: "_BundleWaiter", epoch: int) -> None:
         """After epoch `epoch` is published: a bundle not yet applied is waited for now (bounded by the
         timeout; the only wait of overlap mode) and then starts the next epoch."""
-        self._phase("waiting_feedback")
+        self.set_phase("waiting_feedback")
         t0 = time.monotonic()
         bundle, timed_out = await waiter.result_async()
         waited = time.monotonic() - t0
@@ -411,7 +435,7 @@ class TrainerWorker:
         key, sha = await self.bus.store.put_checkpoint(epoch, data)
         cid = checkpoint_id(self.bus.run_id, epoch, sha)
         record = {**record, "epoch": epoch, "checkpoint_id": cid, "sha256": sha, "checkpoint_key": key}
-        await self.bus.redis.hset(history_key(self.bus.run_id), str(epoch), json.dumps(record, allow_nan=False))
+        await self.bus.store.put_epoch_record(epoch, record)     # Redis, and the run directory's epochs/
         # marker done:published:{epoch} + event in one Lua script: never lost, never published twice
         await self.bus.publish_once("published", CheckpointPublished(
             run_id=self.bus.run_id, epoch=epoch, checkpoint_id=cid, sha256=sha, key=key, size_bytes=len(data),
@@ -423,7 +447,7 @@ class TrainerWorker:
         """Train until TL_EPOCHS epochs exist, then idle (status phase "done") until the process stops."""
         from services.trainer.train import EpochInterrupted, prune_checkpoints, save_epoch, train_epoch
 
-        self._phase("loading")
+        self.set_phase("loading")
         tstate, meta, partial = await asyncio.to_thread(self._build)
         self._tstate, self.schedule = tstate, tstate.cfg.schedule
         self.state.epoch = tstate.epoch
@@ -437,7 +461,7 @@ class TrainerWorker:
         self.state.ready = True
         while tstate.epoch < self.settings.epochs and not self._stop.is_set():
             if not self._resume.is_set():
-                self._phase("paused")
+                self.set_phase("paused")
                 await self._resume.wait()
                 if self._stop.is_set():
                     break
@@ -455,12 +479,13 @@ class TrainerWorker:
                     waiter.cancel()
                 break
             if rec.get("rollback_to_epoch") is not None and "rolled_back_to" not in rec:   # not done (nor resumed)
-                self._phase("rolling_back")
+                self.set_phase("rolling_back")
                 rec.update(await asyncio.to_thread(self._roll_back, rec))
-            self._phase("training")
+            self.set_phase("training")
             self.state.extra.update(training_epoch=epoch, iteration=partial[0].iteration if partial else 0)
             try:
-                stats = await asyncio.to_thread(train_epoch, tstate, knobs, self._progress,
+                self._knobs(knobs)
+                stats = await asyncio.to_thread(train_epoch, tstate, knobs, self._progress(tstate, epoch),
                                                 None if waiter is None else waiter.poll,
                                                 interrupt=self._interrupt.is_set,
                                                 resume=partial[0] if partial else None)
@@ -478,11 +503,12 @@ class TrainerWorker:
             record = {**_finite(asdict(stats)), **rec}
             with open(self.run_dir / "history.jsonl", "a") as f:
                 f.write(json.dumps(record, allow_nan=False) + "\n")
-            self._phase("publishing")
+            self.set_phase("publishing")
             await self._publish(epoch, path, meta, record)
             self.state.epoch = epoch
             self.state.gauges.update(loss=record["loss"] or 0.0, epoch_seconds=stats.seconds,
-                                     env_steps_per_s=stats.env_steps_per_s, updates_per_s=stats.updates_per_s)
+                                     env_steps_per_s=stats.env_steps_per_s, updates_per_s=stats.updates_per_s,
+                                     feedback_wait_seconds=float(record.get("feedback_wait_s") or 0.0))
             self.state.count("epochs_trained")
             log.info("epoch %d trained (loss %s, %s)", epoch, record["loss"], rec["knobs_source"])
             if waiter is not None:
@@ -491,14 +517,14 @@ class TrainerWorker:
                 else:
                     waiter.cancel()             # no epoch left to apply it to: nothing to wait for
         if self.phase != "interrupted":
-            self._phase("stopped" if self._stop.is_set() and tstate.epoch < self.settings.epochs else "done")
+            self.set_phase("stopped" if self._stop.is_set() and tstate.epoch < self.settings.epochs else "done")
 
     async def _save_interrupted(self, tstate, progress, rec: dict, resumed) -> None:
         """Save an epoch interrupted at an iteration boundary (unless it did no iteration since it (re)started:
         then what is on disk already holds it)."""
         from services.trainer.train import save_interrupted
 
-        self._phase("saving")
+        self.set_phase("saving")
         info = {"epoch": progress.epoch, "iteration": progress.iteration, "iterations": progress.iterations}
         if progress.iteration > (resumed.iteration if resumed is not None else 0):
             t0 = time.monotonic()
@@ -511,7 +537,7 @@ class TrainerWorker:
             log.warning("epoch %d interrupted at iteration %d/%d, before any new iteration: nothing to save (a "
                         "restart starts there again)", progress.epoch, progress.iteration, progress.iterations)
         self.state.extra["interrupted"] = info
-        self._phase("interrupted")
+        self.set_phase("interrupted")
 
     async def lag(self) -> int | None:
         """Checkpoints published but not yet acked by the evaluator group (None before the group exists)."""
