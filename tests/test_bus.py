@@ -261,7 +261,7 @@ async def test_redis_password_with_url_reserved_characters(tmp_path, run_id, mon
     password = "p/@ss+w=rd?x:y%z"
     (tmp_path / "redis").mkdir()
     (tmp_path / "redis" / "password").write_text(password + "\n")   # EmbeddedRedis's requirepass
-    server = EmbeddedRedis(tmp_path / "redis").start()
+    server = EmbeddedRedis(tmp_path / "redis", tcp=True).start()
     try:
         for k in ("REDIS_URL", "TL_REDIS_URL", "TL_REDIS_PASSWORD"):
             monkeypatch.delenv(k, raising=False)
