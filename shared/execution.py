@@ -468,19 +468,42 @@ def _run_positions_vectorized(prices: Prices, tg: torch.Tensor, costs: CostModel
     in (account, time) order: the k-th exit of an account closes its k-th entry, no sort.
     Precision: log E is a running float64 sum over a block's legs, so a trade's log growth carries an absolute
     error ~1e-16 times the largest |log E| summed in its block.
+    Ruin: held units can lose more than the equity (a size-1 long whose price falls ~100 % still paid its entry
+    fill; a size-1 short whose price more than doubles), so a leg's E or the last close's equity can be ≤ 0, where
+    log E is undefined. Such accounts (rare) are replayed by the step simulator, the reference (`_replay_ruined`).
     """
     if not costs.proportional:
         raise ValueError("the vectorised replay takes proportional costs only (no fixed fee, no borrow)")
     if prices.device.type != "cpu":
-        return _replay_blocks(prices, tg, costs, block_elements or (1 << 25))
+        return _replay_ruined(prices, tg, costs, _replay_blocks(prices, tg, costs, block_elements or (1 << 25)))
     # CPU: one intra-op thread. The blocks are cache-sized, and handing each small op to a thread pool costs
     # more than it brings; with oversubscribed cores (a busy 2-core VM) the pool's barriers made it 10× slower.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _replay_blocks(prices, tg, costs, block_elements or (1 << 17))
+        res = _replay_blocks(prices, tg, costs, block_elements or (1 << 17))
     finally:
         torch.set_num_threads(threads)
+    return _replay_ruined(prices, tg, costs, res)
+
+
+def _replay_ruined(prices: Prices, tg: torch.Tensor, costs: CostModel, res: BacktestResult) -> BacktestResult:
+    """`res` with the accounts whose equity reached ≤ 0 at a fill or at the last close (the replay's log E is
+    undefined there: NaN equity or net returns) replayed bar by bar by the step simulator and spliced in."""
+    bad = ~np.isfinite(res.equity).all(axis=1)
+    nr = res.ledger["net_return"].to_numpy()
+    if not np.isfinite(nr).all():
+        bad[np.unique(res.ledger["account"].to_numpy()[~np.isfinite(nr)])] = True
+    if not bad.any():
+        return res
+    idx = np.flatnonzero(bad)
+    ref = run_positions(prices, tg[torch.as_tensor(idx, device=tg.device)], costs, fast=False)
+    equity, bar_returns, positions = res.equity.copy(), res.bar_returns.copy(), res.positions.copy()
+    equity[idx], bar_returns[idx], positions[idx] = ref.equity, ref.bar_returns, ref.positions
+    theirs = ref.ledger.assign(account=idx[ref.ledger["account"].to_numpy()])
+    ledger = pd.concat([res.ledger[~np.isin(res.ledger["account"].to_numpy(), idx)], theirs], ignore_index=True)
+    ledger = ledger.sort_values("account", kind="stable").reset_index(drop=True)
+    return BacktestResult(ledger, equity, bar_returns, positions)
 
 
 def _replay_blocks(prices: Prices, tg: torch.Tensor, costs: CostModel, block_elements: int) -> BacktestResult:

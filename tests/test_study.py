@@ -247,3 +247,30 @@ def test_study_through_redis_with_workers_on_two_hosts(tiny, reference, redis_ur
                (ref[rid]["selected_epoch"], ref[rid]["oos_sharpe"]), rid
     assert json.loads((out / "results.json").read_text())["paired"]["on"]["oos_sharpe"] == \
         json.loads((reference[0] / "results.json").read_text())["paired"]["on"]["oos_sharpe"]
+
+
+def test_report_only_aggregates_a_finished_study_again(tmp_path, reference):
+    """`--report-only` rewrites results.json, report.md and report.png of a finished study (its baselines computed
+    again when baselines.json is gone) with the same statistics, and runs nothing; a directory that holds no study
+    or unfinished runs is refused with exit 2."""
+    import shutil
+
+    ref = json.loads((reference[0] / "results.json").read_text())
+    out = tmp_path / "again"
+    shutil.copytree(reference[0], out, ignore=shutil.ignore_patterns("checkpoints", "results.json", "report.*",
+                                                                      "baselines.json"))
+    runner = CliRunner()
+    r = runner.invoke(app, ["study", "--out", str(out), "--report-only"])
+    assert r.exit_code == 0, r.output
+    res = json.loads((out / "results.json").read_text())
+    for key in ("variants", "paired", "baselines", "runs", "n_trials", "pairing"):
+        assert res[key] == ref[key], key
+    assert res["timing"]["epochs_trained"] == json.loads((out / "status.json").read_text())["epochs_this_session"]
+    assert (out / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "| oracle (baseline) |" in (out / "report.md").read_text() and "Paired differences" in r.output
+    assert not any((out / "runs").glob("*/checkpoints"))               # nothing was run
+    (out / "runs" / "on-s1-f1" / "summary.json").unlink()
+    r = runner.invoke(app, ["study", "--out", str(out), "--report-only"])
+    assert r.exit_code == 2 and "1 of 8 runs are not done (on-s1-f1)" in r.output
+    r = runner.invoke(app, ["study", "--out", str(tmp_path), "--report-only"])
+    assert r.exit_code == 2 and "holds no study.json" in r.output and "Traceback" not in r.output

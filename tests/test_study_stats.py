@@ -106,14 +106,14 @@ def test_aggregate_deflates_by_every_checkpoint_of_the_study_and_pairs_by_seed_a
 
 # --- the variant grammar ---------------------------------------------------------------------------------------
 def test_variants_parse_builtins_and_changed_loops():
-    vs = parse_variants("on,off,slow:train.lr=1e-4;rollback_drop=0.1,noE:feedback=off;horizons=1+5+20")
+    vs = parse_variants("on,off,slow:train.lr=1e-4;rollback_z=3.0,noE:feedback=off;horizons=1+5+20")
     assert [v.name for v in vs] == ["on", "off", "slow", "noE"]
     assert vs[0].settings == () and vs[1].settings == (("feedback.enabled", False),)
-    assert vs[2].settings == (("train.lr", 1e-4), ("feedback.rollback_drop", 0.1)) and vs[2].feedback
+    assert vs[2].settings == (("train.lr", 1e-4), ("feedback.rollback_z", 3.0)) and vs[2].feedback
     assert vs[3].settings == (("feedback.enabled", False), ("train.horizons", (1, 5, 20))) and not vs[3].feedback
     spec = StudySpec(dataset="synthetic", variants=vs, seeds=[0], folds=1, epochs=1)
     cfg, fb = spec.configs(vs[2], 14)
-    assert cfg.lr == 1e-4 and fb.rollback_drop == 0.1 and fb.enabled
+    assert cfg.lr == 1e-4 and fb.rollback_z == 3.0 and fb.enabled
     cfg, fb = spec.configs(vs[3], 14)
     assert cfg.horizons == (1, 5, 20) and not fb.enabled
     assert [r.run_id for r in spec.runs()] == ["on-s0-f0", "off-s0-f0", "slow-s0-f0", "noE-s0-f0"]

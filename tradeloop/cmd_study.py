@@ -167,6 +167,8 @@ def study(
     redis: Optional[str] = typer.Option(None, "--redis", help="Redis URL: runs go through its stream, where "
                                         "`tradeloop study-worker` on other hosts take them too (--parallel 0: "
                                         "none here)."),
+    report_only: bool = typer.Option(False, "--report-only", help="Aggregate the finished study in --out again "
+                                     "(results.json, report.md, report.png) without running anything."),
 ) -> None:
     """Run variants × seeds × walk-forward folds of the closed loop; statistics with 95 % CIs (Sharpes un-annualized,
     per trade)."""
@@ -183,6 +185,9 @@ def study(
                window_trades=window_trades, data_seed=data_seed, accel=accel, deterministic=deterministic,
                min_val_trades=min_val_trades, reference=reference, n_boot=n_boot, ci_seed=ci_seed, threads=threads,
                stagger=stagger)
+    if report_only:
+        _report_only(out, err)
+        return
     try:
         spec, out_dir = build_spec(cli)
         check_runnable(spec, local=spec.parallel > 0)
@@ -207,6 +212,28 @@ def study(
         raise typer.Exit(1) from None
     console.print(markdown(res).split("\n| run |")[0], markup=False, highlight=False, soft_wrap=True)
     console.print(f"results: {out_dir / 'report.md'}, {out_dir / 'results.json'}, {out_dir / 'report.png'}",
+                  markup=False, highlight=False)
+
+
+def _report_only(out, err) -> None:
+    """`tradeloop study --out DIR --report-only`: the results of a finished study again, nothing run."""
+    from rich.console import Console
+
+    from tradeloop.study.report import markdown
+    from tradeloop.study.runner import report_only
+    from tradeloop.study.spec import StudyError
+
+    if out is None:
+        err.print("error: --report-only needs --out (the finished study's directory)")
+        raise typer.Exit(2)
+    try:
+        res = report_only(Path(out))
+    except StudyError as exc:
+        err.print(f"error: {exc}", markup=False, highlight=False)
+        raise typer.Exit(2) from None
+    console = Console(soft_wrap=True)
+    console.print(markdown(res).split("\n| run |")[0], markup=False, highlight=False, soft_wrap=True)
+    console.print(f"results: {Path(out) / 'report.md'}, {Path(out) / 'results.json'}, {Path(out) / 'report.png'}",
                   markup=False, highlight=False)
 
 

@@ -467,6 +467,34 @@ def run_study(spec: StudySpec, out: Path, console=None, redis_url: str | None = 
     return results
 
 
+def report_only(out: Path) -> dict:
+    """Aggregate a finished study in `out` again (results.json, report.md, report.png; the baselines are computed
+    if baselines.json is missing or stale) without running anything. The timing is that of the last session, read
+    from status.json. StudyError when `out` holds no study or runs are not done."""
+    out = Path(out)
+    sj = out / "study.json"
+    try:
+        spec = StudySpec.from_dict(json.loads(sj.read_text())["spec"])
+    except FileNotFoundError:
+        raise StudyError(f"--out {out} holds no study.json: not a study directory") from None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise StudyError(f"--out {out}: study.json is unreadable ({exc})") from None
+    missing = [r.run_id for r in spec.runs() if r.run_id not in done_runs(spec, out)]
+    if missing:
+        raise StudyError(f"--out {out}: {len(missing)} of {len(spec.runs())} runs are not done ({', '.join(missing[:5])}"
+                         f"{' …' if len(missing) > 5 else ''}); run the study's command again to finish them")
+    try:
+        st = json.loads((out / "status.json").read_text())
+    except (OSError, ValueError):
+        st = {}
+    timing = {"wall_s": st.get("wall_s"), "runs_at_once": st.get("parallel", spec.parallel),
+              "epochs_trained": st.get("epochs_this_session"), "epochs_per_s": st.get("epochs_per_s") or None,
+              "gpu_busy_pct": {}, "from": "the last session's status.json"}
+    from tradeloop.study.report import write_results
+
+    return write_results(spec, out, timing)
+
+
 def _follow(spec: StudySpec, out: Path, runs: list, workers: list, events, status: "Status", failed: dict, r,
             sid: str | None, P: int, before: int, n_done: int, t_start: float, console) -> int:
     """The study process while its workers run: events → progress bar, one line per finished run, status.json;
@@ -641,7 +669,9 @@ def _baselines_safe(spec: StudySpec, out: Path) -> None:
 def fmt_timing(t: dict) -> str:
     busy = ", ".join(f"GPU {g}: {v:.0f} %" for g, v in t.get("gpu_busy_pct", {}).items() if v is not None)
     eps = t.get("epochs_per_s")
-    return (f"wall {t['wall_s']:.0f} s, {t['runs_at_once']} runs at once, {t['epochs_trained']} epochs trained, "
-            f"aggregate {'n/a' if eps is None else f'{eps:.3f}'} epochs/s" + (f"; busy {busy}" if busy else "")
+    wall = "n/a" if t.get("wall_s") is None else f"{t['wall_s']:.0f}"
+    return (f"wall {wall} s, {t['runs_at_once']} runs at once, {t.get('epochs_trained') or 0} epochs trained, "
+            f"aggregate {'n/a' if eps is None else f'{eps:.3f}'} epochs/s" + (f" ({t['from']})" if t.get("from") else "")
+            + (f"; busy {busy}" if busy else "")
             + (f"; mean epoch {t['mean_epoch_s']:.1f} s a run (train + evaluation)"
                if t.get("mean_epoch_s") is not None and math.isfinite(t["mean_epoch_s"]) else ""))

@@ -8,7 +8,7 @@ VALUE is parsed by the field's declared type: bools from true/false/1/0/yes/no/o
 `+` (`off=E2+E3`; empty for an empty tuple), `none` for an optional field; in a TOML file values are TOML's own
 (arrays for tuples). The built-in variants: `on` (the loop as shipped) and `off` (feedback off: the fixed schedule).
 
-    --variants on,off,noE2:off=E2,slow:train.lr=1e-4;feedback.rollback_drop=0.1
+    --variants on,off,noE2:off=E2,slow:train.lr=1e-4;feedback.rollback_z=3.0
 
 Runs: every variant × seed × fold, `<variant>-s<seed>-f<fold>`, ordered so that the variants of one (seed, fold)
 come together. Variants of one seed and fold share the seed, the data and the first epoch's knobs.
