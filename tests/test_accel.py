@@ -82,7 +82,7 @@ def test_the_trainer_service_builds_its_state_with_tl_accel(monkeypatch, tmp_pat
     assert tstate.accel == tstate.runner.accel == want
     assert tstate.runner.on_compile == worker._compiling
     assert compile_cache_dir() == (tmp_path / ("theirs" if accel is None else "cc")).resolve()
-    worker._phase("training")
+    worker.set_phase("training")
     worker._compiling("compiling the collect step")
     assert state.extra["phase"] == "compiling" and state.extra["compiling"] == "compiling the collect step"
     assert worker.phase == "training"          # an epoch is in hand (what a stop waits for)

@@ -80,9 +80,11 @@ def test_trainer_killed_mid_epoch_and_mid_write_resumes_without_loss(chaos):
     ck = loop.run_dir / "trainer" / "checkpoints"
     assert not list(ck.glob(".*.tmp")), "temp files of the killed write were left behind"
     import hashlib
-    # only the last complete epoch's trainer state is kept (the planted one was replaced, then pruned)
-    (last,) = ck.glob("epoch-*.state.safetensors")
-    assert last.name == f"epoch-{EPOCHS:04d}.state.safetensors"
+    # the last complete epoch's trainer state is kept (the planted one was replaced), and besides it at most the
+    # best epoch's, which a feedback rollback would restore (pinned by the bundle); every other state was pruned
+    states = {p.name for p in ck.glob("epoch-*.state.safetensors")}
+    last = ck / f"epoch-{EPOCHS:04d}.state.safetensors"
+    assert last.name in states and len(states) <= 2, states
     side = (ck / f"{last.name}.sha256").read_text().split()[0]
     assert hashlib.sha256(last.read_bytes()).hexdigest() == side
     # the published bytes of every epoch are the ones on disk
