@@ -485,9 +485,13 @@ def test_the_live_run_and_a_stopped_service(loop, chromium, run_id):
                  "tradeloop_trainer_dead_letters", "tradeloop_trainer_feedback_wait_seconds"):
         assert (name, frozenset()) in tr, name
     assert np.isfinite(tr[("tradeloop_trainer_loss", frozenset())])
-    st = get_json(urls["trainer"] + "/status")      # progress inside the epoch: the last one's iterations all done
+    # progress inside the epoch (a read at an epoch's very start sees iteration 0: wait for its first iteration)
+    st = wait_for("an iteration of the epoch done", lambda: (s := get_json(urls["trainer"] + "/status"))
+                  and s.get("iteration") and s, 60, procs)
     assert st["iterations"] == 6 and 1 <= st["iteration"] <= 6 and st["updates_per_s"] >= 0, st
-    assert 0 < tr[("tradeloop_trainer_epoch_progress", frozenset())] <= 1
+    progress = wait_for("epoch progress on /metrics", lambda: metric_values(urls["trainer"])[
+        ("tradeloop_trainer_epoch_progress", frozenset())], 60, procs)
+    assert 0 < progress <= 1
     phases = {dict(k[1])["phase"]: v for k, v in tr.items() if k[0] == "tradeloop_trainer_phase"}
     assert sum(phases.values()) == 1 and {"training", "waiting_feedback", "done"} <= set(phases)
     knobs = {dict(k[1])["knob"] for k in tr if k[0] == "tradeloop_trainer_knob"}
