@@ -1,13 +1,13 @@
 """The encoder's attention at the training shapes: PyTorch's fused SDPA kernels vs the written-out form the agent
 uses in compiled passes without gradient (`shared.agent.causal_attention_math`, `last_query_attention_math`), eager
 and compiled, FlexAttention compiled (Triton kernels inductor writes for these shapes), and the update's own Triton
-kernels (`services.trainer.fused_attention`, session 21), side by side in one run.
+kernels (`services.trainer.fused_attention`), side by side in one run.
 
     python3 bench/attention_speed.py                 # on the H200
 
-    python3 bench/attention_speed.py --heads 8 --dim 16    # the `full` config's heads before session 8
+    python3 bench/attention_speed.py --heads 8 --dim 16    # 8 × 16 (`full`'s heads before f897c8b)
 
-    python3 bench/attention_speed.py --windows 256 4002    # the update's encoder batch since session 17
+    python3 bench/attention_speed.py --windows 256 4002    # the update's encoder batch (256 windows)
 
 Shapes (`full` config: 2 heads × 64 dims, 64-bar windows, bf16 as under the trainer's autocast):
   causal, fwd+bwd @ 1 024   the update's first encoder block (the encoder learns from 1 024 windows)
@@ -67,7 +67,7 @@ def flex(window: int, dev: str):
 
 
 def fused(heads: int):
-    """`services.trainer.fused_attention`'s kernels (what the update uses since session 21), fed q, k, v in the
+    """`services.trainer.fused_attention`'s kernels (what the update uses), fed q, k, v in the
     packed layouts they read: the packing copies are timed with them, as the block's transposes are with SDPA."""
     from services.trainer.fused_attention import causal_attention, last_query_attention
 
@@ -89,8 +89,7 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=64)
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--windows", type=int, nargs=2, default=[1024, 4002], metavar=("GRAD", "NO_GRAD"),
-                    help="windows of the cases with gradient and without (the update's encoder batch is 256 since "
-                         "session 17)")
+                    help="windows of the cases with gradient and without (the update's encoder batch is 256)")
     a = ap.parse_args()
     dev, dt = "cuda", torch.bfloat16
     print(f"# attention_speed: {torch.cuda.get_device_name()} torch={torch.__version__} heads={a.heads} "

@@ -17,9 +17,10 @@ side-by-side table of them:
         --variants '' adamw=fused emb_refresh=4000
 
 `--trace PREFIX` also writes every kernel of one call in launch order (start, stream, µs, kernel, source nodes) to
-PREFIX<n>.tsv, one file per profiled part: where the launches come from, not just the time (session 14 found 57
-one-microsecond kernels of the gradient clip that way). With `--replay` as well, PREFIX<n>_replay.tsv holds one graph
-replay's kernels as the device ran them (start, end, stream), and a table gives each stream's busy time and the
+PREFIX<n>.tsv, one file per profiled part: where the launches come from, not just the time (57 one-microsecond
+kernels of the gradient clip were found that way: bench/README.md, entry f5389a5). With `--replay` as well,
+PREFIX<n>_replay.tsv holds one graph replay's kernels as the device ran them (start, end, stream), and a table gives
+each stream's busy time and the
 step's own stream's longest idle gaps: what it waited for inside the graph.
 """
 from __future__ import annotations
@@ -76,8 +77,8 @@ def phases(kernels: list[tuple[float, float, str]], gap_us: float = 100.0) -> li
     """The step's own stream in phases: its kernels (start µs, duration µs, name), in launch order, split wherever
     the GPU waited more than `gap_us` for the next launch. Profiled without a graph, a compiled step pauses on the
     host at each of its graph breaks (the backward, the targets' and refresh's streams joined, the optimizer), so
-    these are the step's phases (session 17 found them by hand: sampling, forward, C51 and losses, backward,
-    optimizer). Returns (kernels, µs, first kernel's name) per phase."""
+    these are the step's phases (sampling, forward, C51 and losses, backward, optimizer). Returns (kernels, µs,
+    first kernel's name) per phase."""
     out: list[list] = []
     end = None
     for start, dur, name in sorted(kernels):
@@ -115,9 +116,10 @@ def replay_timeline(kernels: list, trace: str, gaps: int = 12) -> None:
     (where it waited for a side stream, or for a launch), the longest with the kernels around them and the kernel of
     another stream that ended last inside the gap (what it waited for; "–" if none did: a launch); every kernel to
     `trace` (start and end µs from the replay's first kernel, stream, kernel). A replay maps the graph's branches
-    onto streams of its own, so which branch a stream ran is read from its kernels, not from its number (session
-    22: the "own" stream, the one with the most kernels, ran the sampling, the targets, the loss and the backward,
-    and its longest wait was for the online forward pass on the second)."""
+    onto streams of its own, so which branch a stream ran is read from its kernels, not from its number (in the
+    H200 traces of bench/README.md's entry 1a3b2bc the "own" stream, the one with the most kernels, ran the
+    sampling, the targets, the loss and the backward, and its longest wait was for the online forward
+    pass on the second)."""
     if not kernels:
         print("replay timeline: the profiler recorded no kernels inside the graph replays")
         return

@@ -1,9 +1,9 @@
 """A machine's yardstick: three fixed workloads timed beside a bench's own rows, so that figures from different
 machines of the same kind can be told apart from changes of the code.
 
-Session 17 found two H200 machines lent to one session replaying the same update in 1.35 and 1.74 ms, and its
-eager update 58 against 27–31 updates/s of the session before. A bench's absolute figures from different sessions
-are comparable only if the machines were; these three say whether they were:
+Two H200 machines replayed the same update in 1.35 and 1.74 ms, and the eager update ran at 58 on one against
+27–31 updates/s on another (bench/README.md, entry 9b933ff). A bench's absolute figures from different runs are
+comparable only if the machines were; these three say whether they were:
 
   GEMM        one 4 096³ matrix product (bf16 on CUDA, fp32 on a CPU at 1 024³): the tensor cores' (or cores') rate
   copy        one device-to-device copy of 256 MiB (a CPU: 64 MiB): memory bandwidth
