@@ -117,9 +117,10 @@ def test_target_lerp_over_a_flat_copy_equals_the_per_parameter_lerp():
 
 
 def test_compiled_step_writes_the_flat_buffer_in_place_without_a_copy_back():
-    """Compiled, the step mutates the flat buffer inside its kernels. When a parameter (a view of the buffer) took
-    part in the step, AOTAutograd treated the buffer as an aliased graph input and wrote it back afterwards with a
-    whole-buffer `copy_` (a device-to-device memcpy at the end of every update on the GPU, session 23)."""
+    """Compiled, the step mutates the flat buffer inside its kernels. If a parameter (a view of the buffer) takes
+    part in the step, AOTAutograd treats the buffer as an aliased graph input and writes it back afterwards with a
+    whole-buffer `copy_` (a device-to-device memcpy at the end of every update on the GPU: bench/README.md, entry
+    1f6fa1e). This test fails on such a copy."""
     from shared.rollout import compile_works
     if not compile_works(torch.device("cpu")):
         pytest.skip("torch.compile cannot build kernels here")

@@ -5,7 +5,7 @@ Runs on a CUDA GPU; without one, under Triton's interpreter on the CPU when aske
 triton importable), as `make test` does in a second pytest run (the Makefile installs triton beside the venv);
 skipped otherwise. The interpreter executes the kernels' code with numpy, so it checks their indexing and
 arithmetic but not the GPU's rounding: at kinks that decided the subgradient, which only the GPU run caught
-(bench/README.md, session 15)."""
+(bench/README.md, entry cbcddb4)."""
 from __future__ import annotations
 
 import pytest

@@ -175,12 +175,13 @@ def _run(data, accel: str, epochs: int = 2, **kw):
 # element. Under bf16 autocast such a difference can flip a bf16 rounding, and two epochs compound it (on an H200
 # the epoch-mean IQN loss was measured 0.8 % apart, in another run the expectile loss 5.2 %). Compiled, inductor's
 # fused kernels reassociate the sums and the no-grad encoder uses the written-out attention (`causal_attention`):
-# on the H200 (session 8) 95.2 % of the replayed actions were identical — one flipped near-tie argmax sends that
-# account down another path — and 88.1 % in session 15 (the epoch losses within 1.2 %, the parameters' change within
+# on the H200 (bench/README.md, entry f897c8b) 95.2 % of the replayed actions were identical — one flipped near-tie
+# argmax sends that account down another path — and 88.1 % at cbcddb4 (the epoch losses within 1.2 %, the
+# parameters' change within
 # tolerance: the same training, accounts on other paths; a capture that reads stale inputs acts at random, ~1/3
 # agreement per branch). The cause was the first update: the portfolio shift starts at δ = 0, on a kink of its
 # projection, where rounding decided the subgradient (`test_compiled_update_equals_eager_on_one_batch`); with the
-# shift in atom units (session 16) both compiled cases replayed 100 % identical actions on the H200. Those runs are
+# shift in atom units (8833b0a) both compiled cases replayed 100 % identical actions on the H200. Those runs are
 # compared as whole trainings (losses, the parameters' change): that still catches a capture that reads stale
 # inputs; the fp32 graph run checks the arithmetic.
 PRECISIONS = {"fp32": ("graph", dict(), 2e-3, 0.98),
@@ -236,7 +237,7 @@ def test_graphed_iteration_equals_eager(data, precision):
             d_g = torch.cat([(p - p0).flatten() for p, p0 in zip(getattr(graph, net).parameters(), graph.init)])
             drift = ((d_e - d_g).norm() / d_e.norm()).item()
             print(f"{precision} {net}: relative difference of the parameters' change {drift:.3f}")
-            assert drift < 2 * tol, (net, drift)          # H200, session 7: 0.060 (agent), 0.035 (target)
+            assert drift < 2 * tol, (net, drift)          # H200 (entry 720ccca): 0.060 (agent), 0.035 (target)
     # the embedding cache is the encoder's output, written under the precision's autocast: with bf16 its entries
     # (LayerNorm outputs, |x| ~ 1) carry 8 significant bits, so a one-ulp difference is 2^-8 of the value — the
     # parameters' tolerance above is below that resolution (measured on the H200: 3.4e-3 on an entry of 0.02)
@@ -246,7 +247,7 @@ def test_graphed_iteration_equals_eager(data, precision):
     if tol < 1e-2:
         assert torch.allclose(ea, eb, rtol=tol / 2, atol=tol / 20)
     else:
-        assert ((ea - eb).norm() / ea.norm()).item() < tol              # H200, session 7: 0.025
+        assert ((ea - eb).norm() / ea.norm()).item() < tol              # H200 (entry 720ccca): 0.025
     # last: a run that trained alike but whose accounts took other paths fails here, after the checks above
     assert same > agree, same
 
@@ -258,8 +259,8 @@ def one_update(data, device: str, accel: str, off_kinks: bool, **kw
     for the same arguments (same seeds). `off_kinks`: the portfolio shift's last layer gets small random weights
     first, so δ ≠ 0 (see the test)."""
     bars, split, feats = data
-    # a fresh dynamo for each: on the H200 (torch 2.11, session 18), after other compiled tests in the same process,
-    # the compiled call stopped at `update`'s first use of its `targets` closure ("'NoneType' object is not
+    # a fresh dynamo for each: on the H200 (torch 2.11), after other compiled tests in the same process, the
+    # compiled call stops at `update`'s first use of its `targets` closure ("'NoneType' object is not
     # callable"; every state's `update` shares one code object); with the reset the CUDA cases pass
     torch._dynamo.reset()
     st = build_state(tiny_cfg(feats.shape[1], tf32=False, **kw), bars, split, 7, device=device, accel="eager")
@@ -292,8 +293,9 @@ def _relative_differences(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]
 def test_compiled_update_hands_every_forward_output_a_gradient(data):
     """The compiled update's graphs output only tensors its backward reaches. A tensor that requires grad but gets no
     gradient (a metric read after the backward, a dataclass kept alive across a graph break) makes autograd fill a
-    zero gradient for it before that graph's backward: an aten kernel each (seven on the H200 in session 19, three
-    after the metrics moved before the backward in session 20). Here on the CPU with the graph breaks the GPU's
+    zero gradient for it before that graph's backward: an aten kernel each (seven on the H200 at efa4a44, three
+    with the metrics read before the backward: bench/README.md, entry ed08163). Here on the CPU with the graph
+    breaks the GPU's
     update has: the targets made apart and joined by `wait()` (`StepRunner._side_targets`), the refresh's
     encodings staged and joined before the optimizer step. The fills are `aten::zeros` called by
     `CompiledFunctionBackward` itself."""
@@ -344,9 +346,10 @@ def test_compiled_update_equals_eager_on_one_batch(data, device, fused):
     Twice: from the initial state, where the portfolio shift is δ = 0 exactly (its last layer is zero-initialised)
     and every sample sits on a kink of the shift's projection, and with that layer moved off zero. At the kink the
     subgradient in δ was decided by rounding while the shift's distances were differences of support values: on the
-    VM the last layer's gradient came out 57 % apart eager and compiled, every other one within 2e-6 (session 16;
-    now they are computed in atom units, `losses._shift_pairs`). On the H200 (session 17, the test's calls run as a
-    script) every gradient agreed within 6e-7 in all four CUDA cases, and two eager runs within 3e-7."""
+    VM the last layer's gradient came out 57 % apart eager and compiled, every other one within 2e-6
+    (bench/README.md, entry 8833b0a); the distances are computed in atom units (`losses._shift_pairs`). On the
+    H200 (entry 9b933ff, the test's calls run as a script) every gradient agreed within 6e-7 in all four CUDA
+    cases, and two eager runs within 3e-7."""
     if not compile_works(torch.device(device)):
         pytest.skip("torch.compile cannot build kernels here")
     for off_kinks in (True, False):

@@ -36,7 +36,8 @@ def test_kernels_are_named_with_the_nodes_they_compute(tmp_path):
 
 
 def test_kernel_kinds_name_what_a_fix_would_target():
-    """The finer kinds of the step's own stream, from kernel names as the H200 trace had them (session 16)."""
+    """The finer kinds of the step's own stream, from kernel names as the H200 trace had them (bench/README.md,
+    entry 8833b0a)."""
     want = {"c51_fwd": "fused C51", "c51_bwd": "fused C51",
             "void cublasLt::splitKreduce_kernel<32, 16, int, float, __nv_bfloat16>": "split-K reduction",
             "nvjet_sm90_tst_128x256_64x4_1x2_h_bz_coopA_bias_TNN": "GEMM",
