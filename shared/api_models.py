@@ -368,7 +368,8 @@ class BundleRow(_Closed):
     """One /signals row: the bundle computed from epoch `epoch`'s report, for epoch `for_epoch`."""
 
     epoch: int
-    for_epoch: int | None
+    for_epoch: int
+    """The epoch that trains under it (epoch + 1)."""
     bundle_id: str
     enabled: bool | None
     off: list[str]
