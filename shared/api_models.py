@@ -122,18 +122,24 @@ class ServiceStatus(_Open):
     counters: dict[str, float]
 
 
-class TrainerFeedback(_Open):
-    """The feedback of the epoch in hand: the bundle awaited, or the record of the one it trains under."""
+class BundleApplied(_Open):
+    """Which feedback bundle an epoch trains under (the trainer's epoch record and its /status)."""
 
-    waiting_for_bundle: int | None = None
-    epoch: int | None = None
     bundle_epoch: int | None = None
+    """The epoch whose report the bundle came from (None: the fixed schedule)."""
     bundle_id: str | None = None
-    feedback_timed_out: bool = False
+    feedback_timed_out: bool | None = None
     """True when the bundle did not come in time and the epoch trains on the last one received."""
     feedback_wait_s: float | None = None
     knobs_source: str | None = None
     """Where the epoch's knobs came from, in words."""
+
+
+class TrainerFeedback(BundleApplied):
+    """The feedback of the epoch in hand: the bundle awaited, or the record of the one it trains under."""
+
+    waiting_for_bundle: int | None = None
+    epoch: int | None = None
 
 
 class TrainerStatus(ServiceStatus):
@@ -143,14 +149,16 @@ class TrainerStatus(ServiceStatus):
     """starting, loading, waiting_feedback, training, compiling, saving, publishing, finished, failed, ..."""
     epochs: int | None = None
     """Epochs the run trains."""
-    paused: bool = False
-    feedback: TrainerFeedback | None = None
     training_epoch: int | None = None
+    """The epoch in training (None between epochs)."""
     iteration: int | None = None
+    """Iterations of `training_epoch` done, of `iterations`."""
     iterations: int | None = None
+    paused: bool = False
     updates_per_s: float | None = None
     env_steps_per_s: float | None = None
     """Account-steps per second of the epoch in hand."""
+    feedback: TrainerFeedback | None = None
     device: str | None = None
 
 
@@ -183,7 +191,7 @@ class FeedbackStatus(ConsumerStatus):
 # --- trainer ------------------------------------------------------------------------------------------------------
 
 
-class EpochRecord(_Open):
+class EpochRecord(BundleApplied):
     """One epoch record of the trainer (`history.jsonl`, Redis `tl:{run}:trainer:history`): the epoch's training stats
     (None where undefined), the checkpoint, and the bundle it trained under."""
 
@@ -203,12 +211,9 @@ class EpochRecord(_Open):
     knobs: dict[str, Any] | None = None
     checkpoint_id: str | None = None
     sha256: str | None = None
-    bundle_epoch: int | None = None
-    bundle_id: str | None = None
-    feedback_timed_out: bool | None = None
-    feedback_wait_s: float | None = None
-    knobs_source: str | None = None
+    """The checkpoint's sha256 (hex)."""
     rolled_back_to: int | None = None
+    """The epoch whose learner a feedback rollback restored before this epoch trained."""
 
 
 class Paused(_Closed):

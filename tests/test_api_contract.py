@@ -15,14 +15,13 @@ import os
 import re
 import subprocess
 import sys
-import uuid
 
 import httpx
 import jsonschema
 import numpy as np
 import pandas as pd
 import pytest
-from test_services_api import ORIGIN, TOKEN, Server
+from test_services_api import ORIGIN, TOKEN, Server, redis_url, run_id  # noqa: F401 — module-scoped fixtures
 
 from polling import poll_until
 from shared.bus import Bus
@@ -88,16 +87,6 @@ def _documents(run_id: str) -> tuple[dict, dict, dict]:
               "feedback_timed_out": False, "feedback_wait_s": 0.2, "knobs_source": "bundle 1",
               "checkpoint_id": f"{run_id}-e0002-{'ab' * 6}", "sha256": "ab" * 32}
     return report.model_dump(mode="json"), bundle.model_dump(mode="json"), record
-
-
-@pytest.fixture(scope="module")
-def run_id():
-    return f"contract{uuid.uuid4().hex[:8]}"
-
-
-@pytest.fixture(scope="module")
-def redis_url(redis_server):
-    return redis_server
 
 
 @pytest.fixture(scope="module")
