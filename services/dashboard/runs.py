@@ -198,7 +198,8 @@ def create_router(catalog: RunCatalog) -> APIRouter:
         return RunOnDiskStatus(service="trainer", run_id=run, phase="finished", epoch=done,
                                epochs=_epochs_requested(files) or done, on_disk=True)
 
-    @router.get("/{run:path}/trainer/api/history", summary="A run's epoch records")
+    @router.get("/{run:path}/trainer/api/history", summary="A run's epoch records",
+                response_model_exclude_unset=True)      # each record as stored
     async def history(run: str) -> list[EpochRecord]:
         return await asyncio.to_thread(catalog.files(run).history)
 

@@ -102,7 +102,8 @@ def create_app(settings: TrainerServiceSettings | None = None) -> FastAPI:
     async def redis_down(request, exc):  # Redis restarting: a clear 503, not a 500 with a traceback
         return JSONResponse({"detail": f"Redis unreachable: {exc}"}, status_code=503)
 
-    @app.get("/api/history", tags=["trainer"], summary="Epoch records of the run", responses=errors(503))
+    @app.get("/api/history", tags=["trainer"], summary="Epoch records of the run", responses=errors(503),
+             response_model_exclude_unset=True)     # each record as stored
     async def history() -> list[EpochRecord]:
         return await read_history(bus)
 
