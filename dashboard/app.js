@@ -95,7 +95,7 @@
   }
 
   const runData = (run) => state.data[run] || (state.data[run] = {status: {}, history: [], reports: [], signals: [], up: {}, seen: {}});
-  const selectedEpoch = (d) => { const r = (d.reports || []).find((x) => x.selected_by_validation); return r ? r.epoch : null; };
+  const selectedEpoch = (d) => { const r = d.reports.find((x) => x.selected_by_validation); return r ? r.epoch : null; };
   const oosVisible = (d, epoch) => state.showOos || (epoch !== null && epoch === selectedEpoch(d));
 
   function setLoading(what) {
@@ -128,8 +128,8 @@
   async function loadRuns() {
     const doc = await getJSON("/runs");
     state.live = doc.live;
-    state.runs = doc.runs || [];
-    state.root = doc.root || "";
+    state.runs = doc.runs;
+    state.root = doc.root;
   }
 
   async function pollHealth(run, name) {
@@ -222,18 +222,18 @@
     const out = [];
     const sel = selectedEpoch(d);
     if (sel !== null) out.push({x: sel, label: `best (val) e${sel}`, color: "#1a9850"});
-    for (const b of d.signals || []) {
+    for (const b of d.signals) {
       if (b.rollback) out.push({x: b.epoch, label: `rollback e${b.epoch}`, color: "#d73027", row: 1});
     }
     return out;
   }
 
-  /* Scalar series of one signal value: a number; a {key: number} map; a list of numbers (per regime); null (E5
-     "no gate") is a gap; E6/E7 rows carry a count. */
+  /* Scalar series of one signal of a /signals row (`SignalRow`, or `SignalCount` for E6/E7): its value a number, a
+     {key: number} map or a list of numbers (per regime); null (E5 "no gate") is a gap. */
   function signalComponents(sig) {
-    if (sig && isNum(sig.count)) return {count: sig.count};
-    const value = sig && typeof sig === "object" && "value" in sig ? sig.value : sig;
-    if (value === null || value === undefined) return {value: null};
+    if ("count" in sig) return {count: sig.count};
+    const value = sig.value;
+    if (value === null) return {value: null};
     if (isNum(value)) return {value};
     if (Array.isArray(value)) {
       const out = {};
@@ -328,7 +328,7 @@
     const frac = training ? Math.min(1, (s.iteration || 0) / s.iterations) : (epochs && done >= epochs ? 1 : 0);
     $("iteration-bar").style.width = `${(100 * frac).toFixed(1)}%`;
     $("iteration-note").textContent = training
-      ? `epoch ${s.training_epoch ?? (done || 0) + 1}: iteration ${s.iteration || 0} of ${s.iterations}`
+      ? `epoch ${s.training_epoch}: iteration ${s.iteration || 0} of ${s.iterations}`
       : (s.phase === "waiting_feedback" ? "waiting for the feedback bundle of the last epoch" : "");
     const ups = isNum(s.updates_per_s) ? s.updates_per_s : (last ? last.updates_per_s : null);
     const sps = isNum(s.env_steps_per_s) ? s.env_steps_per_s : (last ? last.env_steps_per_s : null);
@@ -336,18 +336,17 @@
       ? `${isNum(ups) ? ups.toFixed(1) : "–"} updates/s, ${isNum(sps) ? Math.round(sps).toLocaleString("en-US") : "–"} account-steps/s`
       : "–";
     const notes = [];
-    const fb = s.feedback && typeof s.feedback === "object" ? s.feedback : {};
-    if (fb.feedback_timed_out || fb.timed_out) notes.push(fb.knobs_source || "feedback timed out: trained on the last bundle");
+    if (s.feedback && s.feedback.feedback_timed_out) notes.push(s.feedback.knobs_source);
     if (s.paused) notes.push("paused");
     if (s.device) notes.push(`device ${s.device}`);
     $("trainer-note").textContent = notes.join(" · ");
   }
 
   function renderEpochCharts(d) {
-    const R = d.reports || [], H = d.history || [];
+    const R = d.reports, H = d.history;
     const markers = epochMarkers(d);
     const ep = R.map((r) => r.epoch);
-    const metric = (split, key) => R.map((r) => ((r.metrics || {})[split] || {})[key] ?? null);
+    const metric = (split, key) => R.map((r) => r.metrics[split][key] ?? null);
     const sharpe = [{label: "validation", color: "#1f77b4", x: ep, y: metric("val", "per_trade_sharpe"), points: true}];
     const dsr = [{label: "validation", color: "#1f77b4", x: ep, y: metric("val", "dsr"), points: true}];
     if (state.showOos) {
@@ -371,11 +370,11 @@
       const comps = {};
       let present = 0;
       const noGate = [];
-      for (const b of d.signals || []) {
-        const sig = (b.signals || {})[id];
+      for (const b of d.signals) {
+        const sig = b.signals[id];
         if (!sig) continue;
         present++;
-        const x = isNum(b.for_epoch) ? b.for_epoch : b.epoch + 1;
+        const x = b.for_epoch;
         const parts = signalComponents(sig);
         if (id === "E5" && parts.value === null) noGate.push(x);
         for (const [k, v] of Object.entries(parts)) (comps[k] = comps[k] || {x: [], y: []}).x.push(x), comps[k].y.push(v);
@@ -391,7 +390,7 @@
 
   function renderEpochSelect(d) {
     const sel = $("epoch-select");
-    const R = d.reports || [];
+    const R = d.reports;
     const chosen = selectedEpoch(d);
     const want = state.epoch !== null && R.some((r) => r.epoch === state.epoch) ? state.epoch : chosen;
     const opts = R.map((r) => {
@@ -421,12 +420,12 @@
     }
     const sv = sheets.val.sheet;
     h += `<tr><th>DSR trials (checkpoints evaluated)</th>${cell("n_trials", "val", sv.n_trials, "int")}${vis ? "<td></td>" : ""}</tr>`;
-    h += `<tr><th>window</th>${splits.map((s) => `<td class="small">${esc((sheets[s].sheet.start || "bar " + (sheets[s].sheet.window || [])[0]).replace("T", " "))} → ${esc((sheets[s].sheet.end || "bar " + (sheets[s].sheet.window || [])[1]).replace("T", " "))}<br>${sheets[s].sheet.n_bars} bars</td>`).join("")}</tr>`;
+    h += `<tr><th>window</th>${splits.map((s) => `<td class="small">${esc((sheets[s].sheet.start ?? `bar ${sheets[s].sheet.window[0]}`).replace("T", " "))} → ${esc((sheets[s].sheet.end ?? `bar ${sheets[s].sheet.window[1]}`).replace("T", " "))}<br>${sheets[s].sheet.n_bars} bars</td>`).join("")}</tr>`;
     return h;
   }
 
   function monthlyTable(sheet) {
-    const rows = sheet.monthly || [];
+    const rows = sheet.monthly;
     if (!rows.length) return `<div class="muted small">no dates known for this window (the run directory has no market file)</div>`;
     const years = {};
     for (const r of rows) {
@@ -458,8 +457,8 @@
       ["E3", "γ (discount)", isNum(knobs.gamma) ? knobs.gamma.toFixed(4) : "–"],
       ["E4", "LR scale per branch", knobs.lr_scale ? Object.entries(knobs.lr_scale).map(([k, v]) => `${k} ${(+v).toFixed(3)}`).join(" · ") : "–"],
       ["E5", "entry gate (ensemble std)", knobs.gate_threshold === null || knobs.gate_threshold === undefined ? "no gate" : (+knobs.gate_threshold).toPrecision(4)],
-      ["E6", "boosted replay bars", String((knobs.priority_boost || []).length)],
-      ["E7", "hindsight labels", String((knobs.hindsight || []).length)],
+      ["E6", "boosted replay bars", String(knobs.priority_boost.length)],
+      ["E7", "hindsight labels", String(knobs.hindsight.length)],
       ["E8", "regime sampling weights", list(knobs.regime_weights)],
       ["E9", "regime confidence (size)", list(knobs.regime_confidence)],
     ];
@@ -484,8 +483,8 @@
       return;
     }
     box.classList.remove("hidden");
-    const row = (d.reports || []).find((r) => r.epoch === epoch) || {};
-    const hasOos = Object.keys((row.metrics || {}).oos || {}).length > 0;    // the report has an OOS backtest
+    const row = d.reports.find((r) => r.epoch === epoch);
+    const hasOos = !!row && Object.keys(row.metrics.oos).length > 0;    // the report has an OOS backtest
     const showOos = oosVisible(d, epoch) && hasOos;
     box.classList.toggle("no-oos", !showOos);
     const entries = {val: loadSheet(run, epoch, "val"), oos: showOos ? loadSheet(run, epoch, "oos") : null};
@@ -537,7 +536,7 @@
       ? `Epoch ${epoch} is the checkpoint validation selects: its OOS result is the test of that choice. `
       : (withOos ? `Epoch ${epoch} is not the checkpoint validation selects; its OOS is shown because the OOS toggle is on. `
                  : `OOS hidden: epoch ${epoch} is not the checkpoint validation selects (epoch ${sel}); the OOS toggle above shows it. `))
-      + `Sharpe ratios un-annualized, per trade. Checkpoint sha256 ${String(sheets.val.sheet.checkpoint_sha256 || "").slice(0, 12)}.`;
+      + `Sharpe ratios un-annualized, per trade. Checkpoint sha256 ${(sheets.val.sheet.checkpoint_sha256 ?? "").slice(0, 12)}.`;
     $("monthly").innerHTML = `<div class="label small">validation</div>${monthlyTable(sheets.val.sheet)}` +
       (withOos ? `<div class="label small">OOS (test)</div>${monthlyTable(sheets.oos.sheet)}` : "");
     $("knobs").innerHTML = knobsTable(sheets.val.sheet.knobs);
@@ -565,7 +564,7 @@
       $("trades").innerHTML = `<tr><td class="muted">cannot load the trades: ${esc(e.message)}</td></tr>`;
       return;
     }
-    const n = page.n_trades, rows = page.trades || [];
+    const n = page.n_trades, rows = page.trades;
     $("trades-range").textContent = n ? `trades ${offset + 1}–${offset + rows.length} of ${n}` : "no trades";
     $("trades-prev").disabled = offset <= 0;
     $("trades-next").disabled = offset + rows.length >= n;
@@ -615,7 +614,7 @@
     }));
     ids.forEach((id, i) => {
       const d = runData(id), color = RUN_COLORS[i % RUN_COLORS.length];
-      const R = d.reports || [], H = d.history || [];
+      const R = d.reports, H = d.history;
       sharpe.push({label: id, color, x: R.map((r) => r.epoch), y: R.map((r) => r.val_per_trade_sharpe ?? null), points: true});
       loss.push({label: id, color, x: H.map((h) => h.epoch), y: H.map((h) => (isNum(h.loss) ? h.loss : null)), points: true});
       if (curves[i]) { if (!curves[i].t) allTime = false; equity.push({id, color, eq: curves[i]}); }
@@ -710,7 +709,7 @@
   async function tick() {
     try {
       if (state.live && state.run === state.live && state.view === "run") {
-        const before = JSON.stringify((runData(state.live).reports || []).map((r) => r.epoch));
+        const before = JSON.stringify(runData(state.live).reports.map((r) => r.epoch));
         await loadRun(state.live);
         const d = runData(state.live);
         renderServices(d);

@@ -4,11 +4,12 @@
   GET /health   200 {"status": "ok"} while the process serves HTTP (liveness)
   GET /ready    200 when `state.ready` (Redis reached, worker started), else 503 (readiness)
   GET /status   JSON: service, pid, uptime_s, run_id, epoch, stream_lag, last_error, + `state.extra`
-  GET /metrics  Prometheus text format (prometheus-client), from `state.metrics()` on each scrape
-  GET /docs     OpenAPI (FastAPI's own)
+  GET /metrics  Prometheus text format 0.0.4 (prometheus-client), read from `state` on each scrape
+  GET /docs     OpenAPI (FastAPI's own), with every route's response models (`shared.api_models`)
 and these guards:
   - `require_token(app)`: `Authorization: Bearer <token>` for mutating endpoints; missing → 401 (with
-    `WWW-Authenticate: Bearer`), wrong → 403; compared with `hmac.compare_digest` (constant time).
+    `WWW-Authenticate: Bearer`), wrong → 403; compared with `hmac.compare_digest` (constant time). OpenAPI
+    declares it as an HTTP bearer security scheme on those routes.
   - `BodyLimitMiddleware`: a body over `settings.max_body_bytes` → 413, whether announced by
     Content-Length or streamed (chunked) — the body is never read past the limit.
   - CORS: only `settings.dashboard_origin`, GET/POST, the Authorization and Content-Type headers.
@@ -29,10 +30,12 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from fastapi.responses import JSONResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from shared.api_models import METRICS_RESPONSES, Health, PrometheusResponse, Ready, ServiceStatus, errors
 from shared.config import CommonSettings
 
 if TYPE_CHECKING:
@@ -155,11 +158,15 @@ class BodyLimitMiddleware:
         await self.app(scope, replay, send)
 
 
-def token_checker(settings: CommonSettings) -> Callable[[Request], None]:
+_BEARER = HTTPBearer(auto_error=False, description="TL_API_TOKEN")
+"""Declares the bearer scheme in OpenAPI; `token_checker` reads the header itself."""
+
+
+def token_checker(settings: CommonSettings) -> Callable[..., None]:
     """A dependency that accepts only `Authorization: Bearer <settings.api_token>` (401 missing, 403 wrong)."""
     expected = settings.api_token.get_secret_value().encode()
 
-    def check(request: Request) -> None:
+    def check(request: Request, _scheme: HTTPAuthorizationCredentials | None = Depends(_BEARER)) -> None:
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
         if not header or scheme.lower() != "bearer" or not token.strip():
@@ -172,8 +179,10 @@ def token_checker(settings: CommonSettings) -> Callable[[Request], None]:
 
 
 def create_service_app(name: str, settings: CommonSettings, state: ServiceState, *,
-                       lifespan: Callable[[FastAPI], Any] | None = None, description: str = "") -> FastAPI:
-    """A FastAPI app with /health, /ready, /status, /metrics, the body limit and dashboard-only CORS.
+                       lifespan: Callable[[FastAPI], Any] | None = None, description: str = "",
+                       status_model: type[ServiceStatus] = ServiceStatus) -> FastAPI:
+    """A FastAPI app with /health, /ready, /status (declared as `status_model`), /metrics, the body limit and
+    dashboard-only CORS.
 
     `lifespan(app)` is an async context manager factory that starts/stops the service's worker.
     The token dependency is at `app.state.require_token` (use `Depends(app.state.require_token)`).
@@ -199,21 +208,25 @@ def create_service_app(name: str, settings: CommonSettings, state: ServiceState,
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
 
     @app.get("/health", tags=["ops"], summary="Liveness: the process serves HTTP")
-    def health() -> dict:
-        return {"status": "ok", "service": name}
+    def health() -> Health:
+        return Health(status="ok", service=name)
 
-    @app.get("/ready", tags=["ops"], summary="Readiness: Redis reached and the worker running")
+    @app.get("/ready", tags=["ops"], summary="Readiness: Redis reached and the worker running", response_model=Ready,
+             responses={503: {"model": Ready, "description": "not ready (yet): Redis not reached or the worker "
+                                                            "stopped (/status says why)"}})
     def ready() -> JSONResponse:
         ok = state.ready
-        return JSONResponse({"ready": ok, "service": name}, status_code=200 if ok else 503)
+        return JSONResponse(Ready(ready=ok, service=name).model_dump(), status_code=200 if ok else 503)
 
-    @app.get("/status", tags=["ops"], summary="pid, uptime, run id, epoch, stream lag, last error")
+    @app.get("/status", tags=["ops"], summary="pid, uptime, run id, epoch, stream lag, last error",
+             response_model=status_model)
     def status() -> dict:
         return state.status()
 
-    @app.get("/metrics", tags=["ops"], summary="Prometheus metrics")
-    def metrics() -> Response:
-        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+    @app.get("/metrics", tags=["ops"], summary="Prometheus metrics", response_class=PrometheusResponse,
+             responses=METRICS_RESPONSES)
+    def metrics() -> PrometheusResponse:
+        return PrometheusResponse(generate_latest(registry))
 
     return app
 
@@ -222,6 +235,9 @@ def require_token(app: FastAPI):
     """`Depends(...)` object for the app's bearer-token check (for mutating endpoints)."""
     return Depends(app.state.require_token)
 
+
+TOKEN_ERRORS = errors(401, 403, 413)
+"""`responses=` of a route behind `require_token` (a POST: its body is also limited)."""
 
 
 def knob_gauges(knobs: dict[str, Any] | None) -> dict[str, float]:
@@ -337,6 +353,18 @@ def consumer_lifespan(worker: ConsumerWorker, name: str):
             await bus.close()
 
     return lifespan
+
+
+def consumer_service_app(name: str, settings: CommonSettings, worker_cls: type[ConsumerWorker], *, description: str,
+                         status_model: type[ServiceStatus]) -> tuple[FastAPI, "Bus"]:
+    """The app of a service that consumes one stream: its status, bus and `worker_cls(settings, bus, state)` run by
+    `consumer_lifespan`; the worker and the bus at `app.state.worker`, `app.state.bus`."""
+    state, bus = service_plumbing(name, settings)
+    worker = worker_cls(settings, bus, state)
+    app = create_service_app(name, settings, state, lifespan=consumer_lifespan(worker, name), description=description,
+                             status_model=status_model)
+    app.state.worker, app.state.bus = worker, bus
+    return app, bus
 
 
 def service_plumbing(name: str, settings: CommonSettings) -> tuple[ServiceState, "Bus"]:

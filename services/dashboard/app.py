@@ -14,7 +14,7 @@ Conventions:
   (`create_app(settings, runs_dir=DIR)`: `tradeloop serve dashboard --runs DIR`, `tradeloop show RUN`, no service
   and no proxy) in the services' own response shapes.
 - `/health` is liveness, `/ready` says the page's files are there. Only GET; no state, no token: the proxy
-  forwards no mutating request.
+  forwards no mutating request. `/openapi.json` and `/docs` describe the routes (`shared.api_models`).
 """
 from __future__ import annotations
 
@@ -23,9 +23,10 @@ from pathlib import Path
 
 import httpx
 from fastapi import FastAPI, HTTPException, Request
-from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, StreamingResponse
 from starlette.background import BackgroundTask
 
+from shared.api_models import DashboardReady, Health, PageConfig, errors
 from shared.config import DashboardSettings
 
 STATIC_DIR = Path(__file__).resolve().parents[2] / "dashboard"
@@ -40,7 +41,8 @@ PASSED_HEADERS = ("content-type", "content-length", "cache-control", "etag", "la
 
 def page_config(settings: DashboardSettings, poll_ms: int = DEFAULT_POLL_MS) -> dict:
     """The `/config.json` document: base path of each service (the page's own proxy), poll interval, run id."""
-    return {**{name: f"api/{name}" for name in PROXIED}, "poll_ms": int(poll_ms), "run_id": settings.run_id}
+    return PageConfig(**{name: f"api/{name}" for name in PROXIED}, poll_ms=int(poll_ms),
+                      run_id=settings.run_id).model_dump()
 
 
 def create_app(settings: DashboardSettings, *, static_dir: Path | None = None,
@@ -62,32 +64,38 @@ def create_app(settings: DashboardSettings, *, static_dir: Path | None = None,
             app.state.client = client
             yield
 
-    app = FastAPI(title="tradeloop dashboard", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    app = FastAPI(title="tradeloop dashboard", description="The page, its run browser and a read-only proxy to the "
+                  "services.", version="1", redoc_url=None, lifespan=lifespan)
     config = page_config(settings, poll_ms)
     allowed = {name: (root / name) for name in PAGE_FILES}
     app.include_router(runs.create_router(runs.RunCatalog(runs_dir if not live else settings.run_dir,
                                                           live=settings.run_id if live else None)))
 
-    @app.get("/health")
-    def health() -> dict:
+    @app.get("/health", tags=["ops"])
+    def health() -> Health:
         """Liveness: the process answers."""
-        return {"status": "ok", "service": "dashboard"}
+        return Health(status="ok", service="dashboard")
 
-    @app.get("/ready")
+    @app.get("/ready", tags=["ops"], response_model=DashboardReady,
+             responses={503: {"model": DashboardReady, "description": "page files missing (named)"}})
     def ready() -> JSONResponse:
         """Ready when every page file exists (503 naming the missing ones otherwise)."""
         missing = [str(p) for p in allowed.values() if not p.is_file()]
-        if missing:
-            return JSONResponse({"status": "not ready", "missing": missing}, status_code=503)
-        return JSONResponse({"status": "ready", "service": "dashboard"})
+        doc = DashboardReady(status="not ready" if missing else "ready", missing=missing).model_dump()
+        return JSONResponse(doc, status_code=503 if missing else 200)
 
-    @app.get("/config.json")
+    @app.get("/config.json", tags=["page"], response_model=PageConfig)
     def config_json() -> JSONResponse:
         """Where the page finds the three services."""
         return JSONResponse(config, headers={"Cache-Control": "no-store"})
 
-    @app.get("/api/{service}/{path:path}")
-    async def proxy(service: str, path: str, request: Request) -> Response:
+    @app.get("/api/{service}/{path:path}", tags=["proxy"], response_class=StreamingResponse,
+             responses={200: {"description": "the service's answer: its status, headers and body as it sends them",
+                              "content": {"*/*": {}}},
+                        "default": {"description": "the service's answer (any status it gives)",
+                                    "content": {"*/*": {}}},
+                        **errors(404, 502)})
+    async def proxy(service: str, path: str, request: Request) -> StreamingResponse:
         """GET `/api/<service>/<path>?<query>` forwarded to the service, the body streamed through."""
         base = upstreams.get(service) if live else None
         if base is None:
@@ -111,12 +119,14 @@ def create_app(settings: DashboardSettings, *, static_dir: Path | None = None,
             raise HTTPException(404, f"no such dashboard file: {name}")
         return FileResponse(path, media_type=MEDIA_TYPES[path.suffix], headers={"Cache-Control": "no-cache"})
 
-    @app.get("/")
+    @app.get("/", tags=["page"], response_class=HTMLResponse)
     def index() -> FileResponse:
         """The page."""
         return _file("index.html")
 
-    @app.get("/{name:path}")
+    @app.get("/{name:path}", tags=["page"], response_class=FileResponse,
+             responses={200: {"description": "the file", "content": {t.split(";")[0]: {} for t in MEDIA_TYPES.values()}},
+                        **errors(404)})
     def static_file(name: str) -> FileResponse:
         """One of the page's files (a fixed list: nothing else on disk is reachable)."""
         return _file(name)

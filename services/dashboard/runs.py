@@ -22,7 +22,11 @@ from typing import Annotated, Literal
 
 from fastapi import APIRouter, HTTPException, Query
 from fastapi import Path as PathParam
+from fastapi.responses import JSONResponse
 
+from shared.api_models import (BundleRow, EpochRecord, EquityView, ReportRow, RunList, RunOnDiskStatus, Tearsheet,
+                               TradesPage, errors)
+from shared.report import EvalReport, FeedbackBundle
 from shared.runfiles import RunFiles, find_runs
 from shared.runview import (DocCache, bundle_summary, equity_view, prepare, report_rows, report_summary,
                             selected_epoch, tearsheet, trades_page)
@@ -102,7 +106,7 @@ def _load_market(files: RunFiles, split: str) -> dict | None:
 def create_router(catalog: RunCatalog) -> APIRouter:
     """The /runs routes over `catalog`."""
     warm_parquet()
-    router = APIRouter(prefix="/runs", tags=["runs"])
+    router = APIRouter(prefix="/runs", tags=["runs"], responses=errors(404, 422))
     docs = DocCache(size=64, max_weight=DOC_CACHE_BYTES)   # parsed reports, weighed by their files' bytes
     rows = DocCache(size=4096)       # their summary rows
     markets = DocCache(size=8)
@@ -159,7 +163,7 @@ def create_router(catalog: RunCatalog) -> APIRouter:
         if d.get(split) is None:
             raise HTTPException(404, f"report of epoch {epoch} has no {split} backtest")
 
-    @router.get("", summary="The runs on disk")
+    @router.get("", summary="The runs on disk", response_model=RunList)
     async def list_runs() -> dict:
         out = []
         for run_id, path in catalog.runs().items():
@@ -187,19 +191,20 @@ def create_router(catalog: RunCatalog) -> APIRouter:
         return {"live": catalog.live, "root": str(catalog.root), "runs": out}
 
     @router.get("/{run:path}/trainer/status", summary="A run's status (on disk: finished)")
-    async def status(run: str) -> dict:
+    async def status(run: str) -> RunOnDiskStatus:
         files = catalog.files(run)
         hist = await asyncio.to_thread(files.history)
         done = hist[-1]["epoch"] if hist else 0
-        return {"service": "trainer", "run_id": run, "phase": "finished", "epoch": done,
-                "epochs": _epochs_requested(files) or done, "on_disk": True}
+        return RunOnDiskStatus(service="trainer", run_id=run, phase="finished", epoch=done,
+                               epochs=_epochs_requested(files) or done, on_disk=True)
 
-    @router.get("/{run:path}/trainer/api/history", summary="A run's epoch records")
-    async def history(run: str) -> list[dict]:
+    @router.get("/{run:path}/trainer/api/history", summary="A run's epoch records",
+                response_model_exclude_unset=True)      # each record as stored
+    async def history(run: str) -> list[EpochRecord]:
         return await asyncio.to_thread(catalog.files(run).history)
 
     @router.get("/{run:path}/evaluator/reports", summary="One summary row per report")
-    async def reports(run: str) -> list[dict]:
+    async def reports(run: str) -> list[ReportRow]:
         files = catalog.files(run)
         out = await summaries(files)
         sel = selected_epoch(out)
@@ -207,14 +212,16 @@ def create_router(catalog: RunCatalog) -> APIRouter:
         prefetch(market(files, "val"), market(files, "oos"), *([doc(files, "report", sel)] if sel is not None else []))
         return out
 
-    @router.get("/{run:path}/evaluator/reports/{epoch}", summary="The full report of an epoch")
-    async def report(run: str, epoch: EpochPath) -> dict:
-        return await doc(catalog.files(run), "report", epoch)
+    @router.get("/{run:path}/evaluator/reports/{epoch}", summary="The full report of an epoch",
+                response_model=EvalReport)
+    async def report(run: str, epoch: EpochPath) -> JSONResponse:
+        return JSONResponse(await doc(catalog.files(run), "report", epoch))    # as written (validated then)
 
-    @router.get("/{run:path}/evaluator/reports/{epoch}/trades", summary="Trades of one backtest of an epoch")
+    @router.get("/{run:path}/evaluator/reports/{epoch}/trades", summary="Trades of one backtest of an epoch",
+                response_model_exclude_unset=True)
     async def trades(run: str, epoch: EpochPath, split: SplitQuery = "val",
                      offset: Annotated[int, Query(ge=0)] = 0,
-                     limit: Annotated[int | None, Query(ge=0)] = None) -> dict:
+                     limit: Annotated[int | None, Query(ge=0)] = None) -> TradesPage:
         files = catalog.files(run)
         d = await doc(files, "report", epoch)
         split_of(d, split, epoch)
@@ -222,7 +229,7 @@ def create_router(catalog: RunCatalog) -> APIRouter:
 
     @router.get("/{run:path}/evaluator/reports/{epoch}/equity", summary="Equity curve of one backtest of an epoch")
     async def equity(run: str, epoch: EpochPath, split: SplitQuery = "val",
-                     max_points: Annotated[int | None, Query(ge=4)] = None, packed: bool = False) -> dict:
+                     max_points: Annotated[int | None, Query(ge=4)] = None, packed: bool = False) -> EquityView:
         files = catalog.files(run)
         d = await doc(files, "report", epoch)
         split_of(d, split, epoch)
@@ -230,14 +237,14 @@ def create_router(catalog: RunCatalog) -> APIRouter:
                                        packed=packed)
 
     @router.get("/{run:path}/evaluator/reports/{epoch}/tearsheet", summary="Headline numbers of one backtest")
-    async def tearsheet_of(run: str, epoch: EpochPath, split: SplitQuery = "val") -> dict:
+    async def tearsheet_of(run: str, epoch: EpochPath, split: SplitQuery = "val") -> Tearsheet:
         files = catalog.files(run)
         d = await doc(files, "report", epoch)
         split_of(d, split, epoch)
         return await asyncio.to_thread(tearsheet, d, split, await market(files, split))
 
     @router.get("/{run:path}/feedback/signals", summary="E1–E9 and knobs per epoch")
-    async def signals(run: str) -> list[dict]:
+    async def signals(run: str) -> list[BundleRow]:
         files = catalog.files(run)
         out = []
         for e in await asyncio.to_thread(files.epochs, "bundle"):
@@ -246,13 +253,14 @@ def create_router(catalog: RunCatalog) -> APIRouter:
                 out.append(bundle_summary(d.get("run_id") or run, e, d))
         return out
 
-    @router.get("/{run:path}/feedback/signals/{epoch}", summary="The full bundle computed from an epoch's report")
-    async def signals_of(run: str, epoch: EpochPath) -> dict:
+    @router.get("/{run:path}/feedback/signals/{epoch}", summary="The full bundle computed from an epoch's report",
+                response_model=FeedbackBundle)
+    async def signals_of(run: str, epoch: EpochPath) -> JSONResponse:
         files = catalog.files(run)
         d = await asyncio.to_thread(files.read, "bundle", epoch)
         if d is None:
             raise HTTPException(404, f"no feedback bundle of epoch {epoch} in {files.root}")
-        return d
+        return JSONResponse(d)
 
     return router
 

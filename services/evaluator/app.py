@@ -22,10 +22,13 @@ import logging
 from typing import Annotated, Literal
 
 from fastapi import FastAPI, HTTPException, Path, Query
+from fastapi.responses import JSONResponse
 
 from services.evaluator.worker import EvaluatorServiceSettings, EvaluatorWorker
-from shared.api import service_plumbing, consumer_lifespan, create_service_app
+from shared.api import consumer_service_app
+from shared.api_models import EquityView, EvaluatorStatus, ReportRow, Tearsheet, TradesPage, errors
 from shared.config import load_settings
+from shared.report import EvalReport
 from shared.runview import DocCache, decimate, equity_view, report_rows, report_summary, tearsheet, trades_page
 
 __all__ = ["create_app", "decimate", "report_summary"]
@@ -38,13 +41,9 @@ SplitQuery = Annotated[Literal["val", "oos", "insample"], Query(description="whi
 def create_app(settings: EvaluatorServiceSettings | None = None) -> FastAPI:
     """The evaluator app (settings default: TL_* environment)."""
     settings = settings or load_settings(EvaluatorServiceSettings)
-    state, bus = service_plumbing("evaluator", settings)
-    worker = EvaluatorWorker(settings, bus, state)
-
-    lifespan = consumer_lifespan(worker, "evaluator")
-
-    app = create_service_app("evaluator", settings, state, lifespan=lifespan,
-                             description="Backtests each checkpoint on validation and OOS data.")
+    app, bus = consumer_service_app("evaluator", settings, EvaluatorWorker, status_model=EvaluatorStatus,
+                                    description="Backtests each checkpoint on validation and OOS data.")
+    missing = errors(404, 422)
 
     docs = DocCache(size=4)     # a report is stored once (first wins): parsed once, served from here after
 
@@ -82,7 +81,7 @@ def create_app(settings: EvaluatorServiceSettings | None = None) -> FastAPI:
     summaries: dict[int, dict] = {}
 
     @app.get("/reports", tags=["reports"], summary="One summary row per stored report")
-    async def reports() -> list[dict]:
+    async def reports() -> list[ReportRow]:
         out = []
         for e in await bus.store.json_epochs("report"):
             if e not in summaries:
@@ -93,33 +92,37 @@ def create_app(settings: EvaluatorServiceSettings | None = None) -> FastAPI:
             out.append(summaries[e])
         return report_rows(out)
 
-    @app.get("/reports/{epoch}", tags=["reports"], summary="The full report of an epoch")
-    async def report(epoch: EpochPath) -> dict:
-        return await get(epoch)
+    @app.get("/reports/{epoch}", tags=["reports"], summary="The full report of an epoch", response_model=EvalReport,
+             responses=missing)
+    async def report(epoch: EpochPath) -> JSONResponse:
+        return JSONResponse(await get(epoch))     # as stored (validated when it was written): tens of MB
 
-    @app.get("/reports/{epoch}/trades", tags=["reports"], summary="Trades of one backtest of an epoch")
+    @app.get("/reports/{epoch}/trades", tags=["reports"], summary="Trades of one backtest of an epoch",
+             responses=missing, response_model_exclude_unset=True)
     async def trades(epoch: EpochPath, split: SplitQuery = "val",
                      offset: Annotated[int, Query(ge=0, description="first trade")] = 0,
-                     limit: Annotated[int | None, Query(ge=0, description="at most this many trades")] = None) -> dict:
+                     limit: Annotated[int | None, Query(ge=0, description="at most this many trades")] = None
+                     ) -> TradesPage:
         doc = await get(epoch)
         split_of(doc, split, epoch)
         return await asyncio.to_thread(trades_page, doc, split, await market(split), offset=offset, limit=limit)
 
-    @app.get("/reports/{epoch}/equity", tags=["reports"], summary="Equity curve of one backtest of an epoch")
+    @app.get("/reports/{epoch}/equity", tags=["reports"], summary="Equity curve of one backtest of an epoch",
+             responses=missing)
     async def equity(epoch: EpochPath, split: SplitQuery = "val",
                      max_points: Annotated[int | None, Query(ge=4, description="decimate to at most this many "
                                                              "points (min and max per bucket)")] = None,
-                     packed: Annotated[bool, Query(description="arrays as base64 of float64")] = False) -> dict:
+                     packed: Annotated[bool, Query(description="arrays as base64 of float64")] = False) -> EquityView:
         doc = await get(epoch)
         split_of(doc, split, epoch)
         return await asyncio.to_thread(equity_view, doc, split, await market(split), max_points=max_points,
                                        packed=packed)
 
-    @app.get("/reports/{epoch}/tearsheet", tags=["reports"], summary="Headline numbers of one backtest of an epoch")
-    async def tearsheet_of(epoch: EpochPath, split: SplitQuery = "val") -> dict:
+    @app.get("/reports/{epoch}/tearsheet", tags=["reports"], summary="Headline numbers of one backtest of an epoch",
+             responses=missing)
+    async def tearsheet_of(epoch: EpochPath, split: SplitQuery = "val") -> Tearsheet:
         doc = await get(epoch)
         split_of(doc, split, epoch)
         return await asyncio.to_thread(tearsheet, doc, split, await market(split))
 
-    app.state.worker, app.state.bus = worker, bus
     return app

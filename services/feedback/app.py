@@ -9,10 +9,13 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import FastAPI, HTTPException, Path
+from fastapi.responses import JSONResponse
 
 from services.feedback.worker import FeedbackWorker
-from shared.api import service_plumbing, consumer_lifespan, create_service_app
+from shared.api import consumer_service_app
+from shared.api_models import BundleRow, FeedbackStatus, errors
 from shared.config import FeedbackSettings, load_settings
+from shared.report import FeedbackBundle
 from shared.runview import bundle_summary
 
 __all__ = ["bundle_summary", "create_app"]
@@ -23,16 +26,11 @@ EpochPath = Annotated[int, Path(ge=0, le=1_000_000, description="epoch whose rep
 def create_app(settings: FeedbackSettings | None = None) -> FastAPI:
     """The feedback app (settings default: TL_* environment)."""
     settings = settings or load_settings(FeedbackSettings)
-    state, bus = service_plumbing("feedback", settings)
-    worker = FeedbackWorker(settings, bus, state)
-
-    lifespan = consumer_lifespan(worker, "feedback")
-
-    app = create_service_app("feedback", settings, state, lifespan=lifespan,
-                             description="Turns each report into the E1–E9 signals of the next epoch.")
+    app, bus = consumer_service_app("feedback", settings, FeedbackWorker, status_model=FeedbackStatus,
+                                    description="Turns each report into the E1–E9 signals of the next epoch.")
 
     @app.get("/signals", tags=["signals"], summary="E1–E9 and knobs per epoch")
-    async def signals() -> list[dict]:
+    async def signals() -> list[BundleRow]:
         out = []
         for e in await bus.store.json_epochs("bundle"):
             doc = await bus.store.get_bundle(e)
@@ -40,12 +38,12 @@ def create_app(settings: FeedbackSettings | None = None) -> FastAPI:
                 out.append(bundle_summary(settings.run_id, e, doc))
         return out
 
-    @app.get("/signals/{epoch}", tags=["signals"], summary="The full bundle computed from an epoch's report")
-    async def signals_of(epoch: EpochPath) -> dict:
+    @app.get("/signals/{epoch}", tags=["signals"], summary="The full bundle computed from an epoch's report",
+             response_model=FeedbackBundle, responses=errors(404, 422))
+    async def signals_of(epoch: EpochPath) -> JSONResponse:
         doc = await bus.store.get_bundle(epoch)
         if doc is None:
             raise HTTPException(404, f"no feedback bundle for epoch {epoch} of run {settings.run_id}")
-        return doc
+        return JSONResponse(doc)      # as stored (validated when it was written)
 
-    app.state.worker, app.state.bus = worker, bus
     return app

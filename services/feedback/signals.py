@@ -41,13 +41,11 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from services.feedback.fallbacks import (KNOB_OF, diff_se, disabled_bundle, fixed_signals, knobs_from_signals,
+                                        rollback_target)
 from services.feedback.guard import FeedbackView, HistoryEntry, HistoryPoint, build_view, check_train_indices
-from shared.knobs import BRANCHES, N_REGIMES, FixedSchedule, Knobs
-from shared.report import OFF_NAMES, SIGNAL_IDS, EvalReport, FeedbackBundle, Provenance, Signal, parse_off
-
-KNOB_OF = {"E1": "q_bias", "E2": "epsilon", "E3": "gamma", "E4": "lr_scale", "E5": "gate_threshold",
-           "E6": "priority_boost", "E7": "hindsight", "E8": "regime_weights", "E9": "regime_confidence"}
-"""The `Knobs` field each signal sets."""
+from shared.knobs import BRANCHES, N_REGIMES, FixedSchedule
+from shared.report import SIGNAL_IDS, EvalReport, FeedbackBundle, Provenance, Signal, parse_off
 
 CONTINUOUS = ("E1", "E2", "E3", "E4", "E5", "E8", "E9")
 """Signals that set a setting (restored by a rollback); E6/E7 are sample labels of the current checkpoint."""
@@ -177,11 +175,6 @@ def _fin(x: float) -> float | None:
     return x if math.isfinite(x) else None
 
 
-def _diff_se(se_a: float, se_b: float) -> float:
-    """Standard error of the difference of two independent estimates (inf when either is unknown)."""
-    return math.hypot(se_a, se_b)
-
-
 def _val_prov(view: FeedbackView, *fields_: str) -> Provenance:
     return Provenance(run_id=view.run_id, epoch=view.epoch, split="val", window_hash=view.val.window_hash,
                       fields=list(fields_))
@@ -258,7 +251,7 @@ def _stagnant(view: FeedbackView, s: float, se: float, cfg: FeedbackConfig) -> b
     before = hist[:len(hist) - (k - 1)]
     recent = [(h.val_sharpe, h.val_sharpe_se) for h in hist[len(hist) - (k - 1):]] + [(s, se)]
     best = max(before, key=lambda h: h.val_sharpe)
-    return all(best.val_sharpe - r > cfg.noise_z * _diff_se(r_se, best.val_sharpe_se) for r, r_se in recent)
+    return all(best.val_sharpe - r > cfg.noise_z * diff_se(r_se, best.val_sharpe_se) for r, r_se in recent)
 
 
 def e2_epsilon(view: FeedbackView, cfg: FeedbackConfig) -> Signal:
@@ -280,7 +273,7 @@ def e2_epsilon(view: FeedbackView, cfg: FeedbackConfig) -> Signal:
     last = view.history[-1] if view.history else None
     improving = last is not None and s > last.val_sharpe
     best = max(view.history, key=lambda h: h.val_sharpe) if view.history else None
-    gain_se = _diff_se(se, best.val_sharpe_se) if best is not None else math.inf
+    gain_se = diff_se(se, best.val_sharpe_se) if best is not None else math.inf
     new_best = best is not None and s - best.val_sharpe > cfg.noise_z * gain_se
     stagnant = _stagnant(view, s, se, cfg)
     if new_best:
@@ -445,15 +438,24 @@ def _regime_z(view: FeedbackView, n0: float) -> list[float] | None:
     return [(r.mean_return / sigma) * _w(r.n_trades, n0) for r in view.val.regimes]
 
 
+def _regime_inputs(view: FeedbackView, sid: str, n0: float, what: str):
+    """(prev, provenance, z, kept) of a per-regime signal (E8, E9): its knob as the reported epoch trained under it,
+    `_regime_z` with shrinkage n0 and, where z is undefined, the signal that keeps prev (else None)."""
+    prev = list(getattr(view.knobs, KNOB_OF[sid]))
+    prov = [_val_prov(view, "val.regimes")]
+    z = _regime_z(view, n0)
+    kept = None if z is not None else Signal(
+        id=sid, knob=KNOB_OF[sid], value=prev, previous=prev, provenance=prov,
+        reason=f"fewer than 2 distinct validation trade returns: {what} kept")
+    return prev, prov, z, kept
+
+
 def e8_regime_weights(view: FeedbackView, cfg: FeedbackConfig) -> Signal:
     """E8 — episode-start weights by regime: exp(−κ·z_k) (a losing regime is sampled more), normalised to mean 1
     with each weight in [w_min, w_max] and within ×/÷ regime_step of prev (`project_weights`)."""
-    prev = list(view.knobs.regime_weights)
-    prov = [_val_prov(view, "val.regimes")]
-    z = _regime_z(view, cfg.regime_n0)
-    if z is None:
-        return Signal(id="E8", knob="regime_weights", value=prev, previous=prev, provenance=prov,
-                      reason="fewer than 2 distinct validation trade returns: regime weights kept")
+    prev, prov, z, kept = _regime_inputs(view, "E8", cfg.regime_n0, "regime weights")
+    if kept is not None:
+        return kept
     raw = [math.exp(-cfg.regime_kappa * zk) for zk in z]
     p_mean = sum(prev) / len(prev)
     base = [p / p_mean for p in prev]
@@ -469,12 +471,9 @@ def e8_regime_weights(view: FeedbackView, cfg: FeedbackConfig) -> Signal:
 
 def e9_regime_confidence(view: FeedbackView, cfg: FeedbackConfig) -> Signal:
     """E9 — per-regime confidence clip(1 + λ·z_k, 0, 1) (z_k shrunk by trade count), |Δ| ≤ conf_step."""
-    prev = list(view.knobs.regime_confidence)
-    prov = [_val_prov(view, "val.regimes")]
-    z = _regime_z(view, cfg.conf_n0)
-    if z is None:
-        return Signal(id="E9", knob="regime_confidence", value=prev, previous=prev, provenance=prov,
-                      reason="fewer than 2 distinct validation trade returns: regime confidence kept")
+    prev, prov, z, kept = _regime_inputs(view, "E9", cfg.conf_n0, "regime confidence")
+    if kept is not None:
+        return kept
     raw = [_clamp(1.0 + cfg.conf_lambda * zk, 0.0, 1.0) for zk in z]
     value = [_clamp(r, p - cfg.conf_step, p + cfg.conf_step) for r, p in zip(raw, prev)]
     low = [k for k in range(N_REGIMES) if value[k] < 1.0]
@@ -489,28 +488,6 @@ SIGNALS = {"E1": e1_q_bias, "E2": e2_epsilon, "E3": e3_gamma, "E4": e4_lr_scale,
 
 
 # --- rollback ---------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Rollback:
-    """A rollback's evidence: the best earlier epoch, how far validation fell below it, and the noise."""
-
-    best: HistoryPoint
-    drop: float
-    """best.val_sharpe − this epoch's validation per-trade Sharpe (un-annualized)."""
-    se: float
-    """Standard error of that difference."""
-
-
-def rollback_target(view: FeedbackView, cfg: FeedbackConfig) -> Rollback | None:
-    """A `Rollback` when this epoch's validation per-trade Sharpe fell below the best earlier epoch's by more than
-    rollback_z standard errors of the difference; None otherwise (or with no history, or < 2 trades on a side)."""
-    if not view.history:
-        return None
-    best = max(view.history, key=lambda h: h.val_sharpe)
-    drop = best.val_sharpe - view.val.metric("per_trade_sharpe")
-    se = _diff_se(view.val.sharpe_se, best.val_sharpe_se)
-    return Rollback(best, drop, se) if drop > cfg.rollback_z * se else None
 
 
 def _restored(i: str, view: FeedbackView, good: HistoryPoint, cfg: FeedbackConfig) -> Any:
@@ -528,33 +505,6 @@ def _restored(i: str, view: FeedbackView, good: HistoryPoint, cfg: FeedbackConfi
 # --- the bundle -------------------------------------------------------------------------------------------
 
 
-def _knobs_from_signals(sig: dict[str, Signal]) -> Knobs:
-    g = sig["E5"].value
-    return Knobs(epsilon=sig["E2"].value, gamma=sig["E3"].value, q_bias=sig["E1"].value,
-                 lr_scale=dict(sig["E4"].value), gate_threshold=math.inf if g is None else g,
-                 priority_boost=[(int(b), float(m)) for b, m in sig["E6"].value],
-                 hindsight=[(int(b), int(d)) for b, d in sig["E7"].value],
-                 regime_weights=list(sig["E8"].value), regime_confidence=list(sig["E9"].value)).validate()
-
-
-def _fixed_signals(ids: Sequence[str], report: EvalReport, cfg: FeedbackConfig, reason: str,
-                   field: str) -> dict[str, Signal]:
-    """Signals `ids` at the fixed schedule's knobs for epoch e+1 (a signal switched off, or feedback off)."""
-    d = cfg.schedule.knobs(report.epoch + 1).to_dict()
-    prev = report.trained_knobs().to_dict()
-    prov = [Provenance(run_id=report.run_id, epoch=report.epoch, split="config", fields=[field])]
-    return {i: Signal(id=i, knob=KNOB_OF[i], value=d[KNOB_OF[i]], previous=prev[KNOB_OF[i]], provenance=prov,
-                      reason=reason) for i in ids}
-
-
-def _disabled_bundle(report: EvalReport, cfg: FeedbackConfig, now: str) -> FeedbackBundle:
-    why = "feedback disabled (ablation)"
-    sig = _fixed_signals(SIGNAL_IDS, report, cfg, why, "feedback.enabled")
-    return FeedbackBundle(run_id=report.run_id, epoch=report.epoch, for_epoch=report.epoch + 1, enabled=False,
-                          reason=why, signals=sig, knobs=_knobs_from_signals(sig).to_dict(), off=list(OFF_NAMES),
-                          report_checkpoint_sha256=report.checkpoint_sha256, created_at=now)
-
-
 def compute_bundle(report: EvalReport, history: Sequence[EvalReport | HistoryEntry] = (), config: Any = None, *,
                    bars: Any | None = None, now: str | None = None) -> FeedbackBundle:
     """E1–E9 for epoch `report.epoch + 1` from the report, the run's earlier reports (or their `HistoryEntry`s) and
@@ -569,10 +519,10 @@ def compute_bundle(report: EvalReport, history: Sequence[EvalReport | HistoryEnt
     now = now if now is not None else _dt.datetime.now(_dt.timezone.utc).isoformat()
     view = build_view(report, history, bars)
     if not cfg.enabled:
-        return _disabled_bundle(report, cfg, now)
+        return disabled_bundle(report, cfg, now)
     off = [i for i in SIGNAL_IDS if not cfg.is_on(i)]
     sig = {i: f(view, cfg) for i, f in SIGNALS.items() if i not in off}
-    sig.update(_fixed_signals(off, report, cfg, "switched off (feedback config `off`): fixed schedule",
+    sig.update(fixed_signals(off, report, cfg, "switched off (feedback config `off`): fixed schedule",
                               "feedback.off"))
     rb = rollback_target(view, cfg) if cfg.is_on("rollback") else None
     reason = "feedback from validation aggregates and the in-sample autopsy"
@@ -596,7 +546,7 @@ def compute_bundle(report: EvalReport, history: Sequence[EvalReport | HistoryEnt
                 "inputs": {**old.inputs, "rollback_to_epoch": g.epoch, "signal_value": old.value},
                 "provenance": [p.model_dump() for p in old.provenance] + [_hist_prov(view).model_dump()]})
         reason = why
-    knobs = _knobs_from_signals(sig)
+    knobs = knobs_from_signals(sig)
     sharpes = [(h.val_sharpe, -h.epoch) for h in view.history] + [(view.val.metric("per_trade_sharpe"), -view.epoch)]
     best_epoch = -max(sharpes)[1] if cfg.is_on("rollback") else None     # ties: the earliest
     return FeedbackBundle(run_id=report.run_id, epoch=report.epoch, for_epoch=report.epoch + 1, enabled=True,

@@ -20,7 +20,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from services.trainer.worker import TrainerServiceSettings, TrainerWorker, read_history
-from shared.api import service_plumbing, create_service_app, require_token
+from shared.api import TOKEN_ERRORS, create_service_app, require_token, service_plumbing
+from shared.api_models import EpochRecord, Paused, Stopping, TrainerStatus, errors
 from shared.bus import REDIS_DOWN, Backoff
 from shared.config import load_settings
 
@@ -92,7 +93,8 @@ def create_app(settings: TrainerServiceSettings | None = None) -> FastAPI:
             await bus.close()
 
     app = create_service_app("trainer", settings, state, lifespan=lifespan,
-                             description="Trains the agent epoch by epoch under the feedback bundles.")
+                             description="Trains the agent epoch by epoch under the feedback bundles.",
+                             status_model=TrainerStatus)
     token = require_token(app)
 
     @app.exception_handler(RedisConnectionError)
@@ -100,24 +102,28 @@ def create_app(settings: TrainerServiceSettings | None = None) -> FastAPI:
     async def redis_down(request, exc):  # Redis restarting: a clear 503, not a 500 with a traceback
         return JSONResponse({"detail": f"Redis unreachable: {exc}"}, status_code=503)
 
-    @app.get("/api/history", tags=["trainer"], summary="Epoch records of the run")
-    async def history() -> list[dict]:
+    @app.get("/api/history", tags=["trainer"], summary="Epoch records of the run", responses=errors(503),
+             response_model_exclude_unset=True)     # each record as stored
+    async def history() -> list[EpochRecord]:
         return await read_history(bus)
 
-    @app.post("/control/pause", tags=["control"], dependencies=[token], summary="Pause before the next epoch")
-    def pause() -> dict:
+    @app.post("/control/pause", tags=["control"], dependencies=[token], summary="Pause before the next epoch",
+              responses=TOKEN_ERRORS)
+    def pause() -> Paused:
         worker.pause()
-        return {"ok": True, "paused": True}
+        return Paused(ok=True, paused=True)
 
-    @app.post("/control/resume", tags=["control"], dependencies=[token], summary="Resume a paused trainer")
-    def resume() -> dict:
+    @app.post("/control/resume", tags=["control"], dependencies=[token], summary="Resume a paused trainer",
+              responses=TOKEN_ERRORS)
+    def resume() -> Paused:
         worker.resume()
-        return {"ok": True, "paused": False}
+        return Paused(ok=True, paused=False)
 
-    @app.post("/control/stop", tags=["control"], dependencies=[token], summary="Stop after the current epoch")
-    def stop() -> dict:
+    @app.post("/control/stop", tags=["control"], dependencies=[token], summary="Stop after the current epoch",
+              responses=TOKEN_ERRORS)
+    def stop() -> Stopping:
         worker.stop()
-        return {"ok": True, "stopping": True}
+        return Stopping(ok=True, stopping=True)
 
     app.state.worker = worker
     app.state.bus = bus

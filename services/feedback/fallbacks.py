@@ -1,0 +1,83 @@
+"""Where a feedback bundle's knobs do not come from the signals: the fixed schedule (a signal switched off, or
+feedback off: `fixed_signals`, `disabled_bundle`) and the rollback to the best earlier epoch (`rollback_target`:
+its evidence; `services.feedback.signals.compute_bundle` restores that epoch's knobs). `KNOB_OF` names the knob each
+signal sets; `knobs_from_signals` turns E1–E9 into the `Knobs` of a bundle.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
+
+from services.feedback.guard import FeedbackView, HistoryPoint
+from shared.knobs import Knobs
+from shared.report import OFF_NAMES, SIGNAL_IDS, EvalReport, FeedbackBundle, Provenance, Signal
+
+if TYPE_CHECKING:
+    from services.feedback.signals import FeedbackConfig
+
+KNOB_OF = {"E1": "q_bias", "E2": "epsilon", "E3": "gamma", "E4": "lr_scale", "E5": "gate_threshold",
+           "E6": "priority_boost", "E7": "hindsight", "E8": "regime_weights", "E9": "regime_confidence"}
+"""The `Knobs` field each signal sets."""
+
+
+def diff_se(se_a: float, se_b: float) -> float:
+    """Standard error of the difference of two independent estimates (inf when either is unknown)."""
+    return math.hypot(se_a, se_b)
+
+
+# --- rollback ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Rollback:
+    """A rollback's evidence: the best earlier epoch, how far validation fell below it, and the noise."""
+
+    best: HistoryPoint
+    drop: float
+    """best.val_sharpe − this epoch's validation per-trade Sharpe (un-annualized)."""
+    se: float
+    """Standard error of that difference."""
+
+
+def rollback_target(view: FeedbackView, cfg: "FeedbackConfig") -> Rollback | None:
+    """A `Rollback` when this epoch's validation per-trade Sharpe fell below the best earlier epoch's by more than
+    rollback_z standard errors of the difference; None otherwise (or with no history, or < 2 trades on a side)."""
+    if not view.history:
+        return None
+    best = max(view.history, key=lambda h: h.val_sharpe)
+    drop = best.val_sharpe - view.val.metric("per_trade_sharpe")
+    se = diff_se(view.val.sharpe_se, best.val_sharpe_se)
+    return Rollback(best, drop, se) if drop > cfg.rollback_z * se else None
+
+
+# --- the fixed schedule -----------------------------------------------------------------------------------
+
+
+def knobs_from_signals(sig: dict[str, Signal]) -> Knobs:
+    """The `Knobs` of signals E1–E9 (E5 None = no gate), validated."""
+    g = sig["E5"].value
+    return Knobs(epsilon=sig["E2"].value, gamma=sig["E3"].value, q_bias=sig["E1"].value,
+                 lr_scale=dict(sig["E4"].value), gate_threshold=math.inf if g is None else g,
+                 priority_boost=[(int(b), float(m)) for b, m in sig["E6"].value],
+                 hindsight=[(int(b), int(d)) for b, d in sig["E7"].value],
+                 regime_weights=list(sig["E8"].value), regime_confidence=list(sig["E9"].value)).validate()
+
+
+def fixed_signals(ids: Sequence[str], report: EvalReport, cfg: "FeedbackConfig", reason: str,
+                  field: str) -> dict[str, Signal]:
+    """Signals `ids` at the fixed schedule's knobs for epoch e+1 (a signal switched off, or feedback off)."""
+    d = cfg.schedule.knobs(report.epoch + 1).to_dict()
+    prev = report.trained_knobs().to_dict()
+    prov = [Provenance(run_id=report.run_id, epoch=report.epoch, split="config", fields=[field])]
+    return {i: Signal(id=i, knob=KNOB_OF[i], value=d[KNOB_OF[i]], previous=prev[KNOB_OF[i]], provenance=prov,
+                      reason=reason) for i in ids}
+
+
+def disabled_bundle(report: EvalReport, cfg: "FeedbackConfig", now: str) -> FeedbackBundle:
+    """The bundle with feedback off: every knob from the fixed schedule for epoch e+1."""
+    why = "feedback disabled (ablation)"
+    sig = fixed_signals(SIGNAL_IDS, report, cfg, why, "feedback.enabled")
+    return FeedbackBundle(run_id=report.run_id, epoch=report.epoch, for_epoch=report.epoch + 1, enabled=False,
+                          reason=why, signals=sig, knobs=knobs_from_signals(sig).to_dict(), off=list(OFF_NAMES),
+                          report_checkpoint_sha256=report.checkpoint_sha256, created_at=now)
