@@ -57,7 +57,8 @@ class TrainConfig:
     cosine_period: int = 1000
     """Updates per cosine warm restart of the branch groups (their Adam momentum resets at each restart)."""
     cosine_floor: float = 0.3
-    """Minimum of the branch cosine factor."""
+    """Minimum of the branch cosine factor floor + (1 − floor) · ½(1 + cos(π · phase)), phase the position in the
+    period (`optim.scheduled_lr`)."""
     grad_clip: float = 10.0
     """Global gradient-norm clip."""
     tau: float = 0.01
@@ -78,7 +79,8 @@ class TrainConfig:
     entropy_init: float = 1e-3
     """Initial entropy-bonus coefficient β."""
     entropy_rate: float = 0.01
-    """Adaptation rate of β per update."""
+    """Adaptation rate of β per update: β grows while the atom utilisation is below `entropy_target`, shrinks above
+    (`losses.adapt_entropy_coef`)."""
     q_centre_coef: float = 0.1
     """Q-mean centring: weight of ((mean Q − mean target) / v_max)²."""
     q_gap_frac: float = 0.5

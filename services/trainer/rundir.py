@@ -1,14 +1,14 @@
 """The trainer's run directory, one definition of its files:
 
     DIR/run.json                              dataset, seed, config, split and their hashes (`write_run_json`)
-    DIR/history.jsonl                         one JSON record per epoch, appended (`append_history`, `read_history`)
+    DIR/history.jsonl                         one JSON record per epoch, appended (`append_history`; read by
+                                              `shared.runfiles.read_history`)
     DIR/checkpoints/epoch-NNNN.safetensors    agent weights + metadata (what the evaluator loads; sha256 sidecar)
     DIR/checkpoints/epoch-NNNN.state.safetensors   trainer state for resume (sha256 sidecar)
 
 and the one resume check (`latest_epoch`): the highest epoch whose two files match their sha256 sidecars.
 
-Imports only the standard library and `shared.checkpoints` (itself standard library at import time), so the run
-readers outside the trainer (`shared.runfiles`, the evaluator) use it without loading torch.
+Imports only the standard library and `shared.checkpoints` (no torch).
 """
 from __future__ import annotations
 
@@ -57,25 +57,6 @@ def append_history(run_dir: Path, record: dict) -> None:
     """Append one epoch's record to DIR/history.jsonl (non-finite floats as null)."""
     with open(Path(run_dir) / HISTORY, "a") as f:
         f.write(json.dumps(finite(record), allow_nan=False) + "\n")
-
-
-def read_history(path: Path) -> dict[int, dict]:
-    """epoch → record of a history.jsonl file (a run directory's, or the file itself): the last complete line of
-    each epoch; a line cut by a kill, or one that is not an epoch's record, is skipped. {} without the file."""
-    path = Path(path)
-    if path.is_dir():
-        path = path / HISTORY
-    if not path.is_file():
-        return {}
-    recs: dict[int, dict] = {}
-    for line in path.read_text(errors="replace").splitlines():
-        try:
-            d = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(d, dict) and isinstance(d.get("epoch"), int):
-            recs[d["epoch"]] = d
-    return recs
 
 
 def latest_epoch(run_dir: Path) -> int:

@@ -23,7 +23,7 @@ from services.trainer.loop import EpochInterrupted, EpochStats, PhaseClock, open
 from services.trainer.objective import Objective, make_objective
 from services.trainer.optim import (build_optimizer, clip_grad_norm, device_lrs, group_lr, materialise_state,
                                     param_branch, scheduled_lr, set_lrs, weight_decay_mask)
-from services.trainer.rundir import append_history, latest_epoch, read_history, read_run_json
+from services.trainer.rundir import append_history, latest_epoch, read_run_json
 from services.trainer.runtime import StepRunner, _bf16, compile_step, inductor_options
 from services.trainer.state import TrainState, adapt_support, apply_knobs, build_state
 from services.trainer.step import make_update, train_step
@@ -35,7 +35,7 @@ __all__ = [
     "adapt_support", "agent_metadata", "append_history", "apply_knobs", "build_optimizer", "build_state",
     "clip_grad_norm", "compile_step", "device_lrs", "group_lr", "inductor_options", "iqn_rows", "latest_epoch",
     "make_buffers", "make_objective", "make_targets", "make_update", "materialise_state", "noise_width", "open_run",
-    "param_branch", "prune_checkpoints", "read_history", "read_interrupted", "read_run_json", "refresh_embeddings",
+    "param_branch", "prune_checkpoints", "read_interrupted", "read_run_json", "refresh_embeddings",
     "refresh_encode", "refresh_rolling", "refresh_store", "remove_checkpoint", "restore_interrupted",
     "restore_state", "roll_back", "sample_horizons", "save_epoch", "save_interrupted", "scheduled_lr", "set_lrs",
     "train_epoch", "train_run", "train_step", "weight_decay_mask",

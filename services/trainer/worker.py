@@ -50,8 +50,9 @@ from shared.bus import REDIS_DOWN, Backoff, Bus
 from shared.config import TrainerSettings
 from shared.events import CheckpointPublished, EventError, FeedbackReady, decode_event
 from shared.knobs import FixedSchedule, Knobs
+from shared import runfiles
 from shared.store import run_key
-from services.trainer.rundir import append_history, checkpoint_path, finite, read_history
+from services.trainer.rundir import HISTORY, append_history, checkpoint_path, finite
 
 log = logging.getLogger("tradeloop.trainer")
 
@@ -445,7 +446,7 @@ class TrainerWorker:
             # resumed after a crash between saving and publishing: publish the saved epoch (once)
             path = checkpoint_path(self.run_dir, tstate.epoch)
             prev = await self.bus.redis.hget(history_key(self.bus.run_id), str(tstate.epoch))
-            rec = json.loads(prev) if prev else read_history(self.run_dir).get(tstate.epoch)
+            rec = json.loads(prev) if prev else runfiles.read_history(self.run_dir / HISTORY).get(tstate.epoch)
             await self._publish(tstate.epoch, path, meta, rec or {"resumed": True})
         self.state.ready = True
         while tstate.epoch < self.settings.epochs and not self._stop.is_set():
