@@ -55,6 +55,24 @@ def atomic_write(path: Path, data: bytes | str) -> None:
         raise
 
 
+def read_history(path: str | os.PathLike) -> dict[int, dict]:
+    """epoch → record of a trainer's history.jsonl: the last complete line of each epoch (a line cut by a kill, or
+    one that is not an epoch's record, is skipped); {} without the file. The one reader of that file (the trainer's
+    resume, the evaluator's knobs of an epoch, `RunFiles.history`)."""
+    path = Path(path)
+    if not path.is_file():
+        return {}
+    recs: dict[int, dict] = {}
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            d = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(d, dict) and isinstance(d.get("epoch"), int):
+            recs[d["epoch"]] = d
+    return recs
+
+
 class RunFiles:
     """The files of one run directory (`root`); see the module docstring for the layout."""
 
@@ -122,13 +140,7 @@ class RunFiles:
         if not recs:
             for p in (self.root / "trainer" / "history.jsonl", self.root / "history.jsonl"):
                 if p.is_file():
-                    for line in p.read_text(errors="replace").splitlines():
-                        try:
-                            d = json.loads(line)
-                        except json.JSONDecodeError:
-                            continue
-                        if isinstance(d, dict) and isinstance(d.get("epoch"), int):
-                            recs[d["epoch"]] = d
+                    recs = read_history(p)
                     break
         return [recs[e] for e in sorted(recs) if recs[e] is not None]
 

@@ -1,4 +1,4 @@
-"""Each feedback knob (E1–E9) reaches the trainer state it is meant to steer (services/trainer/train.py).
+"""Each feedback knob (E1–E9) reaches the trainer state it is meant to steer (services/trainer/: state, targets, optim).
 
 Pure library tests on a tiny CPU trainer: `apply_knobs` / `train_epoch` set the knobs, and each test checks the
 effect where the design says it lands — bootstrap targets (E1 q_bias, E3 γ), the collection policy (E2 ε, E5
@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-import services.trainer.train as train_mod
+import services.trainer.targets as targets_mod
 from services.trainer.train import TrainConfig, apply_knobs, build_state, train_epoch
 from shared.agent import FLAT, AgentConfig
 from shared.knobs import BRANCHES, N_REGIMES, Knobs
@@ -65,13 +65,13 @@ def test_q_bias_and_gamma_shift_the_bootstrap_targets(data, monkeypatch):
     train_epoch(st, Knobs(epsilon=1.0))                                     # collection only: fills replay
     batch = st.replay.sample(64, torch.Generator().manual_seed(0))
     seen = []
-    real = train_mod.project_distribution
+    real = targets_mod.project_distribution
 
     def spy(tz, p, z):
         seen.append((tz.detach().clone(), z.detach().clone()))
         return real(tz, p, z)
 
-    monkeypatch.setattr(train_mod, "project_distribution", spy)
+    monkeypatch.setattr(targets_mod, "project_distribution", spy)
     H, A = len(st.cfg.horizons), st.cfg.agent.n_atoms
 
     def targets(knobs):

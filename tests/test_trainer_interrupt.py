@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.trainer.train import (INTERRUPTED, EpochInterrupted, build_state, prune_checkpoints, read_interrupted,
-                                    restore_interrupted, restore_state, save_epoch, save_interrupted, train_epoch)
-from services.trainer.worker import complete_epoch
+from services.trainer.train import (INTERRUPTED, EpochInterrupted, build_state, latest_epoch, prune_checkpoints,
+                                    read_interrupted, restore_interrupted, restore_state, save_epoch, save_interrupted,
+                                    train_epoch)
 from shared.checkpoints import sidecar_path
 from shared.knobs import Knobs
 from shared.market import chronological_split
@@ -52,7 +52,7 @@ def test_an_interrupted_epoch_resumes_at_its_iteration_with_every_update_kept(tm
     save_interrupted(a, run, p, {"knobs_source": "test"})
 
     b = _state(bars, cfg)                                     # a new process
-    done = complete_epoch(run)
+    done = latest_epoch(run)
     tensors, meta = read_interrupted(run, done, cfg.hash())
     assert done == 1 and meta["record"] == {"knobs_source": "test"}
     q = restore_interrupted(b, tensors, meta)
@@ -88,7 +88,7 @@ def test_an_interrupted_file_of_an_earlier_epoch_or_cut_by_a_kill_is_never_loade
     a2 = _state(bars, cfg)
     train_epoch(a2, Knobs.fixed_schedule(1))
     save_epoch(a2, run, META)                                  # epoch 1 completed by another path: the file is stale
-    assert read_interrupted(run, complete_epoch(run), cfg.hash()) is None and not path.exists()
+    assert read_interrupted(run, latest_epoch(run), cfg.hash()) is None and not path.exists()
 
 
 def test_a_run_keeps_the_last_trainer_state_and_the_last_k_checkpoints(tmp_path):
@@ -112,7 +112,7 @@ def test_a_run_keeps_the_last_trainer_state_and_the_last_k_checkpoints(tmp_path)
     names = sorted(p.name for p in ck.iterdir() if not p.name.endswith(".sha256"))
     assert names == ["epoch-0004.safetensors", "epoch-0005.safetensors", "epoch-0005.state.safetensors"]
     assert sorted(p.name for p in ck.glob("*.sha256")) == [f"{n}.sha256" for n in names]
-    assert not (ck / INTERRUPTED).exists() and complete_epoch(run) == 5
+    assert not (ck / INTERRUPTED).exists() and latest_epoch(run) == 5
     c = _state(bars, cfg)
     restore_state(c, run, 5)                                  # what is kept resumes
     assert c.update_step == a.update_step

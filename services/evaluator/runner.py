@@ -45,12 +45,12 @@ import numpy as np
 import pandas as pd
 import torch
 
-from shared.agent import FLAT, Agent, AgentConfig, MarketView, PolicyControls, check_tensor_names
+from shared.agent import FLAT, Agent, MarketView, PolicyControls, agent_from_checkpoint
 from shared.checkpoints import CheckpointError, checkpoint_sha256, load_checkpoint, sidecar_path
 from shared.execution import CostModel
 from shared.knobs import Knobs
 from shared.market import Bars, Split, chronological_split, compute_features, load_dataset
-from shared.runfiles import RunFiles
+from shared.runfiles import RunFiles, read_history
 from shared.rollout import MarketTensors, chosen_outputs, greedy_pass, market_view
 
 if TYPE_CHECKING:
@@ -85,12 +85,10 @@ def restore_agent(ckpt: str | os.PathLike | bytes, *, expected_sha256: str | Non
         raise CheckpointError(source, "metadata has no 'agent_config' (not an agent checkpoint: a trainer-state "
                                       "file?)")
     try:
-        agent = Agent(AgentConfig.from_dict(meta["agent_config"]))
-        check_tensor_names(agent, tensors)
-        agent.load_state_dict(tensors)
+        agent = agent_from_checkpoint(tensors, meta, device)       # the one agent loader (shared.agent)
     except (TypeError, KeyError, RuntimeError, ValueError) as exc:
         raise CheckpointError(source, f"tensors do not fit the agent config: {str(exc).splitlines()[0]}") from None
-    return agent.to(device).eval(), meta, sha
+    return agent, meta, sha
 
 
 def trained_knobs(meta: dict) -> Knobs | None:
@@ -331,18 +329,8 @@ def _run_dir_of(checkpoint: Path) -> Path | None:
 
 
 def _knobs_from_history(run_dir: Path, epoch: int) -> dict | None:
-    hist = run_dir / "history.jsonl"
-    if not hist.exists():
-        return None
-    found = None
-    for line in hist.read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if rec.get("epoch") == epoch and isinstance(rec.get("knobs"), dict):
-            found = rec["knobs"]
-    return found
+    knobs = read_history(run_dir / "history.jsonl").get(epoch, {}).get("knobs")
+    return knobs if isinstance(knobs, dict) else None
 
 
 @dataclass

@@ -2,9 +2,9 @@
 
 A program holds ROWS (sample, branch) rows as a ROWS × AP tile (atoms padded to a power of two) and visits the K
 ensemble members one after another; what depends on the row alone (its action, its shift, the taps' sources and
-weights) is computed once, before that loop. Session 15's kernels held all members at once, a ROWS × KP × AP tile
-(K = 5 padded to 8): 159 µs forward + backward at batch 4 096 on the H200 against 136 µs for this layout
-(bench/c51_kernel_speed.py, session 16). Positions and distances are in atom units (`losses._shift_pairs`): the
+weights) is computed once, before that loop. Holding all members at once, a ROWS × KP × AP tile
+(K = 5 padded to 8), took 159 µs forward + backward at batch 4 096 on the H200 against 136 µs for this layout
+(bench/c51_kernel_speed.py). Positions and distances are in atom units (`losses._shift_pairs`): the
 source j lands at j + u, u = δ / Δz, exactly at δ = 0. The algorithm is described in `services.trainer.fused_c51`."""
 import triton
 import triton.language as tl

@@ -7,7 +7,7 @@ One program holds one bootstrap state n, in two tiles, each one load and a few r
   2. the target logits of every (branch, member) as the rows of a 4·KP × AP tile: each row first finds its branch's
      greedy column (an argmax of the mean Q over the branch's actions), then reads that action's logits of its
      member; the softmaxes summed over the members give each branch's mean distribution.
-Session 23's first form visited the members and the branches one after another (1 + 3 members' loops of row
+A form that visited the members and the branches one after another (1 + 3 members' loops of row
 reductions and a load that waited on each argmax): 72 µs at batch 4 096 on the H200, more than the compiled chain
 it replaced (bench/train_profile.py --trace)."""
 import triton

@@ -2,7 +2,7 @@
 
 `torch.optim.AdamW` steps each parameter group on its own: under torch.compile its foreach form became ~20 Triton
 kernels for the `full` agent's groups, plus the gradient clip's multi-tensor norm and scale and the target network's
-multi-tensor lerp (~45 kernels, ~120 µs of a batch-4 096 update's 1.27 ms on the H200; bench/README.md, session 17).
+multi-tensor lerp (~45 kernels, ~120 µs of a batch-4 096 update's 1.27 ms on the H200; bench/README.md).
 Here the parameters are views of one flat float32 buffer (`flatten_parameters`), the gradients are concatenated
 once, and the clip's norm, the moments, the decay and the step are a handful of element-wise passes over that
 buffer, each parameter reading its group's learning rate and decay through a per-element group index. The target
@@ -22,7 +22,7 @@ import torch
 ALIGN = 32
 """Each parameter's view starts at a multiple of this many elements (128 bytes), as a parameter allocated on its
 own does: kernels compiled for aligned inputs read every view with vector loads. Packed end to end instead, the
-H200 stopped at "misaligned address" in the compiled update (session 18)."""
+H200 stopped at "misaligned address" in the compiled update."""
 
 
 def flat_layout(params: list[torch.Tensor]) -> tuple[list[int], int]:
@@ -106,7 +106,7 @@ class FlatAdamW:
         # the zeros are made from the flat buffer, not from a parameter: a parameter used in the compiled step
         # becomes a graph input aliasing the buffer the step mutates, and AOTAutograd then writes the buffer back
         # with a copy after the compiled kernels (a device-to-device memcpy of every parameter, ~9 µs at the end of
-        # the batch-4 096 update on the H200, session 23)
+        # the batch-4 096 update on the H200)
         parts = []
         for p, gap in zip(self.params, self._gaps):
             parts.append(p.grad.reshape(-1).float() if p.grad is not None else self.flat.new_zeros(p.numel()))

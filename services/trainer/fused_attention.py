@@ -5,7 +5,7 @@ Why by hand: the encoder learns from 256 windows of 64 bars, 2 heads of 64 dims 
 fused SDPA (cuDNN on the H200) runs as four kernels backward (a memset, the dO·O preprocessing, the backward, the
 dQ conversion), ~35 µs for the causal block and ~20 µs for the last block's single query, plus the transposes and
 the concatenation that take q, k, v apart and put their gradients back together (bench/train_profile.py --replay
---trace, session 21). A window's whole attention fits one program's registers: here each pass is one kernel that
+--trace). A window's whole attention fits one program's registers: here each pass is one kernel that
 reads the packed qkv projection (N × W × 3D) and writes the layouts the block's Linear layers use.
 
 `causal_attention(qkv, n_heads)`: the causal self-attention of `CausalBlock.forward`, qkv → N × W × D.

@@ -10,14 +10,14 @@ and, of the direction branch (b = 0), the entropy of p_k and its atom utilisatio
 
 Why by hand: compiled, that chain was ~20 kernels of the update's graph, ~340 µs of its 1.95 ms at batch 4 096 on the
 H200 (gather, softmax, the shift's four-tap gathers, cross-entropy, entropy, and the same backward, plus the
-scatter that takes the gathered logits' gradient apart; bench/train_profile.py --trace, session 14). Each kernel
+scatter that takes the gathered logits' gradient apart; bench/train_profile.py --trace). Each kernel
 moved ~12 MB and was bound by its index arithmetic, not by memory. Here one program holds one (sample, branch) and
 visits its K members one after another, each member's A logits in registers; the shift's four taps gather from the
 registers (`tl.gather`) — the probabilities (forward) or the saved ratio T / q (backward) — so nothing goes through
 memory between the steps. Positions are in atom units, as the reference's (`losses._shift_pairs`).
 Measured on the H200 (bench/c51_kernel_speed.py, forward + backward at batch 4 096): 136 µs against 322 µs for the
-compiled chain (session 16, the members in a loop; session 15's all-members tile: 159 µs); with the tile, the
-update's graph replay went 1.92 → 1.70 ms (bench/train_profile.py --variants, session 15). The kernels are bound by
+compiled chain (an all-members tile instead of the members' loop: 159 µs); with the tile, the
+update's graph replay went 1.92 → 1.70 ms (bench/train_profile.py --variants). The kernels are bound by
 latency: more rows or warps a program were slower (`LAUNCH`), and taps read from global memory (L1) instead of
 gathered from registers were 186 µs at best.
 
@@ -47,7 +47,7 @@ from services.trainer.losses import C51_EPS, UTIL_THRESHOLD
 
 LAUNCH = {"rows": 1, "num_warps": 1}
 """Launch settings of both kernels: (sample, branch) rows per program and warps per program. One row and one warp
-was the fastest on the H200, forward + backward at batch 4 096 (bench/c51_kernel_speed.py, session 16): 136 µs;
+was the fastest on the H200, forward + backward at batch 4 096 (bench/c51_kernel_speed.py): 136 µs;
 every setting with more rows or warps a program was slower (168–1 029 µs): they need more registers per thread or
 more threads per row, and the kernels are bound by how many programs an SM keeps in flight."""
 

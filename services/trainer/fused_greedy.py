@@ -9,7 +9,7 @@ What it computes is `services.trainer.losses.greedy_next_reference`, for each bo
 Why by hand: compiled, the online Q of every action of every member was one kernel of ~39 µs at batch 4 096 on the
 H200 (N × K × NB × A = 8.4 M logits, ~17 MB: a few µs of memory traffic), the argmaxes three more, and the
 gathered target softmax one of ~19 µs — ~60 µs of the targets' side stream, which shares the GPU with the online
-forward pass (bench/train_profile.py --trace, session 23). Here one program holds one state: every member's
+forward pass (bench/train_profile.py --trace). Here one program holds one state: every member's
 logits of every action in one tile of registers, then the greedy actions' target logits in another
 (`_greedy_triton`). No gradient: the targets are computed without one.
 
@@ -22,7 +22,7 @@ import torch
 
 NUM_WARPS = 1
 """Warps per program (one bootstrap state: tiles of 64 × 64 and 32 × 64 values for the `full` agent). On the H200 at
-batch 4 096 (bench/greedy_kernel_speed.py, session 23): 26 µs with 1 warp, 78 with 2, 103 with 4, 126 with 8; the
+batch 4 096 (bench/greedy_kernel_speed.py): 26 µs with 1 warp, 78 with 2, 103 with 4, 126 with 8; the
 compiled reference 132 µs alone. One warp does each row reduction in its registers and shuffles, with no barrier."""
 
 

@@ -51,7 +51,7 @@ def lower_neighbour(tz: torch.Tensor, support: torch.Tensor) -> tuple[torch.Tens
 def projection_weights(tz: torch.Tensor, support: torch.Tensor) -> torch.Tensor:
     """The weights of Φ: w_ij = clip(1 − |clip(tz_j, v_min, v_max) − z_i| / Δz, 0, 1), tz ... × A' → ... × A × A'.
     The dense definition: `project_distribution` and `shift_distribution` compute only its non-zero part, and the
-    tests check both against it (no training path calls it since session 13)."""
+    tests check both against it (no training path calls it)."""
     tz = tz.clamp(support[0], support[-1]).unsqueeze(-2)                                   # ... × 1 × A'
     return (1.0 - (tz - support.unsqueeze(-1)).abs() / atom_step(support)).clamp(0.0, 1.0)  # ... × A × A'
 
@@ -71,7 +71,7 @@ def shift_distribution(probs: torch.Tensor, delta: torch.Tensor, support: torch.
     Why the dense form's subgradients and not `project_distribution`'s two weights per atom: the shift starts at
     δ = 0 — every atom on a kink, where the two-weight form's gradient in δ is one-sided (−p_j at l, +p_j at l + 1)
     and the dense form's is central (−p_j at l − 1, +p_j at l + 1, none at l: |x|' = 0 at 0). On the CPU learning
-    bench (session 8, seeds 0–5) the two-weight form reached a mean OOS per-trade Sharpe of 0.37 (target met in 1 seed
+    bench (seeds 0–5) the two-weight form reached a mean OOS per-trade Sharpe of 0.37 (target met in 1 seed
     of 6) against 0.66 (5 of 6) for the dense one."""
     return _ShiftGather.apply(probs.float(), delta.float(), support)
 
@@ -89,7 +89,7 @@ def _shift_pairs(delta: torch.Tensor, support: torch.Tensor, transpose: bool
     δ / Δz, not the difference of two support values, which carry the support's rounding. At δ = 0, where the shift
     starts (its last layer is zero-initialised), every source sits on a kink, and whether a neighbour's subgradient
     counts (h = 1 − |d| / Δz exactly 0) was decided by that rounding — differently eager and compiled (the last
-    layer's gradient 57 % apart on the VM, tests/test_train_graph.py, session 16). In atom units h is exactly 0
+    layer's gradient 57 % apart on the VM, tests/test_train_graph.py). In atom units h is exactly 0
     there, so the subgradient is the central one everywhere."""
     A, dz = support.shape[0], atom_step(support)
     u = delta / dz                                                                        # N
@@ -127,7 +127,7 @@ class _ShiftGather(torch.autograd.Function):
     Backward: each source atom gathers the gradient of its four candidate outputs (the transposed pairs, the same
     weights), and ∂/∂δ sums p_j · g_i · ∂w_ij/∂(z_j + δ) over the pairs. Autograd of a gather would scatter-add its
     gradient: the update's largest kernel on the H200 was the band form's scatter-add (124 µs at batch 4 096), where
-    these gathers take ~35 µs a pass (bench/train_profile.py --trace, session 14). Every tensor op here is
+    these gathers take ~35 µs a pass (bench/train_profile.py --trace). Every tensor op here is
     elementwise, a gather or a sum, so compiled it fuses into a few kernels."""
 
     @staticmethod
@@ -312,7 +312,7 @@ def top_two(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     direction branch's n = 3 the two are written with max and min, max(a, b, c) and the median max(min(a, b),
     min(max(a, b), c)), exact in any float type, so torch.compile fuses them into the loss's kernels: topk is a
     sort, two kernels of ~7 µs on the H200 in the batch-4 096 update plus a scatter in its backward
-    (bench/train_profile.py, session 16). At a tie the gradient splits between the tied entries (topk gives it
+    (bench/train_profile.py). At a tie the gradient splits between the tied entries (topk gives it
     to one): the same subgradient set, another member of it."""
     if q.shape[1] != 3:
         t = q.topk(2, dim=1).values
@@ -331,7 +331,7 @@ def batch_sum(x: torch.Tensor) -> torch.Tensor:
     N / g consecutive rows, then their sum. The same number up to the order of float additions. Why: compiled, the
     update's batch scalars (the loss, its terms, the metrics) were all reductions of N rows to one value, and
     inductor ran them in one kernel of one thread block that looped over the rows (xnumel 1): 12 to 57 µs on the
-    H200 depending on the launch configuration its autotuning picked (bench/README.md, session 21). Written in two
+    H200 depending on the launch configuration its autotuning picked (bench/README.md). Written in two
     levels they are a kernel over g blocks of N / g rows each and a g-element sum."""
     N = x.shape[0]
     g = math.gcd(N, SUM_GROUPS)

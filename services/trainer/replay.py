@@ -37,9 +37,9 @@ def scatter_amax_reweigh_(priority: torch.Tensor, weight: torch.Tensor, index: t
 
     Why an op of its own: compiled, the `scatter_reduce_` on the priorities became a copy of the whole array, aten's
     scatter on the copy and a copy back (inductor does not write it in place): 3 kernels, ~24 µs of the batch-4 096
-    update on the H200 for 4 096 values, the copies ~8 MB each way (bench/train_profile.py --trace, session 18); so
+    update on the H200 for 4 096 values, the copies ~8 MB each way (bench/train_profile.py --trace); so
     did the weights' `index_copy_` after it: a copy of the 2-M-slot weight array, the write, and a device-to-device
-    memcpy back, 3 kernels and ~14 µs (session 20's trace). torch.compile writes a custom op's declared mutations in
+    memcpy back, 3 kernels and ~14 µs (a trace). torch.compile writes a custom op's declared mutations in
     place (seen in its generated code); on CUDA the op is one Triton kernel (`_replay_triton`), elsewhere aten's
     `scatter_reduce_` and `index_copy_`."""
     _amax_reweigh_aten(priority, weight, index, src, bar, boost, alpha)
@@ -181,7 +181,7 @@ class Replay:
     def valid_row_count(self) -> torch.Tensor:
         """`valid_rows().sum()` without counting (a device scalar): the rows' ages are 0 … L − 1, one each, and the
         valid ones are those in [max_h, count). Counted, it was a reduction of its own, 4.6 µs of the batch-4 096
-        update on the H200 (session 18; over the L·E slots, session 16: 3 kernels, ~12 µs)."""
+        update on the H200 (over the L·E slots: 3 kernels, ~12 µs)."""
         return (self.count_t - self.max_h).clamp(min=0)
 
     def valid_mask(self) -> torch.Tensor:
@@ -272,7 +272,7 @@ def inverse_cdf(p: torch.Tensor, u: torch.Tensor, block: int = SAMPLE_BLOCK) -> 
     right=True)` gives, in two levels: block sums of `block` slots and their cumulative sum pick a block, then the
     cumulative sum of that block's slots alone picks the slot. Nothing of length S is scanned (a cumulative sum
     over the 2-M-slot ring and the search in it were ~0.12 ms of a 2.3-ms update on the H200 at batch 4 096,
-    bench/train_profile.py, session 13): one reduction reads p, the rest is S / block + N × block.
+    bench/train_profile.py): one reduction reads p, the rest is S / block + N × block.
     Sums in float64, as the flat form's. A slot of weight 0 is never drawn, rounding included: each level's pick is
     capped at its last slot of positive weight."""
     S = p.shape[0]

@@ -42,7 +42,6 @@ import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
 
 from pydantic import Field
 
@@ -51,7 +50,9 @@ from shared.bus import REDIS_DOWN, Backoff, Bus
 from shared.config import TrainerSettings
 from shared.events import CheckpointPublished, EventError, FeedbackReady, decode_event
 from shared.knobs import FixedSchedule, Knobs
+from shared import runfiles
 from shared.store import run_key
+from services.trainer.rundir import HISTORY, append_history, checkpoint_path, finite
 
 log = logging.getLogger("tradeloop.trainer")
 
@@ -176,9 +177,9 @@ class TrainerWorker:
         the interrupted epoch's (progress, record) or None)."""
         import torch
 
-        from services.trainer.train import (TrainConfig, build_state, read_interrupted, restore_interrupted,
-                                            restore_state)
-        from shared.market import Split, chronological_split, compute_features, load_dataset
+        from services.trainer.train import (TrainConfig, build_state, latest_epoch, open_run, read_interrupted,
+                                            restore_interrupted, restore_state)
+        from shared.market import compute_features, load_dataset
 
         s = self.settings
         if s.compile_cache_dir is not None:             # before anything compiles (`shared.graphs.use_compile_cache`)
@@ -189,29 +190,18 @@ class TrainerWorker:
         if s.data_bars is not None and s.data_bars < len(bars):
             bars = bars.slice(0, s.data_bars)
         feats = compute_features(bars)
-        run_json = self.run_dir / "run.json"
-        if run_json.exists():
-            meta = json.loads(run_json.read_text())
-            if meta.get("bars_fingerprint") != bars.fingerprint():
-                raise ValueError(f"{self.run_dir} holds a run on other data (dataset {meta.get('dataset')!r}); "
-                                 "use another TL_RUN_ID")
-            cfg, split, seed = TrainConfig.from_dict(meta["config"]), Split.from_dict(meta["split"]), meta["seed"]
-        else:
+
+        def new_config() -> TrainConfig:
             cfg = TrainConfig.preset(s.config, feats.shape[1])
             over = {k: v for k, v in (("iterations", s.train_iterations), ("learning_starts", s.train_learning_starts),
                                       ("batch_size", s.train_batch_size), ("n_envs", s.train_n_envs)) if v is not None}
-            cfg = dataclasses.replace(cfg, **over)
-            split, seed = chronological_split(len(bars)), s.seed
-            meta = {"dataset": s.data, "data_seed": s.data_seed, "seed": seed, "config": cfg.to_dict(),
-                    "split": split.to_dict(), "n_bars": len(bars), "config_hash": cfg.hash(),
-                    "split_hashes": {w: split.window_hash(bars, w) for w in ("train", "val", "test")},
-                    "bars_fingerprint": bars.fingerprint()}
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            run_json.write_text(json.dumps(meta, indent=2))
+            return dataclasses.replace(cfg, **over)
+        meta, cfg, split, seed = open_run(self.run_dir, bars, s.data, seed=s.seed, new_config=new_config,
+                                          where="TL_RUN_ID", extra={"data_seed": s.data_seed})
         device = s.device if s.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         tstate = build_state(cfg, bars, split, seed, device, features=feats, accel=s.accel)
         tstate.runner.on_compile = self._compiling
-        done = complete_epoch(self.run_dir)
+        done = latest_epoch(self.run_dir)
         partial = read_interrupted(self.run_dir, done, cfg.hash())
         if partial is not None:
             tensors, pmeta = partial
@@ -454,9 +444,9 @@ class TrainerWorker:
         self.state.extra.update(device=str(tstate.device), accel=tstate.accel)
         if tstate.epoch and not await self.bus.redis.exists(run_key(self.bus.run_id, "done", "published", tstate.epoch)):
             # resumed after a crash between saving and publishing: publish the saved epoch (once)
-            path = self.run_dir / "checkpoints" / f"epoch-{tstate.epoch:04d}.safetensors"
+            path = checkpoint_path(self.run_dir, tstate.epoch)
             prev = await self.bus.redis.hget(history_key(self.bus.run_id), str(tstate.epoch))
-            rec = json.loads(prev) if prev else _jsonl_record(self.run_dir / "history.jsonl", tstate.epoch)
+            rec = json.loads(prev) if prev else runfiles.read_history(self.run_dir / HISTORY).get(tstate.epoch)
             await self._publish(tstate.epoch, path, meta, rec or {"resumed": True})
         self.state.ready = True
         while tstate.epoch < self.settings.epochs and not self._stop.is_set():
@@ -500,9 +490,8 @@ class TrainerWorker:
             path, _ = await asyncio.to_thread(save_epoch, tstate, self.run_dir, meta)
             await asyncio.to_thread(prune_checkpoints, self.run_dir, epoch, self.settings.keep_checkpoints,
                                     self._pinned(epoch))
-            record = {**_finite(asdict(stats)), **rec}
-            with open(self.run_dir / "history.jsonl", "a") as f:
-                f.write(json.dumps(record, allow_nan=False) + "\n")
+            record = {**finite(asdict(stats)), **rec}
+            append_history(self.run_dir, record)
             self.set_phase("publishing")
             await self._publish(epoch, path, meta, record)
             self.state.epoch = epoch
@@ -606,54 +595,3 @@ def _rollback_rec(bundle: dict | None) -> dict:
         return {"rollback_to_epoch": int(bundle["rollback_to_epoch"]),
                 "rollback_checkpoint_sha256": str(bundle.get("rollback_checkpoint_sha256") or "")}
     return {}
-
-
-def complete_epoch(run_dir: Path) -> int:
-    """Highest epoch whose checkpoint AND trainer state both exist and match their sha256 sidecars (0: none).
-
-    A trainer killed inside `save_epoch` can leave the weights of epoch e without its state, or the state file
-    renamed into place before its sidecar was written: such an epoch is incomplete and is trained again, never
-    loaded. (`train.latest_epoch` only checks that both files exist.)"""
-    from shared.checkpoints import CheckpointError, _read_sidecar, checkpoint_sha256
-
-    ck = Path(run_dir) / "checkpoints"
-    for tmp in ck.glob(".epoch-*.tmp"):  # temp files of a write that was killed (only this trainer writes here)
-        tmp.unlink(missing_ok=True)
-    epochs = sorted({int(p.name.split("-")[1].split(".")[0]) for p in ck.glob("epoch-[0-9]*.state.safetensors")},
-                    reverse=True)
-    for e in epochs:
-        ok = True
-        for p in (ck / f"epoch-{e:04d}.safetensors", ck / f"epoch-{e:04d}.state.safetensors"):
-            try:
-                want = _read_sidecar(p) if p.exists() else None
-            except CheckpointError:
-                want = None
-            if want is None or checkpoint_sha256(p.read_bytes()) != want:
-                ok = False
-                log.warning("%s is incomplete (kill during the checkpoint write?): resuming from an earlier epoch", p)
-                break
-        if ok:
-            return e
-    return 0
-
-
-def _jsonl_record(path: Path, epoch: int) -> dict | None:
-    """The last complete line of history.jsonl for `epoch` (a line cut by a kill is skipped)."""
-    if not path.exists():
-        return None
-    rec = None
-    for line in path.read_text(errors="replace").splitlines():
-        try:
-            d = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(d, dict) and d.get("epoch") == epoch:
-            rec = d
-    return rec
-
-
-def _finite(d: dict[str, Any]) -> dict[str, Any]:
-    """NaN/inf floats → None (JSON on the wire is NaN-free)."""
-    import math
-
-    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in d.items()}

@@ -1,0 +1,228 @@
+"""Checkpoints (safetensors only): an epoch's agent weights (what the evaluator loads) and trainer state (target
+network, optimizer, replay, tracker and RNG state flattened into tensors + JSON metadata), an epoch interrupted at
+an iteration boundary, resume, a feedback rollback's restore, and pruning.
+
+Owns: the checkpoint contents and metadata, `EpochProgress`. Imports: torch, `shared.checkpoints`,
+`services.trainer.{state, buffers, rundir}`.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+from shared.checkpoints import load_checkpoint, save_checkpoint, sidecar_path
+from services.trainer.buffers import refresh_embeddings
+from services.trainer.rundir import CHECKPOINTS, checkpoint_path, epoch_of
+from services.trainer.state import TrainState
+
+
+@dataclass
+class EpochProgress:
+    """How far an epoch got before it was interrupted at an iteration boundary: with the trainer state saved there
+    (`save_interrupted`), what `train_epoch(resume=…)` needs to finish it."""
+
+    epoch: int
+    """The epoch in progress (1-based; `state.epoch` is the last complete one, epoch − 1)."""
+    iteration: int
+    """Iterations done; the resumed epoch runs iterations `iteration` … iterations − 1."""
+    iterations: int
+    updates: int
+    env_steps: int
+    """Account-steps collected in this epoch so far."""
+    seconds: float
+    phases: dict[str, float]
+    """`PhaseClock.totals()` so far."""
+    knobs: dict
+    """The knobs in effect at the boundary (`Knobs.to_dict()`)."""
+
+
+
+def _rng_tensor(state_bytes: torch.Tensor) -> torch.Tensor:
+    return state_bytes.detach().cpu().to(torch.uint8).clone()
+
+
+def agent_metadata(state: TrainState, run_meta: dict) -> dict:
+    """Metadata of an agent checkpoint: what the evaluator needs to rebuild and trust it."""
+    return {"kind": "agent", "epoch": state.epoch, "agent_config": state.cfg.agent.to_dict(),
+            "config_hash": state.cfg.hash(), "dataset": run_meta.get("dataset"),
+            "split": run_meta.get("split"), "split_hashes": run_meta.get("split_hashes"),
+            "seed": run_meta.get("seed"), "update_step": state.update_step,
+            "knobs": state.knobs.to_dict() if state.knobs is not None else None,
+            "costs_bps": state.cfg.costs_bps}
+
+
+def save_epoch(state: TrainState, run_dir: Path, run_meta: dict) -> tuple[Path, str]:
+    """Write DIR/checkpoints/epoch-NNNN.safetensors (+ .state.safetensors); returns (path, sha256)."""
+    path = checkpoint_path(run_dir, state.epoch)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    weights = {k: v.detach().contiguous() for k, v in state.agent.state_dict().items()}
+    sha = save_checkpoint(path, weights, agent_metadata(state, run_meta))
+    save_checkpoint(checkpoint_path(run_dir, state.epoch, state=True), _state_tensors(state),
+                    {"kind": "trainer_state", **_state_meta(state)})
+    return path, sha
+
+
+def _state_tensors(state: TrainState) -> dict[str, torch.Tensor]:
+    """The trainer state beside the agent's weights: target net, optimizer (flattened), replay, tracker, RNG."""
+    t: dict[str, torch.Tensor] = {f"target.{k}": v.detach().contiguous() for k, v in state.target.state_dict().items()}
+    names = {p: n for n, p in state.agent.named_parameters()}
+    for p, st in state.opt.state.items():
+        for k, v in st.items():
+            t[f"opt.{names[p]}.{k}"] = torch.as_tensor(v).detach().contiguous()
+    t.update({f"replay.{k}": v.contiguous() for k, v in state.replay.state_tensors().items()})
+    t.update({f"tracker.{k}": v.contiguous() for k, v in state.env.tracker.state_tensors().items()})
+    t["rng.generator"] = _rng_tensor(state.generator.get_state())
+    t["rng.torch"] = _rng_tensor(torch.get_rng_state())
+    t["buf.entropy_coef"] = state.buffers.entropy_coef.detach().clone()
+    return t
+
+
+def _state_meta(state: TrainState) -> dict:
+    return {"epoch": state.epoch, "update_step": state.update_step, "env_steps": state.env_steps,
+            "replay": state.replay.state_meta(), "group_ages": [g["age"] for g in state.opt.param_groups],
+            "config_hash": state.cfg.hash()}
+
+
+INTERRUPTED = "interrupted.safetensors"
+"""checkpoints/ file of an epoch interrupted at an iteration boundary: weights, trainer state and `EpochProgress`."""
+
+
+def save_interrupted(state: TrainState, run_dir: Path, progress: EpochProgress, record: dict | None = None) -> Path:
+    """Write DIR/checkpoints/interrupted.safetensors (atomically, with its sha256 sidecar): the agent, the trainer
+    state and the epoch's running sums at the boundary where `progress` stopped, and `record` (the caller's
+    notes on the epoch: where its knobs came from). Never published: it is not an epoch's checkpoint."""
+    env, buf = state.env, state.buffers
+    t = {f"agent.{k}": v.detach().contiguous() for k, v in state.agent.state_dict().items()}
+    t.update(_state_tensors(state))
+    t["epoch.metric_sums"] = buf.metric_sums.detach().clone()
+    t["epoch.trades"] = torch.stack([env.trade_sum, env.trade_sq, env.trade_n]).detach().clone()
+    path = Path(run_dir) / CHECKPOINTS / INTERRUPTED
+    save_checkpoint(path, t, {"kind": "interrupted_epoch", **_state_meta(state), "progress": asdict(progress),
+                              "record": record or {}})
+    return path
+
+
+def read_interrupted(run_dir: Path, epoch_done: int, config_hash: str) -> tuple[dict, dict] | None:
+    """(tensors, metadata) of DIR/checkpoints/interrupted.safetensors when it continues the last complete epoch
+    `epoch_done` under the same config and its sha256 checks; else None, and a file that cannot be used is
+    removed (it is older than the last complete epoch, or cut by a kill)."""
+    path = Path(run_dir) / CHECKPOINTS / INTERRUPTED
+    if not path.exists():
+        return None
+    try:
+        tensors, meta = load_checkpoint(path)
+        ok = (meta.get("kind") == "interrupted_epoch" and int(meta["epoch"]) == epoch_done
+              and meta.get("config_hash") == config_hash)
+    except (ValueError, KeyError, TypeError):   # CheckpointError is a ValueError
+        ok = False
+    if ok:
+        return tensors, meta
+    remove_checkpoint(path)
+    return None
+
+
+def restore_interrupted(state: TrainState, tensors: dict, meta: dict) -> EpochProgress:
+    """Load `read_interrupted`'s agent, trainer state and epoch sums into a freshly built `state` (same config);
+    returns the progress to pass to `train_epoch(resume=…)`."""
+    dev = state.device
+    state.agent.load_state_dict({k[len("agent."):]: v.to(dev) for k, v in tensors.items() if k.startswith("agent.")})
+    _load_state(state, tensors, meta)
+    state.buffers.metric_sums.copy_(tensors["epoch.metric_sums"].to(dev))
+    trades = tensors["epoch.trades"].to(dev)
+    for i, acc in enumerate((state.env.trade_sum, state.env.trade_sq, state.env.trade_n)):
+        acc.copy_(trades[i])
+    return EpochProgress(**meta["progress"])
+
+
+def remove_checkpoint(path: Path) -> None:
+    """Delete a checkpoint file and then its sidecar (a kill between the two leaves a sidecar alone, never a file
+    that looks complete)."""
+    Path(path).unlink(missing_ok=True)
+    sidecar_path(path).unlink(missing_ok=True)
+
+
+def prune_checkpoints(run_dir: Path, epoch: int, keep: int | None, pinned: Iterable[int] = ()) -> list[Path]:
+    """After epoch `epoch` is saved complete: delete the trainer state of every earlier epoch (a run resumes from
+    its last complete epoch only), an interrupted epoch's file, and, with `keep`, the weights of all but the last
+    `keep` epochs — except both files of the `pinned` epochs (a feedback rollback's candidates: `roll_back` needs
+    an epoch's weights and trainer state). Returns the files deleted."""
+    ck = Path(run_dir) / CHECKPOINTS
+    pinned = set(pinned)
+    gone = []
+    for p in ck.glob("epoch-[0-9]*.safetensors"):
+        e, state_file = epoch_of(p), p.name.endswith(".state.safetensors")
+        if e in pinned:
+            continue
+        if (state_file and e < epoch) or (not state_file and keep is not None and e <= epoch - keep):
+            remove_checkpoint(p)
+            gone.append(p)
+    if (ck / INTERRUPTED).exists():
+        remove_checkpoint(ck / INTERRUPTED)
+        gone.append(ck / INTERRUPTED)
+    return gone
+
+
+
+def _load_epoch(state: TrainState, run_dir: Path, epoch: int, expected_sha256: str | None = None
+                ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict]:
+    """Epoch `epoch`'s weights and trainer-state tensors, and the state's metadata, each file checked against its
+    sha256 (the weights against `expected_sha256` when given, else their sidecar)."""
+    w, _ = load_checkpoint(checkpoint_path(run_dir, epoch), expected_sha256)
+    t, meta = load_checkpoint(checkpoint_path(run_dir, epoch, state=True))
+    if meta["config_hash"] != state.cfg.hash():
+        raise ValueError(f"{run_dir}: the run's config changed since epoch {epoch} (config hash mismatch)")
+    return w, t, meta
+
+
+def restore_state(state: TrainState, run_dir: Path, epoch: int) -> None:
+    """Load epoch `epoch`'s agent and trainer state into a freshly built `state` (same config): resume."""
+    w, t, meta = _load_epoch(state, run_dir, epoch)
+    state.agent.load_state_dict({k: v.to(state.device) for k, v in w.items()})
+    _load_state(state, t, meta)
+
+
+def roll_back(state: TrainState, run_dir: Path, epoch: int, expected_sha256: str | None = None) -> None:
+    """A feedback rollback (population-based training's exploit step): the learner of the best epoch `epoch` —
+    its weights, target network, optimizer state (moments, step counts) and entropy coefficient, bit for bit from
+    its checkpoint files (`expected_sha256`: the checkpoint its report evaluated) — replaces the current one, in
+    place. What was collected stays (the replay buffer, the trade tracker), and time moves on (the RNGs, the epoch,
+    update and environment-step counters, the LR schedule's group ages). The embedding tables the updates and
+    collection read are recomputed from the restored encoders."""
+    w, t, _ = _load_epoch(state, run_dir, epoch, expected_sha256)
+    with torch.no_grad():
+        state.agent.load_state_dict({k: v.to(state.device) for k, v in w.items()})
+    _load_learner(state, t)
+    refresh_embeddings(state)
+
+
+@torch.no_grad()
+def _load_learner(state: TrainState, t: dict) -> None:
+    """The learner's part of `_state_tensors` back into `state`, in place: target network, optimizer state,
+    entropy coefficient."""
+    dev = state.device
+    state.target.load_state_dict({k[len("target."):]: v.to(dev) for k, v in t.items() if k.startswith("target.")})
+    params = dict(state.agent.named_parameters())
+    for key, v in t.items():
+        if key.startswith("opt."):
+            # in place: the state exists from the optimizer's construction (`materialise_state`, or `FlatAdamW`'s
+            # views of its flat buffers), on its device, at the addresses a captured step reads
+            name, slot = key[len("opt."):].rsplit(".", 1)
+            state.opt.state[params[name]][slot].copy_(v)
+    state.buffers.entropy_coef.copy_(t["buf.entropy_coef"].to(dev))
+
+
+def _load_state(state: TrainState, t: dict, meta: dict) -> None:
+    """`_state_tensors` / `_state_meta` back into `state`."""
+    dev = state.device
+    _load_learner(state, t)
+    for g, age in zip(state.opt.param_groups, meta["group_ages"]):
+        g["age"] = int(age)
+    state.replay.load_state({k[len("replay."):]: v.to(dev) for k, v in t.items() if k.startswith("replay.")},
+                            meta["replay"])
+    state.env.tracker.load_state({k[len("tracker."):]: v for k, v in t.items() if k.startswith("tracker.")})
+    state.generator.set_state(t["rng.generator"])
+    torch.set_rng_state(t["rng.torch"])
+    state.epoch, state.update_step, state.env_steps = int(meta["epoch"]), int(meta["update_step"]), int(meta["env_steps"])

@@ -1,0 +1,271 @@
+"""`TrainConfig`: everything a training run needs besides the data, the seed and the knobs, and its presets.
+
+Owns: the config dataclass (a docstring under every field), its JSON form and hash, the `small` / `full` presets
+and `--set FIELD=VALUE` overrides. Imports: `shared.agent` (AgentConfig), `shared.knobs` (the fixed ε/γ
+schedule), `services.trainer.env` (RewardConfig). Measured figures below come from the bench scripts named
+with them (bench/README.md keeps the dated log).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import asdict, dataclass, field
+
+from shared.agent import AgentConfig
+from shared.knobs import FixedSchedule
+from services.trainer.env import RewardConfig
+
+MIN_HOLD_SMALL = 96  # small preset: bars a trade is held before a signal exit (regimes last ~200 bars)
+CHURN_SMALL = 1e-3  # small preset: reward cost per opened trade (return units, ~10× the 1 bp fill cost)
+
+
+@dataclass
+class TrainConfig:
+    """Everything a training run needs besides the data, the seed and the knobs."""
+
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    """Network and action space."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """Reward terms and episode lengths."""
+    n_envs: int = 16
+    """E: accounts stepping through the training split in parallel."""
+    env_steps_per_iter: int = 4
+    """Rollout steps of all E accounts between update bursts."""
+    updates_per_iter: int = 1
+    """Gradient updates per iteration."""
+    iterations: int = 1500
+    """Iterations per epoch (collect → update)."""
+    batch_size: int = 256
+    """Transitions per update."""
+    replay_capacity: int = 200_000
+    """Transitions kept in replay."""
+    learning_starts: int = 2_000
+    """Transitions collected before the first update."""
+    horizons: tuple[int, ...] = (1, 5, 20)
+    """n-step horizons of the targets, blended per regime by `horizon_blend`."""
+    horizon_blend: tuple[tuple[float, float, float], ...] = ((0.2, 0.3, 0.5), (0.5, 0.3, 0.2), (0.2, 0.3, 0.5)) * 3
+    """Weight of each horizon per regime label (trend buckets down/range/up × 3 vol buckets): trends favour long
+    horizons, ranges short ones. Rows sum to 1."""
+    # -- optimizer (services.trainer.optim) --
+    lr: float = 3e-4
+    """Base learning rate of every parameter group."""
+    weight_decay: float = 1e-4
+    """AdamW decay of the trunk and value-head weight matrices (the decay mask); 0 elsewhere."""
+    lr_warmup: int = 200
+    """Updates of linear LR warm-up of a parameter group from its creation."""
+    cosine_period: int = 1000
+    """Updates per cosine warm restart of the branch groups (their Adam momentum resets at each restart)."""
+    cosine_floor: float = 0.3
+    """Minimum of the branch cosine factor floor + (1 − floor) · ½(1 + cos(π · phase)), phase the position in the
+    period (`optim.scheduled_lr`)."""
+    grad_clip: float = 10.0
+    """Global gradient-norm clip."""
+    tau: float = 0.01
+    """Target network update θ' ← θ' + τ (θ − θ') each update (`lerp_`)."""
+    # -- objective (services.trainer.objective) --
+    iqn_quantiles: int = 16
+    """τ samples of the IQN loss (online and target)."""
+    iqn_coef: float = 0.5
+    """Weight of the IQN loss."""
+    expectile: float = 0.7
+    """Expectile of the IQL value head."""
+    expectile_coef: float = 0.25
+    """Weight of the expectile loss."""
+    ensemble_mask_p: float = 0.8
+    """Bootstrap mask: probability that an ensemble member trains on a sample."""
+    entropy_target: float = 0.3
+    """Target atom utilisation (fraction of atoms holding > ½/A of the mass)."""
+    entropy_init: float = 1e-3
+    """Initial entropy-bonus coefficient β."""
+    entropy_rate: float = 0.01
+    """Adaptation rate of β per update: β grows while the atom utilisation is below `entropy_target`, shrinks above
+    (`losses.adapt_entropy_coef`)."""
+    q_centre_coef: float = 0.1
+    """Q-mean centring: weight of ((mean Q − mean target) / v_max)²."""
+    q_gap_frac: float = 0.5
+    """Target Q gap between the best and second direction, as a fraction of the targets' std …"""
+    q_gap_coef: float = 0.01
+    """… and the Q-gap attractor's weight of ((gap − gap*) / v_max)², gap* = q_gap_frac · std(targets)."""
+    hindsight_coef: float = 0.1
+    """E7: weight of the hindsight-label cross-entropy on the direction Q."""
+    support_quantile: float = 0.99
+    """Adaptive support: v_max tracks this quantile of |20-step reward sums| in replay …"""
+    support_margin: float = 1.5
+    """… times this margin."""
+    maturity_updates: int = 5000
+    """Risk-head maturity m = 1 − exp(−updates / maturity_updates) scales the protection stack."""
+    costs_bps: float = 1.0
+    """Trading costs (bps of notional) in the training simulator."""
+    # -- the fixed ε/γ schedule of feedback off: `shared.knobs.FixedSchedule` is its one definition; these fields
+    # take their defaults from it and `schedule` hands them back as one --
+    gamma: float = FixedSchedule.gamma
+    """Fixed-schedule γ."""
+    eps_start: float = FixedSchedule.eps_start
+    """Fixed-schedule ε of the first epoch …"""
+    eps_end: float = FixedSchedule.eps_end
+    """… decaying linearly to this …"""
+    eps_decay_epochs: int = FixedSchedule.eps_decay_epochs
+    """… over this many epochs."""
+    # -- speed: each of these keeps the update's numbers (up to the order of float sums) --
+    bf16: bool = False
+    """On CUDA, the forward passes of collection and update under bf16 autocast (losses and softmaxes in fp32)."""
+    encoder_batch: int = 0
+    """Samples of each update whose market encoding is computed with gradient (the encoder learns from them);
+    the rest read the cached online embeddings. 0 = the whole batch. The encoder with gradient is the largest part
+    of the `full` preset's update: at batch 4 096 on the H200 its graph replay took 1.56 ms with 512 such samples,
+    1.35 with 256 and 1.23 with 128 (bench/train_profile.py). The preset's 256 learned as 512 did on the GPU
+    learning bench (OOS per-trade Sharpe mean 0.433 vs 0.441 over 3 seeds, all meeting the target); 128 came out
+    below 256 there in each of 3 seeds (0.370 against 0.500; bench/README.md, learning.py)."""
+    adamw: str = "auto"
+    """AdamW kernels on CUDA: "fused" (one `_fused_adamw_` launch per parameter group), "foreach" (the capturable
+    multi-tensor form, which torch.compile lowers to its own fused Triton kernels); a CPU runs torch's default form
+    with either. "flat", on any device: `FlatAdamW` (`services.trainer.flat_adamw`), every parameter (and the
+    target network's) a view of one flat buffer, the clip, the step and the target's lerp a few passes over it
+    whatever the number of groups; the same numbers up to the order of float sums. "auto" (the default): flat when
+    the update is compiled on CUDA (batch-4 096 graph replay on the H200: 1.33 ms against 1.38 with foreach), fused
+    when it runs eagerly on CUDA, torch's default form on a CPU."""
+    inductor: str = "combo_kernels,combo_kernels_pointwise_only,triton.enable_pdl"
+    """Comma-separated boolean options of `torch._inductor.config` turned on ("name") or off ("!name") for the compiled
+    modes' step functions; "" = inductor's defaults. The default fuses independent pointwise kernels side by side
+    into one launch (`combo_kernels`) and leaves reductions alone (`combo_kernels_pointwise_only`; combined
+    reductions doubled the update's time): on the H200 the batch-4 096 update went from 543 to 380 kernels and its
+    graph replay from 1.79 to 1.58 ms. And it lets each Triton kernel launch before the previous one has finished,
+    waiting on the device for its inputs (programmatic dependent launch, `triton.enable_pdl`; Hopper and later):
+    1.33 → 1.23 ms with flat AdamW (bench/train_profile.py). On a CPU inductor's C++ backend makes neither.
+    Measured against this default and left off: `coordinate_descent_tuning` and `aggressive_fusion` (no faster),
+    `!split_reductions` (3× slower), `max_autotune_gemm` (not compiled within 5 min)."""
+    tf32: bool = True
+    """On CUDA, float32 matmuls and convolutions on TF32 tensor cores (10-bit mantissa inputs, fp32 accumulate)."""
+    emb_refresh: int = 50
+    """Updates over which the cached market embeddings of all training bars are refreshed once: each update
+    re-encodes the next ceil(T_train / emb_refresh) bars of a rolling window (plus a full refresh per epoch).
+    The refresh's cost per update grows with the training split: at 10^6 bars and 500 it re-encoded 2 001 bars with
+    each network, 1.51 ms of a 4.30-ms update at batch 1 024 on the H200 (`bench/train_profile.py`, compiled), so
+    the `full` preset refreshes every bar once per 2 000 updates (half a 10^6-bar epoch's 4 000); with
+    `encoder_batch` it learned as before on the GPU learning bench (bench/README.md, learning.py)."""
+    iqn_batch: int = 0
+    """Samples of each update the IQN risk head trains on: the first `iqn_batch` of the batch, a random subset (replay
+    draws its samples independently), so their mean loss is an unbiased estimate of the whole batch's; the target's
+    quantiles are computed for them alone. 0 = the whole batch. The IQN head is the update's widest part (N × M rows
+    through two 256-wide layers, online forward and backward plus the target's forward). The `full` preset's 512
+    took the batch-4 096 update's graph replay from 2.65 to 2.42 ms on the H200 with `horizon_sample`
+    (bench/train_profile.py) and learned as well (see `horizon_sample`)."""
+    horizon_sample: bool = False
+    """Off: every sample bootstraps at all H horizons, its losses weighted by its regime's `horizon_blend` row w_h.
+    On: at one horizon drawn from w_h, weight 1 — the same C51 and IQN losses in expectation (both are linear in
+    w_h: the C51 target blends before a linear projection, the IQN loss is Σ_h w_h ρ_h) with H times fewer bootstrap
+    states; the expectile and stability terms then read the drawn horizon's scalar target instead of the blend.
+    On in the `full` preset: at batch 4 096 an update is 107.6 GFLOP instead of 152 (bench/update_flops.py) and its
+    graph replay 2.65 ms instead of 3.29 on the H200 (bench/train_profile.py); with `iqn_batch` 512 it met the GPU
+    learning bench's target in 3 seeds of 3; on the CPU learning bench (`small`, 12 seeds) the difference was noise
+    (bench/README.md, learning.py)."""
+    target_stream: bool = True
+    """On CUDA, the update's no-grad targets (`targets.make_targets`: double-Q at the N·H bootstrap states, the
+    target network's heads and IQN, the projections) on a side stream beside its online forward pass (batch-4 096
+    graph replay on the H200: 3.63 → 3.47 ms; bench/train_speed.py)."""
+    priorities_aside: bool = True
+    """On CUDA, the replay's priority write (`Replay.update_priorities`: a one-program scatter kernel, ~16 µs) on the
+    rolling refresh's side stream as soon as the loss is known, beside the backward pass, instead of after the
+    optimizer step on the update's own stream. Nothing in the update reads the priorities after its sampling
+    (batch-4 096 graph replay on the H200: 1.08 → 1.06 ms; bench/train_profile.py --variants ''
+    priorities_aside=False)."""
+    refresh_at_backward: bool = False
+    """On CUDA with `priorities_aside`, the rolling refresh's encodings launched on their side stream when the loss is
+    known, beside the backward pass, instead of at the update's start, beside its forward pass (the encodings read
+    only the parameters, which the backward does not change). Off: measured 1.01 → 1.00 ms a graph replay at batch
+    4 096 on the H200, within run-to-run spread (bench/train_profile.py --variants '' refresh_at_backward=True)."""
+    fold_ln: bool = True
+    """The encoder blocks' LayerNorm affines folded into the linear layers after them (`shared.agent.ln_fold`):
+    the same function and parameters, with γ's and β's gradients taken on the weights instead of summed over
+    every token of the batch's windows; as fast as unfolded (bench/train_profile.py --variants '' fold_ln=False),
+    kept as the smaller arithmetic."""
+    attention: str = "triton"
+    """The encoder's attention in the update's online pass (with gradient): "triton" (`services.trainer.
+    fused_attention`: one kernel a pass and (window, head), CUDA only; elsewhere SDPA) or "sdpa" (PyTorch's fused
+    kernels: cuDNN's on the H200, four kernels backward). Batch-4 096 graph replay on the H200: 1.13 → 1.09 ms
+    (bench/train_profile.py --variants '' attention=sdpa); values and gradients match SDPA's
+    (tests/test_fused_attention.py)."""
+    fused_targets: bool = True
+    """On CUDA, the targets' double-Q selection (the online ensemble-mean Q of every action at the bootstrap states,
+    the greedy action of each branch, the target members' mean distribution and portfolio shift there) as one Triton
+    kernel (`services.trainer.fused_greedy`) instead of the five kernels torch.compile made of it; the same numbers
+    up to the order of float sums (an exact tie of two actions' Q aside)."""
+    direction_q_in_c51: bool = True
+    """The online direction Q of the update's stability and hindsight terms (every member's Σ_i z_i p_i of the three
+    direction actions) computed with the C51 terms from the heads' padded output (`losses.c51_branch_losses_q`): on
+    CUDA with `fused_c51`, two more Triton kernels, the backward's adding its gradient into the C51 kernel's, where
+    compiled the Q's softmax, its backward and a pass summing both gradients ran on the update's stream. The same
+    numbers up to the order of float sums. Compiled without the fused kernels the update keeps the written-out chain
+    (`objective.make_objective`). Batch-4 096 graph replay on the H200: 1.01 → 0.97 ms (bench/train_profile.py
+    --variants '' direction_q_in_c51=True)."""
+    fused_c51: bool = True
+    """On CUDA, the update's C51 chain of the taken actions (softmax, portfolio shift, cross-entropy, the direction
+    branch's entropy and utilisation, forward and backward) as two Triton kernels (`services.trainer.fused_c51`)
+    instead of the ~20 kernels torch.compile made of it; the same numbers up to the order of float sums."""
+    act_view_cache: bool = False
+    """On: collection reads each bar's market view (`Agent.view`: ensemble-mean Q of every action, the directions'
+    spread, the IQN tail, the code) from a table refreshed with the cached embeddings, so acting costs only the
+    portfolio shift and the policy per account-step; the policy's market part is then as stale as the embeddings
+    (≤ `emb_refresh` updates), its portfolio shift is current. The update's double-Q selection at the bootstrap
+    states reads the same table. Off (the default): the heads run on the cached embeddings at every step and for the
+    selection — on the CPU learning bench (3 seeds, `small`) acting on the cached view reached OOS per-trade Sharpes
+    0.493 / 0.647 / 0.411 against 0.941 / 0.606 / 0.595 (bench/README.md, learning.py)."""
+
+    @property
+    def schedule(self) -> FixedSchedule:
+        """The ε/γ schedule of feedback off with this config's values."""
+        return FixedSchedule(eps_start=self.eps_start, eps_end=self.eps_end, eps_decay_epochs=self.eps_decay_epochs,
+                             gamma=self.gamma)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["agent"] = self.agent.to_dict()
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainConfig":
+        d = dict(d)
+        d["agent"] = AgentConfig.from_dict(d["agent"])
+        d["reward"] = RewardConfig(**d["reward"])
+        d["horizons"] = tuple(d["horizons"])
+        d["horizon_blend"] = tuple(tuple(r) for r in d["horizon_blend"])
+        return cls(**d)
+
+    def hash(self) -> str:
+        """sha256 of the canonical JSON of the config."""
+        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()
+
+    @classmethod
+    def preset(cls, name: str, n_features: int) -> "TrainConfig":
+        """`small` (CPU, an epoch of ~3600 training bars in tens of seconds) or `full` (GPU)."""
+        if name == "small":
+            # Commitment for ~200-bar regimes: trades held ≥ MIN_HOLD_SMALL·m bars before a signal exit, exit
+            # plans wider than a trend's noise (a 4σ stop is hit within ~16 bars of a trend), a churn cost per
+            # opened trade, and the protection stack (m = maturity) mature within the short CPU run.
+            return cls(agent=AgentConfig(n_features=n_features, window=32, d_model=32, n_heads=4, hidden=96,
+                                         ensemble=3, min_hold=MIN_HOLD_SMALL,
+                                         exit_plans=((math.inf, math.inf), (16.0, 10.0), (32.0, 12.0))),
+                       reward=RewardConfig(churn=CHURN_SMALL), batch_size=128, iterations=600,
+                       maturity_updates=1000)
+        if name == "full":
+            # 2 attention heads of 64 dims, not 8 of 16: the fused attention kernels tile 64 dims, so 16-dim heads
+            # were mostly padding (bench/attention_speed.py: fwd+bwd 300 vs 575 µs at 1 024 windows on the H200)
+            return cls(agent=AgentConfig(n_features=n_features, window=64, d_model=128, n_heads=2, n_layers=2,
+                                         hidden=256, ensemble=5),
+                       n_envs=256, env_steps_per_iter=2, updates_per_iter=2, iterations=2000, batch_size=1024,
+                       replay_capacity=2_000_000, learning_starts=20_000, encoder_batch=256, bf16=True,
+                       emb_refresh=2000, horizon_sample=True, iqn_batch=512)
+        raise ValueError(f"unknown config preset {name!r}: use 'small' or 'full'")
+
+    def override(self, items: list[str]) -> "TrainConfig":
+        """Set fields from FIELD=VALUE strings (`agent.FIELD` for the network's), each parsed as the field's
+        current type (bools from 1/true/yes); ValueError naming an unknown field. Returns self (benches' --set)."""
+        for item in items:
+            key, sep, text = item.partition("=")
+            obj, name = (self.agent, key[6:]) if key.startswith("agent.") else (self, key)
+            if not sep or not hasattr(obj, name):
+                raise ValueError(f"--set {item!r}: expected FIELD=VALUE with a field of TrainConfig or agent.FIELD")
+            cur = getattr(obj, name)
+            setattr(obj, name, text.lower() in ("1", "true", "yes") if isinstance(cur, bool) else type(cur)(text))
+        return self

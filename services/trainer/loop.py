@@ -1,0 +1,258 @@
+"""The epoch loop: `train_epoch(state, knobs) -> EpochStats` (apply knobs → fresh episodes → iterations of
+collect ⇄ update → stats) and `train_run` (open or resume a run directory, then for each epoch: roll back if asked
+→ train → checkpoint → history).
+
+Owns: `EpochStats` (one line of history.jsonl), the phase clock, interruption at an iteration boundary and the
+resumed epoch, the run's lifecycle for `tradeloop train` (`open_run`, the resume check `rundir.latest_epoch`).
+Imports: every other trainer module; torch, numpy, `shared.{knobs, market}`.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Iterable
+
+import numpy as np
+import torch
+
+from shared.knobs import Knobs
+from shared.market import Bars, Split, chronological_split, compute_features
+from services.trainer.buffers import METRICS, refresh_embeddings
+from services.trainer.checkpoint import EpochProgress, prune_checkpoints, restore_state, roll_back, save_epoch
+from services.trainer.config import TrainConfig
+from services.trainer.optim import set_lrs
+from services.trainer.rundir import append_history, latest_epoch, read_run_json, write_run_json
+from services.trainer.state import TrainState, adapt_support, apply_knobs, build_state
+
+
+@dataclass
+class EpochStats:
+    """One line of history.jsonl."""
+
+    epoch: int
+    loss: float
+    c51: float
+    iqn: float
+    expectile: float
+    q_mean: float
+    entropy: float
+    utilisation: float
+    epsilon: float
+    gamma: float
+    v_max: float
+    maturity: float
+    env_steps: int
+    updates: int
+    env_steps_per_s: float
+    """Account-steps per second of collection time; an iteration captured whole (collection and updates in one
+    graph) counts entirely here and in `updates_per_s`."""
+    updates_per_s: float
+    seconds: float
+    compile_s: float
+    """Of `seconds`, the first calls of the compiled or captured steps (compiling, capturing): the first epoch of a
+    process in those modes; 0 eagerly and once compiled."""
+    train_per_trade_sharpe: float
+    """Un-annualized, per trade, of the trades closed while collecting this epoch (with exploration)."""
+    train_trades: int
+    knobs: dict
+    rolled_back_to: int | None = None
+    """The epoch whose learner a feedback rollback restored before this epoch trained (`roll_back`), else None."""
+
+
+
+class PhaseClock:
+    """Seconds spent in the phases of an epoch without stalling the GPU: the host clock on a CPU; on CUDA, events
+    recorded on the stream between phases (no sync in the loop) and read once, in `totals`, at the epoch's end."""
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+        self.spans: list[tuple[str, object, object]] = []
+
+    def now(self):
+        if not self.cuda:
+            return time.perf_counter()
+        mark = torch.cuda.Event(enable_timing=True)
+        mark.record()
+        return mark
+
+    def add(self, phase: str, start, end) -> None:
+        self.spans.append((phase, start, end))
+
+    def totals(self) -> dict[str, float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+        out: dict[str, float] = {}
+        for phase, a, b in self.spans:
+            out[phase] = out.get(phase, 0.0) + (a.elapsed_time(b) / 1e3 if self.cuda else b - a)
+        return out
+
+
+
+class EpochInterrupted(Exception):
+    """`train_epoch` stopped at an iteration boundary because `interrupt()` returned True; the state is consistent
+    there (no step half done) and `progress` says how far the epoch got."""
+
+    def __init__(self, progress: EpochProgress):
+        super().__init__(f"epoch {progress.epoch} interrupted after iteration {progress.iteration}/"
+                         f"{progress.iterations}")
+        self.progress = progress
+
+
+def train_epoch(state: TrainState, knobs: Knobs, progress: Callable[[int, int], None] | None = None,
+                between: Callable[[int], Knobs | None] | None = None, *,
+                interrupt: Callable[[], bool] | None = None, resume: EpochProgress | None = None) -> EpochStats:
+    """One epoch: apply knobs → fresh episodes → iterations of (collect E × env_steps_per_iter, update) → stats.
+
+    `between(it)` is asked before each iteration: new knobs it returns are applied there and rule the rest of the
+    epoch (the trainer's overlap mode: a bundle that arrives mid-epoch). `interrupt()` is asked there too: True
+    raises `EpochInterrupted` at that boundary. `resume` (with the state of `restore_interrupted`) finishes an
+    interrupted epoch: its remaining iterations under `knobs` (those in effect when it stopped), with fresh
+    episodes, the support as it was, and the epoch's sums carried, so its stats cover the whole epoch."""
+    cfg, env = state.cfg, state.env
+    apply_knobs(state, knobs)
+    if resume is None:
+        adapt_support(state)
+        env.reset_all()
+        env.pop_trade_stats()
+        state.buffers.metric_sums.zero_()
+        start, n_upd, n_env0, t_before, spent_before = 0, 0, state.env_steps, 0.0, {}
+    else:
+        if (resume.epoch, resume.iterations) != (state.epoch + 1, cfg.iterations):
+            raise ValueError(f"cannot resume epoch {resume.epoch} ({resume.iterations} iterations) on a state after "
+                             f"epoch {state.epoch} ({cfg.iterations} iterations an epoch)")
+        env.reset_all()
+        start, n_upd = resume.iteration, resume.updates
+        n_env0, t_before, spent_before = state.env_steps - resume.env_steps, resume.seconds, resume.phases
+    refresh_embeddings(state)
+    state.buffers.step.fill_(float(state.update_step))
+    runner = state.runner
+    compile0 = runner.compile_s
+    t0 = time.perf_counter()
+    state.agent.train()
+    cuda = state.device.type == "cuda"
+    clock = PhaseClock(cuda)
+
+    def before_update() -> None:                # host bookkeeping of one update (LRs on a CPU, group ages)
+        nonlocal n_upd
+        set_lrs(state.opt, state.update_step, knobs.lr_scale, cfg, write_lr=not cuda)
+        n_upd += 1
+        state.update_step += 1
+
+    for it in range(start, cfg.iterations):
+        if interrupt is not None and interrupt():
+            spent = clock.totals()
+            raise EpochInterrupted(EpochProgress(
+                epoch=state.epoch + 1, iteration=it, iterations=cfg.iterations, updates=n_upd,
+                env_steps=state.env_steps - n_env0, seconds=t_before + time.perf_counter() - t0,
+                phases={k: spent_before.get(k, 0.0) + spent.get(k, 0.0) for k in {*spent_before, *spent}},
+                knobs=knobs.to_dict()))
+        if between is not None and (new := between(it)) is not None:
+            apply_knobs(state, new)
+            knobs = new
+        after = state.env_steps + cfg.n_envs * cfg.env_steps_per_iter
+        learn = after >= cfg.learning_starts and after // cfg.n_envs > max(cfg.horizons)
+        ta = clock.now()
+        if not learn:
+            runner.collect()
+            clock.add("env", ta, clock.now())
+        elif (tb := runner.iteration(before_update, mark=clock.now)) is None:
+            # one graph for the collection and the updates: the iteration's time counts for both rates
+            clock.add("iteration", ta, clock.now())
+        else:
+            clock.add("env", ta, tb)
+            clock.add("update", tb, clock.now())
+        state.env_steps = after
+        if progress is not None:
+            progress(it + 1, cfg.iterations)
+    spent = clock.totals()
+    spent = {k: spent_before.get(k, 0.0) + spent.get(k, 0.0) for k in {*spent_before, *spent}}
+    t_it = spent.get("iteration", 0.0)
+    t_env, t_upd = spent.get("env", 0.0) + t_it, spent.get("update", 0.0) + t_it
+    mat = 1.0 - math.exp(-state.update_step / cfg.maturity_updates)
+    state.agent.maturity.fill_(mat)
+    state.target.maturity.fill_(mat)
+    means = ({k: float(v) / n_upd for k, v in zip(METRICS, state.buffers.metric_sums.tolist())} if n_upd else {})
+    sharpe, n_trades = env.pop_trade_stats()
+    state.epoch += 1
+    dt = t_before + time.perf_counter() - t0
+    env_steps = state.env_steps - n_env0
+    nan = float("nan")
+    return EpochStats(epoch=state.epoch, loss=means.get("loss", nan), c51=means.get("c51", nan),
+                      iqn=means.get("iqn", nan), expectile=means.get("expectile", nan),
+                      q_mean=means.get("q_mean", nan), entropy=means.get("entropy", nan),
+                      utilisation=means.get("utilisation", nan), epsilon=knobs.epsilon, gamma=knobs.gamma,
+                      v_max=float(state.agent.v_max), maturity=mat, env_steps=env_steps, updates=n_upd,
+                      env_steps_per_s=env_steps / max(t_env, 1e-9), updates_per_s=n_upd / max(t_upd, 1e-9),
+                      seconds=dt, compile_s=runner.compile_s - compile0, train_per_trade_sharpe=sharpe, train_trades=int(n_trades), knobs=knobs.to_dict())
+
+
+
+
+def open_run(run_dir: Path, bars: Bars, dataset: str, *, seed: int, new_config: Callable[[], TrainConfig],
+             split: Split | None = None, where: str = "--out directory", extra: dict | None = None
+             ) -> tuple[dict, TrainConfig, Split, int]:
+    """The run in `run_dir`: (run.json's metadata, config, split, seed). An existing run keeps its own config, split
+    and seed, and is refused on other data or (`split` given) another split, naming `where` to go instead; a new one
+    takes `new_config()`, `split` (default `chronological_split`), `seed` and `extra` metadata, and its run.json is
+    written (the one writer of run.json: `tradeloop train` and the trainer service)."""
+    meta = read_run_json(run_dir)
+    if meta is not None:
+        cfg, run_split, seed = TrainConfig.from_dict(meta["config"]), Split.from_dict(meta["split"]), int(meta["seed"])
+        if meta.get("bars_fingerprint") != bars.fingerprint():
+            raise ValueError(f"{run_dir} holds a run on other data (dataset {meta.get('dataset')!r}); "
+                             f"use another {where}")
+        if split is not None and split != run_split:
+            raise ValueError(f"{run_dir} holds a run on another split ({meta['split']}); use another {where}")
+        return meta, cfg, run_split, seed
+    cfg = new_config()
+    split = chronological_split(len(bars)) if split is None else split
+    meta = {"dataset": dataset, **(extra or {}), "seed": seed, "config": cfg.to_dict(), "split": split.to_dict(),
+            "split_hashes": {w: split.window_hash(bars, w) for w in ("train", "val", "test")},
+            "bars_fingerprint": bars.fingerprint(), "n_bars": len(bars), "config_hash": cfg.hash()}
+    write_run_json(run_dir, meta)
+    return meta, cfg, split, seed
+
+
+def train_run(bars: Bars, dataset: str, run_dir: Path, epochs: int, *, config: str | TrainConfig = "small",
+              seed: int = 0, device="cpu", accel: str = "auto", knobs_fn: Callable[[int], Knobs] | None = None,
+              on_epoch: Callable[[EpochStats], None] | None = None,
+              progress: Callable[[int, int], None] | None = None,
+              on_compile: Callable[[str | None], None] | None = None,
+              rollback_fn: Callable[[int], tuple[int, str] | None] | None = None,
+              pinned_fn: Callable[[], Iterable[int]] | None = None, split: Split | None = None,
+              features: np.ndarray | None = None) -> TrainState:
+    """Train until `epochs` epochs exist in `run_dir`, resuming from its latest checkpoint when it holds a run.
+
+    Knobs of epoch e (1-based) come from `knobs_fn(e)`, by default the config's fixed schedule
+    (`cfg.schedule.knobs(e)`). `on_compile`: see `StepRunner.on_compile`. `rollback_fn(e)`, when given and not
+    None, is (epoch, checkpoint sha256 or "") of a feedback rollback: `roll_back` to that epoch before epoch e trains
+    (its record says `rolled_back_to`). `pinned_fn()`: epochs whose trainer state the pruning keeps (a later
+    rollback's candidates). `split`: the bar ranges of a new run (default `chronological_split`; a walk-forward
+    fold, `shared.market.walk_forward_folds`); a resumed run keeps its own and refuses a different one.
+    `features`: `compute_features(bars)` when already computed."""
+    run_dir = Path(run_dir)
+    feats = compute_features(bars) if features is None else features
+    meta, cfg, split, seed = open_run(run_dir, bars, dataset, seed=seed, split=split, where="--out directory",
+                                      new_config=lambda: config if isinstance(config, TrainConfig)
+                                      else TrainConfig.preset(config, feats.shape[1]))
+    state = build_state(cfg, bars, split, seed, device, features=feats, accel=accel)
+    state.runner.on_compile = on_compile
+    done = latest_epoch(run_dir)
+    if done:
+        restore_state(state, run_dir, done)
+    knobs_fn = knobs_fn or cfg.schedule.knobs
+    while state.epoch < epochs:
+        rb = rollback_fn(state.epoch + 1) if rollback_fn is not None else None
+        if rb is not None:
+            roll_back(state, run_dir, rb[0], rb[1] or None)
+        stats = train_epoch(state, knobs_fn(state.epoch + 1), progress)
+        stats.rolled_back_to = None if rb is None else rb[0]
+        save_epoch(state, run_dir, meta)
+        # every epoch's weights stay; only the last state and the pinned ones
+        prune_checkpoints(run_dir, state.epoch, keep=None, pinned=pinned_fn() if pinned_fn is not None else ())
+        append_history(run_dir, asdict(stats))
+        if on_epoch is not None:
+            on_epoch(stats)
+    return state

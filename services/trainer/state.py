@@ -1,0 +1,137 @@
+"""`TrainState`: everything `train_epoch` mutates and a checkpoint restores, its construction (`build_state`) and
+what changes it between updates: an epoch's knobs written into the device tensors (`apply_knobs`) and the adaptive
+C51 support (`adapt_support`).
+
+Imports: torch, numpy, `shared.{agent, execution, graphs, knobs, market, rollout}`, `services.trainer.{config,
+optim, buffers, targets, step, runtime, env, replay, fused_attention}`.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+from shared.agent import Agent, PolicyControls
+from shared.execution import CostModel
+from shared.graphs import resolve_accel
+from shared.knobs import Knobs
+from shared.market import FEATURE_WARMUP, Bars, Split, compute_features
+from shared.rollout import MarketTensors
+from services.trainer import fused_attention
+from services.trainer.buffers import UpdateBuffers, make_buffers
+from services.trainer.config import TrainConfig
+from services.trainer.env import TrainEnv
+from services.trainer.optim import build_optimizer
+from services.trainer.replay import Batch, Replay
+from services.trainer.runtime import StepRunner
+from services.trainer.step import make_update
+from services.trainer.targets import Targets, make_targets
+
+
+@dataclass
+class TrainState:
+    """Everything that `train_epoch` mutates and a checkpoint restores."""
+
+    cfg: TrainConfig
+    device: torch.device
+    agent: Agent
+    target: Agent
+    opt: torch.optim.AdamW
+    replay: Replay
+    env: TrainEnv
+    controls: PolicyControls
+    buffers: UpdateBuffers
+    generator: torch.Generator
+    update: Callable[[Batch], dict]
+    targets: Callable[[Batch, torch.Tensor], Targets]
+    """`make_targets`'s: the update's no-grad targets of a batch (the `StepRunner` runs them on a side stream)."""
+    epoch: int = 0
+    knobs: Knobs | None = None
+    """The knobs of the last `apply_knobs` (saved in the checkpoint: the evaluator gates as trained)."""
+    update_step: int = 0
+    env_steps: int = 0
+    accel: str = "eager"
+    """How the iteration runs: eager, compile, graph or compile+graph (`StepRunner`)."""
+    refresh_idx: torch.Tensor | None = None
+    """0 … C−1: the rolling embedding refresh re-encodes C bars per update."""
+    runner: "StepRunner | None" = None
+
+
+def build_state(cfg: TrainConfig, bars: Bars, split: Split, seed: int, device="cpu",
+                features: np.ndarray | None = None, accel: str = "auto") -> TrainState:
+    """Fresh training state on the training split of `bars`, seeded; `accel`: see `resolve_accel`."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cfg.tf32
+    torch.manual_seed(seed)
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    feats = compute_features(bars) if features is None else features
+    market = MarketTensors.from_bars(bars, *split.train, cfg.agent.window, device, features=feats)
+    agent = Agent(cfg.agent).to(device)
+    if cfg.attention not in ("sdpa", "triton"):
+        raise ValueError(f"attention={cfg.attention!r}: use 'sdpa' or 'triton'")
+    a = cfg.agent
+    agent.fold_layer_norms(cfg.fold_ln)
+    if cfg.attention == "triton" and fused_attention.supported(agent.v_max, a.window, a.d_model // a.n_heads):
+        agent.use_attention_kernels((fused_attention.causal_attention, fused_attention.last_query_attention))
+    target = copy.deepcopy(agent)
+    for p in target.parameters():
+        p.requires_grad_(False)
+    accel = resolve_accel(accel, device)
+    opt = build_optimizer(agent, cfg, device, compiled="compile" in accel)
+    replay = Replay(cfg.replay_capacity, cfg.n_envs, cfg.agent.n_portfolio, len(market), cfg.horizons, device)
+    warmup = max(cfg.agent.window, FEATURE_WARMUP - split.train[0], 0)
+    env = TrainEnv(market, cfg.n_envs, warmup, cfg.reward, replay, CostModel(cfg.costs_bps), gen)
+    controls = PolicyControls.make(device)
+    buf = make_buffers(cfg, opt, len(market), device)
+    targets = make_targets(agent, target, buf, cfg)
+    update = make_update(agent, target, opt, replay, market.windows, buf, cfg, gen, targets)
+    chunk = -(-len(market) // max(cfg.emb_refresh, 1))
+    state = TrainState(cfg, device, agent, target, opt, replay, env, controls, buf, gen, update, targets,
+                       accel=accel, refresh_idx=torch.arange(chunk, device=device))
+    state.runner = StepRunner(state, state.accel)
+    return state
+
+
+def apply_knobs(state: TrainState, knobs: Knobs) -> None:
+    """Write an epoch's knobs into the device tensors and tables the policy and the update read."""
+    knobs.validate()
+    state.knobs = knobs
+    state.controls.set(epsilon=knobs.epsilon, gate_threshold=knobs.gate_threshold,
+                       regime_confidence=knobs.regime_confidence)
+    state.buffers.gamma.fill_(knobs.gamma)
+    state.buffers.lr_scale.copy_(torch.tensor([knobs.lr_scale.get(g["branch"], 1.0)
+                                               for g in state.opt.param_groups], dtype=torch.float64))
+    state.buffers.q_bias.fill_(knobs.q_bias)
+    # E6/E7 name absolute bars of the dataset (inside the train range); the replay and the label table are
+    # indexed from the start of the training window
+    T, t0 = len(state.env.market), state.env.market.start
+    boost = [(b - t0, m) for b, m in knobs.priority_boost if 0 <= b - t0 < T]
+    state.replay.set_bar_boost([b for b, _ in boost], [m for _, m in boost])
+    state.buffers.hindsight.fill_(-1)
+    hs = [(b - t0, d) for b, d in knobs.hindsight if 0 <= b - t0 < T and d in (0, 1, 2)]
+    if hs:
+        state.buffers.hindsight[torch.tensor([b for b, _ in hs], device=state.device)] = torch.tensor(
+            [d for _, d in hs], device=state.device)
+    state.env.set_regime_weights(knobs.regime_weights)
+
+
+@torch.no_grad()
+def adapt_support(state: TrainState) -> None:
+    """v_max ← ½ v_max + ½ · margin · quantile(|20-step reward sums in replay|): the support follows the reward
+    scale (the update's projection re-maps old distributions onto the new support)."""
+    rp, cfg = state.replay, state.cfg
+    if rp.count < 64:
+        return
+    r = rp.reward[: rp.count]                                                              # L × E
+    h = min(max(cfg.horizons), rp.count)
+    sums = r.unfold(0, h, 1).sum(-1).abs().flatten()
+    q = torch.quantile(sums[torch.randperm(sums.numel(), generator=state.generator, device=sums.device)[:100_000]],
+                       cfg.support_quantile)
+    new = (0.5 * state.agent.v_max + 0.5 * (cfg.support_margin * q).clamp(0.005, 1.0))
+    state.agent.v_max.copy_(new)
+    state.target.v_max.copy_(new)
