@@ -53,6 +53,8 @@ import numpy as np
 import pandas as pd
 import torch
 
+MAX_POSITION = 1.0
+"""Targets are signed fractions of equity in [−MAX_POSITION, MAX_POSITION] (clamped there)."""
 EXIT_REASONS = ("signal", "flip", "stop", "target", "end")
 _SIGNAL, _FLIP, _STOP, _TARGET, _END = range(5)
 LEDGER_COLUMNS = ("account", "entry_t", "exit_t", "side", "size", "entry_price", "exit_price",
@@ -280,7 +282,7 @@ class Simulator:
         inf = torch.full_like(self.equity, float("inf"))
         tp = inf if take_profit is None else torch.as_tensor(take_profit, dtype=zero.dtype, device=zero.device)
         sl = inf if stop_loss is None else torch.as_tensor(stop_loss, dtype=zero.dtype, device=zero.device)
-        target = torch.where(live, torch.clamp(target.to(zero.dtype), -1.0, 1.0), self.position)
+        target = torch.where(live, torch.clamp(target.to(zero.dtype), -MAX_POSITION, MAX_POSITION), self.position)
         pos, u, cash, eq0 = self.position, self.units, self.cash, self.equity
 
         # 1) fills at the open of t+1; the units held overnight are marked at it
@@ -408,7 +410,7 @@ def run_positions(prices: Prices, targets, costs: CostModel = CostModel(), *, ta
         raise ValueError(f"targets cover {T} bars but the prices have {len(prices)}")
     if not torch.isfinite(tg).all():
         raise ValueError("targets must be finite")
-    tg = tg.clamp(-1.0, 1.0)
+    tg = tg.clamp(-MAX_POSITION, MAX_POSITION)
     if take_profit is None and stop_loss is None and fast and costs.proportional:
         return _run_positions_vectorized(prices, tg, costs)
     sim = Simulator(prices, B, costs, record_ledger=True)
