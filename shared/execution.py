@@ -388,6 +388,8 @@ class BacktestResult:
     """[B, T] equity return over each bar (0 at bar 0)."""
     positions: np.ndarray
     """[B, T] position held at each bar's close (after that bar's fills and exits)."""
+    engine: str = "simulator"
+    """What produced it: "simulator" (`Simulator.step` bar by bar) or "replay" (the vectorised replay)."""
 
 
 def run_positions(prices: Prices, targets, costs: CostModel = CostModel(), *, take_profit=None,
@@ -505,7 +507,7 @@ def _replay_ruined(prices: Prices, tg: torch.Tensor, costs: CostModel, res: Back
     theirs = ref.ledger.assign(account=idx[ref.ledger["account"].to_numpy()])
     ledger = pd.concat([res.ledger[~np.isin(res.ledger["account"].to_numpy(), idx)], theirs], ignore_index=True)
     ledger = ledger.sort_values("account", kind="stable").reset_index(drop=True)
-    return BacktestResult(ledger, equity, bar_returns, positions)
+    return BacktestResult(ledger, equity, bar_returns, positions, engine="replay")
 
 
 def _replay_blocks(prices: Prices, tg: torch.Tensor, costs: CostModel, block_elements: int) -> BacktestResult:
@@ -638,7 +640,7 @@ def _replay_blocks(prices: Prices, tg: torch.Tensor, costs: CostModel, block_ele
             ex_l.append(xl)
         pos[b0:b0 + nb, T - 1] = 0.0                                      # closed at the last close
     return BacktestResult(_ledger_frame(prices, ent_acct, ent_t, ent_p, ent_l, ex_t, ex_code, ex_l),
-                          equity.cpu().numpy(), bar_ret.cpu().numpy(), pos.cpu().numpy())
+                          equity.cpu().numpy(), bar_ret.cpu().numpy(), pos.cpu().numpy(), engine="replay")
 
 
 def _ledger_frame(prices: Prices, ent_acct, ent_t, ent_p, ent_l, ex_t, ex_code, ex_l) -> pd.DataFrame:

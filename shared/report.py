@@ -425,6 +425,10 @@ class SplitReport(_Model):
     split: SplitName
     window: tuple[int, int]
     window_hash: str
+    engine: str = ""
+    """The path that ran this window's backtest: "native-c" (the compiled loop, `shared.native`), "torch-eager",
+    "torch-compile", "torch-graph", "torch-compile+graph" (`shared.rollout.greedy_pass`), "replay" (the vectorised
+    replay of `shared.execution.run_positions`) or "simulator" (its step simulator); "" when not recorded."""
     metrics: dict[str, float | None]
     """`shared.metrics.compute_metrics` keys (un-annualized); None where undefined."""
     trades: TradeTable
@@ -522,6 +526,9 @@ class EvalReport(_Model):
     policy_shaping: bool = True
     """The greedy policy ran with the knobs that shape it (E5 gate, E9 regime confidence) as trained; False: without
     them (an ablation telling learning from policy shaping; `services.evaluator.runner.eval_controls`)."""
+    engine: str = ""
+    """The paths that produced the windows' backtests (`SplitReport.engine` of each, once each, joined by ", "),
+    e.g. "native-c"; "" when not recorded."""
     created_at: str = ""
 
     @field_validator("schema_version")

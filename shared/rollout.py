@@ -234,6 +234,9 @@ class GreedyPass:
     """S × B `Action.blocked`, bool."""
     portfolio: torch.Tensor
     """S × B × P portfolio vector at each decision (what post hoc predictions re-read), float32."""
+    engine: str = ""
+    """The path that ran the sequential part (`ENGINES`): "native-c", "torch-eager", "torch-compile", "torch-graph"
+    or "torch-compile+graph"."""
 
 
 class _ChunkLedger(_LedgerBuffer):
@@ -257,6 +260,10 @@ def _greedy_bar(agent: Agent, sim: Simulator, tracker: PortfolioTracker, market:
             torch.cat([torch.stack([a.q, a.q_std, a.edge, a.cvar], dim=1), rec.portfolio], dim=1),
             torch.cat([a.branches, a.blocked.long().unsqueeze(1)], dim=1))
 
+
+ENGINES = {"native": "native-c", "eager": "torch-eager", "compile": "torch-compile", "graph": "torch-graph",
+           "compile+graph": "torch-compile+graph"}
+"""`greedy_pass`'s modes → the engine name a pass and a report carry (`GreedyPass.engine`, `SplitReport.engine`)."""
 
 AUTO_COMPILE_STEPS = 20_000
 """Steps from which `greedy_pass(accel="auto")` compiles the bar where the native loop is unavailable: compiling costs
@@ -350,16 +357,18 @@ def greedy_pass(agent: Agent, market: MarketTensors, view: MarketView, starts: t
             graphed()
             sim.ledger_buf.flush()
         n_eager = S - n_full * chunk
+    else:
+        accel = accel.replace("+graph", "").replace("graph", "eager")          # too short to capture: no graph
     for a in range(0, n_eager, chunk):
         steps(min(chunk, n_eager - a))
         sim.ledger_buf.flush()
     sim.close_all()
 
-    return _assemble(sim, records, L, B, dev)
+    return _assemble(sim, records, L, B, dev, ENGINES[accel])
 
 
 def _assemble(sim: Simulator, records: tuple[torch.Tensor, torch.Tensor, torch.Tensor], L: int, B: int,
-              dev) -> GreedyPass:
+              dev, engine: str) -> GreedyPass:
     """`GreedyPass` from the S-row records and the simulator after its end-of-pass `close_all`."""
     r64, r32, rl = records
     f64 = dict(dtype=torch.float64, device=dev)
@@ -370,7 +379,7 @@ def _assemble(sim: Simulator, records: tuple[torch.Tensor, torch.Tensor, torch.T
     pos[L - 1] = 0.0
     return GreedyPass(ledger=sim.ledger(), equity=eq, bar_returns=br, positions=pos, targets=r64[..., 0],
                       branches=rl[..., :3], q=r32[..., 0], q_std=r32[..., 1], edge=r32[..., 2], cvar=r32[..., 3],
-                      blocked=rl[..., 3].bool(), portfolio=r32[..., 4:])
+                      blocked=rl[..., 3].bool(), portfolio=r32[..., 4:], engine=engine)
 
 
 @torch.no_grad()
@@ -387,7 +396,7 @@ def _native_greedy_pass(agent: Agent, market: MarketTensors, view: MarketView, s
     out = host.to(dev) if dev.type != "cpu" else host
     sim = native.finish_simulator(out, market, costs, rows)
     sim.close_all()
-    return _assemble(sim, (out.r64, out.r32, out.rl.long()), length, len(starts), dev)
+    return _assemble(sim, (out.r64, out.r32, out.rl.long()), length, len(starts), dev, ENGINES["native"])
 
 
 @torch.no_grad()
