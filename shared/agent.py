@@ -25,10 +25,10 @@ Network (`Agent`)
   so Q_b(s, p, a) = Q_b(s, a) + δ_b,a(s, p), the IQN quantiles and CVaR shift by δ_direction,a, and the C51
   distribution learned for (s, p, a) is the market one with its atoms moved by δ and projected back onto the
   support (`services.trainer.losses.shift_distribution`).
-  Why this split (docs/design.md, "Agent"): everything the policy reads per bar except a ~2 k-MAC MLP is computed
+  Why this split (docs/ARCHITECTURE.md, "Agent"): everything the policy reads per bar except a ~2 k-MAC MLP is computed
   for all bars at once (`view`, a `MarketView`), so the sequential part of a continuous pass — the only part that
-  cannot be batched — costs ~1 µs a bar instead of the 0.2–0.9 M multiply-adds of heads that read the portfolio
-  at their first layer (the earlier design).
+  cannot be batched — costs ~1 µs a bar instead of the 0.2–0.9 M multiply-adds a bar of heads that would read the
+  portfolio at their first layer.
 - `head(emb, portfolio) -> HeadOut`: `market` + `delta`, what the update trains.
 - Atom support z_i = linspace(−v_max, v_max, A) with `v_max` a buffer the trainer adapts to the reward scale.
 - Buffers that the policy reads: `maturity` (how trained the risk head is, in [0, 1]; scales the protection stack).
@@ -381,7 +381,7 @@ def agent_from_checkpoint(tensors: dict[str, torch.Tensor], metadata: dict, devi
 
 def check_tensor_names(agent: Agent, tensors: dict[str, torch.Tensor]) -> None:
     """ValueError naming the missing and unexpected tensors when a checkpoint's do not match this agent's; a
-    checkpoint of the earlier design (heads reading the portfolio, `port.*` tensors, no `shift.*`) says so."""
+    checkpoint of an agent whose heads read the portfolio (`port.*` tensors, no `shift.*`) says so."""
     want, have = set(agent.state_dict()), set(tensors)
     if want == have:
         return

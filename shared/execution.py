@@ -1,7 +1,16 @@
-"""The one trading simulator of tradeloop: B accounts × T bars, batched in torch, CPU or CUDA.
+"""The trading simulator of tradeloop: B accounts × T bars, batched in torch, CPU or CUDA — the reference of the
+fill rules below.
 
-Used by the trainer's environment, by every evaluator backtest and by `tradeloop backtest`; nothing else in
-tradeloop turns positions into trades.
+`Simulator.step` is the definition: the trainer's environment steps it, and so do the evaluator's torch passes
+(`shared.rollout.greedy_pass`) and `run_positions` with stops, targets, fixed fees or borrow. Two fast paths apply
+the same rules, each checked against `Simulator.step` in every CI run:
+- the vectorised replay (`shared/vector_replay.py`): `run_positions` without target/stop levels and with
+  proportional costs (`tradeloop backtest`, the baselines); pinned by `tests/test_execution.py` and
+  `tests/test_execution_fast.py`; the accounts it cannot replay (equity ≤ 0) are handed back to the simulator;
+- the evaluator's compiled loop (`shared/_native_pass.c` via `shared.native`): the default evaluation path on the
+  host CPU wherever a C compiler works; it takes its constants from the Python definitions (a header generated
+  at build time) and is pinned to the eager torch pass by `tests/test_native_pass.py`.
+Every backtest the evaluator reports names the path that produced it (`shared.report.SplitReport.engine`).
 
 The convention, checkable by hand
 ---------------------------------
