@@ -310,6 +310,7 @@ def greedy_pass(agent: Agent, market: MarketTensors, view: MarketView, starts: t
     The ledger is recorded by the simulator's own recorder with its flush moved out of the step (`_ChunkLedger`):
     one host read after each chunk, between replays.
     The pass is greedy: `act` is handed zero uniforms, so `controls.epsilon` must be 0 (ValueError otherwise).
+    The result names the mode that actually ran (`GreedyPass.engine`, `ENGINES`): what a report says produced it.
     """
     from shared.graphs import StaticState, capture, resolve_accel
 
