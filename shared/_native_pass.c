@@ -2,15 +2,22 @@
  * use by the system's C compiler, loaded with ctypes).
  *
  * What the loop reads of the network is precomputed for every bar at once (`Agent.view`, a `MarketView`): the
- * ensemble-mean Q of every action of every branch q[t] (NB), the ensemble std of each direction's Q q_std[t] (3),
- * the IQN quantiles of the CVaR tail tail[t] (MT × 3) and the market code code[t] (C). Per bar and account it computes only what reads the
- * portfolio, transcribing the torch source block by block: the portfolio vector (`shared.rollout.
- * portfolio_features`), the portfolio shift δ (`Agent.delta`: v_max · MLP([code, portfolio]), ~2 k multiply-adds),
- * then `act` (Q = q + δ, greedy choice, CVaR of the shifted tail, protection stack),
- * `Simulator.step` and `PortfolioTracker.update`. One account at a time, its state in locals; accounts side by
- * side on OpenMP threads. Every size is a runtime argument (ensemble, size levels, exit plans, tail quantiles,
- * code and hidden widths): no limits. `tests/test_native_pass.py` pins it to the eager torch pass: the same
- * decisions and trades, curves to float64 rounding.
+ * ensemble-mean Q of every action of every branch q[t] (NB), the ensemble std of each direction's Q q_std[t] (ND),
+ * the IQN quantiles of the CVaR tail tail[t] (MT × ND) and the market code code[t] (C). Per bar and account it
+ * computes only what reads the portfolio, transcribing the torch reference block by block: the portfolio vector
+ * (`shared.portfolio.portfolio_features`), the portfolio shift δ (`Agent.delta`: v_max · MLP([code, portfolio]),
+ * ~2 k multiply-adds), then `act` (`shared.policy`: Q = q + δ, greedy choice, CVaR of the shifted tail,
+ * protection stack), `Simulator.step` (`shared.execution`) and `PortfolioTracker.update` (`shared.portfolio`).
+ * One account at a time, its state in locals; accounts side by side on OpenMP threads. Every size is a runtime
+ * argument (ensemble, size levels, exit plans, tail quantiles, code and hidden widths): no limits.
+ *
+ * No constant of those rules is written here: the feature scales, the tracker's rates, priors and floors, the
+ * direction sides, the maturity floor, the position limit, the exit-reason codes, the flag bits, the output
+ * layouts and the `Pass` struct itself come from `tradeloop_native.h`, which `shared.native.header()` generates
+ * from the Python definitions at build time (the build is keyed by it); the protection stack's settings and the
+ * costs come in `Pass` at run time. `shared.native` checks the compiled struct's layout against its ctypes mirror
+ * at load (`native_pass_layout`), and `tests/test_native_pass.py` pins the loop to the eager torch pass in every CI
+ * run: the same decisions and trades, curves to float64 rounding.
  *
  * Numerics: δ in float32 (fused multiply-adds like a BLAS kernel, but not always in the order of torch's sgemm /
  * sgemv, which depends on the shape and the CPU: δ agrees with torch's to the last bits, not always bit for bit;
@@ -20,44 +27,25 @@
  * Outputs use the layouts of `shared.native.PassOutputs` (rows = step i · B + account).
  */
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-typedef struct {
-    /* market, T bars */
-    const double *open, *high, *low, *close, *vol;
-    const int64_t *regime;
-    /* the market view of every bar (Agent.view), float32 */
-    const float *q;            /* T × NB: ensemble-mean Q */
-    const float *q_std;        /* T × 3: ensemble std of each direction's Q */
-    const float *tail;         /* T × MT × 3 */
-    const float *code;         /* T × C */
-    int64_t T;
-    const int64_t *starts;     /* B */
-    int64_t B, S;
-    /* the portfolio shift MLP (Agent.shift): each layer's weight as torch holds it (N × K_in) and transposed */
-    const float *w1, *w1t;     /* S1 × (C + P), (C + P) × S1 */
-    const float *b1;           /* S1 */
-    const float *w2, *w2t;     /* (NB + 1) × S1, S1 × (NB + 1) */
-    const float *b2;           /* NB + 1 */
-    float v_max;
-    int64_t P, C, S1, NS, NE, MT;
-    /* policy */
-    float maturity, gate;
-    const float *rconf;        /* regimes */
-    const double *sizes;       /* NS */
-    const double *plans;       /* NE × 2 */
-    const double *c;           /* constants, see shared.native */
-    /* outputs */
-    double *r64;               /* S × B × 4 */
-    float *r32;                /* S × B × (4 + P) */
-    int32_t *rl;               /* S × B × 4 */
-    double *ev64;              /* S × B × 3 */
-    int32_t *flags;            /* S × B */
-    double *final_;            /* B × 12 */
-    int64_t threads;
-} Pass;
+#include "tradeloop_native.h"
+
+/* The layout of `Pass` as this compiler lays it out: sizeof, then each field's offset in the order of
+ * TL_PASS_FIELDS; writes at most n values and returns how many there are (`shared.native._check_layout`). */
+int64_t native_pass_layout(int64_t *out, int64_t n) {
+    const int64_t lay[] = {(int64_t)sizeof(Pass)
+#define X(f) , (int64_t)offsetof(Pass, f)
+                           TL_PASS_FIELDS
+#undef X
+    };
+    const int64_t m = (int64_t)(sizeof lay / sizeof lay[0]);
+    for (int64_t i = 0; i < m && i < n; i++) out[i] = lay[i];
+    return m;
+}
 
 static inline double sgn(double x) { return x > 0 ? 1.0 : (x < 0 ? -1.0 : 0.0); }
 static inline double clampd(double x, double lo, double hi) { return x < lo ? lo : (x > hi ? hi : x); }
@@ -168,16 +156,15 @@ static int argmax_first(const float *x, int64_t n) {
 static int64_t round16(int64_t n) { return (n + 15) / 16 * 16; }
 
 int64_t native_work_floats(const Pass *p) {
-    const int64_t NB = 3 + p->NS + p->NE;
-    return round16(p->C + p->P) + round16(p->S1) + round16(NB + 1) + round16(NB) + round16(p->MT * 3 + 1);
+    const int64_t NB = TL_ND + p->NS + p->NE;
+    return round16(p->C + p->P) + round16(p->S1) + round16(NB + 1) + round16(NB) + round16(p->MT * TL_ND + 1);
 }
 
 static void run_account(const Pass *p, int64_t b, float *work) {
     const int64_t P = p->P, C = p->C, S1 = p->S1, NS = p->NS, NE = p->NE, MT = p->MT, B = p->B, T = p->T;
-    const int64_t NB = 3 + NS + NE;
-    const double *c = p->c;
+    const int64_t NB = TL_ND + NS + NE;
     float *xin = work, *hid = xin + round16(C + P), *dl = hid + round16(S1), *qm = dl + round16(NB + 1),
-          *quant = qm + round16(NB);                                                       /* quant: MT × 3 */
+          *quant = qm + round16(NB);                                                       /* quant: MT × ND */
     float *x = xin + C;                        /* the portfolio vector, after the code */
 
     /* state: Simulator.reset (flat, cash = equity = 1) and PortfolioTracker.__init__ priors */
@@ -185,34 +172,37 @@ static void run_account(const Pass *p, int64_t b, float *work) {
     double pos = 0, units = 0, cash = 1, eq = 1, entry_equity = 1, entry_price = 0, entry_size = 0, tp_price = 0,
            sl_price = 0;
     int64_t entry_t = 0, bars = 0;
-    double win_rate = 0.5, mean_win = c[8], mean_loss = c[8], dsr_a = 0, dsr_b = c[7], dsr = 0;
-    const double rate = c[0], kelly_floor = c[1], cvar_limit = c[2], min_hold = c[3], dsr_size_cut = c[4];
-    const double decay = c[5], eta = c[6], eps_loss = c[9], eps_b = c[10], eps_var = c[11];
-    const double fee = c[12], borrow = c[13];
-    const float m = fminf(fmaxf(p->maturity, 1e-3f), 1.0f);              /* float32, as in act */
+    double win_rate = TL_WIN_RATE_PRIOR, mean_win = TL_MEAN_TRADE_PRIOR, mean_loss = TL_MEAN_TRADE_PRIOR, dsr_a = 0,
+           dsr_b = TL_DSR_B_PRIOR, dsr = 0;
+    const double rate = p->rate, fee = p->fee, borrow = p->borrow, kelly_floor = p->kelly_floor;
+    const double cvar_limit = p->cvar_limit, min_hold = p->min_hold, dsr_size_cut = p->dsr_size_cut;
+    const double decay = TL_TRACKER_DECAY, eta = TL_DSR_ETA;
+    const float m = fminf(fmaxf(p->maturity, (float)TL_MATURITY_FLOOR), 1.0f);   /* float32, as in act */
     const float cvar_floor = -((float)cvar_limit) / m, gate_m = p->gate / m, hold = (float)min_hold * m;
     const double cut = (double)((float)dsr_size_cut * m);
     const float n_tail = (float)(MT > 1 ? MT : 1);                       /* max(n_tail, 1) */
 
     for (int64_t i = 0; i < p->S; i++) {
         const int64_t row = i * B + b;
-        /* ---- portfolio_features (shared/rollout.py) ---- */
+        /* ---- portfolio_features (shared/portfolio.py) ---- */
         const double vol_t = p->vol[t], close_t = p->close[t];
         const int in_trade = pos != 0;
         const double side0 = sgn(pos);
         double upnl = in_trade ? (eq / entry_equity - 1.0) / vol_t : 0.0;
-        upnl = clampd(upnl, -20.0, 20.0) / 5.0;
-        const double barsf = mind((double)bars / 50.0, 4.0);
+        upnl = clampd(upnl, -TL_UPNL_CLIP, TL_UPNL_CLIP) / TL_UPNL_SCALE;
+        const double barsf = mind((double)bars / TL_BARS_SCALE, TL_BARS_CAP);
         double tp_d = (in_trade && fabs(tp_price) < INFINITY) ? side0 * (tp_price / close_t - 1.0) / vol_t : 0.0;
         double sl_d = (in_trade && fabs(sl_price) < INFINITY) ? side0 * (1.0 - sl_price / close_t) / vol_t : 0.0;
-        tp_d = clampd(tp_d, -20.0, 20.0) / 10.0;
-        sl_d = clampd(sl_d, -20.0, 20.0) / 10.0;
-        const double bk = mean_win / maxd(mean_loss, eps_loss);                       /* PortfolioTracker.kelly */
-        const double kelly = clampd(win_rate - (1.0 - win_rate) / maxd(bk, eps_b), -1.0, 1.0);
-        x[0] = (float)pos; x[1] = (float)upnl; x[2] = (float)barsf; x[3] = (float)tp_d; x[4] = (float)sl_d;
-        x[5] = (float)kelly; x[6] = (float)(win_rate - 0.5); x[7] = (float)clampd(dsr, -5.0, 5.0);
-        float *rq = p->r32 + row * (4 + P);
-        for (int64_t j = 0; j < P; j++) rq[4 + j] = x[j];
+        tp_d = clampd(tp_d, -TL_PLAN_CLIP, TL_PLAN_CLIP) / TL_PLAN_SCALE;
+        sl_d = clampd(sl_d, -TL_PLAN_CLIP, TL_PLAN_CLIP) / TL_PLAN_SCALE;
+        const double bk = mean_win / maxd(mean_loss, TL_KELLY_LOSS_EPS);             /* PortfolioTracker.kelly */
+        const double kelly = clampd(win_rate - (1.0 - win_rate) / maxd(bk, TL_KELLY_RATIO_EPS), -1.0, 1.0);
+        x[TL_PF_POSITION] = (float)pos; x[TL_PF_UPNL_VOL] = (float)upnl; x[TL_PF_BARS_IN_TRADE] = (float)barsf;
+        x[TL_PF_TP_DIST_VOL] = (float)tp_d; x[TL_PF_SL_DIST_VOL] = (float)sl_d; x[TL_PF_KELLY_F] = (float)kelly;
+        x[TL_PF_WIN_RATE] = (float)(win_rate - TL_WIN_RATE_PRIOR);
+        x[TL_PF_DIFF_SHARPE] = (float)clampd(dsr, -TL_DSR_CLIP, TL_DSR_CLIP);
+        float *rq = p->r32 + row * (TL_N_R32 + P);
+        for (int64_t j = 0; j < P; j++) rq[TL_N_R32 + j] = x[j];
 
         /* ---- Agent.delta: δ = v_max · (W2 relu(W1 [code, port] + b1) + b2), NB + 1 ---- */
         memcpy(xin, p->code + t * C, (size_t)C * sizeof(float));
@@ -220,22 +210,23 @@ static void run_account(const Pass *p, int64_t b, float *work) {
         dense(hid, S1, p->w2, p->w2t, p->b2, NB + 1, dl, 0);
         for (int64_t j = 0; j < NB + 1; j++) dl[j] = p->v_max * dl[j];
 
-        /* ---- act (shared/agent.py) ---- */
+        /* ---- act (shared/policy.py) ---- */
         /* q_all = view.q + δ[:NB] (the ensemble-mean Q, shifted); per branch its first argmax */
-        const float *qt = p->q + t * NB, *qs = p->q_std + t * 3;
+        const float *qt = p->q + t * NB, *qs = p->q_std + t * TL_ND;
         for (int64_t j = 0; j < NB; j++) qm[j] = qt[j] + dl[j];
-        const int d = argmax_first(qm, 3), s = argmax_first(qm + 3, NS), e = argmax_first(qm + 3 + NS, NE);
-        const float edge = fmaxf(qm[0], qm[2]) - qm[1];
-        /* quant = view.tail + δ[:3]; CVaR per direction = quant.sum(1) / max(M_α, 1) */
-        const float *tt = p->tail + t * MT * 3;
-        for (int64_t j = 0; j < MT * 3; j++) quant[j] = tt[j] + dl[j % 3];
-        float cvar_dir[3];
-        for (int a = 0; a < 3; a++) cvar_dir[a] = torch_sum_row(quant + a, 3, MT) / n_tail;
+        const int d = argmax_first(qm, TL_ND), s = argmax_first(qm + TL_ND, NS),
+                  e = argmax_first(qm + TL_ND + NS, NE);
+        const float edge = fmaxf(qm[TL_SHORT], qm[TL_LONG]) - qm[TL_FLAT];
+        /* quant = view.tail + δ[:ND]; CVaR per direction = quant.sum(1) / max(M_α, 1) */
+        const float *tt = p->tail + t * MT * TL_ND;
+        for (int64_t j = 0; j < MT * TL_ND; j++) quant[j] = tt[j] + dl[j % TL_ND];
+        float cvar_dir[TL_ND];
+        for (int a = 0; a < TL_ND; a++) cvar_dir[a] = torch_sum_row(quant + a, TL_ND, MT) / n_tail;
         const int64_t regime = p->regime[t];
-        const double sidef = d == 0 ? -1.0 : (d == 2 ? 1.0 : 0.0);
+        const double sidef = TL_DIRECTION_SIDES[d];
         const double size = p->sizes[s];
-        const double kel = clampd(kelly_floor + (double)x[5], kelly_floor, 1.0);
-        const double dsr_scale = 1.0 - cut * clampd(-(double)x[7], 0.0, 1.0);
+        const double kel = clampd(kelly_floor + (double)x[TL_PF_KELLY_F], kelly_floor, 1.0);
+        const double dsr_scale = 1.0 - cut * clampd(-(double)x[TL_PF_DIFF_SHARPE], 0.0, 1.0);
         const float conf32 = p->rconf[regime];
         const double conf = (double)conf32;
         const double new_target = sidef * size * kel * dsr_scale * conf;
@@ -249,18 +240,18 @@ static void run_account(const Pass *p, int64_t b, float *work) {
         double target = ((sidef == cur_side) && (cur_side != 0)) ? pos : new_target;
         if (blocked) target = 0.0;
         if (committed) target = pos;
-        const int d_eff = committed ? (int)(cur_side + 1.0) : (blocked ? 1 : d);
+        const int d_eff = committed ? (int)(cur_side + TL_FLAT) : (blocked ? TL_FLAT : d);
         const float q = qm[d_eff];
         const double tp = p->plans[e * 2] * vol_t, sl = p->plans[e * 2 + 1] * vol_t;
-        rq[0] = q; rq[1] = qs[d_eff]; rq[2] = edge; rq[3] = cvar_dir[d_eff];
-        int32_t *rl = p->rl + row * 4;
-        rl[0] = d_eff; rl[1] = s; rl[2] = e; rl[3] = blocked;
+        rq[TL_R32_Q] = q; rq[TL_R32_Q_STD] = qs[d_eff]; rq[TL_R32_EDGE] = edge; rq[TL_R32_CVAR] = cvar_dir[d_eff];
+        int32_t *rl = p->rl + row * TL_N_RL;
+        rl[TL_RL_DIRECTION] = d_eff; rl[TL_RL_SIZE] = s; rl[TL_RL_EXIT] = e; rl[TL_RL_BLOCKED] = blocked;
 
         /* ---- Simulator.step (shared/execution.py) ---- */
         const int live = t < T - 1;
         const int64_t t1 = t + 1 < T - 1 ? t + 1 : T - 1;
         const double o = p->open[t1], hi = p->high[t1], lo = p->low[t1], cl = p->close[t1];
-        const double tgt = live ? clampd(target, -1.0, 1.0) : pos;
+        const double tgt = live ? clampd(target, -TL_MAX_POSITION, TL_MAX_POSITION) : pos;
         const double eq0 = eq;
         /* fills at the open: the closing fill, then the opening or resizing one on the equity left */
         const int fill = tgt != pos;
@@ -305,7 +296,7 @@ static void run_account(const Pass *p, int64_t b, float *work) {
         }
         const double eq1 = csh + u * cl;
         const double ret2 = exits2 ? csh / n_entry_equity - 1.0 : 0.0;
-        const int reason2 = stop_hit ? 0 : (tgt_hit ? 1 : 2);
+        const int reason2 = stop_hit ? TL_REASON_STOP : (tgt_hit ? TL_REASON_TARGET : TL_REASON_END);
         if (exits2) p2 = 0.0;
         if (live) {   /* commit (an account at the last bar keeps its state) */
             pos = p2;
@@ -324,14 +315,15 @@ static void run_account(const Pass *p, int64_t b, float *work) {
         const int n_closed = (closes && live) + (exits2 && live);
         const double bar_ret = live ? eq1 / eq0 - 1.0 : 0.0;
         const double trade_ret = live ? ret1 + ret2 : 0.0;
-        p->flags[row] = (opens && live) * 1 + (closes && live) * 2 + (closes && live && flip) * 4 +
-                        (exits2 && live) * 8 + reason2 * 16;
-        double *ev = p->ev64 + row * 3;
-        ev[0] = ret1; ev[1] = ret2; ev[2] = exit_px;
-        double *r6 = p->r64 + row * 4;
-        r6[0] = target; r6[1] = eq; r6[2] = bar_ret; r6[3] = pos;
+        p->flags[row] = (opens && live) * TL_F_OPEN + (closes && live) * TL_F_CLOSE1 +
+                        (closes && live && flip) * TL_F_FLIP + (exits2 && live) * TL_F_EXIT2 +
+                        (reason2 << TL_F_REASON2_SHIFT);
+        double *ev = p->ev64 + row * TL_N_EV;
+        ev[TL_EV_RET_OPEN] = ret1; ev[TL_EV_RET_EXIT] = ret2; ev[TL_EV_EXIT_PRICE] = exit_px;
+        double *r6 = p->r64 + row * TL_N_R64;
+        r6[TL_R64_TARGET] = target; r6[TL_R64_EQUITY] = eq; r6[TL_R64_BAR_RETURN] = bar_ret; r6[TL_R64_POSITION] = pos;
 
-        /* ---- PortfolioTracker.update (shared/rollout.py) ---- */
+        /* ---- PortfolioTracker.update (shared/portfolio.py) ---- */
         if (n_closed > 0) {
             const double r = trade_ret;
             win_rate = (1 - decay) * win_rate + decay * (r > 0 ? 1.0 : 0.0);
@@ -339,16 +331,17 @@ static void run_account(const Pass *p, int64_t b, float *work) {
             else mean_loss = (1 - decay) * mean_loss + decay * (-r);
         }
         const double xr = bar_ret, da = xr - dsr_a, db = xr * xr - dsr_b;
-        const double var = maxd(dsr_b - dsr_a * dsr_a, eps_var);
+        const double var = maxd(dsr_b - dsr_a * dsr_a, TL_DSR_VAR_EPS);
         const double dd = (dsr_b * da - 0.5 * dsr_a * db) / pow(var, 1.5);
-        dsr = (1 - eta) * dsr + eta * clampd(dd, -10.0, 10.0);
+        dsr = (1 - eta) * dsr + eta * clampd(dd, -TL_DSR_STEP_CLIP, TL_DSR_STEP_CLIP);
         dsr_a = dsr_a + eta * da;
         dsr_b = dsr_b + eta * db;
     }
-    double *fp = p->final_ + b * 12;
-    fp[0] = (double)t; fp[1] = pos; fp[2] = eq; fp[3] = units; fp[4] = cash; fp[5] = entry_equity;
-    fp[6] = entry_price; fp[7] = entry_size; fp[8] = (double)entry_t; fp[9] = tp_price; fp[10] = sl_price;
-    fp[11] = (double)bars;
+    double *fp = p->final_ + b * TL_N_FINAL;
+    fp[TL_FINAL_T] = (double)t; fp[TL_FINAL_POSITION] = pos; fp[TL_FINAL_EQUITY] = eq; fp[TL_FINAL_UNITS] = units;
+    fp[TL_FINAL_CASH] = cash; fp[TL_FINAL_ENTRY_EQUITY] = entry_equity; fp[TL_FINAL_ENTRY_PRICE] = entry_price;
+    fp[TL_FINAL_ENTRY_SIZE] = entry_size; fp[TL_FINAL_ENTRY_T] = (double)entry_t; fp[TL_FINAL_TP_PRICE] = tp_price;
+    fp[TL_FINAL_SL_PRICE] = sl_price; fp[TL_FINAL_BARS_IN_TRADE] = (double)bars;
 }
 
 /* All B accounts, `threads` of them at a time (OpenMP). Returns 0, or −1 when out of memory. */

@@ -1,4 +1,7 @@
-"""The distributional trading agent: network (`Agent`) and its policy step (`act`).
+"""The distributional trading agent: the network (`Agent`), its configuration and what it outputs.
+
+Its building blocks are in `shared/layers.py`, its policy step (`act`, `PolicyControls`, `Action`) in
+`shared/policy.py`; both are re-exported here.
 
 Shared by the trainer and the evaluator so both step the very same policy through the very same simulator.
 
@@ -22,10 +25,10 @@ Network (`Agent`)
   so Q_b(s, p, a) = Q_b(s, a) + δ_b,a(s, p), the IQN quantiles and CVaR shift by δ_direction,a, and the C51
   distribution learned for (s, p, a) is the market one with its atoms moved by δ and projected back onto the
   support (`services.trainer.losses.shift_distribution`).
-  Why this split (docs/design.md, "Agent"): everything the policy reads per bar except a ~2 k-MAC MLP is computed
+  Why this split (docs/ARCHITECTURE.md, "Agent"): everything the policy reads per bar except a ~2 k-MAC MLP is computed
   for all bars at once (`view`, a `MarketView`), so the sequential part of a continuous pass — the only part that
-  cannot be batched — costs ~1 µs a bar instead of the 0.2–0.9 M multiply-adds of heads that read the portfolio
-  at their first layer (the earlier design).
+  cannot be batched — costs ~1 µs a bar instead of the 0.2–0.9 M multiply-adds a bar of heads that would read the
+  portfolio at their first layer.
 - `head(emb, portfolio) -> HeadOut`: `market` + `delta`, what the update trains.
 - Atom support z_i = linspace(−v_max, v_max, A) with `v_max` a buffer the trainer adapts to the reward scale.
 - Buffers that the policy reads: `maturity` (how trained the risk head is, in [0, 1]; scales the protection stack).
@@ -35,7 +38,7 @@ target and stop as multiples of the bar volatility, +inf = none). The simulator 
     target = side × size × kelly_scale × regime_confidence[regime]
 and an open trade in the chosen direction is held as it is (no resizing churn).
 
-Portfolio vector (`PORTFOLIO_FEATURES`, built in `shared/rollout.py`): position, unrealized P&L in volatility
+Portfolio vector (`PORTFOLIO_FEATURES`, built in `shared/portfolio.py`): position, unrealized P&L in volatility
 units, bars in trade (scaled), distance to the plan's target and stop in volatility units, Kelly fraction,
 win-rate accumulator, differential-Sharpe accumulator.
 
@@ -51,11 +54,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-BRANCH_NAMES = ("direction", "size", "exit")
-DIRECTION_SIDES = (-1.0, 0.0, 1.0)  # action index → side
-FLAT = 1
-PORTFOLIO_FEATURES = ("position", "upnl_vol", "bars_in_trade", "tp_dist_vol", "sl_dist_vol", "kelly_f",
-                      "win_rate", "diff_sharpe")
+from shared.layers import (CausalBlock, aligned_linear, causal_attention, causal_attention_math,  # noqa: F401
+                           dense_grad, last_query_attention, last_query_attention_math, ln_fold, ln_plain,
+                           stacked_linear, written_out_attention)
+from shared.policy import (BRANCH_NAMES, DIRECTION_SIDES, FLAT, Action, PolicyControls, act)  # noqa: F401
+from shared.portfolio import PORTFOLIO_FEATURES
+
 
 
 @dataclass
@@ -208,179 +212,6 @@ class MarketView:
         return self.q.shape[0]
 
 
-def written_out_attention(q: torch.Tensor) -> bool:
-    """Whether attention runs written out (`causal_attention_math`, `last_query_attention_math`) rather than as
-    PyTorch's fused SDPA: only in a compiled pass without gradient (the trainer's compiled collection and rolling
-    embedding refresh) with heads of ≤ 32 dims. There inductor fuses the written-out form — two batched matmuls around
-    an fp32 softmax, with the mask and the scale — and it beat the fused kernel the H200 picks (cuDNN flash, tiles of
-    64 dims, mostly padding for 16-dim heads): 1.5× on the causal forward and 2.5× on the last query at 8 heads × 16,
-    1.4× and 1.2× at 4 × 32; at 2 × 64 SDPA was as fast or faster (1.0× and 0.6×). With gradient, or uncompiled, the
-    fused kernel was faster at every width. `bench/attention_speed.py --heads H --dim d` measures each."""
-    return torch.compiler.is_compiling() and not torch.is_grad_enabled() and q.shape[-1] <= 32
-
-
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """softmax(q kᵀ / √d + causal mask) v for N × heads × W × d (W ≤ 64 bars): fused SDPA, or written out where
-    that is faster (`written_out_attention`)."""
-    if not written_out_attention(q):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    return causal_attention_math(q, k, v)
-
-
-def causal_attention_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """`causal_attention` written out (N × heads × W × d)."""
-    W = q.shape[-2]
-    s = (q @ k.transpose(-1, -2)).float() * q.shape[-1] ** -0.5                             # N × h × W × W
-    mask = torch.ones(W, W, dtype=torch.bool, device=q.device).triu(1)                    # j > i: the future
-    return torch.softmax(s.masked_fill(mask, -math.inf), dim=-1).to(v.dtype) @ v          # N × h × W × d
-
-
-def last_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """The last token's attention over its whole window: q N × heads × d, k, v N × heads × W × d → N × heads × d.
-    Fused SDPA, or written out where that is faster (`written_out_attention`: elementwise products and sums with an
-    fp32 softmax, one fused kernel)."""
-    if not written_out_attention(q):
-        return F.scaled_dot_product_attention(q.unsqueeze(2), k, v).squeeze(2)
-    return last_query_attention_math(q, k, v)
-
-
-def last_query_attention_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """`last_query_attention` written out (q N × heads × d, k, v N × heads × W × d)."""
-    s = (k.float() * q.float().unsqueeze(-2)).sum(-1) * q.shape[-1] ** -0.5               # N × h × W
-    return (torch.softmax(s, dim=-1).unsqueeze(-1) * v.float()).sum(-2).to(v.dtype)        # N × h × d
-
-
-def align_pad(width: int, x: torch.Tensor) -> int:
-    """Zeros to append to a width of `width` elements so that rows of x's device are 16-byte aligned for cuBLAS
-    (a multiple of 8 bf16 values) on CUDA; 0 on a CPU, where alignment buys nothing."""
-    return -width % 8 if x.is_cuda else 0
-
-
-def aligned_linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
-    """layer(x), on CUDA with both widths padded with zeros to a multiple of 8 (the output sliced back): a row of 3,
-    9, 14 or 2 295 bf16 values is not 16-byte aligned, and cuBLAS then falls back to its pre-Hopper `align1` kernels
-    (on the H200 those ran the heads' GEMMs and the encoder's input projection; `bench/train_profile.py`). The same
-    numbers (zero products add nothing); on a CPU just layer(x)."""
-    return _aligned(x, layer.weight, layer.bias)
-
-
-def _aligned(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """F.linear(x, weight, bias) with the widths padded as `aligned_linear` pads them."""
-    n_out, n_in = weight.shape
-    po, pi = align_pad(n_out, x), align_pad(n_in, x)
-    if po == pi == 0:
-        return F.linear(x, weight, bias)
-    out = F.linear(F.pad(x, (0, pi)), F.pad(weight, (0, pi, 0, po)), F.pad(bias, (0, po)))
-    return out[..., :n_out]
-
-
-def stacked_linear(x: torch.Tensor, layers: tuple[nn.Linear, ...]) -> list[torch.Tensor]:
-    """[layer(x) for layer in layers] as one product: the layers' weights and biases stacked (each through
-    `dense_grad`, so their gradients come out in the parameters' own layout), the widths aligned as `aligned_linear`
-    aligns them, the output split back. Heads that read the same input then cost one GEMM forward and one of each
-    kind backward (input gradient, weight gradient, bias sum) instead of one per head. The same numbers up to the
-    order of float sums."""
-    w = torch.cat([dense_grad(layer.weight) for layer in layers])
-    b = torch.cat([dense_grad(layer.bias) for layer in layers])
-    return list(_aligned(x, w, b).split([layer.out_features for layer in layers], dim=-1))
-
-
-class _DenseGrad(torch.autograd.Function):
-    """The identity, whose gradient is handed back contiguous (`dense_grad`)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor) -> torch.Tensor:
-        return g.contiguous()
-
-
-def dense_grad(p: torch.Tensor) -> torch.Tensor:
-    """p itself, with its gradient made contiguous where it is computed. A parameter used through `torch.cat` gets
-    a strided slice of the joint gradient, which autograd then copies into the parameter's layout, one copy a
-    parameter after the backward (on the H200 six `direct_copy` kernels of the update, for the advantage streams'
-    weights and biases, session 19). Made contiguous inside the backward, the copy is part of the compiled graph,
-    where inductor fuses or groups it, and autograd takes the gradient as it is. The same values."""
-    return _DenseGrad.apply(p)
-
-
-def ln_fold(ln: nn.LayerNorm, layer: nn.Linear, rows: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
-    """The weight and bias of layer(ln(x)) (its output rows `rows`) as a product of `ln_plain(x, ln)`: W (γ ⊙ n + β)
-    + b = (W diag γ) n + (W β + b). The fold costs O × D on the parameters instead of N × D on the rows: γ's and
-    β's gradients come from the weight's and bias's (Σ_o W ⊙ ∂W', Wᵀ ∂b') instead of two reductions over every row
-    of the batch (every token of a window, before the encoder's linear layers). W β is summed in fp32 (a matmul
-    under bf16 autocast would round it). The same numbers up to float rounding."""
-    w, b = layer.weight[rows], layer.bias[rows]
-    return w * ln.weight, b + (w * ln.bias).sum(1)
-
-
-def ln_plain(x: torch.Tensor, ln: nn.LayerNorm) -> torch.Tensor:
-    """ln(x) without its affine (`ln_fold`)."""
-    return F.layer_norm(x, ln.normalized_shape, None, None, ln.eps)
-
-
-class CausalBlock(nn.Module):
-    """Pre-LN transformer block with causal self-attention: x + Attn(LN x), then x + MLP(LN x)."""
-
-    def __init__(self, d: int, n_heads: int):
-        super().__init__()
-        self.n_heads = n_heads
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.mlp = nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
-        self.fold_ln = False
-        """Each LayerNorm's affine folded into the linear layer after it (`ln_fold`): set by the trainer
-        (`TrainConfig.fold_ln`); the same parameters and function."""
-        self.fused: tuple[Callable, Callable] | None = None
-        """Attention kernels for passes with gradient, (causal(qkv N × W × 3D, heads) → N × W × D, last_query(q
-        N × D, kv N × W × 2D, heads) → N × D), or None for SDPA: set by the trainer (`TrainConfig.attention`,
-        `services.trainer.fused_attention`); not a parameter, not saved."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        N, W, D = x.shape
-        qkv = F.linear(self._norm(x, self.ln1), *self._params(self.ln1, self.qkv))         # N × W × 3D
-        if self.fused is not None and torch.is_grad_enabled():
-            a = self.fused[0](qkv, self.n_heads)                                           # N × W × D
-        else:
-            q, k, v = (y.view(N, W, self.n_heads, D // self.n_heads).transpose(1, 2) for y in qkv.split(D, dim=-1))
-            a = causal_attention(q, k, v).transpose(1, 2).reshape(N, W, D)                 # heads side by side
-        x = x + self.proj(a)
-        return x + self._mlp(x)
-
-    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
-        """MLP(LN₂ x)."""
-        return self.mlp[2](self.mlp[1](F.linear(self._norm(x, self.ln2), *self._params(self.ln2, self.mlp[0]))))
-
-    def _norm(self, x: torch.Tensor, ln: nn.LayerNorm) -> torch.Tensor:
-        """ln(x), without its affine when it is folded into the next layer (`fold_ln`)."""
-        return ln_plain(x, ln) if self.fold_ln else ln(x)
-
-    def _params(self, ln: nn.LayerNorm, layer: nn.Linear, rows: slice = slice(None)
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The weight and bias (output rows `rows`) that `layer` applies to `_norm(x, ln)`: ln's affine folded in
-        (`ln_fold`) or the layer's own."""
-        return ln_fold(ln, layer, rows) if self.fold_ln else (layer.weight[rows], layer.bias[rows])
-
-    def last_token(self, x: torch.Tensor) -> torch.Tensor:
-        """forward(x)[:, −1] for what the encoder keeps of its last block: the last token's query against every
-        key (a causal mask lets the last row see the whole window), its projection and MLP — N × W × D → N × D.
-        The same arithmetic for that token, without the other W − 1 queries and MLP rows (~3× less work)."""
-        N, W, D = x.shape
-        h = self._norm(x, self.ln1)
-        q = F.linear(h[:, -1], *self._params(self.ln1, self.qkv, slice(None, D)))        # N × D
-        kv = F.linear(h, *self._params(self.ln1, self.qkv, slice(D, None)))              # N × W × 2D
-        if self.fused is not None and torch.is_grad_enabled():
-            a = self.fused[1](q, kv, self.n_heads)                                         # N × D
-        else:
-            hd = D // self.n_heads
-            k, v = (y.view(N, W, self.n_heads, hd).transpose(1, 2) for y in kv.split(D, dim=-1))
-            a = last_query_attention(q.view(N, self.n_heads, hd), k, v).reshape(N, D)      # heads side by side
-        y = x[:, -1] + self.proj(a)
-        return y + self._mlp(y)
-
-
 class Agent(nn.Module):
     """Encoder + branching dueling C51 ensemble + IQN risk head + expectile value head (see module docstring)."""
 
@@ -486,7 +317,7 @@ class Agent(nn.Module):
         # rows of 128 bytes on CUDA (a multiple of 64 bf16 values). With rows of 16 (`aligned_linear`; the `full`
         # agent's 2 040 columns) the compiled targets' two logit GEMMs ran without cuBLASLt's bias epilogue: aten
         # first copied the bias into all N rows (~15 µs each at batch 4 096 on the H200); with 2 048 columns the
-        # epilogue adds it, and the targets' stream went 252 → 213 µs (bench/train_profile.py, session 21)
+        # epilogue adds it, and the targets' stream went 252 → 213 µs (bench/train_profile.py)
         pad = -(K * NB * A) % 64 if h.is_cuda else 0
         if pad:
             w, b = torch.cat([w, w.new_zeros(w.shape[0], pad)], dim=1), torch.cat([b, b.new_zeros(pad)])
@@ -550,7 +381,7 @@ def agent_from_checkpoint(tensors: dict[str, torch.Tensor], metadata: dict, devi
 
 def check_tensor_names(agent: Agent, tensors: dict[str, torch.Tensor]) -> None:
     """ValueError naming the missing and unexpected tensors when a checkpoint's do not match this agent's; a
-    checkpoint of the earlier design (heads reading the portfolio, `port.*` tensors, no `shift.*`) says so."""
+    checkpoint of an agent whose heads read the portfolio (`port.*` tensors, no `shift.*`) says so."""
     want, have = set(agent.state_dict()), set(tensors)
     if want == have:
         return
@@ -558,140 +389,3 @@ def check_tensor_names(agent: Agent, tensors: dict[str, torch.Tensor]) -> None:
     hint = (" — written by the earlier agent whose heads read the portfolio (before the portfolio shift); "
             "retrain it with this version" if any(k.startswith("port.") for k in extra) else "")
     raise ValueError(f"checkpoint tensors do not match the agent: missing {missing[:6]}, unexpected {extra[:6]}{hint}")
-
-
-# ---------------------------------------------------------------------------------------------------------
-# The policy step
-# ---------------------------------------------------------------------------------------------------------
-@dataclass
-class PolicyControls:
-    """Device tensors the policy reads (the knobs of `act`), changed in place with `copy_`."""
-
-    epsilon: torch.Tensor
-    """ε of the ε-greedy exploration (0 for evaluation), per branch independently. Scalar."""
-    gate_threshold: torch.Tensor
-    """E5: no new entry where the ensemble std of Q of the chosen direction exceeds it (inf = off). Scalar."""
-    regime_confidence: torch.Tensor
-    """E9: size multiplier per regime, [N_REGIMES]."""
-
-    @classmethod
-    def make(cls, device, epsilon: float = 0.0, gate_threshold: float = math.inf,
-             regime_confidence=None, n_regimes: int = 9) -> "PolicyControls":
-        rc = [1.0] * n_regimes if regime_confidence is None else list(regime_confidence)
-        f = lambda v: torch.tensor(v, dtype=torch.float32, device=device)  # noqa: E731
-        return cls(epsilon=f(float(epsilon)), gate_threshold=f(float(gate_threshold)), regime_confidence=f(rc))
-
-    def set(self, *, epsilon=None, gate_threshold=None, regime_confidence=None) -> None:
-        """Write new values into the device tensors (no reallocation, so a captured graph keeps reading them)."""
-        if epsilon is not None:
-            self.epsilon.fill_(float(epsilon))
-        if gate_threshold is not None:
-            self.gate_threshold.fill_(float(gate_threshold))
-        if regime_confidence is not None:
-            self.regime_confidence.copy_(torch.as_tensor(regime_confidence, dtype=torch.float32))
-
-
-@dataclass
-class Action:
-    """One decision for B accounts (all [B] unless noted)."""
-
-    branches: torch.Tensor
-    """Chosen action index per branch, B × 3 (direction, size, exit)."""
-    target: torch.Tensor
-    """Target position for `Simulator.step`, in [-1, 1]."""
-    take_profit: torch.Tensor
-    """Profit target as a fraction of the entry price (+inf = none); read by the simulator when a trade opens."""
-    stop_loss: torch.Tensor
-    """Stop as a fraction of the entry price (+inf = none)."""
-    q: torch.Tensor
-    """Ensemble-mean Q of the chosen direction (return units)."""
-    q_std: torch.Tensor
-    """Ensemble std of Q of the chosen direction: the epistemic uncertainty."""
-    edge: torch.Tensor
-    """Predicted edge of trading: max(Q_long, Q_short) − Q_flat (ensemble mean)."""
-    cvar: torch.Tensor
-    """CVaR_α of the chosen direction from the IQN quantiles."""
-    quantiles: torch.Tensor
-    """IQN quantiles of the chosen direction at the CVaR tail of the fixed grid (`act_taus` ≤ cvar_alpha), B × M_α:
-    all that acting needs. The full grid is computed after the fact, batched (`shared.rollout.chosen_outputs`)."""
-    blocked: torch.Tensor
-    """A new entry was blocked by the protection stack (CVaR limit, E5 gate, regime confidence 0)."""
-
-
-@torch.no_grad()
-def act(agent: Agent, view: MarketView, portfolio: torch.Tensor, *, position: torch.Tensor,
-        bars_in_trade: torch.Tensor, vol: torch.Tensor, regime: torch.Tensor, controls: PolicyControls,
-        generator: torch.Generator | None = None, noise: torch.Tensor | None = None) -> Action:
-    """The policy: greedy on the ensemble-mean Q per branch, ε-greedy per branch, then the protection stack.
-
-    view: the B market states' `MarketView` (rows of `Agent.view`), portfolio B × P, position B (current simulator
-    position), bars_in_trade B (long), vol B (bar volatility, return units), regime B (long). The only network work
-    here is the portfolio shift δ (`Agent.delta`, ~2 k multiply-adds a state): Q = view.q + δ, quantiles =
-    view.tail + δ_direction. No host syncs, no Python branches on tensor values and no host-to-device copies, so a
-    CUDA graph can capture it. `noise` (B × 6 uniforms in [0, 1): three ε draws, three random actions) is drawn from
-    `generator` when not given; a captured step is handed noise drawn outside it.
-    Protection stack, each scaled by m = agent.maturity (loose while the risk head is untrained):
-      CVaR limit      — no new entry where CVaR_α(chosen direction) < −cvar_limit / m;
-      epistemic gate  — no new entry where std_K Q(chosen direction) > gate_threshold / m   (E5);
-      commitment      — an open trade is not exited by signal before min_hold · m bars;
-      diff. Sharpe    — size × (1 − dsr_size_cut · m · clamp(−DSR, 0, 1)).
-    """
-    cfg = agent.cfg
-    B, dev = portfolio.shape[0], portfolio.device
-    delta = agent.delta(view.code, portfolio)                                               # B × (NB + 1)
-    q_all = view.q + delta[:, :cfg.n_actions]                                               # B × NB
-    q_mean = [q_all[:, sl] for sl in cfg.branch_slices()]                                   # [B × n_b]
-    greedy = torch.stack([q.argmax(-1) for q in q_mean], dim=1)                             # B × 3
-    # ε-greedy per branch: uniform random action with probability ε
-    if noise is None:
-        noise = torch.rand(B, 6, device=dev, generator=generator)
-    n_act = agent.act_n
-    rnd = (noise[:, 3:] * n_act).long().clamp(max=n_act.long() - 1)                         # B × 3, uniform
-    branches = torch.where(noise[:, :3] < controls.epsilon, rnd, greedy)                    # B × 3
-    d, s, e = branches.unbind(1)
-
-    # predicted Q, disagreement and risk of the chosen direction (the shift moves every member alike: the std is
-    # the market state's)
-    q_std = view.q_std.gather(1, d.view(B, 1)).squeeze(1)
-    edge = torch.maximum(q_mean[0][:, 0], q_mean[0][:, 2]) - q_mean[0][:, FLAT]
-    # CVaR_α = mean of the quantiles at the grid's tail τ_i ≤ α (the leading M_α of the M grid points: 3 of 32 by
-    # default, `view.tail`); the full grid is for reporting (`shared.rollout.chosen_outputs`)
-    n_tail = cfg.n_tail                                                                     # M_α (a Python int)
-    quant = view.tail + delta[:, :3].unsqueeze(1)                                           # B × M_α × 3
-    cvar_dir = quant.sum(1) / max(n_tail, 1)                                                # B × 3 (0 if M_α = 0)
-    cvar = cvar_dir.gather(1, d.view(B, 1)).squeeze(1)
-
-    # target position
-    m = agent.maturity.clamp(1e-3, 1.0)
-    side = agent.act_sides.to(position.dtype)[d]                                            # B
-    sizes = agent.act_sizes.to(position.dtype)[s]
-    kelly = (cfg.kelly_floor + portfolio[:, 5].to(position.dtype)).clamp(cfg.kelly_floor, 1.0)
-    dsr = portfolio[:, 7].to(position.dtype)
-    dsr_scale = 1.0 - cfg.dsr_size_cut * m * (-dsr).clamp(0.0, 1.0)
-    conf = controls.regime_confidence[regime].to(position.dtype)
-    new_target = side * sizes * kelly * dsr_scale * conf
-
-    cur_side = torch.sign(position)
-    entering = (side != 0) & (side != cur_side)
-    committed = (cur_side != 0) & (side != cur_side) & (bars_in_trade.float() < cfg.min_hold * m)
-    # commitment comes first: a young trade is held whatever the signal, so no entry is blocked there
-    blocked = entering & ~committed & ((cvar < -cfg.cvar_limit / m) | (q_std > controls.gate_threshold / m)
-                                       | (conf <= 0))
-    target = torch.where((side == cur_side) & (cur_side != 0), position, new_target)        # hold, no resize
-    target = torch.where(blocked, torch.zeros_like(target), target)
-    target = torch.where(committed, position, target)
-
-    # the direction actually taken (committed → current side, blocked → flat) is what is reported and learned
-    d_eff = torch.where(committed, (cur_side + 1).long(), torch.where(blocked, torch.full_like(d, FLAT), d))
-    branches = torch.stack([d_eff, s, e], dim=1)
-    q = q_mean[0].gather(1, d_eff.view(B, 1)).squeeze(1)
-    q_std = view.q_std.gather(1, d_eff.view(B, 1)).squeeze(1)
-    quant_d = quant.gather(2, d_eff.view(B, 1, 1).expand(B, quant.shape[1], 1)).squeeze(2)      # B × M_α
-    cvar = cvar_dir.gather(1, d_eff.view(B, 1)).squeeze(1)
-
-    scale = vol.to(position.dtype)
-    plans = agent.act_plans.to(position.dtype)                                              # n_exit × 2
-    take_profit = plans[e, 0] * scale
-    stop_loss = plans[e, 1] * scale
-    return Action(branches=branches, target=target, take_profit=take_profit, stop_loss=stop_loss, q=q,
-                  q_std=q_std, edge=edge, cvar=cvar, quantiles=quant_d, blocked=blocked)

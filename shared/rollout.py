@@ -12,8 +12,7 @@ Conventions
   (the simulator's `t`). Features, volatility and regimes are computed on the whole series (they are causal)
   and then sliced, so the first window of a split sees the bars just before it.
 - The decision at local bar t reads the feature window ending at t and the portfolio at close t.
-- `PortfolioTracker` keeps per-account accumulators that outlive single trades: Kelly (win-rate, mean win,
-  mean loss EMAs) and differential Sharpe (Moody & Saffell 1998: A, B EMAs of bar returns).
+- The portfolio vector and its accumulators (`PortfolioTracker`) live in `shared/portfolio.py`.
 
 ML core: imports only torch, numpy and pandas.
 """
@@ -31,6 +30,7 @@ import torch
 from shared.agent import Action, Agent, MarketView, PolicyControls, act
 from shared.execution import CostModel, Prices, Simulator, StepResult, _LedgerBuffer
 from shared.market import Bars, compute_features, regime_labels, volatility
+from shared.portfolio import PortfolioTracker, portfolio_features
 
 
 @dataclass
@@ -66,67 +66,6 @@ class MarketTensors:
 
     def __len__(self) -> int:
         return len(self.prices)
-
-
-class PortfolioTracker:
-    """Per-account accumulators that outlive single trades (Kelly fraction, differential Sharpe)."""
-
-    def __init__(self, n: int, device, *, decay: float = 0.05, dsr_eta: float = 0.01):
-        self.decay, self.eta = decay, dsr_eta
-        f = lambda v: torch.full((n,), v, dtype=torch.float64, device=device)  # noqa: E731
-        self.win_rate, self.mean_win, self.mean_loss = f(0.5), f(0.01), f(0.01)
-        self.dsr_a, self.dsr_b, self.dsr = f(0.0), f(1e-4), f(0.0)
-
-    def kelly(self) -> torch.Tensor:
-        """f* = p − (1 − p) / b, b = mean win / mean loss (Kelly 1956), clamped to [−1, 1]."""
-        b = self.mean_win / self.mean_loss.clamp(min=1e-8)
-        return (self.win_rate - (1.0 - self.win_rate) / b.clamp(min=1e-3)).clamp(-1.0, 1.0)
-
-    def update(self, res: StepResult) -> None:
-        closed = res.n_closed > 0
-        r, k = res.trade_return, self.decay
-        win = (r > 0).to(r.dtype)
-        self.win_rate = torch.where(closed, (1 - k) * self.win_rate + k * win, self.win_rate)
-        self.mean_win = torch.where(closed & (r > 0), (1 - k) * self.mean_win + k * r, self.mean_win)
-        self.mean_loss = torch.where(closed & (r <= 0), (1 - k) * self.mean_loss + k * (-r), self.mean_loss)
-        # differential Sharpe D_t = (B ΔA − ½ A ΔB) / (B − A²)^{3/2}   (Moody & Saffell, Eq. 7)
-        x, eta = res.bar_return, self.eta
-        da, db = x - self.dsr_a, x * x - self.dsr_b
-        var = (self.dsr_b - self.dsr_a ** 2).clamp(min=1e-10)
-        d = (self.dsr_b * da - 0.5 * self.dsr_a * db) / var.pow(1.5)
-        self.dsr = (1 - eta) * self.dsr + eta * d.clamp(-10.0, 10.0)
-        self.dsr_a, self.dsr_b = self.dsr_a + eta * da, self.dsr_b + eta * db
-
-    def soft_reset(self, mask: torch.Tensor, keep: float = 0.5) -> None:
-        """Pull the selected accounts' accumulators halfway (`keep`) back toward their priors."""
-        def pull(x, prior):
-            return torch.where(mask, keep * x + (1 - keep) * prior, x)
-        self.win_rate, self.mean_win = pull(self.win_rate, 0.5), pull(self.mean_win, 0.01)
-        self.mean_loss, self.dsr = pull(self.mean_loss, 0.01), pull(self.dsr, 0.0)
-
-    def state_tensors(self) -> dict[str, torch.Tensor]:
-        return {k: getattr(self, k) for k in ("win_rate", "mean_win", "mean_loss", "dsr_a", "dsr_b", "dsr")}
-
-    def load_state(self, tensors: dict[str, torch.Tensor]) -> None:
-        for k, v in tensors.items():
-            setattr(self, k, v.to(getattr(self, k).device).clone())
-
-
-def portfolio_features(sim: Simulator, tracker: PortfolioTracker, market: MarketTensors) -> torch.Tensor:
-    """The portfolio vector at the current close of each account, B × P float32 (`PORTFOLIO_FEATURES` order)."""
-    t = sim.t
-    vol, close = market.vol[t], market.prices.close[t]
-    pos = sim.position
-    in_trade = pos != 0
-    zero = torch.zeros_like(pos)
-    upnl = torch.where(in_trade, sim.trade_return_open / vol, zero).clamp(-20, 20) / 5.0
-    bars = (sim.bars_in_trade.to(pos.dtype) / 50.0).clamp(max=4.0)
-    side = torch.sign(pos)
-    tp_d = torch.where(in_trade & torch.isfinite(sim.tp_price), side * (sim.tp_price / close - 1.0) / vol, zero)
-    sl_d = torch.where(in_trade & torch.isfinite(sim.sl_price), side * (1.0 - sim.sl_price / close) / vol, zero)
-    x = torch.stack([pos, upnl, bars, tp_d.clamp(-20, 20) / 10.0, sl_d.clamp(-20, 20) / 10.0, tracker.kelly(),
-                     tracker.win_rate - 0.5, tracker.dsr.clamp(-5, 5)], dim=1)
-    return x.float()
 
 
 @dataclass
@@ -295,6 +234,9 @@ class GreedyPass:
     """S × B `Action.blocked`, bool."""
     portfolio: torch.Tensor
     """S × B × P portfolio vector at each decision (what post hoc predictions re-read), float32."""
+    engine: str = ""
+    """The path that ran the sequential part (`ENGINES`): "native-c", "torch-eager", "torch-compile", "torch-graph"
+    or "torch-compile+graph"."""
 
 
 class _ChunkLedger(_LedgerBuffer):
@@ -318,6 +260,10 @@ def _greedy_bar(agent: Agent, sim: Simulator, tracker: PortfolioTracker, market:
             torch.cat([torch.stack([a.q, a.q_std, a.edge, a.cvar], dim=1), rec.portfolio], dim=1),
             torch.cat([a.branches, a.blocked.long().unsqueeze(1)], dim=1))
 
+
+ENGINES = {"native": "native-c", "eager": "torch-eager", "compile": "torch-compile", "graph": "torch-graph",
+           "compile+graph": "torch-compile+graph"}
+"""`greedy_pass`'s modes → the engine name a pass and a report carry (`GreedyPass.engine`, `SplitReport.engine`)."""
 
 AUTO_COMPILE_STEPS = 20_000
 """Steps from which `greedy_pass(accel="auto")` compiles the bar where the native loop is unavailable: compiling costs
@@ -364,6 +310,7 @@ def greedy_pass(agent: Agent, market: MarketTensors, view: MarketView, starts: t
     The ledger is recorded by the simulator's own recorder with its flush moved out of the step (`_ChunkLedger`):
     one host read after each chunk, between replays.
     The pass is greedy: `act` is handed zero uniforms, so `controls.epsilon` must be 0 (ValueError otherwise).
+    The result names the mode that actually ran (`GreedyPass.engine`, `ENGINES`): what a report says produced it.
     """
     from shared.graphs import StaticState, capture, resolve_accel
 
@@ -411,16 +358,18 @@ def greedy_pass(agent: Agent, market: MarketTensors, view: MarketView, starts: t
             graphed()
             sim.ledger_buf.flush()
         n_eager = S - n_full * chunk
+    else:
+        accel = accel.replace("+graph", "").replace("graph", "eager")          # too short to capture: no graph
     for a in range(0, n_eager, chunk):
         steps(min(chunk, n_eager - a))
         sim.ledger_buf.flush()
     sim.close_all()
 
-    return _assemble(sim, records, L, B, dev)
+    return _assemble(sim, records, L, B, dev, ENGINES[accel])
 
 
 def _assemble(sim: Simulator, records: tuple[torch.Tensor, torch.Tensor, torch.Tensor], L: int, B: int,
-              dev) -> GreedyPass:
+              dev, engine: str) -> GreedyPass:
     """`GreedyPass` from the S-row records and the simulator after its end-of-pass `close_all`."""
     r64, r32, rl = records
     f64 = dict(dtype=torch.float64, device=dev)
@@ -431,7 +380,7 @@ def _assemble(sim: Simulator, records: tuple[torch.Tensor, torch.Tensor, torch.T
     pos[L - 1] = 0.0
     return GreedyPass(ledger=sim.ledger(), equity=eq, bar_returns=br, positions=pos, targets=r64[..., 0],
                       branches=rl[..., :3], q=r32[..., 0], q_std=r32[..., 1], edge=r32[..., 2], cvar=r32[..., 3],
-                      blocked=rl[..., 3].bool(), portfolio=r32[..., 4:])
+                      blocked=rl[..., 3].bool(), portfolio=r32[..., 4:], engine=engine)
 
 
 @torch.no_grad()
@@ -448,7 +397,7 @@ def _native_greedy_pass(agent: Agent, market: MarketTensors, view: MarketView, s
     out = host.to(dev) if dev.type != "cpu" else host
     sim = native.finish_simulator(out, market, costs, rows)
     sim.close_all()
-    return _assemble(sim, (out.r64, out.r32, out.rl.long()), length, len(starts), dev)
+    return _assemble(sim, (out.r64, out.r32, out.rl.long()), length, len(starts), dev, ENGINES["native"])
 
 
 @torch.no_grad()

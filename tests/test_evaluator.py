@@ -158,6 +158,17 @@ def test_report_round_trips_through_json(bars, feats, tmp_path):
     vs, os_ = rep.val.metric("per_trade_sharpe"), rep.oos.metric("per_trade_sharpe")
     assert rep.val_oos_gap == pytest.approx(1.0 - os_ / vs)
     assert rep.oos.metrics["dsr"] <= rep.oos.metrics["psr"]  # deflated by 3 trials
+    # the report names the path that produced it: the compiled loop where a C compiler works, else eager torch
+    from shared import native
+
+    want = "native-c" if native.available() else "torch-eager"
+    assert rep.engine == want and {sr.engine for sr in (rep.val, rep.oos, rep.insample)} == {want}
+
+
+def test_the_report_names_the_torch_path_it_ran_on(bars, feats):
+    """A window run by the torch pass says so (`SplitRun.engine` → `SplitReport.engine`)."""
+    agent = tiny_agent(feats.shape[1], seed=4)
+    assert run_split(agent, bars, (200, 260), costs=COSTS, features=feats, accel="eager").engine == "torch-eager"
 
 
 def test_gates_as_trained_are_applied(bars, feats):

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from shared.execution import (LEDGER_COLUMNS, CostModel, Prices, _block_shape, _run_positions_vectorized,
-                              run_positions)
+from shared.execution import LEDGER_COLUMNS, CostModel, Prices, run_positions
+from shared.vector_replay import _block_shape, _run_positions_vectorized
 
 COSTS = CostModel(cost_bps=7, slippage_bps=3)
 

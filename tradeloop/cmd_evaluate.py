@@ -131,7 +131,8 @@ def evaluate_agent(policy: str, *, which: str | None, split: str, dataset: str |
     doc = {"checkpoint": {"epoch": ev.epoch, "path": str(ev.path), "sha256": ev.sha256, "how": choice.how},
            "dataset": ev.dataset, "knobs": _knobs_used(ev.knobs), "knobs_source": ev.knobs_source,
            "costs_bps": ev.costs.cost_bps + ev.costs.slippage_bps,
-           "val_dsr_trials": {"n_trials": ev.n_trials, "basis": ev.trials_source}, "selection": sel}
+           "val_dsr_trials": {"n_trials": ev.n_trials, "basis": ev.trials_source}, "selection": sel,
+           "engine": rep.engine}
     shown = Choice(ev.epoch, ev.path, ev.sha256, choice.how, choice.candidates, choice.enough_trades,
                    choice.min_trades)
     echo(f"checkpoint: {shown.describe()}")
@@ -143,6 +144,7 @@ def evaluate_agent(policy: str, *, which: str | None, split: str, dataset: str |
     echo(f"knobs: as trained, from {ev.knobs_source}: entry gate {gate}, regime confidence "
          f"[{', '.join(f'{c:.3g}' for c in k['regime_confidence'])}]")
     echo(f"val DSR deflated over {ev.trials_source}")
+    echo(f"engine: {rep.engine or 'not recorded'}")
     if sel is not None:
         echo(f"selection DSR (val, deflated over the {len(choice.candidates)} checkpoints considered): "
              f"{sel['dsr_deflated_over_considered']:.4g}")

@@ -35,12 +35,14 @@ def trial_sharpe_variance(prior_sharpes: Sequence[float], current: float) -> flo
 def build_split_report(split: SplitName, *, window: tuple[int, int], window_hash: str, ledger: pd.DataFrame,
                        bar_returns: Any, positions: Any, equity: Any, preds: ap.Predictions, regimes: Any,
                        close: Any, cost_rate: float, n_trials: int = 1, prior_sharpes: Sequence[float] = (),
-                       account: int = 0, top_frac: float = 0.1, material: float | None = None) -> SplitReport:
+                       account: int = 0, top_frac: float = 0.1, material: float | None = None,
+                       engine: str = "") -> SplitReport:
     """One window's report: metrics (PSR, DSR over `n_trials`), trades with entry predictions, equity, autopsy.
 
     ledger / bar_returns / positions / equity: the simulator's outputs over the window (local indices, [T] or
     [B, T]); preds, regimes, close: the window's per-bar arrays ([T]); `window` = (start, end) absolute bar
-    indices of the window in the dataset (end − start = T).
+    indices of the window in the dataset (end − start = T); `engine`: the path that ran the backtest
+    (`SplitReport.engine`).
     """
     start, end = window
     T = len(np.asarray(close))
@@ -55,7 +57,8 @@ def build_split_report(split: SplitName, *, window: tuple[int, int], window_hash
     dis_w, dis_l = ap.disagreement(trades)
     sample = split == "insample"
     return SplitReport(
-        split=split, window=(int(start), int(end)), window_hash=window_hash, metrics=metrics, trades=trades,
+        split=split, window=(int(start), int(end)), window_hash=window_hash, engine=engine, metrics=metrics,
+        trades=trades,
         equity=eq, regimes=ap.regime_stats(trades), branches=ap.branch_stats(trades),
         calibration=ap.calibration(trades), gate_curve=ap.gate_curve(trades),
         disagreement_winners=dis_w, disagreement_losers=dis_l,
@@ -74,7 +77,8 @@ def split_report_from_backtest(split: SplitName, result: Any, *, window: tuple[i
     return build_split_report(split, window=window, window_hash=h, ledger=result.ledger,
                               bar_returns=result.bar_returns, positions=result.positions, equity=result.equity,
                               preds=preds, regimes=regimes, close=bars.close, cost_rate=cost_rate,
-                              n_trials=n_trials, prior_sharpes=prior_sharpes, account=account)
+                              n_trials=n_trials, prior_sharpes=prior_sharpes, account=account,
+                              engine=getattr(result, "engine", ""))
 
 
 def split_definition(split: Any, bars: Any) -> SplitDefinition:
@@ -97,12 +101,20 @@ def build_eval_report(*, run_id: str, epoch: int, split: SplitDefinition, val: S
                       oos: SplitReport | None = None, insample: SplitReport | None = None, n_trials: int = 1,
                       knobs: dict | None = None, checkpoint_sha256: str = "", config_hash: str = "",
                       dataset: str = "", created_at: str | None = None, policy_shaping: bool = True) -> EvalReport:
-    """The EvalReport of one checkpoint; the val/OOS gap = 1 − OOS / val per-trade Sharpe (un-annualized)."""
+    """The EvalReport of one checkpoint; the val/OOS gap = 1 − OOS / val per-trade Sharpe (un-annualized); its
+    `engine` names the paths its windows' backtests ran on (`engine_of`)."""
     gap = None
     if oos is not None:
         gap = val_oos_gap(val.metric("per_trade_sharpe"), oos.metric("per_trade_sharpe"))
     return EvalReport(
         run_id=run_id, epoch=epoch, checkpoint_sha256=checkpoint_sha256, config_hash=config_hash, dataset=dataset,
         split=split, n_trials=max(1, n_trials), val=val, oos=oos, insample=insample, val_oos_gap=gap, knobs=knobs,
-        policy_shaping=policy_shaping, created_at=created_at if created_at is not None else _dt.datetime.now(_dt.timezone.utc).isoformat(),
+        policy_shaping=policy_shaping, engine=engine_of(val, oos, insample),
+        created_at=created_at if created_at is not None else _dt.datetime.now(_dt.timezone.utc).isoformat(),
     )
+
+
+def engine_of(*splits: SplitReport | None) -> str:
+    """The engines of the windows' backtests, each once in window order, joined by ", " ("" when none is named)."""
+    names = [s.engine for s in splits if s is not None and s.engine]
+    return ", ".join(dict.fromkeys(names))

@@ -130,6 +130,8 @@ class SplitRun:
     """[T] regime label at each bar."""
     targets: np.ndarray
     """[T] target position decided at each close (0 at the last)."""
+    engine: str = ""
+    """The path that ran the pass (`shared.rollout.ENGINES`: "native-c", "torch-eager", ...)."""
 
 
 def _run_group(agent: Agent, market: MarketTensors, emb: torch.Tensor, view: MarketView, starts: list[int],
@@ -180,7 +182,8 @@ def _run_group(agent: Agent, market: MarketTensors, emb: torch.Tensor, view: Mar
             q_dir=pad(q_dir[:, k].astype(np.float64), np.nan),
             n_sizes=n_sizes)
         out_runs.append(dict(ledger=led.reset_index(drop=True), equity=eq[:, k], bar_returns=br[:, k],
-                             positions=pos[:, k], preds=preds, regimes=regime_all[s0:s0 + L], targets=tgt[:, k]))
+                             positions=pos[:, k], preds=preds, regimes=regime_all[s0:s0 + L], targets=tgt[:, k],
+                             engine=p.engine))
     return out_runs
 
 
@@ -299,7 +302,7 @@ def evaluate_checkpoint(ckpt_bytes_or_path: str | os.PathLike | bytes, *, expect
             name, window=w, window_hash=bars_window_hash(bars, *w), ledger=run.ledger,
             bar_returns=run.bar_returns, positions=run.positions, equity=run.equity, preds=run.preds,
             regimes=run.regimes, close=np.asarray(bars.close)[w[0]:w[1]], cost_rate=costs.rate,
-            n_trials=n_trials, prior_sharpes=prior_sharpes if name == "val" else ())
+            n_trials=n_trials, prior_sharpes=prior_sharpes if name == "val" else (), engine=run.engine)
     return build_eval_report(
         run_id=run_id, epoch=epoch, split=split_definition(split, bars), val=sreps["val"], oos=sreps.get("oos"),
         insample=sreps.get("insample"), n_trials=n_trials, knobs=None if knobs is None else knobs.to_dict(),
