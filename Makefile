@@ -41,10 +41,10 @@ up: $(STAMP)
 	$(BIN)/tradeloop up $(UP_ARGS) $(ARGS)
 
 # Both cores: pytest-xdist, a test file per worker (a file's fixtures are built once). The interpreter pass runs only
-# what it alone checks: the Triton kernels (the compiled-op test already ran in the first pass).
+# what it alone checks: the Triton kernels (the compiled-op test already ran in the first pass), spread test by test.
 test: $(STAMP) $(TRITON_STAMP)
 	$(BIN)/python -m pytest -q -ra -n 2 --dist loadfile
-	TRITON_INTERPRET=1 PYTHONPATH=$(TRITON_DIR) $(BIN)/python -m pytest -q -ra -n 2 --dist loadfile \
+	TRITON_INTERPRET=1 PYTHONPATH=$(TRITON_DIR) $(BIN)/python -m pytest -q -ra -n 2 --dist load \
 		-k "not compiled_writes_in_place" tests/test_fused_c51.py tests/test_fused_greedy.py tests/test_replay_kernel.py \
 		tests/test_fused_attention.py
 
