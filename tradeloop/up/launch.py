@@ -169,8 +169,9 @@ def run_up(*, epochs: int, dataset: str, device: str, summary: Path | None, eval
                 "trains it again")
         doc = {"run_id": run_id, "run_dir": str(run_path), "dataset": dataset, "device": device,
                "epochs_requested": epochs, "epochs_completed": 0, "status": status,
-               "redis": "embedded" if server else "external", "evaluators": evaluators, "wall_seconds": round(time.monotonic() - t0, 1), "resumed": resuming,
-               "stopped": ended, "restarts": {p.name: p.restarts for p in procs}}
+               "redis": "embedded" if server else "external", "evaluators": evaluators,
+               "wall_seconds": round(time.monotonic() - t0, 1), "resumed": resuming, "stopped": ended,
+               "restarts": {p.name: p.restarts for p in procs}}
         best = write_summary(doc, redis_url, run_path, summary)
         say(f"summary written to {summary}")
         if status != "completed":

@@ -129,8 +129,8 @@ class Progress:
         for h in s["history"]:
             if ("t", h["epoch"]) not in self.seen_epochs:
                 self.seen_epochs.add(("t", h["epoch"]))
-                print(f"epoch {h['epoch']}/{self.epochs} trained: loss {fmt(h.get('loss'))}, ε {fmt(h.get('epsilon'))}, "
-                      f"γ {fmt(h.get('gamma'))}, under bundle {h.get('bundle_epoch')}"
+                print(f"epoch {h['epoch']}/{self.epochs} trained: loss {fmt(h.get('loss'))}, "
+                      f"ε {fmt(h.get('epsilon'))}, γ {fmt(h.get('gamma'))}, under bundle {h.get('bundle_epoch')}"
                       f"{' (feedback TIMED OUT)' if h.get('feedback_timed_out') else ''}", flush=True)
         for r in s["reports"]:
             if ("r", r["epoch"]) not in self.seen_epochs:
@@ -173,8 +173,9 @@ class Progress:
             r, b = reports.get(e, {}), bundles.get(e, {})
             k = b.get("knobs") or {}
             applied = next((x["epoch"] for x in s.get("history", []) if x.get("bundle_epoch") == e), None)
-            t.add_row(str(e), fmt(h.get("loss")), fmt(r.get("val_per_trade_sharpe")), fmt(r.get("oos_per_trade_sharpe")),
-                      fmt(r.get("val_dsr")), fmt(k.get("epsilon")), fmt(k.get("gamma")), fmt(k.get("q_bias")),
+            t.add_row(str(e), fmt(h.get("loss")), fmt(r.get("val_per_trade_sharpe")),
+                      fmt(r.get("oos_per_trade_sharpe")), fmt(r.get("val_dsr")), fmt(k.get("epsilon")),
+                      fmt(k.get("gamma")), fmt(k.get("q_bias")),
                       "-" if applied is None else f"epoch {applied}")
         return Group(svc, t)
 
