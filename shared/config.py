@@ -32,7 +32,18 @@ from shared.report import parse_off
 
 DEFAULT_API_TOKEN = "dev-token"
 ENV_PREFIX = "TL_"
+LOOPBACK = "127.0.0.1"
+DEFAULT_PORTS = {"dashboard": 8000, "trainer": 8001, "evaluator": 8002, "feedback": 8003}
+"""Each service's HTTP port unless `TL_<SERVICE>_PORT` says otherwise."""
 _DEVICE_RE = re.compile(r"^(cpu|auto|cuda(:\d+)?)$")
+
+
+def check_device(device: str, name: str = "device") -> str:
+    """`device` when it is a torch device a process may ask for (cpu, cuda, cuda:N or auto); else ValueError
+    naming `name`."""
+    if not isinstance(device, str) or not _DEVICE_RE.match(device):
+        raise ValueError(f"{name} must be cpu, cuda, cuda:N or auto, got {device!r}")
+    return device
 
 
 class ConfigError(ValueError):
@@ -73,23 +84,23 @@ class CommonSettings(BaseSettings):
         default=SecretStr(DEFAULT_API_TOKEN),
         description="bearer token for mutating endpoints; the default is refused outside embedded mode")
     embedded: bool = Field(default=True, description="embedded mode: all processes on one host, loopback only")
-    host: str = Field(default="127.0.0.1", description="address the HTTP services bind (loopback when embedded)")
+    host: str = Field(default=LOOPBACK, description="address the HTTP services bind (loopback when embedded)")
     data: str = Field(default="synthetic", description="dataset name (synthetic, sp500, eurusd) or a CSV/Parquet path")
     epochs: int = Field(default=5, ge=1, le=100_000, description="training epochs of the run")
     device: str = Field(default="cpu", description="torch device: cpu, cuda, cuda:N or auto")
     run_dir: Path = Field(default=Path("runs"), description="directory of run outputs; this run uses run_dir/run_id "
                                                             "(`tradeloop up`: where its runs are)")
-    dashboard_origin: str = Field(default="http://127.0.0.1:8000",
+    dashboard_origin: str = Field(default=f"http://{LOOPBACK}:{DEFAULT_PORTS['dashboard']}",
                                   description="origin allowed by CORS (the dashboard's URL)")
     max_body_bytes: int = Field(default=1 << 20, ge=1024, description="largest accepted HTTP request body")
     keep_checkpoints: int = Field(default=5, ge=1, description="checkpoints kept per run, in Redis and in the "
                                                                "trainer's directory (the last K)")
     redis_socket_timeout_s: float = Field(default=5.0, gt=0, le=300,
                                           description="socket timeout of Redis calls, so nothing hangs")
-    trainer_port: int = Field(default=8001, ge=1, le=65535, description="trainer HTTP port")
-    evaluator_port: int = Field(default=8002, ge=1, le=65535, description="evaluator HTTP port")
-    feedback_port: int = Field(default=8003, ge=1, le=65535, description="feedback HTTP port")
-    dashboard_port: int = Field(default=8000, ge=1, le=65535, description="dashboard HTTP port")
+    trainer_port: int = Field(default=DEFAULT_PORTS["trainer"], ge=1, le=65535, description="trainer HTTP port")
+    evaluator_port: int = Field(default=DEFAULT_PORTS["evaluator"], ge=1, le=65535, description="evaluator HTTP port")
+    feedback_port: int = Field(default=DEFAULT_PORTS["feedback"], ge=1, le=65535, description="feedback HTTP port")
+    dashboard_port: int = Field(default=DEFAULT_PORTS["dashboard"], ge=1, le=65535, description="dashboard HTTP port")
 
     @field_validator("run_id")
     @classmethod
@@ -99,9 +110,7 @@ class CommonSettings(BaseSettings):
     @field_validator("device")
     @classmethod
     def _device(cls, v: str) -> str:
-        if not _DEVICE_RE.match(v):
-            raise ValueError(f"device must be cpu, cuda, cuda:N or auto, got {v!r}")
-        return v
+        return check_device(v)
 
     @field_validator("redis_url")
     @classmethod

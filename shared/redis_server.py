@@ -222,7 +222,7 @@ class EmbeddedRedis:
         self._proc = subprocess.Popen([str(redis_server_binary()), str(conf)], cwd=self.data_dir,
                                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                       stderr=subprocess.DEVNULL, start_new_session=True, pass_fds=self.pass_fds,
-                                      preexec_fn=_die_with_parent if self.die_with_parent else None)
+                                      preexec_fn=die_with_parent if self.die_with_parent else None)
         deadline = time.monotonic() + self.startup_timeout_s
         client = self._client()
         try:
@@ -299,10 +299,12 @@ def _conf_str(value: object) -> str:
     return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-def _die_with_parent() -> None:  # runs in the child before exec: SIGTERM when the parent dies (Linux)
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """Have the kernel send this process `sig` when its parent dies (Linux `PR_SET_PDEATHSIG`); as a `preexec_fn`
+    it runs in the child before exec. Elsewhere nothing: the parent's own clean-up still applies."""
     try:
         import ctypes
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except Exception:  # noqa: BLE001 — not Linux: the parent's own clean-up still applies
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, sig)  # PR_SET_PDEATHSIG
+    except Exception:  # noqa: BLE001 — not Linux
         pass

@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tradeloop.cmd_up import bind_listeners
+from tradeloop.up.endpoints import bind_listeners
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(420)]
 

@@ -70,7 +70,7 @@ def test_evaluate_of_a_loop_checkpoint_equals_the_loops_report(tmp_path, redis_u
 
     from services.evaluator.runs import best_of_summary
     from shared.store import run_key
-    from tradeloop.cmd_up import collect_summary
+    from tradeloop.up.progress import collect_summary
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     env = dict(redis_url=redis_url, run_id=run_id, run_dir=tmp_path, data="synthetic", epochs=EPOCHS, device="cpu",

@@ -17,7 +17,8 @@ import httpx
 import pytest
 from polling import poll_until
 
-from tradeloop.cmd_up import ServiceProc, Supervisor, bind_listeners, wanted_ports
+from tradeloop.up.endpoints import bind_listeners, wanted_ports
+from tradeloop.up.supervisor import ServiceProc, Supervisor
 
 ROOT = Path(__file__).resolve().parents[1]
 

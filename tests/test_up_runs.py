@@ -16,7 +16,7 @@ import pytest
 from polling import poll_until
 from test_e2e import TINY
 
-from tradeloop.cmd_up import RUN_FILE, RunError, new_run_id, plan_run, resumed_settings
+from tradeloop.up.runs import RUN_FILE, RunError, new_run_id, plan_run, resumed_settings
 
 pytestmark = [pytest.mark.e2e, pytest.mark.redis]
 ROOT = Path(__file__).resolve().parents[1]

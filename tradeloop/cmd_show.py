@@ -31,7 +31,7 @@ def register(app: typer.Typer) -> None:
         import uvicorn
 
         from services.dashboard.app import create_app
-        from shared.config import DashboardSettings
+        from shared.config import LOOPBACK, DashboardSettings
         from shared.runfiles import find_runs
 
         if not run.is_dir():
@@ -47,13 +47,13 @@ def register(app: typer.Typer) -> None:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            sock.bind(("127.0.0.1", port))
+            sock.bind((LOOPBACK, port))
         except OSError as exc:
-            print(f"tradeloop show: cannot listen on 127.0.0.1:{port} ({exc.strerror})", file=sys.stderr)
+            print(f"tradeloop show: cannot listen on {LOOPBACK}:{port} ({exc.strerror})", file=sys.stderr)
             raise typer.Exit(2)
         sock.listen(64)
-        url = f"http://127.0.0.1:{sock.getsockname()[1]}/"
-        app_ = create_app(DashboardSettings(run_id="show", embedded=True, host="127.0.0.1"), runs_dir=run.resolve())
+        url = f"http://{LOOPBACK}:{sock.getsockname()[1]}/"
+        app_ = create_app(DashboardSettings(run_id="show", embedded=True, host=LOOPBACK), runs_dir=run.resolve())
         print(f"tradeloop show: {run.resolve()} at {url} (Ctrl-C stops)", flush=True)
         server = uvicorn.Server(uvicorn.Config(app_, log_level=log_level, access_log=False))
         server.run(sockets=[sock])

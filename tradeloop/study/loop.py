@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -43,20 +42,15 @@ from shared.knobs import Knobs
 from shared.market import Bars, Split, compute_features
 from shared.metrics import sharpe_se
 from shared.report import SplitDefinition
+from shared.runfiles import atomic_write
 
 LOOP_DIR = "loop"
 
 
 def write_json_atomic(path: Path, doc: Any) -> None:
-    """Write JSON to `path` through a temporary file and a rename: a reader (or a resume) sees all of it or none."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(doc, f, allow_nan=False, separators=(",", ":"))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """Write JSON to `path` atomically (`shared.runfiles.atomic_write`): a reader (or a resume) sees all of it or
+    none."""
+    atomic_write(path, json.dumps(doc, allow_nan=False, separators=(",", ":")))
 
 
 def checkpoint_path(run_dir: Path, epoch: int, state: bool = False) -> Path:

@@ -162,12 +162,6 @@ class RedisEvents:
         return json.loads(fields["data"])
 
 
-def _redact_url(url: str) -> str:
-    from shared.redis_server import _redact
-
-    return _redact(url)
-
-
 def fetch_spec(url: str, sid: str) -> dict:
     r = client(url)
     raw = r.get(key(sid, "spec"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -20,8 +21,6 @@ def load_summaries(spec: StudySpec, out: Path) -> list[dict]:
 
 def write_results(spec: StudySpec, out: Path, timing: dict) -> dict:
     """Aggregate the finished study in `out` and write results.json, report.md and report.png; returns the results."""
-    from tradeloop.study.runner import baselines
-
     out = Path(out)
     summaries = load_summaries(spec, out)
     epoch_s = [e["train_s"] + e["eval_s"] for m in summaries for e in m["epochs"] if e["train_s"] is not None]
@@ -41,8 +40,6 @@ def _n(x, spec: str = "+.3f") -> str:
 
 def markdown(res: dict) -> str:
     s, t = res["study"], res["timing"]
-    from tradeloop.study.runner import fmt_timing
-
     units = len(s["seeds"]) * s["folds"]
     lines = [f"# Study: {s['dataset']} — {len(s['variants'])} variants × {len(s['seeds'])} seeds × {s['folds']} folds "
              f"× {s['epochs']} epochs",
@@ -156,3 +153,57 @@ def plot(res: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def baselines(spec: StudySpec, out: Path) -> list[dict]:
+    """The baseline policies on every (seed, fold)'s validation and test windows (cached in baselines.json)."""
+    from tradeloop.cmd_evaluate import policy_metrics
+    from tradeloop.study.spec import load_study_bars, study_folds
+
+    path = out / "baselines.json"
+    if path.exists():
+        doc = json.loads(path.read_text())
+        if doc.get("identity") == json.loads(json.dumps(spec.identity())):
+            return doc["rows"]
+    synthetic = spec.dataset.strip().lower() == "synthetic"
+    policies = ["random", "flat", "buy-and-hold"] + (["oracle"] if synthetic else [])
+    rows = []
+    for seed in spec.seeds:
+        ds = spec.data_seed_of(seed)
+        bars = load_study_bars(spec, ds)
+        for k, split in enumerate(study_folds(spec, len(bars))):
+            for pol in policies:
+                m = {w: policy_metrics(pol, spec.dataset, bars, split, w, seed=ds if pol == "oracle" else seed)
+                     for w in ("val", "test")}
+                rows.append({"policy": pol, "seed": seed, "fold": k,
+                             "val_sharpe": float(m["val"]["per_trade_sharpe"]),
+                             "val_trades": int(m["val"]["n_trades"]),
+                             "oos_sharpe": float(m["test"]["per_trade_sharpe"]),
+                             "oos_trades": int(m["test"]["n_trades"])})
+    write_json_atomic(path, {"identity": spec.identity(), "rows": rows})
+    return rows
+
+
+def baselines_in_background(spec: StudySpec, out: Path) -> threading.Thread:
+    """Compute the baselines in a daemon thread while the runs run; a failure is left to `write_results`, which
+    computes them again (and raises)."""
+    def compute() -> None:
+        try:
+            baselines(spec, out)
+        except Exception:  # noqa: BLE001 — written again (and raised) when the results are made
+            pass
+
+    t = threading.Thread(target=compute, daemon=True)
+    t.start()
+    return t
+
+
+def fmt_timing(t: dict) -> str:
+    busy = ", ".join(f"GPU {g}: {v:.0f} %" for g, v in t.get("gpu_busy_pct", {}).items() if v is not None)
+    eps = t.get("epochs_per_s")
+    wall = "n/a" if t.get("wall_s") is None else f"{t['wall_s']:.0f}"
+    return (f"wall {wall} s, {t['runs_at_once']} runs at once, {t.get('epochs_trained') or 0} epochs trained, "
+            f"aggregate {'n/a' if eps is None else f'{eps:.3f}'} epochs/s" + (f" ({t['from']})" if t.get("from") else "")
+            + (f"; busy {busy}" if busy else "")
+            + (f"; mean epoch {t['mean_epoch_s']:.1f} s a run (train + evaluation)"
+               if t.get("mean_epoch_s") is not None and math.isfinite(t["mean_epoch_s"]) else ""))

@@ -1,0 +1,262 @@
+"""A study's worker processes: each takes run ids from its source (the study process's queue, or a Redis stream
+through `tradeloop.study.remote`) and runs them to their end (`execute_run`), reporting progress as events.
+
+Worker i is pinned to GPU i mod G of the G visible ones (`CUDA_VISIBLE_DEVICES` set before it loads CUDA), shares
+one compile cache under the out directory (`TORCHINDUCTOR_CACHE_DIR`, `TRITON_CACHE_DIR`), and dies with the study
+process (`PR_SET_PDEATHSIG`). With a compiled `--accel` the workers after the first start once the first has finished
+an epoch (`WARM_FILE`: its compiled kernels are then in the shared cache; `--stagger SECONDS`: worker i starts
+i × SECONDS later instead). A run holds an exclusive lock on its directory while it runs, so no run is ever done by
+two processes; a run killed half done resumes from its latest epoch (`tradeloop.study.loop`).
+"""
+from __future__ import annotations
+
+import gc
+import hashlib
+import json
+import os
+import signal
+import time
+import traceback
+from pathlib import Path
+from typing import Callable
+
+from shared.redis_server import die_with_parent
+from tradeloop.study.loop import write_json_atomic
+from tradeloop.study.spec import RunSpec, StudyError, StudySpec
+
+WARM_FILE = ".cache/warm"
+"""Under the out directory: written when the first epoch of any run is done (the shared compile cache is warm)."""
+
+
+class DataCache:
+    """Bars, features and folds per data seed, built once per worker process (the last `keep` seeds kept)."""
+
+    def __init__(self, spec: StudySpec, keep: int = 3):
+        self.spec, self.keep, self._cache = spec, keep, {}
+
+    def get(self, data_seed: int):
+        if data_seed not in self._cache:
+            from shared.market import compute_features
+            from tradeloop.study.spec import load_study_bars, study_folds
+
+            bars = load_study_bars(self.spec, data_seed)
+            while len(self._cache) >= self.keep:
+                self._cache.pop(next(iter(self._cache)))
+            self._cache[data_seed] = (bars, compute_features(bars), study_folds(self.spec, len(bars)))
+        return self._cache[data_seed]
+
+
+def first_epoch_key(cfg, knobs) -> str:
+    """Runs whose first epoch trains under the same config and knobs (and seed and data) must agree there."""
+    doc = json.dumps([cfg.to_dict(), knobs.to_dict()], sort_keys=True, default=str)
+    return hashlib.sha256(doc.encode()).hexdigest()[:16]
+
+
+def execute_run(spec: StudySpec, out: Path, rs: RunSpec, data: DataCache,
+                on_epoch: Callable[[dict], None] | None = None) -> dict:
+    """Run (or resume) one run of the study to its end; returns its summary (also written to summary.json)."""
+    import numpy as np
+
+    from shared.metrics import dsr
+    from tradeloop.study.loop import evaluate_selected, first_knobs, prune_checkpoints, run_closed_loop
+    from tradeloop.study.stats import select_epoch
+
+    t0 = time.perf_counter()
+    run_dir = out / "runs" / rs.run_id
+    bars, feats, folds = data.get(spec.data_seed_of(rs.seed))
+    split = folds[rs.fold]
+    cfg, fb = spec.configs(spec.variant(rs.variant), feats.shape[1])
+    trained_before = len(list((run_dir / "loop").glob("epoch-*.json"))) if run_dir.exists() else 0
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open(run_dir / "attempts.jsonl", "a") as f:   # one line per start: a resume shows its starting epoch
+        f.write(json.dumps({"pid": os.getpid(), "from_epoch": trained_before, "t": time.time()}) + "\n")
+    records = run_closed_loop(bars, spec.dataset, run_dir, spec.epochs, config=cfg, feedback=fb, split=split,
+                              seed=rs.seed, device=spec.device, accel=spec.accel, features=feats,
+                              run_id=rs.run_id, on_epoch=on_epoch)
+    vals = [float(r["history"]["val_sharpe"]) for r in records]
+    trades = [int(r["history"]["val_n_trades"]) for r in records]
+    sel, selectable = select_epoch(vals, trades, spec.min_val_trades)
+    chosen = evaluate_selected(run_dir, sel, records, bars=bars, split=split, dataset=spec.dataset,
+                               device=spec.device, features=feats, run_id=rs.run_id)
+    val_tr = records[sel - 1]["val_trade_returns"]
+    om, vm = chosen["oos"], records[sel - 1]["val"]
+    summary = {
+        "run_id": rs.run_id, "variant": rs.variant, "seed": rs.seed, "fold": rs.fold,
+        "data_seed": spec.data_seed_of(rs.seed), "split": split.to_dict(), "n_bars": len(bars),
+        "epochs": [{"epoch": r["epoch"], "val_sharpe": vals[i], "val_trades": trades[i],
+                    "train_s": r["seconds"]["train"], "eval_s": r["seconds"]["eval"],
+                    "epsilon": r["knobs"]["epsilon"], "gamma": r["knobs"]["gamma"],
+                    "rollback": r["bundle"]["rollback"], "reason": r["bundle"]["reason"],
+                    "checkpoint_sha256": r["checkpoint_sha256"]} for i, r in enumerate(records)],
+        "selected_epoch": sel, "selectable": selectable,
+        "val_sharpe": vals[sel - 1], "val_trades": trades[sel - 1],
+        "oos_sharpe": float(om["per_trade_sharpe"] or 0.0), "oos_trades": int(om["n_trades"]),
+        "val_metrics": vm, "oos_metrics": om,
+        "val_recheck": float(chosen["val"]["per_trade_sharpe"] or 0.0) - vals[sel - 1],
+        "selected_val_trade_returns": val_tr,
+        "run_dsr": dsr(val_tr, n_trials=len(vals), sharpe_var_trials=float(np.var(vals, ddof=1))
+                       if len(vals) >= 2 else None),
+        "first_epoch_key": first_epoch_key(cfg, first_knobs(cfg)), "config_hash": cfg.hash(),
+        "feedback": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(fb).items()},
+        "epochs_trained_here": spec.epochs - trained_before, "wall_s": time.perf_counter() - t0,
+        "device": spec.device, "gpu": os.environ.get("CUDA_VISIBLE_DEVICES") if spec.device != "cpu" else None,
+        "pid": os.getpid(),
+    }
+    write_json_atomic(run_dir / "summary.json", summary)
+    prune_checkpoints(run_dir, {sel})
+    return summary
+
+
+class RunLock:
+    """An exclusive, non-blocking `flock` on a run directory's .lock, released when the process ends (even killed)."""
+
+    def __init__(self, run_dir: Path):
+        import fcntl
+
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.f = open(run_dir / ".lock", "a+")
+        try:
+            fcntl.flock(self.f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.f.seek(0)
+            holder = self.f.read().strip()
+            self.f.close()
+            raise StudyError(f"{run_dir} is being run by another process ({holder or 'unknown'})") from None
+        self.f.seek(0)
+        self.f.truncate()
+        self.f.write(f"pid {os.getpid()}\n")
+        self.f.flush()
+
+    def release(self) -> None:
+        self.f.close()
+
+
+
+def worker_env(out: Path, gpu: str | None, deterministic: bool) -> dict[str, str]:
+    """The environment a worker sets before it loads torch."""
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(out / ".cache" / "inductor"),
+           "TRITON_CACHE_DIR": str(out / ".cache" / "triton")}
+    if gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = gpu
+    if deterministic:
+        env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+    return env
+
+
+class LocalSource:
+    """Runs from the study process's queue; events back to it."""
+
+    def __init__(self, tasks, events):
+        self.get, self.emit = tasks.get, events.put
+
+    def done(self, run_id: str, summary: dict) -> None:
+        pass                                  # summary.json is the done marker
+
+    def failed(self, run_id: str, error: str) -> None:
+        pass                                  # the study process records it from the event
+
+    def close(self) -> None:
+        pass
+
+
+def worker_main(index: int, gpu: str | None, out: str, source: tuple, threads: int, wait_warm: float,
+                delay: float, parent_pid: int) -> None:
+    """A worker process: take run ids from its source (("local", tasks, events) or ("redis", url, sid, n_runs))
+    until there is none left, run each, report progress as events."""
+    die_with_parent(signal.SIGKILL)   # a killed study leaves no worker running on
+    if os.getppid() != parent_pid:
+        return
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the study process's to handle: it stops the workers
+    out_p = Path(out)
+    spec = StudySpec.from_dict(json.loads((out_p / "study.json").read_text())["spec"])
+    for k, v in worker_env(out_p, gpu, spec.deterministic).items():
+        if k.endswith("_CACHE_DIR"):
+            os.environ.setdefault(k, v)   # a cache the user points at is kept
+        else:
+            os.environ[k] = v
+    import torch
+
+    torch.set_num_threads(threads)
+    if spec.deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = False, True
+    if delay > 0:
+        time.sleep(delay)
+    if wait_warm > 0:
+        deadline = time.monotonic() + wait_warm
+        while not (out_p / WARM_FILE).exists() and time.monotonic() < deadline:
+            time.sleep(0.5)
+    if source[0] == "redis":
+        from tradeloop.study.remote import RedisSource
+
+        src = RedisSource(*source[1:])
+    else:
+        src = LocalSource(*source[1:])
+    data = DataCache(spec)
+    while True:
+        run_id = src.get()
+        if run_id is None:
+            break
+        rs = spec.run(run_id)
+        src.emit({"type": "start", "worker": index, "run": run_id, "gpu": gpu, "t": time.time()})
+        lock = None
+        try:
+            lock = RunLock(out_p / "runs" / run_id)
+
+            def on_epoch(rec: dict) -> None:
+                warm = out_p / WARM_FILE
+                if not warm.exists():
+                    warm.parent.mkdir(parents=True, exist_ok=True)
+                    warm.write_text(f"{run_id} epoch {rec['epoch']}\n")
+                src.emit({"type": "epoch", "worker": index, "run": run_id, "epoch": rec["epoch"],
+                          "val_sharpe": rec["history"]["val_sharpe"], "train_s": rec["seconds"]["train"],
+                          "eval_s": rec["seconds"]["eval"], "t": time.time()})
+
+            s = execute_run(spec, out_p, rs, data, on_epoch)
+            src.done(run_id, s)
+            src.emit({"type": "done", "worker": index, "run": run_id, "t": time.time(),
+                      "summary": {k: s[k] for k in ("selected_epoch", "val_sharpe", "val_trades", "oos_sharpe",
+                                                    "oos_trades", "run_dsr", "wall_s", "epochs_trained_here")}})
+        except Exception as exc:  # noqa: BLE001 — reported to the study process, which decides
+            err = f"{type(exc).__name__}: {exc}"
+            src.failed(run_id, err)
+            src.emit({"type": "error", "worker": index, "run": run_id, "t": time.time(), "error": err,
+                      "traceback": traceback.format_exc()})
+        finally:
+            if lock is not None:
+                lock.release()
+            if "compile" in spec.accel:      # each run compiles new closures of the same code: without a reset
+                torch._dynamo.reset()         # dynamo's per-code cache fills up (recompile limit) and runs go eager;
+                                              # the compiled kernels stay in the shared on-disk cache
+            gc.collect()                      # the run's graphs, replay and caches, before the next run builds its own
+            if torch.cuda.is_available() and spec.device != "cpu":
+                torch.cuda.empty_cache()
+    src.emit({"type": "exit", "worker": index, "t": time.time()})
+    src.close()
+
+
+def visible_gpus() -> list[str]:
+    """The GPUs this process may use, as CUDA_VISIBLE_DEVICES entries (those of its own CUDA_VISIBLE_DEVICES, else
+    0 … n−1); the study process does not create a CUDA context."""
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None and env.strip():
+        return [g.strip() for g in env.split(",") if g.strip()]
+    import torch
+
+    return [str(i) for i in range(torch.cuda.device_count())]
+
+
+def start_workers(ctx, spec: StudySpec, out: Path, source: tuple, P: int, gpus: list[str], threads: int) -> list:
+    """P worker processes (spawn), worker i on GPU i mod G; with a compiled accel and `--stagger auto` the workers
+    after the first wait (≤ 10 min) for the first epoch of any run, so that its compile fills the shared cache."""
+    compiled = "compile" in spec.accel
+    fixed = 0.0 if spec.stagger == "auto" else float(spec.stagger)
+    workers = []
+    for i in range(P):
+        gpu = gpus[i % len(gpus)] if gpus else None
+        wait = 600.0 if spec.stagger == "auto" and compiled and i > 0 and not (out / WARM_FILE).exists() else 0.0
+        workers.append(ctx.Process(target=worker_main, name=f"study-worker-{i}",
+                                   args=(i, gpu, str(out), source, threads, wait, i * fixed, os.getpid())))
+    for p in workers:
+        p.start()
+    return workers

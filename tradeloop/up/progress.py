@@ -1,0 +1,186 @@
+"""The loop's state while a run is up and after it: `Progress` polls the services' REST endpoints and shows
+epoch, loss, val / OOS per-trade Sharpe (un-annualized), the latest signals, stream lag and service health with rich
+(a live table on a terminal, one line per event otherwise); `loop_done` and `collect_summary` read Redis.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+
+def get_json(client, url: str) -> Any:
+    try:
+        r = client.get(url, timeout=2.0)
+        return r.json() if r.status_code == 200 else None
+    except Exception:  # noqa: BLE001 — a service that is down (re)starting shows as down
+        return None
+
+
+def collect_summary(redis_url: str, run_id: str) -> dict:
+    """Per epoch: checkpoint id + sha256, report id, bundle id, the epoch that applied the bundle — from Redis."""
+    import redis
+
+    from shared.api import bundle_id, report_id, trainer_history_key
+    from shared.store import run_key
+
+    r = redis.Redis.from_url(redis_url, socket_timeout=5, decode_responses=True)
+    try:
+        hist = sorted((json.loads(v) for v in r.hgetall(trainer_history_key(run_id)).values()),
+                      key=lambda x: x["epoch"])
+        evals = {int(k): int(v) for k, v in r.hgetall(run_key(run_id, "evaluations")).items()}
+        rows = []
+        for rec in hist:
+            e = rec["epoch"]
+            report = r.get(run_key(run_id, "report", e))
+            bundle = r.get(run_key(run_id, "bundle", e))
+            rep = json.loads(report) if report else None
+            # sync mode: the epoch that trained under bundle e; overlap mode: the one whose record lists it applied
+            applied = next((h["epoch"] for h in hist
+                            if ([b["epoch"] for b in h["bundles_applied"]].count(e) if "bundles_applied" in h
+                                else h.get("bundle_epoch") == e)), None)
+            val = ((rep or {}).get("val") or {}).get("metrics", {})
+            oos = ((rep or {}).get("oos") or {}).get("metrics", {})
+            rows.append({
+                "epoch": e, "checkpoint_id": rec.get("checkpoint_id"), "checkpoint_sha256": rec.get("sha256"),
+                "report_id": report_id(run_id, e, rec["sha256"]) if rep else None,
+                "bundle_id": bundle_id(run_id, e, rec["sha256"]) if bundle else None,
+                "bundle_applied_in_epoch": applied,
+                "trained_under_bundle_epoch": rec.get("bundle_epoch"),
+                "trained_under_bundle_id": rec.get("bundle_id"),
+                "feedback_timed_out": rec.get("feedback_timed_out"),
+                "loss": rec.get("loss"), "epsilon": rec.get("epsilon"), "gamma": rec.get("gamma"),
+                "val_per_trade_sharpe": val.get("per_trade_sharpe"), "oos_per_trade_sharpe": oos.get("per_trade_sharpe"),
+                "val_dsr": val.get("dsr"), "evaluations": evals.get(e, 0),
+                "val_n_trades": None if "n_trades" not in val else int(val["n_trades"]),
+                "oos_n_trades": None if "n_trades" not in oos else int(oos["n_trades"]),
+                "val_n_trials": (rep or {}).get("n_trials"),
+            })
+        return {"epochs": rows, "evaluations": {str(k): v for k, v in sorted(evals.items())}}
+    finally:
+        r.close()
+
+
+def loop_done(redis_url: str, run_id: str, epochs: int) -> bool:
+    """True when epoch N's checkpoint, report and bundle are all stored."""
+    import redis
+
+    from shared.api import trainer_history_key
+    from shared.store import run_key
+
+    r = redis.Redis.from_url(redis_url, socket_timeout=5)
+    try:
+        return bool(r.hexists(trainer_history_key(run_id), str(epochs))
+                    and r.exists(run_key(run_id, "report", epochs)) and r.exists(run_key(run_id, "bundle", epochs)))
+    except redis.RedisError:  # Redis restarting: the services reconnect by themselves; so does this check
+        return False
+    finally:
+        r.close()
+
+
+class Progress:
+    """Polls the services' REST endpoints and renders the loop's state (rich)."""
+
+    def __init__(self, urls: dict[str, str], epochs: int, live: bool):
+        import httpx
+        from rich.console import Console
+
+        self.urls, self.epochs = urls, epochs
+        self.client = httpx.Client()
+        self.console = Console(stderr=False)
+        self.live_mode = live
+        self.live = None
+        self.seen_epochs: set[tuple[str, int]] = set()
+        self.snapshot: dict[str, Any] = {}
+
+    def __enter__(self) -> "Progress":
+        if self.live_mode:
+            from rich.live import Live
+
+            self.live = Live(self.render(), console=self.console, refresh_per_second=2, transient=False)
+            self.live.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.live is not None:
+            self.live.update(self.render())
+            self.live.__exit__(*exc)
+        self.client.close()
+
+    def note(self, msg: str) -> None:
+        """A message above the live table (or a plain line)."""
+        self.console.print(f"[yellow]{msg}[/yellow]" if self.live_mode else msg, highlight=False, soft_wrap=True)
+
+    def refresh(self) -> None:
+        c, u = self.client, self.urls
+        s = {name: get_json(c, f"{url}/status") for name, url in u.items() if name != "dashboard"}
+        if "dashboard" in u:
+            s["dashboard"] = get_json(c, f"{u['dashboard']}/health")
+        s["history"] = get_json(c, f"{u['trainer']}/api/history") or self.snapshot.get("history") or []
+        s["reports"] = get_json(c, f"{u['evaluator']}/reports") or self.snapshot.get("reports") or []
+        s["signals"] = get_json(c, f"{u['feedback']}/signals") or self.snapshot.get("signals") or []
+        self.snapshot = s
+        if self.live is not None:
+            self.live.update(self.render())
+        else:
+            self._print_events()
+
+    def _print_events(self) -> None:
+        s = self.snapshot
+        for h in s["history"]:
+            if ("t", h["epoch"]) not in self.seen_epochs:
+                self.seen_epochs.add(("t", h["epoch"]))
+                print(f"epoch {h['epoch']}/{self.epochs} trained: loss {fmt(h.get('loss'))}, "
+                      f"ε {fmt(h.get('epsilon'))}, γ {fmt(h.get('gamma'))}, under bundle {h.get('bundle_epoch')}"
+                      f"{' (feedback TIMED OUT)' if h.get('feedback_timed_out') else ''}", flush=True)
+        for r in s["reports"]:
+            if ("r", r["epoch"]) not in self.seen_epochs:
+                self.seen_epochs.add(("r", r["epoch"]))
+                print(f"epoch {r['epoch']} evaluated: val per-trade Sharpe {fmt(r.get('val_per_trade_sharpe'))}, "
+                      f"OOS {fmt(r.get('oos_per_trade_sharpe'))}, DSR {fmt(r.get('val_dsr'))}", flush=True)
+        for b in s["signals"]:
+            if ("b", b["epoch"]) not in self.seen_epochs:
+                self.seen_epochs.add(("b", b["epoch"]))
+                k = b.get("knobs") or {}
+                print(f"epoch {b['epoch']} feedback: ε {fmt(k.get('epsilon'))}, γ {fmt(k.get('gamma'))}, "
+                      f"q_bias {fmt(k.get('q_bias'))}{' ROLLBACK' if b.get('rollback') else ''}", flush=True)
+
+    def render(self):
+        from rich.console import Group
+        from rich.table import Table
+
+        s = self.snapshot
+        svc = Table.grid(padding=(0, 2))
+        cells = []
+        for name in ("trainer", "evaluator", "feedback", "dashboard"):
+            st = s.get(name)
+            if name not in self.urls:
+                continue
+            if st is None:
+                cells.append(f"[red]{name}: down[/red]")
+            else:
+                lag = st.get("stream_lag") if isinstance(st, dict) else None
+                extra = f" {st.get('phase')}" if name == "trainer" and st.get("phase") else ""
+                cells.append(f"[green]{name}: up[/green]{extra}" + (f" lag {lag}" if lag is not None else ""))
+        svc.add_row(*cells) if cells else None
+        t = Table(title=f"tradeloop — {len(s.get('history', []))}/{self.epochs} epochs", expand=False)
+        for col in ("epoch", "loss", "val S/trade", "OOS S/trade", "DSR", "ε next", "γ next", "q_bias next",
+                    "bundle applied"):
+            t.add_column(col, justify="right")
+        reports = {r["epoch"]: r for r in s.get("reports", [])}
+        bundles = {b["epoch"]: b for b in s.get("signals", [])}
+        for h in s.get("history", []):
+            e = h["epoch"]
+            r, b = reports.get(e, {}), bundles.get(e, {})
+            k = b.get("knobs") or {}
+            applied = next((x["epoch"] for x in s.get("history", []) if x.get("bundle_epoch") == e), None)
+            t.add_row(str(e), fmt(h.get("loss")), fmt(r.get("val_per_trade_sharpe")),
+                      fmt(r.get("oos_per_trade_sharpe")), fmt(r.get("val_dsr")), fmt(k.get("epsilon")),
+                      fmt(k.get("gamma")), fmt(k.get("q_bias")),
+                      "-" if applied is None else f"epoch {applied}")
+        return Group(svc, t)
+
+
+def fmt(x: Any) -> str:
+    """A number in 4 significant digits, "-" for None."""
+    return "-" if x is None else (f"{x:.4g}" if isinstance(x, (int, float)) else str(x))
+
