@@ -265,7 +265,7 @@ def test_report_only_aggregates_a_finished_study_again(tmp_path, reference):
     res = json.loads((out / "results.json").read_text())
     for key in ("variants", "paired", "baselines", "runs", "n_trials", "pairing"):
         assert res[key] == ref[key], key
-    assert res["timing"]["epochs_trained"] == json.loads((out / "status.json").read_text())["epochs_this_session"]
+    assert res["timing"]["epochs_trained"] == json.loads((out / "status.json").read_text())["epochs_this_start"]
     assert (out / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| oracle (baseline) |" in (out / "report.md").read_text() and "Paired differences" in r.output
     assert not any((out / "runs").glob("*/checkpoints"))               # nothing was run

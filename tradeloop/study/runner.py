@@ -103,14 +103,14 @@ class Status:
         self.doc: dict[str, Any] = {
             "state": "running", "pid": os.getpid(), "started_at": self.t0, "runs_total": n_runs,
             "runs_done": runs_done, "runs_failed": [], "running": {}, "epochs_total": n_runs * spec.epochs,
-            "epochs_done": epochs_before, "epochs_this_session": 0, "parallel": spec.parallel}
+            "epochs_done": epochs_before, "epochs_this_start": 0, "parallel": spec.parallel}
 
     def update(self, force: bool = False, **kw) -> None:
         self.doc.update(kw)
         now = time.time()
         d = self.doc
         d["updated_at"], d["wall_s"] = now, now - self.t0
-        d["epochs_per_s"] = d["epochs_this_session"] / d["wall_s"] if d["wall_s"] > 0 else 0.0
+        d["epochs_per_s"] = d["epochs_this_start"] / d["wall_s"] if d["wall_s"] > 0 else 0.0
         left = d["epochs_total"] - d["epochs_done"]
         d["eta_s"] = left / d["epochs_per_s"] if d["epochs_per_s"] > 0 else None
         if force or now - self.t_last >= 1.0:
@@ -218,8 +218,8 @@ def run_study(spec: StudySpec, out: Path, console=None, redis_url: str | None = 
 
 def report_only(out: Path) -> dict:
     """Aggregate a finished study in `out` again (results.json, report.md, report.png; the baselines are computed
-    if baselines.json is missing or stale) without running anything. The timing is that of the last session, read
-    from status.json. StudyError when `out` holds no study or runs are not done."""
+    if baselines.json is missing or stale) without running anything. The timing is that of the study process's last
+    start, read from status.json. StudyError when `out` holds no study or runs are not done."""
     out = Path(out)
     sj = out / "study.json"
     try:
@@ -237,8 +237,8 @@ def report_only(out: Path) -> dict:
     except (OSError, ValueError):
         st = {}
     timing = {"wall_s": st.get("wall_s"), "runs_at_once": st.get("parallel", spec.parallel),
-              "epochs_trained": st.get("epochs_this_session"), "epochs_per_s": st.get("epochs_per_s") or None,
-              "gpu_busy_pct": {}, "from": "the last session's status.json"}
+              "epochs_trained": st.get("epochs_this_start"), "epochs_per_s": st.get("epochs_per_s") or None,
+              "gpu_busy_pct": {}, "from": "the study's last status.json"}
     return write_results(spec, out, timing)
 
 
@@ -299,7 +299,7 @@ def _follow(spec: StudySpec, out: Path, runs: list, workers: list, events, statu
             elif ev["type"] == "epoch":
                 epochs_here += 1
                 status.doc["epochs_done"] += 1
-                status.doc["epochs_this_session"] = epochs_here
+                status.doc["epochs_this_start"] = epochs_here
                 if rid in status.doc["running"]:
                     status.doc["running"][rid]["epoch"] = ev["epoch"]
                 rate = epochs_here / max(time.time() - t_start, 1e-9)
