@@ -1,5 +1,6 @@
 """What trading costs (`CostModel`: bps of the traded notional per fill, slippage, a fixed fee per fill, borrow on
-shorts held at a close) and the closed form of a trade's net return at one size (`held_return`).
+shorts held at a close), the closed form of a trade's net return at one size (`held_return`) and why a trade
+closes (`EXIT_REASONS`, shared by the simulator's ledger and the report's trade table).
 
 The simulator (`shared.execution`) charges these costs; `shared.execution`'s module docstring states where and when.
 ML core: imports only the standard library.
@@ -11,6 +12,9 @@ from dataclasses import dataclass
 
 BPS = 1e-4
 """One basis point, as a fraction."""
+EXIT_REASONS: tuple[str, ...] = ("signal", "flip", "stop", "target", "end")
+"""Why a trade closed: the ledger's exit-reason code is the index into this tuple (`shared.execution`), as a trade
+table's is (`shared.trade_table`)."""
 
 
 @dataclass(frozen=True)

@@ -61,12 +61,11 @@ import numpy as np
 import pandas as pd
 import torch
 
-from shared.costs import CostModel, held_return  # noqa: F401  (their home is shared.costs; imported from here too)
+from shared.costs import EXIT_REASONS, CostModel, held_return  # noqa: F401  (their home: shared.costs)
 
 MAX_POSITION = 1.0
 """Targets are signed fractions of equity in [−MAX_POSITION, MAX_POSITION] (clamped there)."""
-EXIT_REASONS = ("signal", "flip", "stop", "target", "end")
-_SIGNAL, _FLIP, _STOP, _TARGET, _END = range(5)
+_SIGNAL, _FLIP, _STOP, _TARGET, _END = (EXIT_REASONS.index(r) for r in ("signal", "flip", "stop", "target", "end"))
 LEDGER_COLUMNS = ("account", "entry_t", "exit_t", "side", "size", "entry_price", "exit_price",
                   "net_return", "bars", "exit_reason")
 

@@ -20,7 +20,11 @@ from pydantic import (BaseModel, ConfigDict, Field, GetCoreSchemaHandler, GetJso
                       PlainValidator, ValidationError, WithJsonSchema)
 from pydantic_core import core_schema
 
+from shared.costs import EXIT_REASONS
 from shared.knobs import N_REGIMES
+
+ExitReason = Literal[EXIT_REASONS]  # type: ignore[valid-type]
+"""`TradeRecord.exit_reason`: one of `shared.costs.EXIT_REASONS`; a `TradeTable` stores the index into that tuple."""
 
 TAUS: tuple[float, ...] = (0.05, 0.25, 0.5, 0.75, 0.95)
 """Quantile levels of the predicted return distribution carried in the report."""
@@ -55,7 +59,7 @@ class TradeRecord(_Model):
     net_return: float
     """Net return of the trade, costs included (the simulator's ledger)."""
     bars: int
-    exit_reason: Literal["signal", "flip", "stop", "target", "end"]
+    exit_reason: ExitReason
     regime: int = Field(ge=0, lt=N_REGIMES)
     """Regime label at the decision bar."""
     direction_idx: int
@@ -82,8 +86,6 @@ class TradeRecord(_Model):
 
 # --- packed columns -----------------------------------------------------------------------------------------
 
-EXIT_REASONS: tuple[str, ...] = ("signal", "flip", "stop", "target", "end")
-"""`TradeRecord.exit_reason` values; a `TradeTable` stores the index into this tuple."""
 
 TRADE_COLUMNS: dict[str, tuple[str, int]] = {
     # name: (little-endian dtype, width: 0 = one value per trade, k = k values per trade)
