@@ -60,6 +60,9 @@ async def test_trainer_restores_the_epoch_a_bundle_rolls_back_to(redis_url, run_
         await bus.store.put_bundle(2, bundle(run_id, 2, rollback=True, rollback_to_epoch=1,
                                              rollback_checkpoint_sha256=r1["sha256"], best_epoch=1))
         await wait_for(lambda: record(3), "epoch 3")
+        # bundle 3 only once bundle 2's rollback is done: stored together at an epoch's start, the newer bundle
+        # (no rollback) supersedes it
+        await wait_for(lambda: asyncio.sleep(0, state.counters.get("rollbacks")), "bundle 2's rollback")
         await bus.store.put_bundle(3, bundle(run_id, 3, best_epoch=1))
         await asyncio.wait_for(run, 300)
         recs = [await record(e) for e in (2, 3, 4)]
