@@ -28,6 +28,7 @@ from pydantic import AliasChoices, Field, SecretStr, ValidationError, field_vali
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from shared.events import validate_run_id
+from shared.redis_server import redact_url  # noqa: F401  (imported from here by the services and the CLI)
 from shared.report import parse_off
 
 DEFAULT_API_TOKEN = "dev-token"
@@ -50,9 +51,9 @@ class ConfigError(ValueError):
     """Settings that do not validate; the message lists `TL_<FIELD>: problem` lines."""
 
 
-def redact_url(url: str) -> str:
-    """`url` with its user info (a password) replaced by ***, for messages."""
-    return re.sub(r"^([a-z]+://).*@", r"\1***@", url)
+TRAINER_STOP_WAIT_S = 120.0
+"""The trainer service's longest shutdown wait for the iteration in hand and the save after it (`tradeloop up`
+gives the trainer this plus the rest of its shutdown before SIGKILL: `tradeloop.up.supervisor.TRAINER_GRACE_S`)."""
 
 
 def is_loopback(host: str) -> bool:

@@ -81,18 +81,16 @@ def check_redis_url(url: str, timeout_s: float = 5.0) -> str:
     client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
     try:
         client.ping()
-        return check_redis_version(client.info("server"), where=_redact(url))
+        return check_redis_version(client.info("server"), where=redact_url(url))
     except redis.RedisError as exc:
-        raise RedisServerError(f"{_redact(url)}: cannot use Redis: {exc}") from None
+        raise RedisServerError(f"{redact_url(url)}: cannot use Redis: {exc}") from None
     finally:
         client.close()
 
 
-def _redact(url: str) -> str:
-    if "@" in url and "://" in url:
-        scheme, rest = url.split("://", 1)
-        return f"{scheme}://***@{rest.split('@', 1)[1]}"
-    return url
+def redact_url(url: str) -> str:
+    """`url` with its user info (a password, which may itself hold '@') replaced by ***, for messages."""
+    return re.sub(r"^([a-z]+://).*@", r"\1***@", url)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

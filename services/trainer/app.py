@@ -23,11 +23,10 @@ from services.trainer.worker import TrainerServiceSettings, TrainerWorker, read_
 from shared.api import TOKEN_ERRORS, create_service_app, require_token, service_plumbing
 from shared.api_models import EpochRecord, Paused, Stopping, TrainerStatus, errors
 from shared.bus import REDIS_DOWN, Backoff
+from shared.config import TRAINER_STOP_WAIT_S as STOP_WAIT_S
 from shared.config import load_settings
 
 log = logging.getLogger("tradeloop.trainer")
-STOP_WAIT_S = 120.0
-"""Longest shutdown wait for the iteration in hand and the save after it (`tradeloop up` waits longer)."""
 
 
 def create_app(settings: TrainerServiceSettings | None = None) -> FastAPI:

@@ -34,17 +34,20 @@ def stopping_note(urls: dict[str, str]) -> str:
 
 
 def interrupted_note(run_path: Path, since: float) -> str | None:
-    """What the trainer saved when it was stopped mid-epoch (the header of checkpoints/interrupted.safetensors
+    """What the trainer saved when it was stopped mid-epoch (the metadata of checkpoints/interrupted.safetensors
     written after `since`), in words."""
-    path = run_path / "trainer" / "checkpoints" / "interrupted.safetensors"
+    from safetensors import SafetensorError, safe_open
+
+    from services.trainer.checkpoint import INTERRUPTED
+    from services.trainer.rundir import CHECKPOINTS
+    path = run_path / "trainer" / CHECKPOINTS / INTERRUPTED
     try:
         if path.stat().st_mtime < since:
             return None
-        with open(path, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            meta = json.loads(json.loads(f.read(min(n, 1 << 24)))["__metadata__"]["tradeloop"])
+        with safe_open(str(path), framework="numpy") as f:
+            meta = json.loads((f.metadata() or {})["tradeloop"])
         p = meta["progress"]
         return (f"the trainer saved epoch {p['epoch']} at iteration {p['iteration']}/{p['iterations']} "
                 f"({path}); a resume finishes the epoch from there")
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, SafetensorError):
         return None

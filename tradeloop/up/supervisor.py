@@ -16,13 +16,14 @@ from typing import Callable
 
 import httpx
 
+from shared.config import TRAINER_STOP_WAIT_S
 from shared.redis_server import die_with_parent
 
 GRACE_S = 20.0
 """How long the evaluator, feedback and dashboard get to stop (the message in hand) before SIGKILL."""
-TRAINER_GRACE_S = 150.0
-"""How long the trainer gets to stop: its own wait for the iteration in hand and the save (`services.trainer.app
-.STOP_WAIT_S`, 120 s) and the rest of its shutdown."""
+TRAINER_GRACE_S = TRAINER_STOP_WAIT_S + 30.0
+"""How long the trainer gets to stop: its own wait for the iteration in hand and the save
+(`shared.config.TRAINER_STOP_WAIT_S`) and 30 s for the rest of its shutdown."""
 
 
 @dataclass
