@@ -135,7 +135,12 @@ def _read_sidecar(path: Path) -> str | None:
 
 
 def _sniff_foreign(data: bytes) -> str | None:
-    """Name a known non-safetensors format from its first bytes (never parsing it)."""
+    """Name a known non-safetensors format from its first bytes (never parsing it). Bytes shaped as a safetensors
+    file (a header length within the file and the bound, then '{') are not foreign, whatever their first byte: a
+    header of 1 152 bytes starts 0x80 0x04, as a protocol-4 pickle does."""
+    n = int.from_bytes(data[:_HEADER_LEN_BYTES], "little") if len(data) >= _HEADER_LEN_BYTES else -1
+    if 0 < n <= MAX_HEADER_BYTES and _HEADER_LEN_BYTES + n <= len(data) and data[_HEADER_LEN_BYTES:][:1] == b"{":
+        return None
     if data[:4] == b"PK\x03\x04":
         return "a zip archive (what torch.save writes)"
     if data[:1] == b"\x80" and len(data) > 1 and data[1] <= 5:

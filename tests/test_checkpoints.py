@@ -93,6 +93,22 @@ def test_pickle_and_zip_are_refused_without_unpickling(tmp_path, writer):
     assert not marker.exists()
 
 
+@pytest.mark.parametrize("header_len", [0x0480, 0x010480])
+def test_a_header_whose_length_starts_like_a_pickle_is_read(tmp_path, header_len):
+    """A header of 1 152 (or 66 688) bytes starts 0x80 0x04, the opening of a protocol-4 pickle: the file is still
+    a safetensors checkpoint and loads (the sniffing for pickles must not refuse it)."""
+    data = checkpoint_to_bytes(sample_tensors(), META)
+    n = int.from_bytes(data[:8], "little")
+    header = data[8:8 + n].rstrip(b" ")
+    assert len(header) <= header_len
+    padded = header_len.to_bytes(8, "little") + header + b" " * (header_len - len(header)) + data[8 + n:]
+    assert padded[:2] == b"\x80\x04"
+    path = tmp_path / "c.safetensors"
+    path.write_bytes(padded)
+    tensors, meta = load_checkpoint(path, checkpoint_sha256(padded))
+    assert meta == META and torch.equal(tensors["trunk.weight"], sample_tensors()["trunk.weight"])
+
+
 def test_truncated_and_garbage_headers(tmp_path):
     path = tmp_path / "c.safetensors"
     save_checkpoint(path, sample_tensors(), META)
