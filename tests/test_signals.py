@@ -9,8 +9,8 @@ import pytest
 
 from services.evaluator import autopsy as ap
 from services.feedback.guard import build_view
-from services.feedback.signals import (KNOB_OF, FeedbackConfig, compute_bundle, e1_q_bias, e2_epsilon, e3_gamma,
-                                       e4_lr_scale, e5_gate, e6_priority, e7_hindsight, e8_regime_weights,
+from services.feedback.signals import (KNOB_OF, FeedbackConfig, beyond_noise, compute_bundle, e1_q_bias, e2_epsilon,
+                                       e3_gamma, e4_lr_scale, e5_gate, e6_priority, e7_hindsight, e8_regime_weights,
                                        e9_regime_confidence)
 from shared.knobs import BRANCHES, N_REGIMES, Knobs
 from shared.report import EvalReport, FeedbackBundle, SplitDefinition, SplitReport, TradeRecord
@@ -92,12 +92,31 @@ def test_e1_step_is_limited_and_clamped():
 
 
 def test_e1_disagreeing_calibration_halves_the_step():
-    # mean(q − r) > 0 because of one outlier, but realised returns sit ABOVE the predicted median mostly
-    trades = [tr(0.002, t=2 * i, q=0.0) for i in range(39)] + [tr(-0.5, t=100, q=0.0)]
+    # mean(q − r) > 0 because of a quarter of losers, but realised returns sit ABOVE the predicted median mostly
+    trades = [tr(0.002, t=i, bars=1, q=0.0) for i in range(120)] + [tr(-0.05, t=120 + i, bars=1, q=0.0)
+                                                                    for i in range(40)]
     s = e1_q_bias(view(trades), CFG)
-    e = 0.5 * (np.mean([0.0 - t.net_return for t in trades]) + np.median([0.0 - t.net_return for t in trades]))
+    err = np.array([0.0 - t.net_return for t in trades])
+    e = 0.5 * (err.mean() + np.median(err))
     assert e > 0 and s.inputs["coverage_gap_q50"] < 0
-    assert s.value == pytest.approx(CFG.q_bias_rate * 40 / 60 * 0.5 * e)
+    e_sig = e - CFG.evidence_z * err.std(ddof=1) / math.sqrt(len(err))   # the part beyond 2·SE, > 0 here
+    assert e_sig > 0
+    assert s.value == pytest.approx(CFG.q_bias_rate * 160 / 180 * 0.5 * e_sig)
+
+
+def test_e1_a_bias_within_its_noise_moves_nothing():
+    # one outlier makes mean(q − r) > 0, but within 2 standard errors of the Q error over 40 trades
+    trades = [tr(0.002, t=2 * i, q=0.0) for i in range(39)] + [tr(-0.5, t=100, q=0.0)]
+    s = e1_q_bias(view(trades, knobs=Knobs(q_bias=0.003)), CFG)
+    assert s.inputs["bias"] > 0 and s.inputs["bias_beyond_noise"] == 0.0
+    assert s.value == pytest.approx(0.003) and "q_bias kept" in s.reason
+
+
+def test_beyond_noise_is_a_soft_threshold():
+    assert beyond_noise(0.5, 0.1, 2.0) == pytest.approx(0.3)
+    assert beyond_noise(-0.5, 0.1, 2.0) == pytest.approx(-0.3)
+    assert beyond_noise(0.15, 0.1, 2.0) == 0.0
+    assert beyond_noise(3.0, math.inf, 2.0) == 0.0
 
 
 # --- E2 ---------------------------------------------------------------------------------------------------
@@ -233,10 +252,17 @@ def test_e4_a_branch_with_more_errors_gets_a_larger_lr_scale():
     s = e4_lr_scale(view(trades), CFG)
     rates = {"direction": 0.2, "size": 0.0, "exit": 0.5}
     mean, w = sum(rates.values()) / 3, n / (n + CFG.n0)
-    expect = {b: 1 + w * ((rates[b] + CFG.lr_smooth) / (mean + CFG.lr_smooth) - 1) for b in BRANCHES}
+    # each rate's excess over the mean counts beyond 2 binomial standard errors (p at the pair's mean)
+    se = {b: math.sqrt(max((p := (rates[b] + mean) / 2) * (1 - p), 1 / n) / n) for b in BRANCHES}
+    eff = {b: mean + math.copysign(max(0.0, abs(rates[b] - mean) - 2 * se[b]), rates[b] - mean) for b in BRANCHES}
+    assert eff["direction"] == mean and eff["exit"] > mean > eff["size"]  # 0.2 vs 0.233: within the noise
+    expect = {b: 1 + w * ((eff[b] + CFG.lr_smooth) / (mean + CFG.lr_smooth) - 1) for b in BRANCHES}
     expect = {b: min(max(v, 1 / 1.5), 1.5) for b, v in expect.items()}   # the ×/÷1.5 step from 1.0
     assert s.value == pytest.approx(expect)
     assert s.value["exit"] > s.value["direction"] > s.value["size"]
+    # the same rates over 8 trades are noise: every scale goes back toward 1
+    few = e4_lr_scale(view(trades[:8], knobs=Knobs(lr_scale={"direction": 1.2, "size": 0.9, "exit": 1.0})), CFG)
+    assert few.value == pytest.approx({b: 1.0 for b in BRANCHES})
 
 
 # --- E5 ---------------------------------------------------------------------------------------------------
@@ -302,7 +328,9 @@ def test_e9_confidence_drops_in_a_losing_regime_and_is_shrunk_by_trade_count():
     assert c_many.value[3] == pytest.approx(0.75)                        # raw ≈ 0.11, |Δ| ≤ 0.25 from 1
     assert c_many.value[6] == 1.0
     sigma = np.std([t.net_return for t in few])
-    raw = 1 + CFG.conf_lambda * (-0.009 / sigma) * 4 / (4 + CFG.conf_n0)
+    z = min(0.0, -0.009 / sigma + CFG.evidence_z / math.sqrt(4))        # the part beyond 2 SE of a 4-trade mean
+    assert z < 0
+    raw = 1 + CFG.conf_lambda * z * 4 / (4 + CFG.conf_n0)
     assert c_few.value[3] == pytest.approx(max(raw, 0.75)) and c_few.value[3] > c_many.value[3] - 1e-12
     two_steps = e9_regime_confidence(view(many, knobs=Knobs(regime_confidence=c_many.value)), CFG)
     assert two_steps.value[3] == pytest.approx(0.5)
@@ -381,8 +409,13 @@ def test_rollback_restores_the_best_epochs_knobs_and_names_its_checkpoint():
     assert k.epsilon == pytest.approx(S(4) * 0.2 / S(2))                 # epoch 2's multiplier of the schedule
     for i in ("E1", "E2", "E3", "E4", "E5", "E8", "E9"):
         assert b.signals[i].reason.startswith("rollback") and b.signals[i].inputs["rollback_to_epoch"] == 2
-    # the sample labels of the reported checkpoint are computed as usual
-    assert b.signals["E6"].value == compute_bundle(cur, [], CFG, now="t").signals["E6"].value != []
+    # the sample labels of the checkpoint that fell below the best are not trained on
+    usual = compute_bundle(cur, [], CFG, now="t").signals
+    assert usual["E6"].value != [] and usual["E7"].value != []
+    for i in ("E6", "E7"):
+        assert b.signals[i].value == [] and b.signals[i].reason.startswith("rollback")
+        assert b.signals[i].inputs["signal_labels"] == len(usual[i].value)
+    assert b.to_knobs().priority_boost == [] and b.to_knobs().hindsight == []
 
 
 def test_switched_off_signals_keep_the_fixed_schedule():
@@ -429,3 +462,30 @@ def test_bundle_is_json_and_converts_to_knobs():
     assert b.signals["E6"].provenance[0].split == "insample"
     assert all(p.split in ("val", "history") for i in ("E1", "E2", "E3", "E4", "E5", "E8", "E9")
                for p in b.signals[i].provenance)
+
+
+# --- evidence: an input within the noise of the trades behind it moves nothing ---------------------------
+
+
+def test_e3_keeps_gamma_below_min_trades():
+    s = e3_gamma(view(alternating(CFG.min_trades - 2), knobs=Knobs(gamma=0.97), mean_bars_held=100.0), CFG)
+    assert s.value == 0.97 and "γ kept" in s.reason
+    assert e3_gamma(view(alternating(CFG.min_trades), knobs=Knobs(gamma=0.97), mean_bars_held=100.0), CFG).value > 0.97
+
+
+def test_e5_a_gate_whose_gain_is_within_noise_is_not_set():
+    calm = [tr(0.01 + 0.01 * (i % 2), t=2 * i, std=0.01 + 0.001 * i) for i in range(30)]
+    wild = [tr(-0.002, t=100 + 2 * i, std=1.0 + i) for i in range(10)]    # removing them gains 0.02 ≪ 2·σ·√10
+    s = e5_gate(view(calm + wild), CFG)
+    assert s.value is None and "within" in s.reason
+    assert s.inputs["kept_sum_return"] > s.inputs["ungated_sum_return"]    # the curve's argmax is a gate
+
+
+def test_e8_e9_a_regime_within_noise_moves_nothing():
+    # regime 3's mean −0.001 over 20 trades of std ≈ 0.01: z ≈ −0.1 against 2 SE = 0.45
+    trades = ([tr(-0.001 + (0.01 if i % 2 else -0.01), t=2 * i, regime=3) for i in range(20)]
+              + [tr(0.001 + (0.01 if i % 2 else -0.01), t=100 + 2 * i, regime=6) for i in range(20)])
+    assert e8_regime_weights(view(trades), CFG).value == pytest.approx([1.0] * N_REGIMES)
+    assert e9_regime_confidence(view(trades), CFG).value == [1.0] * N_REGIMES
+    back = e9_regime_confidence(view(trades, knobs=Knobs(regime_confidence=[0.5] + [1.0] * 8)), CFG)
+    assert back.value[0] == pytest.approx(0.75)                             # re-opens by conf_step

@@ -45,6 +45,8 @@ class ValAggregates:
     gate_curve: tuple[GatePoint, ...]
     trade_return_std: float
     """Std (ddof=0) of the validation trades' net returns (0 with < 2 trades): the unit of E8/E9."""
+    q_error_std: float
+    """Std (ddof=1) of the validation trades' Q error q_pred − net return (0 with < 2 trades): E1's noise."""
     max_ensemble_std: float
     """Largest ensemble std at entry over the validation trades (0 with none)."""
     sharpe_se: float
@@ -224,6 +226,7 @@ def _val_aggregates(report: EvalReport) -> ValAggregates:
         window_hash=v.window_hash, metrics=dict(v.metrics), calibration=v.calibration.model_copy(deep=True),
         branches={k: b.model_copy() for k, b in v.branches.items()}, regimes=tuple(v.regimes),
         gate_curve=tuple(v.gate_curve), trade_return_std=float(r.std()) if r.size >= 2 else 0.0,
+        q_error_std=float((v.trades.q_pred.astype(np.float64) - r).std(ddof=1)) if r.size >= 2 else 0.0,
         max_ensemble_std=float(s.max()) if s.size else 0.0, sharpe_se=sharpe_se(r),
         window_bars=int(v.window[1] - v.window[0]),
     )

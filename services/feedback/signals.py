@@ -26,7 +26,8 @@ Sharpes (un-annualized), sqrt(SE_a² + SE_b²) with SE = `shared.metrics.sharpe_
 Rollback: when the validation per-trade Sharpe fell below the best earlier epoch's by more than `rollback_z`
 standard errors of the difference, the bundle says "rollback" with that epoch and its checkpoint's sha256: the
 trainer restores that epoch's weights, target network and optimizer state (PBT's exploit step), and the
-continuous knobs of the signals that are on (E1–E5, E8, E9) are that epoch's knobs (E2: its multiplier m).
+continuous knobs of the signals that are on (E1–E5, E8, E9) are that epoch's knobs (E2: its multiplier m), and
+E6/E7 are empty (their labels come from the checkpoint that fell below the best).
 
 Switched off: a signal named in `config.off` leaves its knob at the fixed schedule's value for epoch e+1
 ("rollback" in `off` switches the rollback off). Feedback off (`config.enabled = False`): every knob from the
@@ -48,7 +49,9 @@ from shared.knobs import BRANCHES, N_REGIMES, FixedSchedule
 from shared.report import SIGNAL_IDS, EvalReport, FeedbackBundle, Provenance, Signal, parse_off
 
 CONTINUOUS = ("E1", "E2", "E3", "E4", "E5", "E8", "E9")
-"""Signals that set a setting (restored by a rollback); E6/E7 are sample labels of the current checkpoint."""
+"""Signals that set a setting (restored by a rollback)."""
+SAMPLE_LABELS = ("E6", "E7")
+"""Signals whose value is sample labels of the reported checkpoint's in-sample trades (emptied by a rollback)."""
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,9 @@ class FeedbackConfig:
     noise_z: float = 1.0
     """E2: a change in validation per-trade Sharpe counts when it exceeds noise_z standard errors of the
     difference (new best; below the best for `patience` epochs)."""
+    evidence_z: float = 2.0
+    """E1, E4, E5, E8, E9 act on the part of their input beyond evidence_z standard errors (`beyond_noise`): an
+    input within the noise of the validation trades behind it moves nothing."""
     # E1
     q_bias_rate: float = 0.5
     q_bias_max: float = 0.05
@@ -165,6 +171,14 @@ def _ratio_limit(x: float, prev: float, step: float) -> float:
     return _clamp(x, prev / step, prev * step)
 
 
+def beyond_noise(x: float, se: float, z: float) -> float:
+    """The part of x beyond z standard errors, sign(x)·max(0, |x| − z·se) (a soft threshold); 0 when se is not
+    finite (too few observations to tell anything from noise)."""
+    if not math.isfinite(se):
+        return 0.0
+    return math.copysign(max(0.0, abs(x) - z * se), x)
+
+
 def _w(n: float, n0: float) -> float:
     """Shrinkage weight n / (n + n0)."""
     return n / (n + n0) if n + n0 > 0 else 0.0
@@ -211,7 +225,8 @@ def e1_q_bias(view: FeedbackView, cfg: FeedbackConfig) -> Signal:
 
     e = ½(mean(q − r) + median(q50 − r)); the calibration at τ = 0.5, g = coverage_0.5 − 0.5 (> 0: realised
     returns fall below the predicted median too often, i.e. over-prediction), halves the step when it disagrees
-    with e in sign: a = 1 if g·e ≥ 0 else ½. q_bias ← prev + η·w(n)·a·e, |Δ| ≤ q_bias_step, |q_bias| ≤ q_bias_max.
+    with e in sign: a = 1 if g·e ≥ 0 else ½. Only the part of e beyond evidence_z·σ/√n counts (σ = the std of the
+    validation trades' Q error q − r): q_bias ← prev + η·w(n)·a·beyond_noise(e), |Δ| ≤ q_bias_step, |q_bias| ≤ q_bias_max.
     Positive q_bias is subtracted from bootstrap targets: Q that over-predicts is pulled down.
     """
     prev, cal = view.knobs.q_bias, view.val.calibration
@@ -221,15 +236,21 @@ def e1_q_bias(view: FeedbackView, cfg: FeedbackConfig) -> Signal:
         return Signal(id="E1", knob="q_bias", value=prev, previous=prev, inputs={"n_trades": 0}, provenance=prov,
                       reason="no validation trades: q_bias kept")
     e = 0.5 * (cal.bias + cal.median_bias)
+    sigma = view.val.q_error_std
+    se = sigma / math.sqrt(n) if n >= 2 else math.inf
+    e_sig = beyond_noise(e, se, cfg.evidence_z)
     g = cal.coverage[cal.taus.index(0.5)] - 0.5 if 0.5 in cal.taus else 0.0
     a = 1.0 if g * e >= 0 else 0.5
-    raw = prev + cfg.q_bias_rate * _w(n, cfg.n0) * a * e
+    raw = prev + cfg.q_bias_rate * _w(n, cfg.n0) * a * e_sig
     value = _clamp(_clamp(raw, prev - cfg.q_bias_step, prev + cfg.q_bias_step), -cfg.q_bias_max, cfg.q_bias_max)
     sense = "over" if e > 0 else "under"
     return Signal(id="E1", knob="q_bias", value=value, previous=prev, provenance=prov, clamped=value != raw,
                   inputs={"n_trades": n, "bias": cal.bias, "median_bias": cal.median_bias, "coverage_gap_q50": g,
-                          "agreement": a, "raw": raw},
-                  reason=f"Q {sense}-predicts realised validation trades by {e:+.5f} (coverage gap at q50 {g:+.2f})")
+                          "agreement": a, "bias_se": _fin(se), "bias_beyond_noise": e_sig, "raw": raw},
+                  reason=(f"Q {sense}-predicts realised validation trades by {e:+.5f}, within "
+                          f"{cfg.evidence_z:g}·SE = {cfg.evidence_z * se:.5f} of 0: q_bias kept" if e_sig == 0.0 else
+                          f"Q {sense}-predicts realised validation trades by {e:+.5f} ({e_sig:+.5f} beyond "
+                          f"{cfg.evidence_z:g}·SE; coverage gap at q50 {g:+.2f})"))
 
 
 def _schedule_multiplier(eps: float, epoch: int, cfg: FeedbackConfig) -> float:
@@ -307,13 +328,14 @@ def e2_epsilon(view: FeedbackView, cfg: FeedbackConfig) -> Signal:
 
 
 def e3_gamma(view: FeedbackView, cfg: FeedbackConfig) -> Signal:
-    """E3 — γ = 1 − 1/(k·d) from the mean validation trade duration d (bars); [γ_min, γ_max], |Δγ| ≤ step."""
+    """E3 — γ = 1 − 1/(k·d) from the mean validation trade duration d (bars); [γ_min, γ_max], |Δγ| ≤ step. Kept
+    with fewer than min_trades validation trades (a mean duration of a handful of trades is not a horizon)."""
     prev = view.knobs.gamma
     d, n = view.val.metric("mean_bars_held"), _n_val(view)
     prov = [_val_prov(view, "val.metrics.mean_bars_held")]
-    if n == 0 or not d > 0:
+    if n < cfg.min_trades or not d > 0:
         return Signal(id="E3", knob="gamma", value=prev, previous=prev, inputs={"n_trades": n}, provenance=prov,
-                      reason="no validation trades: γ kept")
+                      reason=f"{n} validation trades (< {cfg.min_trades}): γ kept")
     raw = 1.0 - 1.0 / (cfg.gamma_k * d)
     value = _clamp(_clamp(raw, prev - cfg.gamma_step, prev + cfg.gamma_step), cfg.gamma_min, cfg.gamma_max)
     return Signal(id="E3", knob="gamma", value=value, previous=prev, provenance=prov, clamped=value != raw,
@@ -324,7 +346,8 @@ def e3_gamma(view: FeedbackView, cfg: FeedbackConfig) -> Signal:
 def e4_lr_scale(view: FeedbackView, cfg: FeedbackConfig) -> Signal:
     """E4 — per-branch LR scale from the validation autopsy's error rates.
 
-    target_b = 1 + w(n)·((err_b + s)/(mean_b' err_b' + s) − 1): a branch erring more than the others learns faster.
+    target_b = 1 + w(n)·((ẽ_b + s)/(mean_b' err_b' + s) − 1): a branch erring more than the others learns faster;
+    ẽ_b = mean + beyond_noise(err_b − mean, binomial SE): a difference within the noise of n trades counts as none.
     lr_b ← clamp(target_b, lr_min, lr_max), within ×/÷ lr_step of prev.
     """
     prev = dict(view.knobs.lr_scale)
@@ -336,20 +359,27 @@ def e4_lr_scale(view: FeedbackView, cfg: FeedbackConfig) -> Signal:
     rates = {b: br[b].error_rate for b in BRANCHES}
     mean = sum(rates.values()) / len(rates)
     w = _w(n, cfg.n0)
-    raw = {b: 1.0 + w * ((rates[b] + cfg.lr_smooth) / (mean + cfg.lr_smooth) - 1.0) for b in BRANCHES}
+    # a branch's excess error rate counts beyond evidence_z binomial standard errors (p at the pair's mean)
+    se = {b: math.sqrt(max(0.5 * (rates[b] + mean) * (1 - 0.5 * (rates[b] + mean)), 1.0 / n) / n) for b in BRANCHES}
+    eff = {b: mean + beyond_noise(rates[b] - mean, se[b], cfg.evidence_z) for b in BRANCHES}
+    raw = {b: 1.0 + w * ((eff[b] + cfg.lr_smooth) / (mean + cfg.lr_smooth) - 1.0) for b in BRANCHES}
     value = {b: _clamp(_ratio_limit(raw[b], prev[b], cfg.lr_step), cfg.lr_min, cfg.lr_max) for b in BRANCHES}
     worst = max(BRANCHES, key=lambda b: rates[b])
     return Signal(id="E4", knob="lr_scale", value=value, previous=prev, provenance=prov,
                   clamped=any(value[b] != raw[b] for b in BRANCHES),
-                  inputs={"n_trades": n, "error_rates": rates, "raw": raw},
-                  reason=f"{worst} branch errs most ({rates[worst]:.0%} of {n} trades): its LR scale rises")
+                  inputs={"n_trades": n, "error_rates": rates, "error_rate_se": se, "error_rates_beyond_noise": eff,
+                          "raw": raw},
+                  reason=(f"{worst} branch errs most ({rates[worst]:.0%} of {n} trades): its LR scale rises"
+                          if any(eff[b] != mean for b in BRANCHES) else
+                          f"branch error rates within {cfg.evidence_z:g}·SE of their mean: LR scales move to 1"))
 
 
 def e5_gate(view: FeedbackView, cfg: FeedbackConfig) -> Signal:
     """E5 — epistemic gate threshold tuned on validation trades (aggregated gate curve).
 
     θ* = argmax over the curve's points with n_kept ≥ gate_min_trades of the kept trades' summed net return
-    (ties → the larger θ; None = no gate). With fewer than gate_min_trades validation trades: kept. A finite prev
+    (ties → the larger θ; None = no gate), and None unless its gain over no gate exceeds evidence_z·σ·√m (m trades
+    removed, σ the validation trades' return std). With fewer than gate_min_trades validation trades: kept. A finite prev
     moves within ×/÷ gate_step; from a finite prev toward "no gate" it rises ×gate_step, becoming None once it
     exceeds every validation trade's ensemble std.
     """
@@ -365,7 +395,13 @@ def e5_gate(view: FeedbackView, cfg: FeedbackConfig) -> Signal:
     ok = [p for p in curve if p.n_kept >= cfg.gate_min_trades]
     key = lambda p: (round(p.sum_return, 12), math.inf if p.threshold is None else p.threshold)  # noqa: E731
     best = max(ok, key=key)
-    target = best.threshold
+    ungated = next(p for p in curve if p.threshold is None)
+    # the gate's gain is the removed trades' loss: it counts beyond evidence_z·σ·√(trades removed)
+    removed = ungated.n_kept - best.n_kept
+    gain_se = view.val.trade_return_std * math.sqrt(removed) if removed > 0 else math.inf
+    gain = best.sum_return - ungated.sum_return
+    noise = best.threshold is not None and beyond_noise(gain, gain_se, cfg.evidence_z) <= 0.0
+    target = None if noise else best.threshold
     if prev_j is None:
         value = target
     elif target is None:
@@ -376,9 +412,10 @@ def e5_gate(view: FeedbackView, cfg: FeedbackConfig) -> Signal:
     return Signal(id="E5", knob="gate_threshold", value=value, previous=prev_j, provenance=prov,
                   clamped=value != target,
                   inputs={"n_trades": n, "target": target, "kept_sum_return": best.sum_return,
-                          "n_kept": best.n_kept,
-                          "ungated_sum_return": next(p.sum_return for p in curve if p.threshold is None)},
-                  reason=("no gate: gating would not raise the validation trades' total return" if target is None else
+                          "n_kept": best.n_kept, "ungated_sum_return": ungated.sum_return, "gain_se": _fin(gain_se)},
+                  reason=(f"no gate: the best gate's gain {gain:+.4f} is within {cfg.evidence_z:g}·SE = "
+                          f"{cfg.evidence_z * gain_se:.4f}" if noise else
+                          "no gate: gating would not raise the validation trades' total return" if target is None else
                           f"gating entries with ensemble std > {target:.4g} keeps {best.n_kept} of {n} trades "
                           f"and the best total return {best.sum_return:+.4f}"))
 
@@ -430,20 +467,22 @@ def e7_hindsight(view: FeedbackView, cfg: FeedbackConfig) -> Signal:
                   reason=f"{len(labels)} losing in-sample trades labelled (short/flat/long = {counts})")
 
 
-def _regime_z(view: FeedbackView, n0: float) -> list[float] | None:
-    """z_k = (mean_k / σ)·n_k/(n_k + n0): per-regime mean trade return in units of the trades' std, shrunk."""
+def _regime_z(view: FeedbackView, n0: float, z: float) -> list[float] | None:
+    """z_k = beyond_noise(mean_k / σ, 1/√n_k)·n_k/(n_k + n0): per-regime mean trade return in units of the trades'
+    std, the part beyond z standard errors of a mean of n_k trades, shrunk."""
     sigma = view.val.trade_return_std
     if not sigma > 0:
         return None
-    return [(r.mean_return / sigma) * _w(r.n_trades, n0) for r in view.val.regimes]
+    return [beyond_noise(r.mean_return / sigma, 1.0 / math.sqrt(r.n_trades) if r.n_trades > 0 else math.inf, z)
+            * _w(r.n_trades, n0) for r in view.val.regimes]
 
 
-def _regime_inputs(view: FeedbackView, sid: str, n0: float, what: str):
+def _regime_inputs(view: FeedbackView, sid: str, n0: float, z_noise: float, what: str):
     """(prev, provenance, z, kept) of a per-regime signal (E8, E9): its knob as the reported epoch trained under it,
     `_regime_z` with shrinkage n0 and, where z is undefined, the signal that keeps prev (else None)."""
     prev = list(getattr(view.knobs, KNOB_OF[sid]))
     prov = [_val_prov(view, "val.regimes")]
-    z = _regime_z(view, n0)
+    z = _regime_z(view, n0, z_noise)
     kept = None if z is not None else Signal(
         id=sid, knob=KNOB_OF[sid], value=prev, previous=prev, provenance=prov,
         reason=f"fewer than 2 distinct validation trade returns: {what} kept")
@@ -453,7 +492,7 @@ def _regime_inputs(view: FeedbackView, sid: str, n0: float, what: str):
 def e8_regime_weights(view: FeedbackView, cfg: FeedbackConfig) -> Signal:
     """E8 — episode-start weights by regime: exp(−κ·z_k) (a losing regime is sampled more), normalised to mean 1
     with each weight in [w_min, w_max] and within ×/÷ regime_step of prev (`project_weights`)."""
-    prev, prov, z, kept = _regime_inputs(view, "E8", cfg.regime_n0, "regime weights")
+    prev, prov, z, kept = _regime_inputs(view, "E8", cfg.regime_n0, cfg.evidence_z, "regime weights")
     if kept is not None:
         return kept
     raw = [math.exp(-cfg.regime_kappa * zk) for zk in z]
@@ -466,12 +505,14 @@ def e8_regime_weights(view: FeedbackView, cfg: FeedbackConfig) -> Signal:
     return Signal(id="E8", knob="regime_weights", value=value, previous=prev, provenance=prov,
                   inputs={"z": z, "n_trades": [r.n_trades for r in view.val.regimes], "raw": raw},
                   clamped=any(min(abs(v - a), abs(v - b)) < 1e-12 for v, a, b in zip(value, lo, hi)),
-                  reason=f"regime {worst} performs worst on validation (z = {z[worst]:+.2f}): sampled most")
+                  reason=(f"regime {worst} performs worst on validation (z = {z[worst]:+.2f}): sampled most"
+                          if any(z) else f"no regime's mean trade return beyond {cfg.evidence_z:g}·SE: weights move "
+                          "toward 1"))
 
 
 def e9_regime_confidence(view: FeedbackView, cfg: FeedbackConfig) -> Signal:
     """E9 — per-regime confidence clip(1 + λ·z_k, 0, 1) (z_k shrunk by trade count), |Δ| ≤ conf_step."""
-    prev, prov, z, kept = _regime_inputs(view, "E9", cfg.conf_n0, "regime confidence")
+    prev, prov, z, kept = _regime_inputs(view, "E9", cfg.conf_n0, cfg.evidence_z, "regime confidence")
     if kept is not None:
         return kept
     raw = [_clamp(1.0 + cfg.conf_lambda * zk, 0.0, 1.0) for zk in z]
@@ -545,6 +586,14 @@ def compute_bundle(report: EvalReport, history: Sequence[EvalReport | HistoryEnt
                 **old.model_dump(), "value": value, "reason": why, "clamped": False,
                 "inputs": {**old.inputs, "rollback_to_epoch": g.epoch, "signal_value": old.value},
                 "provenance": [p.model_dump() for p in old.provenance] + [_hist_prov(view).model_dump()]})
+        for i in SAMPLE_LABELS:
+            if i in off:
+                continue
+            old = sig[i]    # labels of the checkpoint that fell below the best: not trained on
+            sig[i] = old.model_copy(update={"value": [], "reason": f"{why}; {len(old.value)} labels of epoch "
+                                                                  f"{view.epoch}'s checkpoint not used",
+                                            "inputs": {**old.inputs, "rollback_to_epoch": g.epoch,
+                                                       "signal_labels": len(old.value)}})
         reason = why
     knobs = knobs_from_signals(sig)
     sharpes = [(h.val_sharpe, -h.epoch) for h in view.history] + [(view.val.metric("per_trade_sharpe"), -view.epoch)]
