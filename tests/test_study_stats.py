@@ -175,3 +175,42 @@ def test_auto_bars_give_walk_forward_windows_of_the_asked_trades():
     for f in folds:
         for a, b in (f.val, f.test):
             assert (b - a) / (1.5 * MEAN_DURATION) >= 200 * 1.1
+
+
+def test_policy_shaping_is_told_apart_from_learning_by_hand():
+    """Each run's OOS as learned (the selected checkpoint without its E5/E9 knobs): per variant its CI and the
+    shaped − learned difference; paired against the reference; and the report's table says so."""
+    from tradeloop.study.report import markdown
+
+    runs = [_summary("on", 0, 0, [0.1, 0.4], 2, 0.30), _summary("off", 0, 0, [0.1, 0.2], 2, 0.10),
+            _summary("on", 1, 0, [0.2, 0.5], 2, 0.50), _summary("off", 1, 0, [0.2, 0.1], 1, 0.20)]
+    learned = {"on-s0-f0": 0.20, "on-s1-f0": 0.10, "off-s0-f0": 0.10, "off-s1-f0": 0.20}
+    for m in runs:
+        m.update(shaped=m["variant"] == "on", oos_sharpe_unshaped=learned[m["run_id"]],
+                 val_sharpe_unshaped=m["val_sharpe"])
+    res = aggregate(runs, [], ["on", "off"], "off", n_boot=2000, seed=0)
+    u = res["variants"]["on"]["unshaped"]
+    assert u["shaped_runs"] == 2 and u["oos_sharpe"]["mean"] == pytest.approx(0.15)
+    assert u["shaping_oos"]["mean"] == pytest.approx(((0.30 - 0.20) + (0.50 - 0.10)) / 2)
+    assert res["paired"]["on"]["oos_sharpe_unshaped"]["mean"] == pytest.approx(((0.20 - 0.10) + (0.10 - 0.20)) / 2)
+    assert res["variants"]["off"]["unshaped"]["shaping_oos"]["mean"] == pytest.approx(0.0)
+    res["study"] = {"dataset": "synthetic", "variants": [{"name": "on", "settings": []}, {"name": "off", "settings": []}],
+                    "seeds": [0, 1], "folds": 1, "epochs": 2, "preset": "tiny", "settings": [], "device": "cpu",
+                    "accel": "auto", "deterministic": False, "bars": None, "min_val_trades": 20, "n_boot": 2000,
+                    "ci_seed": 0}
+    res["timing"] = {"runs_at_once": 1}
+    md = markdown(res)
+    assert "Policy shaping apart from learning" in md and "| on | 2/2 | +0.150" in md
+    # summaries written without the field: no such table, nothing invented
+    for m in runs:
+        del m["oos_sharpe_unshaped"]
+    assert "unshaped" not in aggregate(runs, [], ["on", "off"], "off", n_boot=200, seed=0)["variants"]["on"]
+
+
+def test_shapes_policy_names_the_knobs_that_change_the_greedy_policy():
+    from services.evaluator.runner import shapes_policy
+    from shared.knobs import Knobs
+
+    assert not shapes_policy(None) and not shapes_policy(Knobs(q_bias=0.02, gamma=0.95))
+    assert shapes_policy(Knobs(gate_threshold=0.3))
+    assert shapes_policy(Knobs(regime_confidence=[1.0] * 8 + [0.75]))

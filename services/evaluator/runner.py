@@ -36,6 +36,7 @@ absolute (start, end) of the dataset. Sharpes are un-annualized (per trade unles
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -105,6 +106,12 @@ def eval_controls(knobs: Knobs | None, device: str | torch.device = "cpu", shapi
     k = knobs if knobs is not None and shaping else Knobs()
     return PolicyControls.make(device, epsilon=0.0, gate_threshold=k.gate_threshold,
                                regime_confidence=k.regime_confidence)
+
+
+def shapes_policy(knobs: Knobs | None) -> bool:
+    """The knobs change the greedy policy `eval_controls` runs: a finite E5 gate or an E9 confidence below 1."""
+    return knobs is not None and (not math.isinf(knobs.gate_threshold)
+                                  or any(c != 1.0 for c in knobs.regime_confidence))
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from services.evaluator.runner import evaluate_checkpoint
+from services.evaluator.runner import evaluate_checkpoint, shapes_policy
 from services.feedback.guard import HistoryEntry, HistoryPoint
 from services.feedback.signals import FeedbackConfig, compute_bundle
 from services.trainer.train import EpochStats, TrainConfig, latest_epoch, train_run
@@ -178,16 +178,27 @@ def evaluate_selected(run_dir: Path, epoch: int, records: list[dict], *, bars: B
                       device: str = "cpu", features: np.ndarray | None = None, run_id: str | None = None) -> dict:
     """The OOS backtest of the one checkpoint selected on validation (epoch `epoch`), with its validation backtest
     again (the same pass: its per-trade Sharpe must equal the record's). Returns {"val": metrics, "oos": metrics,
-    "oos_trade_returns": [...]}."""
+    "oos_trade_returns": [...], "unshaped": {"val": metrics, "oos": metrics} | None}.
+
+    "unshaped": where the knobs the checkpoint trained under shape the greedy policy (E5 gate, E9 regime confidence:
+    `shapes_policy`), the same backtests without them — the policy as learned — so a study tells what the feedback
+    taught the agent from what its knobs did to the evaluated policy; None where they do not (the two are equal)."""
     run_dir = Path(run_dir)
     rec = records[epoch - 1]
     prior = [r["history"]["val_sharpe"] for r in records[:epoch - 1]]
-    rep = evaluate_checkpoint(checkpoint_path(run_dir, epoch), expected_sha256=None, bars=bars, split=split,
-                              run_id=run_id or run_dir.name, epoch=epoch, n_trials=epoch, prior_sharpes=prior,
-                              insample_bars=0, device=device, dataset=dataset, oos=True, features=features,
-                              knobs=Knobs.from_dict(rec["knobs"]))
+    knobs = Knobs.from_dict(rec["knobs"])
+
+    def backtest(shaping: bool):
+        return evaluate_checkpoint(checkpoint_path(run_dir, epoch), expected_sha256=None, bars=bars, split=split,
+                                   run_id=run_id or run_dir.name, epoch=epoch, n_trials=epoch, prior_sharpes=prior,
+                                   insample_bars=0, device=device, dataset=dataset, oos=True, features=features,
+                                   knobs=knobs, shaping=shaping)
+
+    rep = backtest(True)
+    plain = backtest(False) if shapes_policy(knobs) else None
     return {"val": dict(rep.val.metrics), "oos": dict(rep.oos.metrics),
-            "oos_trade_returns": [float(x) for x in rep.oos.trades.net_return]}
+            "oos_trade_returns": [float(x) for x in rep.oos.trades.net_return],
+            "unshaped": None if plain is None else {"val": dict(plain.val.metrics), "oos": dict(plain.oos.metrics)}}
 
 
 def prune_checkpoints(run_dir: Path, keep: set[int]) -> None:

@@ -80,6 +80,18 @@ def markdown(res: dict) -> str:
             lines.append(f"| {name} | {describe(d['oos_sharpe'])} | {d['oos_sharpe']['wins']}/{d['oos_sharpe']['n']} "
                          f"| {describe(d['val_sharpe'])} | {describe(d['last_val_sharpe'])} "
                          f"({d['last_val_sharpe']['wins']}/{d['last_val_sharpe']['n']} higher) | {describe(d['dsr'], '+.3f')} |")
+    shaped = {n: d["unshaped"] for n, d in res["variants"].items() if "unshaped" in d}
+    if any(u["shaped_runs"] for u in shaped.values()):
+        lines += ["", "Policy shaping apart from learning: the selected checkpoints backtested again without the knobs "
+                      "that shape the greedy policy (E5 entry gate, E9 regime confidence), i.e. the policy as learned "
+                      "(mean [95 % CI]):", "",
+                  f"| variant | runs shaped | OOS as learned | val as learned | OOS shaped − as learned "
+                  f"| Δ OOS as learned vs {res['reference']} |", "|---|---:|---|---|---|---|"]
+        for name, u in shaped.items():
+            pd_ = res["paired"].get(name, {}).get("oos_sharpe_unshaped")
+            lines.append(f"| {name} | {u['shaped_runs']}/{res['variants'][name]['n_runs']} | {describe(u['oos_sharpe'])} "
+                         f"| {describe(u['val_sharpe'])} | {describe(u['shaping_oos'])} "
+                         f"| {describe(pd_) if pd_ else '—'} |")
     p = res["pairing"]
     if p["groups"]:
         lines += ["", f"Pairing: in {p['groups']} (seed, fold) groups of variants whose first epoch trains under the "

@@ -131,6 +131,9 @@ def aggregate(summaries: Sequence[dict], baselines: Sequence[dict], variants: Se
         rows.append({**{k: m[k] for k in ("run_id", "variant", "seed", "fold", "selected_epoch", "selectable",
                                           "val_sharpe", "oos_sharpe", "val_trades", "oos_trades")},
                      "last_val_sharpe": m["epochs"][-1]["val_sharpe"],
+                     # the policy as learned (no E5/E9 shaping); None in a summary written without it
+                     "shaped": m.get("shaped"), "oos_sharpe_unshaped": m.get("oos_sharpe_unshaped"),
+                     "val_sharpe_unshaped": m.get("val_sharpe_unshaped"),
                      "dsr": study_dsr(m["selected_val_trade_returns"], n_trials, var),
                      "run_dsr": m["run_dsr"]})
     ci = lambda xs: bootstrap_ci(xs, n_boot=n_boot, seed=seed)  # noqa: E731
@@ -145,6 +148,10 @@ def aggregate(summaries: Sequence[dict], baselines: Sequence[dict], variants: Se
         d["selectable"] = sum(r["selectable"] for r in rs)
         d["dsr_at_bar"] = sum(r["dsr"] >= DSR_BAR for r in rs)
         d["verdict"] = "validated edge" if d["dsr"]["mean"] >= DSR_BAR else "no validated edge"
+        if all(r["oos_sharpe_unshaped"] is not None for r in rs):
+            d["unshaped"] = {"shaped_runs": sum(bool(r["shaped"]) for r in rs),
+                             **{k: ci([r[f"{k}_unshaped"] for r in rs]) for k in ("oos_sharpe", "val_sharpe")},
+                             "shaping_oos": ci([r["oos_sharpe"] - r["oos_sharpe_unshaped"] for r in rs])}
         out_v[name] = d
     out_b = {}
     for name in dict.fromkeys(b["policy"] for b in baselines):
@@ -160,6 +167,9 @@ def aggregate(summaries: Sequence[dict], baselines: Sequence[dict], variants: Se
             continue
         out_p[name] = {k: paired(by(name, k), by(reference, k), n_boot=n_boot, seed=seed)
                        for k in ("oos_sharpe", "val_sharpe", "last_val_sharpe", "dsr")}
+        if "unshaped" in out_v[name] and "unshaped" in out_v[reference]:
+            out_p[name]["oos_sharpe_unshaped"] = paired(by(name, "oos_sharpe_unshaped"),
+                                                        by(reference, "oos_sharpe_unshaped"), n_boot=n_boot, seed=seed)
     curves = {name: {str(m["seed"]) + "/" + str(m["fold"]): [e["val_sharpe"] for e in m["epochs"]]
                      for m in summaries if m["variant"] == name} for name in variants}
     return {"n_trials": n_trials, "trial_sharpe_var": var, "reference": reference, "variants": out_v,

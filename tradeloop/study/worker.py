@@ -93,6 +93,12 @@ def execute_run(spec: StudySpec, out: Path, rs: RunSpec, data: DataCache,
         "oos_sharpe": float(om["per_trade_sharpe"] or 0.0), "oos_trades": int(om["n_trades"]),
         "val_metrics": vm, "oos_metrics": om,
         "val_recheck": float(chosen["val"]["per_trade_sharpe"] or 0.0) - vals[sel - 1],
+        # the policy as learned, without the E5/E9 knobs that shape the greedy policy (equal where none does)
+        "shaped": chosen["unshaped"] is not None,
+        "val_sharpe_unshaped": (vals[sel - 1] if chosen["unshaped"] is None
+                                else float(chosen["unshaped"]["val"]["per_trade_sharpe"] or 0.0)),
+        "oos_sharpe_unshaped": (float(om["per_trade_sharpe"] or 0.0) if chosen["unshaped"] is None
+                                else float(chosen["unshaped"]["oos"]["per_trade_sharpe"] or 0.0)),
         "selected_val_trade_returns": val_tr,
         "run_dsr": dsr(val_tr, n_trials=len(vals), sharpe_var_trials=float(np.var(vals, ddof=1))
                        if len(vals) >= 2 else None),
