@@ -58,6 +58,7 @@ if str(ROOT) not in sys.path:
 from shared.api import trainer_history_key  # noqa: E402
 from shared.config import CommonSettings  # noqa: E402
 from shared.redis_server import EmbeddedRedis, free_port  # noqa: E402
+from shared.runfiles import TRAINER_DIR  # noqa: E402
 from shared.store import run_key  # noqa: E402
 
 TINY_ENV = {"TL_TRAIN_LEARNING_STARTS": "32", "TL_TRAIN_BATCH_SIZE": "32", "TL_TRAIN_N_ENVS": "4",
@@ -296,7 +297,7 @@ class ChaosLoop:
         renamed in place without its sidecar, and a cut temp file. Returns the planted weights' sha256."""
         import hashlib
 
-        ck = self.run_dir / "trainer" / "checkpoints"
+        ck = self.run_dir / TRAINER_DIR / "checkpoints"
         prev_w, prev_s = ck / f"epoch-{epoch - 1:04d}.safetensors", ck / f"epoch-{epoch - 1:04d}.state.safetensors"
         wait_for(lambda: prev_w.exists() and prev_s.exists(), f"epoch {epoch - 1} files", 10)
         w, s = ck / f"epoch-{epoch:04d}.safetensors", ck / f"epoch-{epoch:04d}.state.safetensors"
@@ -385,7 +386,7 @@ class ChaosLoop:
             counts[kind] = c
         evals = {int(k): int(v) for k, v in self.rq(lambda r: r.hgetall(run_key(self.run_id, "evaluations")), {}).items()}
         jsonl: dict[int, int] = {}
-        hist_file = self.run_dir / "trainer" / "history.jsonl"
+        hist_file = self.run_dir / TRAINER_DIR / "history.jsonl"
         for line in (hist_file.read_text().splitlines() if hist_file.exists() else []):
             try:
                 e = json.loads(line)["epoch"]

@@ -4,14 +4,15 @@ The trainer turns a `Knobs` into device tensors before the epoch (`copy_` into s
 captured training step reads them without a host sync. The evaluator reads the few that the policy
 itself uses (`gate_threshold`, `regime_confidence`). Feedback E1–E9 produce a `Knobs` for epoch e+1
 (services/feedback); with feedback off (or a signal switched off), the `FixedSchedule` defined here is used
-instead: the trainer's config and the feedback config take their ε/γ schedule defaults from it.
+instead: the trainer's config and the feedback config each hold one (their `schedule` field).
 
 ML core: imports only the standard library (and numpy for validation).
 """
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any, Mapping
 
 N_REGIMES = 9  # 3 volatility buckets × 3 trend buckets (shared/market.py)
 BRANCHES = ("direction", "size", "exit")
@@ -73,19 +74,89 @@ class Knobs:
 
 @dataclass(frozen=True)
 class FixedSchedule:
-    """The ε/γ schedule of feedback off, defined once: `TrainConfig` (the trainer alone, `tradeloop train`) and
-    `FeedbackConfig` (the feedback service switched off, or a signal switched off) default to these values, so
-    the trainer alone and the feedback service switched off agree.
+    """The ε/γ schedule of feedback off, declared once: `TrainConfig.schedule` (the trainer alone, `tradeloop
+    train`, the first epoch) and `FeedbackConfig.schedule` (the feedback service switched off, or a signal
+    switched off) hold one, so the trainer alone and the feedback service switched off agree.
 
     ε falls linearly from `eps_start` at epoch 1 to `eps_end` at epoch 1 + `eps_decay_epochs`; γ is fixed;
     every other knob keeps its neutral default (no Q-bias, LR scales 1, no gate, no boosts or labels, uniform
-    regime weights, full confidence)."""
+    regime weights, full confidence).
+
+    Settings name a field bare (`eps_start=0.5`) or under `schedule.` (`schedule.eps_start=0.5`); `gamma_fixed`
+    (see `ALIASES`) is another name of `gamma`."""
 
     eps_start: float = 0.3
+    """ε of the first epoch …"""
     eps_end: float = 0.02
+    """… falling linearly to this …"""
     eps_decay_epochs: int = 8
+    """… over this many epochs."""
     gamma: float = 0.99
-    """Trends last ~100s of bars, so the horizon 1/(1 − γ) should too."""
+    """γ of every epoch. Trends last ~100s of bars, so the horizon 1/(1 − γ) should too."""
+
+    ALIASES = {"gamma_fixed": "gamma"}
+    """Other names of fields that settings accept: the feedback config's name for γ."""
+
+    def __post_init__(self) -> None:
+        for name in ("eps_start", "eps_end"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v <= 1.0:
+                raise ValueError(f"fixed schedule: {name} must be a number in [0, 1], got {v!r}")
+        d = self.eps_decay_epochs
+        if isinstance(d, bool) or not isinstance(d, int) or d < 0:
+            raise ValueError(f"fixed schedule: eps_decay_epochs must be an integer ≥ 0, got {d!r}")
+        if isinstance(self.gamma, bool) or not isinstance(self.gamma, (int, float)) or not 0.0 < self.gamma < 1.0:
+            raise ValueError(f"fixed schedule: gamma must be a number in (0, 1), got {self.gamma!r}")
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        """The field names, in order."""
+        return tuple(f.name for f in fields(cls))
+
+    @classmethod
+    def field_of(cls, key: str) -> str | None:
+        """The field a setting key names (`eps_start`, `schedule.eps_start`, `gamma_fixed`), else None."""
+        name = key[len("schedule."):] if key.startswith("schedule.") else key
+        name = cls.ALIASES.get(name, name)
+        return name if name in cls.names() else None
+
+    def with_values(self, values: Mapping[str, Any], where: str = "schedule") -> "FixedSchedule":
+        """A copy with `values` (keys as `field_of` reads them; text parsed as the field's type) set; ValueError
+        naming `where` and the key on an unknown key or a bad value."""
+        changes: dict[str, Any] = {}
+        for key, value in values.items():
+            name = self.field_of(str(key))
+            if name is None:
+                raise ValueError(f"{where}: {key!r} is not a field of the fixed schedule (fields: "
+                                 f"{', '.join(self.names())}, each also as schedule.FIELD)")
+            if isinstance(value, str):
+                kind = int if name == "eps_decay_epochs" else float
+                try:
+                    value = kind(value.strip())
+                except ValueError:
+                    raise ValueError(f"{where}: {key} expects {'an integer' if kind is int else 'a number'}, got "
+                                     f"{value!r}") from None
+            elif name == "eps_decay_epochs" and isinstance(value, float) and value.is_integer():
+                value = int(value)
+            changes[name] = value
+        try:
+            return replace(self, **changes)
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from None
+
+    @classmethod
+    def coerce(cls, value: Any, where: str = "schedule") -> "FixedSchedule":
+        """A FixedSchedule from itself, a mapping of (some of) its fields, or None (the defaults)."""
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, Mapping):
+            return cls().with_values(value, where)
+        raise ValueError(f"{where}: expected a table of {', '.join(cls.names())}, got {value!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
 
     def epsilon(self, epoch: int) -> float:
         """ε of 1-based `epoch`."""

@@ -33,6 +33,9 @@ from typing import Any, Iterable
 
 KINDS = {"report": "reports", "bundle": "bundles", "epoch": "epochs"}
 """Document kind → sub-directory of the run directory."""
+TRAINER_DIR = "trainer"
+"""Sub-directory of a service run's directory with the trainer's files (run.json, checkpoints/, history.jsonl);
+`tradeloop train --out DIR` writes them in DIR itself."""
 MARKET_SPLITS = ("val", "oos")
 MARKET_COLUMNS = ("bar", "timestamp", "close", "buy_and_hold")
 _EPOCH_FILE = re.compile(r"^epoch-(\d{4,})\.json$")
@@ -125,7 +128,7 @@ class RunFiles:
     # -- the trainer's files ----------------------------------------------------------------------------------
     def run_json(self) -> dict | None:
         """The run's metadata: `trainer/run.json` (a service run) or `run.json` (`tradeloop train --out`)."""
-        for p in (self.root / "trainer" / "run.json", self.root / "run.json"):
+        for p in (self.root / TRAINER_DIR / "run.json", self.root / "run.json"):
             if p.is_file():
                 try:
                     return json.loads(p.read_text())
@@ -138,7 +141,7 @@ class RunFiles:
         line of each epoch; a line cut by a kill is skipped)."""
         recs = {e: self.read("epoch", e) for e in self.epochs("epoch")}
         if not recs:
-            for p in (self.root / "trainer" / "history.jsonl", self.root / "history.jsonl"):
+            for p in (self.root / TRAINER_DIR / "history.jsonl", self.root / "history.jsonl"):
                 if p.is_file():
                     recs = read_history(p)
                     break
@@ -197,7 +200,7 @@ class RunFiles:
         """The run directory of a checkpoint file (`<run>/trainer/checkpoints/epoch-NNNN.safetensors`, or
         `<run>/checkpoints/…` of `tradeloop train --out`) when it holds documents, else None."""
         d = Path(checkpoint).resolve().parent.parent
-        for root in ((d.parent, d) if d.name == "trainer" else (d,)):
+        for root in ((d.parent, d) if d.name == TRAINER_DIR else (d,)):
             if any((root / k).is_dir() for k in KINDS.values()):
                 return cls(root)
         return None
@@ -210,7 +213,7 @@ class RunFiles:
     def modified(self) -> float:
         """Latest modification time of the run's documents (0 when none)."""
         t = 0.0
-        for d in [*(self.root / k for k in KINDS.values()), self.root / "trainer", self.root]:
+        for d in [*(self.root / k for k in KINDS.values()), self.root / TRAINER_DIR, self.root]:
             try:
                 t = max(t, d.stat().st_mtime)
             except OSError:
@@ -218,7 +221,7 @@ class RunFiles:
         return t
 
 
-_SKIP_DIRS = {"reports", "bundles", "epochs", "market", "checkpoints", "trainer", "redis", "logs", "__pycache__"}
+_SKIP_DIRS = {*KINDS.values(), "market", "checkpoints", TRAINER_DIR, "redis", "logs", "__pycache__"}
 
 
 def find_runs(root: str | os.PathLike, max_depth: int = 3) -> list[Path]:

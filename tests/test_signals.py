@@ -188,7 +188,7 @@ def test_e2_never_raises_epsilon_while_validation_improves():
     s = e2_epsilon(build_view(cur, [at(1, 0.1), at(2, -0.2)]), CFG)
     assert s.inputs["improving"] and s.value <= S(3)
     # a rising schedule would raise it: capped at the epoch's ε while validation improves
-    rising = FeedbackConfig(eps_start=0.05, eps_end=0.3)
+    rising = FeedbackConfig(schedule={"eps_start": 0.05, "eps_end": 0.3})
     s = e2_epsilon(build_view(at(2, 0.5, eps=0.1), [at(1, 0.4, eps=0.1)]), rising)
     assert s.value == pytest.approx(0.1) and "not raised" in s.reason
     # a rollback to an epoch of higher ε while validation improves on the last epoch: ε stays

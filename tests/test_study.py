@@ -193,8 +193,8 @@ def _state(pid: int) -> str:
 def test_bad_input_is_refused_with_exit_2(tmp_path, tiny, reference):
     runner = CliRunner()
     base = ["study", "--dataset", "synthetic", "--epochs", "1", "--out", str(tmp_path / "o")]
-    r = runner.invoke(app, [*base, "--variants", "on,x:eps_start=0.2"])
-    assert r.exit_code == 2 and "write train.eps_start or feedback.eps_start" in r.output
+    r = runner.invoke(app, [*base, "--variants", "on,x:eps_start=1.5"])
+    assert r.exit_code == 2 and "eps_start must be a number in [0, 1], got 1.5" in r.output
     r = runner.invoke(app, [*base, "--folds", "40", "--bars", "500"])
     assert r.exit_code == 2 and "--folds 40 on 500 bars leave windows of train 30, val 10" in r.output
     r = runner.invoke(app, [*base, "--folds", "60", "--bars", "100"])

@@ -121,7 +121,8 @@ def test_variants_parse_builtins_and_changed_loops():
 
 @pytest.mark.parametrize("text, message", [
     ("on,nope", "neither 'on' nor 'off'"),
-    ("x:eps_start=0.2", "write train.eps_start or feedback.eps_start"),
+    ("x:schedule.eps=0.2", "FixedSchedule has no field 'eps'"),
+    ("x:eps_decay_epochs=2.5", "expected an integer"),
     ("x:lr=fast", "expected a number"),
     ("x:nonsense=1", "no field of that name"),
     ("x:bf16=maybe", "expected true or false"),

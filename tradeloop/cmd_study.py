@@ -11,14 +11,15 @@ logic is `tradeloop.study`; this module parses, checks and prints.
 """
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from typing import Any, Optional
 
 import typer
 
-TOML_KEYS = ("dataset", "variants", "seeds", "folds", "epochs", "device", "parallel", "out", "preset", "set", "bars",
-             "window_trades", "data_seed", "accel", "deterministic", "min_val_trades", "reference", "n_boot",
-             "ci_seed", "threads", "stagger")
+CLI_ONLY = ("config", "redis", "report_only")
+"""Options of `tradeloop study` that a study file does not hold; every other option is a key of it (`study`'s
+parameter names, `set_` as `set`: `TOML_KEYS`, defined after `study`)."""
 
 
 def parse_seeds(value: Any, where: str = "--seeds") -> list[int]:
@@ -131,6 +132,17 @@ def check_runnable(spec, local: bool = True) -> None:
     study_folds(spec, len(bars))
 
 
+def _key(param: str) -> str:
+    """The option key of a parameter of `study` (`set_` → `set`)."""
+    return param.rstrip("_")
+
+
+def _options(values: dict[str, Any]) -> dict[str, Any]:
+    """{option key: value} of `study`'s parameters in `values` (its `locals()`), for `build_spec`: the study file's
+    keys and `config`."""
+    return {_key(k): values[k] for k in inspect.signature(study).parameters if _key(k) not in ("redis", "report_only")}
+
+
 def study(
     dataset: Optional[str] = typer.Option(None, "--dataset", help="synthetic, sp500, eurusd, or a CSV/Parquet file."),
     variants: Optional[str] = typer.Option(None, "--variants",
@@ -172,6 +184,7 @@ def study(
 ) -> None:
     """Run variants × seeds × walk-forward folds of the closed loop; statistics with 95 % CIs (Sharpes un-annualized,
     per trade)."""
+    cli = _options(locals())
     from rich.console import Console
 
     from tradeloop.study.report import markdown
@@ -180,11 +193,6 @@ def study(
     from tradeloop.study.spec import StudyError
 
     err = Console(stderr=True, soft_wrap=True)
-    cli = dict(dataset=dataset, variants=variants, seeds=seeds, folds=folds, epochs=epochs, device=device,
-               parallel=parallel, out=out, config=config, preset=preset, set=set_, bars=bars,
-               window_trades=window_trades, data_seed=data_seed, accel=accel, deterministic=deterministic,
-               min_val_trades=min_val_trades, reference=reference, n_boot=n_boot, ci_seed=ci_seed, threads=threads,
-               stagger=stagger)
     if report_only:
         _report_only(out, err)
         return
@@ -213,6 +221,10 @@ def study(
     console.print(markdown(res).split("\n| run |")[0], markup=False, highlight=False, soft_wrap=True)
     console.print(f"results: {out_dir / 'report.md'}, {out_dir / 'results.json'}, {out_dir / 'report.png'}",
                   markup=False, highlight=False)
+
+
+TOML_KEYS = tuple(k for k in map(_key, inspect.signature(study).parameters) if k not in CLI_ONLY)
+"""The keys of a study file: the options of `tradeloop study` but `CLI_ONLY`."""
 
 
 def _report_only(out, err) -> None:

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Callable
 
 from shared.metrics import MIN_SELECTION_TRADES, select_best
+from shared.runfiles import TRAINER_DIR
 
 CHECKPOINT_NAME = re.compile(r"^epoch-(\d{4,})\.safetensors$")
 
@@ -55,12 +56,12 @@ def find_run(path: str | Path) -> RunDir:
     p = Path(path)
     if not p.is_dir():
         raise RunDirError(f"{p}: not a directory")
-    for trainer in (p, p / "trainer", p.parent if p.name == "checkpoints" else None):
+    for trainer in (p, p / TRAINER_DIR, p.parent if p.name == "checkpoints" else None):
         if trainer is not None and (trainer / "checkpoints").is_dir():
-            root = trainer.parent if trainer.name == "trainer" else trainer
+            root = trainer.parent if trainer.name == TRAINER_DIR else trainer
             summary = root / "summary.json"
             return RunDir(trainer=trainer, summary=summary if summary.is_file() else None)
-    raise RunDirError(f"{p}: not a run directory (no checkpoints/ in it, nor in {p / 'trainer'}: `tradeloop train "
+    raise RunDirError(f"{p}: not a run directory (no checkpoints/ in it, nor in {p / TRAINER_DIR}: `tradeloop train "
                       f"--out DIR` writes DIR/checkpoints, `tradeloop up` RUN/trainer/checkpoints)")
 
 
@@ -220,7 +221,7 @@ def choose(run: RunDir, which: str, *, min_trades: int = MIN_SELECTION_TRADES,
 def best_of_summary(rows: list[dict], run_path: Path, *, min_trades: int = MIN_SELECTION_TRADES) -> dict | None:
     """`tradeloop up`'s summary entry for the run's best checkpoint (the rule of `choose`, on the loop's reports of
     the rows whose checkpoint is on disk), with the command that evaluates it; None when no row has a report."""
-    ck_dir = Path(run_path) / "trainer" / "checkpoints"
+    ck_dir = Path(run_path) / TRAINER_DIR / "checkpoints"
     rows = [r for r in rows if r.get("val_per_trade_sharpe") is not None and r.get("val_n_trades") is not None
             and (ck_dir / f"epoch-{int(r['epoch']):04d}.safetensors").is_file()]
     if not rows:

@@ -63,11 +63,9 @@ class FeedbackConfig:
     off: tuple[str, ...] = ()
     """Signals switched off, e.g. ("E2", "E3"): each leaves its knob at the fixed schedule's value; "rollback"
     switches the rollback off. A comma-separated string is accepted ("E2,E3")."""
-    # fixed schedule (feedback off, or a signal switched off): shared.knobs.FixedSchedule
-    eps_start: float = FixedSchedule.eps_start
-    eps_end: float = FixedSchedule.eps_end
-    eps_decay_epochs: int = FixedSchedule.eps_decay_epochs
-    gamma_fixed: float = FixedSchedule.gamma
+    schedule: FixedSchedule = FixedSchedule()
+    """The fixed schedule of feedback off and of a signal switched off (`shared.knobs.FixedSchedule`); a mapping
+    is read as its fields. Its ε must be > 0 at both ends: E2 scales the schedule's ε."""
     n0: float = 20.0
     """Shrinkage constant of w(n) = n / (n + n0) for E1, E4 (validation trade counts)."""
     noise_z: float = 1.0
@@ -129,15 +127,15 @@ class FeedbackConfig:
             object.__setattr__(self, "off", parse_off(self.off))
         except ValueError as exc:
             raise ValueError(f"feedback config: {exc}") from None
-        if not (self.eps_start > 0 and self.eps_end > 0):
-            raise ValueError(f"feedback config: eps_start and eps_end must be > 0 (E2 scales the schedule's ε), "
-                             f"got {self.eps_start}, {self.eps_end}")
+        object.__setattr__(self, "schedule", FixedSchedule.coerce(self.schedule, "feedback config: schedule"))
+        if not (self.schedule.eps_start > 0 and self.schedule.eps_end > 0):
+            raise ValueError(f"feedback config: schedule eps_start and eps_end must be > 0 (E2 scales the schedule's "
+                             f"ε), got {self.schedule.eps_start}, {self.schedule.eps_end}")
 
-    @property
-    def schedule(self) -> FixedSchedule:
-        """The fixed schedule of feedback off (and of a signal switched off)."""
-        return FixedSchedule(eps_start=self.eps_start, eps_end=self.eps_end, eps_decay_epochs=self.eps_decay_epochs,
-                             gamma=self.gamma_fixed)
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form, which `coerce` reads back: `off` a list, the schedule a table of its fields."""
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        return {**d, "off": list(self.off), "schedule": self.schedule.to_dict()}
 
     def is_on(self, name: str) -> bool:
         """Signal (or "rollback") `name` acts: feedback enabled and `name` not switched off."""
@@ -145,16 +143,22 @@ class FeedbackConfig:
 
     @classmethod
     def coerce(cls, config: Any) -> "FeedbackConfig":
-        """A FeedbackConfig from itself, a mapping, or any object with (some of) these attributes; None → defaults."""
+        """A FeedbackConfig from itself, a mapping, or any object with (some of) these attributes; None → defaults.
+        A mapping may name the schedule's fields at its top level too (`eps_start`, `gamma_fixed`, ...)."""
         if config is None:
             return cls()
         if isinstance(config, cls):
             return config
         names = {f.name for f in fields(cls)}
         if isinstance(config, dict):
+            config = dict(config)
+            flat = {k: config.pop(k) for k in list(config) if k not in names and FixedSchedule.field_of(k)}
             unknown = set(config) - names
             if unknown:
                 raise ValueError(f"feedback config: unknown keys {sorted(unknown)}")
+            if flat:
+                config["schedule"] = FixedSchedule.coerce(config.get("schedule"), "feedback config: schedule"
+                                                          ).with_values(flat, "feedback config")
             return cls(**config)
         return cls(**{n: getattr(config, n) for n in names if hasattr(config, n)})
 

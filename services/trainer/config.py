@@ -97,16 +97,9 @@ class TrainConfig:
     """Risk-head maturity m = 1 − exp(−updates / maturity_updates) scales the protection stack."""
     costs_bps: float = 1.0
     """Trading costs (bps of notional) in the training simulator."""
-    # -- the fixed ε/γ schedule of feedback off: `shared.knobs.FixedSchedule` is its one definition; these fields
-    # take their defaults from it and `schedule` hands them back as one --
-    gamma: float = FixedSchedule.gamma
-    """Fixed-schedule γ."""
-    eps_start: float = FixedSchedule.eps_start
-    """Fixed-schedule ε of the first epoch …"""
-    eps_end: float = FixedSchedule.eps_end
-    """… decaying linearly to this …"""
-    eps_decay_epochs: int = FixedSchedule.eps_decay_epochs
-    """… over this many epochs."""
+    schedule: FixedSchedule = field(default_factory=FixedSchedule)
+    """The fixed ε/γ schedule of feedback off (`shared.knobs.FixedSchedule`): the first epoch's knobs, and every
+    epoch's without a feedback bundle. Set as `schedule.FIELD` or the bare field name (`--set eps_start=0.5`)."""
     # -- speed: each of these keeps the update's numbers (up to the order of float sums) --
     bf16: bool = False
     """On CUDA, the forward passes of collection and update under bf16 autocast (losses and softmaxes in fp32)."""
@@ -212,24 +205,27 @@ class TrainConfig:
     selection — on the CPU learning bench (3 seeds, `small`) acting on the cached view reached OOS per-trade Sharpes
     0.493 / 0.647 / 0.411 against 0.941 / 0.606 / 0.595 (bench/README.md, learning.py)."""
 
-    @property
-    def schedule(self) -> FixedSchedule:
-        """The ε/γ schedule of feedback off with this config's values."""
-        return FixedSchedule(eps_start=self.eps_start, eps_end=self.eps_end, eps_decay_epochs=self.eps_decay_epochs,
-                             gamma=self.gamma)
+    def __post_init__(self) -> None:
+        self.schedule = FixedSchedule.coerce(self.schedule, "TrainConfig.schedule")
 
     def to_dict(self) -> dict:
+        """The JSON form: the schedule's fields sit at the top level under their `FixedSchedule` names, the form
+        (and so the hash) that stored runs and checkpoints carry."""
         d = asdict(self)
         d["agent"] = self.agent.to_dict()
+        d.update(d.pop("schedule"))
         return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":
+        """The inverse of `to_dict`; a nested `schedule` table is read too."""
         d = dict(d)
         d["agent"] = AgentConfig.from_dict(d["agent"])
         d["reward"] = RewardConfig(**d["reward"])
         d["horizons"] = tuple(d["horizons"])
         d["horizon_blend"] = tuple(tuple(r) for r in d["horizon_blend"])
+        flat = {k: d.pop(k) for k in FixedSchedule.names() if k in d}
+        d["schedule"] = FixedSchedule.coerce(d.get("schedule"), "config schedule").with_values(flat, "config")
         return cls(**d)
 
     def hash(self) -> str:
@@ -259,12 +255,16 @@ class TrainConfig:
         raise ValueError(f"unknown config preset {name!r}: use 'small' or 'full'")
 
     def override(self, items: list[str]) -> "TrainConfig":
-        """Set fields from FIELD=VALUE strings (`agent.FIELD` for the network's), each parsed as the field's
-        current type (bools from 1/true/yes); ValueError naming an unknown field. Returns self (benches' --set)."""
+        """Set fields from FIELD=VALUE strings (`agent.FIELD` for the network's, `schedule.FIELD` or the bare name for
+        the fixed schedule's), each parsed as the field's current type (bools from 1/true/yes); ValueError naming
+        an unknown field. Returns self (benches' --set)."""
         for item in items:
             key, sep, text = item.partition("=")
+            if sep and FixedSchedule.field_of(key) is not None:
+                self.schedule = self.schedule.with_values({key: text}, f"--set {item!r}")
+                continue
             obj, name = (self.agent, key[6:]) if key.startswith("agent.") else (self, key)
-            if not sep or not hasattr(obj, name):
+            if not sep or not hasattr(obj, name) or name == "schedule":
                 raise ValueError(f"--set {item!r}: expected FIELD=VALUE with a field of TrainConfig or agent.FIELD")
             cur = getattr(obj, name)
             setattr(obj, name, text.lower() in ("1", "true", "yes") if isinstance(cur, bool) else type(cur)(text))

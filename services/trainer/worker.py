@@ -90,7 +90,7 @@ class TrainerWorker:
 
         settings.check_data()
         self.settings, self.bus, self.state = settings, bus, state
-        self.run_dir = settings.check_run_dir("trainer")
+        self.run_dir = settings.check_run_dir(runfiles.TRAINER_DIR)
         self._resume = asyncio.Event()
         self._resume.set()
         self._stop = asyncio.Event()

@@ -103,9 +103,8 @@ def run_closed_loop(bars: Bars, dataset: str, run_dir: Path, epochs: int, *, con
     run_dir = Path(run_dir)
     run_id = run_id or run_dir.name
     feats = compute_features(bars) if features is None else features
-    sched = config.schedule           # one schedule: feedback off (or a signal off) falls back to the trainer's
-    feedback = dataclasses.replace(feedback, eps_start=sched.eps_start, eps_end=sched.eps_end,
-                                   eps_decay_epochs=sched.eps_decay_epochs, gamma_fixed=sched.gamma)
+    # one schedule: feedback off (or a signal off) falls back to the trainer's
+    feedback = dataclasses.replace(feedback, schedule=config.schedule)
     records = {e: r for e, r in read_records(run_dir).items() if e <= epochs}
     split_file = run_dir / LOOP_DIR / "split_definition.json"
     box: dict[str, Any] = {"split_def": (SplitDefinition.model_validate_json(split_file.read_text())

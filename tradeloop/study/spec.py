@@ -1,9 +1,11 @@
 """What a study runs: its variants, seeds, walk-forward folds and data, parsed from the command line or a TOML file.
 
 A variant is the product's loop with settings changed. Settings are `KEY=VALUE`, where KEY names a field of
-    `TrainConfig` (`train.FIELD`, or `agent.FIELD` / `reward.FIELD` for its network and reward parts) or of
-    `FeedbackConfig` (`feedback.FIELD`); an unqualified FIELD is looked up in all four and must name exactly one;
-    `feedback=on|off` is short for `feedback.enabled=true|false`.
+    `TrainConfig` (`train.FIELD`, or `agent.FIELD` / `reward.FIELD` for its network and reward parts), of the fixed
+    ε/γ schedule that the trainer and the feedback service share (`schedule.FIELD`: eps_start, eps_end,
+    eps_decay_epochs, gamma; `train.FIELD` and `feedback.FIELD`, with `feedback.gamma_fixed` for gamma, name it too)
+    or of `FeedbackConfig` (`feedback.FIELD`); an unqualified FIELD is looked up in all five and must name exactly
+    one; `feedback=on|off` is short for `feedback.enabled=true|false`.
 VALUE is parsed by the field's declared type: bools from true/false/1/0/yes/no/on/off, a tuple from items joined by
 `+` (`off=E2+E3`; empty for an empty tuple), `none` for an optional field; in a TOML file values are TOML's own
 (arrays for tuples). The built-in variants: `on` (the loop as shipped) and `off` (feedback off: the fixed schedule).
@@ -29,12 +31,16 @@ from services.feedback.signals import FeedbackConfig
 from services.trainer.env import RewardConfig
 from services.trainer.train import TrainConfig
 from shared.agent import AgentConfig
+from shared.knobs import FixedSchedule
 
 PRESETS = ("small", "full")
 BUILTIN = {"on": (), "off": (("feedback.enabled", False),)}
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
-_TARGETS = {"train": TrainConfig, "agent": AgentConfig, "reward": RewardConfig, "feedback": FeedbackConfig}
+_TARGETS = {"train": TrainConfig, "agent": AgentConfig, "reward": RewardConfig, "schedule": FixedSchedule,
+            "feedback": FeedbackConfig}
+_PARTS = ("agent", "reward", "schedule")
+"""Fields of TrainConfig / FeedbackConfig that are parts of their own, set under their own prefix."""
 SYNTHETIC_DEFAULT_BARS = 6000
 MIN_TRAIN_BARS, MIN_WINDOW_BARS = 300, 100
 
@@ -103,8 +109,9 @@ def parse_value(value: Any, hint: Any, where: str) -> Any:
 
 
 def resolve_key(key: str) -> tuple[str, str]:
-    """(target, field) of a setting KEY: `train.X`, `agent.X`, `reward.X`, `feedback.X`, or an unqualified X that
-    names a field of exactly one of them. StudyError otherwise."""
+    """(target, field) of a setting KEY: `train.X`, `agent.X`, `reward.X`, `schedule.X`, `feedback.X`, or an
+    unqualified X that names a field of exactly one of them. The fixed schedule's fields are ("schedule", X) however
+    they are written (`train.gamma`, `feedback.gamma_fixed`, `eps_start`, ...). StudyError otherwise."""
     key = key.strip()
     if key == "feedback":
         return "feedback", "enabled"
@@ -112,10 +119,14 @@ def resolve_key(key: str) -> tuple[str, str]:
         target, name = key.split(".", 1)
         if target not in _TARGETS:
             raise StudyError(f"setting {key!r}: the prefix must be one of {', '.join(_TARGETS)}")
-        if name not in {f.name for f in fields(_TARGETS[target])} or name in ("agent", "reward"):
+        if target in ("train", "schedule", "feedback") and FixedSchedule.field_of(name):
+            return "schedule", FixedSchedule.field_of(name)
+        if name not in {f.name for f in fields(_TARGETS[target])} or name in _PARTS:
             raise StudyError(f"setting {key!r}: {_TARGETS[target].__name__} has no field {name!r}")
         return target, name
-    found = [t for t, cls in _TARGETS.items() if key in {f.name for f in fields(cls)} and key not in ("agent", "reward")]
+    if FixedSchedule.field_of(key):
+        return "schedule", FixedSchedule.field_of(key)
+    found = [t for t, cls in _TARGETS.items() if key in {f.name for f in fields(cls)} and key not in _PARTS]
     if not found:
         raise StudyError(f"setting {key!r}: no field of that name in TrainConfig, AgentConfig, RewardConfig or "
                          "FeedbackConfig")
@@ -142,18 +153,23 @@ def split_assignment(text: str, where: str) -> tuple[str, str]:
 
 def apply_settings(cfg: TrainConfig, fb: FeedbackConfig, settings: list[tuple[str, Any]]
                    ) -> tuple[TrainConfig, FeedbackConfig]:
-    """Copies of (cfg, fb) with the settings applied; StudyError when the result is not a valid config."""
+    """Copies of (cfg, fb) with the settings applied, both holding cfg's fixed schedule (with the `schedule.X`
+    settings); StudyError when the result is not a valid config."""
     cfg = copy.deepcopy(cfg)
     fb_over: dict[str, Any] = {}
+    sched_over: dict[str, Any] = {}
     for key, value in settings:
         target, name = key.split(".", 1)
         if target == "feedback":
             fb_over[name] = value
+        elif target == "schedule":
+            sched_over[name] = value
         else:
             setattr({"train": cfg, "agent": cfg.agent, "reward": cfg.reward}[target], name, value)
     try:
+        cfg.schedule = cfg.schedule.with_values(sched_over)
         TrainConfig.from_dict(cfg.to_dict())
-        fb = dataclasses.replace(fb, **fb_over)
+        fb = dataclasses.replace(fb, **fb_over, schedule=cfg.schedule)
     except (TypeError, ValueError) as exc:
         raise StudyError(f"settings {settings}: {exc}") from None
     return cfg, fb

@@ -103,7 +103,7 @@ def execute_run(spec: StudySpec, out: Path, rs: RunSpec, data: DataCache,
         "run_dsr": dsr(val_tr, n_trials=len(vals), sharpe_var_trials=float(np.var(vals, ddof=1))
                        if len(vals) >= 2 else None),
         "first_epoch_key": first_epoch_key(cfg, first_knobs(cfg)), "config_hash": cfg.hash(),
-        "feedback": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(fb).items()},
+        "feedback": fb.to_dict(),
         "epochs_trained_here": spec.epochs - trained_before, "wall_s": time.perf_counter() - t0,
         "device": spec.device, "gpu": os.environ.get("CUDA_VISIBLE_DEVICES") if spec.device != "cpu" else None,
         "pid": os.getpid(),

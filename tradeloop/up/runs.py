@@ -66,7 +66,9 @@ def resume_hint(run_id: str, run_dir: Path) -> str:
 
 def is_run(run_path: Path) -> bool:
     """A launcher's run directory: it holds up.json, or a trainer's run.json."""
-    return (run_path / RUN_FILE).exists() or (run_path / "trainer" / "run.json").exists()
+    from shared.runfiles import TRAINER_DIR
+
+    return (run_path / RUN_FILE).exists() or (run_path / TRAINER_DIR / "run.json").exists()
 
 
 def plan_run(run_id: str | None, run_dir: Path, resume: str | None) -> tuple[str, Path, bool]:

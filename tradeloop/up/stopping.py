@@ -40,7 +40,8 @@ def interrupted_note(run_path: Path, since: float) -> str | None:
 
     from services.trainer.checkpoint import INTERRUPTED
     from services.trainer.rundir import CHECKPOINTS
-    path = run_path / "trainer" / CHECKPOINTS / INTERRUPTED
+    from shared.runfiles import TRAINER_DIR
+    path = run_path / TRAINER_DIR / CHECKPOINTS / INTERRUPTED
     try:
         if path.stat().st_mtime < since:
             return None

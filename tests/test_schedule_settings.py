@@ -1,0 +1,129 @@
+"""The fixed ε/γ schedule (`shared.knobs.FixedSchedule`) set through each spelling that users write reaches the
+trainer's first epoch and the feedback-off bundle as one schedule; bad values are refused naming the key."""
+import json
+
+import pytest
+
+from services.feedback.signals import FeedbackConfig, compute_bundle
+from services.trainer.train import TrainConfig, train_run
+from shared.knobs import FixedSchedule
+from shared.synthetic import generate
+from tests.test_signals import alternating, report
+from tests.test_train import tiny_config
+from tradeloop.study.loop import first_knobs
+from tradeloop.study.spec import StudyError, StudySpec, parse_variants, variants_from_toml
+
+WANT = FixedSchedule(eps_start=0.45, eps_end=0.05, eps_decay_epochs=3, gamma=0.95)
+
+
+def feedback_off_knobs(fb: FeedbackConfig, epoch: int = 4):
+    """The knobs of the feedback-off bundle after `epoch` under `fb`."""
+    b = compute_bundle(report(alternating(30), epoch=epoch), [], FeedbackConfig.coerce({**_fields(fb),
+                                                                                      "enabled": False}), now="t")
+    assert not b.enabled and b.for_epoch == epoch + 1
+    return b.to_knobs()
+
+
+def _fields(fb: FeedbackConfig) -> dict:
+    return {k: getattr(fb, k) for k in fb.__dataclass_fields__}
+
+
+def _reaches_both(cfg: TrainConfig, fb: FeedbackConfig) -> None:
+    assert cfg.schedule == WANT and fb.schedule == WANT
+    assert first_knobs(cfg) == WANT.knobs(1) and first_knobs(cfg).epsilon == 0.45 and first_knobs(cfg).gamma == 0.95
+    assert feedback_off_knobs(fb) == cfg.schedule.knobs(5) == WANT.knobs(5)
+
+
+@pytest.mark.parametrize("items", [
+    ["eps_start=0.45", "eps_end=0.05", "eps_decay_epochs=3", "gamma=0.95"],
+    ["schedule.eps_start=0.45", "schedule.eps_end=0.05", "schedule.eps_decay_epochs=3", "schedule.gamma=0.95"],
+    ["eps_start=0.45", "schedule.eps_end=0.05", "eps_decay_epochs=3", "gamma_fixed=0.95"],
+])
+def test_train_config_set_spellings_give_the_schedule(items):
+    cfg = TrainConfig().override(items)
+    _reaches_both(cfg, FeedbackConfig(schedule=cfg.schedule))
+
+
+@pytest.mark.parametrize("text", [
+    "x:train.eps_start=0.45;train.eps_end=0.05;train.eps_decay_epochs=3;train.gamma=0.95",
+    "x:schedule.eps_start=0.45;schedule.eps_end=0.05;schedule.eps_decay_epochs=3;schedule.gamma=0.95",
+    "x:eps_start=0.45;eps_end=0.05;eps_decay_epochs=3;gamma=0.95",
+    "x:feedback.eps_start=0.45;feedback.eps_end=0.05;feedback.eps_decay_epochs=3;feedback.gamma_fixed=0.95",
+    "x:gamma_fixed=0.95;eps_start=0.45;eps_end=0.05;eps_decay_epochs=3",
+])
+def test_study_setting_spellings_reach_trainer_and_feedback_off_alike(text):
+    v = parse_variants(text)[0]
+    assert sorted(k for k, _ in v.settings) == sorted(f"schedule.{n}" for n in FixedSchedule.names())
+    cfg, fb = StudySpec(dataset="synthetic", variants=[v], seeds=[0], folds=1, epochs=1).configs(v, 14)
+    _reaches_both(cfg, fb)
+
+
+@pytest.mark.parametrize("table", [
+    {"schedule": {"eps_start": 0.45, "eps_end": 0.05, "eps_decay_epochs": 3, "gamma": 0.95}},
+    {"train": {"eps_start": 0.45, "eps_end": 0.05, "eps_decay_epochs": 3, "gamma": 0.95}},
+    {"feedback": {"eps_start": 0.45, "eps_end": 0.05, "eps_decay_epochs": 3, "gamma_fixed": 0.95}},
+])
+def test_study_toml_tables_reach_trainer_and_feedback_off_alike(table):
+    v = variants_from_toml({"x": table}, "study.toml")[0]
+    cfg, fb = StudySpec(dataset="synthetic", variants=[v], seeds=[0], folds=1, epochs=1).configs(v, 14)
+    _reaches_both(cfg, fb)
+
+
+@pytest.mark.parametrize("mapping", [
+    {"eps_start": 0.45, "eps_end": 0.05, "eps_decay_epochs": 3, "gamma_fixed": 0.95},
+    {"schedule": {"eps_start": 0.45, "eps_end": 0.05, "eps_decay_epochs": 3, "gamma": 0.95}},
+    {"schedule": WANT},
+])
+def test_feedback_config_mappings_give_the_schedule(mapping):
+    fb = FeedbackConfig.coerce(mapping)
+    assert fb.schedule == WANT
+    assert feedback_off_knobs(fb) == WANT.knobs(5)
+
+
+def test_stored_config_keeps_its_form_and_hash_and_reads_both_forms():
+    cfg = TrainConfig().override(["eps_start=0.45", "eps_end=0.05", "eps_decay_epochs=3", "gamma=0.95"])
+    d = cfg.to_dict()
+    assert "schedule" not in d and {k: d[k] for k in FixedSchedule.names()} == WANT.to_dict()
+    assert TrainConfig.from_dict(json.loads(json.dumps(d))) == cfg
+    nested = {k: v for k, v in d.items() if k not in FixedSchedule.names()} | {"schedule": WANT.to_dict()}
+    assert TrainConfig.from_dict(nested).hash() == cfg.hash()
+
+
+@pytest.mark.parametrize("items, message", [
+    (["eps_start=1.5"], r"eps_start must be a number in \[0, 1\], got 1.5"),
+    (["schedule.gamma=1"], r"gamma must be a number in \(0, 1\)"),
+    (["eps_decay_epochs=2.5"], "eps_decay_epochs expects an integer, got '2.5'"),
+    (["schedule.eps=0.2"], "FIELD=VALUE"),
+])
+def test_bad_schedule_values_are_refused_naming_the_key(items, message):
+    with pytest.raises(ValueError, match=message):
+        TrainConfig().override(items)
+
+
+def test_bad_schedule_in_a_study_or_feedback_config_is_refused_naming_it():
+    with pytest.raises(StudyError, match="eps_start must be a number in"):
+        v = parse_variants("x:feedback.eps_start=-0.1")[0]
+        StudySpec(dataset="synthetic", variants=[v], seeds=[0], folds=1, epochs=1).validate()
+    with pytest.raises(StudyError, match="eps_start and eps_end must be > 0"):   # E2 scales the schedule's ε
+        v = parse_variants("x:train.eps_end=0")[0]
+        StudySpec(dataset="synthetic", variants=[v], seeds=[0], folds=1, epochs=1).validate()
+    with pytest.raises(ValueError, match=r"feedback config: schedule: 'eps' is not a field of the fixed schedule"):
+        FeedbackConfig.coerce({"schedule": {"eps": 0.1}})
+    with pytest.raises(ValueError, match=r"feedback config: unknown keys \['gamma_fixd'\]"):
+        FeedbackConfig.coerce({"gamma_fixd": 0.9})
+
+
+def test_the_trainers_first_epoch_trains_under_the_set_schedule(tmp_path):
+    cfg = tiny_config().override(["schedule.eps_start=0.45", "eps_end=0.05", "eps_decay_epochs=3", "gamma=0.95"])
+    seen = []
+    train_run(generate(700, seed=3).bars, "synthetic", tmp_path / "r", 1, config=cfg, seed=1, on_epoch=seen.append)
+    assert (seen[0].epsilon, seen[0].gamma) == (WANT.knobs(1).epsilon, WANT.knobs(1).gamma) == (0.45, 0.95)
+    stored = json.loads((tmp_path / "r" / "run.json").read_text())["config"]
+    assert TrainConfig.from_dict(stored).schedule == WANT
+
+
+def test_feedback_config_json_form_reads_back():
+    fb = FeedbackConfig(off=("E2", "E3"), schedule=WANT, rollback_z=3.0)
+    d = json.loads(json.dumps(fb.to_dict()))
+    assert d["schedule"] == WANT.to_dict() and d["off"] == ["E2", "E3"]
+    assert FeedbackConfig.coerce(d) == fb

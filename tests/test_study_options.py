@@ -1,0 +1,34 @@
+"""`tradeloop study`'s options: the study file's keys and the values `build_spec` reads come from the command's
+parameters, and each option's flag is its key with '-' for '_'."""
+import inspect
+from pathlib import Path
+
+import pytest
+
+from tradeloop.cmd_study import CLI_ONLY, TOML_KEYS, _options, build_spec, study
+from tradeloop.study.spec import StudyError
+
+
+def test_every_option_but_the_command_line_only_ones_is_a_study_file_key_spelled_as_its_flag():
+    params = inspect.signature(study).parameters
+    flags = {name: p.default.param_decls[0].split("/")[0] for name, p in params.items()}
+    assert {name.rstrip("_") for name in params} == set(TOML_KEYS) | set(CLI_ONLY)
+    for name, flag in flags.items():
+        assert flag == "--" + name.rstrip("_").replace("_", "-"), (name, flag)
+
+
+def test_options_gives_build_spec_every_key_and_config(tmp_path: Path):
+    values = {name: None for name in inspect.signature(study).parameters}
+    values.update(dataset="synthetic", epochs=1, out=tmp_path / "o", folds=1, set_=["gamma=0.95"], redis="x",
+                  report_only=False, unrelated=1)
+    cli = _options(values)
+    assert set(cli) == set(TOML_KEYS) | {"config"} and cli["set"] == ["gamma=0.95"]
+    spec, out = build_spec(cli)
+    assert out == tmp_path / "o" and spec.settings == [("schedule.gamma", 0.95)] and spec.folds == 1
+
+
+def test_a_study_file_key_outside_the_options_is_refused_listing_them(tmp_path: Path):
+    f = tmp_path / "s.toml"
+    f.write_text('dataset = "synthetic"\nepochs = 1\nout = "o"\nredis = "redis://x"\n')
+    with pytest.raises(StudyError, match=r"unknown keys redis \(known: dataset, variants, seeds"):
+        build_spec({**{k: None for k in TOML_KEYS}, "config": f})
