@@ -75,7 +75,8 @@ def test_q_bias_and_gamma_shift_the_bootstrap_targets(data, monkeypatch):
     H, A = len(st.cfg.horizons), st.cfg.agent.n_atoms
 
     def targets(knobs):
-        """(R − q_bias) N × H and the discount N × H the update used, from the target atoms tz = R + disc·z."""
+        """(R − q_bias·(1 − disc)) N × H and the discount N × H the update used, from the target atoms
+        tz = R + disc·z."""
         apply_knobs(st, knobs)
         seen.clear()
         st.update(batch)
@@ -86,8 +87,13 @@ def test_q_bias_and_gamma_shift_the_bootstrap_targets(data, monkeypatch):
 
     r0, d0 = targets(Knobs(gamma=0.9, q_bias=0.0))
     r1, d1 = targets(Knobs(gamma=0.9, q_bias=0.02))
-    assert torch.allclose(r1 - r0, torch.full_like(r0, -0.02), atol=2e-5)   # R − q_bias: shifted by exactly −δ
     assert torch.allclose(d1, d0, atol=1e-5)
+    # each backup takes q_bias·(1 − disc): the fixed point Q* of T(Q) = R − b·(1 − disc) + disc·Q' is Q*₀ − b
+    assert torch.allclose(r1 - r0, -0.02 * (1 - d0), atol=2e-5)
+    assert ((d0[:, 0] - d0[:, -1]) > 0.5).all()                              # not a constant: 1 − γ^h by horizon
+    q0 = torch.linspace(-0.05, 0.05, r0.shape[0], dtype=torch.float64).unsqueeze(1)   # a Q* for each sample
+    fixed0 = r0 + d0 * q0                                                   # the unbiased backup of Q* (scalar)
+    assert torch.allclose(r1 + d1 * (q0 - 0.02), fixed0 - 0.02, atol=2e-5)  # shifted Q* backs up to itself − b
 
     # γ: disc^(h) = γ^h where the episode did not end within h steps (hand formula), 0 where it did
     alive = [(~batch.dones[:, :h]).all(1) for h in st.cfg.horizons]

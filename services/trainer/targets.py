@@ -78,7 +78,9 @@ def make_targets(agent: Agent, target: Agent, buf: UpdateBuffers, cfg: TrainConf
         N = b.bar.shape[0]
         z = agent.support                                                                  # A
         R, disc = nstep_returns(b.rewards.double(), b.dones, buf.gamma.double(), horizons)  # N × H
-        R, disc = (R - buf.q_bias).float(), disc.float()
+        # E1: Q's fixed point moves by −q_bias (return units) — Q − b = (R − b·(1 − disc)) + disc·(Q' − b) — so
+        # each backup takes b·(1 − disc), not b (which would move it by b / (1 − γ^h): ×100 at h = 1, γ = 0.99)
+        R, disc = (R - buf.q_bias * (1.0 - disc)).float(), disc.float()
         w_h = buf.horizon_blend[b.regime]                                                  # N × H
         next_bar, next_pf = b.next_bar, b.next_portfolio                                   # N × H, N × H × P
         if cfg.horizon_sample:
