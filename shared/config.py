@@ -29,7 +29,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from shared.events import validate_run_id
 from shared.redis_server import redact_url  # noqa: F401  (imported from here by the services and the CLI)
-from shared.report import parse_off
+from shared.report import DEFAULT_OFF, parse_off
 
 DEFAULT_API_TOKEN = "dev-token"
 ENV_PREFIX = "TL_"
@@ -259,8 +259,9 @@ class FeedbackSettings(CommonSettings):
     """Feedback service settings."""
 
     enabled: bool = Field(default=True, description="false: the ablation (publish fixed-schedule knobs)")
-    feedback_off: str = Field(default="", description="signals switched off, comma-separated (E1…E9, rollback): "
-                                                      "their knobs follow the fixed schedule")
+    feedback_off: str = Field(default=",".join(DEFAULT_OFF),
+                              description="signals switched off, comma-separated (E1…E9, rollback): their knobs "
+                                          "follow the fixed schedule; empty: every signal on")
 
     @field_validator("feedback_off")
     @classmethod

@@ -40,6 +40,10 @@ DIRECTIONS = ("short", "flat", "long")
 SIGNAL_IDS = ("E1", "E2", "E3", "E4", "E5", "E6", "E7", "E8", "E9")
 OFF_NAMES = (*SIGNAL_IDS, "rollback")
 """What a feedback config may switch off: a signal, or the rollback."""
+DEFAULT_OFF = ("E7",)
+"""The signals the product ships switched off (`TL_FEEDBACK_OFF`'s default; the base of every `tradeloop study`
+variant): E7's hindsight labels, which alone turned the policy flat at the next epoch in 3 of 4 study units
+(docs/feedback.md, "What the studies say"). `FeedbackConfig()` itself switches nothing off."""
 
 
 def parse_off(value: str | Sequence[str]) -> tuple[str, ...]:

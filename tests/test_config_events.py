@@ -162,3 +162,22 @@ def test_run_dir_not_writable_is_refused_naming_the_variable(tmp_path):
     (tmp_path / "file").write_text("not a directory")
     with pytest.raises(ValueError, match=r"TL_RUN_DIR=.*cannot write .* as uid \d+"):
         TrainerSettings(run_dir=tmp_path / "file", run_id="r1").check_run_dir("trainer")
+
+
+def test_the_product_ships_e7_off_and_every_signal_can_be_turned_on(monkeypatch):
+    """`DEFAULT_OFF` is what the service's settings and every study variant start from; the library's config itself
+    switches nothing off; `TL_FEEDBACK_OFF=""` turns every signal on."""
+    from services.feedback.signals import FeedbackConfig
+    from shared.report import DEFAULT_OFF
+    from tradeloop.study.spec import StudySpec, parse_variants
+
+    assert DEFAULT_OFF == ("E7",)
+    s = load_settings(FeedbackSettings)
+    assert s.off == DEFAULT_OFF and FeedbackConfig.coerce(s).off == DEFAULT_OFF
+    assert FeedbackConfig().off == ()
+    monkeypatch.setenv("TL_FEEDBACK_OFF", "")
+    assert load_settings(FeedbackSettings).off == ()
+    on, off, no_e1 = parse_variants("on,off,noE1:off=E1")
+    spec = StudySpec(dataset="synthetic", variants=[on, off, no_e1], seeds=[0], folds=1, epochs=1)
+    assert spec.configs(on, 8)[1].off == DEFAULT_OFF                 # "on" is the loop as shipped
+    assert spec.configs(no_e1, 8)[1].off == ("E1",)                  # a variant's `off` replaces the list

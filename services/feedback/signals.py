@@ -61,7 +61,8 @@ class FeedbackConfig:
     enabled: bool = True
     """False: fixed schedules (the ablation)."""
     off: tuple[str, ...] = ()
-    """Signals switched off, e.g. ("E2", "E3"): each leaves its knob at the fixed schedule's value; "rollback"
+    """Signals switched off, e.g. ("E2", "E3") (none by default here; the product ships `shared.report.DEFAULT_OFF`
+    off): each leaves its knob at the fixed schedule's value; "rollback"
     switches the rollback off. A comma-separated string is accepted ("E2,E3")."""
     schedule: FixedSchedule = FixedSchedule()
     """The fixed schedule of feedback off and of a signal switched off (`shared.knobs.FixedSchedule`); a mapping

@@ -32,6 +32,7 @@ from services.trainer.env import RewardConfig
 from services.trainer.train import TrainConfig
 from shared.agent import AgentConfig
 from shared.knobs import FixedSchedule
+from shared.report import DEFAULT_OFF
 
 PRESETS = ("small", "full")
 BUILTIN = {"on": (), "off": (("feedback.enabled", False),)}
@@ -317,7 +318,8 @@ class StudySpec:
     def configs(self, variant: Variant, n_features: int) -> tuple[TrainConfig, FeedbackConfig]:
         """The TrainConfig and FeedbackConfig of a variant: the preset, the base settings, the variant's."""
         cfg = TrainConfig.preset(self.preset, n_features)
-        return apply_settings(cfg, FeedbackConfig(), [*self.settings, *variant.settings])
+        # every variant starts from the feedback the product ships (`DEFAULT_OFF` switched off)
+        return apply_settings(cfg, FeedbackConfig(off=DEFAULT_OFF), [*self.settings, *variant.settings])
 
     def runs(self) -> list["RunSpec"]:
         return [RunSpec(v.name, s, k) for s in self.seeds for k in range(self.folds) for v in self.variants]
