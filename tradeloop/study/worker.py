@@ -79,7 +79,8 @@ def execute_run(spec: StudySpec, out: Path, rs: RunSpec, data: DataCache,
     chosen = evaluate_selected(run_dir, sel, records, bars=bars, split=split, dataset=spec.dataset,
                                device=spec.device, features=feats, run_id=rs.run_id)
     val_tr = records[sel - 1]["val_trade_returns"]
-    om, vm = chosen["oos"], records[sel - 1]["val"]
+    om, vm, plain = chosen["oos"], records[sel - 1]["val"], chosen["unshaped"]
+    sharpe = lambda m: float(m["per_trade_sharpe"] or 0.0)  # noqa: E731 — a backtest's metrics → its per-trade Sharpe
     summary = {
         "run_id": rs.run_id, "variant": rs.variant, "seed": rs.seed, "fold": rs.fold,
         "data_seed": spec.data_seed_of(rs.seed), "split": split.to_dict(), "n_bars": len(bars),
@@ -90,15 +91,13 @@ def execute_run(spec: StudySpec, out: Path, rs: RunSpec, data: DataCache,
                     "checkpoint_sha256": r["checkpoint_sha256"]} for i, r in enumerate(records)],
         "selected_epoch": sel, "selectable": selectable,
         "val_sharpe": vals[sel - 1], "val_trades": trades[sel - 1],
-        "oos_sharpe": float(om["per_trade_sharpe"] or 0.0), "oos_trades": int(om["n_trades"]),
+        "oos_sharpe": sharpe(om), "oos_trades": int(om["n_trades"]),
         "val_metrics": vm, "oos_metrics": om,
-        "val_recheck": float(chosen["val"]["per_trade_sharpe"] or 0.0) - vals[sel - 1],
+        "val_recheck": sharpe(chosen["val"]) - vals[sel - 1],
         # the policy as learned, without the E5/E9 knobs that shape the greedy policy (equal where none does)
         "shaped": chosen["unshaped"] is not None,
-        "val_sharpe_unshaped": (vals[sel - 1] if chosen["unshaped"] is None
-                                else float(chosen["unshaped"]["val"]["per_trade_sharpe"] or 0.0)),
-        "oos_sharpe_unshaped": (float(om["per_trade_sharpe"] or 0.0) if chosen["unshaped"] is None
-                                else float(chosen["unshaped"]["oos"]["per_trade_sharpe"] or 0.0)),
+        "val_sharpe_unshaped": vals[sel - 1] if plain is None else sharpe(plain["val"]),
+        "oos_sharpe_unshaped": sharpe(om if plain is None else plain["oos"]),
         "selected_val_trade_returns": val_tr,
         "run_dsr": dsr(val_tr, n_trials=len(vals), sharpe_var_trials=float(np.var(vals, ddof=1))
                        if len(vals) >= 2 else None),
