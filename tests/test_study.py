@@ -142,8 +142,8 @@ def test_killed_study_resumes_without_doing_a_run_twice(tiny, reference):
     try:
         poll_until(half_done, "a run half done after another finished", timeout_s=150, interval_s=0.02,
                    alive=lambda: proc.poll() is None)
-        workers = _pids(out)
-        proc.send_signal(signal.SIGKILL)
+        proc.send_signal(signal.SIGKILL)          # at once: a half-done run must not finish in between
+        workers = _pids(out)                      # read from the runs' lock files, which the kill leaves in place
         proc.wait(timeout=10)
     finally:
         if proc.poll() is None:
