@@ -10,6 +10,9 @@
  * protection stack), `Simulator.step` (`shared.execution`) and `PortfolioTracker.update` (`shared.portfolio`).
  * One account at a time, its state in locals; accounts side by side on OpenMP threads. Every size is a runtime
  * argument (ensemble, size levels, exit plans, tail quantiles, code and hidden widths): no limits.
+ * The pass may hold NK weight sets — several checkpoints of one `AgentConfig`, each with its own view table,
+ * portfolio-shift weights, v_max, maturity and controls — and each account reads the set `sets[b]` names
+ * (`shared.native.run_native_sets`): the same loop, K checkpoints × W windows as K·W accounts of one pass.
  *
  * No constant of those rules is written here: the feature scales, the tracker's rates, priors and floors, the
  * direction sides, the maturity floor, the position limit, the exit-reason codes, the flag bits, the output
@@ -167,6 +170,17 @@ static void run_account(const Pass *p, int64_t b, float *work) {
           *quant = qm + round16(NB);                                                       /* quant: MT × ND */
     float *x = xin + C;                        /* the portfolio vector, after the code */
 
+    /* the account's weight set k (one checkpoint of the NK the pass runs): its rows of the market view, its
+     * portfolio-shift weights, its v_max, maturity and controls; every set is laid out like the first, one after
+     * the other */
+    const int64_t k = p->sets[b];
+    const float *view_q = p->q + k * T * NB, *view_q_std = p->q_std + k * T * TL_ND,
+                *view_tail = p->tail + k * T * MT * TL_ND, *view_code = p->code + k * T * C;
+    const int64_t n_w1 = S1 * (C + P), n_w2 = (NB + 1) * S1;
+    const float *w1 = p->w1 + k * n_w1, *w1t = p->w1t + k * n_w1, *b1 = p->b1 + k * S1, *w2 = p->w2 + k * n_w2,
+                *w2t = p->w2t + k * n_w2, *b2 = p->b2 + k * (NB + 1);
+    const float v_max = p->v_max[k], maturity = p->maturity[k], gate = p->gate[k], *rconf = p->rconf + k * p->NR;
+
     /* state: Simulator.reset (flat, cash = equity = 1) and PortfolioTracker.__init__ priors */
     int64_t t = p->starts[b];
     double pos = 0, units = 0, cash = 1, eq = 1, entry_equity = 1, entry_price = 0, entry_size = 0, tp_price = 0,
@@ -177,8 +191,8 @@ static void run_account(const Pass *p, int64_t b, float *work) {
     const double rate = p->rate, fee = p->fee, borrow = p->borrow, kelly_floor = p->kelly_floor;
     const double cvar_limit = p->cvar_limit, min_hold = p->min_hold, dsr_size_cut = p->dsr_size_cut;
     const double decay = TL_TRACKER_DECAY, eta = TL_DSR_ETA;
-    const float m = fminf(fmaxf(p->maturity, (float)TL_MATURITY_FLOOR), 1.0f);   /* float32, as in act */
-    const float cvar_floor = -((float)cvar_limit) / m, gate_m = p->gate / m, hold = (float)min_hold * m;
+    const float m = fminf(fmaxf(maturity, (float)TL_MATURITY_FLOOR), 1.0f);   /* float32, as in act */
+    const float cvar_floor = -((float)cvar_limit) / m, gate_m = gate / m, hold = (float)min_hold * m;
     const double cut = (double)((float)dsr_size_cut * m);
     const float n_tail = (float)(MT > 1 ? MT : 1);                       /* max(n_tail, 1) */
 
@@ -205,20 +219,20 @@ static void run_account(const Pass *p, int64_t b, float *work) {
         for (int64_t j = 0; j < P; j++) rq[TL_N_R32 + j] = x[j];
 
         /* ---- Agent.delta: δ = v_max · (W2 relu(W1 [code, port] + b1) + b2), NB + 1 ---- */
-        memcpy(xin, p->code + t * C, (size_t)C * sizeof(float));
-        dense(xin, C + P, p->w1, p->w1t, p->b1, S1, hid, 1);
-        dense(hid, S1, p->w2, p->w2t, p->b2, NB + 1, dl, 0);
-        for (int64_t j = 0; j < NB + 1; j++) dl[j] = p->v_max * dl[j];
+        memcpy(xin, view_code + t * C, (size_t)C * sizeof(float));
+        dense(xin, C + P, w1, w1t, b1, S1, hid, 1);
+        dense(hid, S1, w2, w2t, b2, NB + 1, dl, 0);
+        for (int64_t j = 0; j < NB + 1; j++) dl[j] = v_max * dl[j];
 
         /* ---- act (shared/policy.py) ---- */
         /* q_all = view.q + δ[:NB] (the ensemble-mean Q, shifted); per branch its first argmax */
-        const float *qt = p->q + t * NB, *qs = p->q_std + t * TL_ND;
+        const float *qt = view_q + t * NB, *qs = view_q_std + t * TL_ND;
         for (int64_t j = 0; j < NB; j++) qm[j] = qt[j] + dl[j];
         const int d = argmax_first(qm, TL_ND), s = argmax_first(qm + TL_ND, NS),
                   e = argmax_first(qm + TL_ND + NS, NE);
         const float edge = fmaxf(qm[TL_SHORT], qm[TL_LONG]) - qm[TL_FLAT];
         /* quant = view.tail + δ[:ND]; CVaR per direction = quant.sum(1) / max(M_α, 1) */
-        const float *tt = p->tail + t * MT * TL_ND;
+        const float *tt = view_tail + t * MT * TL_ND;
         for (int64_t j = 0; j < MT * TL_ND; j++) quant[j] = tt[j] + dl[j % TL_ND];
         float cvar_dir[TL_ND];
         for (int a = 0; a < TL_ND; a++) cvar_dir[a] = torch_sum_row(quant + a, TL_ND, MT) / n_tail;
@@ -227,7 +241,7 @@ static void run_account(const Pass *p, int64_t b, float *work) {
         const double size = p->sizes[s];
         const double kel = clampd(kelly_floor + (double)x[TL_PF_KELLY_F], kelly_floor, 1.0);
         const double dsr_scale = 1.0 - cut * clampd(-(double)x[TL_PF_DIFF_SHARPE], 0.0, 1.0);
-        const float conf32 = p->rconf[regime];
+        const float conf32 = rconf[regime];
         const double conf = (double)conf32;
         const double new_target = sidef * size * kel * dsr_scale * conf;
         const double cur_side = side0;

@@ -78,12 +78,17 @@ PASS_FIELDS = (
     ("regime", "const int64_t *"),
     *((n, "const float *") for n in ("q", "q_std", "tail", "code")),               # the market view of every bar
     ("T", "int64_t"), ("starts", "const int64_t *"), ("B", "int64_t"), ("S", "int64_t"),
+    # weight sets (checkpoints of one AgentConfig): NK of them, account b reads set sets[b]; every per-set array
+    # (the view's fields above, the shift's weights, v_max, maturity, gate, rconf) holds the NK sets one after the
+    # other
+    ("NK", "int64_t"), ("sets", "const int64_t *"),
     # the portfolio shift MLP (Agent.shift): each layer's weight as torch holds it (N × K_in) and transposed
     *((n, "const float *") for n in ("w1", "w1t", "b1", "w2", "w2t", "b2")),
-    ("v_max", "float"),
+    ("v_max", "const float *"),
     *((n, "int64_t") for n in ("P", "C", "S1", "NS", "NE", "MT")),
-    # policy: the agent's state, the controls, the action tables, the protection stack's settings
-    ("maturity", "float"), ("gate", "float"),
+    # policy: the agent's state, the controls (NR regimes' confidences per set), the action tables, the protection
+    # stack's settings
+    ("maturity", "const float *"), ("gate", "const float *"), ("NR", "int64_t"),
     ("rconf", "const float *"), ("sizes", "const double *"), ("plans", "const double *"),
     *((n, "double") for n in ("kelly_floor", "cvar_limit", "min_hold", "dsr_size_cut")),
     # costs (`CostModel.rate`, `.fee`, `.borrow_rate`)
@@ -179,6 +184,12 @@ class PassOutputs:
         return PassOutputs(**{k: getattr(self, k).to(device) for k in ("r64", "r32", "rl", "ev64", "flags",
                                                                         "final")})
 
+    def accounts(self, lo: int, hi: int) -> "PassOutputs":
+        """The outputs of accounts lo..hi − 1 alone (as a pass of only those accounts would have written them)."""
+        return PassOutputs(**{k: getattr(self, k)[:, lo:hi].contiguous() for k in ("r64", "r32", "rl", "ev64",
+                                                                                   "flags")},
+                           final=self.final[lo:hi].contiguous())
+
 
 def _cpu_flags() -> str:
     try:
@@ -247,33 +258,76 @@ def run_native(agent: Agent, market, view: MarketView, starts: torch.Tensor, len
     view: the `MarketView` of every bar of `market` (`Agent.view_table`), on any device: its fields are
     copied to the host once (float32, contiguous); the other inputs likewise. The outputs come back on the view's
     device (unless `to_device=False`: they stay on the host). `threads`: accounts stepped at once (default: torch's CPU
-    threads). Greedy only (ε = 0)."""
+    threads). Greedy only (ε = 0). One weight set: `run_native_sets` with K = 1."""
+    return run_native_sets([agent], market, [view], starts, torch.zeros(len(starts), dtype=torch.long), length,
+                           [controls], costs, threads=threads, to_device=to_device)
+
+
+def check_same_config(agents) -> None:
+    """ValueError unless every agent has the first one's `AgentConfig` (what one batched pass of several
+    checkpoints needs: the same shapes, action tables and protection settings)."""
+    if not agents:
+        raise ValueError("no agent given: a batched pass needs at least one")
+    cfg = agents[0].cfg
+    for i, a in enumerate(agents[1:], 1):
+        if a.cfg != cfg:
+            diff = sorted(k for k, v in vars(cfg).items() if getattr(a.cfg, k) != v)
+            raise ValueError(f"agent {i} has another AgentConfig than agent 0 (differs in {', '.join(diff)}): "
+                             "checkpoints evaluated in one batched pass must share one architecture")
+
+
+@torch.no_grad()
+def run_native_sets(agents, market, views, starts: torch.Tensor, sets: torch.Tensor, length: int, controls,
+                    costs: CostModel, *, threads: int | None = None, to_device: bool = True) -> PassOutputs:
+    """The compiled loop over B = len(starts) accounts of K weight sets: account b steps from local bar starts[b]
+    with agent `agents[sets[b]]` — its market view `views[sets[b]]` (every bar of `market`), its portfolio shift,
+    v_max and maturity, and its `controls[sets[b]]` (gate threshold, regime confidence). The agents must share one
+    `AgentConfig` (ValueError otherwise, `check_same_config`). Each account's outputs are those of a pass of its
+    agent alone: the accounts do not interact. Otherwise as `run_native`."""
+    check_same_config(agents)
+    K = len(agents)
+    if len(views) != K or len(controls) != K:
+        raise ValueError(f"{K} agents need {K} views and {K} controls, got {len(views)} and {len(controls)}")
+    agent = agents[0]
     cfg = agent.cfg
-    if float(controls.epsilon) != 0.0:
-        raise ValueError(f"the native pass is greedy: controls.epsilon must be 0, got {float(controls.epsilon)}")
+    for c in controls:
+        if float(c.epsilon) != 0.0:
+            raise ValueError(f"the native pass is greedy: controls.epsilon must be 0, got {float(c.epsilon)}")
     P = len(PORTFOLIO_FEATURES)
     if cfg.n_portfolio != P:
         raise ValueError(f"the native loop builds the {P}-feature portfolio vector, the agent reads {cfg.n_portfolio}")
     lib = library()
-    dev, cpu = view.q.device, torch.device("cpu")
+    dev, cpu = views[0].q.device, torch.device("cpu")
     B, S, T = len(starts), max(length - 1, 0), len(market)
     NB, C, MT = cfg.n_actions, cfg.code_dim, cfg.n_tail
     NS, NE = cfg.branch_sizes[1], cfg.branch_sizes[2]
     lin1, lin2 = agent.shift[0], agent.shift[2]
     S1 = lin1.out_features
     want = {"q": (T, NB), "q_std": (T, 3), "tail": (T, MT, 3), "code": (T, C)}
-    for name, shape in want.items():
-        if tuple(getattr(view, name).shape) != shape:
-            raise ValueError(f"view.{name} is {tuple(getattr(view, name).shape)}, expected {shape} "
-                             f"(Agent.view_table of every bar of the market)")
+    for k, view in enumerate(views):
+        for name, shape in want.items():
+            if tuple(getattr(view, name).shape) != shape:
+                raise ValueError(f"view {k}: .{name} is {tuple(getattr(view, name).shape)}, expected {shape} "
+                                 f"(Agent.view_table of every bar of the market)")
     if lin1.in_features != C + P or lin2.in_features != S1 or lin2.out_features != NB + 1:
         raise ValueError("agent.shift does not map [code, portfolio] → NB + 1 through one hidden layer")
+    sets = sets.detach().to(device=cpu, dtype=torch.int64)
+    if sets.shape != (B,) or (B and (int(sets.min()) < 0 or int(sets.max()) >= K)):
+        raise ValueError(f"sets must hold one weight set in [0, {K}) per account ({B}), got {sets.tolist()[:8]}")
+    NR = controls[0].regime_confidence.numel()
+    if any(c.regime_confidence.numel() != NR for c in controls):
+        raise ValueError("every controls' regime_confidence must have as many regimes")
     keep = []                                         # every array handed to C stays referenced until it returns
 
     def ptr(x: torch.Tensor, dtype: torch.dtype) -> int:
         x = x.detach().to(device=cpu, dtype=dtype).contiguous()
         keep.append(x)
         return x.data_ptr()
+
+    def per_set(get, dtype: torch.dtype) -> int:
+        """The K sets' tensors `get(k)`, one after the other (a lone set as it is)."""
+        xs = [get(k).detach().to(device=cpu, dtype=dtype).reshape(-1) for k in range(K)]
+        return ptr(xs[0] if K == 1 else torch.cat(xs), dtype)
 
     f32, f64, i64 = torch.float32, torch.float64, torch.int64
     # the loop writes every element (a row per step and account, the final state of every account)
@@ -283,17 +337,20 @@ def run_native(agent: Agent, market, view: MarketView, starts: torch.Tensor, len
                       ev64=torch.empty(S, B, len(EV_FIELDS), dtype=f64), flags=torch.empty(S, B, dtype=torch.int32),
                       final=torch.empty(B, len(FINAL_FIELDS), dtype=f64))
     pr = market.prices
+    view_of = lambda name: per_set(lambda k: getattr(views[k], name), f32)  # noqa: E731
+    layer = lambda i, name: per_set(lambda k: getattr(agents[k].shift[i], name), f32)  # noqa: E731
     p = _Pass(open=ptr(pr.open, f64), high=ptr(pr.high, f64), low=ptr(pr.low, f64), close=ptr(pr.close, f64),
               vol=ptr(market.vol, f64), regime=ptr(market.regime, i64),
-              q=ptr(view.q, f32), q_std=ptr(view.q_std, f32), tail=ptr(view.tail, f32), code=ptr(view.code, f32),
+              q=view_of("q"), q_std=view_of("q_std"), tail=view_of("tail"), code=view_of("code"),
               T=T,
-              starts=ptr(starts, i64), B=B, S=S,
-              w1=ptr(lin1.weight, f32), w1t=ptr(lin1.weight.t(), f32), b1=ptr(lin1.bias, f32),
-              w2=ptr(lin2.weight, f32), w2t=ptr(lin2.weight.t(), f32), b2=ptr(lin2.bias, f32),
-              v_max=float(agent.v_max),
+              starts=ptr(starts, i64), B=B, S=S, NK=K, sets=ptr(sets, i64),
+              w1=layer(0, "weight"), w1t=per_set(lambda k: agents[k].shift[0].weight.t(), f32), b1=layer(0, "bias"),
+              w2=layer(2, "weight"), w2t=per_set(lambda k: agents[k].shift[2].weight.t(), f32), b2=layer(2, "bias"),
+              v_max=per_set(lambda k: agents[k].v_max, f32),
               P=P, C=C, S1=S1, NS=NS, NE=NE, MT=MT,
-              maturity=float(agent.maturity), gate=float(controls.gate_threshold),
-              rconf=ptr(controls.regime_confidence, f32), sizes=ptr(agent.act_sizes, f64),
+              maturity=per_set(lambda k: agents[k].maturity, f32),
+              gate=per_set(lambda k: controls[k].gate_threshold, f32), NR=NR,
+              rconf=per_set(lambda k: controls[k].regime_confidence, f32), sizes=ptr(agent.act_sizes, f64),
               plans=ptr(agent.act_plans, f64), kelly_floor=cfg.kelly_floor, cvar_limit=cfg.cvar_limit,
               min_hold=cfg.min_hold, dsr_size_cut=cfg.dsr_size_cut,
               rate=costs.rate, fee=float(costs.fee), borrow=costs.borrow_rate,
