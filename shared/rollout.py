@@ -5,6 +5,8 @@ resets: `services/trainer/env.py`); the evaluator calls `greedy_pass` (continuou
 exploration and callbacks off, with the same `policy_step` as its loop body; capturable in CUDA graphs), through
 `evaluate_policy` (one account over a whole range: the ledger, per-bar curves and, per decision bar, the
 predicted Q / IQN quantiles / ensemble disagreement of the chosen action) or `services.evaluator.runner`.
+`greedy_pass_many` runs K checkpoints of one architecture over the same windows: their K·W accounts in one native
+pass, each account reading its own checkpoint's view and weights (the torch modes: one `greedy_pass` per checkpoint).
 
 Conventions
 -----------
@@ -237,6 +239,9 @@ class GreedyPass:
     engine: str = ""
     """The path that ran the sequential part (`ENGINES`): "native-c", "torch-eager", "torch-compile", "torch-graph"
     or "torch-compile+graph"."""
+    agents_in_pass: int = 1
+    """Checkpoints whose accounts ran in this same sequential pass: K where `greedy_pass_many` batched K of them in
+    one native loop, 1 for a pass of one agent's own."""
 
 
 class _ChunkLedger(_LedgerBuffer):
@@ -386,18 +391,75 @@ def _assemble(sim: Simulator, records: tuple[torch.Tensor, torch.Tensor, torch.T
 @torch.no_grad()
 def _native_greedy_pass(agent: Agent, market: MarketTensors, view: MarketView, starts: torch.Tensor, length: int,
                         controls: PolicyControls, costs: CostModel) -> GreedyPass:
-    """`greedy_pass(accel="native")`: the sequential part as one compiled CPU loop (`shared.native`), then the
-    simulator's ledger rows rebuilt from the loop's per-bar fills, its end-of-pass `close_all` on the final state,
-    and the same records as every other mode."""
+    """`greedy_pass(accel="native")`: the sequential part as one compiled CPU loop (`shared.native`), then
+    `_native_result`."""
     from shared import native
 
-    dev = view.q.device
     host = native.run_native(agent, market, view, starts, length, controls, costs, to_device=False)
+    return _native_result(host, market, starts, length, costs, view.q.device)
+
+
+def _native_result(host, market: MarketTensors, starts: torch.Tensor, length: int, costs: CostModel,
+                   dev) -> GreedyPass:
+    """The native loop's outputs of B = len(starts) accounts (on the host) → the simulator's ledger rows rebuilt from
+    the loop's per-bar fills, its end-of-pass `close_all` on the final state, and the same records as every other
+    mode (on `dev`)."""
+    from shared import native
+
     rows = native.ledger_rows(host, starts, market.prices.open)                # read on the host, where it is
     out = host.to(dev) if dev.type != "cpu" else host
     sim = native.finish_simulator(out, market, costs, rows)
     sim.close_all()
     return _assemble(sim, (out.r64, out.r32, out.rl.long()), length, len(starts), dev, ENGINES["native"])
+
+
+@torch.no_grad()
+def market_views(agents: list[Agent], windows: torch.Tensor, chunk: int | None = None,
+                 bf16_encoder: bool = False) -> list[tuple[torch.Tensor, MarketView]]:
+    """`market_view` of each of K agents over the same windows: the batched part of a pass of K checkpoints. Each
+    agent's encoder and heads run over every bar in its own batched calls, so each table is exactly the one a pass of
+    that agent alone reads (a `torch.func.vmap` over stacked weights runs the same products as batched matmuls,
+    whose float32 sums may round otherwise)."""
+    return [market_view(a, windows, chunk, bf16_encoder) for a in agents]
+
+
+@torch.no_grad()
+def greedy_pass_many(agents: list[Agent], market: MarketTensors, views: list[MarketView], starts: torch.Tensor,
+                     length: int, controls: PolicyControls | list[PolicyControls], costs: CostModel = CostModel(), *,
+                     accel: str = "auto", chunk: int = 64) -> list[GreedyPass]:
+    """`greedy_pass` of K agents of one `AgentConfig` (ValueError naming what differs otherwise) over the same W =
+    len(starts) windows: per agent k (its market view `views[k]`, its `controls[k]`, or one `controls` for all) the
+    `GreedyPass` of its W accounts that `greedy_pass(agents[k], market, views[k], starts, …)` returns.
+
+    native (and "auto" where a C compiler works): ONE sequential pass of K·W accounts — the same compiled loop
+    (`shared.native.run_native_sets`), each account reading its own agent's view rows, portfolio-shift weights,
+    v_max, maturity and controls — then each agent's W accounts finished as `greedy_pass` finishes a native pass
+    (`GreedyPass.agents_in_pass` = K). The torch modes (eager, compile, graph, compile+graph, and "auto" without a
+    compiler) step one agent's policy at a time: one `greedy_pass` per agent (`agents_in_pass` = 1), the engine as
+    each pass names it."""
+    from shared import native
+
+    native.check_same_config(agents)
+    K, W = len(agents), len(starts)
+    ctl = list(controls) if isinstance(controls, (list, tuple)) else [controls] * K
+    if len(views) != K or len(ctl) != K:
+        raise ValueError(f"{K} agents need {K} market views and {K} controls, got {len(views)} and {len(ctl)}")
+    for c in ctl:
+        if float(c.epsilon) != 0.0:
+            raise ValueError(f"greedy_pass is greedy: controls.epsilon must be 0, got {float(c.epsilon)}")
+    if accel == "native" or (accel == "auto" and native.available()):
+        dev = views[0].q.device
+        sets = torch.arange(K).repeat_interleave(W)
+        host = native.run_native_sets(agents, market, views, starts.repeat(K), sets, length, ctl, costs,
+                                      to_device=False)
+        out = []
+        for k in range(K):
+            p = _native_result(host.accounts(k * W, (k + 1) * W), market, starts, length, costs, dev)
+            p.agents_in_pass = K
+            out.append(p)
+        return out
+    return [greedy_pass(a, market, v, starts, length, c, costs, accel=accel, chunk=chunk)
+            for a, v, c in zip(agents, views, ctl)]
 
 
 @torch.no_grad()

@@ -3,6 +3,8 @@
     evaluate_checkpoint(ckpt, expected_sha256=..., bars=..., split=..., run_id=..., epoch=...) -> EvalReport
     run_split(agent, bars, window)    -> SplitRun   (one greedy continuous pass over one bar range)
     run_windows(agent, bars, windows) -> [SplitRun] (several ranges at once, as accounts of one simulator)
+    window_passes_many(agents, bars, windows, taus=...) -> per agent [dict] (K checkpoints of one architecture in
+                                                                   one batched pass)
     report_for_cli(checkpoint, ...)   -> CliEvaluation (the report `tradeloop evaluate` prints, and its inputs)
 
 How a window is backtested
@@ -52,7 +54,8 @@ from shared.execution import CostModel
 from shared.knobs import Knobs
 from shared.market import Bars, Split, chronological_split, compute_features, load_dataset
 from shared.runfiles import RunFiles, read_history
-from shared.rollout import MarketTensors, chosen_outputs, greedy_pass, market_view
+from shared.rollout import (GreedyPass, MarketTensors, chosen_outputs, greedy_pass, greedy_pass_many, market_view,
+                            market_views)
 
 if TYPE_CHECKING:
     from services.evaluator import autopsy as ap
@@ -139,6 +142,8 @@ class SplitRun:
     """[T] target position decided at each close (0 at the last)."""
     engine: str = ""
     """The path that ran the pass (`shared.rollout.ENGINES`: "native-c", "torch-eager", ...)."""
+    agents_in_pass: int = 1
+    """Checkpoints whose accounts shared the pass (`window_passes_many` on the native loop: K; else 1)."""
 
 
 def _run_group(agent: Agent, market: MarketTensors, emb: torch.Tensor, view: MarketView, starts: list[int],
@@ -147,11 +152,18 @@ def _run_group(agent: Agent, market: MarketTensors, emb: torch.Tensor, view: Mar
     """B = len(starts) accounts of equal window `length`, local starts into `market` (emb, view: every bar's
     embedding and market view): one `greedy_pass`, then the post hoc predictions batched. Returns per window the
     `SplitRun` fields as plain arrays, with "preds" the keywords of `autopsy.Predictions`."""
+    start_t = torch.tensor(starts, dtype=torch.long, device=emb.device)                   # B
+    p = greedy_pass(agent, market, view, start_t, length, controls, costs, accel=accel, chunk=graph_chunk)
+    return _group_runs(agent, market, emb, p, starts, length, taus, pred_chunk)
+
+
+def _group_runs(agent: Agent, market: MarketTensors, emb: torch.Tensor, p: GreedyPass, starts: list[int],
+                length: int, taus: Sequence[float], pred_chunk: int) -> list[dict[str, Any]]:
+    """`_run_group`'s answer from the agent's `GreedyPass` `p` of those B accounts: the post hoc predictions
+    batched, then per window the `SplitRun` fields as plain arrays."""
     dev = emb.device
     B, L, S = len(starts), length, length - 1
     start_t = torch.tensor(starts, dtype=torch.long, device=dev)                          # B
-    p = greedy_pass(agent, market, view, start_t, L, controls, costs, accel=accel, chunk=graph_chunk)
-
     # post hoc predictions (Q of each direction, quantiles of the chosen one), batched, at the decisions that
     # opened a trade — the rows the autopsy and the calibration read; NaN elsewhere (`autopsy.POST_HOC`). Every
     # decision would cost the heads once more per bar: most of the evaluation on a CPU.
@@ -190,7 +202,7 @@ def _run_group(agent: Agent, market: MarketTensors, emb: torch.Tensor, view: Mar
             n_sizes=n_sizes)
         out_runs.append(dict(ledger=led.reset_index(drop=True), equity=eq[:, k], bar_returns=br[:, k],
                              positions=pos[:, k], preds=preds, regimes=regime_all[s0:s0 + L], targets=tgt[:, k],
-                             engine=p.engine))
+                             engine=p.engine, agents_in_pass=p.agents_in_pass))
     return out_runs
 
 
@@ -228,6 +240,63 @@ def window_passes(agent: Agent, bars: Bars, windows: Sequence[tuple[int, int]], 
                          pred_chunk, accel, graph_chunk)
         for i, r in zip(idx, res):
             runs[i] = dict(window=wins[i], **r)
+    return runs  # type: ignore[return-value]
+
+
+@torch.no_grad()
+def window_passes_many(agents: Sequence[Agent], bars: Bars, windows: Sequence[tuple[int, int]], *,
+                       taus: Sequence[float], controls: PolicyControls | Sequence[PolicyControls] | None = None,
+                       costs: CostModel = CostModel(), features: np.ndarray | None = None,
+                       device: str | torch.device | None = None, encode_chunk: int | None = None,
+                       pred_chunk: int = 65536, accel: str = "auto", graph_chunk: int = 64,
+                       bf16_encoder: bool = False) -> list[list[dict[str, Any]]]:
+    """`window_passes` of K checkpoints of one architecture (ValueError naming what differs otherwise) over the same
+    windows, in one batched pass: per agent k, exactly the list `window_passes(agents[k], …, controls=controls[k])`
+    returns. `controls`: one per agent, or one for all (default `eval_controls(None)`: no gate).
+
+    The span's market tensors are built once; each agent's encoder and view table run batched over every bar
+    (`shared.rollout.market_views`); per window length, the K agents' accounts step in one sequential pass
+    (`shared.rollout.greedy_pass_many`: the native loop runs all K·W accounts at once; the torch modes one pass per
+    agent — each run's "engine" and "agents_in_pass" say which happened); then each agent's post hoc predictions,
+    as `window_passes` computes them."""
+    from shared.native import check_same_config
+
+    agents = list(agents)
+    check_same_config(agents)
+    for a in agents:
+        a.eval()
+    K = len(agents)
+    dev = torch.device(device) if device is not None else next(agents[0].parameters()).device
+    n = len(bars)
+    wins = [(int(s), int(e)) for s, e in windows]
+    for i, (s, e) in enumerate(wins):
+        if not 0 <= s < e <= n or e - s < 2:
+            raise ValueError(f"window {i} = ({s}, {e}) must satisfy 0 <= start, start + 2 <= end <= {n} bars")
+    if not wins:
+        return [[] for _ in agents]
+    if controls is None or isinstance(controls, PolicyControls):
+        ctl = [controls if controls is not None else eval_controls(None, dev)] * K
+    else:
+        ctl = list(controls)
+        if len(ctl) != K:
+            raise ValueError(f"{K} agents need one controls each or one for all, got {len(ctl)}")
+    feats = compute_features(bars) if features is None else features
+    if feats.shape[1] != agents[0].cfg.n_features:
+        raise ValueError(f"the data have {feats.shape[1]} features per bar but the agents expect "
+                         f"{agents[0].cfg.n_features}")
+    lo, hi = min(s for s, _ in wins), max(e for _, e in wins)
+    market = MarketTensors.from_bars(bars, lo, hi, agents[0].cfg.window, dev, features=feats)
+    tables = market_views(agents, market.windows, encode_chunk, bf16_encoder)          # per agent (emb, view)
+    runs: list[list[dict[str, Any] | None]] = [[None] * len(wins) for _ in agents]
+    for length in sorted({e - s for s, e in wins}):
+        idx = [i for i, (s, e) in enumerate(wins) if e - s == length]
+        starts = [wins[i][0] - lo for i in idx]
+        passes = greedy_pass_many(agents, market, [v for _, v in tables], torch.tensor(starts, device=dev), length,
+                                  ctl, costs, accel=accel, chunk=graph_chunk)
+        for k, (agent, (emb, _), p) in enumerate(zip(agents, tables, passes)):
+            res = _group_runs(agent, market, emb, p, starts, length, taus, pred_chunk)
+            for i, r in zip(idx, res):
+                runs[k][i] = dict(window=wins[i], **r)
     return runs  # type: ignore[return-value]
 
 
