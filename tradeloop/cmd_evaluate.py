@@ -14,6 +14,8 @@ the run's costs, split and data, the loop's windows, and the val DSR deflated ov
 numbers are those the loop and the dashboard show for it. What it ran with (checkpoint, knobs) is printed.
 Metrics: `shared.metrics.compute_metrics` (Sharpes un-annualized, per trade / per bar) of one account.
 `policy_metrics` is the library entry point (used by bench/learning.py).
+`--checkpoint all` (or a list such as `2,4,best`) evaluates those checkpoints of a run on the split, each as it
+would be alone, in one batched pass (`services.evaluator.runner.windows_for_cli`), and prints one row per checkpoint.
 """
 from __future__ import annotations
 
@@ -155,6 +157,84 @@ def evaluate_agent(policy: str, *, which: str | None, split: str, dataset: str |
     return doc
 
 
+TABLE_COLUMNS = ("per_trade_sharpe", "n_trades", "total_return", "max_drawdown", "win_rate", "dsr")
+"""The metrics `--checkpoint all|LIST` prints per checkpoint (`--json`: all of them)."""
+
+
+def is_checkpoint_list(which: str | None) -> bool:
+    """`--checkpoint` names several checkpoints: "all" or a comma list (e.g. "2,4,best")."""
+    return which is not None and (which.strip().lower() == "all" or "," in which)
+
+
+def evaluate_checkpoints(policy: str, *, which: str, split: str, dataset: str | None, seed: int | None,
+                         device: str, min_trades: int, echo, shaping: bool = True) -> dict:
+    """Several checkpoints of a run directory (`which`: "all", or a comma list of epochs, latest and best) on one
+    split window, every one as `evaluate_agent` evaluates it alone — its knobs, the run's data, split and costs, the
+    val DSR over the loop's trials — in ONE batched pass (`services.evaluator.runner.windows_for_cli`). Returns the
+    JSON document: one row per checkpoint, by epoch. Raises RunDirError, EvaluateInputError."""
+    from services.evaluator.runner import report_for_cli, windows_for_cli
+    from services.evaluator.runs import RunDirError, checkpoints, choose, find_run, loop_trials
+
+    p = Path(policy)
+    if not p.is_dir():
+        raise RunDirError(f"--checkpoint {which}: --policy {policy} is not a run directory; a list of checkpoints "
+                          "picks among a run directory's")
+    run = find_run(p)
+    on_disk = checkpoints(run)
+    if not on_disk:
+        raise RunDirError(f"{run.checkpoints_dir}: no complete checkpoint (epoch-NNNN.safetensors with its .sha256)")
+    items = [w.strip() for w in which.split(",") if w.strip()]
+    if not items:
+        raise RunDirError(f"--checkpoint {which!r}: no checkpoint named")
+    chosen: dict[int, tuple[Path, str]] = {}
+
+    def add(epoch: int, path: Path, how: str) -> None:
+        """A checkpoint once, with every name the list gave it ("epoch 2, latest")."""
+        path0, hows = chosen.get(epoch, (path, ""))
+        chosen[epoch] = (path0, how if not hows else hows if how in hows.split(", ") else f"{hows}, {how}")
+
+    for item in items:
+        if item.lower() == "all":
+            for e, path in on_disk.items():
+                add(e, path, "all")
+            continue
+
+        def val_of(path: Path) -> tuple[float, int]:
+            ev = report_for_cli(path, data=dataset, device=device, data_seed=seed, insample=False, oos=False,
+                                shaping=shaping)
+            m = ev.report.val.metrics
+            return float(m["per_trade_sharpe"]), int(m["n_trades"])
+
+        c = choose(run, item, min_trades=min_trades, val_of=val_of)
+        add(c.epoch, c.path, c.how)
+    epochs = sorted(chosen)
+    paths = [chosen[e][0] for e in epochs]
+    evs = windows_for_cli(paths, window=SPLITS[split], data=dataset, device=device, data_seed=seed,
+                          trials=[loop_trials(run, e) if e else None for e in epochs], shaping=shaping)
+    rows = [{"checkpoint": {"epoch": ev.epoch, "path": str(ev.path), "sha256": ev.sha256, "how": chosen[e][1]},
+             "knobs": _knobs_used(ev.knobs), "knobs_source": ev.knobs_source,
+             "val_dsr_trials": {"n_trials": ev.n_trials, "basis": ev.trials_source},
+             "engine": ev.window.engine, "checkpoints_in_pass": ev.agents_in_pass, "metrics": dict(ev.window.metrics)}
+            for e, ev in zip(epochs, evs)]
+    first = evs[0]
+    echo(f"{len(rows)} checkpoint(s) of {run.trainer}: engine {first.window.engine}, "
+         + ("one batched pass" if first.agents_in_pass == len(rows) else "one pass per checkpoint (torch engine)"))
+    echo(f"knobs: each as trained; costs {first.costs.cost_bps + first.costs.slippage_bps:.4g} bps")
+    return {"policy": policy, "split": split, "dataset": first.dataset,
+            "costs_bps": first.costs.cost_bps + first.costs.slippage_bps, "checkpoints": rows}
+
+
+def checkpoint_table(doc: dict) -> list[str]:
+    """The lines `--checkpoint all|LIST` prints: one row per checkpoint (Sharpes un-annualized, per trade)."""
+    head = f"{'epoch':>6}" + "".join(f" {c:>17}" for c in TABLE_COLUMNS) + "  how"
+    lines = [f"{doc['policy']} on {doc['dataset']} [{doc['split']}]  (Sharpes un-annualized, per trade)", head]
+    for r in doc["checkpoints"]:
+        ck = r["checkpoint"]
+        lines.append(f"{ck['epoch']:>6}" + "".join(f" {_fmt(r['metrics'][c]):>17}" for c in TABLE_COLUMNS)
+                     + f"  {ck['how']}")
+    return lines
+
+
 def register(app) -> None:
     """Add `tradeloop evaluate` (typer is imported here, so `policy_metrics` needs no CLI stack)."""
     import typer
@@ -166,7 +246,8 @@ def register(app) -> None:
                                    "tradeloop up run), or oracle|random|flat|buy-and-hold."),
         checkpoint: str = typer.Option(None, "--checkpoint", help="RUN_DIR only: best (highest val per-trade Sharpe "
                                        "with enough val trades, as the loop reported), latest (default) or an "
-                                       "epoch number."),
+                                       "epoch number; all, or a comma list (2,4,best): those checkpoints in one "
+                                       "batched pass, one table row each."),
         min_val_trades: int = typer.Option(MIN_SELECTION_TRADES, "--min-val-trades",
                                            help="--checkpoint best: val trades a checkpoint needs to be chosen."),
         dataset: str = typer.Option(None, "--dataset", help="Dataset name (synthetic, sp500, eurusd) or file; "
@@ -222,6 +303,21 @@ def register(app) -> None:
         from services.evaluator.runs import RunDirError
 
         quiet = as_json or report
+        if is_checkpoint_list(checkpoint):
+            if report:
+                fail("--report takes one checkpoint; --checkpoint all or a list prints a table (--json: its rows)")
+            try:
+                doc = evaluate_checkpoints(policy, which=checkpoint, split=split, dataset=dataset, seed=seed,
+                                           device=device, min_trades=min_val_trades, shaping=shaping,
+                                           echo=lambda line: typer.echo(line, err=quiet))
+            except (EvaluateInputError, RunDirError, CheckpointError, DataError, OSError) as exc:
+                fail(str(exc))
+            if as_json:
+                typer.echo(json.dumps(doc))
+            else:
+                for line in checkpoint_table(doc):
+                    typer.echo(line)
+            return
         try:
             doc = evaluate_agent(policy, which=checkpoint, split=split, dataset=dataset, seed=seed, device=device,
                                  min_trades=min_val_trades, report=report, shaping=shaping,

@@ -318,6 +318,17 @@ def run_windows(agent: Agent, bars: Bars, windows: Sequence[tuple[int, int]], **
     return [SplitRun(**{**r, "preds": ap.Predictions(**r["preds"])}) for r in runs]
 
 
+def run_windows_many(agents: Sequence[Agent], bars: Bars, windows: Sequence[tuple[int, int]],
+                     **kwargs: Any) -> list[list[SplitRun]]:
+    """`run_windows` of K checkpoints of one architecture in one batched pass (`window_passes_many`; keywords as
+    there, `controls` one per agent or one for all): per agent, one `SplitRun` per window, in order."""
+    from services.evaluator import autopsy as ap
+    from shared.report import TAUS
+
+    return [[SplitRun(**{**r, "preds": ap.Predictions(**r["preds"])}) for r in runs]
+            for runs in window_passes_many(agents, bars, windows, taus=TAUS, **kwargs)]
+
+
 def run_split(agent: Agent, bars: Bars, window: tuple[int, int], **kwargs: Any) -> SplitRun:
     """One greedy continuous pass over `window` = (start, end) of `bars` (keywords: see `run_windows`)."""
     return run_windows(agent, bars, [window], **kwargs)[0]
@@ -334,6 +345,23 @@ def insample_window(split: Split, n_bars: int | None) -> tuple[int, int] | None:
         return None
     n = e - s if n_bars is None else min(int(n_bars), e - s)
     return (e - n, e) if n >= 2 else None
+
+
+def split_reports(named: Sequence[tuple[str, tuple[int, int]]], runs: Sequence[SplitRun], bars: Bars,
+                  costs: CostModel, n_trials: int, prior_sharpes: Sequence[float]) -> dict:
+    """name → `SplitReport` of each named window's run (the val DSR deflated by `n_trials` with `prior_sharpes` as
+    the trials' variance; the other windows' DSR by `n_trials` alone)."""
+    from services.evaluator.report_builder import build_split_report
+    from shared.report import bars_window_hash
+
+    out = {}
+    for (name, w), run in zip(named, runs):
+        out[name] = build_split_report(
+            name, window=w, window_hash=bars_window_hash(bars, *w), ledger=run.ledger,
+            bar_returns=run.bar_returns, positions=run.positions, equity=run.equity, preds=run.preds,
+            regimes=run.regimes, close=np.asarray(bars.close)[w[0]:w[1]], cost_rate=costs.rate,
+            n_trials=n_trials, prior_sharpes=prior_sharpes if name == "val" else (), engine=run.engine)
+    return out
 
 
 def evaluate_checkpoint(ckpt_bytes_or_path: str | os.PathLike | bytes, *, expected_sha256: str | None,
@@ -356,8 +384,7 @@ def evaluate_checkpoint(ckpt_bytes_or_path: str | os.PathLike | bytes, *, expect
     carries the knobs the checkpoint trained under.
     Raises CheckpointError (untrusted checkpoint) or ValueError (data that do not fit the agent / split).
     """
-    from services.evaluator.report_builder import build_eval_report, build_split_report, split_definition
-    from shared.report import bars_window_hash
+    from services.evaluator.report_builder import build_eval_report, split_definition
 
     agent, meta, sha = restore_agent(ckpt_bytes_or_path, expected_sha256=expected_sha256, device=device)
     knobs = knobs if knobs is not None else trained_knobs(meta)
@@ -372,13 +399,7 @@ def evaluate_checkpoint(ckpt_bytes_or_path: str | os.PathLike | bytes, *, expect
     feats = compute_features(bars) if features is None else features
     runs = run_windows(agent, bars, [w for _, w in named], controls=eval_controls(knobs, device, shaping), costs=costs,
                        features=feats, device=device)
-    sreps = {}
-    for (name, w), run in zip(named, runs):
-        sreps[name] = build_split_report(
-            name, window=w, window_hash=bars_window_hash(bars, *w), ledger=run.ledger,
-            bar_returns=run.bar_returns, positions=run.positions, equity=run.equity, preds=run.preds,
-            regimes=run.regimes, close=np.asarray(bars.close)[w[0]:w[1]], cost_rate=costs.rate,
-            n_trials=n_trials, prior_sharpes=prior_sharpes if name == "val" else (), engine=run.engine)
+    sreps = split_reports(named, runs, bars, costs, n_trials, prior_sharpes)
     return build_eval_report(
         run_id=run_id, epoch=epoch, split=split_definition(split, bars), val=sreps["val"], oos=sreps.get("oos"),
         insample=sreps.get("insample"), n_trials=n_trials, knobs=None if knobs is None else knobs.to_dict(),
@@ -454,6 +475,50 @@ def report_for_cli(checkpoint: str | os.PathLike, *, data: str | None = None, ex
     shaping: see `evaluate_checkpoint` (False: without the knobs that shape the greedy policy, E5 and E9).
     Raises EvaluateInputError (message names the file / dataset and the problem) on bad input.
     """
+    c = _cli_inputs(checkpoint, data=data, expected_sha256=expected_sha256, cost_bps=cost_bps,
+                    slippage_bps=slippage_bps, data_seed=data_seed, trials=trials)
+    try:
+        rep = evaluate_checkpoint(c.blob, expected_sha256=c.expected, bars=c.bars, split=c.split,
+                                  run_id=run_id or (c.run_dir.name if c.run_dir else c.path.stem), epoch=c.epoch,
+                                  n_trials=c.n_trials, prior_sharpes=c.prior, insample_bars=-1 if insample else 0,
+                                  device=device, costs=c.costs, dataset=c.dataset, knobs=c.knobs, oos=oos,
+                                  shaping=shaping)
+    except (CheckpointError, ValueError) as exc:
+        raise EvaluateInputError(str(exc)) from None
+    return CliEvaluation(report=rep, path=c.path, sha256=c.sha256, epoch=c.epoch, knobs=c.knobs,
+                         knobs_source=c.knobs_source, n_trials=c.n_trials, trials_source=c.trials_source,
+                         costs=c.costs, dataset=c.dataset)
+
+
+@dataclass
+class _CliInputs:
+    """What `tradeloop evaluate` evaluates one checkpoint with (`_cli_inputs`)."""
+
+    path: Path
+    blob: bytes
+    expected: str
+    sha256: str
+    run_dir: Path | None
+    bars: Bars
+    data_key: tuple
+    """(dataset, data seed): checkpoints with the same key read the same bars."""
+    split: Split
+    dataset: str
+    epoch: int
+    knobs: Knobs | None
+    knobs_source: str
+    costs: CostModel
+    n_trials: int
+    prior: Sequence[float]
+    trials_source: str
+
+
+def _cli_inputs(checkpoint: str | os.PathLike, *, data: str | None, expected_sha256: str | None,
+                cost_bps: float | None, slippage_bps: float, data_seed: int | None,
+                trials: tuple[int, Sequence[float], str] | None, loaded: dict | None = None) -> _CliInputs:
+    """The checkpoint's bytes (sha256 verified), data, split, knobs, costs and val DSR trials, as `report_for_cli`
+    documents them. `loaded`: (dataset, seed) → bars already loaded (filled in here). EvaluateInputError on bad
+    input."""
     from shared.market import DataError
 
     path = Path(checkpoint)
@@ -481,7 +546,10 @@ def report_for_cli(checkpoint: str | os.PathLike, *, data: str | None = None, ex
     if data_seed is None:
         data_seed = int(run_meta.get("data_seed", run_meta.get("seed", meta.get("seed"))) or 0)
     try:
-        bars = load_dataset(name, seed=data_seed)
+        key = (str(name), int(data_seed))
+        bars = loaded[key] if loaded is not None and key in loaded else load_dataset(name, seed=data_seed)
+        if loaded is not None:
+            loaded[key] = bars
     except DataError as exc:
         raise EvaluateInputError(str(exc)) from None
     except (FileNotFoundError, OSError) as exc:
@@ -513,13 +581,68 @@ def report_for_cli(checkpoint: str | os.PathLike, *, data: str | None = None, ex
                                      "ones on these data: the trials' variance is the null 1/(n − 1))")
     n_trials, prior, trials_source = trials
     knobs = None if knobs_d is None else Knobs.from_dict(knobs_d)
+    return _CliInputs(path=path, blob=blob, expected=expected, sha256=sha, run_dir=run_dir, bars=bars, data_key=key,
+                      split=split, dataset=str(name), epoch=epoch, knobs=knobs, knobs_source=knobs_source,
+                      costs=costs, n_trials=n_trials, prior=prior, trials_source=trials_source)
+
+
+@dataclass
+class CliWindowEvaluation:
+    """One checkpoint's row of `windows_for_cli`: its report of the window and what it was computed with."""
+
+    window: Any
+    """The window's `shared.report.SplitReport` (metrics, trades, equity, autopsy)."""
+    path: Path
+    sha256: str
+    epoch: int
+    knobs: Knobs | None
+    knobs_source: str
+    n_trials: int
+    trials_source: str
+    costs: CostModel
+    dataset: str
+    agents_in_pass: int
+    """Checkpoints whose accounts shared the sequential pass (K on the native loop; 1 on a torch mode)."""
+
+
+def windows_for_cli(checkpoints: Sequence[str | os.PathLike], *, window: str = "val", data: str | None = None,
+                    device: str = "cpu", cost_bps: float | None = None, slippage_bps: float = 0.0,
+                    data_seed: int | None = None,
+                    trials: Sequence[tuple[int, Sequence[float], str] | None] | None = None,
+                    shaping: bool = True, accel: str = "auto") -> list[CliWindowEvaluation]:
+    """The report of one window ("val" or "oos") of each of several checkpoints of one run, as `report_for_cli`
+    computes it for each alone (its knobs, the run's data, split and costs, its val DSR trials: `trials[k]`), with
+    every checkpoint evaluated in one batched pass (`run_windows_many`: one encoder/view table per checkpoint, one
+    sequential pass of all of them). The checkpoints must share one architecture, dataset, split and costs
+    (EvaluateInputError naming the first that does not)."""
+    if not checkpoints:
+        raise EvaluateInputError("no checkpoint to evaluate")
+    if window not in ("val", "oos"):
+        raise EvaluateInputError(f"window must be val or oos, got {window!r}")
+    trials = list(trials) if trials is not None else [None] * len(checkpoints)
+    loaded: dict = {}
+    ins = [_cli_inputs(ck, data=data, expected_sha256=None, cost_bps=cost_bps, slippage_bps=slippage_bps,
+                       data_seed=data_seed, trials=t, loaded=loaded) for ck, t in zip(checkpoints, trials)]
+    first = ins[0]
+    for c in ins[1:]:
+        for what, a, b in (("dataset", c.data_key, first.data_key), ("split", c.split, first.split),
+                           ("costs", c.costs, first.costs)):
+            if a != b:
+                raise EvaluateInputError(f"checkpoint {c.path}: another {what} than {first.path} ({a} vs {b}): "
+                                         "checkpoints evaluated together must share the run's data, split and costs")
     try:
-        rep = evaluate_checkpoint(blob, expected_sha256=expected, bars=bars, split=split,
-                                  run_id=run_id or (run_dir.name if run_dir else path.stem), epoch=epoch,
-                                  n_trials=n_trials, prior_sharpes=prior, insample_bars=-1 if insample else 0,
-                                  device=device, costs=costs, dataset=str(name), knobs=knobs, oos=oos,
-                                  shaping=shaping)
+        agents = [restore_agent(c.blob, expected_sha256=c.expected, device=device)[0] for c in ins]
+        w = tuple(getattr(first.split, "test" if window == "oos" else "val"))
+        runs = run_windows_many(agents, first.bars, [w], controls=[eval_controls(c.knobs, device, shaping)
+                                                                   for c in ins],
+                                costs=first.costs, features=compute_features(first.bars), device=device, accel=accel)
     except (CheckpointError, ValueError) as exc:
         raise EvaluateInputError(str(exc)) from None
-    return CliEvaluation(report=rep, path=path, sha256=sha, epoch=epoch, knobs=knobs, knobs_source=knobs_source,
-                         n_trials=n_trials, trials_source=trials_source, costs=costs, dataset=str(name))
+    out = []
+    for c, (run,) in zip(ins, runs):
+        rep = split_reports([(window, w)], [run], first.bars, c.costs, c.n_trials, c.prior)[window]
+        out.append(CliWindowEvaluation(window=rep, path=c.path, sha256=c.sha256, epoch=c.epoch, knobs=c.knobs,
+                                       knobs_source=c.knobs_source, n_trials=c.n_trials,
+                                       trials_source=c.trials_source, costs=c.costs, dataset=c.dataset,
+                                       agents_in_pass=run.agents_in_pass))
+    return out
