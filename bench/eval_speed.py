@@ -18,6 +18,12 @@ on the same data in the same run, one column group per mode:
   bars/s     B × bars / step_s   — account-bars evaluated per second
 A compiled mode first runs the same call once untimed (the compilation; native: a 300-bar pass, the C build,
 cached); its seconds are listed below the table, as is the error of a mode that fails.
+`--checkpoints K` adds a second table: K random agents of the preset (different seeds) over the same windows,
+timed as K separate `window_passes` calls (one per checkpoint) and as one `window_passes_many` (the K checkpoints'
+view tables, then ONE sequential pass of all K·B accounts on the native loop; the torch modes run one pass per
+checkpoint there), side by side per mode of `--accel`, with `--max-steps` applied alike:
+  sep_s      the K separate evaluations end to end
+  batch_s    the one batched evaluation end to end (`passes`: sequential passes it ran)
 `--max-steps N` cuts the windows to N + 1 bars for the sequential part (`MODE=N` for one mode only, e.g.
 `--max-steps 2000 graph=20000`) while the encoder still runs over all `--bars` bars; the column then shows the
 steps measured and bars/s is B × (N + 1) / (encode_s·(N + 1)/bars + step_s): the rate of a full run
@@ -36,7 +42,7 @@ import time
 import numpy as np
 import torch
 
-from services.evaluator.runner import window_passes
+from services.evaluator.runner import window_passes, window_passes_many
 from shared.agent import Agent
 from shared.market import compute_features
 from shared.graphs import ACCEL_MODES
@@ -76,6 +82,8 @@ def main() -> None:
     ap.add_argument("--graph-chunk", type=int, default=64)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--bf16-encoder", action="store_true", help="the batched encoder under bf16 autocast (CUDA)")
+    ap.add_argument("--checkpoints", type=int, default=0, metavar="K",
+                    help="also time K checkpoints: K separate evaluations vs one batched pass (second table)")
     ap.add_argument("--profile", action="store_true",
                     help="print where the timed calls spent their time (cProfile, top 25 by cumulative time)")
     a = ap.parse_args()
@@ -152,8 +160,50 @@ def main() -> None:
                 rate = B * L / (step + (enc * (n - L) / n if L < n else 0.0))
                 line += f" | {L - 1:>19} {step:>8.2f} {rate:>10.0f}"
             print(line, flush=True)
+    if a.checkpoints > 0:
+        _checkpoint_table(a, dev, steps, TrainConfig)
     for note in notes:
         print("# " + note)
+
+
+def _checkpoint_table(a, dev: torch.device, steps: dict[str, int | None], TrainConfig) -> None:
+    """K checkpoints: K separate `window_passes` vs one `window_passes_many`, per row and mode (same windows)."""
+    K = a.checkpoints
+    print(f"\n{K} checkpoints: K separate evaluations vs one batched pass (window_passes vs window_passes_many)")
+    head = f"{'bars':>9} {'accounts':>8} {'K':>3}"
+    for m in a.accel:
+        head += f" | {m + ' steps':>17} {'sep_s':>8} {'batch_s':>8} {'passes':>6} {'speedup':>7}"
+    print(head)
+    for n in a.bars:
+        bars = generate(n_bars=n + 200, seed=0).bars
+        feats = compute_features(bars)
+        cfg = TrainConfig.preset(a.config, feats.shape[1]).agent
+        agents = []
+        for k in range(K):
+            torch.manual_seed(k)
+            agents.append(Agent(cfg).to(dev).eval())
+        for B in a.accounts:
+            line = f"{n:>9} {B:>8} {K:>3}"
+            for mode in a.accel:
+                L = n if steps[mode] is None else min(n, steps[mode] + 1)
+                starts = np.linspace(200, 200 + n - L, B).astype(int) if B > 1 else np.array([200])
+                wins = [(int(s), int(s) + L) for s in starts]
+                kw = dict(taus=TAUS, features=feats, device=dev, accel=mode, graph_chunk=a.graph_chunk,
+                          bf16_encoder=a.bf16_encoder)
+                window_passes_many(agents, bars, [(w0, w0 + min(L, 300)) for w0, _ in wins], **kw)  # build, warm up
+                _sync(dev)
+                t0 = time.perf_counter()
+                for ag in agents:
+                    window_passes(ag, bars, wins, **kw)
+                _sync(dev)
+                sep = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                runs = window_passes_many(agents, bars, wins, **kw)
+                _sync(dev)
+                bat = time.perf_counter() - t0
+                passes = K // runs[0][0]["agents_in_pass"]
+                line += f" | {L - 1:>17} {sep:>8.2f} {bat:>8.2f} {passes:>6} {sep / bat:>6.2f}x"
+            print(line, flush=True)
 
 
 if __name__ == "__main__":

@@ -418,8 +418,9 @@ def market_views(agents: list[Agent], windows: torch.Tensor, chunk: int | None =
                  bf16_encoder: bool = False) -> list[tuple[torch.Tensor, MarketView]]:
     """`market_view` of each of K agents over the same windows: the batched part of a pass of K checkpoints. Each
     agent's encoder and heads run over every bar in its own batched calls, so each table is exactly the one a pass of
-    that agent alone reads (a `torch.func.vmap` over stacked weights runs the same products as batched matmuls,
-    whose float32 sums may round otherwise)."""
+    that agent alone reads. (A `torch.func.vmap` over stacked weights does not run here: the agent's
+    `shared.layers.dense_grad` is an autograd.Function without functorch support; its batched matmuls could also
+    round float32 sums otherwise.)"""
     return [market_view(a, windows, chunk, bf16_encoder) for a in agents]
 
 
