@@ -24,6 +24,8 @@ view tables, then ONE sequential pass of all K·B accounts on the native loop; t
 checkpoint there), side by side per mode of `--accel`, with `--max-steps` applied alike:
   sep_s      the K separate evaluations end to end
   batch_s    the one batched evaluation end to end (`passes`: sequential passes it ran)
+  pass_sep / pass_batch   the sequential part alone, on the K view tables computed beforehand: K `greedy_pass`
+             calls vs one `greedy_pass_many` (ledger and records included, no encoder, no post hoc predictions)
 `--max-steps N` cuts the windows to N + 1 bars for the sequential part (`MODE=N` for one mode only, e.g.
 `--max-steps 2000 graph=20000`) while the encoder still runs over all `--bars` bars; the column then shows the
 steps measured and bars/s is B × (N + 1) / (encode_s·(N + 1)/bars + step_s): the rate of a full run
@@ -43,10 +45,10 @@ import numpy as np
 import torch
 
 from services.evaluator.runner import window_passes, window_passes_many
-from shared.agent import Agent
+from shared.agent import Agent, PolicyControls
 from shared.market import compute_features
 from shared.graphs import ACCEL_MODES
-from shared.rollout import MarketTensors, market_view
+from shared.rollout import MarketTensors, greedy_pass, greedy_pass_many, market_view, market_views
 from shared.synthetic import generate
 
 # as many quantile levels as the report's TAUS (importing shared.report needs pydantic, absent on GPU hosts)
@@ -172,7 +174,8 @@ def _checkpoint_table(a, dev: torch.device, steps: dict[str, int | None], TrainC
     print(f"\n{K} checkpoints: K separate evaluations vs one batched pass (window_passes vs window_passes_many)")
     head = f"{'bars':>9} {'accounts':>8} {'K':>3}"
     for m in a.accel:
-        head += f" | {m + ' steps':>17} {'sep_s':>8} {'batch_s':>8} {'passes':>6} {'speedup':>7}"
+        head += (f" | {m + ' steps':>17} {'sep_s':>8} {'batch_s':>8} {'passes':>6} {'speedup':>7}"
+                 f" {'pass_sep':>8} {'pass_batch':>10} {'speedup':>7}")
     print(head)
     for n in a.bars:
         bars = generate(n_bars=n + 200, seed=0).bars
@@ -202,7 +205,24 @@ def _checkpoint_table(a, dev: torch.device, steps: dict[str, int | None], TrainC
                 _sync(dev)
                 bat = time.perf_counter() - t0
                 passes = K // runs[0][0]["agents_in_pass"]
-                line += f" | {L - 1:>17} {sep:>8.2f} {bat:>8.2f} {passes:>6} {sep / bat:>6.2f}x"
+                # the sequential part alone, on view tables computed beforehand
+                lo = int(starts.min())
+                market = MarketTensors.from_bars(bars, lo, int(starts.max()) + L, cfg.window, dev, features=feats)
+                views = [v for _, v in market_views(agents, market.windows, bf16_encoder=a.bf16_encoder)]
+                st = torch.as_tensor(starts - lo, device=dev)
+                ctl = PolicyControls.make(dev)
+                _sync(dev)
+                t0 = time.perf_counter()
+                for ag, v in zip(agents, views):
+                    greedy_pass(ag, market, v, st, L, ctl, accel=mode, chunk=a.graph_chunk)
+                _sync(dev)
+                p_sep = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                greedy_pass_many(agents, market, views, st, L, ctl, accel=mode, chunk=a.graph_chunk)
+                _sync(dev)
+                p_bat = time.perf_counter() - t0
+                line += (f" | {L - 1:>17} {sep:>8.2f} {bat:>8.2f} {passes:>6} {sep / bat:>6.2f}x"
+                         f" {p_sep:>8.2f} {p_bat:>10.2f} {p_sep / p_bat:>6.2f}x")
             print(line, flush=True)
 
 
