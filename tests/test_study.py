@@ -269,6 +269,18 @@ def test_report_only_aggregates_a_finished_study_again(tmp_path, reference):
     assert (out / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| oracle (baseline) |" in (out / "report.md").read_text() and "Paired differences" in r.output
     assert not any((out / "runs").glob("*/checkpoints"))               # nothing was run
+    # baselines.json is kept unit by unit: a cached unit is read, not recomputed; a missing one is computed again
+    from tradeloop.study.report import baselines
+    from tradeloop.study.spec import StudySpec
+
+    spec = StudySpec.from_dict(json.loads((out / "study.json").read_text())["spec"])
+    doc = json.loads((out / "baselines.json").read_text())
+    before = doc["units"]["1-1"]
+    doc["units"]["0-0"][0]["oos_sharpe"] = 123.0
+    del doc["units"]["1-1"]
+    (out / "baselines.json").write_text(json.dumps(doc))
+    rows = baselines(spec, out)
+    assert rows[0]["oos_sharpe"] == 123.0 and [r for r in rows if (r["seed"], r["fold"]) == (1, 1)] == before
     (out / "runs" / "on-s1-f1" / "summary.json").unlink()
     r = runner.invoke(app, ["study", "--out", str(out), "--report-only"])
     assert r.exit_code == 2 and "1 of 8 runs are not done (on-s1-f1)" in r.output

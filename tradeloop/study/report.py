@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import threading
 from pathlib import Path
 
@@ -25,7 +26,7 @@ def write_results(spec: StudySpec, out: Path, timing: dict) -> dict:
     summaries = load_summaries(spec, out)
     epoch_s = [e["train_s"] + e["eval_s"] for m in summaries for e in m["epochs"] if e["train_s"] is not None]
     timing = {**timing, "mean_epoch_s": float(np.mean(epoch_s)) if epoch_s else None}
-    res = aggregate(summaries, baselines(spec, out), [v.name for v in spec.variants], spec.reference_name,
+    res = aggregate(summaries, baselines(spec, out, min(os.cpu_count() or 1, 8)), [v.name for v in spec.variants], spec.reference_name,
                     n_boot=spec.n_boot, seed=spec.ci_seed)
     res = {"study": spec.to_dict(), "timing": timing, **res}
     write_json_atomic(out / "results.json", res)
@@ -167,41 +168,78 @@ def plot(res: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def baselines(spec: StudySpec, out: Path) -> list[dict]:
-    """The baseline policies on every (seed, fold)'s validation and test windows (cached in baselines.json)."""
+def _baseline_unit(spec_doc: dict, seed: int, fold: int) -> list[dict]:
+    """The baseline policies of one (seed, fold) on its validation and test windows (a pool task: the spec travels as
+    its dict). A buy-and-hold whose units lose more than the equity is replayed bar by bar by the step simulator (the
+    vectorised replay's ruin case): on a long synthetic series one such window takes tens of seconds."""
     from tradeloop.cmd_evaluate import policy_metrics
     from tradeloop.study.spec import load_study_bars, study_folds
 
-    path = out / "baselines.json"
-    if path.exists():
-        doc = json.loads(path.read_text())
-        if doc.get("identity") == json.loads(json.dumps(spec.identity())):
-            return doc["rows"]
-    synthetic = spec.dataset.strip().lower() == "synthetic"
-    policies = ["random", "flat", "buy-and-hold"] + (["oracle"] if synthetic else [])
+    spec = StudySpec.from_dict(spec_doc)
+    ds = spec.data_seed_of(seed)
+    bars = load_study_bars(spec, ds)
+    split = study_folds(spec, len(bars))[fold]
+    policies = ["random", "flat", "buy-and-hold"] + (["oracle"] if spec.dataset.strip().lower() == "synthetic" else [])
     rows = []
-    for seed in spec.seeds:
-        ds = spec.data_seed_of(seed)
-        bars = load_study_bars(spec, ds)
-        for k, split in enumerate(study_folds(spec, len(bars))):
-            for pol in policies:
-                m = {w: policy_metrics(pol, spec.dataset, bars, split, w, seed=ds if pol == "oracle" else seed)
-                     for w in ("val", "test")}
-                rows.append({"policy": pol, "seed": seed, "fold": k,
-                             "val_sharpe": float(m["val"]["per_trade_sharpe"]),
-                             "val_trades": int(m["val"]["n_trades"]),
-                             "oos_sharpe": float(m["test"]["per_trade_sharpe"]),
-                             "oos_trades": int(m["test"]["n_trades"])})
-    write_json_atomic(path, {"identity": spec.identity(), "rows": rows})
+    for pol in policies:
+        m = {w: policy_metrics(pol, spec.dataset, bars, split, w, seed=ds if pol == "oracle" else seed)
+             for w in ("val", "test")}
+        rows.append({"policy": pol, "seed": seed, "fold": fold,
+                     "val_sharpe": float(m["val"]["per_trade_sharpe"]), "val_trades": int(m["val"]["n_trades"]),
+                     "oos_sharpe": float(m["test"]["per_trade_sharpe"]), "oos_trades": int(m["test"]["n_trades"])})
     return rows
 
 
-def baselines_in_background(spec: StudySpec, out: Path) -> threading.Thread:
-    """Compute the baselines in a daemon thread while the runs run; a failure is left to `write_results`, which
-    computes them again (and raises)."""
+def _cached_units(spec: StudySpec, path: Path) -> dict[str, list[dict]]:
+    """The units of baselines.json computed for this study's identity ({} when missing, stale or unreadable)."""
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    if doc.get("identity") != json.loads(json.dumps(spec.identity())):
+        return {}
+    if "units" in doc:
+        return doc["units"]
+    units: dict[str, list[dict]] = {}
+    for row in doc.get("rows", []):
+        units.setdefault(f"{row['seed']}-{row['fold']}", []).append(row)
+    return units
+
+
+def baselines(spec: StudySpec, out: Path, processes: int = 1) -> list[dict]:
+    """The baseline policies on every (seed, fold)'s validation and test windows, cached unit by unit in
+    baselines.json (a stopped study keeps the units it finished); missing units run in `processes` worker
+    processes (1: here)."""
+    path = out / "baselines.json"
+    units = _cached_units(spec, path)
+    keys = [(seed, k) for seed in spec.seeds for k in range(spec.folds)]
+    todo = [(s, k) for s, k in keys if f"{s}-{k}" not in units]
+
+    def keep(s: int, k: int, rows: list[dict]) -> None:
+        units[f"{s}-{k}"] = rows
+        write_json_atomic(path, {"identity": spec.identity(), "units": units})
+
+    if todo and processes > 1:
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(min(processes, len(todo)), mp_context=mp.get_context("spawn")) as pool:
+            futures = {pool.submit(_baseline_unit, spec.to_dict(), s, k): (s, k) for s, k in todo}
+            for fut, (s, k) in futures.items():
+                keep(s, k, fut.result())
+    else:
+        for s, k in todo:
+            keep(s, k, _baseline_unit(spec.to_dict(), s, k))
+    return [row for s, k in keys for row in units[f"{s}-{k}"]]
+
+
+def baselines_in_background(spec: StudySpec, out: Path, processes: int = 1) -> threading.Thread:
+    """Compute the baselines while the runs run: a daemon thread that hands the units to `processes` worker
+    processes (`baselines`); a failure is left to `write_results`, which computes what is missing again (and
+    raises)."""
     def compute() -> None:
         try:
-            baselines(spec, out)
+            baselines(spec, out, processes)
         except Exception:  # noqa: BLE001 — written again (and raised) when the results are made
             pass
 

@@ -160,7 +160,10 @@ def run_study(spec: StudySpec, out: Path, console=None, redis_url: str | None = 
         raise StudyError("--device cuda but no CUDA device is visible here")
     threads = spec.threads or max(1, (os.cpu_count() or 1) // max(P, 1))
     sampler = GpuSampler(gpus) if gpus else None
-    baseline_thread = baselines_in_background(spec, out)
+    # the baselines' processes take the cores the workers leave (a long synthetic series' ruined buy-and-hold
+    # replays bar by bar for tens of seconds a window)
+    spare = (os.cpu_count() or 1) - (P * threads if pending else 0)
+    baseline_thread = baselines_in_background(spec, out, max(1, min(spare, 8)))
     t_start = time.time()
     failed: dict[str, str] = {}
     epochs_here = 0
