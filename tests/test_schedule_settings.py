@@ -127,3 +127,23 @@ def test_feedback_config_json_form_reads_back():
     d = json.loads(json.dumps(fb.to_dict()))
     assert d["schedule"] == WANT.to_dict() and d["off"] == ["E2", "E3"]
     assert FeedbackConfig.coerce(d) == fb
+
+
+def test_a_study_saved_with_an_older_spelling_of_a_schedule_key_resumes(tmp_path):
+    """study.json written when the setting was kept as `train.gamma` is the same study as `schedule.gamma` today;
+    a study that differs in its value is still refused."""
+    from tradeloop.study.runner import prepare
+
+    v = parse_variants("on,off")
+    spec = StudySpec(dataset="synthetic", variants=v, seeds=[0], folds=1, epochs=1, settings=[("schedule.gamma", 0.97)])
+    prepare(spec, tmp_path)
+    doc = json.loads((tmp_path / "study.json").read_text())
+    assert doc["spec"]["settings"] == [["schedule.gamma", 0.97]]
+    for part in (doc["spec"], doc["identity"]):
+        part["settings"] = [["train.gamma", 0.97]]
+    (tmp_path / "study.json").write_text(json.dumps(doc))
+    prepare(spec, tmp_path)                                            # the same study: no error
+    other = StudySpec(dataset="synthetic", variants=v, seeds=[0], folds=1, epochs=1,
+                      settings=[("schedule.gamma", 0.95)])
+    with pytest.raises(StudyError, match="differs in settings"):
+        prepare(other, tmp_path)

@@ -76,6 +76,10 @@ def prepare(spec: StudySpec, out: Path) -> None:
         except (OSError, json.JSONDecodeError) as exc:
             raise StudyError(f"--out {out}: study.json is unreadable ({exc})") from None
         mine, theirs = spec.identity(), old.get("identity", {})
+        try:   # the saved spec read again: settings saved under an older spelling of a key compare as today's
+            theirs = StudySpec.from_dict(old["spec"]).identity()
+        except Exception:  # noqa: BLE001 — an unreadable spec compares as saved
+            pass
         diff = [k for k in mine if json.dumps(mine[k], sort_keys=True) != json.dumps(theirs.get(k), sort_keys=True)]
         if diff:
             raise StudyError(f"--out {out} holds another study (it differs in {', '.join(diff)}); use another --out "
