@@ -206,6 +206,15 @@ def _group_runs(agent: Agent, market: MarketTensors, emb: torch.Tensor, p: Greed
     return out_runs
 
 
+def _checked_windows(windows: Sequence[tuple[int, int]], n: int) -> list[tuple[int, int]]:
+    """The windows as int pairs; ValueError naming the first that is not a range of ≥ 2 of the n bars."""
+    wins = [(int(s), int(e)) for s, e in windows]
+    for i, (s, e) in enumerate(wins):
+        if not 0 <= s < e <= n or e - s < 2:
+            raise ValueError(f"window {i} = ({s}, {e}) must satisfy 0 <= start, start + 2 <= end <= {n} bars")
+    return wins
+
+
 @torch.no_grad()
 def window_passes(agent: Agent, bars: Bars, windows: Sequence[tuple[int, int]], *, taus: Sequence[float],
                   controls: PolicyControls | None = None, costs: CostModel = CostModel(),
@@ -216,11 +225,7 @@ def window_passes(agent: Agent, bars: Bars, windows: Sequence[tuple[int, int]], 
     ("preds": the keywords of `autopsy.Predictions`, quantiles at `taus`). Imports no web stack (pydantic)."""
     agent.eval()
     dev = torch.device(device) if device is not None else next(agent.parameters()).device
-    n = len(bars)
-    wins = [(int(s), int(e)) for s, e in windows]
-    for i, (s, e) in enumerate(wins):
-        if not 0 <= s < e <= n or e - s < 2:
-            raise ValueError(f"window {i} = ({s}, {e}) must satisfy 0 <= start, start + 2 <= end <= {n} bars")
+    wins = _checked_windows(windows, len(bars))
     if not wins:
         return []
     controls = controls if controls is not None else eval_controls(None, dev)
@@ -267,11 +272,7 @@ def window_passes_many(agents: Sequence[Agent], bars: Bars, windows: Sequence[tu
         a.eval()
     K = len(agents)
     dev = torch.device(device) if device is not None else next(agents[0].parameters()).device
-    n = len(bars)
-    wins = [(int(s), int(e)) for s, e in windows]
-    for i, (s, e) in enumerate(wins):
-        if not 0 <= s < e <= n or e - s < 2:
-            raise ValueError(f"window {i} = ({s}, {e}) must satisfy 0 <= start, start + 2 <= end <= {n} bars")
+    wins = _checked_windows(windows, len(bars))
     if not wins:
         return [[] for _ in agents]
     if controls is None or isinstance(controls, PolicyControls):
@@ -434,10 +435,9 @@ def _knobs_from_history(run_dir: Path, epoch: int) -> dict | None:
 
 
 @dataclass
-class CliEvaluation:
-    """`report_for_cli`'s answer: the report, and what it was computed with (named on the command line)."""
+class CheckpointProvenance:
+    """What a command-line evaluation of a checkpoint was computed with (named on the command line)."""
 
-    report: EvalReport
     path: Path
     """The checkpoint file."""
     sha256: str
@@ -452,6 +452,19 @@ class CliEvaluation:
     """What the val DSR is deflated over: the run's stored reports (the loop's trials) or the epoch count."""
     costs: CostModel
     dataset: str
+
+    @classmethod
+    def of(cls, c: "_CliInputs", **rest: Any):
+        """This kind of evaluation of the checkpoint `c` names, with its own fields `rest`."""
+        return cls(path=c.path, sha256=c.sha256, epoch=c.epoch, knobs=c.knobs, knobs_source=c.knobs_source,
+                   n_trials=c.n_trials, trials_source=c.trials_source, costs=c.costs, dataset=c.dataset, **rest)
+
+
+@dataclass
+class CliEvaluation(CheckpointProvenance):
+    """`report_for_cli`'s answer: the report, and what it was computed with."""
+
+    report: EvalReport
 
 
 def report_for_cli(checkpoint: str | os.PathLike, *, data: str | None = None, expected_sha256: str | None = None,
@@ -485,9 +498,7 @@ def report_for_cli(checkpoint: str | os.PathLike, *, data: str | None = None, ex
                                   shaping=shaping)
     except (CheckpointError, ValueError) as exc:
         raise EvaluateInputError(str(exc)) from None
-    return CliEvaluation(report=rep, path=c.path, sha256=c.sha256, epoch=c.epoch, knobs=c.knobs,
-                         knobs_source=c.knobs_source, n_trials=c.n_trials, trials_source=c.trials_source,
-                         costs=c.costs, dataset=c.dataset)
+    return CliEvaluation.of(c, report=rep)
 
 
 @dataclass
@@ -587,20 +598,11 @@ def _cli_inputs(checkpoint: str | os.PathLike, *, data: str | None, expected_sha
 
 
 @dataclass
-class CliWindowEvaluation:
+class CliWindowEvaluation(CheckpointProvenance):
     """One checkpoint's row of `windows_for_cli`: its report of the window and what it was computed with."""
 
     window: Any
     """The window's `shared.report.SplitReport` (metrics, trades, equity, autopsy)."""
-    path: Path
-    sha256: str
-    epoch: int
-    knobs: Knobs | None
-    knobs_source: str
-    n_trials: int
-    trials_source: str
-    costs: CostModel
-    dataset: str
     agents_in_pass: int
     """Checkpoints whose accounts shared the sequential pass (K on the native loop; 1 on a torch mode)."""
 
@@ -641,8 +643,5 @@ def windows_for_cli(checkpoints: Sequence[str | os.PathLike], *, window: str = "
     out = []
     for c, (run,) in zip(ins, runs):
         rep = split_reports([(window, w)], [run], first.bars, c.costs, c.n_trials, c.prior)[window]
-        out.append(CliWindowEvaluation(window=rep, path=c.path, sha256=c.sha256, epoch=c.epoch, knobs=c.knobs,
-                                       knobs_source=c.knobs_source, n_trials=c.n_trials,
-                                       trials_source=c.trials_source, costs=c.costs, dataset=c.dataset,
-                                       agents_in_pass=run.agents_in_pass))
+        out.append(CliWindowEvaluation.of(c, window=rep, agents_in_pass=run.agents_in_pass))
     return out
