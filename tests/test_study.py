@@ -175,6 +175,13 @@ def test_killed_study_resumes_without_doing_a_run_twice(tiny, reference):
     for r in RUNS:                                # no epoch trained twice
         epochs = [json.loads(x)["epoch"] for x in (out / "runs" / r / "history.jsonl").read_text().splitlines()]
         assert len(epochs) == len(set(epochs)) and set(epochs) <= set(range(1, EPOCHS + 1)), (r, epochs)
+    # the timing counts both starts of the command: the killed one's time and epochs too
+    t = json.loads((out / "results.json").read_text())["timing"]
+    first = json.loads((out / "status.json").read_text())["earlier_starts"]
+    assert t["starts"] == 2 and len(first) == 1 and first[0]["wall_s"] > 0
+    assert t["wall_total_s"] == pytest.approx(t["wall_s"] + first[0]["wall_s"])
+    assert t["epochs_trained_total"] == t["epochs_trained"] + first[0]["epochs"]
+    assert "over 2 starts of the command" in (out / "report.md").read_text()
     # and a resumed run gives what an uninterrupted one gives
     ref = _summaries(reference[0])
     for r in RUNS:

@@ -99,6 +99,18 @@ def epochs_done(out: Path, run_id: str) -> int:
     return len(list((out / "runs" / run_id / "loop").glob("epoch-*.json")))
 
 
+def earlier_starts(path: Path) -> list[dict]:
+    """The earlier starts of the study command in this out directory (wall s, epochs trained, runs at once each), read
+    from the status.json the last one left: a resumed study's time is the sum of its starts."""
+    try:
+        prev = json.loads(path.read_text())
+        here = {"wall_s": float(prev["wall_s"]), "epochs": int(prev["epochs_this_start"]),
+                "parallel": int(prev.get("parallel", 1))}
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    return [*prev.get("earlier_starts", []), here]
+
+
 class Status:
     """status.json: rewritten atomically at most once a second (and on every state change)."""
 
@@ -107,7 +119,8 @@ class Status:
         self.doc: dict[str, Any] = {
             "state": "running", "pid": os.getpid(), "started_at": self.t0, "runs_total": n_runs,
             "runs_done": runs_done, "runs_failed": [], "running": {}, "epochs_total": n_runs * spec.epochs,
-            "epochs_done": epochs_before, "epochs_this_start": 0, "parallel": spec.parallel}
+            "epochs_done": epochs_before, "epochs_this_start": 0, "parallel": spec.parallel,
+            "earlier_starts": earlier_starts(self.path)}
 
     def update(self, force: bool = False, **kw) -> None:
         self.doc.update(kw)
@@ -115,6 +128,8 @@ class Status:
         d = self.doc
         d["updated_at"], d["wall_s"] = now, now - self.t0
         d["epochs_per_s"] = d["epochs_this_start"] / d["wall_s"] if d["wall_s"] > 0 else 0.0
+        d["wall_total_s"] = d["wall_s"] + sum(e["wall_s"] for e in d["earlier_starts"])
+        d["epochs_trained_total"] = d["epochs_this_start"] + sum(e["epochs"] for e in d["earlier_starts"])
         left = d["epochs_total"] - d["epochs_done"]
         d["eta_s"] = left / d["epochs_per_s"] if d["epochs_per_s"] > 0 else None
         if force or now - self.t_last >= 1.0:
@@ -215,12 +230,19 @@ def run_study(spec: StudySpec, out: Path, console=None, redis_url: str | None = 
                          f"{next(iter(failed.values()))}); run the same command again to retry them")
     timing = {"wall_s": wall, "runs_at_once": P, "epochs_trained": epochs_here,
               "epochs_per_s": epochs_here / wall if wall > 0 and epochs_here else None,
-              "gpu_busy_pct": busy, "gpus": gpus, "threads_per_worker": threads}
+              "gpu_busy_pct": busy, "gpus": gpus, "threads_per_worker": threads,
+              **_all_starts(status.doc["earlier_starts"], wall, epochs_here)}
     results = write_results(spec, out, timing)
     status.update(force=True, state="done")
     for p in workers:                       # they have said "exit": only their interpreters' teardown is left
         p.join(timeout=30)
     return results
+
+
+def _all_starts(earlier: list[dict], wall: float, epochs: int) -> dict:
+    """The timing of every start of the study command together (the last one's is the rest of `timing`)."""
+    return {"starts": len(earlier) + 1, "wall_total_s": wall + sum(e["wall_s"] for e in earlier),
+            "epochs_trained_total": epochs + sum(e["epochs"] for e in earlier)}
 
 
 def report_only(out: Path) -> dict:
@@ -246,6 +268,8 @@ def report_only(out: Path) -> dict:
     timing = {"wall_s": st.get("wall_s"), "runs_at_once": st.get("parallel", spec.parallel),
               "epochs_trained": st.get("epochs_this_start"), "epochs_per_s": st.get("epochs_per_s") or None,
               "gpu_busy_pct": {}, "from": "the study's last status.json"}
+    if st.get("wall_s") is not None:
+        timing.update(_all_starts(st.get("earlier_starts", []), st["wall_s"], st.get("epochs_this_start") or 0))
     return write_results(spec, out, timing)
 
 
