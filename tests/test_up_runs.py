@@ -123,7 +123,7 @@ def _status(client: httpx.Client, services: Path) -> dict | None:
 def test_ctrl_c_mid_epoch_saves_it_and_a_resume_finishes_it_there(tmp_path):
     runs = tmp_path / "runs"
     run = runs / "cc"
-    iterations = 40
+    iterations = 300   # the epoch still runs once the refused resume has returned, on a loaded machine too
     env = _env(runs)
     first = _up(env, "--run-id", "cc", "--epochs", "1", "--iterations", str(iterations))
     poll_until(lambda: (run / "services.json").exists(), "the run to start", timeout_s=60,
