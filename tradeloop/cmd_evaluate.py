@@ -9,13 +9,13 @@ among the checkpoints with enough validation trades, as the loop's reports say) 
   flat          never trades;
   buy-and-hold  long from the first bar to the last.
 An agent is evaluated as the loop's evaluator evaluates it, plain and `--report` alike
-(`services.evaluator.runner.report_for_cli`): the knobs it trained under (its entry gate and regime confidence),
+(`services.evaluator.cli_eval.report_for_cli`): the knobs it trained under (its entry gate and regime confidence),
 the run's costs, split and data, the loop's windows, and the val DSR deflated over the loop's trials — so the
 numbers are those the loop and the dashboard show for it. What it ran with (checkpoint, knobs) is printed.
 Metrics: `shared.metrics.compute_metrics` (Sharpes un-annualized, per trade / per bar) of one account.
 `policy_metrics` is the library entry point (used by bench/learning.py).
 `--checkpoint all` (or a list such as `2,4,best`) evaluates those checkpoints of a run on the split, each as it
-would be alone, in one batched pass (`services.evaluator.runner.windows_for_cli`), and prints one row per checkpoint.
+would be alone, in one batched pass (`services.evaluator.cli_eval.windows_for_cli`), and prints one row per checkpoint.
 """
 from __future__ import annotations
 
@@ -89,7 +89,7 @@ def evaluate_agent(policy: str, *, which: str | None, split: str, dataset: str |
     """Evaluate a checkpoint or a run's chosen checkpoint as the loop does; `echo(line)` gets what it ran with.
     Returns the JSON document of the plain output (with the report under "report"). Raises RunDirError,
     EvaluateInputError."""
-    from services.evaluator.runner import report_for_cli
+    from services.evaluator.cli_eval import report_for_cli
     from services.evaluator.runs import (CHECKPOINT_NAME, Choice, RunDirError, choose, find_run, loop_trials,
                                          run_of_checkpoint, sidecar_sha256)
     from shared.metrics import selection_dsr
@@ -170,9 +170,9 @@ def evaluate_checkpoints(policy: str, *, which: str, split: str, dataset: str | 
                          device: str, min_trades: int, echo, shaping: bool = True) -> dict:
     """Several checkpoints of a run directory (`which`: "all", or a comma list of epochs, latest and best) on one
     split window, every one as `evaluate_agent` evaluates it alone — its knobs, the run's data, split and costs, the
-    val DSR over the loop's trials — in ONE batched pass (`services.evaluator.runner.windows_for_cli`). Returns the
+    val DSR over the loop's trials — in ONE batched pass (`services.evaluator.cli_eval.windows_for_cli`). Returns the
     JSON document: one row per checkpoint, by epoch. Raises RunDirError, EvaluateInputError."""
-    from services.evaluator.runner import report_for_cli, windows_for_cli
+    from services.evaluator.cli_eval import report_for_cli, windows_for_cli
     from services.evaluator.runs import RunDirError, checkpoints, choose, find_run, loop_trials
 
     p = Path(policy)
@@ -299,7 +299,7 @@ def register(app) -> None:
                 typer.echo(f"  {k:<18} {_fmt(v)}")
             return
 
-        from services.evaluator.runner import EvaluateInputError
+        from services.evaluator.cli_eval import EvaluateInputError
         from services.evaluator.runs import RunDirError
 
         quiet = as_json or report
