@@ -97,7 +97,7 @@ def build_spec(cli: dict[str, Any]):
             deterministic=bool(pick("deterministic", False)), min_val_trades=int(pick("min_val_trades", 20)),
             reference=pick("reference"), n_boot=int(pick("n_boot", 10_000)), ci_seed=int(pick("ci_seed", 0)),
             parallel=int(pick("parallel", 1)), threads=None if pick("threads") is None else int(pick("threads")),
-            stagger=str(pick("stagger", "auto")))
+            stagger=str(pick("stagger", "auto")), mps=str(pick("mps", "auto")).strip().lower())
     except (TypeError, ValueError) as exc:
         raise StudyError(f"{where}: {exc}") from None
     return spec.validate(), Path(out)
@@ -176,6 +176,9 @@ def study(
     threads: Optional[int] = typer.Option(None, "--threads", help="torch threads per worker (default cores / P)."),
     stagger: Optional[str] = typer.Option(None, "--stagger", help="auto (compiled: the other workers start once "
                                           "the first has compiled) or seconds between worker starts."),
+    mps: Optional[str] = typer.Option(None, "--mps", help="auto, on or off: workers sharing a GPU run under a CUDA "
+                                      "MPS daemon of the study's own, so their kernels run at once (auto: when "
+                                      "installed and a GPU has > 1 worker)."),
     redis: Optional[str] = typer.Option(None, "--redis", help="Redis URL: runs go through its stream, where "
                                         "`tradeloop study-worker` on other hosts take them too (--parallel 0: "
                                         "none here)."),

@@ -140,7 +140,7 @@ def run_closed_loop(bars: Bars, dataset: str, run_dir: Path, epochs: int, *, con
                "train": None if stats is None else {k: (v if not isinstance(v, float) or np.isfinite(v) else None)
                                                     for k, v in asdict(stats).items() if k != "knobs"},
                "seconds": {"train": None if stats is None else stats.seconds, "eval": t1 - t0, "feedback": t2 - t1},
-               "checkpoint_sha256": rep.checkpoint_sha256}
+               "checkpoint_sha256": rep.checkpoint_sha256, "finished_at": time.time()}
         write_json_atomic(record_path(run_dir, e), rec)
         records[e] = rec
         return rec

@@ -147,6 +147,24 @@ def _copy_remote_summaries(r, sid: str, out: Path) -> None:
             write_json_atomic(path, json.loads(raw))
 
 
+def share_gpus(spec: StudySpec, P: int, gpus: list[str], console):
+    """The MPS daemon the workers share their GPUs through (`tradeloop.study.mps`; None: time-sliced), and the
+    `CUDA_VISIBLE_DEVICES` entries and environment the workers get. StudyError when `--mps on` cannot start it."""
+    from tradeloop.study import mps
+
+    if not mps.wanted(spec.mps, spec.device, P, len(gpus)):
+        return None, gpus, {}
+    daemon = mps.MpsDaemon()
+    if daemon.start():
+        console.print(f"{P} workers share {len(gpus)} GPU(s) through CUDA MPS (a daemon of the study's own)",
+                      markup=False, highlight=False)
+        return daemon, mps.client_gpus(gpus), daemon.env()
+    if spec.mps == "on":
+        raise StudyError(f"--mps on: {daemon.why_not}")
+    console.print(f"runs share the GPU time-sliced, without MPS ({daemon.why_not})", markup=False, highlight=False)
+    return None, gpus, {}
+
+
 def run_study(spec: StudySpec, out: Path, console=None, redis_url: str | None = None) -> dict:
     """Run every run of the study not done yet (P at once here; with `redis_url` through that Redis, where
     `tradeloop study-worker` processes on other hosts take runs too), then write the results; returns them.
@@ -187,7 +205,9 @@ def run_study(spec: StudySpec, out: Path, console=None, redis_url: str | None = 
     failed: dict[str, str] = {}
     epochs_here = 0
     workers: list = []
+    daemon = None
     if pending:
+        daemon, worker_gpus, extra_env = share_gpus(spec, P, gpus, console)
         ctx = mp.get_context("spawn")
         if r is not None:
             from shared.config import redact_url
@@ -205,7 +225,7 @@ def run_study(spec: StudySpec, out: Path, console=None, redis_url: str | None = 
             for _ in range(P):
                 tasks.put(None)
             source = ("local", tasks, events)
-        workers = start_workers(ctx, spec, out, source, P, gpus, threads)
+        workers = start_workers(ctx, spec, out, source, P, worker_gpus, threads, extra_env)
         try:
             epochs_here = _follow(spec, out, runs, workers, events, status, failed, r, sid, P, before, len(done),
                                   t_start, console)
@@ -217,6 +237,11 @@ def run_study(spec: StudySpec, out: Path, console=None, redis_url: str | None = 
             status.update(force=True, state="interrupted")
             raise StudyError("interrupted: run the same command again to resume (done runs are kept, a run half "
                              "done resumes from its last epoch)") from None
+        finally:
+            if daemon is not None:
+                for p in workers:
+                    p.join(timeout=60)     # their CUDA contexts closed before the daemon quits
+                daemon.stop()
     wall = time.time() - t_start
     busy = sampler.stop() if sampler else {}
     baseline_thread.join()
@@ -230,7 +255,7 @@ def run_study(spec: StudySpec, out: Path, console=None, redis_url: str | None = 
                          f"{next(iter(failed.values()))}); run the same command again to retry them")
     timing = {"wall_s": wall, "runs_at_once": P, "epochs_trained": epochs_here,
               "epochs_per_s": epochs_here / wall if wall > 0 and epochs_here else None,
-              "gpu_busy_pct": busy, "gpus": gpus, "threads_per_worker": threads,
+              "gpu_busy_pct": busy, "gpus": gpus, "threads_per_worker": threads, "mps": daemon is not None,
               **_all_starts(status.doc["earlier_starts"], wall, epochs_here)}
     results = write_results(spec, out, timing)
     status.update(force=True, state="done")
@@ -377,9 +402,15 @@ def work_for(url: str, sid: str, out: Path, parallel: int, threads: int | None, 
     before = done_runs(spec, out)
     console.print(f"study {sid}: {n_runs} runs of {spec.epochs} epochs; {parallel} worker(s) here in {out}",
                   markup=False, highlight=False)
-    workers = start_workers(mp.get_context("spawn"), spec, out, ("redis", url, sid, n_runs), parallel, gpus, threads)
-    for p in workers:
-        p.join()
+    daemon, worker_gpus, extra_env = share_gpus(spec, parallel, gpus, console)
+    try:
+        workers = start_workers(mp.get_context("spawn"), spec, out, ("redis", url, sid, n_runs), parallel,
+                                worker_gpus, threads, extra_env)
+        for p in workers:
+            p.join()
+    finally:
+        if daemon is not None:
+            daemon.stop()
     ok, bad = accounted(client(url), sid)
     mine = done_runs(spec, out) - before
     console.print(f"done here: {len(mine)} run(s); the study: {len(ok)} of {n_runs} runs done, {len(bad)} failed",

@@ -258,7 +258,7 @@ def _check_variants(vs: list[Variant], where: str) -> list[Variant]:
 @dataclass
 class StudySpec:
     """Everything that decides a study's results (saved as `study.json`; a resume must ask for the same), plus how
-    it runs (`parallel`, `threads`, `stagger`: free to change between a kill and a resume)."""
+    it runs (`parallel`, `threads`, `stagger`, `mps`: free to change between a kill and a resume)."""
 
     dataset: str
     variants: list[Variant]
@@ -283,6 +283,9 @@ class StudySpec:
     parallel: int = 1
     threads: int | None = None
     stagger: str = "auto"
+    mps: str = "auto"
+    """auto | on | off: the workers that share a GPU run under a CUDA MPS daemon of the study's own
+    (`tradeloop.study.mps`; auto: when some GPU has more than one worker and MPS is installed)."""
 
     IDENTITY = ("dataset", "variants", "seeds", "folds", "epochs", "preset", "settings", "bars", "data_seed",
                 "device", "accel", "deterministic")
@@ -356,6 +359,8 @@ class StudySpec:
         if self.reference is not None and self.reference not in [v.name for v in self.variants]:
             raise StudyError(f"--reference {self.reference!r} is not one of the variants "
                              f"({', '.join(v.name for v in self.variants)})")
+        if self.mps not in ("auto", "on", "off"):
+            raise StudyError(f"--mps must be auto, on or off, got {self.mps!r}")
         if self.stagger != "auto":
             try:
                 if float(self.stagger) < 0:

@@ -165,7 +165,7 @@ class LocalSource:
 
 
 def worker_main(index: int, gpu: str | None, out: str, source: tuple, threads: int, wait_warm: float,
-                delay: float, parent_pid: int) -> None:
+                delay: float, parent_pid: int, extra_env: dict[str, str] | None = None) -> None:
     """A worker process: take run ids from its source (("local", tasks, events) or ("redis", url, sid, n_runs))
     until there is none left, run each, report progress as events."""
     die_with_parent(signal.SIGKILL)   # a killed study leaves no worker running on
@@ -179,6 +179,7 @@ def worker_main(index: int, gpu: str | None, out: str, source: tuple, threads: i
             os.environ.setdefault(k, v)   # a cache the user points at is kept
         else:
             os.environ[k] = v
+    os.environ.update(extra_env or {})   # the study's MPS daemon (`tradeloop.study.mps`)
     import torch
 
     torch.set_num_threads(threads)
@@ -251,9 +252,11 @@ def visible_gpus() -> list[str]:
     return [str(i) for i in range(torch.cuda.device_count())]
 
 
-def start_workers(ctx, spec: StudySpec, out: Path, source: tuple, P: int, gpus: list[str], threads: int) -> list:
+def start_workers(ctx, spec: StudySpec, out: Path, source: tuple, P: int, gpus: list[str], threads: int,
+                  extra_env: dict[str, str] | None = None) -> list:
     """P worker processes (spawn), worker i on GPU i mod G; with a compiled accel and `--stagger auto` the workers
-    after the first wait (≤ 10 min) for the first epoch of any run, so that its compile fills the shared cache."""
+    after the first wait (≤ 10 min) for the first epoch of any run, so that its compile fills the shared cache.
+    `extra_env` is set in every worker before it loads CUDA."""
     compiled = "compile" in spec.accel
     fixed = 0.0 if spec.stagger == "auto" else float(spec.stagger)
     workers = []
@@ -261,7 +264,8 @@ def start_workers(ctx, spec: StudySpec, out: Path, source: tuple, P: int, gpus: 
         gpu = gpus[i % len(gpus)] if gpus else None
         wait = 600.0 if spec.stagger == "auto" and compiled and i > 0 and not (out / WARM_FILE).exists() else 0.0
         workers.append(ctx.Process(target=worker_main, name=f"study-worker-{i}",
-                                   args=(i, gpu, str(out), source, threads, wait, i * fixed, os.getpid())))
+                                   args=(i, gpu, str(out), source, threads, wait, i * fixed, os.getpid(),
+                                         extra_env)))
     for p in workers:
         p.start()
     return workers

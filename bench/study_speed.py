@@ -1,0 +1,109 @@
+"""Study throughput: aggregate epochs per second of `tradeloop study` with P runs at once, time-sliced or under CUDA
+MPS, against one run alone — the product's own command, side by side in one invocation.
+
+    python3 -m bench.study_speed [--parallel 1 10] [--mps off on] [--epochs 4] [--preset full]
+                                 [--set iterations=1000] [--device cuda] [--out runs/study-speed]
+
+Each case is one `tradeloop study --dataset synthetic --bars auto --folds 1` whose runs number P (variants on,off ×
+⌈P/2⌉ seeds; P = 1: the variant `on`, seed 0), so every worker holds one run from start to end; the cases share one
+compile cache (the first case compiles). From the runs' epoch records (`finished_at`):
+  epochs/s   steady aggregate rate: the epochs finished after every run had finished its first (start-up, data,
+             compile) and before the first run finished its last, over that span
+  ×1         that rate over the rate of one run alone (`--parallel 1`; the first case's when it is P = 1)
+  train_s / eval_s   mean seconds of an epoch's training and evaluation inside one run
+  busy       the study's mean GPU utilisation (nvidia-smi) over its whole wall time
+Cases with P = 1 run once whatever `--mps` says (one worker never starts MPS).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def run_case(out: Path, P: int, mps: str, args) -> dict:
+    seeds = max(1, math.ceil(P / 2))
+    variants = "on" if P == 1 else "on,off"
+    cmd = [sys.executable, "-m", "tradeloop.cli", "study", "--dataset", "synthetic", "--bars", "auto",
+           "--variants", variants, "--seeds", str(seeds), "--folds", "1", "--epochs", str(args.epochs),
+           "--preset", args.preset, "--device", args.device, "--parallel", str(P), "--mps", mps,
+           "--n-boot", "200", "--out", str(out)]
+    for s in args.set or []:
+        cmd += ["--set", s]
+    t0 = time.time()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    wall = time.time() - t0
+    if proc.returncode != 0:
+        return {"P": P, "mps": mps, "error": (proc.stderr or proc.stdout).strip()[-600:]}
+    results = json.loads((out / "results.json").read_text())
+    timing = results.get("timing", {})
+    finish: list[list[float]] = []
+    train, ev = [], []
+    for run_dir in sorted((out / "runs").iterdir()):
+        recs = [json.loads(p.read_text()) for p in sorted((run_dir / "loop").glob("epoch-*.json"))]
+        finish.append(sorted(r["finished_at"] for r in recs))
+        train += [r["seconds"]["train"] for r in recs if r["seconds"]["train"] is not None]
+        ev += [r["seconds"]["eval"] for r in recs]
+    t_lo = max(f[0] for f in finish)          # every run past its first epoch
+    t_hi = min(f[-1] for f in finish)         # no run finished yet
+    n = sum(1 for f in finish for t in f if t_lo < t <= t_hi)
+    rate = n / (t_hi - t_lo) if t_hi > t_lo and n else None
+    busy = [v for v in (timing.get("gpu_busy_pct") or {}).values() if v is not None]
+    return {"P": P, "mps": bool(timing.get("mps")), "mps_asked": mps, "runs": len(finish),
+            "epochs_per_s": rate, "epochs_in_span": n, "span_s": t_hi - t_lo, "wall_s": wall,
+            "train_s": sum(train) / len(train), "eval_s": sum(ev) / len(ev),
+            "busy_pct": sum(busy) / len(busy) if busy else None}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--parallel", type=int, nargs="+", default=[1, 10])
+    ap.add_argument("--mps", nargs="+", default=["off", "on"], choices=["off", "on", "auto"])
+    ap.add_argument("--epochs", type=int, default=4)
+    ap.add_argument("--preset", default="full")
+    ap.add_argument("--set", action="append", default=None)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--out", type=Path, default=Path("runs/study-speed"))
+    args = ap.parse_args(argv)
+    if args.epochs < 3:
+        ap.error("--epochs must be ≥ 3 (the steady span lies between every run's first and last epoch)")
+    cache = args.out / "cache"
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache / "inductor"))
+    os.environ.setdefault("TRITON_CACHE_DIR", str(cache / "triton"))
+    cases = []
+    for P in args.parallel:
+        for mps in (["off"] if P == 1 else args.mps):
+            cases.append((P, mps))
+    rows = []
+    for P, mps in cases:
+        out = args.out / f"p{P}-mps-{mps}"
+        if out.exists():
+            import shutil
+
+            shutil.rmtree(out)
+        row = run_case(out, P, mps, args)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    base = next((r["epochs_per_s"] for r in rows if r["P"] == 1 and r.get("epochs_per_s")), None)
+    print(f"\n`python3 -m bench.study_speed {' '.join(argv if argv is not None else sys.argv[1:])}`\n")
+    print("| runs at once | MPS | epochs/s (steady) | ×1 | train_s | eval_s | GPU busy % | wall s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['P']} | {r['mps']} | error: {r['error'][-200:]} | | | | | |")
+            continue
+        ratio = f"{r['epochs_per_s'] / base:.2f}" if base and r["epochs_per_s"] else "n/a"
+        eps = "n/a" if r["epochs_per_s"] is None else f"{r['epochs_per_s']:.3f}"
+        busy = "n/a" if r["busy_pct"] is None else f"{r['busy_pct']:.0f}"
+        print(f"| {r['P']} | {'on' if r['mps'] else 'off'} | {eps} | {ratio} | {r['train_s']:.2f} | "
+              f"{r['eval_s']:.2f} | {busy} | {r['wall_s']:.0f} |")
+    (args.out / "study_speed.json").write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""The study's CUDA MPS daemon (`tradeloop.study.mps`): when it is wanted, how it fails without harm, and the
+option's checks. Starting a real daemon needs an NVIDIA GPU (bench/study_speed.py measures it on one)."""
+import os
+from pathlib import Path
+
+import pytest
+
+from tradeloop.cmd_study import build_spec
+from tradeloop.study import mps
+from tradeloop.study.report import fmt_timing
+from tradeloop.study.spec import StudyError
+
+
+@pytest.mark.parametrize("mode,device,workers,gpus,want", [
+    ("auto", "cuda", 10, 1, True),      # several workers on one GPU: their kernels should overlap
+    ("auto", "cuda", 2, 2, False),      # one worker a GPU: nothing to share
+    ("auto", "cuda", 3, 2, True),
+    ("auto", "cpu", 10, 0, False),
+    ("on", "cuda", 1, 1, True),
+    ("on", "cpu", 4, 0, False),         # no GPU, no MPS, whatever was asked
+    ("off", "cuda", 10, 1, False),
+    ("auto", "cuda", 4, 0, False),
+])
+def test_mps_is_wanted_when_workers_share_a_gpu(mode, device, workers, gpus, want):
+    assert mps.wanted(mode, device, workers, gpus) is want
+
+
+def test_a_daemon_that_is_not_installed_does_not_start_and_says_why():
+    d = mps.MpsDaemon()
+    d.exe = None
+    assert d.start() is False and "nvidia-cuda-mps-control is not installed" in d.why_not and d.root is None
+
+
+def test_a_daemon_that_fails_to_start_leaves_nothing_behind(tmp_path: Path):
+    fake = tmp_path / "mps-control"
+    fake.write_text("#!/bin/sh\necho 'cannot start: no device' >&2\nexit 3\n")
+    fake.chmod(0o755)
+    d = mps.MpsDaemon(exe=str(fake))
+    assert d.start() is False
+    assert "exited 3" in d.why_not and "cannot start: no device" in d.why_not
+    assert d.root is None
+
+
+def test_a_daemon_whose_clients_cannot_run_is_quit(tmp_path: Path):
+    """The daemon starts, but a CUDA client cannot run under it (here: no CUDA at all): start() is False, the
+    daemon is told to quit and its directories are removed."""
+    log = tmp_path / "calls"
+    fake = tmp_path / "mps-control"
+    fake.write_text(f"#!/bin/sh\necho \"$@ $(cat)\" >> {log}\necho \"pipe=$CUDA_MPS_PIPE_DIRECTORY\" >> {log}\n")
+    fake.chmod(0o755)
+    d = mps.MpsDaemon(exe=str(fake))
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA client runs here")
+    assert d.start() is False and "could not run under the MPS daemon" in d.why_not
+    calls = log.read_text().splitlines()
+    assert calls[0].startswith("-d") and calls[2].strip() == "quit"
+    pipe = calls[1].split("=", 1)[1]
+    assert len(pipe) < 100 and not os.path.exists(pipe)     # a socket path that fits, removed after
+
+
+def test_client_gpus_count_among_the_daemons_devices():
+    assert mps.client_gpus(["2", "3"]) == ["0", "1"] and mps.client_gpus(["GPU-ab"]) == ["0"]
+
+
+def test_the_mps_option_is_checked_and_not_part_of_the_studys_identity(tmp_path: Path):
+    base = {"dataset": "synthetic", "epochs": 1, "out": tmp_path / "o", "folds": 1}
+    with pytest.raises(StudyError, match=r"--mps must be auto, on or off, got 'sometimes'"):
+        build_spec({**base, "mps": "sometimes"})
+    a, _ = build_spec({**base, "mps": "off"})
+    b, _ = build_spec(base)
+    assert b.mps == "auto" and a.identity() == b.identity()
+
+
+def test_the_timing_line_says_when_runs_shared_the_gpu_through_mps():
+    t = {"wall_s": 300.0, "runs_at_once": 10, "epochs_trained": 120, "epochs_per_s": 0.4, "gpu_busy_pct": {}}
+    assert "10 runs at once (sharing the GPU through CUDA MPS), 120 epochs" in fmt_timing({**t, "mps": True})
+    assert "10 runs at once, 120 epochs" in fmt_timing({**t, "mps": False})
