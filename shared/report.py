@@ -40,10 +40,13 @@ DIRECTIONS = ("short", "flat", "long")
 SIGNAL_IDS = ("E1", "E2", "E3", "E4", "E5", "E6", "E7", "E8", "E9")
 OFF_NAMES = (*SIGNAL_IDS, "rollback")
 """What a feedback config may switch off: a signal, or the rollback."""
-DEFAULT_OFF = ("E7",)
+DEFAULT_OFF = SIGNAL_IDS
 """The signals the product ships switched off (`TL_FEEDBACK_OFF`'s default; the base of every `tradeloop study`
-variant): E7's hindsight labels, which alone turned the policy flat at the next epoch in 3 of 4 study units
-(docs/feedback.md, "What the studies say"). `FeedbackConfig()` itself switches nothing off."""
+variant): all nine. At the `full` preset on the H200 the loop with the rollback alone (the exploit step: the best
+epoch's weights, optimizer state and knobs restored when validation falls beyond its noise) scored at least as well
+as with the signals acting, and on the S&P 500 sample the signals' knobs lowered OOS below the fixed schedule's
+beyond the CI (docs/feedback.md, "What the studies say"). A signal is switched on by naming the others
+(`TL_FEEDBACK_OFF=E7`, a study variant's `off=E7`); `FeedbackConfig()` itself switches nothing off."""
 
 
 def parse_off(value: str | Sequence[str]) -> tuple[str, ...]:

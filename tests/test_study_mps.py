@@ -77,3 +77,19 @@ def test_the_timing_line_says_when_runs_shared_the_gpu_through_mps():
     t = {"wall_s": 300.0, "runs_at_once": 10, "epochs_trained": 120, "epochs_per_s": 0.4, "gpu_busy_pct": {}}
     assert "10 runs at once (sharing the GPU through CUDA MPS), 120 epochs" in fmt_timing({**t, "mps": True})
     assert "10 runs at once, 120 epochs" in fmt_timing({**t, "mps": False})
+
+
+def test_a_daemon_an_earlier_start_left_is_quit_and_its_directory_removed(tmp_path: Path):
+    log = tmp_path / "calls"
+    fake = tmp_path / "mps-control"
+    fake.write_text(f"#!/bin/sh\necho \"$(cat) $CUDA_MPS_PIPE_DIRECTORY\" >> {log}\n")
+    fake.chmod(0o755)
+    root = tmp_path / "tl-mps-x1"
+    (root / "pipe").mkdir(parents=True)
+    assert mps.quit_stale(str(root), exe=str(fake)) is True
+    assert log.read_text().split() == ["quit", str(root / "pipe")] and not root.exists()
+    assert mps.quit_stale(str(root), exe=str(fake)) is False             # gone: nothing to quit
+    assert mps.quit_stale(None) is False
+    other = tmp_path / "not-ours"
+    (other / "pipe").mkdir(parents=True)
+    assert mps.quit_stale(str(other), exe=str(fake)) is False and other.exists()   # only a study's own directory

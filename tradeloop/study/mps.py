@@ -8,7 +8,9 @@ and quits it when the runs are done. `--mps auto` (the default) does this when s
 and `nvidia-cuda-mps-control` is installed; `off` never; `on` fails the study when MPS cannot start.
 
 Under MPS a client's `CUDA_VISIBLE_DEVICES` counts among the devices the daemon sees: the daemon is started with
-the study's own devices, and worker i gets the position of its GPU in that list.
+the study's own devices, and worker i gets the position of its GPU in that list. The daemon's directory is kept in
+the study's status.json (`mps_dir`): a study killed before it could quit its daemon has that daemon quit when the
+study is started again.
 """
 from __future__ import annotations
 
@@ -92,6 +94,20 @@ class MpsDaemon:
         if self.root is not None:
             shutil.rmtree(self.root, ignore_errors=True)
             self.root = None
+
+
+def quit_stale(root: str | None, exe: str | None = None) -> bool:
+    """Quit the daemon an earlier start of the study left running in `root` (and remove its directories); False
+    when there is none."""
+    if not root or not Path(root, "pipe").is_dir() or not Path(root).name.startswith("tl-mps-"):
+        return False
+    d = MpsDaemon(exe)
+    d.root = Path(root)
+    if d.exe:
+        d.stop()
+    else:
+        d._cleanup()
+    return True
 
 
 def client_gpus(gpus: list[str]) -> list[str]:

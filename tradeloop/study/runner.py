@@ -111,6 +111,14 @@ def earlier_starts(path: Path) -> list[dict]:
     return [*prev.get("earlier_starts", []), here]
 
 
+def _previous(path: Path, key: str):
+    """`key` of the status.json an earlier start left (None when there is none)."""
+    try:
+        return json.loads(path.read_text()).get(key)
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 class Status:
     """status.json: rewritten atomically at most once a second (and on every state change)."""
 
@@ -120,7 +128,7 @@ class Status:
             "state": "running", "pid": os.getpid(), "started_at": self.t0, "runs_total": n_runs,
             "runs_done": runs_done, "runs_failed": [], "running": {}, "epochs_total": n_runs * spec.epochs,
             "epochs_done": epochs_before, "epochs_this_start": 0, "parallel": spec.parallel,
-            "earlier_starts": earlier_starts(self.path)}
+            "earlier_starts": earlier_starts(self.path), "mps_dir": _previous(self.path, "mps_dir")}
 
     def update(self, force: bool = False, **kw) -> None:
         self.doc.update(kw)
@@ -147,15 +155,18 @@ def _copy_remote_summaries(r, sid: str, out: Path) -> None:
             write_json_atomic(path, json.loads(raw))
 
 
-def share_gpus(spec: StudySpec, P: int, gpus: list[str], console):
+def share_gpus(spec: StudySpec, P: int, gpus: list[str], console, status: "Status | None" = None):
     """The MPS daemon the workers share their GPUs through (`tradeloop.study.mps`; None: time-sliced), and the
-    `CUDA_VISIBLE_DEVICES` entries and environment the workers get. StudyError when `--mps on` cannot start it."""
+    `CUDA_VISIBLE_DEVICES` entries and environment the workers get; the daemon's directory goes into status.json.
+    StudyError when `--mps on` cannot start it."""
     from tradeloop.study import mps
 
     if not mps.wanted(spec.mps, spec.device, P, len(gpus)):
         return None, gpus, {}
     daemon = mps.MpsDaemon()
     if daemon.start():
+        if status is not None:
+            status.update(force=True, mps_dir=str(daemon.root))
         console.print(f"{P} workers share {len(gpus)} GPU(s) through CUDA MPS (a daemon of the study's own)",
                       markup=False, highlight=False)
         return daemon, mps.client_gpus(gpus), daemon.env()
@@ -189,6 +200,12 @@ def run_study(spec: StudySpec, out: Path, console=None, redis_url: str | None = 
     pending = [x.run_id for x in runs if x.run_id not in done]
     before = sum(epochs_done(out, x.run_id) for x in runs)
     status = Status(out, spec, len(runs), len(done), before)
+    from tradeloop.study.mps import quit_stale
+
+    if quit_stale(status.doc.get("mps_dir")):       # a start killed before it could quit its MPS daemon
+        console.print(f"quit the MPS daemon an earlier start left running ({status.doc['mps_dir']})",
+                      markup=False, highlight=False)
+    status.doc["mps_dir"] = None
     if done:
         console.print(f"resuming {out}: {len(done)} of {len(runs)} runs done, {before} epochs on disk")
     P = max(0 if r is not None else 1, min(spec.parallel, len(pending)))
@@ -207,7 +224,7 @@ def run_study(spec: StudySpec, out: Path, console=None, redis_url: str | None = 
     workers: list = []
     daemon = None
     if pending:
-        daemon, worker_gpus, extra_env = share_gpus(spec, P, gpus, console)
+        daemon, worker_gpus, extra_env = share_gpus(spec, P, gpus, console, status)
         ctx = mp.get_context("spawn")
         if r is not None:
             from shared.config import redact_url
@@ -242,6 +259,7 @@ def run_study(spec: StudySpec, out: Path, console=None, redis_url: str | None = 
                 for p in workers:
                     p.join(timeout=60)     # their CUDA contexts closed before the daemon quits
                 daemon.stop()
+                status.update(force=True, mps_dir=None)
     wall = time.time() - t_start
     busy = sampler.stop() if sampler else {}
     baseline_thread.join()
