@@ -147,3 +147,30 @@ def test_a_study_saved_with_an_older_spelling_of_a_schedule_key_resumes(tmp_path
                       settings=[("schedule.gamma", 0.95)])
     with pytest.raises(StudyError, match="differs in settings"):
         prepare(other, tmp_path)
+
+
+def test_a_study_whose_variant_means_something_else_with_todays_defaults_is_not_resumed(tmp_path, monkeypatch):
+    """study.json keeps what each variant resolved to; when the feedback the product ships changes, `on` no longer
+    means what its done runs ran, and the resume is refused naming it — a variant that spells its settings out, and
+    a study.json from before the check, resume."""
+    import tradeloop.study.spec as spec_mod
+    from tradeloop.study.runner import prepare
+
+    spec = StudySpec(dataset="synthetic", variants=parse_variants("on,off,e7:off=E7"), seeds=[0], folds=1, epochs=1)
+    prepare(spec, tmp_path)
+    saved = json.loads((tmp_path / "study.json").read_text())
+    assert set(saved["resolved"]) == {"on", "off", "e7"}
+    prepare(spec, tmp_path)                                            # same defaults: resumes
+    monkeypatch.setattr(spec_mod, "DEFAULT_OFF", ("E7",))
+    with pytest.raises(StudyError, match=r"variant\(s\) on resolve to other trainer or feedback configs"):  # not off
+        prepare(spec, tmp_path)
+    only_explicit = StudySpec(dataset="synthetic", variants=parse_variants("off,e7:off=E7"), seeds=[0], folds=1,
+                              epochs=1)
+    d2 = tmp_path / "explicit"
+    monkeypatch.undo()
+    prepare(only_explicit, d2)
+    monkeypatch.setattr(spec_mod, "DEFAULT_OFF", ("E7",))
+    prepare(only_explicit, d2)                                         # spelled out: the same configs
+    del saved["resolved"]
+    (tmp_path / "study.json").write_text(json.dumps(saved))
+    prepare(spec, tmp_path)                                            # saved before the check: nothing to compare

@@ -84,11 +84,18 @@ def prepare(spec: StudySpec, out: Path) -> None:
         if diff:
             raise StudyError(f"--out {out} holds another study (it differs in {', '.join(diff)}); use another --out "
                              "or ask for the same study to resume it")
+        then, now = old.get("resolved"), spec.resolved()
+        changed = [k for k in now if then is not None and then.get(k) != now[k]]
+        if changed:
+            raise StudyError(f"--out {out}: variant(s) {', '.join(changed)} resolve to other trainer or feedback "
+                             "configs with this tradeloop's defaults than when the study started (the preset or "
+                             "the feedback it ships changed); finish it with the tradeloop that started it, or "
+                             "start it again in another --out (a variant that spells out its settings is immune)")
     elif out.exists() and not out.is_dir():
         raise StudyError(f"--out {out} exists and is not a directory")
     elif out.exists() and any(out.iterdir()):
         raise StudyError(f"--out {out} is not empty and holds no study.json; use an empty or new directory")
-    write_json_atomic(sj, {"identity": spec.identity(), "spec": spec.to_dict()})
+    write_json_atomic(sj, {"identity": spec.identity(), "spec": spec.to_dict(), "resolved": spec.resolved()})
 
 
 def done_runs(spec: StudySpec, out: Path) -> set[str]:
@@ -410,6 +417,9 @@ def work_for(url: str, sid: str, out: Path, parallel: int, threads: int | None, 
 
     doc = fetch_spec(url, sid)
     spec = StudySpec.from_dict(doc["spec"])
+    if doc.get("resolved") not in (None, spec.resolved()):
+        raise StudyError(f"study {sid}: its variants resolve to other trainer or feedback configs with this host's "
+                         "tradeloop than with the one that started it; run the same tradeloop on every host")
     out = Path(out)
     prepare(spec, out)
     n_runs = len(spec.runs())

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import hashlib
+import json
 import math
 import re
 import types
@@ -307,6 +309,18 @@ class StudySpec:
     def identity(self) -> dict:
         d = self.to_dict()
         return {k: d[k] for k in self.IDENTITY}
+
+    def resolved(self) -> dict[str, str]:
+        """Per variant, a hash of the TrainConfig and FeedbackConfig it resolves to with this tradeloop's defaults
+        (the preset, the feedback the product ships): kept in study.json, so a study is not resumed by a tradeloop
+        whose defaults make a variant mean something else."""
+        out = {}
+        for v in self.variants:
+            cfg, fb = self.configs(v, 14)
+            fbd = fb.to_dict() if fb.enabled else {"enabled": False, "schedule": fb.schedule.to_dict()}
+            doc = json.dumps([cfg.to_dict(), fbd], sort_keys=True, default=str)
+            out[v.name] = hashlib.sha256(doc.encode()).hexdigest()[:16]
+        return out
 
     @property
     def reference_name(self) -> str:
