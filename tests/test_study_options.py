@@ -32,3 +32,20 @@ def test_a_study_file_key_outside_the_options_is_refused_listing_them(tmp_path: 
     f.write_text('dataset = "synthetic"\nepochs = 1\nout = "o"\nredis = "redis://x"\n')
     with pytest.raises(StudyError, match=r"unknown keys redis \(known: dataset, variants, seeds"):
         build_spec({**{k: None for k in TOML_KEYS}, "config": f})
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).resolve().parents[1] / "studies").glob("*.toml")),
+                         ids=lambda p: p.name)
+def test_the_shipped_study_files_build(path: Path, tmp_path: Path):
+    """studies/*.toml (the signal studies the README names) build into a valid study whose variants' feedback
+    configs switch off what their names say."""
+    spec, _ = build_spec({**{k: None for k in TOML_KEYS}, "config": path, "out": tmp_path / "o"})
+    offs = {v.name: spec.configs(v, 14)[1] for v in spec.variants}
+    signals = {f"E{i}" for i in range(1, 10)}
+    assert not offs["off"].enabled and offs["on"].enabled and set(offs["on"].off) == signals
+    for name, fb in offs.items():
+        if name.startswith("no"):
+            assert set(fb.off) == {name[2:]} and fb.enabled
+        elif name in signals:
+            assert set(fb.off) == signals - {name} and fb.enabled
+    assert len(spec.variants) >= 11 and spec.preset == "full" and spec.device == "cuda"
