@@ -12,6 +12,7 @@ logic is `tradeloop.study`; this module parses, checks and prints.
 from __future__ import annotations
 
 import inspect
+import json
 from pathlib import Path
 from typing import Any, Optional
 
@@ -277,7 +278,37 @@ def study_worker(
         raise typer.Exit(2) from None
 
 
+def study_compare(
+    a: str = typer.Argument(..., help="A finished study and one of its variants: DIR:VARIANT."),
+    b: str = typer.Argument(..., help="The study and variant it is paired against: DIR:VARIANT."),
+    n_boot: int = typer.Option(10_000, "--n-boot", help="Bootstrap resamples."),
+    ci_seed: int = typer.Option(0, "--ci-seed", help="Seed of the bootstrap's resampling."),
+    as_json: bool = typer.Option(False, "--json", help="The comparison as JSON."),
+) -> None:
+    """A variant of one finished study against a variant of another on the same seeds, folds and data, paired by
+    (seed, fold): OOS and val per-trade Sharpe of the val-selected checkpoints and last-epoch val."""
+    from rich.console import Console
+
+    from tradeloop.study.compare import compare, load_side, markdown
+    from tradeloop.study.spec import StudyError
+
+    err = Console(stderr=True, soft_wrap=True)
+    try:
+        if n_boot < 100:
+            raise StudyError(f"--n-boot must be ≥ 100, got {n_boot}")
+        (ra, va, la), (rb, vb, lb) = load_side(a), load_side(b)
+        c = compare(ra, va, rb, vb, n_boot=n_boot, seed=ci_seed)
+    except StudyError as exc:
+        err.print(f"error: {exc}", markup=False, highlight=False)
+        raise typer.Exit(2) from None
+    if as_json:
+        typer.echo(json.dumps({"a": a, "b": b, **c}, default=str))
+    else:
+        typer.echo(markdown(c, la, lb), nl=False)
+
+
 def register(app: typer.Typer) -> None:
-    """Add `tradeloop study` and `tradeloop study-worker`."""
+    """Add `tradeloop study`, `tradeloop study-worker` and `tradeloop study-compare`."""
     app.command("study")(study)
     app.command("study-worker")(study_worker)
+    app.command("study-compare")(study_compare)

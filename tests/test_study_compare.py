@@ -1,0 +1,81 @@
+"""`tradeloop study-compare`: a variant of one finished study against a variant of another, paired by (seed, fold)
+(`tradeloop.study.compare`), against hand-computed differences; studies whose units do not pair are refused."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from tradeloop.cli import app
+from tradeloop.study.compare import compare, load_side
+from tradeloop.study.spec import StudyError
+
+SPEC = {"dataset": "synthetic", "seeds": [0, 1], "folds": 2, "epochs": 4, "preset": "small",
+        "settings": [["train.iterations", 120]], "bars": 1000, "data_seed": None}
+
+
+def study(tmp: Path, name: str, variant: str, oos: dict, last: dict, **spec) -> Path:
+    d = tmp / name
+    d.mkdir()
+    runs = [{"variant": variant, "seed": s, "fold": f, "oos_sharpe": v, "val_sharpe": v / 2,
+             "last_val_sharpe": last[(s, f)]} for (s, f), v in oos.items()]
+    runs.append({"variant": "other", "seed": 0, "fold": 0, "oos_sharpe": 9.0, "val_sharpe": 9.0,
+                 "last_val_sharpe": 9.0})
+    doc = {"study": {**SPEC, **spec, "variants": [{"name": variant, "settings": []}, {"name": "other", "settings": []}]},
+           "runs": runs}
+    (d / "results.json").write_text(json.dumps(doc))
+    return d
+
+
+UNITS = [(0, 0), (0, 1), (1, 0), (1, 1)]
+
+
+def test_differences_are_paired_by_seed_and_fold_on_the_shared_units(tmp_path):
+    a_oos = dict(zip(UNITS, [0.50, 0.40, 0.30, 0.20]))
+    b_oos = dict(zip(UNITS, [0.45, 0.45, 0.10, 0.20]))
+    a = study(tmp_path, "a", "rb", a_oos, dict(zip(UNITS, [0.3, 0.3, 0.1, 0.1])))
+    b_last = dict(zip(UNITS, [0.2, 0.2, 0.2, 0.2]))
+    b = study(tmp_path, "b", "off", {**b_oos, (2, 0): 5.0}, {**b_last, (2, 0): 5.0})   # a unit a does not hold
+    ra, va, la = load_side(f"{a}:rb")
+    rb, vb, lb = load_side(f"{b}:off")
+    c = compare(ra, va, rb, vb, n_boot=2000, seed=0)
+    d = c["metrics"]["oos_sharpe"]["a_minus_b"]
+    want = np.array([0.05, -0.05, 0.20, 0.0])
+    assert d["mean"] == pytest.approx(want.mean()) and d["n"] == 4 and d["wins"] == 2
+    assert d["lo"] <= d["mean"] <= d["hi"]
+    assert c["metrics"]["oos_sharpe"]["b"]["mean"] == pytest.approx(np.mean(list(b_oos.values())))
+    assert c["metrics"]["val_sharpe"]["a_minus_b"]["mean"] == pytest.approx(want.mean() / 2)
+    assert c["last_val_seeds"] == {"a_at_least_b": 1, "seeds": 2}    # seed 0: 0.3 ≥ 0.2; seed 1: 0.1 < 0.2
+    assert c["units"] == 4 and la == "a:rb" and lb == "b:off"
+
+
+def test_studies_whose_units_differ_or_that_lack_the_variant_are_refused(tmp_path):
+    oos = dict(zip(UNITS, [0.1] * 4))
+    a = study(tmp_path, "a", "rb", oos, oos)
+    b = study(tmp_path, "b", "off", oos, oos, epochs=8, bars=2000)
+    with pytest.raises(StudyError, match=r"differ in epochs, bars \(epochs: 4 vs 8; bars: 1000 vs 2000\)"):
+        compare(*load_side(f"{a}:rb")[:2], *load_side(f"{b}:off")[:2])
+    with pytest.raises(StudyError, match=r"no variant 'on' \(it has rb, other\)"):
+        load_side(f"{a}:on")
+    with pytest.raises(StudyError, match="is not a finished study"):
+        load_side(f"{tmp_path / 'nowhere'}:on")
+    with pytest.raises(StudyError, match="give a study directory and one of its variants as DIR:VARIANT"):
+        load_side(str(a))
+
+
+def test_the_command_prints_the_table_and_refuses_bad_input_with_exit_2(tmp_path):
+    a_oos = dict(zip(UNITS, [0.50, 0.40, 0.30, 0.20]))
+    a = study(tmp_path, "a", "rb", a_oos, a_oos)
+    b = study(tmp_path, "b", "off", dict(zip(UNITS, [0.40] * 4)), dict(zip(UNITS, [0.40] * 4)))
+    r = CliRunner().invoke(app, ["study-compare", f"{a}:rb", f"{b}:off", "--n-boot", "500"])
+    assert r.exit_code == 0, r.output
+    assert "| OOS per-trade Sharpe (val-selected) | +0.350" in r.output and "| 1 of 4 |" in r.output
+    assert "a:rb ≥ b:off in 1 of 2 seeds" in r.output
+    r = CliRunner().invoke(app, ["study-compare", f"{a}:rb", f"{b}:off", "--json", "--n-boot", "500"])
+    doc = json.loads(r.output)
+    assert doc["metrics"]["oos_sharpe"]["a_minus_b"]["mean"] == pytest.approx(-0.05)
+    r = CliRunner().invoke(app, ["study-compare", f"{a}:rb", f"{b}:nope"])
+    assert r.exit_code == 2 and "no variant 'nope'" in r.output and "Traceback" not in r.output

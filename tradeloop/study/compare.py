@@ -1,0 +1,92 @@
+"""A variant of one finished study against a variant of another, paired by (seed, fold): what a study gains when a
+new variant is run later on the same seeds, folds and data (`tradeloop study-compare A_DIR:VARIANT B_DIR:VARIANT`).
+
+The two studies must agree on everything that makes their units the same (dataset, seeds, folds, epochs, preset,
+base settings, bars, data seed); the differences are taken on the (seed, fold) units both hold, with the same
+bootstrap as a study's own paired differences (`stats.paired`). Each study's DSR stays deflated by its own
+checkpoints only, so it is not compared here.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from tradeloop.study.spec import StudyError
+from tradeloop.study.stats import bootstrap_ci, describe, paired
+
+SAME_UNITS = ("dataset", "seeds", "folds", "epochs", "preset", "settings", "bars", "data_seed")
+"""The study settings that must match for two studies' (seed, fold) units to pair."""
+COMPARED = (("oos_sharpe", "OOS per-trade Sharpe (val-selected)"), ("val_sharpe", "val per-trade Sharpe (selected)"),
+            ("last_val_sharpe", "last-epoch val per-trade Sharpe"))
+
+
+def parse_side(text: str) -> tuple[Path, str]:
+    """`DIR:VARIANT` → (DIR, VARIANT) (split at the last ':')."""
+    d, sep, v = text.rpartition(":")
+    if not sep or not d or not v:
+        raise StudyError(f"{text!r}: give a study directory and one of its variants as DIR:VARIANT")
+    return Path(d), v
+
+
+def load_side(text: str) -> tuple[dict, str, str]:
+    """(results.json of the study, the variant, a label) for `DIR:VARIANT`; StudyError naming what is missing."""
+    d, v = parse_side(text)
+    path = d / "results.json"
+    try:
+        res = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise StudyError(f"{path} is missing: {d} is not a finished study (run it, or `tradeloop study --out {d} "
+                         "--report-only`)") from None
+    except (OSError, ValueError) as exc:
+        raise StudyError(f"{path} is unreadable ({exc})") from None
+    names = [x["name"] for x in res.get("study", {}).get("variants", [])]
+    if v not in names:
+        raise StudyError(f"{d}: no variant {v!r} (it has {', '.join(names) or 'none'})")
+    return res, v, f"{d.name}:{v}"
+
+
+def compare(a: dict, va: str, b: dict, vb: str, *, n_boot: int = 10_000, seed: int = 0) -> dict:
+    """Paired a − b per metric over the shared units, each side's mean, and per seed whether a's last-epoch
+    validation (mean over folds) is ≥ b's. StudyError when the studies' units differ or none is shared."""
+    sa, sb = a["study"], b["study"]
+    diff = [k for k in SAME_UNITS if json.dumps(sa.get(k), sort_keys=True) != json.dumps(sb.get(k), sort_keys=True)]
+    if diff:
+        raise StudyError(f"the studies' units do not pair: they differ in {', '.join(diff)} "
+                         f"({'; '.join(f'{k}: {sa.get(k)!r} vs {sb.get(k)!r}' for k in diff)})")
+
+    def by(res: dict, v: str, key: str) -> dict:
+        return {(r["seed"], r["fold"]): r[key] for r in res["runs"] if r["variant"] == v and r.get(key) is not None}
+
+    out: dict = {"metrics": {}}
+    for key, _ in COMPARED:
+        xa, xb = by(a, va, key), by(b, vb, key)
+        units = sorted(set(xa) & set(xb))
+        if not units:
+            raise StudyError(f"no (seed, fold) unit has {key} in both {va!r} and {vb!r}")
+        out["metrics"][key] = {"a": bootstrap_ci([xa[u] for u in units], n_boot=n_boot, seed=seed),
+                               "b": bootstrap_ci([xb[u] for u in units], n_boot=n_boot, seed=seed),
+                               "a_minus_b": paired({u: xa[u] for u in units}, {u: xb[u] for u in units},
+                                                   n_boot=n_boot, seed=seed)}
+    la, lb = by(a, va, "last_val_sharpe"), by(b, vb, "last_val_sharpe")
+    seeds = sorted({s for s, _ in set(la) & set(lb)})
+    out["last_val_seeds"] = {"a_at_least_b": sum(
+        np.mean([la[u] for u in la if u[0] == s and u in lb]) >= np.mean([lb[u] for u in lb if u[0] == s and u in la])
+        for s in seeds), "seeds": len(seeds)}
+    out["units"] = len(set(by(a, va, "oos_sharpe")) & set(by(b, vb, "oos_sharpe")))
+    return out
+
+
+def markdown(c: dict, la: str, lb: str) -> str:
+    lines = [f"{la} − {lb}, paired by (seed, fold) over {c['units']} units (mean [95 % CI]; percentile bootstrap):",
+             "", f"| metric | {la} | {lb} | difference | {la} higher |", "|---|---|---|---|---|"]
+    for key, label in COMPARED:
+        m = c["metrics"][key]
+        d = m["a_minus_b"]
+        lines.append(f"| {label} | {describe(m['a'])} | {describe(m['b'])} | **{describe(d)}** | "
+                     f"{d['wins']} of {d['n']} |")
+    s = c["last_val_seeds"]
+    lines += ["", f"Last-epoch validation (mean over folds) of {la} ≥ {lb} in {s['a_at_least_b']} of {s['seeds']} "
+              "seeds."]
+    return "\n".join(lines) + "\n"
