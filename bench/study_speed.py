@@ -20,6 +20,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -83,8 +84,6 @@ def main(argv=None) -> None:
     for P, mps in cases:
         out = args.out / f"p{P}-mps-{mps}"
         if out.exists():
-            import shutil
-
             shutil.rmtree(out)
         row = run_case(out, P, mps, args)
         rows.append(row)

@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import pytest
 
 from shared.bus import Bus, Consumer
 from shared.events import (CheckpointPublished, EvalCompleted, FeedbackReady, decode_event, encode_event)
 from shared.redis_server import EmbeddedRedis
+from tests.polling import apoll_until
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(60)]
 
@@ -21,15 +21,7 @@ def ckpt(run_id: str, epoch: int) -> CheckpointPublished:
 
 async def until(cond, timeout_s: float = 10.0, what: str = "condition"):
     """Poll `cond()` (sync or async) until true; fail after the deadline."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        v = cond()
-        if asyncio.iscoroutine(v):
-            v = await v
-        if v:
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+    await apoll_until(cond, what, timeout_s=timeout_s, interval_s=0.01)
 
 
 async def pending_count(bus: Bus, stream: str, group: str) -> int:

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
+
+from tests.polling import apoll_until
 
 EPOCHS = 2
 
@@ -44,18 +45,15 @@ async def _run_loop(settings_env: dict, redis_url: str, run_id: str) -> None:
     tr = TrainerWorker(TrainerServiceSettings(**settings_env), buses[2], ServiceState("trainer", run_id))
     consumers = [asyncio.create_task(ev.run()), asyncio.create_task(fb.run())]
     try:
-        for _ in range(600):                       # the groups exist before anything is published
-            if ev.state.ready and fb.state.ready:
-                break
-            await asyncio.sleep(0.05)
+        await apoll_until(lambda: ev.state.ready and fb.state.ready,   # the groups exist before anything is published
+                          "the evaluator's and feedback's consumer groups", timeout_s=30)
         await buses[2].connect()
         await asyncio.wait_for(tr.run(), timeout=240)
-        for _ in range(2400):
-            if await buses[2].store.get_bundle(EPOCHS) is not None:
-                break
-            await asyncio.sleep(0.05)
-        else:
-            raise AssertionError("the loop did not bundle its last epoch")
+
+        async def bundled():
+            return await buses[2].store.get_bundle(EPOCHS) is not None
+
+        await apoll_until(bundled, "the loop to bundle its last epoch", timeout_s=120)
     finally:
         for t in consumers:
             t.cancel()

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import pytest
 
@@ -16,6 +15,7 @@ from services.trainer.worker import TrainerServiceSettings, TrainerWorker, histo
 from shared.api import service_plumbing
 from shared.knobs import Knobs
 from shared.report import SIGNAL_IDS, FeedbackBundle, Signal
+from tests.polling import apoll_until
 
 pytestmark = pytest.mark.redis
 
@@ -28,11 +28,7 @@ def bundle(run_id: str, epoch: int, **rollback) -> FeedbackBundle:
 
 
 async def wait_for(coro_fn, what: str, timeout_s: float = 300.0):
-    deadline = time.monotonic() + timeout_s
-    while not (value := await coro_fn()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.05)
-    return value
+    return await apoll_until(coro_fn, what, timeout_s=timeout_s)
 
 
 @pytest.mark.parametrize("mode", ["sync", "overlap"])
@@ -62,7 +58,7 @@ async def test_trainer_restores_the_epoch_a_bundle_rolls_back_to(redis_url, run_
         await wait_for(lambda: record(3), "epoch 3")
         # bundle 3 only once bundle 2's rollback is done: stored together at an epoch's start, the newer bundle
         # (no rollback) supersedes it
-        await wait_for(lambda: asyncio.sleep(0, state.counters.get("rollbacks")), "bundle 2's rollback")
+        await wait_for(lambda: state.counters.get("rollbacks"), "bundle 2's rollback")
         await bus.store.put_bundle(3, bundle(run_id, 3, best_epoch=1))
         await asyncio.wait_for(run, 300)
         recs = [await record(e) for e in (2, 3, 4)]

@@ -74,7 +74,7 @@ def compare(a: dict, va: str, b: dict, vb: str, *, n_boot: int = 10_000, seed: i
     out["last_val_seeds"] = {"a_at_least_b": sum(
         np.mean([la[u] for u in la if u[0] == s and u in lb]) >= np.mean([lb[u] for u in lb if u[0] == s and u in la])
         for s in seeds), "seeds": len(seeds)}
-    out["units"] = len(set(by(a, va, "oos_sharpe")) & set(by(b, vb, "oos_sharpe")))
+    out["units"] = out["metrics"]["oos_sharpe"]["a_minus_b"]["n"]
     return out
 
 

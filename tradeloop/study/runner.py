@@ -106,24 +106,24 @@ def epochs_done(out: Path, run_id: str) -> int:
     return len(list((out / "runs" / run_id / "loop").glob("epoch-*.json")))
 
 
-def earlier_starts(path: Path) -> list[dict]:
-    """The earlier starts of the study command in this out directory (wall s, epochs trained, runs at once each), read
-    from the status.json the last one left: a resumed study's time is the sum of its starts."""
+def earlier_starts(prev: dict) -> list[dict]:
+    """The earlier starts of the study command in this out directory (wall s, epochs trained, runs at once each), from
+    the status.json the last one left (`prev`, {} when none): a resumed study's time is the sum of its starts."""
     try:
-        prev = json.loads(path.read_text())
         here = {"wall_s": float(prev["wall_s"]), "epochs": int(prev["epochs_this_start"]),
                 "parallel": int(prev.get("parallel", 1))}
-    except (OSError, ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError):
         return []
     return [*prev.get("earlier_starts", []), here]
 
 
-def _previous(path: Path, key: str):
-    """`key` of the status.json an earlier start left (None when there is none)."""
+def _read_status(path: Path) -> dict:
+    """The status.json an earlier start left ({} when there is none or it is unreadable)."""
     try:
-        return json.loads(path.read_text()).get(key)
-    except (OSError, ValueError, AttributeError):
-        return None
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return doc if isinstance(doc, dict) else {}
 
 
 class Status:
@@ -131,11 +131,12 @@ class Status:
 
     def __init__(self, out: Path, spec: StudySpec, n_runs: int, runs_done: int, epochs_before: int):
         self.path, self.t0, self.t_last = out / "status.json", time.time(), 0.0
+        prev = _read_status(self.path)
         self.doc: dict[str, Any] = {
             "state": "running", "pid": os.getpid(), "started_at": self.t0, "runs_total": n_runs,
             "runs_done": runs_done, "runs_failed": [], "running": {}, "epochs_total": n_runs * spec.epochs,
             "epochs_done": epochs_before, "epochs_this_start": 0, "parallel": spec.parallel,
-            "earlier_starts": earlier_starts(self.path), "mps_dir": _previous(self.path, "mps_dir")}
+            "earlier_starts": earlier_starts(prev), "mps_dir": prev.get("mps_dir")}
 
     def update(self, force: bool = False, **kw) -> None:
         self.doc.update(kw)
@@ -311,10 +312,7 @@ def report_only(out: Path) -> dict:
     if missing:
         raise StudyError(f"--out {out}: {len(missing)} of {len(spec.runs())} runs are not done ({', '.join(missing[:5])}"
                          f"{' …' if len(missing) > 5 else ''}); run the study's command again to finish them")
-    try:
-        st = json.loads((out / "status.json").read_text())
-    except (OSError, ValueError):
-        st = {}
+    st = _read_status(out / "status.json")
     timing = {"wall_s": st.get("wall_s"), "runs_at_once": st.get("parallel", spec.parallel),
               "epochs_trained": st.get("epochs_this_start"), "epochs_per_s": st.get("epochs_per_s") or None,
               "gpu_busy_pct": {}, "from": "the study's last status.json"}
