@@ -53,8 +53,9 @@ def test_every_epoch_closed_exactly_once(chaos):
     assert len(by) == 6 and sum(len(v) for v in by.values()) == 8
     # the trainer's epoch records name a bundle of an earlier epoch, never a later one, in order
     used = [t["history"][e]["bundle_epoch"] for e in range(1, EPOCHS + 1)]
-    assert used[0] is None and all(u is not None and u < e for e, u in zip(range(2, EPOCHS + 1), used[1:]))
-    assert used[1:] == sorted(used[1:])
+    why = {e: (t["history"][e].get("bundle_epoch"), t["history"][e].get("knobs_source")) for e in range(1, EPOCHS + 1)}
+    assert used[0] is None and all(u is not None and u < e for e, u in zip(range(2, EPOCHS + 1), used[1:])), why
+    assert used[1:] == sorted(used[1:]), why
 
 
 def test_evaluator_killed_three_times_each_checkpoint_evaluated_once(chaos):

@@ -79,3 +79,33 @@ async def test_trainer_restores_the_epoch_a_bundle_rolls_back_to(redis_url, run_
     ck = tmp_path / run_id / "trainer" / "checkpoints"
     states = sorted(int(p.name[6:10]) for p in ck.glob("epoch-*.state.safetensors"))
     assert states[0] == 1 and states[-1] == 4 and 2 not in states, states
+
+
+async def test_a_restarted_trainer_times_out_onto_the_bundle_its_last_epoch_trained_under(redis_url, run_id, tmp_path):
+    """A trainer restarted after epoch 2 (trained under bundle 1) whose wait for bundle 2 times out trains epoch 3
+    on bundle 1, as the process before it would have — not on the fixed schedule — and says so in the record."""
+    def settings(epochs: int, timeout_s: float) -> TrainerServiceSettings:
+        return TrainerServiceSettings(redis_url=redis_url, run_id=run_id, run_dir=tmp_path, epochs=epochs,
+                                      data="synthetic", data_bars=1000, train_iterations=4, train_learning_starts=32,
+                                      train_batch_size=32, train_n_envs=4, feedback_timeout_s=timeout_s)
+
+    async def run_trainer(s: TrainerServiceSettings, before=None):
+        state, bus = service_plumbing("trainer", s)
+        await bus.connect()
+        try:
+            if before is not None:
+                await before(bus)
+            await asyncio.wait_for(TrainerWorker(s, bus, state).run(), 300)
+            return {e: json.loads(v) for e, v in
+                    ((int(k), v) for k, v in (await bus.redis.hgetall(history_key(run_id))).items())}
+        finally:
+            await bus.close()
+
+    # epoch 1, then bundle 1 (stored up front: epoch 2 finds it), then epoch 2; the process ends there
+    await run_trainer(settings(1, 300))
+    await run_trainer(settings(2, 300), before=lambda bus: bus.store.put_bundle(1, bundle(run_id, 1, best_epoch=1)))
+    hist = await run_trainer(settings(3, 0.5))           # a new process; bundle 2 never comes
+    r3 = hist[3]
+    assert hist[2]["bundle_epoch"] == 1 and r3["feedback_timed_out"] is True, r3
+    assert (r3["bundle_epoch"], r3["stale_bundle"]) == (1, True), r3["knobs_source"]
+    assert "training on the last bundle (epoch 1)" in r3["knobs_source"]

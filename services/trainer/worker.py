@@ -324,6 +324,17 @@ class TrainerWorker:
         self.state.extra["feedback"] = {"epoch": epoch, **rec}
         return knobs, rec, waiter
 
+    async def _restore_last_bundle(self, epoch: int) -> None:
+        """A restarted trainer picks up the bundle its last saved epoch trained under (from that epoch's record,
+        in Redis or history.jsonl): what a feedback timeout trains on next, and the best epoch pruning keeps."""
+        try:
+            prev = await self.bus.redis.hget(history_key(self.bus.run_id), str(epoch))
+            rec = json.loads(prev) if prev else runfiles.read_history(self.run_dir / HISTORY).get(epoch) or {}
+            if rec.get("bundle_epoch") is not None:
+                self.last_bundle = await self.bus.store.get_bundle(int(rec["bundle_epoch"]))
+        except REDIS_DOWN as exc:
+            self._redis_down(exc)
+
     def _set_bundle(self, rec: dict) -> None:
         """bundle_epoch / bundle_id of a record: the last bundle applied in the epoch, else the one carried."""
         b = rec["bundles_applied"][-1]["epoch"] if rec["bundles_applied"] else (
@@ -448,6 +459,8 @@ class TrainerWorker:
             prev = await self.bus.redis.hget(history_key(self.bus.run_id), str(tstate.epoch))
             rec = json.loads(prev) if prev else runfiles.read_history(self.run_dir / HISTORY).get(tstate.epoch)
             await self._publish(tstate.epoch, path, meta, rec or {"resumed": True})
+        if tstate.epoch:
+            await self._restore_last_bundle(tstate.epoch)
         self.state.ready = True
         while tstate.epoch < self.settings.epochs and not self._stop.is_set():
             if not self._resume.is_set():
