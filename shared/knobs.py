@@ -38,6 +38,9 @@ class Knobs:
     """E8 — relative sampling weight of episode starts by regime label."""
     regime_confidence: list[float] = field(default_factory=lambda: [1.0] * N_REGIMES)
     """E9 — position-size multiplier in [0, 1] by regime (0 closes the regime to new entries)."""
+    lr_decay: float = 1.0
+    """The rollback's — multiplier in (0, 1] of every parameter group's learning rate, the E4 scales included:
+    `FeedbackConfig.rollback_lr_factor` to the power of the rollbacks so far (1: none)."""
 
     def validate(self) -> "Knobs":
         if not 0.0 <= self.epsilon <= 1.0:
@@ -46,11 +49,17 @@ class Knobs:
             raise ValueError(f"gamma must be in (0, 1), got {self.gamma}")
         if set(self.lr_scale) != set(BRANCHES) or any(v <= 0 for v in self.lr_scale.values()):
             raise ValueError(f"lr_scale needs a positive value for each of {BRANCHES}, got {self.lr_scale}")
+        if not 0.0 < self.lr_decay <= 1.0:
+            raise ValueError(f"lr_decay must be in (0, 1], got {self.lr_decay}")
         for name in ("regime_weights", "regime_confidence"):
             v = getattr(self, name)
             if len(v) != N_REGIMES or any((not math.isfinite(x)) or x < 0 for x in v):
                 raise ValueError(f"{name} needs {N_REGIMES} finite non-negative values, got {v}")
         return self
+
+    def group_lr_scale(self, branch: str) -> float:
+        """`group_lr_scale` of a parameter group of `branch` under these knobs."""
+        return group_lr_scale(self.lr_scale, self.lr_decay, branch)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -70,6 +79,12 @@ class Knobs:
     def fixed_schedule(cls, epoch: int, **schedule) -> "Knobs":
         """`FixedSchedule(**schedule).knobs(epoch)`: the knobs of feedback off for 1-based `epoch`."""
         return FixedSchedule(**schedule).knobs(epoch)
+
+
+def group_lr_scale(lr_scale: Mapping[str, float], lr_decay: float, branch: str) -> float:
+    """The multiplier of a parameter group's scheduled learning rate: E4's scale of its branch (1 for the trunk and
+    the risk head) × the rollback's `lr_decay`."""
+    return (lr_scale[branch] if branch in BRANCHES else 1.0) * lr_decay
 
 
 @dataclass(frozen=True)

@@ -144,6 +144,19 @@ def test_lr_scale_sets_the_branch_groups_lr(data):
     assert math.isclose(lr["size"] / lr["direction"], 1.0, rel_tol=1e-9)
 
 
+def test_the_rollbacks_lr_decay_scales_every_group(data):
+    """`lr_decay` (the rollback's annealing) multiplies every group's learning rate, the trunk's and the risk
+    head's too: the same epoch under decay 0.25 ends with each group at a quarter of its LR under decay 1."""
+    from services.trainer.optim import group_lr
+
+    st = make_state(data, learning_starts=64)
+    train_epoch(st, Knobs(lr_decay=0.25))
+    assert st.update_step > 0
+    for g in st.opt.param_groups:
+        full = group_lr({**g, "age": g["age"] - 1}, st.update_step - 1, Knobs().lr_scale, st.cfg)
+        assert math.isclose(float(g["lr"]), 0.25 * full, rel_tol=1e-9), g["name"]
+
+
 # --- E5 gate and E9 regime confidence: entries blocked during collection ---------------------------------------
 def test_gate_threshold_zero_blocks_every_entry(data):
     st = make_state(data)

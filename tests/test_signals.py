@@ -418,6 +418,27 @@ def test_rollback_restores_the_best_epochs_knobs_and_names_its_checkpoint():
     assert b.to_knobs().priority_boost == [] and b.to_knobs().hindsight == []
 
 
+def test_a_rollback_decays_every_learning_rate_and_the_decay_carries_on():
+    """With `rollback_lr_factor` f, a rollback multiplies the reported epoch's `lr_decay` by f (not the restored
+    epoch's: each retry from the best epoch takes smaller steps than the last), an epoch without one carries it,
+    the default f = 1 never decays, and feedback off leaves the schedule's 1."""
+    cfg = {"rollback_lr_factor": 0.5}
+    first = compute_bundle(at(2, -0.3), [at(1, 0.6)], cfg, now="t")
+    assert first.rollback and first.to_knobs().lr_decay == 0.5 and "learning rates × 0.5" in first.reason
+    again = compute_bundle(at(3, -0.3, lr_decay=0.5), [at(1, 0.6), at(2, -0.3, lr_decay=1.0)], cfg, now="t")
+    assert again.rollback_to_epoch == 1 and again.to_knobs().lr_decay == 0.25
+    carried = compute_bundle(at(4, 0.9, lr_decay=0.25), [at(1, 0.6)], cfg, now="t")
+    assert not carried.rollback and carried.to_knobs().lr_decay == 0.25
+    assert compute_bundle(at(2, -0.3), [at(1, 0.6)], {}, now="t").to_knobs().lr_decay == 1.0
+    assert compute_bundle(at(2, -0.3, lr_decay=0.5), [at(1, 0.6)], {"enabled": False, "rollback_lr_factor": 0.5},
+                          now="t").to_knobs().lr_decay == 1.0
+    for bad in (0.0, 1.5, -0.5):
+        with pytest.raises(ValueError, match="rollback_lr_factor must be in"):
+            FeedbackConfig(rollback_lr_factor=bad)
+    with pytest.raises(ValueError, match="lr_decay must be in"):
+        Knobs(lr_decay=0.0).validate()
+
+
 def test_switched_off_signals_keep_the_fixed_schedule():
     prev = Knobs(epsilon=0.4, gamma=0.95, q_bias=0.02, regime_confidence=[0.5] * 9)
     trades = [tr(-0.01 + 0.002 * (i % 2), t=2 * i, regime=3, q=0.01) for i in range(40)]

@@ -79,8 +79,15 @@ def test_lr_schedule_warmup_branch_scale_and_cosine_restart_resets_momentum():
     # mid-period: 0.3 + 0.7 · ½(1 + cos(π · 3.5/7)) = 0.65
     cfg.cosine_period = 14
     assert group_lr(d, 7, scale, cfg) == pytest.approx(cfg.lr * 2.0 * 0.65)
+    # the rollback's lr_decay multiplies every group, the trunk's too, and set_lrs writes it
+    assert group_lr(d, 7, scale, cfg, lr_decay=0.25) == pytest.approx(cfg.lr * 2.0 * 0.65 * 0.25)
+    assert group_lr(trunk, 3, scale, cfg, lr_decay=0.25) == pytest.approx(cfg.lr * 0.25)
     cfg.cosine_period = 7
     ag = Agent(TINY_AGENT)
+    opt = build_optimizer(ag, cfg, "cpu")
+    set_lrs(opt, 3, scale, cfg, lr_decay=0.5)
+    for g in opt.param_groups:
+        assert float(g["lr"]) == pytest.approx(0.5 * group_lr({**g, "age": g["age"] - 1}, 3, scale, cfg))
     opt = build_optimizer(ag, cfg, "cpu")
     sum(p.sum() for p in ag.parameters()).backward()
     opt.step()

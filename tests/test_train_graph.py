@@ -59,16 +59,17 @@ def test_device_lr_schedule_equals_the_host_schedule(data):
     st = build_state(tiny_cfg(feats.shape[1]), bars, split, 0)
     cfg, opt, buf = st.cfg, st.opt, st.buffers
     scale = {"direction": 1.5, "size": 0.5, "exit": 2.0}
-    apply_knobs(st, Knobs(lr_scale=scale))
-    for g in opt.param_groups:                       # tensor LRs, as the capturable optimizer has on CUDA
-        g["lr"] = torch.tensor(0.0)
-    for step in (0, 3, 4, 29, 30, 31, 95):
-        buf.step.fill_(float(step))
-        device_lrs(opt, buf, cfg)
-        assert float(buf.step) == step + 1
-        for g in opt.param_groups:
-            want = group_lr({**g, "age": step}, step, scale, cfg)
-            assert math.isclose(float(g["lr"]), want, rel_tol=1e-6), (g["name"], step)
+    for decay in (1.0, 0.25):                        # the rollback's lr_decay: every group, the trunk's too
+        apply_knobs(st, Knobs(lr_scale=scale, lr_decay=decay))
+        for g in opt.param_groups:                   # tensor LRs, as the capturable optimizer has on CUDA
+            g["lr"] = torch.tensor(0.0)
+        for step in (0, 3, 4, 29, 30, 31, 95):
+            buf.step.fill_(float(step))
+            device_lrs(opt, buf, cfg)
+            assert float(buf.step) == step + 1
+            for g in opt.param_groups:
+                want = group_lr({**g, "age": step}, step, scale, cfg, decay)
+                assert math.isclose(float(g["lr"]), want, rel_tol=1e-6), (g["name"], step, decay)
 
 
 def test_device_schedule_resets_branch_momentum_at_a_cosine_restart(data):

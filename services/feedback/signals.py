@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any, Sequence
 
 
@@ -122,12 +122,17 @@ class FeedbackConfig:
     rollback_z: float = 2.0
     """Roll back when validation fell below the best earlier epoch's by more than rollback_z standard errors of
     the difference (the best of several noisy epochs is biased up, hence more than one)."""
+    rollback_lr_factor: float = 1.0
+    """Each rollback multiplies every learning rate by this (`Knobs.lr_decay`, carried from epoch to epoch): the
+    restored epoch trains on in smaller steps, as "restore the best and anneal" schedules do; 1: no decay."""
 
     def __post_init__(self) -> None:
         try:
             object.__setattr__(self, "off", parse_off(self.off))
         except ValueError as exc:
             raise ValueError(f"feedback config: {exc}") from None
+        if not 0.0 < self.rollback_lr_factor <= 1.0:
+            raise ValueError(f"feedback config: rollback_lr_factor must be in (0, 1], got {self.rollback_lr_factor}")
         object.__setattr__(self, "schedule", FixedSchedule.coerce(self.schedule, "feedback config: schedule"))
         if not (self.schedule.eps_start > 0 and self.schedule.eps_end > 0):
             raise ValueError(f"feedback config: schedule eps_start and eps_end must be > 0 (E2 scales the schedule's "
@@ -539,6 +544,9 @@ def compute_bundle(report: EvalReport, history: Sequence[EvalReport | HistoryEnt
         why = (f"rollback: val per-trade Sharpe {s:.3f} fell {rb.drop:.3f} below epoch {g.epoch}'s "
                f"{g.val_sharpe:.3f}, beyond {cfg.rollback_z:g}·SE = {cfg.rollback_z * rb.se:.3f}; the trainer "
                f"restores epoch {g.epoch}'s weights and optimizer state, and its knobs")
+        if cfg.rollback_lr_factor != 1.0:
+            why += (f"; learning rates × {cfg.rollback_lr_factor:g} (lr_decay {view.knobs.lr_decay:g} → "
+                    f"{view.knobs.lr_decay * cfg.rollback_lr_factor:g})")
         for i in CONTINUOUS:
             if i in off:
                 continue
@@ -559,7 +567,10 @@ def compute_bundle(report: EvalReport, history: Sequence[EvalReport | HistoryEnt
                                             "inputs": {**old.inputs, "rollback_to_epoch": g.epoch,
                                                        "signal_labels": len(old.value)}})
         reason = why
-    knobs = knobs_from_signals(sig)
+    # the rollback's learning-rate decay accumulates over the run's rollbacks (the restored epoch's knobs do not
+    # reset it: each retry from the best epoch takes smaller steps than the last)
+    knobs = replace(knobs_from_signals(sig), lr_decay=view.knobs.lr_decay * (
+        cfg.rollback_lr_factor if rb is not None else 1.0)).validate()
     sharpes = [(h.val_sharpe, -h.epoch) for h in view.history] + [(view.val.metric("per_trade_sharpe"), -view.epoch)]
     best_epoch = -max(sharpes)[1] if cfg.is_on("rollback") else None     # ties: the earliest
     return FeedbackBundle(run_id=report.run_id, epoch=report.epoch, for_epoch=report.epoch + 1, enabled=True,

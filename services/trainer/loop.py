@@ -136,7 +136,7 @@ def train_epoch(state: TrainState, knobs: Knobs, progress: Callable[[int, int], 
 
     def before_update() -> None:                # host bookkeeping of one update (LRs on a CPU, group ages)
         nonlocal n_upd
-        set_lrs(state.opt, state.update_step, knobs.lr_scale, cfg, write_lr=not cuda)
+        set_lrs(state.opt, state.update_step, knobs.lr_scale, cfg, write_lr=not cuda, lr_decay=knobs.lr_decay)
         n_upd += 1
         state.update_step += 1
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from shared.agent import Agent
-from shared.knobs import BRANCHES
+from shared.knobs import BRANCHES, group_lr_scale
 from services.trainer.config import TrainConfig
 from services.trainer.flat_adamw import FlatAdamW
 
@@ -112,20 +112,21 @@ def materialise_state(opt: torch.optim.Optimizer) -> None:
 # The LR schedule
 # ---------------------------------------------------------------------------------------------------------
 def scheduled_lr(age, step, scale, branch, cfg: TrainConfig):
-    """lr = base × warm-up(age) × (E4 scale × cosine warm restart(step) for the branch groups, 1 for the others):
-    warm-up min(1, (age + 1) / lr_warmup); cosine floor + (1 − floor) · ½(1 + cos(π · (step mod period) / period)).
+    """lr = base × warm-up(age) × scale × (cosine warm restart(step) for the branch groups, 1 for the others), the
+    scale `Knobs.group_lr_scale` (E4's scale of the branch × the rollback's `lr_decay`): warm-up min(1, (age + 1) /
+    lr_warmup); cosine floor + (1 − floor) · ½(1 + cos(π · (step mod period) / period)).
 
     Python numbers (the host: `group_lr`) or tensors (the device's captured step: `device_lrs`, with `branch` a
-    bool tensor per group and `scale` the groups' E4 scales): the same formula in the same order of operations."""
+    bool tensor per group and `scale` the groups' scales): the same formula in the same order of operations."""
     on_device = torch.is_tensor(step)
     warm = (age + 1.0) / cfg.lr_warmup
     warm = warm.clamp(max=1.0) if on_device else min(warm, 1.0)
     phase = (step % cfg.cosine_period) / cfg.cosine_period
     cos_f = cfg.cosine_floor + (1 - cfg.cosine_floor) * 0.5 * (1.0 + (torch.cos if on_device else math.cos)(math.pi * phase))
     if on_device:
-        branch_f = torch.where(branch, scale * cos_f, torch.ones_like(scale))
+        branch_f = torch.where(branch, scale * cos_f, scale)
     else:
-        branch_f = scale * cos_f if branch else 1.0
+        branch_f = scale * cos_f if branch else scale
     return cfg.lr * warm * branch_f
 
 
@@ -134,21 +135,22 @@ def cosine_restart(step, cfg: TrainConfig):
     return (step > 0) & (step % cfg.cosine_period == 0)
 
 
-def group_lr(group: dict, step: int, knobs_lr_scale: dict[str, float], cfg: TrainConfig) -> float:
-    """`scheduled_lr` of one optimizer group (its "age" and "branch") before update `step`, on the host."""
+def group_lr(group: dict, step: int, knobs_lr_scale: dict[str, float], cfg: TrainConfig, lr_decay: float = 1.0) -> float:
+    """`scheduled_lr` of one optimizer group (its "age" and "branch") before update `step`, on the host, under E4's
+    scales and the rollback's `lr_decay` (`Knobs.group_lr_scale`)."""
     branch = group["branch"] in BRANCHES
-    return scheduled_lr(group["age"], step, knobs_lr_scale[group["branch"]] if branch else 1.0, branch, cfg)
+    return scheduled_lr(group["age"], step, group_lr_scale(knobs_lr_scale, lr_decay, group["branch"]), branch, cfg)
 
 
 def set_lrs(opt: torch.optim.Optimizer, step: int, lr_scale: dict[str, float], cfg: TrainConfig,
-            write_lr: bool = True) -> None:
+            write_lr: bool = True, lr_decay: float = 1.0) -> None:
     """Host-side schedule before update `step`: the LRs written into the groups (tensor LRs with `fill_`), the
     momentum reset of branch groups at each cosine restart, group ages. With `write_lr=False` (CUDA) only the ages:
     `device_lrs`, inside the captured step, does the LRs and the restart from the device's update counter."""
     if write_lr:
         restart = cosine_restart(step, cfg)
         for g in opt.param_groups:
-            lr = group_lr(g, step, lr_scale, cfg)
+            lr = group_lr(g, step, lr_scale, cfg, lr_decay)
             if torch.is_tensor(g["lr"]):
                 g["lr"].fill_(lr)
             else:

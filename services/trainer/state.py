@@ -104,8 +104,8 @@ def apply_knobs(state: TrainState, knobs: Knobs) -> None:
     state.controls.set(epsilon=knobs.epsilon, gate_threshold=knobs.gate_threshold,
                        regime_confidence=knobs.regime_confidence)
     state.buffers.gamma.fill_(knobs.gamma)
-    state.buffers.lr_scale.copy_(torch.tensor([knobs.lr_scale.get(g["branch"], 1.0)
-                                               for g in state.opt.param_groups], dtype=torch.float64))
+    state.buffers.lr_scale.copy_(torch.tensor([knobs.group_lr_scale(g["branch"]) for g in state.opt.param_groups],
+                                              dtype=torch.float64))
     state.buffers.q_bias.fill_(knobs.q_bias)
     # E6/E7 name absolute bars of the dataset (inside the train range); the replay and the label table are
     # indexed from the start of the training window
