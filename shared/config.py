@@ -263,6 +263,13 @@ class FeedbackSettings(CommonSettings):
                               description="signals switched off, comma-separated (E1…E9, rollback): their knobs "
                                           "follow the fixed schedule; empty: every signal on")
 
+    rollback_z: float | None = Field(default=None, gt=0,
+                                     description="roll back when validation fell this many standard errors below "
+                                                 "the best epoch's (unset: FeedbackConfig's default)")
+    rollback_lr_factor: float | None = Field(default=None, gt=0, le=1,
+                                             description="multiply every learning rate by this at each rollback "
+                                                         "(unset: FeedbackConfig's default, 1: no decay)")
+
     @field_validator("feedback_off")
     @classmethod
     def _off(cls, v: str) -> str:

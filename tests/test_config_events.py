@@ -181,3 +181,20 @@ def test_the_product_ships_the_signals_off_and_every_signal_can_be_turned_on(mon
     spec = StudySpec(dataset="synthetic", variants=[on, off, no_e1], seeds=[0], folds=1, epochs=1)
     assert spec.configs(on, 8)[1].off == DEFAULT_OFF                 # "on" is the loop as shipped
     assert spec.configs(no_e1, 8)[1].off == ("E1",)                  # a variant's `off` replaces the list
+
+
+def test_the_rollback_settings_reach_the_feedback_config(monkeypatch):
+    """TL_ROLLBACK_Z / TL_ROLLBACK_LR_FACTOR set the feedback service's rollback as a study variant's
+    `feedback.rollback_z` / `feedback.rollback_lr_factor` does; unset, FeedbackConfig's defaults hold; a value
+    out of range is refused naming the variable."""
+    from services.feedback.signals import FeedbackConfig
+
+    cfg = FeedbackConfig.coerce(load_settings(FeedbackSettings))
+    assert (cfg.rollback_z, cfg.rollback_lr_factor) == (FeedbackConfig().rollback_z, FeedbackConfig().rollback_lr_factor)
+    monkeypatch.setenv("TL_ROLLBACK_Z", "1.5")
+    monkeypatch.setenv("TL_ROLLBACK_LR_FACTOR", "0.5")
+    cfg = FeedbackConfig.coerce(load_settings(FeedbackSettings))
+    assert (cfg.rollback_z, cfg.rollback_lr_factor) == (1.5, 0.5)
+    monkeypatch.setenv("TL_ROLLBACK_LR_FACTOR", "2")
+    with pytest.raises(ConfigError, match="ROLLBACK_LR_FACTOR"):
+        load_settings(FeedbackSettings)

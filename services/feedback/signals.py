@@ -149,7 +149,8 @@ class FeedbackConfig:
 
     @classmethod
     def coerce(cls, config: Any) -> "FeedbackConfig":
-        """A FeedbackConfig from itself, a mapping, or any object with (some of) these attributes; None → defaults.
+        """A FeedbackConfig from itself, a mapping, or any object with (some of) these attributes (an attribute at
+        None: the default); None → defaults.
         A mapping may name the schedule's fields at its top level too (`eps_start`, `gamma_fixed`, ...)."""
         if config is None:
             return cls()
@@ -166,7 +167,8 @@ class FeedbackConfig:
                 config["schedule"] = FixedSchedule.coerce(config.get("schedule"), "feedback config: schedule"
                                                           ).with_values(flat, "feedback config")
             return cls(**config)
-        return cls(**{n: getattr(config, n) for n in names if hasattr(config, n)})
+        # a settings object leaves a field it does not set at None: the config's default
+        return cls(**{n: v for n in names if (v := getattr(config, n, None)) is not None})
 
 
 # --- helpers ----------------------------------------------------------------------------------------------
