@@ -37,8 +37,8 @@ def test_a_study_file_key_outside_the_options_is_refused_listing_them(tmp_path: 
 @pytest.mark.parametrize("path", sorted((Path(__file__).resolve().parents[1] / "studies").glob("*.toml")),
                          ids=lambda p: p.name)
 def test_the_shipped_study_files_build(path: Path, tmp_path: Path):
-    """studies/*.toml (the signal studies the README names) build into a valid study whose variants' feedback
-    configs switch off what their names say."""
+    """studies/*.toml (the studies the README names) build into a valid study whose variants' feedback configs
+    switch off (or set) what their names say."""
     spec, _ = build_spec({**{k: None for k in TOML_KEYS}, "config": path, "out": tmp_path / "o"})
     offs = {v.name: spec.configs(v, 14)[1] for v in spec.variants}
     signals = {f"E{i}" for i in range(1, 10)}
@@ -48,4 +48,10 @@ def test_the_shipped_study_files_build(path: Path, tmp_path: Path):
             assert set(fb.off) == {name[2:]} and fb.enabled
         elif name in signals:
             assert set(fb.off) == signals - {name} and fb.enabled
-    assert len(spec.variants) >= 11 and spec.preset == "full" and spec.device == "cuda"
+    assert spec.preset == "full" and spec.device == "cuda" and spec.epochs >= 8
+    if path.name.startswith("signals-"):
+        assert len(spec.variants) >= 11
+    else:                                    # rollback-settings.toml: the rollback's z and learning-rate decay
+        want = {"on": (2.0, 1.0), "z1": (1.0, 1.0), "anneal": (2.0, 0.5), "z1anneal": (1.0, 0.5)}
+        assert {n: (fb.rollback_z, fb.rollback_lr_factor) for n, fb in offs.items() if n != "off"} == want
+        assert all(set(offs[n].off) == signals for n in want)
