@@ -109,3 +109,6 @@ async def test_a_restarted_trainer_times_out_onto_the_bundle_its_last_epoch_trai
     assert hist[2]["bundle_epoch"] == 1 and r3["feedback_timed_out"] is True, r3
     assert (r3["bundle_epoch"], r3["stale_bundle"]) == (1, True), r3["knobs_source"]
     assert "training on the last bundle (epoch 1)" in r3["knobs_source"]
+    # and its pruning still keeps the best epoch bundle 1 named (what a later rollback restores)
+    ck = tmp_path / run_id / "trainer" / "checkpoints"
+    assert sorted(int(p.name[6:10]) for p in ck.glob("epoch-*.state.safetensors")) == [1, 2, 3]
