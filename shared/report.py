@@ -328,6 +328,9 @@ class FeedbackBundle(_Versioned):
     rollback_to_epoch: int | None = None
     rollback_checkpoint_sha256: str = ""
     """The sha256 of that epoch's checkpoint (the one its report evaluated); "" when the report did not say."""
+    rollback_keep: float = Field(default=0.0, ge=0.0, lt=1.0)
+    """The share of the current weights the rollback keeps (`FeedbackConfig.rollback_keep`; 0: that epoch's
+    weights exactly)."""
     best_epoch: int | None = None
     """The epoch with the best validation per-trade Sharpe so far, this one included: what a later rollback would
     restore, so the trainer keeps its checkpoint files. None with the rollback off."""

@@ -184,17 +184,23 @@ def test_the_product_ships_the_signals_off_and_every_signal_can_be_turned_on(mon
 
 
 def test_the_rollback_settings_reach_the_feedback_config(monkeypatch):
-    """TL_ROLLBACK_Z / TL_ROLLBACK_LR_FACTOR set the feedback service's rollback as a study variant's
-    `feedback.rollback_z` / `feedback.rollback_lr_factor` does; unset, FeedbackConfig's defaults hold; a value
-    out of range is refused naming the variable."""
+    """TL_ROLLBACK_Z / TL_ROLLBACK_LR_FACTOR / TL_ROLLBACK_KEEP set the feedback service's rollback as a study
+    variant's `feedback.rollback_z` / `feedback.rollback_lr_factor` / `feedback.rollback_keep` does; unset,
+    FeedbackConfig's defaults hold; a value out of range is refused naming the variable."""
     from services.feedback.signals import FeedbackConfig
 
+    names = ("rollback_z", "rollback_lr_factor", "rollback_keep")
     cfg = FeedbackConfig.coerce(load_settings(FeedbackSettings))
-    assert (cfg.rollback_z, cfg.rollback_lr_factor) == (FeedbackConfig().rollback_z, FeedbackConfig().rollback_lr_factor)
+    assert [getattr(cfg, n) for n in names] == [getattr(FeedbackConfig(), n) for n in names]
     monkeypatch.setenv("TL_ROLLBACK_Z", "1.5")
     monkeypatch.setenv("TL_ROLLBACK_LR_FACTOR", "0.5")
+    monkeypatch.setenv("TL_ROLLBACK_KEEP", "0.25")
     cfg = FeedbackConfig.coerce(load_settings(FeedbackSettings))
-    assert (cfg.rollback_z, cfg.rollback_lr_factor) == (1.5, 0.5)
+    assert [getattr(cfg, n) for n in names] == [1.5, 0.5, 0.25]
     monkeypatch.setenv("TL_ROLLBACK_LR_FACTOR", "2")
     with pytest.raises(ConfigError, match="ROLLBACK_LR_FACTOR"):
+        load_settings(FeedbackSettings)
+    monkeypatch.setenv("TL_ROLLBACK_LR_FACTOR", "0.5")
+    monkeypatch.setenv("TL_ROLLBACK_KEEP", "1")
+    with pytest.raises(ConfigError, match="ROLLBACK_KEEP"):
         load_settings(FeedbackSettings)

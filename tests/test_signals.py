@@ -439,6 +439,18 @@ def test_a_rollback_decays_every_learning_rate_and_the_decay_carries_on():
         Knobs(lr_decay=0.0).validate()
 
 
+def test_a_rollback_names_the_share_of_the_current_weights_it_keeps():
+    """`rollback_keep` reaches the bundle of a rollback (and its reason), never a bundle without one; the default
+    keeps nothing (the best epoch's weights exactly); a share outside [0, 1) is refused."""
+    b = compute_bundle(at(2, -0.3), [at(1, 0.6)], {"rollback_keep": 0.5}, now="t")
+    assert b.rollback and b.rollback_keep == 0.5 and "weights 0.5·current + 0.5·epoch 1's" in b.reason
+    assert compute_bundle(at(2, -0.3), [at(1, 0.6)], {}, now="t").rollback_keep == 0.0
+    assert compute_bundle(at(2, 0.7), [at(1, 0.6)], {"rollback_keep": 0.5}, now="t").rollback_keep == 0.0
+    for bad in (1.0, -0.1):
+        with pytest.raises(ValueError, match="rollback_keep must be in"):
+            FeedbackConfig(rollback_keep=bad)
+
+
 def test_switched_off_signals_keep_the_fixed_schedule():
     prev = Knobs(epsilon=0.4, gamma=0.95, q_bias=0.02, regime_confidence=[0.5] * 9)
     trades = [tr(-0.01 + 0.002 * (i % 2), t=2 * i, regime=3, q=0.01) for i in range(40)]

@@ -51,7 +51,8 @@ def test_the_shipped_study_files_build(path: Path, tmp_path: Path):
     assert spec.preset == "full" and spec.device == "cuda" and spec.epochs >= 8
     if path.name.startswith("signals-"):
         assert len(spec.variants) >= 11
-    else:                                    # rollback-settings.toml: the rollback's z and learning-rate decay
-        want = {"on": (2.0, 1.0), "z1": (1.0, 1.0), "anneal": (2.0, 0.5), "z1anneal": (1.0, 0.5)}
-        assert {n: (fb.rollback_z, fb.rollback_lr_factor) for n, fb in offs.items() if n != "off"} == want
+    else:                                    # rollback-settings.toml: the rollback's z, learning-rate decay, blend
+        want = {"on": (2.0, 1.0, 0.0), "z1": (1.0, 1.0, 0.0), "anneal": (2.0, 0.5, 0.0), "keep": (2.0, 1.0, 0.5)}
+        assert {n: (fb.rollback_z, fb.rollback_lr_factor, fb.rollback_keep)
+                for n, fb in offs.items() if n != "off"} == want
         assert all(set(offs[n].off) == signals for n in want)

@@ -222,11 +222,46 @@ def test_rollback_restores_the_best_epochs_learner_bit_for_bit(tmp_path):
     # train_run's hook: a run rolled back to epoch 1 before epoch 3 trains epoch 3 as this state does
     train_epoch(a, cfg.schedule.knobs(3))
     c = train_run(bars, "synthetic", tmp_path / "c", 3, config=cfg, seed=5, pinned_fn=lambda: {1},
-                  rollback_fn=lambda e: (1, "") if e == 3 else None)
+                  rollback_fn=lambda e: (1, "", 0.0) if e == 3 else None)
     for (n, pa), pc in zip(a.agent.state_dict().items(), c.agent.state_dict().values()):
         assert torch.equal(pa, pc), n
     hist = [json.loads(x) for x in (tmp_path / "c" / "history.jsonl").read_text().splitlines()]
     assert [h["rolled_back_to"] for h in hist] == [None, None, 1]
+
+
+def test_a_rollback_that_keeps_a_share_blends_the_current_and_the_best_weights(tmp_path):
+    """`roll_back(..., keep=k)`: every floating-point tensor of the network and of its target is
+    `k·current + (1 − k)·best` (in float64, stored as float32), the optimizer state is the best epoch's bit for bit;
+    a share outside [0, 1) is refused before anything changes."""
+    from shared.checkpoints import load_checkpoint
+
+    bars = generate(700, seed=3).bars
+    a = train_run(bars, "synthetic", tmp_path / "a", 2, config=tiny_config(), seed=5, pinned_fn=lambda: {1})
+    ck = tmp_path / "a" / "checkpoints"
+    w1, _ = load_checkpoint(ck / "epoch-0001.safetensors")
+    t1, _ = load_checkpoint(ck / "epoch-0001.state.safetensors")
+    now = {k: v.clone() for k, v in a.agent.state_dict().items()}
+    now_t = {k: v.clone() for k, v in a.target.state_dict().items()}
+    with pytest.raises(ValueError, match=r"keep must be in \[0, 1\)"):
+        roll_back(a, tmp_path / "a", 1, keep=1.0)
+    assert all(torch.equal(v, now[k]) for k, v in a.agent.state_dict().items())
+    roll_back(a, tmp_path / "a", 1, keep=0.25)
+    moved = 0
+    for k, v in a.agent.state_dict().items():
+        if v.is_floating_point():
+            assert torch.equal(v, (0.25 * now[k].double() + 0.75 * w1[k].double()).float()), k
+            moved += not torch.equal(v, w1[k])
+        else:
+            assert torch.equal(v, w1[k]), k
+    assert moved > 0                                   # the blend is neither epoch's weights
+    for k, v in a.target.state_dict().items():
+        ref = t1[f"target.{k}"]
+        assert torch.equal(v, (0.25 * now_t[k].double() + 0.75 * ref.double()).float() if v.is_floating_point()
+                           else ref), k
+    names = {p: n for n, p in a.agent.named_parameters()}
+    for p, st in a.opt.state.items():
+        for slot, v in st.items():
+            assert torch.equal(torch.as_tensor(v), t1[f"opt.{names[p]}.{slot}"]), (names[p], slot)
 
 
 def test_flat_adamw_trains_the_agent_as_torch_adamw_does(tmp_path):

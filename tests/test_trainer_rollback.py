@@ -112,3 +112,16 @@ async def test_a_restarted_trainer_times_out_onto_the_bundle_its_last_epoch_trai
     # and its pruning still keeps the best epoch bundle 1 named (what a later rollback restores)
     ck = tmp_path / run_id / "trainer" / "checkpoints"
     assert sorted(int(p.name[6:10]) for p in ck.glob("epoch-*.state.safetensors")) == [1, 2, 3]
+
+
+def test_the_rollback_request_carries_the_share_of_the_current_weights_kept():
+    """The trainer's request from a bundle: the epoch, its checkpoint's sha256 and `rollback_keep` (0 when the
+    bundle predates the field); no request without a rollback."""
+    from services.trainer.worker import _rollback_rec
+
+    b = bundle("r", 3, rollback=True, rollback_to_epoch=1, rollback_checkpoint_sha256="ab" * 32, rollback_keep=0.5,
+               best_epoch=1).model_dump(mode="json")
+    assert _rollback_rec(b) == {"rollback_to_epoch": 1, "rollback_checkpoint_sha256": "ab" * 32, "rollback_keep": 0.5}
+    old = {k: v for k, v in b.items() if k != "rollback_keep"}
+    assert _rollback_rec(old)["rollback_keep"] == 0.0
+    assert _rollback_rec(bundle("r", 3, best_epoch=1).model_dump(mode="json")) == {}

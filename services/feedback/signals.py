@@ -125,6 +125,10 @@ class FeedbackConfig:
     rollback_lr_factor: float = 1.0
     """Each rollback multiplies every learning rate by this (`Knobs.lr_decay`, carried from epoch to epoch): the
     restored epoch trains on in smaller steps, as "restore the best and anneal" schedules do; 1: no decay."""
+    rollback_keep: float = 0.0
+    """The share of the current learner's weights a rollback keeps: every floating-point weight of the network and
+    its target becomes `keep·w_now + (1 − keep)·w_best` (a point on the line between the two, as weight averaging
+    and the Lookahead optimizer take); 0: the best epoch's weights bit for bit."""
 
     def __post_init__(self) -> None:
         try:
@@ -133,6 +137,8 @@ class FeedbackConfig:
             raise ValueError(f"feedback config: {exc}") from None
         if not 0.0 < self.rollback_lr_factor <= 1.0:
             raise ValueError(f"feedback config: rollback_lr_factor must be in (0, 1], got {self.rollback_lr_factor}")
+        if not 0.0 <= self.rollback_keep < 1.0:
+            raise ValueError(f"feedback config: rollback_keep must be in [0, 1), got {self.rollback_keep}")
         object.__setattr__(self, "schedule", FixedSchedule.coerce(self.schedule, "feedback config: schedule"))
         if not (self.schedule.eps_start > 0 and self.schedule.eps_end > 0):
             raise ValueError(f"feedback config: schedule eps_start and eps_end must be > 0 (E2 scales the schedule's "
@@ -549,6 +555,8 @@ def compute_bundle(report: EvalReport, history: Sequence[EvalReport | HistoryEnt
         if cfg.rollback_lr_factor != 1.0:
             why += (f"; learning rates × {cfg.rollback_lr_factor:g} (lr_decay {view.knobs.lr_decay:g} → "
                     f"{view.knobs.lr_decay * cfg.rollback_lr_factor:g})")
+        if cfg.rollback_keep:
+            why += f"; weights {cfg.rollback_keep:g}·current + {1 - cfg.rollback_keep:g}·epoch {g.epoch}'s"
         for i in CONTINUOUS:
             if i in off:
                 continue
@@ -578,6 +586,7 @@ def compute_bundle(report: EvalReport, history: Sequence[EvalReport | HistoryEnt
     return FeedbackBundle(run_id=report.run_id, epoch=report.epoch, for_epoch=report.epoch + 1, enabled=True,
                           rollback=rb is not None, rollback_to_epoch=None if rb is None else rb.best.epoch,
                           rollback_checkpoint_sha256="" if rb is None else rb.best.checkpoint_sha256,
+                          rollback_keep=0.0 if rb is None else cfg.rollback_keep,
                           best_epoch=best_epoch,
                           reason=reason, signals=sig, knobs=knobs.to_dict(), off=list(cfg.off),
                           report_checkpoint_sha256=report.checkpoint_sha256, created_at=now)

@@ -184,18 +184,41 @@ def restore_state(state: TrainState, run_dir: Path, epoch: int) -> None:
     _load_state(state, t, meta)
 
 
-def roll_back(state: TrainState, run_dir: Path, epoch: int, expected_sha256: str | None = None) -> None:
+def roll_back(state: TrainState, run_dir: Path, epoch: int, expected_sha256: str | None = None,
+              keep: float = 0.0) -> None:
     """A feedback rollback (population-based training's exploit step): the learner of the best epoch `epoch` —
     its weights, target network, optimizer state (moments, step counts) and entropy coefficient, bit for bit from
     its checkpoint files (`expected_sha256`: the checkpoint its report evaluated) — replaces the current one, in
-    place. What was collected stays (the replay buffer, the trade tracker), and time moves on (the RNGs, the epoch,
+    place. With `keep` > 0 (`FeedbackBundle.rollback_keep`) every floating-point tensor of the network and of its
+    target becomes `keep·current + (1 − keep)·best` instead; the optimizer state is the best epoch's either way.
+    What was collected stays (the replay buffer, the trade tracker), and time moves on (the RNGs, the epoch,
     update and environment-step counters, the LR schedule's group ages). The embedding tables the updates and
     collection read are recomputed from the restored encoders."""
+    if not 0.0 <= keep < 1.0:
+        raise ValueError(f"rollback keep must be in [0, 1), got {keep}")
     w, t, _ = _load_epoch(state, run_dir, epoch, expected_sha256)
+    if keep:
+        now = {k: v.detach().cpu() for k, v in state.agent.state_dict().items()}
+        w = _blend(now, w, keep)
+        now_t = {f"target.{k}": v.detach().cpu() for k, v in state.target.state_dict().items()}
+        t = {**t, **_blend(now_t, {k: v for k, v in t.items() if k.startswith("target.")}, keep)}
     with torch.no_grad():
         state.agent.load_state_dict({k: v.to(state.device) for k, v in w.items()})
     _load_learner(state, t)
     refresh_embeddings(state)
+
+
+def _blend(now: dict[str, torch.Tensor], best: dict[str, torch.Tensor], keep: float) -> dict[str, torch.Tensor]:
+    """`keep·now + (1 − keep)·best` for each floating-point tensor of `best` (computed in float64, stored in its
+    dtype); other tensors (counters, integer buffers) are `best`'s."""
+    out = {}
+    for k, b in best.items():
+        if b.is_floating_point():
+            mix = keep * now[k].double() + (1.0 - keep) * b.double()
+            out[k] = mix.to(b.dtype)
+        else:
+            out[k] = b
+    return out
 
 
 @torch.no_grad()

@@ -397,7 +397,8 @@ class TrainerWorker:
 
         target = rec["rollback_to_epoch"]
         try:
-            roll_back(self._tstate, self.run_dir, target, rec.get("rollback_checkpoint_sha256") or None)
+            roll_back(self._tstate, self.run_dir, target, rec.get("rollback_checkpoint_sha256") or None,
+                      keep=float(rec.get("rollback_keep") or 0.0))
         except (CheckpointError, ValueError, OSError) as exc:
             log.error("rollback to epoch %d refused: %s", target, exc)
             self.state.error(f"rollback to epoch {target} refused: {exc}")
@@ -603,8 +604,10 @@ class _BundleWaiter:
 
 
 def _rollback_rec(bundle: dict | None) -> dict:
-    """{"rollback_to_epoch", "rollback_checkpoint_sha256"} of a bundle that asks for a rollback, else {}."""
+    """{"rollback_to_epoch", "rollback_checkpoint_sha256", "rollback_keep"} of a bundle that asks for a rollback,
+    else {}."""
     if bundle and bundle.get("rollback") and bundle.get("rollback_to_epoch") is not None:
         return {"rollback_to_epoch": int(bundle["rollback_to_epoch"]),
-                "rollback_checkpoint_sha256": str(bundle.get("rollback_checkpoint_sha256") or "")}
+                "rollback_checkpoint_sha256": str(bundle.get("rollback_checkpoint_sha256") or ""),
+                "rollback_keep": float(bundle.get("rollback_keep") or 0.0)}
     return {}

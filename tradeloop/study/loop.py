@@ -133,6 +133,7 @@ def run_closed_loop(bars: Bars, dataset: str, run_dir: Path, epochs: int, *, con
                "bundle": {"enabled": bundle.enabled, "rollback": bundle.rollback, "reason": bundle.reason,
                           "rollback_to_epoch": bundle.rollback_to_epoch,
                           "rollback_checkpoint_sha256": bundle.rollback_checkpoint_sha256,
+                          "rollback_keep": bundle.rollback_keep,
                           "best_epoch": bundle.best_epoch},
                "val": {k: v for k, v in vm.items()},
                "val_trade_returns": [float(x) for x in rep.val.trades.net_return],
@@ -145,10 +146,12 @@ def run_closed_loop(bars: Bars, dataset: str, run_dir: Path, epochs: int, *, con
         records[e] = rec
         return rec
 
-    def rollback_for(e: int) -> tuple[int, str] | None:
-        """Bundle e−1's rollback: (the epoch whose learner `train_run` restores before epoch e, its sha256)."""
+    def rollback_for(e: int) -> tuple[int, str, float] | None:
+        """Bundle e−1's rollback: (the epoch whose learner `train_run` restores before epoch e, its sha256, the
+        share of the current weights kept)."""
         b = records.get(e - 1, {}).get("bundle", {})
-        return (int(b["rollback_to_epoch"]), b.get("rollback_checkpoint_sha256") or "") if b.get("rollback") else None
+        return ((int(b["rollback_to_epoch"]), b.get("rollback_checkpoint_sha256") or "",
+                 float(b.get("rollback_keep") or 0.0)) if b.get("rollback") else None)
 
     def pinned() -> set[int]:
         """The epoch a later rollback would restore (the latest bundle's best epoch): its trainer state is kept."""
