@@ -393,6 +393,23 @@ def test_rollback_only_beyond_the_noise_of_the_drop():
     assert compute_bundle(at(3, 0.6), [at(1, 0.6), at(2, 0.6)], CFG, now="t").best_epoch == 1
 
 
+def test_the_rollback_and_the_kept_epoch_pass_over_an_epoch_selection_would_not_pick():
+    """The best epoch a rollback restores, and the one the trainer keeps, is chosen by the run's selection rule
+    (`shared.metrics.select_best`): an epoch of few validation trades does not count while another has enough,
+    whatever its Sharpe; with none that has enough, the best of all."""
+    from shared.metrics import MIN_SELECTION_TRADES
+
+    few, many = MIN_SELECTION_TRADES - 3, 60
+    hist = [at(1, 0.9, n=few), at(2, 0.5, n=many)]
+    z0 = {"rollback_z": 0.0}
+    b = compute_bundle(at(3, 0.3, n=many), hist, z0, now="t")
+    assert b.rollback and b.rollback_to_epoch == 2 and b.best_epoch == 2
+    assert compute_bundle(at(3, 0.6, n=many), hist, z0, now="t").best_epoch == 3      # a new best with enough trades
+    only_few = [at(1, 0.9, n=few), at(2, 0.5, n=few)]
+    b = compute_bundle(at(3, 0.3, n=few), only_few, z0, now="t")
+    assert b.rollback_to_epoch == 1 and b.best_epoch == 1
+
+
 def test_rollback_restores_the_best_epochs_knobs_and_names_its_checkpoint():
     good = dict(eps=0.2, gamma=0.95, q_bias=0.01, lr_scale={"direction": 2.0, "size": 0.5, "exit": 1.0},
                 gate_threshold=0.3, regime_weights=[2.0] + [0.875] * 8, regime_confidence=[0.5] + [1.0] * 8)

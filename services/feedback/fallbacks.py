@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from services.feedback.guard import FeedbackView, HistoryPoint
 from shared.knobs import Knobs
+from shared.metrics import select_best
 from shared.report import OFF_NAMES, SIGNAL_IDS, EvalReport, FeedbackBundle, Provenance, Signal
 
 if TYPE_CHECKING:
@@ -40,12 +41,21 @@ class Rollback:
     """Standard error of that difference."""
 
 
+def best_point(points: Sequence[HistoryPoint]) -> HistoryPoint:
+    """The best of these epochs by the rule that selects a run's checkpoint (`shared.metrics.select_best`): the
+    highest validation per-trade Sharpe among the epochs with enough validation trades (the best of all when none
+    has), the earliest of equal Sharpes. A rollback restores no epoch that selection would pass over."""
+    i, _ = select_best([p.val_sharpe for p in points], [p.val_n_trades for p in points])
+    return points[i]
+
+
 def rollback_target(view: FeedbackView, cfg: "FeedbackConfig") -> Rollback | None:
-    """A `Rollback` when this epoch's validation per-trade Sharpe fell below the best earlier epoch's by more than
-    rollback_z standard errors of the difference; None otherwise (or with no history, or < 2 trades on a side)."""
+    """A `Rollback` when this epoch's validation per-trade Sharpe fell below the best earlier epoch's (`best_point`)
+    by more than rollback_z standard errors of the difference; None otherwise (or with no history, or < 2 trades on
+    a side)."""
     if not view.history:
         return None
-    best = max(view.history, key=lambda h: h.val_sharpe)
+    best = best_point(view.history)
     drop = best.val_sharpe - view.val.metric("per_trade_sharpe")
     se = diff_se(view.val.sharpe_se, best.val_sharpe_se)
     return Rollback(best, drop, se) if drop > cfg.rollback_z * se else None

@@ -41,8 +41,8 @@ from dataclasses import dataclass, fields, replace
 from typing import Any, Sequence
 
 
-from services.feedback.fallbacks import (KNOB_OF, diff_se, disabled_bundle, fixed_signals, knobs_from_signals,
-                                        rollback_target)
+from services.feedback.fallbacks import (KNOB_OF, best_point, diff_se, disabled_bundle, fixed_signals,
+                                        knobs_from_signals, rollback_target)
 from services.feedback.bounds import _clamp, _fin, _ratio_limit, _w, beyond_noise, project_weights
 from services.feedback.guard import FeedbackView, HistoryEntry, HistoryPoint, build_view, check_train_indices
 from shared.knobs import BRANCHES, N_REGIMES, FixedSchedule
@@ -581,8 +581,8 @@ def compute_bundle(report: EvalReport, history: Sequence[EvalReport | HistoryEnt
     # reset it: each retry from the best epoch takes smaller steps than the last)
     knobs = replace(knobs_from_signals(sig), lr_decay=view.knobs.lr_decay * (
         cfg.rollback_lr_factor if rb is not None else 1.0)).validate()
-    sharpes = [(h.val_sharpe, -h.epoch) for h in view.history] + [(view.val.metric("per_trade_sharpe"), -view.epoch)]
-    best_epoch = -max(sharpes)[1] if cfg.is_on("rollback") else None     # ties: the earliest
+    this = HistoryPoint(view.epoch, view.val.metric("per_trade_sharpe"), _n_val(view), view.knobs)
+    best_epoch = best_point([*view.history, this]).epoch if cfg.is_on("rollback") else None
     return FeedbackBundle(run_id=report.run_id, epoch=report.epoch, for_epoch=report.epoch + 1, enabled=True,
                           rollback=rb is not None, rollback_to_epoch=None if rb is None else rb.best.epoch,
                           rollback_checkpoint_sha256="" if rb is None else rb.best.checkpoint_sha256,
