@@ -396,7 +396,8 @@ def test_rollback_only_beyond_the_noise_of_the_drop():
 def test_the_rollback_and_the_kept_epoch_pass_over_an_epoch_selection_would_not_pick():
     """The best epoch a rollback restores, and the one the trainer keeps, is chosen by the run's selection rule
     (`shared.metrics.select_best`): an epoch of few validation trades does not count while another has enough,
-    whatever its Sharpe; with none that has enough, the best of all."""
+    whatever its Sharpe. With no earlier epoch of enough trades there is no rollback; the trainer keeps the best of
+    all."""
     from shared.metrics import MIN_SELECTION_TRADES
 
     few, many = MIN_SELECTION_TRADES - 3, 60
@@ -407,7 +408,7 @@ def test_the_rollback_and_the_kept_epoch_pass_over_an_epoch_selection_would_not_
     assert compute_bundle(at(3, 0.6, n=many), hist, z0, now="t").best_epoch == 3      # a new best with enough trades
     only_few = [at(1, 0.9, n=few), at(2, 0.5, n=few)]
     b = compute_bundle(at(3, 0.3, n=few), only_few, z0, now="t")
-    assert b.rollback_to_epoch == 1 and b.best_epoch == 1
+    assert not b.rollback and b.best_epoch == 1
 
 
 def test_rollback_restores_the_best_epochs_knobs_and_names_its_checkpoint():

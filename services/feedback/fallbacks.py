@@ -41,21 +41,23 @@ class Rollback:
     """Standard error of that difference."""
 
 
-def best_point(points: Sequence[HistoryPoint]) -> HistoryPoint:
+def best_point(points: Sequence[HistoryPoint]) -> tuple[HistoryPoint, bool]:
     """The best of these epochs by the rule that selects a run's checkpoint (`shared.metrics.select_best`): the
     highest validation per-trade Sharpe among the epochs with enough validation trades (the best of all when none
-    has), the earliest of equal Sharpes. A rollback restores no epoch that selection would pass over."""
-    i, _ = select_best([p.val_sharpe for p in points], [p.val_n_trades for p in points])
-    return points[i]
+    has), the earliest of equal Sharpes; and whether it has enough trades."""
+    i, enough = select_best([p.val_sharpe for p in points], [p.val_n_trades for p in points])
+    return points[i], enough
 
 
 def rollback_target(view: FeedbackView, cfg: "FeedbackConfig") -> Rollback | None:
     """A `Rollback` when this epoch's validation per-trade Sharpe fell below the best earlier epoch's (`best_point`)
-    by more than rollback_z standard errors of the difference; None otherwise (or with no history, or < 2 trades on
-    a side)."""
+    by more than rollback_z standard errors of the difference; None otherwise (or with no history, no earlier epoch
+    of enough validation trades to be selected, or < 2 trades on a side)."""
     if not view.history:
         return None
-    best = best_point(view.history)
+    best, enough = best_point(view.history)
+    if not enough:
+        return None
     drop = best.val_sharpe - view.val.metric("per_trade_sharpe")
     se = diff_se(view.val.sharpe_se, best.val_sharpe_se)
     return Rollback(best, drop, se) if drop > cfg.rollback_z * se else None
