@@ -324,12 +324,16 @@ class TrainerWorker:
         self.state.extra["feedback"] = {"epoch": epoch, **rec}
         return knobs, rec, waiter
 
+    async def _saved_record(self, epoch: int) -> dict | None:
+        """Epoch `epoch`'s record: from Redis, else from history.jsonl."""
+        prev = await self.bus.redis.hget(history_key(self.bus.run_id), str(epoch))
+        return json.loads(prev) if prev else runfiles.read_history(self.run_dir / HISTORY).get(epoch)
+
     async def _restore_last_bundle(self, epoch: int) -> None:
-        """A restarted trainer picks up the bundle its last saved epoch trained under (from that epoch's record,
-        in Redis or history.jsonl): what a feedback timeout trains on next, and the best epoch pruning keeps."""
+        """A restarted trainer picks up the bundle its last saved epoch trained under (from that epoch's record):
+        what a feedback timeout trains on next, and the best epoch pruning keeps."""
         try:
-            prev = await self.bus.redis.hget(history_key(self.bus.run_id), str(epoch))
-            rec = json.loads(prev) if prev else runfiles.read_history(self.run_dir / HISTORY).get(epoch) or {}
+            rec = await self._saved_record(epoch) or {}
             if rec.get("bundle_epoch") is not None:
                 self.last_bundle = await self.bus.store.get_bundle(int(rec["bundle_epoch"]))
         except REDIS_DOWN as exc:
@@ -457,9 +461,7 @@ class TrainerWorker:
         if tstate.epoch and not await self.bus.redis.exists(run_key(self.bus.run_id, "done", "published", tstate.epoch)):
             # resumed after a crash between saving and publishing: publish the saved epoch (once)
             path = checkpoint_path(self.run_dir, tstate.epoch)
-            prev = await self.bus.redis.hget(history_key(self.bus.run_id), str(tstate.epoch))
-            rec = json.loads(prev) if prev else runfiles.read_history(self.run_dir / HISTORY).get(tstate.epoch)
-            await self._publish(tstate.epoch, path, meta, rec or {"resumed": True})
+            await self._publish(tstate.epoch, path, meta, await self._saved_record(tstate.epoch) or {"resumed": True})
         if tstate.epoch:
             await self._restore_last_bundle(tstate.epoch)
         self.state.ready = True
