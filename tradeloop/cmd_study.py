@@ -2,7 +2,7 @@
 intervals.
 
     tradeloop study --dataset synthetic --variants on,off --seeds 5 --folds 3 --epochs 8 --out runs/study
-                    [--preset small|full] [--set KEY=VALUE ...] [--bars N|auto] [--device cpu|cuda] [--parallel P]
+                    [--preset small|full] [--set KEY=VALUE ...] [--bars N|auto] [--device cpu|cuda] [--parallel P|auto]
                     [--accel auto|eager|compile|graph|compile+graph] [--deterministic] [--config study.toml]
 
 Options given on the command line win over the same keys of `--config FILE.toml` (keys: the long option names with
@@ -21,6 +21,33 @@ import typer
 CLI_ONLY = ("config", "redis", "report_only")
 """Options of `tradeloop study` that a study file does not hold; every other option is a key of it (`study`'s
 parameter names, `set_` as `set`: `TOML_KEYS`, defined after `study`)."""
+
+
+AUTO_RUNS_PER_GPU = 16
+"""`--parallel auto` on CUDA: at most this many workers per visible GPU (and one per core); each GPU then keeps as
+many as its memory holds (`tradeloop.study.worker.runs_that_fit`: ten `full` runs on one H200)."""
+
+
+def parse_parallel(value: Any, device: str, where: str = "--parallel") -> int:
+    """Runs at once here: an integer ≥ 0 as given, or auto — one on a CPU; on CUDA one worker per core, at most
+    `AUTO_RUNS_PER_GPU` per visible GPU."""
+    import os
+
+    from tradeloop.study.spec import StudyError
+
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        if not str(device).startswith("cuda"):
+            return 1
+        from tradeloop.study.worker import visible_gpus
+
+        return max(1, min(os.cpu_count() or 1, AUTO_RUNS_PER_GPU * max(len(visible_gpus()), 1)))
+    try:
+        n = int(str(value).strip()) if not isinstance(value, bool) else -1
+    except (TypeError, ValueError):
+        n = -1
+    if n < 0:
+        raise StudyError(f"{where} must be an integer ≥ 1 or auto (0: no local worker, with --redis), got {value!r}")
+    return n
 
 
 def parse_seeds(value: Any, where: str = "--seeds") -> list[int]:
@@ -97,7 +124,8 @@ def build_spec(cli: dict[str, Any]):
             device=str(pick("device", "cpu")), accel=str(pick("accel", "auto")),
             deterministic=bool(pick("deterministic", False)), min_val_trades=int(pick("min_val_trades", 20)),
             reference=pick("reference"), n_boot=int(pick("n_boot", 10_000)), ci_seed=int(pick("ci_seed", 0)),
-            parallel=int(pick("parallel", 1)), threads=None if pick("threads") is None else int(pick("threads")),
+            parallel=parse_parallel(pick("parallel", "auto"), str(pick("device", "cpu"))),
+            threads=None if pick("threads") is None else int(pick("threads")),
             stagger=str(pick("stagger", "auto")), mps=str(pick("mps", "auto")).strip().lower())
     except (TypeError, ValueError) as exc:
         raise StudyError(f"{where}: {exc}") from None
@@ -152,7 +180,9 @@ def study(
     folds: Optional[int] = typer.Option(None, "--folds", help="Rolling walk-forward folds (default 3)."),
     epochs: Optional[int] = typer.Option(None, "--epochs", help="Epochs of every run."),
     device: Optional[str] = typer.Option(None, "--device", help="cpu or cuda (every visible GPU is used)."),
-    parallel: Optional[int] = typer.Option(None, "--parallel", help="Runs at once (worker processes; default 1)."),
+    parallel: Optional[str] = typer.Option(None, "--parallel", help="Runs at once (worker processes): N or auto "
+                                           "(default: on CUDA as many as fit each GPU's memory, at most one per "
+                                           "core; on a CPU 1)."),
     out: Optional[Path] = typer.Option(None, "--out", help="The study's directory (a study there is resumed)."),
     config: Optional[Path] = typer.Option(None, "--config", help="A study file (TOML) with the same keys."),
     preset: Optional[str] = typer.Option(None, "--preset", help="Trainer preset: small (CPU) or full (GPU)."),
@@ -215,7 +245,8 @@ def study(
         raise typer.Exit(2) from None
     console = Console(soft_wrap=True)
     console.print(f"study: {len(spec.variants)} variants × {len(spec.seeds)} seeds × {spec.folds} folds = "
-                  f"{len(spec.runs())} runs of {spec.epochs} epochs, {spec.parallel} at once, in {out_dir}",
+                  f"{len(spec.runs())} runs of {spec.epochs} epochs, {spec.parallel} at once"
+                  f"{' at most (those that fit each GPU)' if spec.device != 'cpu' else ''}, in {out_dir}",
                   markup=False, highlight=False)
     try:
         res = run_study(spec, out_dir, console, redis_url=redis)

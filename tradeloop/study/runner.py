@@ -279,7 +279,7 @@ def run_study(spec: StudySpec, out: Path, console=None, redis_url: str | None = 
             p.join(timeout=30)
         raise StudyError(f"{len(failed)} run(s) failed: {', '.join(sorted(failed))} (first: "
                          f"{next(iter(failed.values()))}); run the same command again to retry them")
-    timing = {"wall_s": wall, "runs_at_once": P, "epochs_trained": epochs_here,
+    timing = {"wall_s": wall, "runs_at_once": status.doc.get("peak_running") or P, "epochs_trained": epochs_here,
               "epochs_per_s": epochs_here / wall if wall > 0 and epochs_here else None,
               "gpu_busy_pct": busy, "gpus": gpus, "threads_per_worker": threads, "mps": daemon is not None,
               **_all_starts(status.doc["earlier_starts"], wall, epochs_here)}
@@ -400,8 +400,18 @@ def _follow(spec: StudySpec, out: Path, runs: list, workers: list, events, statu
                 failed[rid] = ev["error"]
                 prog.console.print(f"[red]{rid} failed: {ev['error']}")
                 _event_log(out, {"type": "error", "run": rid, "error": ev["error"], "traceback": ev["traceback"]})
+            elif ev["type"] == "stand-down":
+                gib = 2.0 ** 30
+                prog.console.print(
+                    f"{where} stands down: {ev['fit']} runs at once fit GPU {ev['gpu']} (a run holds "
+                    f"{ev['run_bytes'] / gib:.1f} GiB of {ev['total_bytes'] / gib:.1f})", markup=False, highlight=False)
+            elif ev["type"] == "memory-wait":
+                prog.console.print(f"{rid}: CUDA out of memory on GPU {ev['gpu']}; it resumes once the GPU has memory "
+                                   "free", markup=False, highlight=False)
+                _event_log(out, {"type": "memory-wait", "run": rid, "worker": where, "gpu": ev["gpu"]})
             elif ev["type"] == "exit" and "consumer" not in ev:
                 exited.add(w)
+            status.doc["peak_running"] = max(status.doc.get("peak_running", 0), len(status.doc["running"]))
             status.update(force=ev["type"] != "epoch", runs_failed=sorted(failed))
     return epochs_here
 

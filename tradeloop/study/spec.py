@@ -347,6 +347,12 @@ class StudySpec:
             raise StudyError(f"run {run_id!r} is not part of this study")
         return r
 
+    def compiled(self) -> bool:
+        """Whether its runs go through torch.compile (`--accel` as resolved for its device: auto on CUDA does)."""
+        from shared.graphs import resolve_accel
+
+        return "compile" in resolve_accel(self.accel, self.device)
+
     def data_seed_of(self, seed: int) -> int:
         return seed if self.data_seed is None else self.data_seed
 

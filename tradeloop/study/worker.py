@@ -3,9 +3,10 @@ through `tradeloop.study.remote`) and runs them to their end (`execute_run`), re
 
 Worker i is pinned to GPU i mod G of the G visible ones (`CUDA_VISIBLE_DEVICES` set before it loads CUDA), shares
 one compile cache under the out directory (`TORCHINDUCTOR_CACHE_DIR`, `TRITON_CACHE_DIR`), and dies with the study
-process (`PR_SET_PDEATHSIG`). With a compiled `--accel` the workers after the first start once the first has finished
-an epoch (`WARM_FILE`: its compiled kernels are then in the shared cache; `--stagger SECONDS`: worker i starts
-i × SECONDS later instead). A run holds an exclusive lock on its directory while it runs, so no run is ever done by
+process (`PR_SET_PDEATHSIG`). With a compiled `--accel` (auto on CUDA) or on a GPU the workers after the first start
+once the first has finished an epoch (`WARM_FILE`: its compiled kernels are then in the shared cache, and the GPU
+memory of one run is measured, `RUN_MEMORY_FILE`: a worker past the runs that fit its GPU stands down; `--stagger
+SECONDS`: worker i starts i × SECONDS later instead). A run holds an exclusive lock on its directory while it runs, so no run is ever done by
 two processes; a run killed half done resumes from its latest epoch (`tradeloop.study.loop`).
 """
 from __future__ import annotations
@@ -26,6 +27,39 @@ from tradeloop.study.spec import RunSpec, StudyError, StudySpec
 
 WARM_FILE = ".cache/warm"
 """Under the out directory: written when the first epoch of any run is done (the shared compile cache is warm)."""
+RUN_MEMORY_FILE = ".cache/gpu-memory.json"
+"""Under the out directory: the GPU memory one run holds ({"run_bytes", "total_bytes", "gpu"}), read on the device
+once the first epoch of the first run is done, while it runs alone there (the other workers wait for `WARM_FILE`);
+it caps the runs at once on each GPU (`runs_that_fit`)."""
+MEMORY_HEADROOM = 0.95
+"""The share of a GPU's memory the study's runs may fill together."""
+
+
+def runs_that_fit(total_bytes: int, run_bytes: int, headroom: float = MEMORY_HEADROOM) -> int:
+    """How many runs of `run_bytes` one GPU of `total_bytes` holds at once within `headroom` of it (at least one)."""
+    return max(1, int(headroom * total_bytes) // max(int(run_bytes), 1))
+
+
+def record_run_memory(out: Path, gpu: str | None) -> dict | None:
+    """Write `RUN_MEMORY_FILE` from this process's device (the first time only); returns what the file holds."""
+    import torch
+
+    path = out / RUN_MEMORY_FILE
+    if path.exists():
+        return json.loads(path.read_text())
+    free, total = torch.cuda.mem_get_info()
+    doc = {"run_bytes": int(total - free), "total_bytes": int(total), "gpu": gpu}
+    write_json_atomic(path, doc)
+    return doc
+
+
+def gpu_slots(out: Path) -> tuple[int, dict] | None:
+    """(runs at once that fit one GPU, `RUN_MEMORY_FILE`'s record), or None before any run has measured it."""
+    path = out / RUN_MEMORY_FILE
+    if not path.exists():
+        return None
+    doc = json.loads(path.read_text())
+    return runs_that_fit(doc["total_bytes"], doc["run_bytes"]), doc
 
 
 class DataCache:
@@ -165,9 +199,11 @@ class LocalSource:
 
 
 def worker_main(index: int, gpu: str | None, out: str, source: tuple, threads: int, wait_warm: float,
-                delay: float, parent_pid: int, extra_env: dict[str, str] | None = None) -> None:
+                delay: float, parent_pid: int, extra_env: dict[str, str] | None = None, slot: int = 0) -> None:
     """A worker process: take run ids from its source (("local", tasks, events) or ("redis", url, sid, n_runs))
-    until there is none left, run each, report progress as events."""
+    until there is none left, run each, report progress as events. `slot`: its place among the workers of its GPU;
+    a worker whose slot is past the runs that fit the GPU's memory (`gpu_slots`) stands down before its next run,
+    and a run that meets CUDA out of memory waits for memory to free and resumes (`OOM_RETRIES` times)."""
     die_with_parent(signal.SIGKILL)   # a killed study leaves no worker running on
     if os.getppid() != parent_pid:
         return
@@ -200,6 +236,11 @@ def worker_main(index: int, gpu: str | None, out: str, source: tuple, threads: i
         src = LocalSource(*source[1:])
     data = DataCache(spec)
     while True:
+        fit = gpu_slots(out_p) if gpu is not None else None
+        if fit is not None and slot >= fit[0]:
+            src.emit({"type": "stand-down", "worker": index, "gpu": gpu, "fit": fit[0],
+                      "run_bytes": fit[1]["run_bytes"], "total_bytes": fit[1]["total_bytes"], "t": time.time()})
+            break
         run_id = src.get()
         if run_id is None:
             break
@@ -213,12 +254,14 @@ def worker_main(index: int, gpu: str | None, out: str, source: tuple, threads: i
                 warm = out_p / WARM_FILE
                 if not warm.exists():
                     warm.parent.mkdir(parents=True, exist_ok=True)
+                    if gpu is not None:
+                        record_run_memory(out_p, gpu)      # before the others start: this run alone on its GPU
                     warm.write_text(f"{run_id} epoch {rec['epoch']}\n")
                 src.emit({"type": "epoch", "worker": index, "run": run_id, "epoch": rec["epoch"],
                           "val_sharpe": rec["history"]["val_sharpe"], "train_s": rec["seconds"]["train"],
                           "eval_s": rec["seconds"]["eval"], "t": time.time()})
 
-            s = execute_run(spec, out_p, rs, data, on_epoch)
+            s = run_with_memory_retries(spec, out_p, rs, data, on_epoch, src, index, gpu)
             src.done(run_id, s)
             src.emit({"type": "done", "worker": index, "run": run_id, "t": time.time(),
                       "summary": {k: s[k] for k in ("selected_epoch", "val_sharpe", "val_trades", "oos_sharpe",
@@ -231,14 +274,54 @@ def worker_main(index: int, gpu: str | None, out: str, source: tuple, threads: i
         finally:
             if lock is not None:
                 lock.release()
-            if "compile" in spec.accel:      # each run compiles new closures of the same code: without a reset
-                torch._dynamo.reset()         # dynamo's per-code cache fills up (recompile limit) and runs go eager;
-                                              # the compiled kernels stay in the shared on-disk cache
-            gc.collect()                      # the run's graphs, replay and caches, before the next run builds its own
-            if torch.cuda.is_available() and spec.device != "cpu":
-                torch.cuda.empty_cache()
+            release_run(spec)
     src.emit({"type": "exit", "worker": index, "t": time.time()})
     src.close()
+
+
+def release_run(spec: StudySpec) -> None:
+    """What a finished (or failed) run leaves in the worker process, freed before the next run builds its own."""
+    import torch
+
+    if spec.compiled():              # each run compiles new closures of the same code: without a reset
+        torch._dynamo.reset()         # dynamo's per-code cache fills up (recompile limit) and runs go eager;
+                                      # the compiled kernels stay in the shared on-disk cache
+    gc.collect()                      # the run's graphs, replay and caches
+    if torch.cuda.is_available() and spec.device != "cpu":
+        torch.cuda.empty_cache()
+
+
+OOM_RETRIES = 3
+"""Times a run that met CUDA out of memory resumes (from its last epoch) once memory is free again."""
+OOM_WAIT_S = 1800.0
+"""The longest a run waits for its GPU to free the memory one run takes, before each retry."""
+
+
+def run_with_memory_retries(spec: StudySpec, out: Path, rs: RunSpec, data: DataCache, on_epoch, src, index: int,
+                            gpu: str | None) -> dict:
+    """`execute_run`; on CUDA out of memory (the GPU's other runs took more than the measured share), free what
+    the run held, wait until the GPU has a run's memory free (`RUN_MEMORY_FILE`; else 30 s), and resume the run
+    from its last epoch, `OOM_RETRIES` times; then the error says what to do."""
+    import torch
+
+    for attempt in range(OOM_RETRIES + 1):
+        try:
+            return execute_run(spec, out, rs, data, on_epoch)
+        except torch.cuda.OutOfMemoryError as exc:
+            release_run(spec)
+            if attempt == OOM_RETRIES:
+                raise StudyError(f"CUDA out of memory on GPU {gpu} {OOM_RETRIES + 1} times (the last: "
+                                 f"{str(exc).splitlines()[0]}); run the same command again to resume the run, with "
+                                 f"a smaller --parallel") from None
+            need = (gpu_slots(out) or (0, {"run_bytes": 0}))[1]["run_bytes"]
+            src.emit({"type": "memory-wait", "worker": index, "run": rs.run_id, "gpu": gpu,
+                      "need_bytes": need, "t": time.time()})
+            deadline = time.monotonic() + (OOM_WAIT_S if need else 30.0)
+            while time.monotonic() < deadline and need and torch.cuda.mem_get_info()[0] < need:
+                time.sleep(2.0)
+            if not need:
+                time.sleep(max(0.0, deadline - time.monotonic()))
+    raise AssertionError("unreachable")
 
 
 def visible_gpus() -> list[str]:
@@ -254,18 +337,21 @@ def visible_gpus() -> list[str]:
 
 def start_workers(ctx, spec: StudySpec, out: Path, source: tuple, P: int, gpus: list[str], threads: int,
                   extra_env: dict[str, str] | None = None) -> list:
-    """P worker processes (spawn), worker i on GPU i mod G; with a compiled accel and `--stagger auto` the workers
-    after the first wait (≤ 10 min) for the first epoch of any run, so that its compile fills the shared cache.
+    """P worker processes (spawn), worker i on GPU i mod G; with a compiled accel or a GPU and `--stagger auto` the
+    workers after the first wait (≤ 10 min) for the first epoch of any run, so that its compile fills the shared
+    cache and its GPU memory is measured alone.
     `extra_env` is set in every worker before it loads CUDA."""
-    compiled = "compile" in spec.accel
+    compiled = spec.compiled()
     fixed = 0.0 if spec.stagger == "auto" else float(spec.stagger)
     workers = []
     for i in range(P):
         gpu = gpus[i % len(gpus)] if gpus else None
-        wait = 600.0 if spec.stagger == "auto" and compiled and i > 0 and not (out / WARM_FILE).exists() else 0.0
+        # compiled, or on a GPU (the first run measures a run's memory there): the others wait for its first epoch
+        first = spec.stagger == "auto" and (compiled or gpu is not None) and not (out / WARM_FILE).exists()
+        wait = 600.0 if first and i > 0 else 0.0
         workers.append(ctx.Process(target=worker_main, name=f"study-worker-{i}",
                                    args=(i, gpu, str(out), source, threads, wait, i * fixed, os.getpid(),
-                                         extra_env)))
+                                         extra_env, i // len(gpus) if gpus else i)))
     for p in workers:
         p.start()
     return workers

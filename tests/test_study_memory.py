@@ -1,0 +1,129 @@
+"""How many runs a study puts on one GPU: `--parallel auto`, the runs that fit a GPU's memory as the first run
+measured it, the workers past them standing down (real worker processes), and the accel a study's runs resolve to."""
+import json
+import multiprocessing as mp
+import os
+import queue
+from pathlib import Path
+
+import pytest
+
+from tradeloop.cmd_study import AUTO_RUNS_PER_GPU, parse_parallel
+from tradeloop.study.runner import prepare
+from tradeloop.study.spec import StudyError, StudySpec, Variant
+from tradeloop.study.worker import (MEMORY_HEADROOM, RUN_MEMORY_FILE, WARM_FILE, gpu_slots, runs_that_fit,
+                                    start_workers)
+
+GIB = 2 ** 30
+
+
+def _spec(**kw) -> StudySpec:
+    return StudySpec(dataset="synthetic", variants=[Variant("off", (("feedback.enabled", False),))], seeds=[0],
+                     folds=1, epochs=1, **kw)
+
+
+def test_runs_that_fit_one_h200_at_the_full_preset_and_never_none():
+    # a `full` run held 12.9 GiB of the H200's 139.8 in the study that failed 6 of 15 runs at --parallel 15
+    assert runs_that_fit(int(139.8 * GIB), int(12.9 * GIB)) == 10
+    assert runs_that_fit(int(139.8 * GIB), int(12.9 * GIB)) * 12.9 <= 139.8 * MEMORY_HEADROOM
+    assert runs_that_fit(100 * GIB, 10 * GIB) == 9                      # 95 of 100 GiB: nine, not ten
+    assert runs_that_fit(8 * GIB, 20 * GIB) == 1                        # one run always tries
+    assert runs_that_fit(8 * GIB, 0) >= 1
+
+
+def test_gpu_slots_read_the_first_runs_measure(tmp_path: Path):
+    assert gpu_slots(tmp_path) is None
+    (tmp_path / RUN_MEMORY_FILE).parent.mkdir(parents=True)
+    (tmp_path / RUN_MEMORY_FILE).write_text(json.dumps({"run_bytes": 30 * GIB, "total_bytes": 80 * GIB, "gpu": "0"}))
+    fit, doc = gpu_slots(tmp_path)
+    assert fit == 2 and doc["gpu"] == "0"
+
+
+def test_parallel_auto_is_one_on_a_cpu_and_a_worker_per_core_per_gpu_on_cuda(monkeypatch):
+    assert parse_parallel("auto", "cpu") == 1
+    assert parse_parallel(" AUTO ", "cpu") == 1
+    assert parse_parallel(6, "cuda") == 6 and parse_parallel("0", "cuda") == 0
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    monkeypatch.setattr(os, "cpu_count", lambda: 128)
+    assert parse_parallel("auto", "cuda") == 2 * AUTO_RUNS_PER_GPU
+    monkeypatch.setattr(os, "cpu_count", lambda: 12)
+    assert parse_parallel("auto", "cuda") == 12
+    for bad in ("x", "-1", "1.5", True):
+        with pytest.raises(StudyError, match=r"--parallel must be an integer ≥ 1 or auto"):
+            parse_parallel(bad, "cuda")
+
+
+def test_a_study_on_cuda_with_accel_auto_compiles():
+    """auto resolves to compile+graph on CUDA: the workers then wait for the first one's compile and reset dynamo
+    between runs (reading "compile" in the unresolved "auto" did neither)."""
+    assert _spec(device="cuda").compiled() and not _spec(device="cpu").compiled()
+    assert not _spec(device="cuda", accel="graph").compiled() and _spec(device="cpu", accel="compile").compiled()
+
+
+def test_workers_past_the_runs_that_fit_a_gpu_stand_down(tmp_path: Path):
+    """Three real worker processes on one GPU whose memory holds two runs: the third stands down before taking a
+    run and says why; the other two take the queue's end and exit. (No CUDA is touched: the queue holds no run.)"""
+    spec = _spec(device="cpu")
+    out = tmp_path / "study"
+    prepare(spec, out)
+    (out / RUN_MEMORY_FILE).parent.mkdir(parents=True, exist_ok=True)
+    (out / RUN_MEMORY_FILE).write_text(json.dumps({"run_bytes": 40 * GIB, "total_bytes": 96 * GIB, "gpu": "0"}))
+    (out / WARM_FILE).write_text("measured\n")
+    ctx = mp.get_context("spawn")
+    tasks, events = ctx.Queue(), ctx.Queue()
+    for _ in range(3):
+        tasks.put(None)
+    workers = start_workers(ctx, spec, out, ("local", tasks, events), 3, ["0"], 1)
+    seen = []
+    while sum(e["type"] == "exit" for e in seen) < 3:
+        try:
+            seen.append(events.get(timeout=120))
+        except queue.Empty:
+            pytest.fail(f"workers did not all exit; events so far: {seen}")
+    for p in workers:
+        p.join(timeout=30)
+    down = [e for e in seen if e["type"] == "stand-down"]
+    assert [(e["worker"], e["fit"], e["gpu"]) for e in down] == [(2, 2, "0")]
+    assert down[0]["run_bytes"] == 40 * GIB and down[0]["total_bytes"] == 96 * GIB
+    assert all(p.exitcode == 0 for p in workers)
+
+
+class _Events:
+    def __init__(self):
+        self.seen = []
+
+    def emit(self, ev: dict) -> None:
+        self.seen.append(ev)
+
+
+def test_a_run_out_of_gpu_memory_waits_for_a_runs_memory_and_resumes_then_says_what_to_do(tmp_path, monkeypatch):
+    import torch
+
+    import tradeloop.study.worker as w
+
+    spec = _spec(device="cpu")
+    (tmp_path / RUN_MEMORY_FILE).parent.mkdir(parents=True)
+    (tmp_path / RUN_MEMORY_FILE).write_text(json.dumps({"run_bytes": 10 * GIB, "total_bytes": 80 * GIB, "gpu": "0"}))
+    free = iter([2 * GIB, 5 * GIB, 11 * GIB] * 10)
+    outcomes = iter(["oom", "oom", "ok"])
+
+    def execute_run(*a, **kw):
+        if next(outcomes) == "oom":
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 1024.00 MiB.")
+        return {"run_id": "off-s0-f0"}
+
+    polls = []
+    monkeypatch.setattr(w, "execute_run", execute_run)
+    monkeypatch.setattr(w.time, "sleep", lambda s: polls.append(s))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (next(free), 80 * GIB))
+    ev = _Events()
+    rs = spec.runs()[0]
+    assert w.run_with_memory_retries(spec, tmp_path, rs, None, None, ev, 3, "0") == {"run_id": "off-s0-f0"}
+    waits = [e for e in ev.seen if e["type"] == "memory-wait"]
+    assert len(waits) == 2 and all(e["need_bytes"] == 10 * GIB and e["worker"] == 3 for e in waits)
+    assert len(polls) >= 2                       # it waited while less than a run's memory was free
+
+    outcomes = iter(["oom"] * (w.OOM_RETRIES + 1))
+    with pytest.raises(StudyError, match=r"CUDA out of memory on GPU 0 4 times .*Tried to allocate 1024.00 MiB"
+                                         r".*run the same command again to resume the run, with a smaller --parallel"):
+        w.run_with_memory_retries(spec, tmp_path, rs, None, None, _Events(), 0, "0")
