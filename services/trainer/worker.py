@@ -4,7 +4,7 @@
         knobs   = bundle e−1's knobs (waited for, bounded by TL_FEEDBACK_TIMEOUT_S; on timeout the last
                   bundle received, and the status says so; epoch 1: the fixed schedule)
                   — TL_FEEDBACK_MODE=overlap: epoch e starts at once under the last bundle's knobs and bundle
-                  e−1 is applied at the first iteration boundary after it is stored (`_BundleWaiter`); the
+                  e−1 is applied at the first iteration boundary after it is stored (`BundleWaiter`); the
                   trainer waits only when evaluation + feedback outlast a whole epoch (then bundle e−1 starts
                   epoch e+1). The record lists each bundle applied and the iteration (`bundles_applied`).
         rollback= a bundle that says "rollback" (applied fresh, never again as a stale bundle): `train.roll_back`
@@ -52,6 +52,7 @@ from shared.events import CheckpointPublished, EventError, FeedbackReady, decode
 from shared.knobs import FixedSchedule, Knobs
 from shared import runfiles
 from shared.store import run_key
+from services.trainer.bundles import BundleWaiter, rollback_request
 from services.trainer.rundir import HISTORY, append_history, checkpoint_path, finite
 
 log = logging.getLogger("tradeloop.trainer")
@@ -280,13 +281,13 @@ class TrainerWorker:
                "bundle_id": None if used is None else bundle_id(self.bus.run_id, int(used["epoch"]),
                                                                  used.get("report_checkpoint_sha256", "")),
                "feedback_timed_out": timed_out, "feedback_wait_s": round(waited, 3), "knobs_source": src,
-               "stale_bundle": bundle is None and used is not None, **_rollback_rec(bundle)}
+               "stale_bundle": bundle is None and used is not None, **rollback_request(bundle)}
         self.state.extra["feedback"] = {"epoch": epoch, **rec}
         return knobs, rec
 
-    async def _overlap_knobs(self, epoch: int) -> tuple[Knobs, dict, "_BundleWaiter | None"]:
+    async def _overlap_knobs(self, epoch: int) -> tuple[Knobs, dict, "BundleWaiter | None"]:
         """Overlap mode, epoch ≥ 2: the knobs the epoch starts under, its record, and the waiter for bundle
-        epoch − 1 when that is not stored yet (it is then applied mid-epoch by `_BundleWaiter.poll`)."""
+        epoch − 1 when that is not stored yet (it is then applied mid-epoch by `BundleWaiter.poll`)."""
         try:
             bundle = await self.bus.store.get_bundle(epoch - 1)
         except REDIS_DOWN as exc:
@@ -312,11 +313,11 @@ class TrainerWorker:
                 if self._late is None:           # already applied: its sample-level signals are not re-applied
                     knobs = dataclasses.replace(knobs, priority_boost=[], hindsight=[])
             src += f" until bundle {epoch - 1} is stored"
-            waiter = _BundleWaiter(self, epoch - 1)
+            waiter = BundleWaiter(self, epoch - 1)
         self._late = None
         rec = {"feedback_mode": "overlap", "feedback_timed_out": False, "feedback_wait_s": 0.0,
                **self._carry, "knobs_source": src, "bundles_applied": applied, "stale_bundle": False,
-               **_rollback_rec(fresh)}
+               **rollback_request(fresh)}
         self._carry = {}
         self._set_bundle(rec)
         if applied:
@@ -348,7 +349,7 @@ class TrainerWorker:
         rec["bundle_id"] = None if b is None else bundle_id(self.bus.run_id, b,
                                                             (src or {}).get("report_checkpoint_sha256", ""))
 
-    async def _resumed_knobs(self, epoch: int, progress, record: dict) -> tuple[Knobs, dict, "_BundleWaiter | None"]:
+    async def _resumed_knobs(self, epoch: int, progress, record: dict) -> tuple[Knobs, dict, "BundleWaiter | None"]:
         """An interrupted epoch resumes under the knobs it had when it stopped and its record (plus where it
         resumed); in overlap mode, a bundle it had not applied yet is still waited for."""
         rec = {**record, "resumed_at": [*record.get("resumed_at", []),
@@ -357,7 +358,7 @@ class TrainerWorker:
         if (self.settings.feedback_mode == "overlap" and epoch > 1
                 and all(b["epoch"] != epoch - 1 for b in rec.get("bundles_applied", []))):
             rec.setdefault("bundles_applied", [])
-            waiter = _BundleWaiter(self, epoch - 1)
+            waiter = BundleWaiter(self, epoch - 1)
         if rec.get("bundle_epoch") is not None:
             try:
                 self.last_bundle = await self.bus.store.get_bundle(int(rec["bundle_epoch"]))
@@ -366,7 +367,7 @@ class TrainerWorker:
         self.state.extra["feedback"] = {"epoch": epoch, **rec}
         return Knobs.from_dict(progress.knobs), rec, waiter
 
-    def _absorb(self, waiter: "_BundleWaiter | None", rec: dict) -> None:
+    def _absorb(self, waiter: "BundleWaiter | None", rec: dict) -> None:
         """Overlap mode: a bundle applied mid-epoch goes into the epoch's record."""
         if waiter is not None and waiter.applied is not None and waiter.applied not in rec["bundles_applied"]:
             self.last_bundle = waiter.bundle
@@ -376,7 +377,7 @@ class TrainerWorker:
             rec["knobs_source"] += f"; bundle {waiter.epoch} applied at iteration {waiter.applied['iteration']}"
             rec.update(waiter.rollback)
 
-    async def _overlap_finish(self, waiter: "_BundleWaiter", epoch: int) -> None:
+    async def _overlap_finish(self, waiter: "BundleWaiter", epoch: int) -> None:
         """After epoch `epoch` is published: a bundle not yet applied is waited for now (bounded by the
         timeout; the only wait of overlap mode) and then starts the next epoch."""
         self.set_phase("waiting_feedback")
@@ -559,57 +560,3 @@ class TrainerWorker:
         last = last.decode() if isinstance(last, bytes) else last
         after = await self.bus.redis.xrange(stream, min=f"({last}", max="+", count=10_000)
         return int(g["pending"]) + len(after)
-
-
-class _BundleWaiter:
-    """Overlap mode: waits on the event loop for bundle `epoch` (`TrainerWorker._wait_bundle`, bounded by the
-    timeout) while the training thread polls it between iterations (`poll`, handed to `train_epoch`)."""
-
-    def __init__(self, worker: TrainerWorker, epoch: int):
-        self.epoch = epoch
-        self.applied: dict | None = None         # {"epoch", "iteration", "at"} once applied
-        self.rollback: dict = {}                 # the record of the bundle's rollback, done where it was applied
-        self._worker = worker
-        self._result: tuple[dict | None, bool] | None = None
-        self._task = asyncio.get_running_loop().create_task(worker._wait_bundle(epoch))
-        self._task.add_done_callback(self._done)
-
-    def _done(self, task: asyncio.Task) -> None:
-        if not task.cancelled() and task.exception() is None:
-            bundle, timed_out, _ = task.result()
-            self._result = (bundle, timed_out)   # one assignment: the training thread reads it atomically
-
-    @property
-    def bundle(self) -> dict | None:
-        """The bundle, once stored (None before, or after a timeout)."""
-        return None if self._result is None else self._result[0]
-
-    def poll(self, iteration: int) -> Knobs | None:
-        """Training thread, before each iteration: the bundle's knobs the first time it is seen (after its
-        rollback, when it asks for one), else None."""
-        r = self._result
-        if self.applied is not None or r is None or r[0] is None:
-            return None
-        self.applied = {"epoch": self.epoch, "iteration": iteration, "at": time.time()}
-        req = _rollback_rec(r[0])
-        if req:
-            self.rollback = {**req, **self._worker._roll_back(req), "rollback_iteration": iteration}
-        return Knobs.from_dict(r[0]["knobs"])
-
-    async def result_async(self) -> tuple[dict | None, bool]:
-        """(bundle or None, timed out), waiting for it when it is not in yet."""
-        bundle, timed_out, _ = await self._task
-        return bundle, timed_out
-
-    def cancel(self) -> None:
-        self._task.cancel()
-
-
-def _rollback_rec(bundle: dict | None) -> dict:
-    """{"rollback_to_epoch", "rollback_checkpoint_sha256", "rollback_keep"} of a bundle that asks for a rollback,
-    else {}."""
-    if bundle and bundle.get("rollback") and bundle.get("rollback_to_epoch") is not None:
-        return {"rollback_to_epoch": int(bundle["rollback_to_epoch"]),
-                "rollback_checkpoint_sha256": str(bundle.get("rollback_checkpoint_sha256") or ""),
-                "rollback_keep": float(bundle.get("rollback_keep") or 0.0)}
-    return {}
