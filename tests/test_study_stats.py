@@ -104,6 +104,26 @@ def test_aggregate_deflates_by_every_checkpoint_of_the_study_and_pairs_by_seed_a
                               "mean_epoch1_val_spread": 0.0}
 
 
+def test_rollbacks_count_the_epochs_that_began_from_one_not_the_last_epochs_bundle():
+    from tradeloop.study.report import markdown
+
+    runs = [_summary("on", 0, 0, [0.5, 0.1, 0.4], 1, 0.3), _summary("on", 1, 0, [0.5, 0.4, 0.6], 3, 0.3),
+            _summary("off", 0, 0, [0.2, 0.1, 0.2], 1, 0.2), _summary("off", 1, 0, [0.2, 0.3, 0.2], 2, 0.2)]
+    for m, flags in zip(runs, ([False, True, True], [True, False, True], [False] * 3, [False] * 3)):
+        for e, f in zip(m["epochs"], flags):
+            e["rollback"] = f                    # the bundle of this epoch asked for one before the next
+    res = aggregate(runs, [], ["on", "off"], "off", n_boot=200, seed=0)
+    assert {r["run_id"]: r["rollbacks"] for r in res["runs"]} == {"on-s0-f0": 1, "on-s1-f0": 1, "off-s0-f0": 0,
+                                                                  "off-s1-f0": 0}
+    assert (res["variants"]["on"]["rollbacks"], res["variants"]["on"]["rollback_chances"]) == (2, 4)
+    res["study"] = {"dataset": "synthetic", "variants": [{"name": n, "settings": []} for n in ("on", "off")],
+                    "seeds": [0, 1], "folds": 1, "epochs": 3, "preset": "small", "settings": [], "device": "cpu",
+                    "accel": "auto", "deterministic": False, "bars": 3000, "min_val_trades": 20, "n_boot": 200,
+                    "ci_seed": 0}
+    res["timing"] = {"wall_s": 10.0, "runs_at_once": 1, "epochs_trained": 12, "epochs_per_s": 1.2}
+    assert "Epochs that began from a feedback rollback (of those after a run's first): on 2 of 4." in markdown(res)
+
+
 # --- the variant grammar ---------------------------------------------------------------------------------------
 def test_variants_parse_builtins_and_changed_loops():
     vs = parse_variants("on,off,slow:train.lr=1e-4;rollback_z=3.0,noE:feedback=off;horizons=1+5+20")

@@ -72,6 +72,10 @@ def markdown(res: dict) -> str:
         lines.append(f"| {name} (baseline) | {d['n_runs']} | {describe(d['oos_sharpe'])} | {describe(d['val_sharpe'])} "
                      f"| {describe(d['gap'], '+.1%')} | — | {describe(d['val_trades'], '.0f')} "
                      f"| {describe(d['oos_trades'], '.0f')} | — |")
+    rolled = [f"{name} {d['rollbacks']} of {d['rollback_chances']}" for name, d in res["variants"].items()
+              if d.get("rollbacks")]
+    if rolled:
+        lines += ["", f"Epochs that began from a feedback rollback (of those after a run's first): {'; '.join(rolled)}."]
     if res["paired"]:
         lines += ["", f"Paired differences, variant − {res['reference']}, on the same seed and fold "
                       "(mean [95 % CI]; wins: units where the variant is higher):", "",

@@ -135,7 +135,7 @@ def aggregate(summaries: Sequence[dict], baselines: Sequence[dict], variants: Se
                      "shaped": m.get("shaped"), "oos_sharpe_unshaped": m.get("oos_sharpe_unshaped"),
                      "val_sharpe_unshaped": m.get("val_sharpe_unshaped"),
                      "dsr": study_dsr(m["selected_val_trade_returns"], n_trials, var),
-                     "run_dsr": m["run_dsr"]})
+                     "run_dsr": m["run_dsr"], "rollbacks": rollbacks(m)})
     ci = lambda xs: bootstrap_ci(xs, n_boot=n_boot, seed=seed)  # noqa: E731
     out_v = {}
     for name in variants:
@@ -148,6 +148,8 @@ def aggregate(summaries: Sequence[dict], baselines: Sequence[dict], variants: Se
         d["selectable"] = sum(r["selectable"] for r in rs)
         d["dsr_at_bar"] = sum(r["dsr"] >= DSR_BAR for r in rs)
         d["verdict"] = "validated edge" if d["dsr"]["mean"] >= DSR_BAR else "no validated edge"
+        d["rollbacks"] = sum(r["rollbacks"] for r in rs)
+        d["rollback_chances"] = sum(len(m["epochs"]) - 1 for m in summaries if m["variant"] == name)
         if all(r["oos_sharpe_unshaped"] is not None for r in rs):
             d["unshaped"] = {"shaped_runs": sum(bool(r["shaped"]) for r in rs),
                              **{k: ci([r[f"{k}_unshaped"] for r in rs]) for k in ("oos_sharpe", "val_sharpe")},
@@ -175,6 +177,12 @@ def aggregate(summaries: Sequence[dict], baselines: Sequence[dict], variants: Se
     return {"n_trials": n_trials, "trial_sharpe_var": var, "reference": reference, "variants": out_v,
             "baselines": out_b, "paired": out_p, "runs": rows, "curves": curves,
             "pairing": pairing_check(summaries)}
+
+
+def rollbacks(summary: dict) -> int:
+    """Epochs of a run that began from a feedback rollback: those after an epoch whose bundle asked for one (the last
+    epoch's bundle starts no epoch)."""
+    return sum(bool(e.get("rollback")) for e in summary["epochs"][:-1])
 
 
 def pairing_check(summaries: Sequence[dict]) -> dict:
