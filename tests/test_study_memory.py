@@ -8,9 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tradeloop.cmd_study import AUTO_RUNS_PER_GPU, parse_parallel
 from tradeloop.study.runner import prepare
-from tradeloop.study.spec import StudyError, StudySpec, Variant
+from tradeloop.study.spec import AUTO_RUNS_PER_GPU, StudyError, StudySpec, Variant, parse_parallel
 from tradeloop.study.worker import (MEMORY_HEADROOM, RUN_MEMORY_FILE, WARM_FILE, gpu_slots, runs_that_fit,
                                     start_workers)
 

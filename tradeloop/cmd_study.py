@@ -23,33 +23,6 @@ CLI_ONLY = ("config", "redis", "report_only")
 parameter names, `set_` as `set`: `TOML_KEYS`, defined after `study`)."""
 
 
-AUTO_RUNS_PER_GPU = 16
-"""`--parallel auto` on CUDA: at most this many workers per visible GPU (and one per core); each GPU then keeps as
-many as its memory holds (`tradeloop.study.worker.runs_that_fit`: ten `full` runs on one H200)."""
-
-
-def parse_parallel(value: Any, device: str, where: str = "--parallel") -> int:
-    """Runs at once here: an integer ≥ 0 as given, or auto — one on a CPU; on CUDA one worker per core, at most
-    `AUTO_RUNS_PER_GPU` per visible GPU."""
-    import os
-
-    from tradeloop.study.spec import StudyError
-
-    if isinstance(value, str) and value.strip().lower() == "auto":
-        if not str(device).startswith("cuda"):
-            return 1
-        from tradeloop.study.worker import visible_gpus
-
-        return max(1, min(os.cpu_count() or 1, AUTO_RUNS_PER_GPU * max(len(visible_gpus()), 1)))
-    try:
-        n = int(str(value).strip()) if not isinstance(value, bool) else -1
-    except (TypeError, ValueError):
-        n = -1
-    if n < 0:
-        raise StudyError(f"{where} must be an integer ≥ 1 or auto (0: no local worker, with --redis), got {value!r}")
-    return n
-
-
 def parse_seeds(value: Any, where: str = "--seeds") -> list[int]:
     """N (seeds 0 … N−1) or a list "3,7,9" (or a TOML array)."""
     from tradeloop.study.spec import StudyError
@@ -69,8 +42,8 @@ def parse_seeds(value: Any, where: str = "--seeds") -> list[int]:
 
 def build_spec(cli: dict[str, Any]):
     """The StudySpec and out directory from the command line's values (None: not given) merged over --config."""
-    from tradeloop.study.spec import (StudyError, StudySpec, parse_setting, parse_variants, read_toml, split_assignment,
-                                      synthetic_bars_for, variants_from_toml)
+    from tradeloop.study.spec import (StudyError, StudySpec, parse_parallel, parse_setting, parse_variants, read_toml,
+                                      split_assignment, synthetic_bars_for, variants_from_toml)
 
     conf: dict[str, Any] = {}
     where = "--config"
@@ -288,7 +261,8 @@ def study_worker(
     redis: str = typer.Option(..., "--redis", help="The study's Redis URL."),
     study_id: str = typer.Option(..., "--study", help="The study's id (printed by `tradeloop study --redis`)."),
     out: Path = typer.Option(..., "--out", help="This host's directory for the runs it does."),
-    parallel: int = typer.Option(1, "--parallel", help="Runs at once on this host (one GPU each, round-robin)."),
+    parallel: str = typer.Option("auto", "--parallel", help="Runs at once on this host (GPUs round-robin): N or "
+                                 "auto (as `tradeloop study`: on CUDA as many as fit each GPU's memory)."),
     threads: Optional[int] = typer.Option(None, "--threads", help="torch threads per worker (default cores / P)."),
 ) -> None:
     """Take runs of a study from its Redis stream until every run is done (the study process gathers the results)."""
@@ -296,13 +270,12 @@ def study_worker(
 
     from shared.redis_server import RedisServerError
     from tradeloop.study.runner import work_for
-    from tradeloop.study.spec import StudyError
+    from tradeloop.study.spec import StudyError, parse_parallel
 
     err = Console(stderr=True, soft_wrap=True)
-    if parallel < 1:
-        err.print(f"error: --parallel must be ≥ 1, got {parallel}")
-        raise typer.Exit(2)
     try:
+        if parallel.strip().lower() != "auto" and parse_parallel(parallel, "cpu") < 1:
+            raise StudyError(f"--parallel must be ≥ 1 on a worker host, got {parallel}")
         work_for(redis, study_id, out, parallel, threads, Console(soft_wrap=True))
     except (StudyError, RedisServerError) as exc:
         err.print(f"error: {exc}", markup=False, highlight=False)

@@ -29,7 +29,7 @@ from typing import Any
 
 from tradeloop.study.loop import write_json_atomic
 from tradeloop.study.report import baselines_in_background, write_results
-from tradeloop.study.spec import StudyError, StudySpec
+from tradeloop.study.spec import StudyError, StudySpec, parse_parallel
 from tradeloop.study.worker import WARM_FILE, start_workers, visible_gpus
 
 
@@ -416,15 +416,17 @@ def _follow(spec: StudySpec, out: Path, runs: list, workers: list, events, statu
     return epochs_here
 
 
-def work_for(url: str, sid: str, out: Path, parallel: int, threads: int | None, console) -> int:
+def work_for(url: str, sid: str, out: Path, parallel: int | str, threads: int | None, console) -> int:
     """`tradeloop study-worker`: P worker processes on this host take the study's runs from Redis until every run
-    is accounted for; returns how many runs this host did."""
+    is accounted for (`parallel`: P or auto, `parse_parallel` for the study's device); returns how many runs this
+    host did."""
     import multiprocessing as mp
 
     from tradeloop.study.remote import accounted, client, fetch_spec
 
     doc = fetch_spec(url, sid)
     spec = StudySpec.from_dict(doc["spec"])
+    parallel = max(1, parse_parallel(parallel, spec.device))
     if doc.get("resolved") not in (None, spec.resolved()):
         raise StudyError(f"study {sid}: its variants resolve to other trainer or feedback configs with this host's "
                          "tradeloop than with the one that started it; run the same tradeloop on every host")

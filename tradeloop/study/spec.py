@@ -22,6 +22,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import os
 import re
 import types
 import typing
@@ -252,6 +253,29 @@ def _check_variants(vs: list[Variant], where: str) -> list[Variant]:
     if dup:
         raise StudyError(f"{where}: variant names must be unique, repeated: {', '.join(dup)}")
     return vs
+
+
+AUTO_RUNS_PER_GPU = 16
+"""`--parallel auto` on CUDA: at most this many workers per visible GPU (and one per core); each GPU then keeps as
+many as its memory holds (`tradeloop.study.worker.runs_that_fit`: ten `full` runs on one H200)."""
+
+
+def parse_parallel(value: Any, device: str, where: str = "--parallel") -> int:
+    """Runs at once here: an integer ≥ 0 as given, or auto — one on a CPU; on CUDA one worker per core, at most
+    `AUTO_RUNS_PER_GPU` per visible GPU."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        if not str(device).startswith("cuda"):
+            return 1
+        from tradeloop.study.worker import visible_gpus
+
+        return max(1, min(os.cpu_count() or 1, AUTO_RUNS_PER_GPU * max(len(visible_gpus()), 1)))
+    try:
+        n = int(str(value).strip()) if not isinstance(value, bool) else -1
+    except (TypeError, ValueError):
+        n = -1
+    if n < 0:
+        raise StudyError(f"{where} must be an integer ≥ 1 or auto (0: no local worker, with --redis), got {value!r}")
+    return n
 
 
 # ---------------------------------------------------------------------------------------------------------
