@@ -293,3 +293,29 @@ def test_report_only_aggregates_a_finished_study_again(tmp_path, reference):
     assert r.exit_code == 2 and "1 of 8 runs are not done (on-s1-f1)" in r.output
     r = runner.invoke(app, ["study", "--out", str(tmp_path), "--report-only"])
     assert r.exit_code == 2 and "holds no study.json" in r.output and "Traceback" not in r.output
+
+
+def test_a_study_carried_as_its_summaries_runs_only_the_runs_not_done(tmp_path, tiny, reference):
+    """A study moved to another host (or a fresh GPU machine) as study.json and its done runs' summary.json alone —
+    no checkpoints, no loop records — runs only the runs whose summary is missing and reports the carried ones as
+    they were."""
+    import shutil
+
+    out = tmp_path / "carried"
+    (out / "runs").mkdir(parents=True)
+    shutil.copy(reference[0] / "study.json", out / "study.json")
+    carried = [r for r in RUNS if r not in ("on-s1-f1", "off-s1-f1")]
+    for r in carried:
+        (out / "runs" / r).mkdir()
+        shutil.copy(reference[0] / "runs" / r / "summary.json", out / "runs" / r / "summary.json")
+    p = subprocess.run(_cmd(tiny, out), cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "resuming" in p.stdout and f"{len(carried)} of {len(RUNS)} runs done" in p.stdout
+    ran = {r for r in RUNS if (out / "runs" / r / "loop").exists()}
+    assert ran == {"on-s1-f1", "off-s1-f1"}
+    ref = {r["run_id"]: r for r in json.loads((reference[0] / "results.json").read_text())["runs"]}
+    got = {r["run_id"]: r for r in json.loads((out / "results.json").read_text())["runs"]}
+    for r in carried:
+        assert got[r]["oos_sharpe"] == ref[r]["oos_sharpe"] and got[r]["selected_epoch"] == ref[r]["selected_epoch"]
+    for r in ran:                                        # run again from the same seed and data on a CPU: the same
+        assert got[r]["oos_sharpe"] == pytest.approx(ref[r]["oos_sharpe"], abs=1e-9)
