@@ -6,8 +6,9 @@ one compile cache under the out directory (`TORCHINDUCTOR_CACHE_DIR`, `TRITON_CA
 process (`PR_SET_PDEATHSIG`). With a compiled `--accel` (auto on CUDA) or on a GPU the workers after the first start
 once the first has finished an epoch (`WARM_FILE`: its compiled kernels are then in the shared cache, and the GPU
 memory of one run is measured, `RUN_MEMORY_FILE`: a worker past the runs that fit its GPU stands down; `--stagger
-SECONDS`: worker i starts i × SECONDS later instead). A run holds an exclusive lock on its directory while it runs, so no run is ever done by
-two processes; a run killed half done resumes from its latest epoch (`tradeloop.study.loop`).
+SECONDS`: worker i starts i × SECONDS later instead). A run holds an exclusive lock on its directory while it runs,
+so no run is ever done by two processes; a run killed half done resumes from its latest epoch
+(`tradeloop.study.loop`).
 """
 from __future__ import annotations
 
@@ -308,19 +309,19 @@ def run_with_memory_retries(spec: StudySpec, out: Path, rs: RunSpec, data: DataC
         try:
             return execute_run(spec, out, rs, data, on_epoch)
         except torch.cuda.OutOfMemoryError as exc:
-            release_run(spec)
-            if attempt == OOM_RETRIES:
-                raise StudyError(f"CUDA out of memory on GPU {gpu} {OOM_RETRIES + 1} times (the last: "
-                                 f"{str(exc).splitlines()[0]}); run the same command again to resume the run, with "
-                                 f"a smaller --parallel") from None
-            need = (gpu_slots(out) or (0, {"run_bytes": 0}))[1]["run_bytes"]
-            src.emit({"type": "memory-wait", "worker": index, "run": rs.run_id, "gpu": gpu,
-                      "need_bytes": need, "t": time.time()})
-            deadline = time.monotonic() + (OOM_WAIT_S if need else 30.0)
-            while time.monotonic() < deadline and need and torch.cuda.mem_get_info()[0] < need:
-                time.sleep(2.0)
-            if not need:
-                time.sleep(max(0.0, deadline - time.monotonic()))
+            what = str(exc).splitlines()[0]
+        release_run(spec)       # outside the except block: its traceback's frames (the run's tensors) are gone
+        if attempt == OOM_RETRIES:
+            raise StudyError(f"CUDA out of memory on GPU {gpu} {OOM_RETRIES + 1} times (the last: {what}); run the "
+                             "same command again to resume the run, with a smaller --parallel")
+        need = (gpu_slots(out) or (0, {"run_bytes": 0}))[1]["run_bytes"]
+        src.emit({"type": "memory-wait", "worker": index, "run": rs.run_id, "gpu": gpu, "need_bytes": need,
+                  "t": time.time()})
+        deadline = time.monotonic() + (OOM_WAIT_S if need else 30.0)
+        while time.monotonic() < deadline and need and torch.cuda.mem_get_info()[0] < need:
+            time.sleep(2.0)
+        if not need:
+            time.sleep(max(0.0, deadline - time.monotonic()))
     raise AssertionError("unreachable")
 
 
