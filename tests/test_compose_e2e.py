@@ -1,6 +1,6 @@
 """`docker compose up`, for real: the image built and the stack run by a Docker engine.
 
-1. `docker compose up --build --scale evaluator=2` of docker-compose.yml with a tiny run (3 epochs on a slice of
+1. `docker compose up --build --scale evaluator=2` of docker-compose.yml with a tiny run (4 epochs on 60 000 bars of
    `synthetic`, a few iterations each), every setting passed through compose from an env file of its own; a Redis
    password with characters a URL reserves; every published port 0, so the engine picks free ones (nothing on the
    host can collide). compose starts the trainer once Redis and both consumers pass their healthchecks.
@@ -38,7 +38,7 @@ import pytest
 from polling import poll_until
 
 ROOT = Path(__file__).resolve().parents[1]
-EPOCHS = 3
+EPOCHS = 4
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 # what the compose processes see of this environment: the engine's address and the images; nothing else, so a
 # developer's TL_* variables or .env cannot change the run
@@ -50,8 +50,10 @@ SETTINGS = {
     "REDIS_PASSWORD": "e2e/pa@ss+w0rd=",   # / @ + = : would break a redis:// URL; compose passes it beside the URL
     "TL_API_TOKEN": "e2e-" + secrets.token_hex(8),
     "TL_RUN_ID": "e2e", "TL_EPOCHS": str(EPOCHS), "TL_DATA": "synthetic", "TL_DATA_SEED": "0",
-    # a tiny run: a slice of the synthetic market, few iterations per epoch
-    "TL_DATA_BARS": "1000", "TL_TRAIN_ITERATIONS": "6", "TL_TRAIN_LEARNING_STARTS": "32",
+    # a tiny run: few iterations per epoch, on enough bars (60 000: validation and test windows of ~9 000) that an
+    # evaluation lasts long enough (~0.5–2 s) for the replica holding it to be caught and paused mid-way (on 1 000
+    # bars it lasts 0.07–0.2 s, often over before `docker pause` lands)
+    "TL_DATA_BARS": "60000", "TL_TRAIN_ITERATIONS": "6", "TL_TRAIN_LEARNING_STARTS": "32",
     "TL_TRAIN_BATCH_SIZE": "32", "TL_TRAIN_N_ENVS": "4", "TL_FEEDBACK_TIMEOUT_S": "300",
     # a dead replica's checkpoint is claimed by the other after 15 s (longer than any evaluation of this run)
     "TL_CLAIM_IDLE_MS": "15000",
