@@ -274,7 +274,7 @@ def study_worker(
 
     err = Console(stderr=True, soft_wrap=True)
     try:
-        if parallel.strip().lower() != "auto" and parse_parallel(parallel, "cpu") < 1:
+        if parse_parallel(parallel, "cpu") < 1:
             raise StudyError(f"--parallel must be ≥ 1 on a worker host, got {parallel}")
         work_for(redis, study_id, out, parallel, threads, Console(soft_wrap=True))
     except (StudyError, RedisServerError) as exc:

@@ -426,7 +426,7 @@ def work_for(url: str, sid: str, out: Path, parallel: int | str, threads: int | 
 
     doc = fetch_spec(url, sid)
     spec = StudySpec.from_dict(doc["spec"])
-    parallel = max(1, parse_parallel(parallel, spec.device))
+    parallel = parse_parallel(parallel, spec.device)
     if doc.get("resolved") not in (None, spec.resolved()):
         raise StudyError(f"study {sid}: its variants resolve to other trainer or feedback configs with this host's "
                          "tradeloop than with the one that started it; run the same tradeloop on every host")

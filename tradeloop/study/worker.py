@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import itertools
 import json
 import os
 import signal
@@ -41,17 +42,13 @@ def runs_that_fit(total_bytes: int, run_bytes: int, headroom: float = MEMORY_HEA
     return max(1, int(headroom * total_bytes) // max(int(run_bytes), 1))
 
 
-def record_run_memory(out: Path, gpu: str | None) -> dict | None:
-    """Write `RUN_MEMORY_FILE` from this process's device (the first time only); returns what the file holds."""
+def record_run_memory(out: Path, gpu: str | None) -> None:
+    """Write `RUN_MEMORY_FILE` from this process's device, unless a run has already measured it."""
     import torch
 
-    path = out / RUN_MEMORY_FILE
-    if path.exists():
-        return json.loads(path.read_text())
-    free, total = torch.cuda.mem_get_info()
-    doc = {"run_bytes": int(total - free), "total_bytes": int(total), "gpu": gpu}
-    write_json_atomic(path, doc)
-    return doc
+    if not (out / RUN_MEMORY_FILE).exists():
+        free, total = torch.cuda.mem_get_info()
+        write_json_atomic(out / RUN_MEMORY_FILE, {"run_bytes": int(total - free), "total_bytes": int(total), "gpu": gpu})
 
 
 def gpu_slots(out: Path) -> tuple[int, dict] | None:
@@ -305,7 +302,7 @@ def run_with_memory_retries(spec: StudySpec, out: Path, rs: RunSpec, data: DataC
     from its last epoch, `OOM_RETRIES` times; then the error says what to do."""
     import torch
 
-    for attempt in range(OOM_RETRIES + 1):
+    for attempt in itertools.count():
         try:
             return execute_run(spec, out, rs, data, on_epoch)
         except torch.cuda.OutOfMemoryError as exc:
@@ -318,11 +315,8 @@ def run_with_memory_retries(spec: StudySpec, out: Path, rs: RunSpec, data: DataC
         src.emit({"type": "memory-wait", "worker": index, "run": rs.run_id, "gpu": gpu, "need_bytes": need,
                   "t": time.time()})
         deadline = time.monotonic() + (OOM_WAIT_S if need else 30.0)
-        while time.monotonic() < deadline and need and torch.cuda.mem_get_info()[0] < need:
+        while time.monotonic() < deadline and (not need or torch.cuda.mem_get_info()[0] < need):
             time.sleep(2.0)
-        if not need:
-            time.sleep(max(0.0, deadline - time.monotonic()))
-    raise AssertionError("unreachable")
 
 
 def visible_gpus() -> list[str]:
