@@ -1,5 +1,4 @@
 """The network and the policy step: shapes, dueling identity, batch consistency, ε, gates, sizing."""
-import math
 
 import pytest
 import torch

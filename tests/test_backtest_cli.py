@@ -134,7 +134,7 @@ def test_table_output(app, bars_csv, tmp_path):
     (f"timestamp,position\n{TIMES[0]},1\n{TIMES[1]},abc\n", ["line 3", "position", "abc"]),
     (f"timestamp,position\n{TIMES[0]},1.5\n", ["line 2", "position", "[-1, 1]"]),
     (f"timestamp,position\n{TIMES[0]},nan\n", ["line 2", "position"]),
-    (f"timestamp,position\nyesterday,1\n", ["line 2", "timestamp", "yesterday"]),
+    ("timestamp,position\nyesterday,1\n", ["line 2", "timestamp", "yesterday"]),
     (f"timestamp,position\n{TIMES[2]},1\n{TIMES[1]},0\n", ["line 3", "earlier than line 2"]),
     (f"timestamp,position\n{TIMES[1]},1\n{TIMES[1]},0\n", ["line 3", "duplicates line 2"]),
     (f"timestamp,position\n{TIMES[0]},1\n\n2024-03-01T09:30:00,0\n", ["line 4", "not a bar of the data"]),

@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from tradeloop.cli import app
-from tradeloop.study.compare import compare, load_side
+from tradeloop.study.compare import compare, compare_pooled, load_side
 from tradeloop.study.spec import StudyError
 
 SPEC = {"dataset": "synthetic", "seeds": [0, 1], "folds": 2, "epochs": 4, "preset": "small",
@@ -79,3 +79,29 @@ def test_the_command_prints_the_table_and_refuses_bad_input_with_exit_2(tmp_path
     assert doc["metrics"]["oos_sharpe"]["a_minus_b"]["mean"] == pytest.approx(-0.05)
     r = CliRunner().invoke(app, ["study-compare", f"{a}:rb", f"{b}:nope"])
     assert r.exit_code == 2 and "no variant 'nope'" in r.output and "Traceback" not in r.output
+
+
+def test_a_replication_pools_its_units_with_the_first_pairs(tmp_path):
+    """Two pairs of studies (the second with other epochs and bars: a replication need not match the first) pool
+    into one bootstrap over (pair, seed, fold); the same seed in both pairs is two units, two seeds counted."""
+    a = study(tmp_path, "a", "rb", dict(zip(UNITS, [0.50, 0.40, 0.30, 0.20])), dict(zip(UNITS, [0.3] * 4)))
+    b = study(tmp_path, "b", "off", dict(zip(UNITS, [0.45, 0.45, 0.10, 0.20])), dict(zip(UNITS, [0.2] * 4)))
+    units2 = [(0, 0), (1, 0)]
+    a2 = study(tmp_path, "a2", "on", dict(zip(units2, [0.60, 0.10])), dict(zip(units2, [0.1, 0.1])),
+               epochs=8, bars=3000, folds=1)
+    b2 = study(tmp_path, "b2", "off", dict(zip(units2, [0.70, 0.40])), dict(zip(units2, [0.2, 0.2])),
+               epochs=8, bars=3000, folds=1)
+    pairs = [(load_side(f"{a}:rb")[0], "rb", load_side(f"{b}:off")[0], "off"),
+             (load_side(f"{a2}:on")[0], "on", load_side(f"{b2}:off")[0], "off")]
+    c = compare_pooled(pairs, n_boot=2000, seed=0)
+    d = c["metrics"]["oos_sharpe"]["a_minus_b"]
+    want = np.array([0.05, -0.05, 0.20, 0.0, -0.10, -0.30])
+    assert d["n"] == 6 and d["mean"] == pytest.approx(want.mean()) and d["wins"] == 2
+    assert c["last_val_seeds"] == {"a_at_least_b": 2, "seeds": 4} and c["pairs"] == 2
+    r = CliRunner().invoke(app, ["study-compare", f"{a}:rb", f"{b}:off", f"{a2}:on", f"{b2}:off", "--n-boot", "500"])
+    assert r.exit_code == 0, r.output
+    assert "over 6 units of 2 pairs of studies, pooled" in r.output and "a:rb + a2:on" in r.output
+    r = CliRunner().invoke(app, ["study-compare", f"{a}:rb", f"{b}:off", f"{a2}:on"])
+    assert r.exit_code == 2 and "give DIR:VARIANT in pairs" in r.output and "Traceback" not in r.output
+    with pytest.raises(StudyError, match="differ in folds, epochs, bars"):     # within a pair the units must still match
+        compare_pooled([pairs[0][:2] + pairs[1][2:]], n_boot=200)

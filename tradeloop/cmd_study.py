@@ -283,31 +283,36 @@ def study_worker(
 
 
 def study_compare(
-    a: str = typer.Argument(..., help="A finished study and one of its variants: DIR:VARIANT."),
-    b: str = typer.Argument(..., help="The study and variant it is paired against: DIR:VARIANT."),
+    sides: list[str] = typer.Argument(..., help="DIR:VARIANT pairs, A B [A2 B2 …]: a variant of a finished study, "
+                                      "then the study and variant it is paired against; more pairs pool their units."),
     n_boot: int = typer.Option(10_000, "--n-boot", help="Bootstrap resamples."),
     ci_seed: int = typer.Option(0, "--ci-seed", help="Seed of the bootstrap's resampling."),
     as_json: bool = typer.Option(False, "--json", help="The comparison as JSON."),
 ) -> None:
     """A variant of one finished study against a variant of another on the same seeds, folds and data, paired by
-    (seed, fold): OOS and val per-trade Sharpe of the val-selected checkpoints and last-epoch val."""
+    (seed, fold): OOS and val per-trade Sharpe of the val-selected checkpoints and last-epoch val. Several pairs
+    (a replication in another study) are pooled into one bootstrap."""
     from rich.console import Console
 
-    from tradeloop.study.compare import compare, load_side, markdown
+    from tradeloop.study.compare import compare_pooled, load_side, markdown
     from tradeloop.study.spec import StudyError
 
     err = Console(stderr=True, soft_wrap=True)
     try:
         if n_boot < 100:
             raise StudyError(f"--n-boot must be ≥ 100, got {n_boot}")
-        (ra, va, la), (rb, vb, lb) = load_side(a), load_side(b)
-        c = compare(ra, va, rb, vb, n_boot=n_boot, seed=ci_seed)
+        if len(sides) % 2:
+            raise StudyError(f"give DIR:VARIANT in pairs (A B [A2 B2 …]); got {len(sides)}: {' '.join(sides)}")
+        loaded = [load_side(x) for x in sides]
+        pairs = [(ra, va, rb, vb) for (ra, va, _), (rb, vb, _) in zip(loaded[::2], loaded[1::2])]
+        c = compare_pooled(pairs, n_boot=n_boot, seed=ci_seed)
     except StudyError as exc:
         err.print(f"error: {exc}", markup=False, highlight=False)
         raise typer.Exit(2) from None
     if as_json:
-        typer.echo(json.dumps({"a": a, "b": b, **c}, default=str))
+        typer.echo(json.dumps({"a": sides[0], "b": sides[1], "sides": sides, **c}, default=str))
     else:
+        la, lb = (" + ".join(dict.fromkeys(x[2] for x in loaded[k::2])) for k in (0, 1))
         typer.echo(markdown(c, la, lb), nl=False)
 
 

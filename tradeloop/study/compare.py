@@ -1,5 +1,6 @@
 """A variant of one finished study against a variant of another, paired by (seed, fold): what a study gains when a
-new variant is run later on the same seeds, folds and data (`tradeloop study-compare A_DIR:VARIANT B_DIR:VARIANT`).
+new variant is run later on the same seeds, folds and data (`tradeloop study-compare A_DIR:VARIANT B_DIR:VARIANT`),
+or what a replication adds: more pairs of studies after the first (`… A2_DIR:VARIANT B2_DIR:VARIANT`) pool their units.
 
 The two studies must agree on everything that makes their units the same (dataset, seeds, folds, epochs, preset,
 base settings, bars, data seed); the differences are taken on the (seed, fold) units both hold, with the same
@@ -50,36 +51,46 @@ def load_side(text: str) -> tuple[dict, str, str]:
 def compare(a: dict, va: str, b: dict, vb: str, *, n_boot: int = 10_000, seed: int = 0) -> dict:
     """Paired a − b per metric over the shared units, each side's mean, and per seed whether a's last-epoch
     validation (mean over folds) is ≥ b's. StudyError when the studies' units differ or none is shared."""
-    sa, sb = a["study"], b["study"]
-    diff = [k for k in SAME_UNITS if json.dumps(sa.get(k), sort_keys=True) != json.dumps(sb.get(k), sort_keys=True)]
-    if diff:
-        raise StudyError(f"the studies' units do not pair: they differ in {', '.join(diff)} "
-                         f"({'; '.join(f'{k}: {sa.get(k)!r} vs {sb.get(k)!r}' for k in diff)})")
+    return compare_pooled([(a, va, b, vb)], n_boot=n_boot, seed=seed)
 
-    def by(res: dict, v: str, key: str) -> dict:
-        return {(r["seed"], r["fold"]): r[key] for r in res["runs"] if r["variant"] == v and r.get(key) is not None}
 
-    out: dict = {"metrics": {}}
+def compare_pooled(pairs: list[tuple[dict, str, dict, str]], *, n_boot: int = 10_000, seed: int = 0) -> dict:
+    """`compare` over several pairs of studies at once (a replication: the same two variants run again in another
+    study), their units pooled: each pair's studies must pair with each other (`SAME_UNITS`), a unit is
+    (pair, seed, fold), and one bootstrap runs over all of them; the per-seed count is over (pair, seed)."""
+    xs: dict[str, tuple[dict, dict]] = {key: ({}, {}) for key, _ in COMPARED}
+    for i, (a, va, b, vb) in enumerate(pairs):
+        sa, sb = a["study"], b["study"]
+        diff = [k for k in SAME_UNITS if json.dumps(sa.get(k), sort_keys=True) != json.dumps(sb.get(k), sort_keys=True)]
+        if diff:
+            raise StudyError(f"the studies' units do not pair: they differ in {', '.join(diff)} "
+                             f"({'; '.join(f'{k}: {sa.get(k)!r} vs {sb.get(k)!r}' for k in diff)})")
+        for key, _ in COMPARED:
+            for res, v, into in ((a, va, xs[key][0]), (b, vb, xs[key][1])):
+                into.update({(i, r["seed"], r["fold"]): r[key] for r in res["runs"]
+                             if r["variant"] == v and r.get(key) is not None})
+    out: dict = {"metrics": {}, "pairs": len(pairs)}
     for key, _ in COMPARED:
-        xa, xb = by(a, va, key), by(b, vb, key)
+        xa, xb = xs[key]
         units = sorted(set(xa) & set(xb))
         if not units:
-            raise StudyError(f"no (seed, fold) unit has {key} in both {va!r} and {vb!r}")
+            raise StudyError(f"no (seed, fold) unit has {key} in both sides of any pair")
         out["metrics"][key] = {"a": bootstrap_ci([xa[u] for u in units], n_boot=n_boot, seed=seed),
                                "b": bootstrap_ci([xb[u] for u in units], n_boot=n_boot, seed=seed),
                                "a_minus_b": paired({u: xa[u] for u in units}, {u: xb[u] for u in units},
                                                    n_boot=n_boot, seed=seed)}
-    la, lb = by(a, va, "last_val_sharpe"), by(b, vb, "last_val_sharpe")
-    seeds = sorted({s for s, _ in set(la) & set(lb)})
+    la, lb = xs["last_val_sharpe"]
+    seeds = sorted({u[:2] for u in set(la) & set(lb)})
     out["last_val_seeds"] = {"a_at_least_b": sum(
-        np.mean([la[u] for u in la if u[0] == s and u in lb]) >= np.mean([lb[u] for u in lb if u[0] == s and u in la])
+        np.mean([la[u] for u in la if u[:2] == s and u in lb]) >= np.mean([lb[u] for u in lb if u[:2] == s and u in la])
         for s in seeds), "seeds": len(seeds)}
     out["units"] = out["metrics"]["oos_sharpe"]["a_minus_b"]["n"]
     return out
 
 
 def markdown(c: dict, la: str, lb: str) -> str:
-    lines = [f"{la} − {lb}, paired by (seed, fold) over {c['units']} units (mean [95 % CI]; percentile bootstrap):",
+    over = f"{c['units']} units" + (f" of {c['pairs']} pairs of studies, pooled" if c.get("pairs", 1) > 1 else "")
+    lines = [f"{la} − {lb}, paired by (seed, fold) over {over} (mean [95 % CI]; percentile bootstrap):",
              "", f"| metric | {la} | {lb} | difference | {la} higher |", "|---|---|---|---|---|"]
     for key, label in COMPARED:
         m = c["metrics"][key]
@@ -87,6 +98,7 @@ def markdown(c: dict, la: str, lb: str) -> str:
         lines.append(f"| {label} | {describe(m['a'])} | {describe(m['b'])} | **{describe(d)}** | "
                      f"{d['wins']} of {d['n']} |")
     s = c["last_val_seeds"]
+    apart = " (a seed of each pair counted apart)" if c.get("pairs", 1) > 1 else ""
     lines += ["", f"Last-epoch validation (mean over folds) of {la} ≥ {lb} in {s['a_at_least_b']} of {s['seeds']} "
-              "seeds."]
+              f"seeds{apart}."]
     return "\n".join(lines) + "\n"
