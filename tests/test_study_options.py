@@ -51,6 +51,10 @@ def test_the_shipped_study_files_build(path: Path, tmp_path: Path):
     assert spec.preset == "full" and spec.device == "cuda" and spec.epochs >= 8
     if path.name.startswith("signals-"):
         assert len(spec.variants) >= 11
+    elif path.name == "population.toml":     # the exploit across runs, its seeds on one market
+        assert offs["pop"].population and not offs["on"].population and set(offs["pop"].off) == signals
+        assert spec.data_seed is not None and len(spec.seeds) >= 5
+        assert [r.run_id for r in spec.peers(spec.run("pop-s0-f1"))] == [f"pop-s{s}-f1" for s in spec.seeds[1:]]
     else:                                    # rollback-settings.toml: the rollback's z, learning-rate decay, blend
         want = {"on": (2.0, 1.0, 0.0), "z1": (1.0, 1.0, 0.0), "anneal": (2.0, 0.5, 0.0), "keep": (2.0, 1.0, 0.5)}
         assert {n: (fb.rollback_z, fb.rollback_lr_factor, fb.rollback_keep)

@@ -1,6 +1,7 @@
 """Where a feedback bundle's knobs do not come from the signals: the fixed schedule (a signal switched off, or
 feedback off: `fixed_signals`, `disabled_bundle`) and the rollback to the best earlier epoch (`rollback_target`:
-its evidence; `services.feedback.signals.compute_bundle` restores that epoch's knobs). `KNOB_OF` names the knob each
+its evidence; `services.feedback.signals.compute_bundle` restores that epoch's knobs), and the exploit of another
+run's better epoch (`exploit_target`: population-based training across runs). `KNOB_OF` names the knob each
 signal sets; `knobs_from_signals` turns E1–E9 into the `Knobs` of a bundle.
 """
 from __future__ import annotations
@@ -11,7 +12,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from services.feedback.guard import FeedbackView, HistoryPoint
 from shared.knobs import Knobs
-from shared.metrics import select_best
+from shared.metrics import MIN_SELECTION_TRADES, select_best
 from shared.report import OFF_NAMES, SIGNAL_IDS, EvalReport, FeedbackBundle, Provenance, Signal
 
 if TYPE_CHECKING:
@@ -61,6 +62,45 @@ def rollback_target(view: FeedbackView, cfg: "FeedbackConfig") -> Rollback | Non
     drop = best.val_sharpe - view.val.metric("per_trade_sharpe")
     se = diff_se(view.val.sharpe_se, best.val_sharpe_se)
     return Rollback(best, drop, se) if drop > cfg.rollback_z * se else None
+
+
+@dataclass(frozen=True)
+class PeerPoint:
+    """An epoch of another run of the population: the run's id and the epoch's `HistoryPoint` (validation per-trade
+    Sharpe, trades, its standard error, the checkpoint's sha256)."""
+
+    run: str
+    point: HistoryPoint
+
+
+@dataclass(frozen=True)
+class Exploit:
+    """An exploit's evidence: the peer's epoch, how far its validation is above this run's best, and the noise."""
+
+    peer: PeerPoint
+    gain: float
+    """peer.point.val_sharpe − this run's best validation per-trade Sharpe (un-annualized)."""
+    se: float
+    """Standard error of that difference."""
+
+
+def exploit_target(own: Sequence[HistoryPoint], peers: Sequence[PeerPoint], cfg: "FeedbackConfig") -> Exploit | None:
+    """Population-based training's exploit step across runs: of the peers' epochs with enough validation trades to
+    be selected whose validation per-trade Sharpe is above this run's best epoch's (`best_point` of `own`, this
+    epoch included) by more than `population_z` standard errors of the difference, the highest; None when there is
+    none (or no own epoch of enough trades, or the population switched off)."""
+    if not (cfg.enabled and cfg.population and own and peers):
+        return None
+    mine, enough = best_point(own)
+    if not enough:
+        return None
+    beyond = []
+    for p in peers:
+        gain = p.point.val_sharpe - mine.val_sharpe
+        se = diff_se(p.point.val_sharpe_se, mine.val_sharpe_se)
+        if p.point.val_n_trades >= MIN_SELECTION_TRADES and gain > cfg.population_z * se:
+            beyond.append(Exploit(p, gain, se))
+    return max(beyond, key=lambda x: x.peer.point.val_sharpe, default=None)
 
 
 # --- the fixed schedule -----------------------------------------------------------------------------------

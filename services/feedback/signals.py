@@ -129,6 +129,15 @@ class FeedbackConfig:
     """The share of the current learner's weights a rollback keeps: every floating-point weight of the network and
     its target becomes `keep·w_now + (1 − keep)·w_best` (a point on the line between the two, as weight averaging
     and the Lookahead optimizer take); 0: the best epoch's weights bit for bit."""
+    # population
+    population: bool = False
+    """Exploit across runs (population-based training's exploit step, `fallbacks.exploit_target`): when another run
+    of the same population — in `tradeloop study`, the runs of one variant, fold and data — holds an epoch whose
+    validation per-trade Sharpe is above this run's best by more than `population_z` standard errors of the
+    difference, the next epoch starts from that epoch's weights and optimizer state (instead of a rollback to this
+    run's own best). A run alone (`tradeloop up`) has no population, so it has no effect there."""
+    population_z: float = 2.0
+    """The noise threshold of the exploit across runs, in standard errors of the difference."""
 
     def __post_init__(self) -> None:
         try:

@@ -220,15 +220,16 @@ def train_run(bars: Bars, dataset: str, run_dir: Path, epochs: int, *, config: s
               on_epoch: Callable[[EpochStats], None] | None = None,
               progress: Callable[[int, int], None] | None = None,
               on_compile: Callable[[str | None], None] | None = None,
-              rollback_fn: Callable[[int], tuple[int, str, float] | None] | None = None,
+              rollback_fn: Callable[[int], tuple[int, str, float, Path | None] | None] | None = None,
               pinned_fn: Callable[[], Iterable[int]] | None = None, split: Split | None = None,
               features: np.ndarray | None = None) -> TrainState:
     """Train until `epochs` epochs exist in `run_dir`, resuming from its latest checkpoint when it holds a run.
 
     Knobs of epoch e (1-based) come from `knobs_fn(e)`, by default the config's fixed schedule
     (`cfg.schedule.knobs(e)`). `on_compile`: see `StepRunner.on_compile`. `rollback_fn(e)`, when given and not
-    None, is (epoch, checkpoint sha256 or "", keep) of a feedback rollback: `roll_back` to that epoch before epoch e trains
-    (its record says `rolled_back_to`). `pinned_fn()`: epochs whose trainer state the pruning keeps (a later
+    None, is (epoch, checkpoint sha256 or "", keep, run directory) of a feedback rollback: `roll_back` to that epoch
+    of that run directory (None: this one; another: a population's exploit) before epoch e trains (its record says
+    `rolled_back_to`). `pinned_fn()`: epochs whose trainer state the pruning keeps (a later
     rollback's candidates). `split`: the bar ranges of a new run (default `chronological_split`; a walk-forward
     fold, `shared.market.walk_forward_folds`); a resumed run keeps its own and refuses a different one.
     `features`: `compute_features(bars)` when already computed."""
@@ -246,7 +247,7 @@ def train_run(bars: Bars, dataset: str, run_dir: Path, epochs: int, *, config: s
     while state.epoch < epochs:
         rb = rollback_fn(state.epoch + 1) if rollback_fn is not None else None
         if rb is not None:
-            roll_back(state, run_dir, rb[0], rb[1] or None, keep=rb[2])
+            roll_back(state, rb[3] or run_dir, rb[0], rb[1] or None, keep=rb[2])
         stats = train_epoch(state, knobs_fn(state.epoch + 1), progress)
         stats.rolled_back_to = None if rb is None else rb[0]
         save_epoch(state, run_dir, meta)

@@ -26,14 +26,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import shutil
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from services.evaluator.runner import evaluate_checkpoint, shapes_policy
+from services.feedback.fallbacks import PeerPoint, exploit_target
 from services.feedback.guard import HistoryEntry, HistoryPoint
 from services.feedback.signals import FeedbackConfig, compute_bundle
 from services.trainer.train import EpochStats, TrainConfig, latest_epoch, train_run
@@ -45,6 +48,8 @@ from shared.report import SplitDefinition
 from shared.runfiles import atomic_write
 
 LOOP_DIR = "loop"
+PEER_DIR = "peer"
+"""Where a run keeps the peer epoch an exploit restores (`link_peer_epoch`) until the epoch that starts from it is saved."""
 
 
 def write_json_atomic(path: Path, doc: Any) -> None:
@@ -76,15 +81,51 @@ def read_records(run_dir: Path) -> dict[int, dict]:
     return out
 
 
+def point_of(record: dict) -> HistoryPoint:
+    """The `HistoryPoint` of an epoch's record: its validation per-trade Sharpe, trades and their standard error."""
+    return HistoryPoint(epoch=int(record["epoch"]), val_sharpe=float(record["history"]["val_sharpe"]),
+                        val_n_trades=int(record["history"]["val_n_trades"]), knobs=Knobs.from_dict(record["knobs"]),
+                        val_sharpe_se=sharpe_se(np.asarray(record["val_trade_returns"], dtype=np.float64)),
+                        checkpoint_sha256=record.get("checkpoint_sha256") or "")
+
+
 def history_of(record: dict, run_id: str, split_def: SplitDefinition) -> HistoryEntry:
     """The `HistoryEntry` the feedback service keeps of an epoch's report (`guard.history_entry`), from its record."""
-    return HistoryEntry(run_id=run_id, epoch=int(record["epoch"]), split=split_def,
-                        point=HistoryPoint(epoch=int(record["epoch"]), val_sharpe=float(record["history"]["val_sharpe"]),
-                                           val_n_trades=int(record["history"]["val_n_trades"]),
-                                           knobs=Knobs.from_dict(record["knobs"]),
-                                           val_sharpe_se=sharpe_se(np.asarray(record["val_trade_returns"],
-                                                                              dtype=np.float64)),
-                                           checkpoint_sha256=record.get("checkpoint_sha256") or ""))
+    return HistoryEntry(run_id=run_id, epoch=int(record["epoch"]), split=split_def, point=point_of(record))
+
+
+def peer_points(peers: Sequence[Path], upto: int) -> dict[tuple[str, int], tuple[Path, PeerPoint]]:
+    """The epochs ≤ `upto` of the population's other runs (their run directories) that an exploit can restore: those
+    whose record, weights and trainer state are on disk; (run, epoch) → (its directory, its `PeerPoint`)."""
+    out = {}
+    for d in map(Path, peers):
+        for e, rec in read_records(d).items():
+            if e <= upto and checkpoint_path(d, e, state=True).exists():
+                out[(d.name, e)] = (d, PeerPoint(run=d.name, point=point_of(rec)))
+    return out
+
+
+def link_peer_epoch(peer_dir: Path, epoch: int, into: Path) -> bool:
+    """Hard-link (copy where links cannot be made) a peer's epoch — weights, trainer state and their sha256 sidecars —
+    into `into` laid out as a run directory, so that `roll_back(state, into, epoch)` restores it after the peer has
+    pruned its own files. False when the peer removed one of them first."""
+    files = [checkpoint_path(peer_dir, epoch), checkpoint_path(peer_dir, epoch, state=True)]
+    files += [sidecar_path(f) for f in files]
+    shutil.rmtree(into, ignore_errors=True)
+    try:
+        for f in files:
+            dst = into / f.relative_to(peer_dir)
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.link(f, dst)
+            except FileNotFoundError:
+                raise
+            except OSError:
+                shutil.copy2(f, dst)
+    except FileNotFoundError:
+        shutil.rmtree(into, ignore_errors=True)
+        return False
+    return True
 
 
 def _drop(path: Path) -> None:
@@ -96,10 +137,13 @@ def run_closed_loop(bars: Bars, dataset: str, run_dir: Path, epochs: int, *, con
                     feedback: FeedbackConfig, split: Split, seed: int, device: str = "cpu", accel: str = "auto",
                     features: np.ndarray | None = None, run_id: str | None = None,
                     on_epoch: Callable[[dict], None] | None = None,
-                    progress: Callable[[int, int], None] | None = None) -> list[dict]:
+                    progress: Callable[[int, int], None] | None = None, peers: Sequence[Path] = ()) -> list[dict]:
     """Run (or resume) the closed loop for `epochs` epochs in `run_dir`; returns the E epoch records in order.
 
-    `on_epoch(record)` is called after each epoch's record is stored (not for epochs a resume found done)."""
+    `on_epoch(record)` is called after each epoch's record is stored (not for epochs a resume found done).
+    `peers`: the run directories of the other runs of its population (`feedback.population`): after each epoch's
+    bundle, `exploit_target` over their epochs so far (up to this one) may name one, and the next epoch starts from
+    it (`link_peer_epoch`; the record's bundle says `exploit`) instead of any rollback to this run's own best."""
     run_dir = Path(run_dir)
     run_id = run_id or run_dir.name
     feats = compute_features(bars) if features is None else features
@@ -127,31 +171,57 @@ def run_closed_loop(bars: Bars, dataset: str, run_dir: Path, epochs: int, *, con
             write_json_atomic(split_file, rep.split.model_dump(mode="json"))
         history = [history_of(records[k], run_id, box["split_def"]) for k in range(1, e)]
         bundle = compute_bundle(rep, history, feedback, bars=bars)
-        t2 = time.perf_counter()
         vm = rep.val.metrics
-        rec = {"epoch": e, "knobs": knobs.to_dict(), "next_knobs": bundle.knobs,
-               "bundle": {"enabled": bundle.enabled, "rollback": bundle.rollback, "reason": bundle.reason,
+        this = {"epoch": e, "knobs": knobs.to_dict(), "checkpoint_sha256": rep.checkpoint_sha256,
+                "history": {"val_sharpe": rep.val.metric("per_trade_sharpe"), "val_n_trades": len(rep.val.trades)},
+                "val_trade_returns": [float(x) for x in rep.val.trades.net_return]}
+        exploit = population_exploit([*(h.point for h in history), point_of(this)], e)
+        reason = bundle.reason if exploit is None else f"{bundle.reason}; {exploit['reason']}"
+        t2 = time.perf_counter()
+        rec = {**this, "next_knobs": bundle.knobs,
+               "bundle": {"enabled": bundle.enabled, "rollback": bundle.rollback, "reason": reason,
                           "rollback_to_epoch": bundle.rollback_to_epoch,
                           "rollback_checkpoint_sha256": bundle.rollback_checkpoint_sha256,
                           "rollback_keep": bundle.rollback_keep,
-                          "best_epoch": bundle.best_epoch},
+                          "best_epoch": bundle.best_epoch, "exploit": exploit},
                "val": {k: v for k, v in vm.items()},
-               "val_trade_returns": [float(x) for x in rep.val.trades.net_return],
-               "history": {"val_sharpe": rep.val.metric("per_trade_sharpe"), "val_n_trades": len(rep.val.trades)},
                "train": None if stats is None else {k: (v if not isinstance(v, float) or np.isfinite(v) else None)
                                                     for k, v in asdict(stats).items() if k != "knobs"},
                "seconds": {"train": None if stats is None else stats.seconds, "eval": t1 - t0, "feedback": t2 - t1},
-               "checkpoint_sha256": rep.checkpoint_sha256, "finished_at": time.time()}
+               "finished_at": time.time()}
         write_json_atomic(record_path(run_dir, e), rec)
         records[e] = rec
         return rec
 
-    def rollback_for(e: int) -> tuple[int, str, float] | None:
-        """Bundle e−1's rollback: (the epoch whose learner `train_run` restores before epoch e, its sha256, the
-        share of the current weights kept)."""
+    def population_exploit(own: list[HistoryPoint], e: int) -> dict | None:
+        """After epoch e: the peer epoch the next epoch starts from (`exploit_target`), linked into this run
+        directory; None when there is none (or the peer pruned it first)."""
+        if not (peers and feedback.population) or e >= epochs:     # after the last epoch nothing trains from it
+            return None
+        found = peer_points(peers, e)
+        while found:
+            ex = exploit_target(own, [p for _, p in found.values()], feedback)
+            if ex is None:
+                return None
+            key = (ex.peer.run, ex.peer.point.epoch)
+            if link_peer_epoch(found[key][0], key[1], run_dir / PEER_DIR):
+                return {"run": key[0], "epoch": key[1], "checkpoint_sha256": ex.peer.point.checkpoint_sha256,
+                        "val_sharpe": ex.peer.point.val_sharpe, "gain": ex.gain, "se": ex.se,
+                        "reason": (f"exploit: {key[0]}'s epoch {key[1]} validated {ex.gain:.3f} above this run's "
+                                   f"best, beyond {feedback.population_z:g}·SE = {feedback.population_z * ex.se:.3f}; "
+                                   f"the trainer restores its weights and optimizer state")}
+            del found[key]
+        return None
+
+    def rollback_for(e: int) -> tuple[int, str, float, Path | None] | None:
+        """Bundle e−1's rollback or exploit: (the epoch whose learner `train_run` restores before epoch e, its sha256,
+        the share of the current weights kept, the run directory it is in: None for this one)."""
         b = records.get(e - 1, {}).get("bundle", {})
+        if b.get("exploit"):
+            x = b["exploit"]
+            return int(x["epoch"]), x["checkpoint_sha256"], 0.0, run_dir / PEER_DIR
         return ((int(b["rollback_to_epoch"]), b.get("rollback_checkpoint_sha256") or "",
-                 float(b.get("rollback_keep") or 0.0)) if b.get("rollback") else None)
+                 float(b.get("rollback_keep") or 0.0), None) if b.get("rollback") else None)
 
     def pinned() -> set[int]:
         """The epoch a later rollback would restore (the latest bundle's best epoch): its trainer state is kept."""
@@ -165,6 +235,7 @@ def run_closed_loop(bars: Bars, dataset: str, run_dir: Path, epochs: int, *, con
             close_epoch(e, None)
 
     def after_epoch(stats: EpochStats) -> None:
+        shutil.rmtree(run_dir / PEER_DIR, ignore_errors=True)    # the peer epoch it started from, if any, is used
         rec = close_epoch(stats.epoch, stats)
         if on_epoch is not None:
             on_epoch(rec)
@@ -203,10 +274,12 @@ def evaluate_selected(run_dir: Path, epoch: int, records: list[dict], *, bars: B
             "unshaped": None if plain is None else {"val": dict(plain.val.metrics), "oos": dict(plain.oos.metrics)}}
 
 
-def prune_checkpoints(run_dir: Path, keep: set[int]) -> None:
-    """Delete every trainer state and every agent checkpoint of a finished run except the epochs in `keep`."""
+def prune_checkpoints(run_dir: Path, keep: set[int], keep_state: bool = False) -> None:
+    """Delete every trainer state and every agent checkpoint of a finished run except the epochs in `keep` (and,
+    with `keep_state`, their trainer states: what a population's later runs exploit)."""
     ck = Path(run_dir) / "checkpoints"
     for p in ck.glob("epoch-*.safetensors"):
         e = int(p.name.split("-")[1].split(".")[0])
-        if p.name.endswith(".state.safetensors") or e not in keep:
+        if e not in keep or (p.name.endswith(".state.safetensors") and not keep_state):
             _drop(p)
+    shutil.rmtree(Path(run_dir) / PEER_DIR, ignore_errors=True)

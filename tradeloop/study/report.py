@@ -76,6 +76,11 @@ def markdown(res: dict) -> str:
               if d.get("rollbacks")]
     if rolled:
         lines += ["", f"Epochs that began from a feedback rollback (of those after a run's first): {'; '.join(rolled)}."]
+    taken = [f"{name} {d['exploits']} of {d['rollback_chances']}" for name, d in res["variants"].items()
+             if d.get("exploits")]
+    if taken:
+        lines += ["", "Epochs that began from another run's epoch (the population's exploit; its runs share weights, so "
+                  f"their units are not independent and the CIs are too narrow): {'; '.join(taken)}."]
     if res["paired"]:
         lines += ["", f"Paired differences, variant − {res['reference']}, on the same seed and fold "
                       "(mean [95 % CI]; wins: units where the variant is higher):", "",

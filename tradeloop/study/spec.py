@@ -342,6 +342,8 @@ class StudySpec:
         for v in self.variants:
             cfg, fb = self.configs(v, 14)
             fbd = fb.to_dict() if fb.enabled else {"enabled": False, "schedule": fb.schedule.to_dict()}
+            if not fbd.get("population"):          # with the population off its two fields decide nothing
+                fbd.pop("population", None), fbd.pop("population_z", None)
             doc = json.dumps([cfg.to_dict(), fbd], sort_keys=True, default=str)
             out[v.name] = hashlib.sha256(doc.encode()).hexdigest()[:16]
         return out
@@ -363,7 +365,23 @@ class StudySpec:
         return apply_settings(cfg, FeedbackConfig(off=DEFAULT_OFF), [*self.settings, *variant.settings])
 
     def runs(self) -> list["RunSpec"]:
-        return [RunSpec(v.name, s, k) for s in self.seeds for k in range(self.folds) for v in self.variants]
+        """Every run, fold by fold: within a fold seed by seed, the variants of one seed together (a population's runs
+        — one variant's seeds of a fold — start close together)."""
+        return [RunSpec(v.name, s, k) for k in range(self.folds) for s in self.seeds for v in self.variants]
+
+    def in_population(self, variant: "Variant") -> bool:
+        """Whether a variant's runs exploit one another (`feedback.population` with feedback on)."""
+        d = dict([*self.settings, *variant.settings])
+        return bool(d.get("feedback.population")) and d.get("feedback.enabled", True) is not False
+
+    def peers(self, rs: "RunSpec") -> list["RunSpec"]:
+        """The other runs of `rs`'s population: its variant and fold, other seeds, on the same data (a synthetic
+        series: the same data seed); none unless the variant sets `feedback.population`."""
+        if not self.in_population(self.variant(rs.variant)):
+            return []
+        same = lambda s: self.dataset != "synthetic" or self.data_seed_of(s) == self.data_seed_of(rs.seed)  # noqa: E731
+        return [r for r in self.runs() if r.variant == rs.variant and r.fold == rs.fold and r.seed != rs.seed
+                and same(r.seed)]
 
     def run(self, run_id: str) -> "RunSpec":
         r = next((r for r in self.runs() if r.run_id == run_id), None)
@@ -405,6 +423,10 @@ class StudySpec:
                              f"({', '.join(v.name for v in self.variants)})")
         if self.mps not in ("auto", "on", "off"):
             raise StudyError(f"--mps must be auto, on or off, got {self.mps!r}")
+        for v in self.variants:
+            if self.in_population(v) and not self.peers(RunSpec(v.name, self.seeds[0], 0)):
+                raise StudyError(f"variant {v.name!r}: feedback.population needs runs on the same data to exploit — "
+                                 "at least 2 seeds and, on synthetic data, one --data-seed for all of them")
         if self.stagger != "auto":
             try:
                 if float(self.stagger) < 0:

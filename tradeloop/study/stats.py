@@ -135,7 +135,7 @@ def aggregate(summaries: Sequence[dict], baselines: Sequence[dict], variants: Se
                      "shaped": m.get("shaped"), "oos_sharpe_unshaped": m.get("oos_sharpe_unshaped"),
                      "val_sharpe_unshaped": m.get("val_sharpe_unshaped"),
                      "dsr": study_dsr(m["selected_val_trade_returns"], n_trials, var),
-                     "run_dsr": m["run_dsr"], "rollbacks": rollbacks(m)})
+                     "run_dsr": m["run_dsr"], "rollbacks": rollbacks(m), "exploits": exploits(m)})
     ci = lambda xs: bootstrap_ci(xs, n_boot=n_boot, seed=seed)  # noqa: E731
     out_v = {}
     for name in variants:
@@ -149,6 +149,7 @@ def aggregate(summaries: Sequence[dict], baselines: Sequence[dict], variants: Se
         d["dsr_at_bar"] = sum(r["dsr"] >= DSR_BAR for r in rs)
         d["verdict"] = "validated edge" if d["dsr"]["mean"] >= DSR_BAR else "no validated edge"
         d["rollbacks"] = sum(r["rollbacks"] for r in rs)
+        d["exploits"] = sum(r["exploits"] for r in rs)
         d["rollback_chances"] = sum(len(m["epochs"]) - 1 for m in summaries if m["variant"] == name)
         if all(r["oos_sharpe_unshaped"] is not None for r in rs):
             d["unshaped"] = {"shaped_runs": sum(bool(r["shaped"]) for r in rs),
@@ -180,9 +181,14 @@ def aggregate(summaries: Sequence[dict], baselines: Sequence[dict], variants: Se
 
 
 def rollbacks(summary: dict) -> int:
-    """Epochs of a run that began from a feedback rollback: those after an epoch whose bundle asked for one (the last
-    epoch's bundle starts no epoch)."""
-    return sum(bool(e.get("rollback")) for e in summary["epochs"][:-1])
+    """Epochs of a run that began from a feedback rollback to its own best epoch: those after an epoch whose bundle
+    asked for one and no exploit (which takes its place) (the last epoch's bundle starts no epoch)."""
+    return sum(bool(e.get("rollback")) and not e.get("exploit") for e in summary["epochs"][:-1])
+
+
+def exploits(summary: dict) -> int:
+    """Epochs of a run that began from another run's epoch (`feedback.population`'s exploit)."""
+    return sum(bool(e.get("exploit")) for e in summary["epochs"][:-1])
 
 
 def pairing_check(summaries: Sequence[dict]) -> dict:

@@ -104,7 +104,8 @@ def execute_run(spec: StudySpec, out: Path, rs: RunSpec, data: DataCache,
         f.write(json.dumps({"pid": os.getpid(), "from_epoch": trained_before, "t": time.time()}) + "\n")
     records = run_closed_loop(bars, spec.dataset, run_dir, spec.epochs, config=cfg, feedback=fb, split=split,
                               seed=rs.seed, device=spec.device, accel=spec.accel, features=feats,
-                              run_id=rs.run_id, on_epoch=on_epoch)
+                              run_id=rs.run_id, on_epoch=on_epoch,
+                              peers=[out / "runs" / r.run_id for r in spec.peers(rs)])
     vals = [float(r["history"]["val_sharpe"]) for r in records]
     trades = [int(r["history"]["val_n_trades"]) for r in records]
     sel, selectable = select_epoch(vals, trades, spec.min_val_trades)
@@ -120,6 +121,7 @@ def execute_run(spec: StudySpec, out: Path, rs: RunSpec, data: DataCache,
                     "train_s": r["seconds"]["train"], "eval_s": r["seconds"]["eval"],
                     "epsilon": r["knobs"]["epsilon"], "gamma": r["knobs"]["gamma"],
                     "rollback": r["bundle"]["rollback"], "reason": r["bundle"]["reason"],
+                    "exploit": r["bundle"].get("exploit"),
                     "checkpoint_sha256": r["checkpoint_sha256"]} for i, r in enumerate(records)],
         "selected_epoch": sel, "selectable": selectable,
         "val_sharpe": vals[sel - 1], "val_trades": trades[sel - 1],
@@ -140,7 +142,7 @@ def execute_run(spec: StudySpec, out: Path, rs: RunSpec, data: DataCache,
         "pid": os.getpid(),
     }
     write_json_atomic(run_dir / "summary.json", summary)
-    prune_checkpoints(run_dir, {sel})
+    prune_checkpoints(run_dir, {sel}, keep_state=bool(spec.peers(rs)))   # a population's later runs may exploit it
     return summary
 
 
