@@ -50,7 +50,7 @@ def main() -> None:
     print("|---|---:|---:|---:|---:|")
     for key, runs in sorted(g.items(), key=lambda kv: str(kv[0])):
         v, o = np.array(runs).T
-        corr = f"{np.corrcoef(v, o)[0, 1]:+.2f}" if len(runs) > 2 else "n/a"
+        corr = f"{np.corrcoef(v, o)[0, 1]:+.2f}" if len(runs) > 2 and v.std() > 0 and o.std() > 0 else "n/a"
         print(f"| {key[0]}, {key[1]} | {len(runs)} | {corr} | {o.mean():+.3f} | {o[v.argmax()]:+.3f} |")
     print("\n| k | OOS of the best-val run − the k runs' mean OOS (mean over groups and k-subsets) |")
     print("|---:|---:|")
