@@ -135,3 +135,33 @@ def test_the_headroom_of_an_exploit_is_the_best_val_runs_oos_over_the_mean_of_ev
         (0, 0), (0, 1), (1, 0), (1, 1)]
     assert sorted(groups({"study": {"dataset": "synthetic", "data_seed": 7}, "runs": runs})) == [(7, 0), (7, 1)]
     assert sorted(groups({"study": {"dataset": "sp500"}, "runs": runs})) == [("series", 0), ("series", 1)]
+
+
+def test_a_study_runs_its_population_and_keeps_what_a_later_run_exploits(tmp_path):
+    """`tradeloop study` with a population variant (2 seeds on one market, one worker: the runs one after the other),
+    no noise threshold: the second run exploits an epoch of the first, which kept its selected epoch's trainer state
+    for it; the report counts the exploit and says the units are not independent."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.test_study import ROOT, TINY
+
+    toml = TINY.replace("seeds = 2", "seeds = 2\ndata_seed = 0").replace("folds = 2", "folds = 1")
+    toml = toml.replace(f"epochs = {2}", "epochs = 3").replace("[variants.on]\n[variants.off]\n",
+                                                               "[variants.pop]\npopulation = true\npopulation_z = -1000\n")
+    assert "data_seed = 0" in toml and "[variants.pop]" in toml and "epochs = 3" in toml
+    (tmp_path / "pop.toml").write_text(toml)
+    out = tmp_path / "out"
+    p = subprocess.run([sys.executable, "-m", "tradeloop.cli", "study", "--config", str(tmp_path / "pop.toml"),
+                        "--out", str(out), "--parallel", "1"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"})
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    first = json.loads((out / "runs" / "pop-s0-f0" / "summary.json").read_text())
+    second = json.loads((out / "runs" / "pop-s1-f0" / "summary.json").read_text())
+    taken = [e["exploit"] for e in second["epochs"][:-1] if e["exploit"]]
+    assert taken and all(x["run"] == "pop-s0-f0" for x in taken)
+    assert checkpoint_path(out / "runs" / "pop-s0-f0", first["selected_epoch"], state=True).exists()
+    assert not (out / "runs" / "pop-s1-f0" / PEER_DIR).exists()
+    report = (out / "report.md").read_text()
+    assert "Epochs that began from another run's epoch" in report and "not independent" in report

@@ -118,9 +118,9 @@ def link_peer_epoch(peer_dir: Path, epoch: int, into: Path) -> bool:
             dst.parent.mkdir(parents=True, exist_ok=True)
             try:
                 os.link(f, dst)
-            except FileNotFoundError:
+            except FileNotFoundError:        # the peer pruned it
                 raise
-            except OSError:
+            except OSError:                  # no hard links here (another file system): a copy
                 shutil.copy2(f, dst)
     except FileNotFoundError:
         shutil.rmtree(into, ignore_errors=True)
