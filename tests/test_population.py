@@ -122,6 +122,15 @@ def test_a_studys_population_is_a_variants_seeds_of_one_fold_on_the_same_data():
     with pytest.raises(StudyError, match="variant 'pop': feedback.population needs runs on the same data"):
         StudySpec(dataset="synthetic", variants=(pop,), seeds=(0, 1), folds=1, epochs=2).validate()  # a market a seed
     StudySpec(dataset="sp500", variants=(pop,), seeds=(0, 1), folds=1, epochs=2).validate()       # one series
+    # seeds that share a market: seed s on market s // 2, so pop has two populations a fold
+    grouped = StudySpec(dataset="synthetic", variants=(pop,), seeds=(0, 1, 2, 3), folds=1, epochs=2,
+                        seeds_per_market=2).validate()
+    assert [grouped.data_seed_of(s) for s in range(4)] == [0, 0, 1, 1]
+    assert [r.run_id for r in grouped.peers(grouped.run("pop-s3-f0"))] == ["pop-s2-f0"]
+    assert grouped.cluster_of(3, 0) == (1, 0) and grouped.populations() == ["pop"]
+    for bad in (dict(seeds_per_market=0), dict(seeds_per_market=2, data_seed=0)):
+        with pytest.raises(StudyError, match="seeds-per-market"):
+            StudySpec(dataset="synthetic", variants=(pop,), seeds=(0, 1), folds=1, epochs=2, **bad).validate()
 
 
 def test_the_headroom_of_an_exploit_is_the_best_val_runs_oos_over_the_mean_of_every_k_subset():

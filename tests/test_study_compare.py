@@ -105,3 +105,20 @@ def test_a_replication_pools_its_units_with_the_first_pairs(tmp_path):
     assert r.exit_code == 2 and "give DIR:VARIANT in pairs" in r.output and "Traceback" not in r.output
     with pytest.raises(StudyError, match="differ in folds, epochs, bars"):     # within a pair the units must still match
         compare_pooled([pairs[0][:2] + pairs[1][2:]], n_boot=200)
+
+
+def test_a_population_variant_is_compared_over_its_populations(tmp_path):
+    """A side whose variant is a population (`feedback.population`, seeds on market seed // 2): the differences are
+    over the populations' means — (market, fold) — not over the (seed, fold) units."""
+    units = [(s, 0) for s in range(4)]
+    spec = dict(seeds=[0, 1, 2, 3], folds=1, seeds_per_market=2)
+    a = study(tmp_path, "a", "pop", dict(zip(units, [0.5, 0.3, 0.9, 0.7])), dict(zip(units, [0.1] * 4)), **spec)
+    b = study(tmp_path, "b", "off", dict(zip(units, [0.2, 0.2, 0.4, 0.6])), dict(zip(units, [0.1] * 4)), **spec)
+    doc = json.loads((a / "results.json").read_text())
+    doc["study"]["variants"][0]["settings"] = [["feedback.population", True]]
+    (a / "results.json").write_text(json.dumps(doc))
+    c = compare(*load_side(f"{a}:pop")[:2], *load_side(f"{b}:off")[:2], n_boot=500)
+    d = c["metrics"]["oos_sharpe"]["a_minus_b"]
+    assert (d["n"], d["wins"]) == (2, 2) and d["mean"] == pytest.approx(0.25)   # 0.4 − 0.2 and 0.8 − 0.5
+    plain = compare(*load_side(f"{b}:off")[:2], *load_side(f"{b}:off")[:2], n_boot=500)
+    assert plain["metrics"]["oos_sharpe"]["a_minus_b"]["n"] == 4                # no population: per unit

@@ -42,7 +42,8 @@ def test_the_shipped_study_files_build(path: Path, tmp_path: Path):
     spec, _ = build_spec({**{k: None for k in TOML_KEYS}, "config": path, "out": tmp_path / "o"})
     offs = {v.name: spec.configs(v, 14)[1] for v in spec.variants}
     signals = {f"E{i}" for i in range(1, 10)}
-    assert not offs["off"].enabled and offs["on"].enabled and set(offs["on"].off) == signals
+    assert not offs["off"].enabled and set(offs.get("on", offs.get("pop")).off) == signals
+    assert all(fb.enabled for n, fb in offs.items() if n != "off")
     for name, fb in offs.items():
         if name.startswith("no"):
             assert set(fb.off) == {name[2:]} and fb.enabled
@@ -52,9 +53,10 @@ def test_the_shipped_study_files_build(path: Path, tmp_path: Path):
     if path.name.startswith("signals-"):
         assert len(spec.variants) >= 11
     elif path.name == "population.toml":     # the exploit across runs, its seeds on one market
-        assert offs["pop"].population and not offs["on"].population and set(offs["pop"].off) == signals
-        assert spec.data_seed is not None and len(spec.seeds) >= 5
-        assert [r.run_id for r in spec.peers(spec.run("pop-s0-f1"))] == [f"pop-s{s}-f1" for s in spec.seeds[1:]]
+        assert offs["pop"].population and not offs["off"].population and spec.populations() == ["pop"]
+        k = spec.seeds_per_market
+        assert k >= 5 and len(spec.seeds) >= 2 * k                     # several independent populations a fold
+        assert [r.run_id for r in spec.peers(spec.run("pop-s0-f1"))] == [f"pop-s{s}-f1" for s in spec.seeds[1:k]]
     else:                                    # rollback-settings.toml: the rollback's z, learning-rate decay, blend
         want = {"on": (2.0, 1.0, 0.0), "z1": (1.0, 1.0, 0.0), "anneal": (2.0, 0.5, 0.0), "keep": (2.0, 1.0, 0.5)}
         assert {n: (fb.rollback_z, fb.rollback_lr_factor, fb.rollback_keep)

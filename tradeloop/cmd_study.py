@@ -94,6 +94,7 @@ def build_spec(cli: dict[str, Any]):
             dataset=str(dataset), variants=variants, seeds=parse_seeds(pick("seeds", 3)), folds=folds,
             epochs=int(epochs), preset=str(pick("preset", "small")), settings=settings, bars=bars,
             data_seed=None if pick("data_seed") is None else int(pick("data_seed")),
+            seeds_per_market=int(pick("seeds_per_market", 1)),
             device=str(pick("device", "cpu")), accel=str(pick("accel", "auto")),
             deterministic=bool(pick("deterministic", False)), min_val_trades=int(pick("min_val_trades", 20)),
             reference=pick("reference"), n_boot=int(pick("n_boot", 10_000)), ci_seed=int(pick("ci_seed", 0)),
@@ -167,6 +168,9 @@ def study(
                                                 "(default 200)."),
     data_seed: Optional[int] = typer.Option(None, "--data-seed", help="Synthetic market seed (default: each run's "
                                             "seed)."),
+    seeds_per_market: Optional[int] = typer.Option(None, "--seeds-per-market", help="Seeds that share a synthetic "
+                                                   "market (default 1): seed s trains on market s // K; a population "
+                                                   "variant is then judged over its markets."),
     accel: Optional[str] = typer.Option(None, "--accel", help="auto, eager, compile, graph or compile+graph."),
     deterministic: Optional[bool] = typer.Option(None, "--deterministic/--no-deterministic",
                                                  help="torch's deterministic algorithms in every run (GPU: "

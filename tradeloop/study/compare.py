@@ -14,11 +14,13 @@ from pathlib import Path
 
 import numpy as np
 
-from tradeloop.study.spec import StudyError
+from tradeloop.study.spec import StudyError, StudySpec
 from tradeloop.study.stats import bootstrap_ci, describe, paired
 
-SAME_UNITS = ("dataset", "seeds", "folds", "epochs", "preset", "settings", "bars", "data_seed")
-"""The study settings that must match for two studies' (seed, fold) units to pair."""
+SAME_UNITS = {"dataset": None, "seeds": None, "folds": None, "epochs": None, "preset": None, "settings": None,
+              "bars": None, "data_seed": None, "seeds_per_market": 1}
+"""The study settings that must match for two studies' (seed, fold) units to pair, with the value a results.json
+that does not name one stands for."""
 COMPARED = (("oos_sharpe", "OOS per-trade Sharpe (val-selected)"), ("val_sharpe", "val per-trade Sharpe (selected)"),
             ("last_val_sharpe", "last-epoch val per-trade Sharpe"))
 
@@ -48,6 +50,21 @@ def load_side(text: str) -> tuple[dict, str, str]:
     return res, v, f"{d.name}:{v}"
 
 
+def population_units(a: dict, va: str, b: dict, vb: str):
+    """(seed, fold) → the unit a pair's differences are taken over: the (seed, fold) itself, or, when either variant
+    is a population (`feedback.population`: its runs share weights), the population's (market, fold)."""
+    specs = []
+    for res in (a, b):
+        try:
+            specs.append(StudySpec.from_dict(res["study"]))
+        except (KeyError, TypeError, ValueError, StudyError):
+            specs.append(None)                 # a results.json of other keys: no population known
+    for spec, v in zip(specs, (va, vb)):
+        if spec is not None and v in spec.populations():
+            return spec.cluster_of
+    return lambda s, f: (s, f)
+
+
 def compare(a: dict, va: str, b: dict, vb: str, *, n_boot: int = 10_000, seed: int = 0) -> dict:
     """Paired a − b per metric over the shared units, each side's mean, and per seed whether a's last-epoch
     validation (mean over folds) is ≥ b's. StudyError when the studies' units differ or none is shared."""
@@ -61,14 +78,21 @@ def compare_pooled(pairs: list[tuple[dict, str, dict, str]], *, n_boot: int = 10
     xs: dict[str, tuple[dict, dict]] = {key: ({}, {}) for key, _ in COMPARED}
     for i, (a, va, b, vb) in enumerate(pairs):
         sa, sb = a["study"], b["study"]
-        diff = [k for k in SAME_UNITS if json.dumps(sa.get(k), sort_keys=True) != json.dumps(sb.get(k), sort_keys=True)]
+        val = lambda st, k: st.get(k, SAME_UNITS[k])  # noqa: E731
+        diff = [k for k in SAME_UNITS if json.dumps(val(sa, k), sort_keys=True) != json.dumps(val(sb, k), sort_keys=True)]
         if diff:
             raise StudyError(f"the studies' units do not pair: they differ in {', '.join(diff)} "
-                             f"({'; '.join(f'{k}: {sa.get(k)!r} vs {sb.get(k)!r}' for k in diff)})")
+                             f"({'; '.join(f'{k}: {val(sa, k)!r} vs {val(sb, k)!r}' for k in diff)})")
+        unit = population_units(a, va, b, vb)
         for key, _ in COMPARED:
-            for res, v, into in ((a, va, xs[key][0]), (b, vb, xs[key][1])):
-                into.update({(i, r["seed"], r["fold"]): r[key] for r in res["runs"]
-                             if r["variant"] == v and r.get(key) is not None})
+            ra, rb = ({(r["seed"], r["fold"]): r[key] for r in res["runs"] if r["variant"] == v and r.get(key) is not None}
+                      for res, v in ((a, va), (b, vb)))
+            groups: dict = {}
+            for u in set(ra) & set(rb):
+                groups.setdefault(unit(*u), []).append(u)
+            for g, us in groups.items():        # a population: the mean over the (seed, fold) units both sides hold
+                xs[key][0][(i, *g)] = float(np.mean([ra[u] for u in us]))
+                xs[key][1][(i, *g)] = float(np.mean([rb[u] for u in us]))
     out: dict = {"metrics": {}, "pairs": len(pairs)}
     for key, _ in COMPARED:
         xa, xb = xs[key]

@@ -26,8 +26,9 @@ def write_results(spec: StudySpec, out: Path, timing: dict) -> dict:
     summaries = load_summaries(spec, out)
     epoch_s = [e["train_s"] + e["eval_s"] for m in summaries for e in m["epochs"] if e["train_s"] is not None]
     timing = {**timing, "mean_epoch_s": float(np.mean(epoch_s)) if epoch_s else None}
-    res = aggregate(summaries, baselines(spec, out, min(os.cpu_count() or 1, 8)), [v.name for v in spec.variants], spec.reference_name,
-                    n_boot=spec.n_boot, seed=spec.ci_seed)
+    res = aggregate(summaries, baselines(spec, out, min(os.cpu_count() or 1, 8)), [v.name for v in spec.variants],
+                    spec.reference_name, n_boot=spec.n_boot, seed=spec.ci_seed, populations=spec.populations(),
+                    cluster_of=spec.cluster_of)
     res = {"study": spec.to_dict(), "timing": timing, **res}
     write_json_atomic(out / "results.json", res)
     (out / "report.md").write_text(markdown(res))
@@ -79,8 +80,12 @@ def markdown(res: dict) -> str:
     taken = [f"{name} {d['exploits']} of {d['rollback_chances']}" for name, d in res["variants"].items()
              if d.get("exploits")]
     if taken:
-        lines += ["", "Epochs that began from another run's epoch (the population's exploit; its runs share weights, so "
-                  f"their units are not independent and the CIs are too narrow): {'; '.join(taken)}."]
+        lines += ["", f"Epochs that began from another run's epoch (the population's exploit): {'; '.join(taken)}."]
+    pops = {name: d["populations"] for name, d in res["variants"].items() if "populations" in d}
+    if pops:
+        lines += ["", "The runs of a population share weights, so they are not independent: the means, CIs and paired "
+                  "differences of " + ", ".join(f"{n} ({k} populations)" for n, k in pops.items())
+                  + " are over populations — the mean of the runs of one market and fold — not over runs."]
     if res["paired"]:
         lines += ["", f"Paired differences, variant − {res['reference']}, on the same seed and fold "
                       "(mean [95 % CI]; wins: units where the variant is higher):", "",

@@ -297,7 +297,10 @@ class StudySpec:
     bars: int | None = None
     """Bars of the dataset: synthetic generates this many; a file uses its first `bars` (None: all / 6000)."""
     data_seed: int | None = None
-    """Seed of the synthetic market; None: each run's seed (one market per seed)."""
+    """Seed of the synthetic market; None: each run's seed (one market per seed; see `seeds_per_market`)."""
+    seeds_per_market: int = 1
+    """With `data_seed` None: seeds s share the synthetic market of seed s // seeds_per_market (1: a market each), so
+    a population variant (`feedback.population`) has several independent populations to be judged over."""
     device: str = "cpu"
     accel: str = "auto"
     deterministic: bool = False
@@ -314,7 +317,7 @@ class StudySpec:
     (`tradeloop.study.mps`; auto: when some GPU has more than one worker and MPS is installed)."""
 
     IDENTITY = ("dataset", "variants", "seeds", "folds", "epochs", "preset", "settings", "bars", "data_seed",
-                "device", "accel", "deterministic")
+                "seeds_per_market", "device", "accel", "deterministic")
 
     def to_dict(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -396,7 +399,16 @@ class StudySpec:
         return "compile" in resolve_accel(self.accel, self.device)
 
     def data_seed_of(self, seed: int) -> int:
-        return seed if self.data_seed is None else self.data_seed
+        return seed // self.seeds_per_market if self.data_seed is None else self.data_seed
+
+    def cluster_of(self, seed: int, fold: int) -> tuple:
+        """The runs a population variant's statistics count as one unit: those on the same data and fold (a
+        synthetic market, or the one real series)."""
+        return (self.data_seed_of(seed) if self.dataset == "synthetic" else None, fold)
+
+    def populations(self) -> list[str]:
+        """The variants whose runs exploit one another (`in_population`)."""
+        return [v.name for v in self.variants if self.in_population(v)]
 
     def validate(self) -> "StudySpec":
         """StudyError naming the option on any value a study cannot run with."""
@@ -423,10 +435,16 @@ class StudySpec:
                              f"({', '.join(v.name for v in self.variants)})")
         if self.mps not in ("auto", "on", "off"):
             raise StudyError(f"--mps must be auto, on or off, got {self.mps!r}")
+        if not isinstance(self.seeds_per_market, int) or self.seeds_per_market < 1:
+            raise StudyError(f"--seeds-per-market must be an integer ≥ 1, got {self.seeds_per_market!r}")
+        if self.seeds_per_market > 1 and (self.data_seed is not None or self.dataset != "synthetic"):
+            raise StudyError("--seeds-per-market groups seeds into synthetic markets; with --data-seed, or a real "
+                             "series, every seed is on the same data already")
         for v in self.variants:
             if self.in_population(v) and not self.peers(RunSpec(v.name, self.seeds[0], 0)):
                 raise StudyError(f"variant {v.name!r}: feedback.population needs runs on the same data to exploit — "
-                                 "at least 2 seeds and, on synthetic data, one --data-seed for all of them")
+                                 "at least 2 seeds and, on synthetic data, one --data-seed for all of them or "
+                                 "--seeds-per-market ≥ 2")
         if self.stagger != "auto":
             try:
                 if float(self.stagger) < 0:

@@ -18,7 +18,7 @@ Sharpes are un-annualized, per trade.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -122,9 +122,14 @@ METRICS = (("oos_sharpe", "OOS per-trade Sharpe"), ("val_sharpe", "val per-trade
 
 
 def aggregate(summaries: Sequence[dict], baselines: Sequence[dict], variants: Sequence[str], reference: str, *,
-              n_boot: int = 10_000, seed: int = 0) -> dict:
+              n_boot: int = 10_000, seed: int = 0, populations: Sequence[str] = (),
+              cluster_of: Callable[[int, int], Any] | None = None) -> dict:
     """The study's results from its runs' summaries (and the baselines' rows): per variant and baseline the mean and
-    CI of each metric, the gap, the verdict; paired differences against `reference`; validation curves."""
+    CI of each metric, the gap, the verdict; paired differences against `reference`; validation curves.
+
+    `populations`: variants whose runs exploit one another, so that the runs of one population are not independent:
+    their means, CIs and paired differences are over populations — the mean of each `cluster_of(seed, fold)` group of
+    (seed, fold) units — rather than over units (a paired difference is so whenever either side is one)."""
     n_trials, var = study_trials(summaries)
     rows = []
     for m in summaries:
@@ -137,12 +142,26 @@ def aggregate(summaries: Sequence[dict], baselines: Sequence[dict], variants: Se
                      "dsr": study_dsr(m["selected_val_trade_returns"], n_trials, var),
                      "run_dsr": m["run_dsr"], "rollbacks": rollbacks(m), "exploits": exploits(m)})
     ci = lambda xs: bootstrap_ci(xs, n_boot=n_boot, seed=seed)  # noqa: E731
+    cluster = cluster_of or (lambda s, f: (s, f))
+    pops = set(populations)
+
+    def pooled(name: str, values: dict) -> dict:
+        """unit → value, as the units a CI of `name` resamples: its populations' means for a population variant."""
+        if name not in pops:
+            return values
+        groups: dict = {}
+        for u, v in values.items():
+            groups.setdefault(cluster(*u), []).append(v)
+        return {c: float(np.mean(vs)) for c, vs in groups.items()}
+
     out_v = {}
     for name in variants:
         rs = sorted((r for r in rows if r["variant"] == name), key=lambda r: (r["seed"], r["fold"]))
         if not rs:
             continue
-        d = {k: ci([r[k] for r in rs]) for k, _ in METRICS}
+        d = {k: ci(list(pooled(name, {(r["seed"], r["fold"]): r[k] for r in rs}).values())) for k, _ in METRICS}
+        if name in pops:
+            d["populations"] = len(pooled(name, {(r["seed"], r["fold"]): 0.0 for r in rs}))
         d["gap"] = gap_ci([r["val_sharpe"] for r in rs], [r["oos_sharpe"] for r in rs], n_boot=n_boot, seed=seed)
         d["n_runs"] = len(rs)
         d["selectable"] = sum(r["selectable"] for r in rs)
@@ -168,11 +187,19 @@ def aggregate(summaries: Sequence[dict], baselines: Sequence[dict], variants: Se
     for name in variants:
         if name == reference or name not in out_v or reference not in out_v:
             continue
-        out_p[name] = {k: paired(by(name, k), by(reference, k), n_boot=n_boot, seed=seed)
-                       for k in ("oos_sharpe", "val_sharpe", "last_val_sharpe", "dsr")}
+        over = name if name in pops else reference
+
+        def pair(k: str, a: str = name, b: str = reference) -> dict:
+            xa, xb = by(a, k), by(b, k)
+            both = set(xa) & set(xb)
+            return paired(pooled(over, {u: xa[u] for u in both}), pooled(over, {u: xb[u] for u in both}),
+                          n_boot=n_boot, seed=seed)
+
+        out_p[name] = {k: pair(k) for k in ("oos_sharpe", "val_sharpe", "last_val_sharpe", "dsr")}
+        if over in pops:
+            out_p[name]["over_populations"] = True
         if "unshaped" in out_v[name] and "unshaped" in out_v[reference]:
-            out_p[name]["oos_sharpe_unshaped"] = paired(by(name, "oos_sharpe_unshaped"),
-                                                        by(reference, "oos_sharpe_unshaped"), n_boot=n_boot, seed=seed)
+            out_p[name]["oos_sharpe_unshaped"] = pair("oos_sharpe_unshaped")
     curves = {name: {str(m["seed"]) + "/" + str(m["fold"]): [e["val_sharpe"] for e in m["epochs"]]
                      for m in summaries if m["variant"] == name} for name in variants}
     return {"n_trials": n_trials, "trial_sharpe_var": var, "reference": reference, "variants": out_v,
