@@ -131,13 +131,11 @@ class FeedbackConfig:
     and the Lookahead optimizer take); 0: the best epoch's weights bit for bit."""
     # population
     population: bool = False
-    """Exploit across runs (population-based training's exploit step, `fallbacks.exploit_target`): when another run
-    of the same population — in `tradeloop study`, the runs of one variant, fold and data — holds an epoch whose
-    validation per-trade Sharpe is above this run's best by more than `population_z` standard errors of the
-    difference, the next epoch starts from that epoch's weights and optimizer state (instead of a rollback to this
-    run's own best). A run alone (`tradeloop up`) has no population, so it has no effect there."""
+    """Exploit across runs (`fallbacks.exploit_target`): the next epoch starts from a peer's epoch (in `tradeloop
+    study`: a run of the same variant, fold and data) validated above this run's best beyond the noise. A run alone
+    (`tradeloop up`) has no peers: no effect there."""
     population_z: float = 2.0
-    """The noise threshold of the exploit across runs, in standard errors of the difference."""
+    """The exploit's noise threshold, in standard errors of the difference."""
 
     def __post_init__(self) -> None:
         try:
