@@ -1,8 +1,8 @@
 """Study throughput: aggregate epochs per second of `tradeloop study` with P runs at once, time-sliced or under CUDA
 MPS, against one run alone — the product's own command, side by side in one invocation.
 
-    python3 -m bench.study_speed [--parallel 1 10] [--mps off on] [--epochs 4] [--preset full]
-                                 [--set iterations=1000] [--device cuda] [--out runs/study-speed]
+    python3 -m bench.study_speed [--parallel 1 10] [--mps off on] [--mps-share 100 25] [--epochs 4]
+                                 [--preset full] [--set iterations=1000] [--device cuda] [--out runs/study-speed]
 
 Each case is one `tradeloop study --dataset synthetic --bars auto --folds 1` whose runs number P (variants on,off ×
 ⌈P/2⌉ seeds; P = 1: the variant `on`, seed 0), so every worker holds one run from start to end; the cases share one
@@ -12,7 +12,9 @@ compile cache (the first case compiles). From the runs' epoch records (`finished
   ×1         that rate over the rate of one run alone (`--parallel 1`; the first case's when it is P = 1)
   train_s / eval_s   mean seconds of an epoch's training and evaluation inside one run
   busy       the study's mean GPU utilisation (nvidia-smi) over its whole wall time
-Cases with P = 1 run once whatever `--mps` says (one worker never starts MPS).
+Cases with P = 1 run once whatever `--mps` says (one worker never starts MPS). `--mps-share PCT …` runs each MPS
+case once per PCT with `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=PCT` in the workers' environment: each run's kernels may
+then occupy at most that share of the SMs, which can let the kernels of more runs execute at once (100: no limit).
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ import time
 from pathlib import Path
 
 
-def run_case(out: Path, P: int, mps: str, args) -> dict:
+def run_case(out: Path, P: int, mps: str, args, share: int = 100) -> dict:
     seeds = max(1, math.ceil(P / 2))
     variants = "on" if P == 1 else "on,off"
     cmd = [sys.executable, "-m", "tradeloop.cli", "study", "--dataset", "synthetic", "--bars", "auto",
@@ -37,10 +39,11 @@ def run_case(out: Path, P: int, mps: str, args) -> dict:
     for s in args.set or []:
         cmd += ["--set", s]
     t0 = time.time()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    env = {**os.environ, "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(share)} if share < 100 else None
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     wall = time.time() - t0
     if proc.returncode != 0:
-        return {"P": P, "mps": mps, "error": (proc.stderr or proc.stdout).strip()[-600:]}
+        return {"P": P, "mps": mps, "share": share, "error": (proc.stderr or proc.stdout).strip()[-600:]}
     results = json.loads((out / "results.json").read_text())
     timing = results.get("timing", {})
     finish: list[list[float]] = []
@@ -55,7 +58,7 @@ def run_case(out: Path, P: int, mps: str, args) -> dict:
     n = sum(1 for f in finish for t in f if t_lo < t <= t_hi)
     rate = n / (t_hi - t_lo) if t_hi > t_lo and n else None
     busy = [v for v in (timing.get("gpu_busy_pct") or {}).values() if v is not None]
-    return {"P": P, "mps": bool(timing.get("mps")), "mps_asked": mps, "runs": len(finish),
+    return {"P": P, "mps": bool(timing.get("mps")), "mps_asked": mps, "share": share, "runs": len(finish),
             "epochs_per_s": rate, "epochs_in_span": n, "span_s": t_hi - t_lo, "wall_s": wall,
             "train_s": sum(train) / len(train), "eval_s": sum(ev) / len(ev),
             "busy_pct": sum(busy) / len(busy) if busy else None}
@@ -69,8 +72,12 @@ def main(argv=None) -> None:
     ap.add_argument("--preset", default="full")
     ap.add_argument("--set", action="append", default=None)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--mps-share", type=int, nargs="+", default=[100],
+                    help="SM percentages for each MPS case (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE; 100: no limit)")
     ap.add_argument("--out", type=Path, default=Path("runs/study-speed"))
     args = ap.parse_args(argv)
+    if any(not 1 <= x <= 100 for x in args.mps_share):
+        ap.error("--mps-share takes percentages in 1…100")
     if args.epochs < 3:
         ap.error("--epochs must be ≥ 3 (the steady span lies between every run's first and last epoch)")
     cache = args.out / "cache"
@@ -79,27 +86,28 @@ def main(argv=None) -> None:
     cases = []
     for P in args.parallel:
         for mps in (["off"] if P == 1 else args.mps):
-            cases.append((P, mps))
+            for share in (args.mps_share if mps != "off" else [100]):
+                cases.append((P, mps, share))
     rows = []
-    for P, mps in cases:
-        out = args.out / f"p{P}-mps-{mps}"
+    for P, mps, share in cases:
+        out = args.out / f"p{P}-mps-{mps}-sm{share}"
         if out.exists():
             shutil.rmtree(out)
-        row = run_case(out, P, mps, args)
+        row = run_case(out, P, mps, args, share)
         rows.append(row)
         print(json.dumps(row), flush=True)
     base = next((r["epochs_per_s"] for r in rows if r["P"] == 1 and r.get("epochs_per_s")), None)
     print(f"\n`python3 -m bench.study_speed {' '.join(argv if argv is not None else sys.argv[1:])}`\n")
-    print("| runs at once | MPS | epochs/s (steady) | ×1 | train_s | eval_s | GPU busy % | wall s |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| runs at once | MPS | SM share % | epochs/s (steady) | ×1 | train_s | eval_s | GPU busy % | wall s |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
-            print(f"| {r['P']} | {r['mps']} | error: {r['error'][-200:]} | | | | | |")
+            print(f"| {r['P']} | {r['mps']} | {r['share']} | error: {r['error'][-200:]} | | | | | |")
             continue
         ratio = f"{r['epochs_per_s'] / base:.2f}" if base and r["epochs_per_s"] else "n/a"
         eps = "n/a" if r["epochs_per_s"] is None else f"{r['epochs_per_s']:.3f}"
         busy = "n/a" if r["busy_pct"] is None else f"{r['busy_pct']:.0f}"
-        print(f"| {r['P']} | {'on' if r['mps'] else 'off'} | {eps} | {ratio} | {r['train_s']:.2f} | "
+        print(f"| {r['P']} | {'on' if r['mps'] else 'off'} | {r['share']} | {eps} | {ratio} | {r['train_s']:.2f} | "
               f"{r['eval_s']:.2f} | {busy} | {r['wall_s']:.0f} |")
     (args.out / "study_speed.json").write_text(json.dumps(rows, indent=1))
 
