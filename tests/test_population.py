@@ -172,5 +172,6 @@ def test_a_study_runs_its_population_and_keeps_what_a_later_run_exploits(tmp_pat
     assert taken and all(x["run"] == "pop-s0-f0" for x in taken)
     assert checkpoint_path(out / "runs" / "pop-s0-f0", first["selected_epoch"], state=True).exists()
     assert not (out / "runs" / "pop-s1-f0" / PEER_DIR).exists()
+    assert f"; exploited {taken[0]['run']} e{taken[0]['epoch']}" in p.stdout       # the run's line says so
     report = (out / "report.md").read_text()
     assert "Epochs that began from another run's epoch" in report and "not independent" in report

@@ -391,7 +391,8 @@ def _follow(spec: StudySpec, out: Path, runs: list, workers: list, events, statu
                 prog.console.print(
                     f"{rid}: epoch {s['selected_epoch']} selected on validation (val {s['val_sharpe']:+.3f}, "
                     f"{s['val_trades']} trades) → OOS {s['oos_sharpe']:+.3f} ({s['oos_trades']} trades), "
-                    f"run DSR {s['run_dsr']:.2f}, {s['wall_s']:.0f} s [{where}]")
+                    f"run DSR {s['run_dsr']:.2f}, {s['wall_s']:.0f} s [{where}]"
+                    + (f"; exploited {', '.join(s['exploited'])}" if s.get("exploited") else ""))
                 prog.update(task, runs=f"runs {status.doc['runs_done']}/{len(runs)}")
                 _event_log(out, {"type": "done", "run": rid, "worker": where, "pid_t": ev["t"], **s})
             elif ev["type"] == "error":

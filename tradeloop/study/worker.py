@@ -264,8 +264,10 @@ def worker_main(index: int, gpu: str | None, out: str, source: tuple, threads: i
             s = run_with_memory_retries(spec, out_p, rs, data, on_epoch, src, index, gpu)
             src.done(run_id, s)
             src.emit({"type": "done", "worker": index, "run": run_id, "t": time.time(),
-                      "summary": {k: s[k] for k in ("selected_epoch", "val_sharpe", "val_trades", "oos_sharpe",
-                                                    "oos_trades", "run_dsr", "wall_s", "epochs_trained_here")}})
+                      "summary": {**{k: s[k] for k in ("selected_epoch", "val_sharpe", "val_trades", "oos_sharpe",
+                                                       "oos_trades", "run_dsr", "wall_s", "epochs_trained_here")},
+                                  "exploited": [f"{x['run']} e{x['epoch']}" for e in s["epochs"][:-1]
+                                                if (x := e.get("exploit"))]}})
         except Exception as exc:  # noqa: BLE001 — reported to the study process, which decides
             err = f"{type(exc).__name__}: {exc}"
             src.failed(run_id, err)
