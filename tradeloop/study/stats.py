@@ -161,7 +161,7 @@ def aggregate(summaries: Sequence[dict], baselines: Sequence[dict], variants: Se
             continue
         d = {k: ci(list(pooled(name, {(r["seed"], r["fold"]): r[k] for r in rs}).values())) for k, _ in METRICS}
         if name in pops:
-            d["populations"] = len(pooled(name, {(r["seed"], r["fold"]): 0.0 for r in rs}))
+            d["populations"] = len({cluster(r["seed"], r["fold"]) for r in rs})
         d["gap"] = gap_ci([r["val_sharpe"] for r in rs], [r["oos_sharpe"] for r in rs], n_boot=n_boot, seed=seed)
         d["n_runs"] = len(rs)
         d["selectable"] = sum(r["selectable"] for r in rs)
