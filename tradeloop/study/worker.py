@@ -98,14 +98,14 @@ def execute_run(spec: StudySpec, out: Path, rs: RunSpec, data: DataCache,
     bars, feats, folds = data.get(spec.data_seed_of(rs.seed))
     split = folds[rs.fold]
     cfg, fb = spec.configs(spec.variant(rs.variant), feats.shape[1])
+    peers = spec.peers(rs)                    # the other runs of its population (none outside one)
     trained_before = len(list((run_dir / "loop").glob("epoch-*.json"))) if run_dir.exists() else 0
     run_dir.mkdir(parents=True, exist_ok=True)
     with open(run_dir / "attempts.jsonl", "a") as f:   # one line per start: a resume shows its starting epoch
         f.write(json.dumps({"pid": os.getpid(), "from_epoch": trained_before, "t": time.time()}) + "\n")
     records = run_closed_loop(bars, spec.dataset, run_dir, spec.epochs, config=cfg, feedback=fb, split=split,
                               seed=rs.seed, device=spec.device, accel=spec.accel, features=feats,
-                              run_id=rs.run_id, on_epoch=on_epoch,
-                              peers=[out / "runs" / r.run_id for r in spec.peers(rs)])
+                              run_id=rs.run_id, on_epoch=on_epoch, peers=[out / "runs" / r.run_id for r in peers])
     vals = [float(r["history"]["val_sharpe"]) for r in records]
     trades = [int(r["history"]["val_n_trades"]) for r in records]
     sel, selectable = select_epoch(vals, trades, spec.min_val_trades)
@@ -142,7 +142,7 @@ def execute_run(spec: StudySpec, out: Path, rs: RunSpec, data: DataCache,
         "pid": os.getpid(),
     }
     write_json_atomic(run_dir / "summary.json", summary)
-    prune_checkpoints(run_dir, {sel}, keep_state=bool(spec.peers(rs)))   # a population's later runs may exploit it
+    prune_checkpoints(run_dir, {sel}, keep_state=bool(peers))   # a population's later runs may exploit it
     return summary
 
 
