@@ -6,9 +6,13 @@ MPS, against one run alone — the product's own command, side by side in one in
 
 Each case is one `tradeloop study --dataset synthetic --bars auto --folds 1` whose runs number P (variants on,off ×
 ⌈P/2⌉ seeds; P = 1: the variant `on`, seed 0), so every worker holds one run from start to end; the cases share one
-compile cache (the first case compiles). From the runs' epoch records (`finished_at`):
+compile cache, and the cases of P = 1 run first, so the one that compiles is a run alone. From the runs' epoch
+records (`finished_at`):
   epochs/s   steady aggregate rate: the epochs finished after every run had finished its first (start-up, data,
-             compile) and before the first run finished its last, over that span
+             compile) and before the first run finished its last, over that span (n/a where the runs' starts spread
+             over more than that: raise `--epochs`)
+  epoch_s    the median seconds between two epochs of one run after its first: P / epoch_s is the aggregate rate
+             while all P run
   ×1         that rate over the rate of one run alone (`--parallel 1`; the first case's when it is P = 1)
   train_s / eval_s   mean seconds of an epoch's training and evaluation inside one run
   busy       the study's mean GPU utilisation (nvidia-smi) over its whole wall time
@@ -57,9 +61,11 @@ def run_case(out: Path, P: int, mps: str, args, share: int = 100) -> dict:
     t_hi = min(f[-1] for f in finish)         # no run finished yet
     n = sum(1 for f in finish for t in f if t_lo < t <= t_hi)
     rate = n / (t_hi - t_lo) if t_hi > t_lo and n else None
+    steps = [b - a for f in finish for a, b in zip(f[1:], f[2:])]
     busy = [v for v in (timing.get("gpu_busy_pct") or {}).values() if v is not None]
     return {"P": P, "mps": bool(timing.get("mps")), "mps_asked": mps, "share": share, "runs": len(finish),
             "epochs_per_s": rate, "epochs_in_span": n, "span_s": t_hi - t_lo, "wall_s": wall,
+            "epoch_s": float(sorted(steps)[len(steps) // 2]) if steps else None,
             "train_s": sum(train) / len(train), "eval_s": sum(ev) / len(ev),
             "busy_pct": sum(busy) / len(busy) if busy else None}
 
@@ -88,6 +94,7 @@ def main(argv=None) -> None:
         for mps in (["off"] if P == 1 else args.mps):
             for share in (args.mps_share if mps != "off" else [100]):
                 cases.append((P, mps, share))
+    cases.sort(key=lambda c: c[0] != 1)        # a run alone first: it compiles, the others find the cache warm
     rows = []
     for P, mps, share in cases:
         out = args.out / f"p{P}-mps-{mps}-sm{share}"
@@ -98,16 +105,17 @@ def main(argv=None) -> None:
         print(json.dumps(row), flush=True)
     base = next((r["epochs_per_s"] for r in rows if r["P"] == 1 and r.get("epochs_per_s")), None)
     print(f"\n`python3 -m bench.study_speed {' '.join(argv if argv is not None else sys.argv[1:])}`\n")
-    print("| runs at once | MPS | SM share % | epochs/s (steady) | ×1 | train_s | eval_s | GPU busy % | wall s |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| runs at once | MPS | SM share % | epochs/s (steady) | ×1 | epoch_s | train_s | eval_s | GPU busy % | wall s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
-            print(f"| {r['P']} | {r['mps']} | {r['share']} | error: {r['error'][-200:]} | | | | | |")
+            print(f"| {r['P']} | {r['mps']} | {r['share']} | error: {r['error'][-200:]} | | | | | | |")
             continue
         ratio = f"{r['epochs_per_s'] / base:.2f}" if base and r["epochs_per_s"] else "n/a"
         eps = "n/a" if r["epochs_per_s"] is None else f"{r['epochs_per_s']:.3f}"
         busy = "n/a" if r["busy_pct"] is None else f"{r['busy_pct']:.0f}"
-        print(f"| {r['P']} | {'on' if r['mps'] else 'off'} | {r['share']} | {eps} | {ratio} | {r['train_s']:.2f} | "
+        step = "n/a" if r["epoch_s"] is None else f"{r['epoch_s']:.1f}"
+        print(f"| {r['P']} | {'on' if r['mps'] else 'off'} | {r['share']} | {eps} | {ratio} | {step} | {r['train_s']:.2f} | "
               f"{r['eval_s']:.2f} | {busy} | {r['wall_s']:.0f} |")
     (args.out / "study_speed.json").write_text(json.dumps(rows, indent=1))
 

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from bench.population_headroom import best_of_k_gain, groups
+from bench.population_headroom import after_exploit, best_of_k_gain, by_variant, groups
 from services.feedback.fallbacks import PeerPoint, exploit_target
 from services.feedback.guard import HistoryPoint
 from services.feedback.signals import FeedbackConfig
@@ -144,6 +144,41 @@ def test_the_headroom_of_an_exploit_is_the_best_val_runs_oos_over_the_mean_of_ev
         (0, 0), (0, 1), (1, 0), (1, 1)]
     assert sorted(groups({"study": {"dataset": "synthetic", "data_seed": 7}, "runs": runs})) == [(7, 0), (7, 1)]
     assert sorted(groups({"study": {"dataset": "sp500"}, "runs": runs})) == [("series", 0), ("series", 1)]
+
+
+def test_by_variant_compares_the_groups_means_and_their_best_validated_runs_against_the_reference():
+    """Seeds 0–3 on two markets (`seeds_per_market` 2), one fold. off: market 0 runs (val, OOS) (0.1, 0.2), (0.3, 0.6)
+    → mean 0.4, best-val 0.6; market 1 (0.2, 0.3), (0.1, 0.1) → 0.2, 0.3. pop: market 0 (0.5, 0.5), (0.4, 0.5) → 0.5,
+    0.5; market 1 (0.3, 0.2), (0.2, 0.4) → 0.3, 0.2. pop − off: means +0.1 and +0.1 (2 wins); best-val −0.1, −0.1
+    (0 wins): a gain in the mean that choosing on validation among the reference's runs already had."""
+    vo = {"off": [(0.1, 0.2), (0.3, 0.6), (0.2, 0.3), (0.1, 0.1)], "pop": [(0.5, 0.5), (0.4, 0.5), (0.3, 0.2), (0.2, 0.4)]}
+    runs = [{"variant": v, "seed": s, "fold": 0, "val_sharpe": x[0], "oos_sharpe": x[1]}
+            for v, xs in vo.items() for s, x in enumerate(xs)]
+    study = {"dataset": "synthetic", "data_seed": None, "seeds_per_market": 2, "reference": "off",
+             "variants": [{"name": "off"}, {"name": "pop"}]}
+    res = {"study": study, "runs": runs}
+    assert groups(res, "pop") == {(0, 0): [(0.5, 0.5), (0.4, 0.5)], (1, 0): [(0.3, 0.2), (0.2, 0.4)]}
+    table = by_variant(res)
+    assert table[2].startswith("| off | 2 | 2 | +0.300 [") and "| +0.450 [" in table[2]
+    assert table[-1] == "| pop | +0.100 [+0.100, +0.100] | 2/2 | -0.100 [-0.100, -0.100] | 0/2 |"
+
+
+def test_after_exploit_measures_the_next_epoch_against_the_exploited_epoch_and_a_running_best(tmp_path):
+    """pop-s1-f0 exploited pop-s0-f0's epoch 2 (val 0.8) after its epoch 1 and after its epoch 2: its epochs 2 and 3
+    validated 0.5 and 0.7 → −0.3, −0.1. Running bests (an epoch at or above every earlier one of its run, not the
+    last): pop-s0-f0 [0.2, 0.8, 0.4] → +0.6, −0.4; pop-s1-f0 [0.3, 0.5, 0.7] → +0.2, +0.2: mean +0.15. The same from
+    the console line of a study that did not record its exploits."""
+    curves = {"pop": {"0/0": [0.2, 0.8, 0.4], "1/0": [0.3, 0.5, 0.7]}}
+    runs = [{"run_id": "pop-s1-f0", "exploited": [[1, "pop-s0-f0", 2, 0.8], [2, "pop-s0-f0", 2, 0.8]]},
+            {"run_id": "pop-s0-f0", "exploited": []}]
+    table = after_exploit({"study": {"epochs": 3}, "runs": runs, "curves": curves})
+    assert table[2] == "| an exploit (the peer epoch's val) | 2 | -0.200 [-0.300, -0.100] | 0.00 |"
+    assert table[3].startswith("| a running best of pop | 4 | +0.150 [") and table[3].endswith("| 0.75 |")
+    log = tmp_path / "console.txt"
+    log.write_text("pop-s1-f0: epoch 3 selected on validation (val +0.700, 50 trades) → OOS +0.1 (40 trades), run DSR "
+                   "1.00, 9 s ; exploited pop-s0-f0 e2, pop-s0-f0 e2\n")
+    bare = [{"run_id": r["run_id"]} for r in runs]
+    assert after_exploit({"study": {"epochs": 3}, "runs": bare, "curves": curves}, log)[2] == table[2]
 
 
 def test_a_study_runs_its_population_and_keeps_what_a_later_run_exploits(tmp_path):

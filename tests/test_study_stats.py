@@ -124,11 +124,12 @@ def test_rollbacks_count_the_epochs_that_began_from_one_not_the_last_epochs_bund
     assert "Epochs that began from a feedback rollback (of those after a run's first): on 2 of 4." in markdown(res)
     assert "another run's epoch" not in markdown(res)
     # an exploit of a peer's epoch takes the place of the rollback its bundle also asked for
-    runs[0]["epochs"][1]["exploit"] = {"run": "on-s1-f0", "epoch": 1}
-    runs[1]["epochs"][2]["exploit"] = {"run": "on-s0-f0", "epoch": 3}      # the last epoch's: starts nothing
+    runs[0]["epochs"][1]["exploit"] = {"run": "on-s1-f0", "epoch": 1, "val_sharpe": 0.5}
+    runs[1]["epochs"][2]["exploit"] = {"run": "on-s0-f0", "epoch": 3, "val_sharpe": 0.4}  # the last's: starts nothing
     res = {**res, **aggregate(runs, [], ["on", "off"], "off", n_boot=200, seed=0)}
     assert {r["run_id"]: (r["rollbacks"], r["exploits"]) for r in res["runs"]} == {
         "on-s0-f0": (0, 1), "on-s1-f0": (1, 0), "off-s0-f0": (0, 0), "off-s1-f0": (0, 0)}
+    assert res["runs"][0]["exploited"] == [[2, "on-s1-f0", 1, 0.5]] and res["runs"][1]["exploited"] == []
     assert "Epochs that began from another run's epoch (the population's exploit): on 1 of 4." in markdown(res)
 
 

@@ -140,7 +140,8 @@ def aggregate(summaries: Sequence[dict], baselines: Sequence[dict], variants: Se
                      "shaped": m.get("shaped"), "oos_sharpe_unshaped": m.get("oos_sharpe_unshaped"),
                      "val_sharpe_unshaped": m.get("val_sharpe_unshaped"),
                      "dsr": study_dsr(m["selected_val_trade_returns"], n_trials, var),
-                     "run_dsr": m["run_dsr"], "rollbacks": rollbacks(m), "exploits": exploits(m)})
+                     "run_dsr": m["run_dsr"], "rollbacks": rollbacks(m), "exploits": exploits(m),
+                     "exploited": exploited(m)})
     ci = lambda xs: bootstrap_ci(xs, n_boot=n_boot, seed=seed)  # noqa: E731
     cluster = cluster_of or (lambda s, f: (s, f))
     pops = set(populations)
@@ -216,6 +217,13 @@ def rollbacks(summary: dict) -> int:
 def exploits(summary: dict) -> int:
     """Epochs of a run that began from another run's epoch (`feedback.population`'s exploit)."""
     return sum(bool(e.get("exploit")) for e in summary["epochs"][:-1])
+
+
+def exploited(summary: dict) -> list[list]:
+    """A run's exploits: [after epoch e, the peer run, its epoch, that epoch's val per-trade Sharpe] — epoch e + 1
+    trained from that peer epoch."""
+    return [[e["epoch"], x["run"], int(x["epoch"]), float(x["val_sharpe"])]
+            for e in summary["epochs"][:-1] if (x := e.get("exploit"))]
 
 
 def pairing_check(summaries: Sequence[dict]) -> dict:
