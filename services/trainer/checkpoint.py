@@ -54,11 +54,20 @@ def agent_metadata(state: TrainState, run_meta: dict) -> dict:
             "costs_bps": state.cfg.costs_bps}
 
 
+def policy_weights(state: TrainState) -> dict[str, torch.Tensor]:
+    """The weights an epoch's checkpoint holds: the agent's, its parameters replaced by their moving average
+    (`TrainState.ema`, `TrainConfig.policy_ema`) when there is one."""
+    w = {k: v.detach().contiguous() for k, v in state.agent.state_dict().items()}
+    if state.ema is not None:
+        w.update({k: v.detach().contiguous() for k, v in state.ema.named_parameters()})
+    return w
+
+
 def save_epoch(state: TrainState, run_dir: Path, run_meta: dict) -> tuple[Path, str]:
     """Write DIR/checkpoints/epoch-NNNN.safetensors (+ .state.safetensors); returns (path, sha256)."""
     path = checkpoint_path(run_dir, state.epoch)
     path.parent.mkdir(parents=True, exist_ok=True)
-    weights = {k: v.detach().contiguous() for k, v in state.agent.state_dict().items()}
+    weights = policy_weights(state)
     sha = save_checkpoint(path, weights, agent_metadata(state, run_meta))
     save_checkpoint(checkpoint_path(run_dir, state.epoch, state=True), _state_tensors(state),
                     {"kind": "trainer_state", **_state_meta(state)})
@@ -68,6 +77,9 @@ def save_epoch(state: TrainState, run_dir: Path, run_meta: dict) -> tuple[Path, 
 def _state_tensors(state: TrainState) -> dict[str, torch.Tensor]:
     """The trainer state beside the agent's weights: target net, optimizer (flattened), replay, tracker, RNG."""
     t: dict[str, torch.Tensor] = {f"target.{k}": v.detach().contiguous() for k, v in state.target.state_dict().items()}
+    if state.ema is not None:    # the checkpoint holds the average: the online weights training goes on from are here
+        t.update({f"online.{k}": v.detach().contiguous() for k, v in state.agent.state_dict().items()})
+        t.update({f"ema.{k}": v.detach().contiguous() for k, v in state.ema.named_parameters()})
     names = {p: n for n, p in state.agent.named_parameters()}
     for p, st in state.opt.state.items():
         for k, v in st.items():
@@ -168,13 +180,15 @@ def prune_checkpoints(run_dir: Path, epoch: int, keep: int | None, pinned: Itera
 
 def _load_epoch(state: TrainState, run_dir: Path, epoch: int, expected_sha256: str | None = None
                 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict]:
-    """Epoch `epoch`'s weights and trainer-state tensors, and the state's metadata, each file checked against its
-    sha256 (the weights against `expected_sha256` when given, else their sidecar)."""
+    """Epoch `epoch`'s online weights and trainer-state tensors, and the state's metadata, each file checked against
+    its sha256 (the weights against `expected_sha256` when given, else their sidecar). The online weights are the
+    checkpoint's, or the trainer state's where the checkpoint holds their moving average (`policy_ema`)."""
     w, _ = load_checkpoint(checkpoint_path(run_dir, epoch), expected_sha256)
     t, meta = load_checkpoint(checkpoint_path(run_dir, epoch, state=True))
     if meta["config_hash"] != state.cfg.hash():
         raise ValueError(f"{run_dir}: the run's config changed since epoch {epoch} (config hash mismatch)")
-    return w, t, meta
+    online = {k[len("online."):]: v for k, v in t.items() if k.startswith("online.")}
+    return online or w, t, meta
 
 
 def restore_state(state: TrainState, run_dir: Path, epoch: int) -> None:
@@ -227,6 +241,11 @@ def _load_learner(state: TrainState, t: dict) -> None:
     entropy coefficient."""
     dev = state.device
     state.target.load_state_dict({k[len("target."):]: v.to(dev) for k, v in t.items() if k.startswith("target.")})
+    if state.ema is not None:
+        ema = dict(state.ema.named_parameters())
+        for k, v in t.items():
+            if k.startswith("ema."):
+                ema[k[len("ema."):]].copy_(v)         # in place: a captured step's lerp reads these addresses
     params = dict(state.agent.named_parameters())
     for key, v in t.items():
         if key.startswith("opt."):

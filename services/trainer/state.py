@@ -58,6 +58,9 @@ class TrainState:
     refresh_idx: torch.Tensor | None = None
     """0 … C−1: the rolling embedding refresh re-encodes C bars per update."""
     runner: "StepRunner | None" = None
+    ema: Agent | None = None
+    """The moving average of the online weights an epoch's checkpoint holds (`TrainConfig.policy_ema` > 0), its
+    parameters only (buffers are the agent's); None: the checkpoint holds the online weights."""
 
 
 def build_state(cfg: TrainConfig, bars: Bars, split: Split, seed: int, device="cpu",
@@ -81,6 +84,9 @@ def build_state(cfg: TrainConfig, bars: Bars, split: Split, seed: int, device="c
     target = copy.deepcopy(agent)
     for p in target.parameters():
         p.requires_grad_(False)
+    ema = None
+    if cfg.policy_ema > 0:
+        ema = copy.deepcopy(target)
     accel = resolve_accel(accel, device)
     opt = build_optimizer(agent, cfg, device, compiled="compile" in accel)
     replay = Replay(cfg.replay_capacity, cfg.n_envs, cfg.agent.n_portfolio, len(market), cfg.horizons, device)
@@ -89,10 +95,10 @@ def build_state(cfg: TrainConfig, bars: Bars, split: Split, seed: int, device="c
     controls = PolicyControls.make(device)
     buf = make_buffers(cfg, opt, len(market), device)
     targets = make_targets(agent, target, buf, cfg)
-    update = make_update(agent, target, opt, replay, market.windows, buf, cfg, gen, targets)
+    update = make_update(agent, target, opt, replay, market.windows, buf, cfg, gen, targets, ema=ema)
     chunk = -(-len(market) // max(cfg.emb_refresh, 1))
     state = TrainState(cfg, device, agent, target, opt, replay, env, controls, buf, gen, update, targets,
-                       accel=accel, refresh_idx=torch.arange(chunk, device=device))
+                       accel=accel, refresh_idx=torch.arange(chunk, device=device), ema=ema)
     state.runner = StepRunner(state, state.accel)
     return state
 

@@ -29,16 +29,23 @@ if TYPE_CHECKING:
 
 def make_update(agent: Agent, target: Agent, opt: torch.optim.Optimizer, replay: Replay, windows: torch.Tensor,
                 buf: UpdateBuffers, cfg: TrainConfig, generator: torch.Generator,
-                targets: Callable[[Batch, torch.Tensor], Targets]) -> Callable[[Batch], dict]:
-    """Build the hot step `update(batch) -> dict of detached metric tensors` (`targets`: `make_targets`'s)."""
+                targets: Callable[[Batch, torch.Tensor], Targets], ema: Agent | None = None
+                ) -> Callable[[Batch], dict]:
+    """Build the hot step `update(batch) -> dict of detached metric tensors` (`targets`: `make_targets`'s; `ema`: the
+    moving average of the online parameters that follows them at `1 − cfg.policy_ema` an update, or None)."""
     objective = make_objective(agent, windows, buf, cfg)
     params = [p for p in agent.parameters()]
     tparams = [p for p in target.parameters()]
+    eparams = [] if ema is None else [p for p in ema.parameters()]
+    rate = 1.0 - cfg.policy_ema
     flat = isinstance(opt, FlatAdamW)
-    if flat:   # the target's parameters in the optimizer's flat layout: its update is one lerp over the buffer
+    if flat:   # the target's (and the average's) parameters in the optimizer's flat layout: one lerp over a buffer
         name_of = {p: n for n, p in agent.named_parameters()}
         tnamed = dict(target.named_parameters())
         target_flat = flatten_parameters([tnamed[name_of[p]] for p in opt.params])
+        if ema is not None:
+            enamed = dict(ema.named_parameters())
+            ema_flat = flatten_parameters([enamed[name_of[p]] for p in opt.params])
 
     def update(b: Batch, noise: torch.Tensor | None = None, after_backward: Callable[[], None] | None = None,
                targets_via: Callable[[Batch, torch.Tensor], tuple[Targets, Callable[[], None]]] | None = None,
@@ -73,8 +80,12 @@ def make_update(agent: Agent, target: Agent, opt: torch.optim.Optimizer, replay:
         with torch.no_grad():
             if flat:
                 target_flat.lerp_(opt.flat, cfg.tau)                                      # θ' ← θ' + τ(θ − θ')
+                if ema is not None:
+                    ema_flat.lerp_(opt.flat, rate)                                        # θ̄ ← θ̄ + (1 − β)(θ − θ̄)
             else:
                 torch._foreach_lerp_(tparams, params, cfg.tau)
+                if ema is not None:
+                    torch._foreach_lerp_(eparams, params, rate)
             adapt_entropy_coef(buf.entropy_coef, o.utilisation, cfg.entropy_target, cfg.entropy_rate)
             if priorities_via is None:
                 replay.update_priorities(b.slot, o.priority)
