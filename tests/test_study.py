@@ -139,10 +139,26 @@ def test_killed_study_resumes_without_doing_a_run_twice(tiny, reference):
         return [r for r in RUNS if (runs / r / "loop" / "epoch-0001.json").exists()
                 and not (runs / r / "loop" / "epoch-0002.json").exists()]
 
+    def frozen_half_done() -> list[str]:
+        """`half_done()` with the workers stopped (SIGSTOP) as soon as it holds, so that no half-done run finishes
+        before the kill; checked again once they are stopped (else they go on and the poll with them)."""
+        if not half_done():
+            return []
+        pids = _pids(out)
+        for sig in (signal.SIGSTOP, signal.SIGCONT):
+            for pid in pids:
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+            if sig == signal.SIGSTOP and (half := half_done()):
+                return half
+        return []
+
     try:
-        poll_until(half_done, "a run half done after another finished", timeout_s=150, interval_s=0.02,
+        poll_until(frozen_half_done, "a run half done after another finished", timeout_s=150, interval_s=0.02,
                    alive=lambda: proc.poll() is None)
-        proc.send_signal(signal.SIGKILL)          # at once: a half-done run must not finish in between
+        proc.send_signal(signal.SIGKILL)          # the workers, stopped, die with it (PR_SET_PDEATHSIG)
         workers = _pids(out)                      # read from the runs' lock files, which the kill leaves in place
         proc.wait(timeout=10)
     finally:
