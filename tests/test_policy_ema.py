@@ -6,11 +6,25 @@ import pytest
 import torch
 
 from services.trainer.config import TrainConfig
+from services.trainer.step import ema_weight
 from services.trainer.targets import noise_width
 from services.trainer.train import roll_back, train_run
 from shared.checkpoints import load_checkpoint
 from shared.synthetic import generate
 from tests.test_train import tiny_config
+
+
+def test_the_average_is_the_running_mean_until_its_horizon_then_an_ema():
+    """w(t) = max(1/t, 1 − β): with β = 0.75, updates 1…6 weigh 1, ½, ⅓, ¼, ¼, ¼ — after update t ≤ 4 the average
+    is the mean of θ_1 … θ_t (the initial weights weigh nothing), after that an EMA of rate ¼."""
+    w = [float(ema_weight(torch.tensor([t], dtype=torch.float64), 0.25)) for t in range(1, 7)]
+    assert w == pytest.approx([1.0, 0.5, 1 / 3, 0.25, 0.25, 0.25])
+    avg = torch.tensor([123.0])                                            # the initial weights
+    for t, theta in enumerate([2.0, 4.0, 6.0, 8.0, 10.0], start=1):
+        avg.lerp_(torch.tensor([theta]), ema_weight(torch.tensor([t], dtype=torch.float64), 0.25))
+        if t == 4:
+            assert float(avg) == pytest.approx(5.0)                           # the mean of 2, 4, 6, 8
+    assert float(avg) == pytest.approx(5.0 + 0.25 * (10.0 - 5.0))
 
 
 def test_policy_ema_is_checked_and_left_out_of_the_config_at_its_neutral_value():
@@ -49,12 +63,13 @@ def test_the_checkpoint_holds_the_average_and_training_goes_on_from_the_online_w
         assert torch.equal(w2[k], ema[k] if k in params else v), k          # parameters averaged, buffers as they are
         assert torch.equal(t2[f"online.{k}"], v), k
     assert all(torch.equal(t2[f"ema.{n}"], p) for n, p in ema.items())
-    # one update: θ̄ ← lerp(θ̄, θ, 1 − 0.9) with the θ it produced
+    # one update: θ̄ ← lerp(θ̄, θ, 1 − 0.9) with the θ it produced (past the first 10 updates' running mean)
     before = {n: p.detach().clone() for n, p in ema.items()}
     B = cfg.batch_size
     a.update(a.replay.sample(B, u=torch.rand(B)), torch.rand(B, noise_width(cfg)))
+    assert a.update_step > 10
     for n, p in a.agent.named_parameters():
-        assert torch.equal(ema[n], before[n].lerp(p.detach(), 1.0 - 0.9)), n
+        assert torch.equal(ema[n], before[n].lerp(p.detach(), torch.tensor(1.0 - 0.9, dtype=torch.float64).float())), n
     # a rollback to epoch 1 restores the online weights and the average of that epoch
     t1, _ = load_checkpoint(ck / "epoch-0001.state.safetensors")
     w1, _ = load_checkpoint(ck / "epoch-0001.safetensors")

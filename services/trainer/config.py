@@ -70,8 +70,9 @@ class TrainConfig:
     """Target network update θ' ← θ' + τ (θ − θ') each update (`lerp_`)."""
     policy_ema: float = 0.0
     """> 0: an epoch's checkpoint — the policy the evaluator runs and a study selects — holds an exponential moving
-    average of the online weights, θ̄ ← θ̄ + (1 − policy_ema)(θ − θ̄) after each update (horizon 1/(1 − policy_ema)
-    updates), not the online weights themselves; training goes on from the online weights (kept in the trainer
+    average of the online weights, θ̄ ← θ̄ + w(θ − θ̄) after the t-th update with w = max(1/t, 1 − policy_ema) (the
+    mean of the updates so far until there are 1/(1 − policy_ema) of them, then an EMA of that horizon;
+    `step.ema_weight`), not the online weights themselves; training goes on from the online weights (kept in the trainer
     state). 0 (the default): the online weights. Why: on the H200 one more epoch of training moves a policy's
     validation per-trade Sharpe by 0.17 on average and a well-validated epoch's by −0.10 to −0.30 (bench/README.md,
     2026-12-02 · 55207aa); an average over the epoch's last updates is a policy less tied to where its last one

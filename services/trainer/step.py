@@ -80,18 +80,28 @@ def make_update(agent: Agent, target: Agent, opt: torch.optim.Optimizer, replay:
         with torch.no_grad():
             if flat:
                 target_flat.lerp_(opt.flat, cfg.tau)                                      # θ' ← θ' + τ(θ − θ')
-                if ema is not None:
-                    ema_flat.lerp_(opt.flat, rate)                                        # θ̄ ← θ̄ + (1 − β)(θ − θ̄)
             else:
                 torch._foreach_lerp_(tparams, params, cfg.tau)
-                if ema is not None:
-                    torch._foreach_lerp_(eparams, params, rate)
+            if ema is not None:
+                w = ema_weight(opt.step_count if flat else opt.state[params[0]]["step"], rate)
+                if flat:
+                    ema_flat.lerp_(opt.flat, w)                                           # θ̄ ← θ̄ + w(θ − θ̄)
+                else:
+                    for e, p in zip(eparams, params):
+                        e.lerp_(p, w)
             adapt_entropy_coef(buf.entropy_coef, o.utilisation, cfg.entropy_target, cfg.entropy_rate)
             if priorities_via is None:
                 replay.update_priorities(b.slot, o.priority)
         return {**o.metrics, "grad_norm": gnorm.detach()}
 
     return update
+
+
+def ema_weight(step: torch.Tensor, rate: float) -> torch.Tensor:
+    """The weight of update `step` (1-based, the optimizer's device counter) in the policy's moving average:
+    max(1/step, 1 − β) — the mean of the updates so far until there are 1/(1 − β) of them, an EMA of rate 1 − β
+    after, so the first epochs' checkpoints hold no share of the initial weights. A float32 device scalar."""
+    return torch.clamp(1.0 / step.to(torch.float64), min=rate).to(torch.float32)
 
 
 def train_step(state: "TrainState", noise: torch.Tensor, staged: list[torch.Tensor] | None = None,
