@@ -123,6 +123,11 @@ def test_rollbacks_count_the_epochs_that_began_from_one_not_the_last_epochs_bund
     res["timing"] = {"wall_s": 10.0, "runs_at_once": 1, "epochs_trained": 12, "epochs_per_s": 1.2}
     assert "Epochs that began from a feedback rollback (of those after a run's first): on 2 of 4." in markdown(res)
     assert "another run's epoch" not in markdown(res)
+    # how far the policy moves between epochs: on [0.5, 0.1, 0.4] → 0.35, [0.5, 0.4, 0.6] → 0.15; off 0.1 and 0.1
+    assert [r["val_step"] for r in res["runs"]] == pytest.approx([0.35, 0.15, 0.1, 0.1])
+    assert res["variants"]["on"]["val_step"]["mean"] == pytest.approx(0.25)
+    assert ("epoch to the next (mean |Δ val per-trade Sharpe| between a run's consecutive epochs; mean [95 % CI] over "
+            "units): on +0.250 [+0.150, +0.350]; off +0.100 [+0.100, +0.100].") in " ".join(markdown(res).split())
     # an exploit of a peer's epoch takes the place of the rollback its bundle also asked for
     runs[0]["epochs"][1]["exploit"] = {"run": "on-s1-f0", "epoch": 1, "val_sharpe": 0.5}
     runs[1]["epochs"][2]["exploit"] = {"run": "on-s0-f0", "epoch": 3, "val_sharpe": 0.4}  # the last's: starts nothing

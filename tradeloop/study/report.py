@@ -81,6 +81,10 @@ def markdown(res: dict) -> str:
              if d.get("exploits")]
     if taken:
         lines += ["", f"Epochs that began from another run's epoch (the population's exploit): {'; '.join(taken)}."]
+    steps = [f"{name} {describe(d['val_step'])}" for name, d in res["variants"].items() if d.get("val_step")]
+    if steps:
+        lines += ["", "How far the policy moves from one epoch to the next (mean |Δ val per-trade Sharpe| between a "
+                  f"run's consecutive epochs; mean [95 % CI] over units): {'; '.join(steps)}."]
     pops = {name: d["populations"] for name, d in res["variants"].items() if "populations" in d}
     if pops:
         lines += ["", "The runs of a population share weights, so they are not independent: the means, CIs and paired "

@@ -141,7 +141,7 @@ def aggregate(summaries: Sequence[dict], baselines: Sequence[dict], variants: Se
                      "val_sharpe_unshaped": m.get("val_sharpe_unshaped"),
                      "dsr": study_dsr(m["selected_val_trade_returns"], n_trials, var),
                      "run_dsr": m["run_dsr"], "rollbacks": rollbacks(m), "exploits": exploits(m),
-                     "exploited": exploited(m)})
+                     "exploited": exploited(m), "val_step": val_step(m)})
     ci = lambda xs: bootstrap_ci(xs, n_boot=n_boot, seed=seed)  # noqa: E731
     cluster = cluster_of or (lambda s, f: (s, f))
     pops = set(populations)
@@ -171,6 +171,8 @@ def aggregate(summaries: Sequence[dict], baselines: Sequence[dict], variants: Se
         d["rollbacks"] = sum(r["rollbacks"] for r in rs)
         d["exploits"] = sum(r["exploits"] for r in rs)
         d["rollback_chances"] = sum(len(m["epochs"]) - 1 for m in summaries if m["variant"] == name)
+        if all(r["val_step"] is not None for r in rs):
+            d["val_step"] = ci(list(pooled(name, {(r["seed"], r["fold"]): r["val_step"] for r in rs}).values()))
         if all(r["oos_sharpe_unshaped"] is not None for r in rs):
             d["unshaped"] = {"shaped_runs": sum(bool(r["shaped"]) for r in rs),
                              **{k: ci([r[f"{k}_unshaped"] for r in rs]) for k in ("oos_sharpe", "val_sharpe")},
@@ -217,6 +219,13 @@ def rollbacks(summary: dict) -> int:
 def exploits(summary: dict) -> int:
     """Epochs of a run that began from another run's epoch (`feedback.population`'s exploit)."""
     return sum(bool(e.get("exploit")) for e in summary["epochs"][:-1])
+
+
+def val_step(summary: dict) -> float | None:
+    """How far a run's policy moves from one epoch to the next: the mean |Δ| of its consecutive epochs' validation
+    per-trade Sharpes (None for a single epoch)."""
+    v = [float(e["val_sharpe"]) for e in summary["epochs"]]
+    return float(np.mean(np.abs(np.diff(v)))) if len(v) > 1 else None
 
 
 def exploited(summary: dict) -> list[list]:
