@@ -56,16 +56,18 @@ def groups(results: dict, variant: str | None = None) -> dict[tuple, list[tuple[
 def by_variant(results: dict) -> list[str]:
     """Markdown: per variant, the groups' mean OOS and the OOS of their best-validated run, and both paired against
     the reference variant by group (`tradeloop.study.stats.paired`: mean [95 % CI], wins)."""
-    from tradeloop.study.stats import bootstrap_ci, describe, paired
+    from tradeloop.study.stats import best_validated, bootstrap_ci, describe, paired
 
     study = results["study"]
     names = [v["name"] for v in study["variants"]]
     ref = study.get("reference") or names[0]
+    cluster = lambda seed, fold: (data_of(study, seed), fold)  # noqa: E731
     per = {}
     for name in names:
-        g = groups(results, name)
-        per[name] = ({k: float(np.mean([o for _, o in runs])) for k, runs in g.items()},
-                     {k: max(runs)[1] for k, runs in g.items()}, min(len(r) for r in g.values()))
+        b = best_validated([r for r in results["runs"] if r["variant"] == name], cluster)
+        if b is None:
+            raise SystemExit(f"{name}: a market and fold with fewer than 2 runs: nothing to choose among")
+        per[name] = (b["mean"], b["oos"], b["runs"])
     lines = ["| variant | groups | runs a group | mean OOS of a group | OOS of its best-val run | best-val − mean |",
              "|---|---:|---:|---|---|---|"]
     for name, (mean, best, k) in per.items():

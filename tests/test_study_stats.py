@@ -275,3 +275,33 @@ def test_shapes_policy_names_the_knobs_that_change_the_greedy_policy():
     assert not shapes_policy(None) and not shapes_policy(Knobs(q_bias=0.02, gamma=0.95))
     assert shapes_policy(Knobs(gate_threshold=0.3))
     assert shapes_policy(Knobs(regime_confidence=[1.0] * 8 + [0.75]))
+
+
+def test_the_best_validated_run_of_each_market_and_fold_is_chosen_on_validation_alone():
+    """Seeds 0, 1 share market 0 and seeds 2, 3 market 1 (`cluster_of`), folds 0. off: market 0 (val, OOS) (0.3, 0.1),
+    (0.2, 0.5) → chosen 0.1 (the higher val, though OOS would pick the other), mean 0.3; market 1 (0.4, 0.6), (0.1,
+    0.2) → 0.6, mean 0.4. on: market 0 (0.5, 0.4), (0.5, 0.9) → a tie on val: the first seed's 0.4, mean 0.65;
+    market 1 (0.2, 0.3), (0.6, 0.5) → 0.5, mean 0.4. on − off: 0.4 − 0.1, 0.5 − 0.6 → +0.1 mean, 1 win. With one
+    run a market there is nothing to choose from, and no such figure."""
+    from tradeloop.study.report import markdown
+
+    vo = {"off": [(0.3, 0.1), (0.2, 0.5), (0.4, 0.6), (0.1, 0.2)], "on": [(0.5, 0.4), (0.5, 0.9), (0.2, 0.3), (0.6, 0.5)]}
+    runs = [_summary(v, s, 0, [val], 1, oos) for v, xs in vo.items() for s, (val, oos) in enumerate(xs)]
+    res = aggregate(runs, [], ["on", "off"], "off", n_boot=500, seed=0, cluster_of=lambda s, f: (s // 2, f))
+    off, on = res["variants"]["off"]["best_validated"], res["variants"]["on"]["best_validated"]
+    assert (off["runs"], off["groups"]) == (2, 2)
+    assert off["oos"]["mean"] == pytest.approx((0.1 + 0.6) / 2) and on["oos"]["mean"] == pytest.approx((0.4 + 0.5) / 2)
+    assert off["lift"]["mean"] == pytest.approx(((0.1 - 0.3) + (0.6 - 0.4)) / 2)
+    assert on["lift"]["mean"] == pytest.approx(((0.4 - 0.65) + (0.5 - 0.4)) / 2)
+    p = res["paired"]["on"]["best_validated_oos"]
+    assert p["mean"] == pytest.approx(((0.4 - 0.1) + (0.5 - 0.6)) / 2) and (p["wins"], p["n"]) == (1, 2)
+    res["study"] = {"dataset": "synthetic", "variants": [{"name": n, "settings": []} for n in ("on", "off")],
+                    "seeds": [0, 1, 2, 3], "folds": 1, "epochs": 1, "preset": "small", "settings": [], "device": "cpu",
+                    "accel": "auto", "deterministic": False, "bars": 3000, "min_val_trades": 20, "n_boot": 500,
+                    "ci_seed": 0}
+    res["timing"] = {"wall_s": 10.0, "runs_at_once": 1, "epochs_trained": 8, "epochs_per_s": 0.8}
+    text = " ".join(markdown(res).split())
+    assert "The run chosen on validation among each market and fold's runs" in text
+    assert "on OOS +0.450 [" in text and "(2 groups of ≥ 2 runs)" in text and "paired on − off +0.100 [" in text
+    alone = aggregate(runs, [], ["on", "off"], "off", n_boot=500, seed=0)        # a market a seed
+    assert "best_validated" not in alone["variants"]["off"] and "best_validated_oos" not in alone["paired"]["on"]

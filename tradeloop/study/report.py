@@ -85,6 +85,16 @@ def markdown(res: dict) -> str:
     if steps:
         lines += ["", "How far the policy moves from one epoch to the next (mean |Δ val per-trade Sharpe| between a "
                   f"run's consecutive epochs; mean [95 % CI] over units): {'; '.join(steps)}."]
+    best = {name: d["best_validated"] for name, d in res["variants"].items() if d.get("best_validated")}
+    if best:
+        pairs = [f"{n} − {res['reference']} {describe(p['best_validated_oos'])} "
+                 f"({p['best_validated_oos']['wins']}/{p['best_validated_oos']['n']})"
+                 for n, p in res["paired"].items() if "best_validated_oos" in p]
+        lines += ["", "The run chosen on validation among each market and fold's runs (what training them and keeping "
+                  "the best validated gives; mean [95 % CI] over the groups): "
+                  + "; ".join(f"{n} OOS {describe(b['oos'])}, {describe(b['lift'])} above the group's mean "
+                              f"({b['groups']} groups of ≥ {b['runs']} runs)" for n, b in best.items())
+                  + (f"; paired {', '.join(pairs)}." if pairs else ".")]
     pops = {name: d["populations"] for name, d in res["variants"].items() if "populations" in d}
     if pops:
         lines += ["", "The runs of a population share weights, so they are not independent: the means, CIs and paired "

@@ -155,7 +155,7 @@ def aggregate(summaries: Sequence[dict], baselines: Sequence[dict], variants: Se
             groups.setdefault(cluster(*u), []).append(v)
         return {c: float(np.mean(vs)) for c, vs in groups.items()}
 
-    out_v = {}
+    out_v, best_by = {}, {}
     for name in variants:
         rs = sorted((r for r in rows if r["variant"] == name), key=lambda r: (r["seed"], r["fold"]))
         if not rs:
@@ -177,6 +177,11 @@ def aggregate(summaries: Sequence[dict], baselines: Sequence[dict], variants: Se
             d["unshaped"] = {"shaped_runs": sum(bool(r["shaped"]) for r in rs),
                              **{k: ci([r[f"{k}_unshaped"] for r in rs]) for k in ("oos_sharpe", "val_sharpe")},
                              "shaping_oos": ci([r["oos_sharpe"] - r["oos_sharpe_unshaped"] for r in rs])}
+        best = best_validated(rs, cluster)
+        if best:
+            best_by[name] = best["oos"]
+            d["best_validated"] = {"runs": best["runs"], "groups": len(best["oos"]), "oos": ci(list(best["oos"].values())),
+                                   "lift": ci([best["oos"][c] - best["mean"][c] for c in best["oos"]])}
         out_v[name] = d
     out_b = {}
     for name in dict.fromkeys(b["policy"] for b in baselines):
@@ -201,6 +206,8 @@ def aggregate(summaries: Sequence[dict], baselines: Sequence[dict], variants: Se
         out_p[name] = {k: pair(k) for k in ("oos_sharpe", "val_sharpe", "last_val_sharpe", "dsr")}
         if over in pops:
             out_p[name]["over_populations"] = True
+        if name in best_by and reference in best_by:
+            out_p[name]["best_validated_oos"] = paired(best_by[name], best_by[reference], n_boot=n_boot, seed=seed)
         if "unshaped" in out_v[name] and "unshaped" in out_v[reference]:
             out_p[name]["oos_sharpe_unshaped"] = pair("oos_sharpe_unshaped")
     curves = {name: {str(m["seed"]) + "/" + str(m["fold"]): [e["val_sharpe"] for e in m["epochs"]]
@@ -219,6 +226,22 @@ def rollbacks(summary: dict) -> int:
 def exploits(summary: dict) -> int:
     """Epochs of a run that began from another run's epoch (`feedback.population`'s exploit)."""
     return sum(bool(e.get("exploit")) for e in summary["epochs"][:-1])
+
+
+def best_validated(rows: Sequence[dict], cluster: Callable[[int, int], Any]) -> dict | None:
+    """Within each group of a variant's runs on the same data and fold (`cluster(seed, fold)`: a synthetic market
+    several seeds share, or a real series), the run chosen on validation (the highest val per-trade Sharpe; the first
+    in (seed, fold) order on a tie) — what training the group's seeds and keeping the best validated gives.
+    {"runs": the smallest group's size, "oos": group → its OOS, "mean": group → the group's mean OOS}; None where a
+    group holds fewer than 2 runs."""
+    groups: dict = {}
+    for r in sorted(rows, key=lambda r: (r["seed"], r["fold"])):
+        groups.setdefault(cluster(r["seed"], r["fold"]), []).append(r)
+    if not groups or min(len(g) for g in groups.values()) < 2:
+        return None
+    return {"runs": min(len(g) for g in groups.values()),
+            "oos": {c: float(max(g, key=lambda r: r["val_sharpe"])["oos_sharpe"]) for c, g in groups.items()},
+            "mean": {c: float(np.mean([r["oos_sharpe"] for r in g])) for c, g in groups.items()}}
 
 
 def val_step(summary: dict) -> float | None:
