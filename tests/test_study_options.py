@@ -42,9 +42,10 @@ def test_the_shipped_study_files_build(path: Path, tmp_path: Path):
     spec, _ = build_spec({**{k: None for k in TOML_KEYS}, "config": path, "out": tmp_path / "o"})
     offs = {v.name: spec.configs(v, 14)[1] for v in spec.variants}
     signals = {f"E{i}" for i in range(1, 10)}
-    loop = offs.get("on") or offs.get("pop") or offs["ema-loop"]
-    assert not offs["off"].enabled and set(loop.off) == signals
-    assert all(fb.enabled for n, fb in offs.items() if n not in ("off", "ema"))
+    assert not offs["off"].enabled
+    if "on" in offs or "pop" in offs:
+        assert set(offs.get("on", offs.get("pop")).off) == signals
+    assert all(fb.enabled for n, fb in offs.items() if n != "off" and not n.startswith("ema"))
     for name, fb in offs.items():
         if name.startswith("no"):
             assert set(fb.off) == {name[2:]} and fb.enabled
@@ -60,7 +61,8 @@ def test_the_shipped_study_files_build(path: Path, tmp_path: Path):
         assert [r.run_id for r in spec.peers(spec.run("pop-s0-f1"))] == [f"pop-s{s}-f1" for s in spec.seeds[1:k]]
     elif path.name == "policy-ema.toml":     # the checkpoint as a moving average, with the fixed schedule and the loop
         ema = {v.name: spec.configs(v, 14)[0].policy_ema for v in spec.variants}
-        assert ema == {"off": 0.0, "ema": 0.999, "ema-loop": 0.999} and not offs["ema"].enabled
+        assert ema == {"off": 0.0, "ema": 0.999, "ema-short": 0.99}
+        assert not offs["ema"].enabled and not offs["ema-short"].enabled
     else:                                    # rollback-settings.toml: the rollback's z, learning-rate decay, blend
         want = {"on": (2.0, 1.0, 0.0), "z1": (1.0, 1.0, 0.0), "anneal": (2.0, 0.5, 0.0), "keep": (2.0, 1.0, 0.5)}
         assert {n: (fb.rollback_z, fb.rollback_lr_factor, fb.rollback_keep)
