@@ -140,7 +140,7 @@ def aggregate(summaries: Sequence[dict], baselines: Sequence[dict], variants: Se
                      "shaped": m.get("shaped"), "oos_sharpe_unshaped": m.get("oos_sharpe_unshaped"),
                      "val_sharpe_unshaped": m.get("val_sharpe_unshaped"),
                      "dsr": study_dsr(m["selected_val_trade_returns"], n_trials, var),
-                     "run_dsr": m["run_dsr"], "rollbacks": rollbacks(m), "exploits": exploits(m),
+                     "run_dsr": m["run_dsr"], "rollbacks": rollbacks(m), "exploits": len(exploited(m)),
                      "exploited": exploited(m), "val_step": val_step(m)})
     ci = lambda xs: bootstrap_ci(xs, n_boot=n_boot, seed=seed)  # noqa: E731
     cluster = cluster_of or (lambda s, f: (s, f))
@@ -223,11 +223,6 @@ def rollbacks(summary: dict) -> int:
     return sum(bool(e.get("rollback")) and not e.get("exploit") for e in summary["epochs"][:-1])
 
 
-def exploits(summary: dict) -> int:
-    """Epochs of a run that began from another run's epoch (`feedback.population`'s exploit)."""
-    return sum(bool(e.get("exploit")) for e in summary["epochs"][:-1])
-
-
 def best_validated(rows: Sequence[dict], cluster: Callable[[int, int], Any]) -> dict | None:
     """Within each group of a variant's runs on the same data and fold (`cluster(seed, fold)`: a synthetic market
     several seeds share, or a real series), the run chosen on validation (the highest val per-trade Sharpe; the first
@@ -253,7 +248,7 @@ def val_step(summary: dict) -> float | None:
 
 def exploited(summary: dict) -> list[list]:
     """A run's exploits: [after epoch e, the peer run, its epoch, that epoch's val per-trade Sharpe] — epoch e + 1
-    trained from that peer epoch."""
+    trained from that peer epoch (their number: the epochs that began from another run's epoch)."""
     return [[e["epoch"], x["run"], int(x["epoch"]), float(x["val_sharpe"])]
             for e in summary["epochs"][:-1] if (x := e.get("exploit"))]
 
