@@ -1,0 +1,187 @@
+"""Runs at once on one GPU, inside one process (each run's epoch in its own thread, on its own CUDA stream) against
+processes under CUDA MPS (the study's workers today), against one run alone — training only, side by side in one
+invocation.
+
+    python3 -m bench.run_streams --device cuda [--runs 1 2 4 8] [--processes 4 8] [--wide 4 8] [--iterations 300]
+                                 [--preset full] [--set iterations=1000] [--bars 300000]
+
+Every run is the product's `train_epoch` on a `build_state` of the preset (`--accel auto`: compiled and captured on
+CUDA), on the same synthetic training split, seeds 0…K−1, after a warm-up epoch that compiles and captures it. Rows:
+  threads K      K states built in this process; one thread each runs `train_epoch` (`--iterations` iterations)
+                 under `torch.cuda.stream(its own)`, all started together: their CUDA graphs' replays can overlap
+  processes P    P copies of this script (`--child`), one state each, under a private MPS daemon
+                 (`tradeloop.study.mps`), each starting its timed epoch at one wall-clock instant
+  iter/s         aggregate training iterations per second (each iteration: the collection and `updates_per_iter`
+                 updates at the preset's batch), over the span from the common start to the last run's end
+  wide K         one state whose batch and environments are K × the preset's, alone: the work of K runs in one
+                 graph with K× wider kernels — the ceiling of K runs' steps batched into one (its iterations/s
+                 counted K times, as K runs' worth)
+  ×1             that over the rate of one run alone (threads 1)
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from services.trainer.loop import train_epoch
+from services.trainer.state import build_state
+from services.trainer.train import TrainConfig
+from shared.knobs import Knobs
+from shared.market import chronological_split, compute_features
+from shared.synthetic import generate
+
+
+def make_states(args, seeds: list[int], wide: int = 1) -> list:
+    try:                                               # one compiled step per state: a recompile each, not a fallback
+        torch._dynamo.config.recompile_limit = max(64, 8 * len(seeds))
+        torch._dynamo.config.accumulated_recompile_limit = 4096
+    except AttributeError:
+        pass
+    n = int(args.bars / 0.588) + 500
+    bars = generate(n_bars=n, seed=0).bars
+    split, feats = chronological_split(len(bars)), compute_features(bars)
+    states = []
+    for seed in seeds:
+        cfg = TrainConfig.preset(args.preset, feats.shape[1])
+        cfg.override(args.set or [])
+        cfg.batch_size, cfg.n_envs = cfg.batch_size * wide, cfg.n_envs * wide
+        st = build_state(cfg, bars, split, seed, args.device, features=feats, accel="auto")
+        cfg.iterations, cfg.learning_starts = args.warmup, 0
+        t0 = time.perf_counter()
+        train_epoch(st, Knobs())                        # compiles and captures the iteration
+        print(f"  state seed {seed}: warm-up {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+        cfg.iterations = args.iterations
+        states.append(st)
+    return states
+
+
+def timed_threads(states: list, at: float | None = None) -> float:
+    """Seconds from the common start to the end of the last of the states' epochs, each in its own thread and on
+    its own stream."""
+    cuda = states[0].device.type == "cuda"
+    streams = [torch.cuda.Stream() if cuda else None for _ in states]
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    barrier = threading.Barrier(len(states) + 1)
+    errors: list[BaseException] = []
+
+    def one(st, stream) -> None:
+        try:
+            barrier.wait()
+            with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
+                train_epoch(st, Knobs())
+            sync()
+        except BaseException as exc:                    # noqa: BLE001 — reported by the caller
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(st, s)) for st, s in zip(states, streams)]
+    for t in threads:
+        t.start()
+    sync()
+    if at is not None:
+        time.sleep(max(0.0, at - time.time()))
+    t0 = time.time() if at is None else at
+    barrier.wait()
+    for t in threads:
+        t.join()
+    sync()
+    if errors:
+        raise errors[0]
+    return time.time() - t0
+
+
+def child(args) -> None:
+    st = make_states(args, [args.seed])
+    Path(args.ready).joinpath(f"{args.seed}").write_text("ready")
+    while not (Path(args.ready) / "go").exists():
+        time.sleep(0.05)
+    at = float((Path(args.ready) / "go").read_text())
+    wall = timed_threads(st, at=at)
+    print(json.dumps({"seed": args.seed, "wall_s": wall}), flush=True)
+
+
+def processes(args, P: int) -> float:
+    import tempfile
+
+    from tradeloop.study.mps import MpsDaemon
+
+    daemon = MpsDaemon()
+    if not daemon.start():
+        raise SystemExit(f"MPS did not start: {daemon.why_not}")
+    try:
+        with tempfile.TemporaryDirectory(prefix="tl-run-streams-") as ready:
+            cmd = [sys.executable, "-m", "bench.run_streams", "--child", "--ready", ready, "--device", args.device,
+                   "--iterations", str(args.iterations), "--warmup", str(args.warmup), "--preset", args.preset,
+                   "--bars", str(args.bars)]
+            for s in args.set or []:
+                cmd += ["--set", s]
+            env = {**os.environ, **daemon.env()}
+            procs = [subprocess.Popen(cmd + ["--seed", str(i)], stdout=subprocess.PIPE, text=True, env=env)
+                     for i in range(P)]
+            while sum(1 for p in Path(ready).iterdir()) < P:
+                if any(p.poll() not in (None, 0) for p in procs):
+                    raise SystemExit("a child process failed")
+                time.sleep(0.2)
+            Path(ready, "go").write_text(str(time.time() + 2.0))
+            walls = [json.loads(p.communicate()[0].strip().splitlines()[-1])["wall_s"] for p in procs]
+        return max(walls)
+    finally:
+        daemon.stop()
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", type=int, nargs="*", default=[1, 2, 4, 8])
+    ap.add_argument("--processes", type=int, nargs="*", default=[4, 8])
+    ap.add_argument("--wide", type=int, nargs="*", default=[4, 8])
+    ap.add_argument("--iterations", type=int, default=300)
+    ap.add_argument("--warmup", type=int, default=40)
+    ap.add_argument("--preset", default="full")
+    ap.add_argument("--set", action="append", default=None)
+    ap.add_argument("--bars", type=int, default=300_000, help="training-split bars")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--ready", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        return child(args)
+    rows = []
+    if args.runs:
+        states = make_states(args, list(range(max(args.runs))))
+        for K in args.runs:
+            wall = timed_threads(states[:K])
+            rows.append({"how": "threads", "runs": K, "wall_s": wall, "iter_per_s": K * args.iterations / wall})
+            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+        del states
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    for K in args.wide:
+        states = make_states(args, [0], wide=K)
+        wall = timed_threads(states)
+        rows.append({"how": f"one run, batch and envs ×{K}", "runs": K, "wall_s": wall,
+                     "iter_per_s": K * args.iterations / wall})
+        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+        del states
+    for P in args.processes:
+        wall = processes(args, P)
+        rows.append({"how": "processes (MPS)", "runs": P, "wall_s": wall, "iter_per_s": P * args.iterations / wall})
+        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    one = next((r["iter_per_s"] for r in rows if r["runs"] == 1), None)
+    print(f"| how | runs at once | iterations/s | ×1 | wall s |\n|---|---|---|---|---|")
+    for r in rows:
+        x = f"{r['iter_per_s'] / one:.2f}" if one else "n/a"
+        print(f"| {r['how']} | {r['runs']} | {r['iter_per_s']:.1f} | {x} | {r['wall_s']:.1f} |")
+    print(json.dumps(rows))
+
+
+if __name__ == "__main__":
+    main()
