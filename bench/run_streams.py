@@ -176,7 +176,7 @@ def main(argv=None) -> None:
         rows.append({"how": "processes (MPS)", "runs": P, "wall_s": wall, "iter_per_s": P * args.iterations / wall})
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     one = next((r["iter_per_s"] for r in rows if r["runs"] == 1), None)
-    print(f"| how | runs at once | iterations/s | ×1 | wall s |\n|---|---|---|---|---|")
+    print("| how | runs at once | iterations/s | ×1 | wall s |\n|---|---|---|---|---|")
     for r in rows:
         x = f"{r['iter_per_s'] / one:.2f}" if one else "n/a"
         print(f"| {r['how']} | {r['runs']} | {r['iter_per_s']:.1f} | {x} | {r['wall_s']:.1f} |")
