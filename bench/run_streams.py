@@ -17,6 +17,8 @@ CUDA), on the same synthetic training split, seeds 0…K−1, after a warm-up ep
                  graph with K× wider kernels — the ceiling of K runs' steps batched into one (its iterations/s
                  counted K times, as K runs' worth)
   ×1             that over the rate of one run alone (threads 1)
+  kernels        CUDA kernels one iteration launches (torch.profiler over 10 replays of one state; the
+                 processes' figure is the threads' state's), and the aggregate kernels per second of the row
 """
 from __future__ import annotations
 
@@ -98,6 +100,20 @@ def timed_threads(states: list, at: float | None = None) -> float:
     return time.time() - t0
 
 
+def kernels_per_iteration(st, n: int = 10) -> float:
+    """CUDA kernels a training iteration of `st` launches (torch.profiler over n graph replays)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(2):
+        st.runner.iteration()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            st.runner.iteration()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type.name == "CUDA") / n
+
+
 def child(args) -> None:
     st = make_states(args, [args.seed])
     Path(args.ready).joinpath(f"{args.seed}").write_text("ready")
@@ -154,32 +170,41 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if args.child:
         return child(args)
-    rows = []
+    rows, k_one = [], None
     if args.runs:
         states = make_states(args, list(range(max(args.runs))))
+        k_one = kernels_per_iteration(states[0]) if args.device.startswith("cuda") else None
         for K in args.runs:
             wall = timed_threads(states[:K])
-            rows.append({"how": "threads", "runs": K, "wall_s": wall, "iter_per_s": K * args.iterations / wall})
+            rows.append({"how": "threads", "runs": K, "wall_s": wall, "iter_per_s": K * args.iterations / wall,
+                         "kernels": k_one})
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
         del states
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     for K in args.wide:
         states = make_states(args, [0], wide=K)
+        kernels = kernels_per_iteration(states[0]) if args.device.startswith("cuda") else None
         wall = timed_threads(states)
         rows.append({"how": f"one run, batch and envs ×{K}", "runs": K, "wall_s": wall,
-                     "iter_per_s": K * args.iterations / wall})
+                     "iter_per_s": K * args.iterations / wall, "kernels": kernels, "graphs": 1})
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
         del states
     for P in args.processes:
         wall = processes(args, P)
-        rows.append({"how": "processes (MPS)", "runs": P, "wall_s": wall, "iter_per_s": P * args.iterations / wall})
+        rows.append({"how": "processes (MPS)", "runs": P, "wall_s": wall, "iter_per_s": P * args.iterations / wall,
+                     "kernels": k_one})
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     one = next((r["iter_per_s"] for r in rows if r["runs"] == 1), None)
-    print("| how | runs at once | iterations/s | ×1 | wall s |\n|---|---|---|---|---|")
+    print("| how | runs at once | iterations/s | ×1 | kernels an iteration | kernels/s | wall s |\n"
+          "|---|---|---|---|---|---|---|")
     for r in rows:
         x = f"{r['iter_per_s'] / one:.2f}" if one else "n/a"
-        print(f"| {r['how']} | {r['runs']} | {r['iter_per_s']:.1f} | {x} | {r['wall_s']:.1f} |")
+        k = r.get("kernels")
+        # a wide run's iterations/s counts K runs' worth, but it launches one iteration's kernels per K
+        rate = k * r["iter_per_s"] / (r["runs"] if r.get("graphs") else 1) if k else None
+        print(f"| {r['how']} | {r['runs']} | {r['iter_per_s']:.1f} | {x} | {f'{k:.0f}' if k else 'n/a'} | "
+              f"{f'{rate / 1e3:.0f} k' if rate else 'n/a'} | {r['wall_s']:.1f} |")
     print(json.dumps(rows))
 
 
