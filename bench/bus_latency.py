@@ -6,7 +6,7 @@ Latency: a publisher *process* XADDs events at a fixed rate (sync redis-py); eac
 CLOCK_MONOTONIC time (system-wide on Linux) taken just before its XADD. The consumer (shared.bus.Consumer,
 asyncio, same code as the services) records now − t0 right after the XACK returned. Throughput: the
 stream is pre-filled with `--burst` events, then one consumer drains it (run_burst) and we divide.
-Against the embedded server (AOF, appendfsync everysec) unless REDIS_URL is set. Prints a markdown table.
+Against the embedded server (AOF, its default fsync policy or `--appendfsync`) unless REDIS_URL is set. Prints a markdown table.
 Goal: p99 ≤ 1 ms at 1 000 msg/s; ≥ 10 000 msg/s per consumer.
 """
 from __future__ import annotations
@@ -148,11 +148,14 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=10.0, help="length of the latency run")
     ap.add_argument("--burst", type=int, default=50_000, help="messages of the throughput run")
     ap.add_argument("--count", type=int, default=32, help="XREADGROUP COUNT of the consumer")
+    ap.add_argument("--appendfsync", default=None, choices=["always", "everysec"],
+                    help="the embedded server's AOF fsync policy (default: EmbeddedRedis's)")
     args = ap.parse_args()
     url = os.environ.get("REDIS_URL")
     server = None
     if not url:
-        server = EmbeddedRedis(tempfile.mkdtemp(prefix="tl-bench-redis-")).start()
+        kw = {"appendfsync": args.appendfsync} if args.appendfsync else {}
+        server = EmbeddedRedis(tempfile.mkdtemp(prefix="tl-bench-redis-"), **kw).start()
         url = server.url
     try:
         lat = asyncio.run(latency_run(url, args.rate, args.seconds, args.count))
@@ -160,7 +163,7 @@ def main() -> None:
     finally:
         if server:
             server.stop()
-    where = f"embedded Redis {server.version} (AOF everysec)" if server else "REDIS_URL"
+    where = f"embedded Redis {server.version} (AOF {server.appendfsync})" if server else "REDIS_URL"
     from redis.utils import HIREDIS_AVAILABLE
     where += ", hiredis parser" if HIREDIS_AVAILABLE else ", pure-Python RESP parser"
     print(f"\nbus latency/throughput — {where}, Python {platform.python_version()}, {os.cpu_count()} CPUs, "

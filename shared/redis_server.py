@@ -5,10 +5,17 @@
 between choosing and binding it. A socket's path holds at most `SUN_PATH_MAX` bytes; a longer `data_dir`
 puts the socket in a private directory under the temp dir instead (`url` says where). With `tcp=True`
 it listens on 127.0.0.1 instead (a free port, or `port`). AOF persistence (`appendonly yes`,
-`appendfsync everysec` by default, `always` on request), no RDB snapshots, and a generated password
+`appendfsync always` by default, `everysec` on request), no RDB snapshots, and a generated password
 (`requirepass`, kept in `data_dir/password`, mode 0600, so a restart on the same directory reuses it).
 `start()` waits until the server answers PING and checks that `INFO server` reports Redis ≥ 6.2
 (`check_redis_version`, also used for an external REDIS_URL).
+
+Why `always`: under `everysec` the server postpones its AOF write while a background fsync is still running and
+answers the clients meanwhile, so a write it has acknowledged can be lost to a kill -9 of the server (the chaos
+test, tests/test_chaos.py, lost an epoch record that way on a busy 2-core machine). Under `always` the write and
+its fsync come before the reply. The loop writes a few records an epoch; on the bus's own bench
+(`bench/bus_latency.py --appendfsync always|everysec`, bench/README.md 2026-12-03) the two policies differ by less
+than the 2-core VM's run-to-run spread, and `always` drains ≥ 11 000 msg/s.
 
 The server is restartable on the same directory and address: tests `kill()` it (SIGKILL) and `start()`
 it again on its AOF. Use it as a context manager; `url` is `unix://:password@/…/redis.sock?db=0`
@@ -105,7 +112,7 @@ class EmbeddedRedis:
     (default) or on 127.0.0.1 (`tcp=True`)."""
 
     def __init__(self, data_dir: str | os.PathLike, *, tcp: bool = False, port: int | None = None,
-                 appendfsync: str = "everysec", startup_timeout_s: float = 10.0, pass_fds: tuple[int, ...] = (),
+                 appendfsync: str = "always", startup_timeout_s: float = 10.0, pass_fds: tuple[int, ...] = (),
                  die_with_parent: bool = False):
         if appendfsync not in ("always", "everysec"):
             raise ValueError(f"appendfsync must be 'always' or 'everysec', got {appendfsync!r}")

@@ -94,6 +94,8 @@ def test_a_socket_path_with_spaces_round_trips_through_the_url(tmp_path):
     with EmbeddedRedis(tmp_path / "a dir %20" / "r") as server:
         c = redis.Redis.from_url(server.url, socket_timeout=5)
         assert c.ping()
+        # by default every write is fsynced before its reply: an acknowledged write survives a kill -9
+        assert c.config_get("appendfsync")["appendfsync"] == "always"
         c.close()
 
 
