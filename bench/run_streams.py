@@ -38,8 +38,7 @@ from services.trainer.loop import train_epoch
 from services.trainer.state import build_state
 from services.trainer.train import TrainConfig
 from shared.knobs import Knobs
-from shared.market import chronological_split, compute_features
-from shared.synthetic import generate
+from bench.train_speed import synthetic_dataset
 
 
 def make_states(args, seeds: list[int], wide: int = 1) -> list:
@@ -48,9 +47,7 @@ def make_states(args, seeds: list[int], wide: int = 1) -> list:
         torch._dynamo.config.accumulated_recompile_limit = 4096
     except AttributeError:
         pass
-    n = int(args.bars / 0.588) + 500
-    bars = generate(n_bars=n, seed=0).bars
-    split, feats = chronological_split(len(bars)), compute_features(bars)
+    bars, split, feats = synthetic_dataset(args.bars)
     states = []
     for seed in seeds:
         cfg = TrainConfig.preset(args.preset, feats.shape[1])
