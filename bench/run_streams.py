@@ -2,8 +2,9 @@
 processes under CUDA MPS (the study's workers today), against one run alone — training only, side by side in one
 invocation.
 
-    python3 -m bench.run_streams --device cuda [--runs 1 2 4 8] [--processes 4 8] [--wide 4 8] [--iterations 300]
-                                 [--preset full] [--set iterations=1000] [--bars 300000]
+    python3 -m bench.run_streams --device cuda [--runs 1 2 4 8] [--processes 4 8] [--wide 4 8] [--joint 4 8]
+                                 [--timeline] [--iterations 300] [--preset full] [--set iterations=1000]
+                                 [--bars 300000]
 
 Every run is the product's `train_epoch` on a `build_state` of the preset (`--accel auto`: compiled and captured on
 CUDA), on the same synthetic training split, seeds 0…K−1, after a warm-up epoch that compiles and captures it. Rows:
@@ -13,6 +14,12 @@ CUDA), on the same synthetic training split, seeds 0…K−1, after a warm-up ep
                  (`tradeloop.study.mps`), each starting its timed epoch at one wall-clock instant
   iter/s         aggregate training iterations per second (each iteration: the collection and `updates_per_iter`
                  updates at the preset's batch), over the span from the common start to the last run's end
+  one graph K    K states' training iterations recorded together in one CUDA graph, each run's iteration a branch
+                 on its own stream forked from the capture stream and joined back to it; per iteration the host
+                 draws each run's uniforms, then replays that graph once (iterations only: none of `train_epoch`'s
+                 host bookkeeping, which the graph modes keep off the device's path)
+  --timeline     for each `one graph K` row, torch.profiler's kernel spans over 5 replays: kernels a replay, µs a
+                 kernel, the share of the replay with a kernel running, and how many run at once while any does
   wide K         one state whose batch and environments are K × the preset's, alone: the work of K runs in one
                  graph with K× wider kernels — the ceiling of K runs' steps batched into one (its iterations/s
                  counted K times, as K runs' worth)
@@ -97,6 +104,83 @@ def timed_threads(states: list, at: float | None = None) -> float:
     return time.time() - t0
 
 
+def joint_graph(states: list) -> "torch.cuda.CUDAGraph":
+    """One CUDA graph holding an iteration of every state, each on its own stream (a branch of the graph), after one
+    eager iteration of each on that stream (its cuBLAS workspace and allocator blocks)."""
+    streams = [torch.cuda.Stream() for _ in states]
+    cap = torch.cuda.Stream()
+    for st, s in zip(states, streams):
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            st.runner._bodies["iteration"]()
+        torch.cuda.current_stream().wait_stream(s)
+    cap.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=cap):
+        origin = torch.cuda.current_stream()
+        for s in streams:                      # every branch forks from the start, before any joins
+            s.wait_stream(origin)
+        for st, s in zip(states, streams):
+            with torch.cuda.stream(s):
+                st.runner._bodies["iteration"]()
+        for s in streams:
+            origin.wait_stream(s)
+    torch.cuda.synchronize()
+    return graph
+
+
+def joint_timeline(states: list, replays: int = 5) -> dict:
+    """Where the time of `joint_graph(states)`'s replays goes (torch.profiler's kernel spans): kernels a replay, the
+    mean kernel's µs, the share of the span with ≥ 1 kernel running (`busy`), and the mean number running while any
+    is (`overlap`: 1.0 when the branches' kernels never run side by side)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graph = joint_graph(states)
+    for _ in range(2):
+        graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    spans = [(e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type.name == "CUDA"]
+    return span_stats(spans, replays)
+
+
+def span_stats(spans: list[tuple[float, float]], replays: int) -> dict:
+    """`joint_timeline`'s figures from kernel spans (start, end in µs) over `replays` replays."""
+    if not spans:
+        return {}
+    spans = sorted(spans)
+    edges = sorted([(a, 1) for a, _ in spans] + [(b, -1) for _, b in spans])     # an end before a start at a tie
+    busy, depth, last = 0.0, 0, edges[0][0]
+    for t, d in edges:
+        if depth > 0:
+            busy += t - last
+        depth, last = depth + d, t
+    kernel_us = sum(b - a for a, b in spans)
+    wall = max(b for _, b in spans) - spans[0][0]
+    return {"kernels": len(spans) / replays, "kernel_us": kernel_us / len(spans), "busy": busy / wall,
+            "overlap": kernel_us / busy, "replay_us": wall / replays}
+
+
+def timed_joint(states: list, iterations: int) -> float:
+    """Seconds for `iterations` replays of `joint_graph(states)`, each after the host has drawn every run's uniforms
+    into its static noise tensors (as `StepRunner.iteration` draws them)."""
+    graph = joint_graph(states)
+    torch.cuda.synchronize()
+    t0 = time.time()
+    for _ in range(iterations):
+        for st in states:
+            r = st.runner
+            r._draw(r.collect_noise)
+            for noise in r.update_noise[:st.cfg.updates_per_iter]:
+                r._draw(noise)
+        graph.replay()
+    torch.cuda.synchronize()
+    return time.time() - t0
+
+
 def kernels_per_iteration(st, n: int = 10) -> float:
     """CUDA kernels a training iteration of `st` launches (torch.profiler over n graph replays)."""
     from torch.profiler import ProfilerActivity, profile
@@ -155,6 +239,8 @@ def main(argv=None) -> None:
     ap.add_argument("--runs", type=int, nargs="*", default=[1, 2, 4, 8])
     ap.add_argument("--processes", type=int, nargs="*", default=[4, 8])
     ap.add_argument("--wide", type=int, nargs="*", default=[4, 8])
+    ap.add_argument("--joint", type=int, nargs="*", default=[], help="runs recorded in one CUDA graph")
+    ap.add_argument("--timeline", action="store_true", help="profile the --joint rows' kernel spans")
     ap.add_argument("--iterations", type=int, default=300)
     ap.add_argument("--warmup", type=int, default=40)
     ap.add_argument("--preset", default="full")
@@ -167,14 +253,23 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if args.child:
         return child(args)
+    if args.joint and not args.device.startswith("cuda"):
+        ap.error("--joint records CUDA graphs: it needs --device cuda")
     rows, k_one = [], None
-    if args.runs:
-        states = make_states(args, list(range(max(args.runs))))
+    if args.runs or args.joint:
+        states = make_states(args, list(range(max(args.runs + args.joint))))
         k_one = kernels_per_iteration(states[0]) if args.device.startswith("cuda") else None
         for K in args.runs:
             wall = timed_threads(states[:K])
             rows.append({"how": "threads", "runs": K, "wall_s": wall, "iter_per_s": K * args.iterations / wall,
                          "kernels": k_one})
+            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+        for K in args.joint:
+            wall = timed_joint(states[:K], args.iterations)
+            rows.append({"how": "one graph, a branch a run", "runs": K, "wall_s": wall,
+                         "iter_per_s": K * args.iterations / wall, "kernels": k_one})
+            if args.timeline:
+                rows[-1]["timeline"] = joint_timeline(states[:K])
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
         del states
         if torch.cuda.is_available():
@@ -202,6 +297,14 @@ def main(argv=None) -> None:
         rate = k * r["iter_per_s"] / (r["runs"] if r.get("graphs") else 1) if k else None
         print(f"| {r['how']} | {r['runs']} | {r['iter_per_s']:.1f} | {x} | {f'{k:.0f}' if k else 'n/a'} | "
               f"{f'{rate / 1e3:.0f} k' if rate else 'n/a'} | {r['wall_s']:.1f} |")
+    timed = [r for r in rows if r.get("timeline")]
+    if timed:
+        print("\n| one graph, runs | kernels a replay | µs a kernel | busy | kernels at once while busy "
+              "| µs a replay |\n|---|---|---|---|---|---|")
+        for r in timed:
+            t = r["timeline"]
+            print(f"| {r['runs']} | {t['kernels']:.0f} | {t['kernel_us']:.2f} | {100 * t['busy']:.0f} % | "
+                  f"{t['overlap']:.2f} | {t['replay_us']:.0f} |")
     print(json.dumps(rows))
 
 

@@ -29,3 +29,21 @@ def test_each_thread_runs_a_whole_epoch_of_its_own_state():
     assert [st.epoch for st in states] == [2, 2]
     per_epoch = states[0].cfg.iterations * states[0].cfg.updates_per_iter
     assert [st.update_step - s for st, s in zip(states, steps)] == [per_epoch, per_epoch]
+
+
+def test_the_timeline_figures_against_a_hand_case():
+    # two replays; kernels [0, 4] and [2, 6] overlap for 2 µs, [8, 10] alone, then a gap, [12, 14]
+    t = run_streams.span_stats([(8, 10), (0, 4), (2, 6), (12, 14)], replays=2)
+    assert t["kernels"] == 2
+    assert t["kernel_us"] == (4 + 4 + 2 + 2) / 4
+    assert t["busy"] == (6 + 2 + 2) / 14            # [0, 6], [8, 10], [12, 14] of a 14-µs span
+    assert t["overlap"] == 12 / 10                  # 12 µs of kernels while something ran for 10
+    assert t["replay_us"] == 7
+    assert run_streams.span_stats([], replays=3) == {}
+
+
+def test_one_graph_rows_need_cuda(capsys):
+    import pytest
+    with pytest.raises(SystemExit):
+        run_streams.main(["--device", "cpu", "--joint", "2", "--runs", "--wide", "--processes"])
+    assert "--joint" in capsys.readouterr().err
