@@ -20,7 +20,7 @@ MIN_HOLD_SMALL = 96  # small preset: bars a trade is held before a signal exit (
 CHURN_SMALL = 1e-3  # small preset: reward cost per opened trade (return units, ~10× the 1 bp fill cost)
 
 
-NEUTRAL_UNLISTED = {"policy_ema": 0.0}
+NEUTRAL_UNLISTED = {"policy_ema": 0.0, "restart_every": 0}
 """Fields that `TrainConfig.to_dict` leaves out at their neutral value, so that the configs (and hashes) of runs
 stored before the field existed still match."""
 
@@ -77,6 +77,14 @@ class TrainConfig:
     validation per-trade Sharpe by 0.17 on average and a well-validated epoch's by −0.10 to −0.30 (bench/README.md,
     2026-12-02 · 55207aa); an average over the epoch's last updates is a policy less tied to where its last one
     landed."""
+    restart_every: int = 0
+    """> 0: before every epoch that follows a multiple of this many, the learner restarts (`state.restart_learner`):
+    fresh weights for the network, its target and its average, fresh optimizer moments and step counts, while what
+    was collected stays (the replay, the trade tracker, the reward support) and the schedule goes on — a reset against
+    the primacy bias (Nikishin et al. 2022) with the replay kept, each restarted epoch a new draw for the validation
+    choice. 0 (the default): no restart. Why: on the H200 an epoch's mean validation is flat after the first (0.41–0.58
+    from epoch 2 on for the fixed schedule), and the first epoch of a policy average read 0.62 (bench/README.md,
+    2026-12-03 · 799ab21)."""
     # -- objective (services.trainer.objective) --
     iqn_quantiles: int = 16
     """τ samples of the IQN loss (online and target)."""
@@ -224,6 +232,8 @@ class TrainConfig:
         if isinstance(self.policy_ema, bool) or not isinstance(self.policy_ema, (int, float)) \
                 or not 0.0 <= self.policy_ema < 1.0:
             raise ValueError(f"train config: policy_ema must be a number in [0, 1), got {self.policy_ema!r}")
+        if isinstance(self.restart_every, bool) or not isinstance(self.restart_every, int) or self.restart_every < 0:
+            raise ValueError(f"train config: restart_every must be a whole number ≥ 0, got {self.restart_every!r}")
 
     def to_dict(self) -> dict:
         """The JSON form: the schedule's fields sit at the top level under their `FixedSchedule` names, the form

@@ -24,7 +24,8 @@ from services.trainer.checkpoint import EpochProgress, prune_checkpoints, restor
 from services.trainer.config import TrainConfig
 from services.trainer.optim import set_lrs
 from services.trainer.rundir import append_history, latest_epoch, read_run_json, write_run_json
-from services.trainer.state import TrainState, adapt_support, apply_knobs, build_state
+from services.trainer.state import (TrainState, adapt_support, apply_knobs, build_state, restart_due,
+                                    restart_learner)
 
 
 @dataclass
@@ -113,6 +114,8 @@ def train_epoch(state: TrainState, knobs: Knobs, progress: Callable[[int, int], 
     cfg, env = state.cfg, state.env
     apply_knobs(state, knobs)
     if resume is None:
+        if restart_due(state):
+            restart_learner(state)
         adapt_support(state)
         env.reset_all()
         env.pop_trade_stats()

@@ -126,6 +126,36 @@ def apply_knobs(state: TrainState, knobs: Knobs) -> None:
     state.env.set_regime_weights(knobs.regime_weights)
 
 
+def restart_due(state: TrainState) -> bool:
+    """Whether the learner restarts before the next epoch (`TrainConfig.restart_every`): after every epoch that is a
+    multiple of it (none before the first)."""
+    k = state.cfg.restart_every
+    return k > 0 and state.epoch > 0 and state.epoch % k == 0
+
+
+@torch.no_grad()
+def restart_learner(state: TrainState) -> None:
+    """Fresh learner, in place (the captured step reads these addresses): the parameters of the network, its target
+    and its average from a new `Agent` of the same config, initialised from a seed drawn from the run's generator
+    (the global RNG untouched), and every optimizer moment and step count zeroed. The buffers (the reward support
+    `v_max`, `maturity`) stay, as do the replay, the tracker, the entropy coefficient and the counters that the
+    schedule reads; `train_epoch` then re-encodes the embedding tables from the fresh encoder."""
+    seed = int(torch.randint(0, 2**62, (1,), generator=state.generator, device=state.generator.device))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        fresh = dict(Agent(state.cfg.agent).named_parameters())
+    for net in (state.agent, state.target, state.ema):
+        if net is not None:
+            for name, p in net.named_parameters():
+                p.copy_(fresh[name])
+    for st in state.opt.state.values():
+        for key, v in st.items():
+            if torch.is_tensor(v):
+                v.zero_()
+            else:
+                st[key] = type(v)(0)
+
+
 @torch.no_grad()
 def adapt_support(state: TrainState) -> None:
     """v_max ← ½ v_max + ½ · margin · quantile(|20-step reward sums in replay|): the support follows the reward
