@@ -58,6 +58,8 @@ def test_studies_whose_units_differ_or_that_lack_the_variant_are_refused(tmp_pat
     b = study(tmp_path, "b", "off", oos, oos, epochs=8, bars=2000)
     with pytest.raises(StudyError, match=r"differ in epochs, bars \(epochs: 4 vs 8; bars: 1000 vs 2000\)"):
         compare(*load_side(f"{a}:rb")[:2], *load_side(f"{b}:off")[:2])
+    with pytest.raises(StudyError, match=r"differ in bars \(bars: 1000 vs 2000\)"):     # epochs allowed, not bars
+        compare(*load_side(f"{a}:rb")[:2], *load_side(f"{b}:off")[:2], any_epochs=True)
     with pytest.raises(StudyError, match=r"no variant 'on' \(it has rb, other\)"):
         load_side(f"{a}:on")
     with pytest.raises(StudyError, match="is not a finished study"):
@@ -122,3 +124,17 @@ def test_a_population_variant_is_compared_over_its_populations(tmp_path):
     assert (d["n"], d["wins"]) == (2, 2) and d["mean"] == pytest.approx(0.25)   # 0.4 − 0.2 and 0.8 − 0.5
     plain = compare(*load_side(f"{b}:off")[:2], *load_side(f"{b}:off")[:2], n_boot=500)
     assert plain["metrics"]["oos_sharpe"]["a_minus_b"]["n"] == 4                # no population: per unit
+
+
+def test_any_epochs_pairs_studies_that_differ_in_epochs_alone_and_says_so(tmp_path):
+    a = study(tmp_path, "a", "rs", dict(zip(UNITS, [0.50, 0.40, 0.30, 0.20])), dict(zip(UNITS, [0.1] * 4)), epochs=6)
+    b = study(tmp_path, "b", "off", dict(zip(UNITS, [0.40] * 4)), dict(zip(UNITS, [0.1] * 4)), epochs=8)
+    r = CliRunner().invoke(app, ["study-compare", f"{a}:rs", f"{b}:off", "--n-boot", "500"])
+    assert r.exit_code == 2 and "differ in epochs (epochs: 6 vs 8)" in r.output
+    r = CliRunner().invoke(app, ["study-compare", f"{a}:rs", f"{b}:off", "--n-boot", "500", "--any-epochs"])
+    assert r.exit_code == 0, r.output
+    assert "| OOS per-trade Sharpe (val-selected) | +0.350" in r.output and "**-0.050" in r.output
+    assert "The sides differ in epochs (6 against 8)" in r.output
+    same = study(tmp_path, "c", "off", dict(zip(UNITS, [0.40] * 4)), dict(zip(UNITS, [0.1] * 4)), epochs=6)
+    c = compare(*load_side(f"{a}:rs")[:2], *load_side(f"{same}:off")[:2], any_epochs=True)
+    assert "epochs" not in c                                  # nothing to say when they agree

@@ -292,6 +292,8 @@ def study_compare(
     n_boot: int = typer.Option(10_000, "--n-boot", help="Bootstrap resamples."),
     ci_seed: int = typer.Option(0, "--ci-seed", help="Seed of the bootstrap's resampling."),
     as_json: bool = typer.Option(False, "--json", help="The comparison as JSON."),
+    any_epochs: bool = typer.Option(False, "--any-epochs", help="Pair studies that differ in epochs alone (each run's "
+                                    "checkpoint chosen among its own epochs); the table says how many each side had."),
 ) -> None:
     """A variant of one finished study against a variant of another on the same seeds, folds and data, paired by
     (seed, fold): OOS and val per-trade Sharpe of the val-selected checkpoints and last-epoch val. Several pairs
@@ -309,7 +311,7 @@ def study_compare(
             raise StudyError(f"give DIR:VARIANT in pairs (A B [A2 B2 …]); got {len(sides)}: {' '.join(sides)}")
         loaded = [load_side(x) for x in sides]
         pairs = [(ra, va, rb, vb) for (ra, va, _), (rb, vb, _) in zip(loaded[::2], loaded[1::2])]
-        c = compare_pooled(pairs, n_boot=n_boot, seed=ci_seed)
+        c = compare_pooled(pairs, n_boot=n_boot, seed=ci_seed, any_epochs=any_epochs)
     except StudyError as exc:
         err.print(f"error: {exc}", markup=False, highlight=False)
         raise typer.Exit(2) from None

@@ -5,7 +5,9 @@ or what a replication adds: more pairs of studies after the first (`… A2_DIR:V
 The two studies must agree on everything that makes their units the same (dataset, seeds, folds, epochs, preset,
 base settings, bars, data seed); the differences are taken on the (seed, fold) units both hold, with the same
 bootstrap as a study's own paired differences (`stats.paired`). Each study's DSR stays deflated by its own
-checkpoints only, so it is not compared here.
+checkpoints only, so it is not compared here. `--any-epochs` pairs studies that differ in epochs alone (a variant
+trained for fewer or more epochs than its reference): each run's checkpoint is still chosen on validation among its
+own epochs, and the table says how many each side had.
 """
 from __future__ import annotations
 
@@ -65,21 +67,28 @@ def population_units(a: dict, va: str, b: dict, vb: str):
     return lambda s, f: (s, f)
 
 
-def compare(a: dict, va: str, b: dict, vb: str, *, n_boot: int = 10_000, seed: int = 0) -> dict:
+def compare(a: dict, va: str, b: dict, vb: str, *, n_boot: int = 10_000, seed: int = 0,
+            any_epochs: bool = False) -> dict:
     """Paired a − b per metric over the shared units, each side's mean, and per seed whether a's last-epoch
-    validation (mean over folds) is ≥ b's. StudyError when the studies' units differ or none is shared."""
-    return compare_pooled([(a, va, b, vb)], n_boot=n_boot, seed=seed)
+    validation (mean over folds) is ≥ b's. StudyError when the studies' units differ (in anything but epochs, with
+    `any_epochs`) or none is shared."""
+    return compare_pooled([(a, va, b, vb)], n_boot=n_boot, seed=seed, any_epochs=any_epochs)
 
 
-def compare_pooled(pairs: list[tuple[dict, str, dict, str]], *, n_boot: int = 10_000, seed: int = 0) -> dict:
+def compare_pooled(pairs: list[tuple[dict, str, dict, str]], *, n_boot: int = 10_000, seed: int = 0,
+                   any_epochs: bool = False) -> dict:
     """`compare` over several pairs of studies at once (a replication: the same two variants run again in another
-    study), their units pooled: each pair's studies must pair with each other (`SAME_UNITS`), a unit is
-    (pair, seed, fold), and one bootstrap runs over all of them; the per-seed count is over (pair, seed)."""
+    study), their units pooled: each pair's studies must pair with each other (`SAME_UNITS`; not in epochs with
+    `any_epochs`, and then `epochs` lists each pair's (a, b) epochs), a unit is (pair, seed, fold), and one
+    bootstrap runs over all of them; the per-seed count is over (pair, seed)."""
     xs: dict[str, tuple[dict, dict]] = {key: ({}, {}) for key, _ in COMPARED}
+    epochs = []
     for i, (a, va, b, vb) in enumerate(pairs):
         sa, sb = a["study"], b["study"]
         val = lambda st, k: st.get(k, SAME_UNITS[k])  # noqa: E731
-        diff = [k for k in SAME_UNITS if json.dumps(val(sa, k), sort_keys=True) != json.dumps(val(sb, k), sort_keys=True)]
+        epochs.append((val(sa, "epochs"), val(sb, "epochs")))
+        diff = [k for k in SAME_UNITS if json.dumps(val(sa, k), sort_keys=True) != json.dumps(val(sb, k), sort_keys=True)
+                and not (any_epochs and k == "epochs")]
         if diff:
             raise StudyError(f"the studies' units do not pair: they differ in {', '.join(diff)} "
                              f"({'; '.join(f'{k}: {val(sa, k)!r} vs {val(sb, k)!r}' for k in diff)})")
@@ -94,6 +103,8 @@ def compare_pooled(pairs: list[tuple[dict, str, dict, str]], *, n_boot: int = 10
                 xs[key][0][(i, *g)] = float(np.mean([ra[u] for u in us]))
                 xs[key][1][(i, *g)] = float(np.mean([rb[u] for u in us]))
     out: dict = {"metrics": {}, "pairs": len(pairs)}
+    if any(ea != eb for ea, eb in epochs):
+        out["epochs"] = epochs
     for key, _ in COMPARED:
         xa, xb = xs[key]
         units = sorted(set(xa) & set(xb))
@@ -125,4 +136,7 @@ def markdown(c: dict, la: str, lb: str) -> str:
     apart = " (a seed of each pair counted apart)" if c.get("pairs", 1) > 1 else ""
     lines += ["", f"Last-epoch validation (mean over folds) of {la} ≥ {lb} in {s['a_at_least_b']} of {s['seeds']} "
               f"seeds{apart}."]
+    if c.get("epochs"):
+        lines.append(f"The sides differ in epochs ({', '.join(f'{ea} against {eb}' for ea, eb in c['epochs'])}): each "
+                     "run's checkpoint was chosen on validation among its own, and the last epoch is each side's.")
     return "\n".join(lines) + "\n"
