@@ -126,3 +126,18 @@ def test_a_run_out_of_gpu_memory_waits_for_a_runs_memory_and_resumes_then_says_w
     with pytest.raises(StudyError, match=r"CUDA out of memory on GPU 0 4 times .*Tried to allocate 1024.00 MiB"
                                          r".*run the same command again to resume the run, with a smaller --parallel"):
         w.run_with_memory_retries(spec, tmp_path, rs, None, None, _Events(), 0, "0")
+
+
+def test_workers_compile_into_the_users_compile_cache_unless_told_otherwise(tmp_path: Path, monkeypatch):
+    """A study's workers use the compile cache of every run of the user's (`compile_cache_dir`), not one of the
+    study's own, so a second study of a compiled configuration loads its kernels; a cache the user set is kept."""
+    from tradeloop.study.worker import worker_env
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    env = worker_env(tmp_path / "study", "0", deterministic=False)
+    want = tmp_path / "xdg" / "tradeloop" / "inductor"
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == str(want) and env["TRITON_CACHE_DIR"] == str(want / "triton")
+    assert env["CUDA_VISIBLE_DEVICES"] == "0" and "CUBLAS_WORKSPACE_CONFIG" not in env
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "theirs"))
+    assert worker_env(tmp_path / "study", None, deterministic=True)["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "theirs")

@@ -1,9 +1,12 @@
 """A study's worker processes: each takes run ids from its source (the study process's queue, or a Redis stream
 through `tradeloop.study.remote`) and runs them to their end (`execute_run`), reporting progress as events.
 
-Worker i is pinned to GPU i mod G of the G visible ones (`CUDA_VISIBLE_DEVICES` set before it loads CUDA), shares
-one compile cache under the out directory (`TORCHINDUCTOR_CACHE_DIR`, `TRITON_CACHE_DIR`), and dies with the study
-process (`PR_SET_PDEATHSIG`). With a compiled `--accel` (auto on CUDA) or on a GPU the workers after the first start
+Worker i is pinned to GPU i mod G of the G visible ones (`CUDA_VISIBLE_DEVICES` set before it loads CUDA), compiles
+into the compile cache every run of the user's uses (`shared.graphs.compile_cache_dir`: `TORCHINDUCTOR_CACHE_DIR`
+when set, else `~/.cache/tradeloop/inductor`, Triton's kernels under it unless `TRITON_CACHE_DIR` is set), so a
+study of a configuration already compiled on this machine loads its kernels instead of compiling them (compiling and
+capturing `full` on a fresh H200: 133 s, bench/README.md 2026-12-03 · 799ab21), and dies with the study process
+(`PR_SET_PDEATHSIG`). With a compiled `--accel` (auto on CUDA) or on a GPU the workers after the first start
 once the first has finished an epoch (`WARM_FILE`: its compiled kernels are then in the shared cache, and the GPU
 memory of one run is measured, `RUN_MEMORY_FILE`: a worker past the runs that fit its GPU stands down; `--stagger
 SECONDS`: worker i starts i × SECONDS later instead). A run holds an exclusive lock on its directory while it runs,
@@ -172,9 +175,11 @@ class RunLock:
 
 
 def worker_env(out: Path, gpu: str | None, deterministic: bool) -> dict[str, str]:
-    """The environment a worker sets before it loads torch."""
-    env = {"TORCHINDUCTOR_CACHE_DIR": str(out / ".cache" / "inductor"),
-           "TRITON_CACHE_DIR": str(out / ".cache" / "triton")}
+    """The environment a worker sets before it loads CUDA (the caches only where the user has not set them)."""
+    from shared.graphs import compile_cache_dir
+
+    cache = compile_cache_dir()
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(cache), "TRITON_CACHE_DIR": str(cache / "triton")}
     if gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = gpu
     if deterministic:
