@@ -82,9 +82,11 @@ class TrainConfig:
     fresh weights for the network, its target and its average, fresh optimizer moments and step counts, while what
     was collected stays (the replay, the trade tracker, the reward support) and the schedule goes on — a reset against
     the primacy bias (Nikishin et al. 2022) with the replay kept, each restarted epoch a new draw for the validation
-    choice. 0 (the default): no restart. Why: on the H200 an epoch's mean validation is flat after the first (0.41–0.58
-    from epoch 2 on for the fixed schedule), and the first epoch of a policy average read 0.62 (bench/README.md,
-    2026-12-03 · 799ab21)."""
+    choice (a feedback rollback to an earlier epoch's learner before such an epoch is undone by the restart). 0 (the
+    default): no restart. Why: on the H200 an epoch's mean validation is flat after the first (0.41–0.58 from epoch 2
+    on for the fixed schedule), and the first epoch of a policy average read 0.62 (bench/README.md, 2026-12-03 ·
+    799ab21). Measured there with the average at 0.999 and k = 1: +0.037 [+0.007, +0.068] against the fixed schedule
+    (6 epochs against its 8), about the rollback's gain, the restarted epochs below the first (2026-12-03 · 5cc88f4)."""
     # -- objective (services.trainer.objective) --
     iqn_quantiles: int = 16
     """τ samples of the IQN loss (online and target)."""
