@@ -94,9 +94,15 @@ def stacked_linear(x: torch.Tensor, layers: tuple[nn.Linear, ...]) -> list[torch
 class _DenseGrad(torch.autograd.Function):
     """The identity, whose gradient is handed back contiguous (`dense_grad`)."""
 
+    generate_vmap_rule = True
+
     @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+    def forward(x: torch.Tensor) -> torch.Tensor:
         return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs: tuple[torch.Tensor], output: torch.Tensor) -> None:
+        pass
 
     @staticmethod
     def backward(ctx, g: torch.Tensor) -> torch.Tensor:

@@ -130,8 +130,10 @@ class _ShiftGather(torch.autograd.Function):
     these gathers take ~35 µs a pass (bench/train_profile.py --trace). Every tensor op here is
     elementwise, a gather or a sum, so compiled it fuses into a few kernels."""
 
+    generate_vmap_rule = True        # under torch.func.vmap (one loss for several runs) forward and backward are vmapped
+
     @staticmethod
-    def forward(ctx, probs: torch.Tensor, delta: torch.Tensor, support: torch.Tensor) -> torch.Tensor:
+    def forward(probs: torch.Tensor, delta: torch.Tensor, support: torch.Tensor) -> torch.Tensor:
         N, K, A = probs.shape
         src, w, _ = _shift_pairs(delta, support, transpose=False)                          # N × A × 4
         gathered = probs.gather(2, src.view(N, 1, A * 4).expand(N, K, A * 4)).view(N, K, A, 4)
@@ -140,8 +142,11 @@ class _ShiftGather(torch.autograd.Function):
         low = (probs * (x < 0).unsqueeze(1)).sum(-1)                                       # N × K: past v_min
         high = (probs * (x > A - 1).unsqueeze(1)).sum(-1)                                  # past v_max
         atom = torch.arange(A, device=probs.device)
-        ctx.save_for_backward(probs, delta, support)
         return out + low.unsqueeze(-1) * (atom == 0) + high.unsqueeze(-1) * (atom == A - 1)
+
+    @staticmethod
+    def setup_context(ctx, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
+        ctx.save_for_backward(*inputs)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):

@@ -1,0 +1,46 @@
+"""The network and the update's objective under `torch.func.vmap` over several runs' parameters stacked
+(`torch.func.stack_module_state`): each run's loss and gradients equal those of its own agent, so R runs' updates
+can be one batched computation. What makes it hold: the custom autograd Functions (`layers._DenseGrad`,
+`losses._ShiftGather`) have a vmap rule (`generate_vmap_rule`, `setup_context`)."""
+import copy
+
+import torch
+from torch.func import stack_module_state, vmap
+
+from services.trainer.objective import make_objective
+from services.trainer.targets import noise_width
+from services.trainer.train import train_run
+from shared.synthetic import generate
+from tests.test_train import tiny_config
+
+
+def test_the_objective_of_stacked_runs_equals_each_runs_own(tmp_path):
+    cfg = tiny_config()
+    st = train_run(generate(700, seed=3).bars, "synthetic", tmp_path / "run", 1, config=cfg, seed=5)
+    R = 3
+    agents = [copy.deepcopy(st.agent) for _ in range(R)]
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for i, a in enumerate(agents[1:], 1):                 # three different learners
+            for p in a.parameters():
+                p.add_(0.01 * i * torch.randn(p.shape, generator=gen))
+    params, buffers = stack_module_state(agents)
+    B = cfg.batch_size
+    b = st.replay.sample(B, u=torch.rand(B, generator=gen))
+    noise = torch.rand(B, noise_width(cfg), generator=gen)
+    tg = st.targets(b, noise)
+    objective = make_objective(st.agent, st.env.market.windows, st.buffers, cfg)
+
+    def loss(p: dict, bf: dict) -> torch.Tensor:
+        with torch.nn.utils.stateless._reparametrize_module(st.agent, {**p, **bf}):
+            return objective(b, noise, tg, lambda: None).loss
+
+    losses = vmap(loss)(params, buffers)
+    losses.sum().backward()
+    for r, a in enumerate(agents):
+        own = make_objective(a, st.env.market.windows, st.buffers, cfg)(b, noise, tg, lambda: None).loss
+        own.backward()
+        assert torch.allclose(losses[r], own, rtol=1e-6, atol=1e-6), r
+        for n, p in a.named_parameters():
+            want = torch.zeros_like(p) if p.grad is None else p.grad
+            assert torch.allclose(params[n].grad[r], want, rtol=1e-4, atol=1e-5), (r, n)
