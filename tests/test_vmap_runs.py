@@ -1,4 +1,4 @@
-"""The network and the update's objective under `torch.func.vmap` over several runs' parameters stacked
+"""The network, the update's objective and its targets under `torch.func.vmap` over several runs' parameters stacked
 (`torch.func.stack_module_state`): each run's loss and gradients equal those of its own agent, so R runs' updates
 can be one batched computation. What makes it hold: the custom autograd Functions (`layers._DenseGrad`,
 `losses._ShiftGather`) have a vmap rule (`generate_vmap_rule`, `setup_context`)."""
@@ -44,3 +44,32 @@ def test_the_objective_of_stacked_runs_equals_each_runs_own(tmp_path):
         for n, p in a.named_parameters():
             want = torch.zeros_like(p) if p.grad is None else p.grad
             assert torch.allclose(params[n].grad[r], want, rtol=1e-4, atol=1e-5), (r, n)
+
+
+def test_the_targets_of_stacked_runs_equal_each_runs_own(tmp_path):
+    from services.trainer.targets import make_targets
+
+    cfg = tiny_config()
+    st = train_run(generate(700, seed=3).bars, "synthetic", tmp_path / "run", 1, config=cfg, seed=5)
+    R = 3
+    gen = torch.Generator().manual_seed(1)
+    online, target = [copy.deepcopy(st.agent) for _ in range(R)], [copy.deepcopy(st.target) for _ in range(R)]
+    with torch.no_grad():
+        for i in range(1, R):
+            for p in [*online[i].parameters(), *target[i].parameters()]:
+                p.add_(0.01 * i * torch.randn(p.shape, generator=gen))
+    (po, bo), (pt, bt) = stack_module_state(online), stack_module_state(target)
+    B = cfg.batch_size
+    b = st.replay.sample(B, u=torch.rand(B, generator=gen))
+    noise = torch.rand(B, noise_width(cfg), generator=gen)
+
+    def targets(po: dict, bo: dict, pt: dict, bt: dict) -> tuple[torch.Tensor, ...]:
+        with torch.nn.utils.stateless._reparametrize_module(st.agent, {**po, **bo}), \
+                torch.nn.utils.stateless._reparametrize_module(st.target, {**pt, **bt}):
+            return st.targets(b, noise).tensors()
+
+    with torch.no_grad():
+        out = vmap(targets)(po, bo, pt, bt)
+    for r in range(R):
+        own = make_targets(online[r], target[r], st.buffers, cfg)(b, noise).tensors()
+        assert all(torch.equal(x[r], y) for x, y in zip(out, own)), r

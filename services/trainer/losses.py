@@ -28,8 +28,9 @@ def project_distribution(tz: torch.Tensor, probs: torch.Tensor, support: torch.T
     """
     lo, frac = lower_neighbour(tz, support)                                                # ... × A' each
     m = torch.zeros(*tz.shape[:-1], support.shape[0], dtype=probs.dtype, device=probs.device)
-    m.scatter_add_(-1, lo, probs * (1.0 - frac))
-    return m.scatter_add_(-1, lo + 1, probs * frac)                                         # ... × A
+    # out of place: under torch.func.vmap over runs the zeros are one run's and the mass every run's
+    m = m.scatter_add(-1, lo, probs * (1.0 - frac))
+    return m.scatter_add(-1, lo + 1, probs * frac)                                          # ... × A
 
 
 def atom_step(support: torch.Tensor) -> torch.Tensor:
