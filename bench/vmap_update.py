@@ -1,0 +1,159 @@
+"""R runs' gradient updates as one computation: the product's objective and targets under `torch.func.vmap` over
+the runs' stacked parameters, against the same with one run — how much of K runs' update work batching them into
+the same kernels gets for the price of one, the step a run-batched study needs (bench/README.md, run_streams.py).
+
+    python3 -m bench.vmap_update --device cuda [--runs 1 2 4 8] [--updates 200] [--preset full]
+                                 [--set iterations=1000] [--accel compile+graph] [--bars 300000]
+
+Every run is a `build_state` of the preset on the same synthetic training split (seeds 0…R−1), trained for a short
+warm-up epoch so its replay holds transitions. The batched update, per call:
+  targets   `make_targets`'s no-grad targets of every run's batch, vmapped over the runs' online and target
+            networks (each its own batch, drawn once from its own replay, and its own noise)
+  loss      `make_objective`'s loss of every run, vmapped; one backward pass through their sum gives each run's
+            own gradients (tests/test_vmap_runs.py)
+  clip      each run's gradients clipped to `grad_clip` by its own norm
+  AdamW     one `torch.optim.AdamW` over the stacked parameters (elementwise: each run's moments are its own)
+  target    θ' ← θ' + τ(θ − θ') over the stacked networks
+The sampling, the priorities, the rolling embedding refresh and the LR schedule of the product's update are not in
+it, nor its Triton kernels (the runs train with `attention=sdpa`, `fused_c51=False`, `fused_targets=False`, whose
+reference paths vmap); R = 1 runs the same code, so the ratio compares like with like.
+  updates/s   updates of all runs together per second; ×1: over R = 1's
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+from torch.func import stack_module_state, vmap
+
+from bench.train_speed import synthetic_dataset
+from services.trainer.loop import train_epoch
+from services.trainer.objective import make_objective
+from services.trainer.replay import Batch
+from services.trainer.runtime import compile_step
+from services.trainer.state import build_state
+from services.trainer.targets import Targets, make_targets, noise_width
+from services.trainer.train import TrainConfig
+from shared.graphs import capture, resolve_accel
+from shared.knobs import Knobs
+
+BATCH_FIELDS = ("slot", "bar", "portfolio", "action", "regime", "rewards", "dones", "next_bar", "next_portfolio",
+                "weight")
+
+
+def make_states(args, R: int) -> list:
+    bars, split, feats = synthetic_dataset(args.bars)
+    states = []
+    for seed in range(R):
+        cfg = TrainConfig.preset(args.preset, feats.shape[1])
+        cfg.override(args.set or [])
+        cfg.attention, cfg.fused_c51, cfg.fused_targets = "sdpa", False, False
+        cfg.iterations, cfg.learning_starts = args.warmup, 0
+        st = build_state(cfg, bars, split, seed, args.device, features=feats, accel="eager")
+        train_epoch(st, Knobs())
+        states.append(st)
+    return states
+
+
+class BatchedUpdate:
+    """The update of R states' networks as one vmapped computation (see the module docstring)."""
+
+    def __init__(self, states: list):
+        st = self.st = states[0]
+        self.cfg, self.R = st.cfg, len(states)
+        dev, B = st.device, st.cfg.batch_size
+        self.p, self.b = stack_module_state([s.agent for s in states])
+        self.tp, self.tb = stack_module_state([s.target for s in states])
+        for t in self.tp.values():
+            t.requires_grad_(False)
+        gen = torch.Generator(device=dev).manual_seed(0)
+        batches = [s.replay.sample(B, u=torch.rand(B, device=dev, generator=gen)) for s in states]
+        self.batch = tuple(torch.stack([getattr(x, f) for x in batches]) for f in BATCH_FIELDS)
+        self.noise = torch.rand(self.R, B, noise_width(st.cfg), device=dev, generator=gen)
+        self.objective = make_objective(st.agent, st.env.market.windows, st.buffers, st.cfg)
+        self.targets = make_targets(st.agent, st.target, st.buffers, st.cfg)
+        self.opt = torch.optim.AdamW(list(self.p.values()), lr=st.cfg.lr, eps=1e-6, capturable=dev.type == "cuda",
+                                     foreach=True)
+
+    def _online(self, p: dict, b: dict):
+        return torch.nn.utils.stateless._reparametrize_module(self.st.agent, {**p, **b})
+
+    def _targets(self, p, b, tp, tb, batch, noise) -> tuple[torch.Tensor, ...]:
+        with self._online(p, b), torch.nn.utils.stateless._reparametrize_module(self.st.target, {**tp, **tb}):
+            return tuple(self.targets(Batch(*batch), noise).tensors())
+
+    def _loss(self, p, b, batch, noise, tg) -> torch.Tensor:
+        with self._online(p, b):
+            return self.objective(Batch(*batch), noise, Targets(*tg), lambda: None).loss
+
+    def __call__(self) -> torch.Tensor:
+        with torch.no_grad():
+            tg = vmap(self._targets, randomness="different")(self.p, self.b, self.tp, self.tb, self.batch, self.noise)
+        losses = vmap(self._loss, randomness="different")(self.p, self.b, self.batch, self.noise, tg)
+        self.opt.zero_grad(set_to_none=True)
+        losses.sum().backward()
+        with torch.no_grad():
+            grads = [p.grad for p in self.p.values() if p.grad is not None]
+            norms = torch.stack([g.flatten(1).norm(dim=1) for g in grads]).norm(dim=0)         # R
+            scale = (self.cfg.grad_clip / (norms + 1e-6)).clamp(max=1.0)
+            for g in grads:
+                g.mul_(scale.view(-1, *([1] * (g.dim() - 1))))
+        self.opt.step()
+        with torch.no_grad():
+            torch._foreach_lerp_(list(self.tp.values()), list(self.p.values()), self.cfg.tau)
+        return losses.detach()
+
+
+def timed(step, n: int, cuda: bool) -> float:
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        step()
+    sync()
+    return time.perf_counter() - t0
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--updates", type=int, default=200)
+    ap.add_argument("--warmup", type=int, default=40, help="iterations of each state's warm-up epoch")
+    ap.add_argument("--preset", default="full")
+    ap.add_argument("--set", action="append", default=None)
+    ap.add_argument("--bars", type=int, default=300_000, help="training-split bars")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--accel", default="auto", help="eager, compile, graph or compile+graph (auto: the device's)")
+    args = ap.parse_args(argv)
+    accel = resolve_accel(args.accel, args.device)
+    cuda = args.device.startswith("cuda")
+    states = make_states(args, max(args.runs))
+    rows = []
+    for R in args.runs:
+        upd = BatchedUpdate(states[:R])
+        step = upd
+        if "compile" in accel:
+            step = compile_step(upd, upd.cfg, args.device)
+        t0 = time.perf_counter()
+        if "graph" in accel:
+            step = capture(step, warmup=3)
+        else:
+            step()
+        first = time.perf_counter() - t0
+        wall = timed(step, args.updates, cuda)
+        rows.append({"runs": R, "updates_per_s": R * args.updates / wall, "wall_s": wall, "first_s": first,
+                     "accel": accel})
+        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    one = next((r["updates_per_s"] for r in rows if r["runs"] == 1), None)
+    print("| runs in one vmapped update | updates/s (all runs) | ×1 | wall s | first call s |\n|---|---|---|---|---|")
+    for r in rows:
+        x = f"{r['updates_per_s'] / one:.2f}" if one else "n/a"
+        print(f"| {r['runs']} | {r['updates_per_s']:.1f} | {x} | {r['wall_s']:.2f} | {r['first_s']:.1f} |")
+    print(json.dumps(rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,26 @@
+"""bench/vmap_update.py: R runs' updates as one vmapped computation print their rows for a tiny CPU config, and a
+batched update moves every run's networks, each from its own state (its GPU figures come from the device machine)."""
+import json
+
+import torch
+
+from bench import vmap_update
+
+
+def test_the_bench_times_vmapped_updates_that_move_every_run(capsys, monkeypatch):
+    built = []
+    make = vmap_update.make_states
+    monkeypatch.setattr(vmap_update, "make_states", lambda args, R: built.extend(make(args, R)) or built)
+    vmap_update.main(["--device", "cpu", "--preset", "small", "--runs", "1", "2", "--updates", "2", "--warmup", "14",
+                      "--bars", "6000", "--set", "iterations=4", "--accel", "eager"])
+    rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [r["runs"] for r in rows] == [1, 2] and all(r["updates_per_s"] > 0 for r in rows)
+    upd = vmap_update.BatchedUpdate(built)
+    before = {n: p.detach().clone() for n, p in upd.p.items()}
+    for n, p in built[1].agent.named_parameters():                                # the stack starts from each state
+        assert torch.equal(p, before[n][1])
+    tbefore = {n: p.clone() for n, p in upd.tp.items()}
+    losses = upd()
+    assert losses.shape == (2,) and torch.isfinite(losses).all()
+    assert [any(not torch.equal(upd.p[n][r], before[n][r]) for n in before) for r in range(2)] == [True, True]
+    assert any(not torch.equal(upd.tp[n], tbefore[n]) for n in tbefore)          # the targets follow
