@@ -6,22 +6,26 @@ the same kernels gets for the price of one, the step a run-batched study needs (
                                  [--set iterations=1000] [--accel compile+graph] [--bars 300000]
 
 Every run is a `build_state` of the preset on the same synthetic training split (seeds 0…R−1), trained for a short
-warm-up epoch so its replay holds transitions. The batched update, per call:
+warm-up epoch so its replay holds transitions. The batched update, per call (the uniforms of every run drawn into
+static tensors first, outside the step, as `StepRunner` draws them):
+  sample    each run's batch from its own replay (`Replay.sample`, vmapped over the runs' stacked replay tensors)
   targets   `make_targets`'s no-grad targets of every run's batch, vmapped over the runs' online and target
-            networks (each its own batch, drawn once from its own replay, and its own noise)
+            networks
   loss      `make_objective`'s loss of every run, vmapped; one backward pass through their sum gives each run's
             own gradients (tests/test_vmap_runs.py)
   clip      each run's gradients clipped to `grad_clip` by its own norm
   AdamW     one `torch.optim.AdamW` over the stacked parameters (elementwise: each run's moments are its own)
   target    θ' ← θ' + τ(θ − θ') over the stacked networks
-The sampling, the priorities, the rolling embedding refresh and the LR schedule of the product's update are not in
-it, nor its Triton kernels (the runs train with `attention=sdpa`, `fused_c51=False`, `fused_targets=False`, whose
-reference paths vmap); R = 1 runs the same code, so the ratio compares like with like.
+The priorities, the rolling embedding refresh and the LR schedule of the product's update are not in it (the runs
+read the first run's embedding tables), nor its Triton kernels (the runs train with `attention=sdpa`,
+`fused_c51=False`, `fused_targets=False`, whose reference paths vmap); R = 1 runs the same code, so the ratio
+compares like with like.
   updates/s   updates of all runs together per second; ×1: over R = 1's
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -42,6 +46,39 @@ from shared.knobs import Knobs
 
 BATCH_FIELDS = ("slot", "bar", "portfolio", "action", "regime", "rewards", "dones", "next_bar", "next_portfolio",
                 "weight")
+
+
+def tensor_attributes(obj: object) -> list[str]:
+    return [k for k, v in vars(obj).items() if torch.is_tensor(v)]
+
+
+@contextlib.contextmanager
+def swapped(obj: object, values: dict[str, torch.Tensor]):
+    """obj's tensor attributes set to `values` (inside vmap: one run's slices of the stacked tensors) for the block,
+    then restored."""
+    saved = {k: getattr(obj, k) for k in values}
+    try:
+        for k, v in values.items():
+            setattr(obj, k, v)
+        yield obj
+    finally:
+        for k, v in saved.items():
+            setattr(obj, k, v)
+
+
+def batched_sample(states: list, n: int):
+    """(the runs' replay tensors stacked, sample(stacked, u R × n) → the R batches' `BATCH_FIELDS` stacked):
+    `Replay.sample` of every run's own replay at once (the first run's replay object runs it on each run's slices)."""
+    replay = states[0].replay
+    names = tensor_attributes(replay)
+    stacked = {k: torch.stack([getattr(s.replay, k) for s in states]) for k in names}
+
+    def one(tensors: dict, u: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        with swapped(replay, tensors):
+            b = replay.sample(n, u=u)
+        return tuple(getattr(b, f) for f in BATCH_FIELDS)
+
+    return stacked, lambda tensors, u: vmap(one)(tensors, u)
 
 
 def make_states(args, R: int) -> list:
@@ -69,10 +106,10 @@ class BatchedUpdate:
         self.tp, self.tb = stack_module_state([s.target for s in states])
         for t in self.tp.values():
             t.requires_grad_(False)
-        gen = torch.Generator(device=dev).manual_seed(0)
-        batches = [s.replay.sample(B, u=torch.rand(B, device=dev, generator=gen)) for s in states]
-        self.batch = tuple(torch.stack([getattr(x, f) for x in batches]) for f in BATCH_FIELDS)
-        self.noise = torch.rand(self.R, B, noise_width(st.cfg), device=dev, generator=gen)
+        self.gen = torch.Generator(device=dev).manual_seed(0)
+        self.replays, self.sample = batched_sample(states, B)
+        self.u = torch.zeros(self.R, B, device=dev)
+        self.noise = torch.zeros(self.R, B, noise_width(st.cfg), device=dev)
         self.objective = make_objective(st.agent, st.env.market.windows, st.buffers, st.cfg)
         self.targets = make_targets(st.agent, st.target, st.buffers, st.cfg)
         self.opt = torch.optim.AdamW(list(self.p.values()), lr=st.cfg.lr, eps=1e-6, capturable=dev.type == "cuda",
@@ -89,10 +126,16 @@ class BatchedUpdate:
         with self._online(p, b):
             return self.objective(Batch(*batch), noise, Targets(*tg), lambda: None).loss
 
+    def draw(self) -> None:
+        """Every run's uniforms for the next step, into the static tensors the step reads."""
+        torch.rand(self.u.shape, generator=self.gen, out=self.u)
+        torch.rand(self.noise.shape, generator=self.gen, out=self.noise)
+
     def __call__(self) -> torch.Tensor:
         with torch.no_grad():
-            tg = vmap(self._targets, randomness="different")(self.p, self.b, self.tp, self.tb, self.batch, self.noise)
-        losses = vmap(self._loss, randomness="different")(self.p, self.b, self.batch, self.noise, tg)
+            batch = self.sample(self.replays, self.u)
+            tg = vmap(self._targets, randomness="different")(self.p, self.b, self.tp, self.tb, batch, self.noise)
+        losses = vmap(self._loss, randomness="different")(self.p, self.b, batch, self.noise, tg)
         self.opt.zero_grad(set_to_none=True)
         losses.sum().backward()
         with torch.no_grad():
@@ -107,11 +150,12 @@ class BatchedUpdate:
         return losses.detach()
 
 
-def timed(step, n: int, cuda: bool) -> float:
+def timed(draw, step, n: int, cuda: bool) -> float:
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     sync()
     t0 = time.perf_counter()
     for _ in range(n):
+        draw()
         step()
     sync()
     return time.perf_counter() - t0
@@ -138,12 +182,13 @@ def main(argv=None) -> None:
         if "compile" in accel:
             step = compile_step(upd, upd.cfg, args.device)
         t0 = time.perf_counter()
+        upd.draw()
         if "graph" in accel:
             step = capture(step, warmup=3)
         else:
             step()
         first = time.perf_counter() - t0
-        wall = timed(step, args.updates, cuda)
+        wall = timed(upd.draw, step, args.updates, cuda)
         rows.append({"runs": R, "updates_per_s": R * args.updates / wall, "wall_s": wall, "first_s": first,
                      "accel": accel})
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)

@@ -1,5 +1,6 @@
-"""bench/vmap_update.py: R runs' updates as one vmapped computation print their rows for a tiny CPU config, and a
-batched update moves every run's networks, each from its own state (its GPU figures come from the device machine)."""
+"""bench/vmap_update.py: R runs' updates as one vmapped computation print their rows for a tiny CPU config; each run's
+batch is the one its own replay gives, bit for bit; a batched update moves every run's networks, each from its own
+state (its GPU figures come from the device machine)."""
 import json
 
 import torch
@@ -16,6 +17,11 @@ def test_the_bench_times_vmapped_updates_that_move_every_run(capsys, monkeypatch
     rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert [r["runs"] for r in rows] == [1, 2] and all(r["updates_per_s"] > 0 for r in rows)
     upd = vmap_update.BatchedUpdate(built)
+    upd.draw()
+    batch = upd.sample(upd.replays, upd.u)
+    for r, st in enumerate(built):
+        own = st.replay.sample(st.cfg.batch_size, u=upd.u[r])
+        assert all(torch.equal(x[r], getattr(own, f)) for x, f in zip(batch, vmap_update.BATCH_FIELDS)), r
     before = {n: p.detach().clone() for n, p in upd.p.items()}
     for n, p in built[1].agent.named_parameters():                                # the stack starts from each state
         assert torch.equal(p, before[n][1])
