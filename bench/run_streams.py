@@ -38,6 +38,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -48,7 +49,10 @@ from shared.knobs import Knobs
 from bench.train_speed import synthetic_dataset
 
 
-def make_states(args, seeds: list[int], wide: int = 1) -> list:
+def make_states(args, seeds: list[int], wide: int = 1, accel: str = "auto",
+                configure: Callable[[TrainConfig], None] = lambda cfg: None) -> list:
+    """A state of the preset (`--set` applied, then `configure(cfg)`) for each seed on the synthetic split, after a
+    warm-up epoch of `args.warmup` iterations; the epochs after it run `args.iterations` (if given)."""
     try:                                               # one compiled step per state: a recompile each, not a fallback
         torch._dynamo.config.recompile_limit = max(64, 8 * len(seeds))
         torch._dynamo.config.accumulated_recompile_limit = 4096
@@ -60,12 +64,13 @@ def make_states(args, seeds: list[int], wide: int = 1) -> list:
         cfg = TrainConfig.preset(args.preset, feats.shape[1])
         cfg.override(args.set or [])
         cfg.batch_size, cfg.n_envs = cfg.batch_size * wide, cfg.n_envs * wide
-        st = build_state(cfg, bars, split, seed, args.device, features=feats, accel="auto")
+        configure(cfg)
+        st = build_state(cfg, bars, split, seed, args.device, features=feats, accel=accel)
         cfg.iterations, cfg.learning_starts = args.warmup, 0
         t0 = time.perf_counter()
         train_epoch(st, Knobs())                        # compiles and captures the iteration
         print(f"  state seed {seed}: warm-up {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
-        cfg.iterations = args.iterations
+        cfg.iterations = getattr(args, "iterations", args.warmup)
         states.append(st)
     return states
 
@@ -172,10 +177,7 @@ def timed_joint(states: list, iterations: int) -> float:
     t0 = time.time()
     for _ in range(iterations):
         for st in states:
-            r = st.runner
-            r._draw(r.collect_noise)
-            for noise in r.update_noise[:st.cfg.updates_per_iter]:
-                r._draw(noise)
+            st.runner.draw_iteration()
         graph.replay()
     torch.cuda.synchronize()
     return time.time() - t0

@@ -33,16 +33,13 @@ import time
 import torch
 from torch.func import stack_module_state, vmap
 
-from bench.train_speed import synthetic_dataset
-from services.trainer.loop import train_epoch
+from bench import run_streams
 from services.trainer.objective import make_objective
 from services.trainer.replay import Batch
 from services.trainer.runtime import compile_step
-from services.trainer.state import build_state
 from services.trainer.targets import Targets, make_targets, noise_width
 from services.trainer.train import TrainConfig
 from shared.graphs import capture, resolve_accel
-from shared.knobs import Knobs
 
 BATCH_FIELDS = ("slot", "bar", "portfolio", "action", "regime", "rewards", "dones", "next_bar", "next_portfolio",
                 "weight")
@@ -82,17 +79,10 @@ def batched_sample(states: list, n: int):
 
 
 def make_states(args, R: int) -> list:
-    bars, split, feats = synthetic_dataset(args.bars)
-    states = []
-    for seed in range(R):
-        cfg = TrainConfig.preset(args.preset, feats.shape[1])
-        cfg.override(args.set or [])
+    """R eager states (seeds 0…R−1) with the reference paths of the Triton kernels, which vmap (`run_streams`'s)."""
+    def reference_paths(cfg: TrainConfig) -> None:
         cfg.attention, cfg.fused_c51, cfg.fused_targets = "sdpa", False, False
-        cfg.iterations, cfg.learning_starts = args.warmup, 0
-        st = build_state(cfg, bars, split, seed, args.device, features=feats, accel="eager")
-        train_epoch(st, Knobs())
-        states.append(st)
-    return states
+    return run_streams.make_states(args, list(range(R)), accel="eager", configure=reference_paths)
 
 
 class BatchedUpdate:

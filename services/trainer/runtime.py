@@ -225,14 +225,19 @@ class StepRunner:
                 before_update()
                 self.update()
             return between
-        self._draw(self.collect_noise)
-        for noise in self.update_noise[:n]:
-            self._draw(noise)
+        self.draw_iteration()
         for _ in range(n):
             before_update()
         self.pinned.commit()
         self._run("iteration")
         return None
+
+    def draw_iteration(self) -> None:
+        """The uniforms of one whole iteration (its collection, then each update) into the static noise tensors, in
+        the order the eager calls draw them: what the iteration's graph reads."""
+        self._draw(self.collect_noise)
+        for noise in self.update_noise[:self.state.cfg.updates_per_iter]:
+            self._draw(noise)
 
 
 def inductor_options(spec: str) -> dict[str, bool]:
