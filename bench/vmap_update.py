@@ -18,8 +18,10 @@ static tensors first, outside the step, as `StepRunner` draws them):
   target    θ' ← θ' + τ(θ − θ') over the stacked networks
 The priorities, the rolling embedding refresh and the LR schedule of the product's update are not in it (the runs
 read the first run's embedding tables), nor its Triton kernels (the runs train with `attention=sdpa`,
-`fused_c51=False`, `fused_targets=False`, whose reference paths vmap); R = 1 runs the same code, so the ratio
-compares like with like.
+`fused_c51=False`, `fused_targets=False`, whose reference paths vmap) and its attention is written out
+(`causal_attention_math`, `last_query_attention_math`: on CUDA, SDPA's memory-efficient backward rejects the strides
+vmap gives its saved log-sum-exp, "LSE is not correctly aligned"); R = 1 runs the same code, so the ratio compares
+like with like.
   updates/s   updates of all runs together per second; ×1: over R = 1's
 """
 from __future__ import annotations
@@ -29,11 +31,13 @@ import contextlib
 import json
 import sys
 import time
+from unittest import mock
 
 import torch
 from torch.func import stack_module_state, vmap
 
 from bench import run_streams
+from shared import layers
 from services.trainer.objective import make_objective
 from services.trainer.replay import Batch
 from services.trainer.runtime import compile_step
@@ -151,20 +155,8 @@ def timed(draw, step, n: int, cuda: bool) -> float:
     return time.perf_counter() - t0
 
 
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--runs", type=int, nargs="+", default=[1, 2, 4, 8])
-    ap.add_argument("--updates", type=int, default=200)
-    ap.add_argument("--warmup", type=int, default=40, help="iterations of each state's warm-up epoch")
-    ap.add_argument("--preset", default="full")
-    ap.add_argument("--set", action="append", default=None)
-    ap.add_argument("--bars", type=int, default=300_000, help="training-split bars")
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--accel", default="auto", help="eager, compile, graph or compile+graph (auto: the device's)")
-    args = ap.parse_args(argv)
-    accel = resolve_accel(args.accel, args.device)
-    cuda = args.device.startswith("cuda")
-    states = make_states(args, max(args.runs))
+def measure(args, states: list, accel: str, cuda: bool) -> list[dict]:
+    """One row per R in `args.runs`: the first R states' batched update, compiled and captured per `accel`."""
     rows = []
     for R in args.runs:
         upd = BatchedUpdate(states[:R])
@@ -182,6 +174,25 @@ def main(argv=None) -> None:
         rows.append({"runs": R, "updates_per_s": R * args.updates / wall, "wall_s": wall, "first_s": first,
                      "accel": accel})
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    return rows
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--updates", type=int, default=200)
+    ap.add_argument("--warmup", type=int, default=40, help="iterations of each state's warm-up epoch")
+    ap.add_argument("--preset", default="full")
+    ap.add_argument("--set", action="append", default=None)
+    ap.add_argument("--bars", type=int, default=300_000, help="training-split bars")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--accel", default="auto", help="eager, compile, graph or compile+graph (auto: the device's)")
+    args = ap.parse_args(argv)
+    accel = resolve_accel(args.accel, args.device)
+    cuda = args.device.startswith("cuda")
+    states = make_states(args, max(args.runs))
+    with mock.patch.object(layers, "written_out_attention", lambda q: True):     # vmap-able attention (above)
+        rows = measure(args, states, accel, cuda)
     one = next((r["updates_per_s"] for r in rows if r["runs"] == 1), None)
     print("| runs in one vmapped update | updates/s (all runs) | ×1 | wall s | first call s |\n|---|---|---|---|---|")
     for r in rows:
