@@ -20,7 +20,7 @@ MIN_HOLD_SMALL = 96  # small preset: bars a trade is held before a signal exit (
 CHURN_SMALL = 1e-3  # small preset: reward cost per opened trade (return units, ~10× the 1 bp fill cost)
 
 
-NEUTRAL_UNLISTED = {"policy_ema": 0.0, "restart_every": 0}
+NEUTRAL_UNLISTED = {"policy_ema": 0.0, "restart_every": 0, "support_at_start": False}
 """Fields that `TrainConfig.to_dict` leaves out at their neutral value, so that the configs (and hashes) of runs
 stored before the field existed still match."""
 
@@ -117,6 +117,12 @@ class TrainConfig:
     """Adaptive support: v_max tracks this quantile of |20-step reward sums| in replay …"""
     support_margin: float = 1.5
     """… times this margin."""
+    support_at_start: bool = False
+    """True: the support is set to its target (margin · quantile, `state.adapt_support` with weight 1) before the
+    run's first update, from the transitions collected until then, so that learning starts on the reward scale it
+    will keep; the epochs' adaptation then follows from there. False (the default): the first epoch learns on
+    `agent.v_max_init`, and the support first moves halfway to its target before epoch 2 (which re-scales every value
+    the network has learnt)."""
     maturity_updates: int = 5000
     """Risk-head maturity m = 1 − exp(−updates / maturity_updates) scales the protection stack."""
     costs_bps: float = 1.0
@@ -236,6 +242,8 @@ class TrainConfig:
             raise ValueError(f"train config: policy_ema must be a number in [0, 1), got {self.policy_ema!r}")
         if isinstance(self.restart_every, bool) or not isinstance(self.restart_every, int) or self.restart_every < 0:
             raise ValueError(f"train config: restart_every must be a whole number ≥ 0, got {self.restart_every!r}")
+        if not isinstance(self.support_at_start, bool):
+            raise ValueError(f"train config: support_at_start must be true or false, got {self.support_at_start!r}")
 
     def to_dict(self) -> dict:
         """The JSON form: the schedule's fields sit at the top level under their `FixedSchedule` names, the form

@@ -143,6 +143,7 @@ def train_epoch(state: TrainState, knobs: Knobs, progress: Callable[[int, int], 
         n_upd += 1
         state.update_step += 1
 
+    support_set = False
     for it in range(start, cfg.iterations):
         if interrupt is not None and interrupt():
             spent = clock.totals()
@@ -156,10 +157,14 @@ def train_epoch(state: TrainState, knobs: Knobs, progress: Callable[[int, int], 
             knobs = new
         after = state.env_steps + cfg.n_envs * cfg.env_steps_per_iter
         learn = after >= cfg.learning_starts and after // cfg.n_envs > max(cfg.horizons)
+        first = learn and cfg.support_at_start and state.update_step == 0 and not support_set
         ta = clock.now()
-        if not learn:
+        if not learn or first:
             runner.collect()
             clock.add("env", ta, clock.now())
+            if first:         # the run's first learning iteration collects only, then sets the support for its updates
+                adapt_support(state, weight=1.0)
+                support_set = True
         elif (tb := runner.iteration(before_update, mark=clock.now)) is None:
             # one graph for the collection and the updates: the iteration's time counts for both rates
             clock.add("iteration", ta, clock.now())

@@ -157,17 +157,20 @@ def restart_learner(state: TrainState) -> None:
 
 
 @torch.no_grad()
-def adapt_support(state: TrainState) -> None:
-    """v_max ← ½ v_max + ½ · margin · quantile(|20-step reward sums in replay|): the support follows the reward
-    scale (the update's projection re-maps old distributions onto the new support)."""
+def adapt_support(state: TrainState, weight: float = 0.5) -> None:
+    """v_max ← (1 − w) v_max + w · margin · quantile(|20-step reward sums in replay|), w = `weight`: the support
+    follows the reward scale (the update's projection re-maps old distributions onto the new support). Nothing with
+    fewer than 64 rows in replay, or (w = 1, the first update's `TrainConfig.support_at_start`) fewer than the longest
+    horizon's."""
     rp, cfg = state.replay, state.cfg
-    if rp.count < 64:
+    h = max(cfg.horizons)
+    if rp.count < (h + 1 if weight == 1.0 else 64):
         return
     r = rp.reward[: rp.count]                                                              # L × E
-    h = min(max(cfg.horizons), rp.count)
+    h = min(h, rp.count)
     sums = r.unfold(0, h, 1).sum(-1).abs().flatten()
     q = torch.quantile(sums[torch.randperm(sums.numel(), generator=state.generator, device=sums.device)[:100_000]],
                        cfg.support_quantile)
-    new = (0.5 * state.agent.v_max + 0.5 * (cfg.support_margin * q).clamp(0.005, 1.0))
+    new = (1.0 - weight) * state.agent.v_max + weight * (cfg.support_margin * q).clamp(0.005, 1.0)
     state.agent.v_max.copy_(new)
     state.target.v_max.copy_(new)
