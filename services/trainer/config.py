@@ -122,7 +122,8 @@ class TrainConfig:
     run's first update, from the transitions collected until then, so that learning starts on the reward scale it
     will keep; the epochs' adaptation then follows from there. False (the default): the first epoch learns on
     `agent.v_max_init`, and the support first moves halfway to its target before epoch 2 (which re-scales every value
-    the network has learnt)."""
+    the network has learnt). Why off: on the H200 (`full`) the first epoch validated 0.411 in the mean with it against
+    0.710 without (paired −0.299 [−0.468, −0.143]; bench/README.md, 2026-12-03 · a32c971)."""
     maturity_updates: int = 5000
     """Risk-head maturity m = 1 − exp(−updates / maturity_updates) scales the protection stack."""
     costs_bps: float = 1.0
