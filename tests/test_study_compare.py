@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from tradeloop.cli import app
-from tradeloop.study.compare import compare, compare_pooled, load_side
+from tradeloop.study.compare import compare, compare_pooled, load_side, markdown
 from tradeloop.study.spec import StudyError
 
 SPEC = {"dataset": "synthetic", "seeds": [0, 1], "folds": 2, "epochs": 4, "preset": "small",
@@ -138,3 +138,21 @@ def test_any_epochs_pairs_studies_that_differ_in_epochs_alone_and_says_so(tmp_pa
     same = study(tmp_path, "c", "off", dict(zip(UNITS, [0.40] * 4)), dict(zip(UNITS, [0.1] * 4)), epochs=6)
     c = compare(*load_side(f"{a}:rs")[:2], *load_side(f"{same}:off")[:2], any_epochs=True)
     assert "epochs" not in c                                  # nothing to say when they agree
+
+
+def test_the_first_epochs_validation_is_paired_from_the_curves_as_the_studies_shift(tmp_path):
+    a = study(tmp_path, "a", "rb", dict(zip(UNITS, [0.5] * 4)), dict(zip(UNITS, [0.3] * 4)))
+    b = study(tmp_path, "b", "off", dict(zip(UNITS, [0.4] * 4)), dict(zip(UNITS, [0.2] * 4)))
+    ra, va, _ = load_side(f"{a}:rb")
+    rb, vb, _ = load_side(f"{b}:off")
+    assert "first_val" not in compare(ra, va, rb, vb, n_boot=200)           # no curves: nothing claimed
+    first_a = [0.6, 0.7, 0.1, None]                                        # (1, 1): no epoch-1 value on a's side
+    first_b = [0.5, 0.4, 0.3, 0.2]
+    ra["curves"] = {"rb": {f"{s}/{f}": [x, 0.0] for (s, f), x in zip(UNITS, first_a)}}
+    rb["curves"] = {"off": {f"{s}/{f}": [x, 9.0] for (s, f), x in zip(UNITS, first_b)},
+                    "other": {"0/0": [9.0]}}
+    c = compare(ra, va, rb, vb, n_boot=200)
+    assert c["first_val"]["n"] == 3 and c["first_val"]["wins"] == 2
+    assert c["first_val"]["mean"] == pytest.approx((0.1 + 0.3 - 0.2) / 3)
+    assert c["metrics"]["oos_sharpe"]["a_minus_b"]["mean"] == pytest.approx(0.1)   # the table is unchanged
+    assert "Epoch-1 validation, x − y: +0.067" in markdown(c, "x", "y")

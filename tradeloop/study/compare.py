@@ -8,6 +8,11 @@ bootstrap as a study's own paired differences (`stats.paired`). Each study's DSR
 checkpoints only, so it is not compared here. `--any-epochs` pairs studies that differ in epochs alone (a variant
 trained for fewer or more epochs than its reference): each run's checkpoint is still chosen on validation among its
 own epochs, and the table says how many each side had.
+
+Beside the table: the paired difference of the first epoch's validation (from each study's curves). Where the two
+variants train their first epoch alike (a change that acts from epoch 2 on), it is a shift between the two studies
+themselves (the GPU's run-to-run noise, the code each study ran), which every difference in the table carries too;
+on the H200 it reached ±0.1–0.15 (bench/README.md, 2026-12-03 · a32c971).
 """
 from __future__ import annotations
 
@@ -114,6 +119,9 @@ def compare_pooled(pairs: list[tuple[dict, str, dict, str]], *, n_boot: int = 10
                                "b": bootstrap_ci([xb[u] for u in units], n_boot=n_boot, seed=seed),
                                "a_minus_b": paired({u: xa[u] for u in units}, {u: xb[u] for u in units},
                                                    n_boot=n_boot, seed=seed)}
+    first = first_epoch(pairs, xs["oos_sharpe"])
+    if first is not None:
+        out["first_val"] = paired(*first, n_boot=n_boot, seed=seed)
     la, lb = xs["last_val_sharpe"]
     seeds = sorted({u[:2] for u in set(la) & set(lb)})
     out["last_val_seeds"] = {"a_at_least_b": sum(
@@ -121,6 +129,19 @@ def compare_pooled(pairs: list[tuple[dict, str, dict, str]], *, n_boot: int = 10
         for s in seeds), "seeds": len(seeds)}
     out["units"] = out["metrics"]["oos_sharpe"]["a_minus_b"]["n"]
     return out
+
+
+def first_epoch(pairs: list[tuple[dict, str, dict, str]], shared: tuple[dict, dict]) -> tuple[dict, dict] | None:
+    """({unit: a's epoch-1 val per-trade Sharpe}, {unit: b's}) over the units of `shared` (xs' keys: (pair, seed,
+    fold), or a population's (pair, market, fold)) where both sides' curves have it; None without curves."""
+    xa, xb = {}, {}
+    for i, (a, va, b, vb) in enumerate(pairs):
+        ca, cb = (res.get("curves", {}).get(v, {}) for res, v in ((a, va), (b, vb)))
+        for key, curve in ca.items():
+            if (i, *map(int, key.split("/"))) in shared[0] and curve and cb.get(key) \
+                    and curve[0] is not None and cb[key][0] is not None:
+                xa[(i, key)], xb[(i, key)] = float(curve[0]), float(cb[key][0])
+    return (xa, xb) if xa else None
 
 
 def markdown(c: dict, la: str, lb: str) -> str:
@@ -136,6 +157,10 @@ def markdown(c: dict, la: str, lb: str) -> str:
     apart = " (a seed of each pair counted apart)" if c.get("pairs", 1) > 1 else ""
     lines += ["", f"Last-epoch validation (mean over folds) of {la} ≥ {lb} in {s['a_at_least_b']} of {s['seeds']} "
               f"seeds{apart}."]
+    if c.get("first_val"):
+        lines.append(f"Epoch-1 validation, {la} − {lb}: {describe(c['first_val'])} ({c['first_val']['wins']} of "
+                     f"{c['first_val']['n']} higher). Where both variants train their first epoch alike, this is a "
+                     "shift between the two studies, not between the variants, and every row above carries it too.")
     if c.get("epochs"):
         lines.append(f"The sides differ in epochs ({', '.join(f'{ea} against {eb}' for ea, eb in c['epochs'])}): each "
                      "run's checkpoint was chosen on validation among its own, and the last epoch is each side's.")
