@@ -55,9 +55,12 @@ async def _run_loop(settings_env: dict, redis_url: str, run_id: str) -> None:
 
         await apoll_until(bundled, "the loop to bundle its last epoch", timeout_s=120)
     finally:
-        for t in consumers:
+        # stop, then cancel: on Python 3.11 a cancel that lands as a handler's `asyncio.wait_for` completes can be
+        # swallowed (gh-86296), and the consumer's loop then runs on; its stop flag ends it at the next turn
+        for w, t in zip((ev, fb), consumers):
+            w.consumer.stop()
             t.cancel()
-        await asyncio.gather(*consumers, return_exceptions=True)
+        await asyncio.wait_for(asyncio.gather(*consumers, return_exceptions=True), timeout=60)
         for b in buses:
             await b.close()
 
