@@ -28,9 +28,9 @@ def test_the_support_is_set_once_before_the_first_update(tmp_path, monkeypatch):
     bars = generate(700, seed=3).bars
     calls = []
 
-    def spy(state, weight=0.5):
+    def spy(state, weight=0.5, **kw):
         calls.append((weight, state.update_step, state.replay.count))
-        adapt_support(state, weight)
+        adapt_support(state, weight, **kw)
         calls[-1] += (float(state.agent.v_max),)
     monkeypatch.setattr(loop, "adapt_support", spy)
     off = train_run(bars, "synthetic", tmp_path / "off", 1, config=tiny_config(), seed=5)
@@ -54,5 +54,5 @@ def test_weight_one_sets_the_support_to_its_target():
         generator = torch.Generator().manual_seed(0)
     State.agent = State.target = type("N", (), {})()
     State.agent.v_max = torch.tensor(0.05)
-    adapt_support(State, weight=1.0)                               # |4-step sums| ≤ 0.04, × margin 2
+    adapt_support(State, weight=1.0, min_rows=5)                   # |4-step sums| ≤ 0.04, × margin 2
     assert float(State.agent.v_max) == pytest.approx(0.08)

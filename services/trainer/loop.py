@@ -163,7 +163,7 @@ def train_epoch(state: TrainState, knobs: Knobs, progress: Callable[[int, int], 
             runner.collect()
             clock.add("env", ta, clock.now())
             if first:         # the run's first learning iteration collects only, then sets the support for its updates
-                adapt_support(state, weight=1.0)
+                adapt_support(state, weight=1.0, min_rows=max(cfg.horizons) + 1)
                 support_set = True
         elif (tb := runner.iteration(before_update, mark=clock.now)) is None:
             # one graph for the collection and the updates: the iteration's time counts for both rates

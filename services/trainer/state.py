@@ -157,17 +157,15 @@ def restart_learner(state: TrainState) -> None:
 
 
 @torch.no_grad()
-def adapt_support(state: TrainState, weight: float = 0.5) -> None:
+def adapt_support(state: TrainState, weight: float = 0.5, min_rows: int = 64) -> None:
     """v_max ← (1 − w) v_max + w · margin · quantile(|20-step reward sums in replay|), w = `weight`: the support
     follows the reward scale (the update's projection re-maps old distributions onto the new support). Nothing with
-    fewer than 64 rows in replay, or (w = 1, the first update's `TrainConfig.support_at_start`) fewer than the longest
-    horizon's."""
+    fewer than `min_rows` rows in replay."""
     rp, cfg = state.replay, state.cfg
-    h = max(cfg.horizons)
-    if rp.count < (h + 1 if weight == 1.0 else 64):
+    if rp.count < min_rows:
         return
     r = rp.reward[: rp.count]                                                              # L × E
-    h = min(h, rp.count)
+    h = min(max(cfg.horizons), rp.count)
     sums = r.unfold(0, h, 1).sum(-1).abs().flatten()
     q = torch.quantile(sums[torch.randperm(sums.numel(), generator=state.generator, device=sums.device)[:100_000]],
                        cfg.support_quantile)
