@@ -104,6 +104,38 @@ def test_aggregate_deflates_by_every_checkpoint_of_the_study_and_pairs_by_seed_a
                               "mean_epoch1_val_spread": 0.0}
 
 
+def test_what_a_rollback_led_to_is_the_next_epochs_validation_against_the_epoch_it_restored():
+    from tradeloop.study.report import markdown
+
+    runs = [_summary("on", 0, 0, [0.5, 0.2, 0.3, 0.6], 1, 0.3), _summary("on", 1, 0, [0.4, 0.6, 0.1, 0.5], 2, 0.3),
+            _summary("on", 2, 0, [0.3, 0.1, 0.2, 0.2], 1, 0.3), _summary("off", 0, 0, [0.2, 0.1, 0.2, 0.2], 1, 0.2)]
+    # (after epoch, restored epoch): run 0 after 2 → 1 and after 3 → 1; run 1 after 3 → 2 and after its last epoch
+    # (which starts nothing); run 2 after 2 → 1 but an exploit took its place
+    for m, rolls in zip(runs, ({2: 1, 3: 1}, {3: 2, 4: 2}, {2: 1}, {})):
+        for e in m["epochs"]:
+            e["rollback"], e["rollback_to"] = e["epoch"] in rolls, rolls.get(e["epoch"])
+    runs[2]["epochs"][1]["exploit"] = {"run": "on-s0-f0", "epoch": 1, "val_sharpe": 0.5}
+    res = aggregate(runs, [], ["on", "off"], "off", n_boot=200, seed=0)
+    steps = {r["run_id"]: r["rollback_steps"] for r in res["runs"]}
+    assert steps["on-s0-f0"] == pytest.approx([0.3 - 0.5, 0.6 - 0.5]) and steps["on-s1-f0"] == pytest.approx([0.5 - 0.6])
+    assert steps["on-s2-f0"] == [] and steps["off-s0-f0"] == []
+    after = res["variants"]["on"]["after_rollback"]                  # over runs, each run's mean: −0.05 and −0.10
+    assert after["mean"] == pytest.approx(-0.075) and (after["rollbacks"], after["higher"]) == (3, 1)
+    assert after["lo"] == pytest.approx(-0.10) and after["hi"] == pytest.approx(-0.05)
+    assert "after_rollback" not in res["variants"]["off"]
+    res["study"] = {"dataset": "synthetic", "variants": [{"name": n, "settings": []} for n in ("on", "off")],
+                    "seeds": [0, 1, 2], "folds": 1, "epochs": 4, "preset": "small", "settings": [], "device": "cpu",
+                    "accel": "auto", "deterministic": False, "bars": 3000, "min_val_trades": 20, "n_boot": 200,
+                    "ci_seed": 0}
+    res["timing"] = {"wall_s": 10.0, "runs_at_once": 1, "epochs_trained": 16, "epochs_per_s": 1.6}
+    assert "minus that of the epoch it restored" in markdown(res)
+    assert "on -0.075 [-0.100, -0.050] (1 of 3 higher)." in " ".join(markdown(res).split())
+    for m in runs:                                      # a summary written before `rollback_to` was kept: none
+        for e in m["epochs"]:
+            del e["rollback_to"]
+    assert "after_rollback" not in aggregate(runs, [], ["on", "off"], "off", n_boot=200, seed=0)["variants"]["on"]
+
+
 def test_rollbacks_count_the_epochs_that_began_from_one_not_the_last_epochs_bundle():
     from tradeloop.study.report import markdown
 

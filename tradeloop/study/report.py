@@ -77,6 +77,12 @@ def markdown(res: dict) -> str:
               if d.get("rollbacks")]
     if rolled:
         lines += ["", f"Epochs that began from a feedback rollback (of those after a run's first): {'; '.join(rolled)}."]
+    after = [f"{name} {describe(d['after_rollback'])} ({d['after_rollback']['higher']} of "
+             f"{d['after_rollback']['rollbacks']} higher)" for name, d in res["variants"].items() if d.get("after_rollback")]
+    if after:
+        lines += ["", "What a rollback led to: the validation per-trade Sharpe of the epoch that began from it minus that "
+                  "of the epoch it restored (mean [95 % CI] over the runs that rolled back, each run's mean; below 0: "
+                  f"training on from the best epoch lands lower than it): {'; '.join(after)}."]
     taken = [f"{name} {d['exploits']} of {d['rollback_chances']}" for name, d in res["variants"].items()
              if d.get("exploits")]
     if taken:

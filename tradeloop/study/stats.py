@@ -140,7 +140,8 @@ def aggregate(summaries: Sequence[dict], baselines: Sequence[dict], variants: Se
                      "shaped": m.get("shaped"), "oos_sharpe_unshaped": m.get("oos_sharpe_unshaped"),
                      "val_sharpe_unshaped": m.get("val_sharpe_unshaped"),
                      "dsr": study_dsr(m["selected_val_trade_returns"], n_trials, var),
-                     "run_dsr": m["run_dsr"], "rollbacks": rollbacks(m), "exploits": len(exploited(m)),
+                     "run_dsr": m["run_dsr"], "rollbacks": rollbacks(m), "rollback_steps": rollback_steps(m),
+                     "exploits": len(exploited(m)),
                      "exploited": exploited(m), "val_step": val_step(m)})
     ci = lambda xs: bootstrap_ci(xs, n_boot=n_boot, seed=seed)  # noqa: E731
     cluster = cluster_of or (lambda s, f: (s, f))
@@ -171,6 +172,11 @@ def aggregate(summaries: Sequence[dict], baselines: Sequence[dict], variants: Se
         d["rollbacks"] = sum(r["rollbacks"] for r in rs)
         d["exploits"] = sum(r["exploits"] for r in rs)
         d["rollback_chances"] = sum(len(m["epochs"]) - 1 for m in summaries if m["variant"] == name)
+        steps = {(r["seed"], r["fold"]): float(np.mean(r["rollback_steps"])) for r in rs if r["rollback_steps"]}
+        if steps:
+            flat = [x for r in rs for x in r["rollback_steps"]]
+            d["after_rollback"] = {**ci(list(pooled(name, steps).values())), "rollbacks": len(flat),
+                                   "higher": sum(x > 0 for x in flat)}
         if all(r["val_step"] is not None for r in rs):
             d["val_step"] = ci(list(pooled(name, {(r["seed"], r["fold"]): r["val_step"] for r in rs}).values()))
         if all(r["oos_sharpe_unshaped"] is not None for r in rs):
@@ -221,6 +227,17 @@ def rollbacks(summary: dict) -> int:
     """Epochs of a run that began from a feedback rollback to its own best epoch: those after an epoch whose bundle
     asked for one and no exploit (which takes its place) (the last epoch's bundle starts no epoch)."""
     return sum(bool(e.get("rollback")) and not e.get("exploit") for e in summary["epochs"][:-1])
+
+
+def rollback_steps(summary: dict) -> list[float]:
+    """What each rollback of a run led to: the validation per-trade Sharpe of the epoch that began from it minus that
+    of the epoch it restored (none from a summary written without `rollback_to`, nor where an exploit took its
+    place)."""
+    ep = summary["epochs"]
+    val = {int(e["epoch"]): float(e["val_sharpe"]) for e in ep}
+    return [float(nxt["val_sharpe"]) - val[int(e["rollback_to"])] for e, nxt in zip(ep[:-1], ep[1:])
+            if e.get("rollback") and not e.get("exploit") and e.get("rollback_to") is not None
+            and int(e["rollback_to"]) in val]
 
 
 def best_validated(rows: Sequence[dict], cluster: Callable[[int, int], Any]) -> dict | None:
