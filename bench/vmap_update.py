@@ -162,6 +162,11 @@ def measure(args, states: list, accel: str, cuda: bool) -> list[dict]:
         upd = BatchedUpdate(states[:R])
         step = upd
         if "compile" in accel:
+            # every R its own static graph: a recompile of the same `__call__` at a new R makes the run dimension
+            # symbolic (automatic dynamic shapes), and on the H200 a compile of this step failed building its shape
+            # guards (IndexError in produce_guards_verbose), which only symbolic shapes have
+            torch._dynamo.reset()
+            torch._dynamo.config.automatic_dynamic_shapes = False
             step = compile_step(upd, upd.cfg, args.device)
         t0 = time.perf_counter()
         upd.draw()
