@@ -81,3 +81,52 @@ def test_train_epoch_restarts_the_learner_when_due(tmp_path, adamw):
     three = train_run(bars, "synthetic", tmp_path / "r", 3, config=cfg, seed=5)       # resumes epoch 2, trains 3
     assert 0 < steps(three) < three.update_step
     assert steps(three) == three.update_step - two.update_step
+
+
+def test_restart_replay_is_checked_and_left_out_of_the_config_when_off():
+    cfg = tiny_config()
+    assert "restart_replay" not in cfg.to_dict()                 # stored runs' config hashes still match
+    on = dataclasses.replace(cfg, restart_every=1, restart_replay=True)
+    assert on.to_dict()["restart_replay"] is True and TrainConfig.from_dict(on.to_dict()) == on
+    with pytest.raises(ValueError, match="restart_replay must be true or false"):
+        dataclasses.replace(cfg, restart_replay=1)
+    assert TrainConfig.preset("full", 16).override(["restart_replay=true"]).restart_replay is True
+
+
+def test_a_restart_with_the_replay_emptied_trains_its_epoch_as_the_first(tmp_path):
+    """restart_every = 1 with restart_replay: epoch 2 starts from an empty replay, waits for `learning_starts`
+    transitions again and warms its LRs up again, so it makes as many updates as epoch 1 and ends holding epoch 2's
+    rows alone; the emptied replay's gate survives a resume from the saved trainer state."""
+    bars = generate(700, seed=3).bars
+    base = dataclasses.replace(tiny_config(), restart_every=1)
+    cfg = dataclasses.replace(base, restart_replay=True)
+    one = train_run(bars, "synthetic", tmp_path / "e", 1, config=cfg, seed=5)
+    rows = cfg.iterations * cfg.env_steps_per_iter
+    assert one.replay.count == rows and 0 < one.update_step < cfg.iterations * cfg.updates_per_iter
+    two = train_run(bars, "synthetic", tmp_path / "e", 2, config=cfg, seed=5)         # resumes epoch 1, trains 2
+    assert two.update_step == 2 * one.update_step                      # epoch 2 waited as epoch 1 did
+    assert two.replay.count == rows and two.learn_from == one.env_steps
+    assert all(g["age"] == one.update_step for g in two.opt.param_groups)            # ages counted from the restart
+    kept = train_run(bars, "synthetic", tmp_path / "k", 2, config=base, seed=5)
+    assert kept.replay.count == 2 * rows and kept.update_step - one.update_step == cfg.iterations * cfg.updates_per_iter
+    three = train_run(bars, "synthetic", tmp_path / "e", 3, config=cfg, seed=5)       # resumes epoch 2's state
+    assert three.update_step == 3 * one.update_step and three.learn_from == two.env_steps
+
+
+def test_an_emptied_replay_holds_nothing_to_sample_until_it_is_written_again():
+    from services.trainer.replay import Replay
+    rp = Replay(40, 2, 3, 50, (1, 2), "cpu")
+    for t in range(6):
+        rp.add(torch.full((2,), t), torch.zeros(2, 3), torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, dtype=torch.long),
+               torch.ones(2), torch.zeros(2, dtype=torch.bool))
+    rp.update_priorities(torch.tensor([0, 3]), torch.tensor([5.0, 2.0]))
+    head = rp.head
+    assert rp.count == 6 and int(rp.valid_row_count()) == 4 and float(rp.max_priority) > 1
+    rp.clear()
+    assert (rp.count, rp.head, int(rp.valid_row_count()), float(rp.max_priority)) == (0, head, 0, 1.0)
+    assert float(rp.priority.abs().sum()) == 0 and float(rp.weight.abs().sum()) == 0 and not rp.valid_rows().any()
+    for t in range(3):
+        rp.add(torch.full((2,), 10 + t), torch.zeros(2, 3), torch.zeros(2, 3, dtype=torch.long),
+               torch.zeros(2, dtype=torch.long), torch.ones(2), torch.zeros(2, dtype=torch.bool))
+    assert rp.count == 3 and int(rp.valid_row_count()) == 1
+    assert set(rp.sample(64, generator=torch.Generator().manual_seed(0)).bar.tolist()) == {10}   # the new rows only

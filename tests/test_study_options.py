@@ -45,7 +45,7 @@ def test_the_shipped_study_files_build(path: Path, tmp_path: Path):
     assert not offs["off"].enabled
     if "on" in offs or "pop" in offs:
         assert set(offs.get("on", offs.get("pop")).off) == signals
-    assert all(fb.enabled for n, fb in offs.items() if n != "off" and not n.startswith("ema"))
+    assert all(fb.enabled for n, fb in offs.items() if n != "off" and not n.startswith(("ema", "fresh")))
     for name, fb in offs.items():
         if name.startswith("no"):
             assert set(fb.off) == {name[2:]} and fb.enabled
@@ -54,6 +54,9 @@ def test_the_shipped_study_files_build(path: Path, tmp_path: Path):
     assert spec.preset == "full" and spec.device == "cuda" and spec.epochs >= 8
     if path.name.startswith("signals-"):
         assert len(spec.variants) >= 11
+    elif path.name == "fresh-epochs.toml":   # a fresh learner on a fresh replay every epoch, the schedule fixed
+        cfg = spec.configs(next(v for v in spec.variants if v.name == "fresh"), 14)[0]
+        assert (cfg.restart_every, cfg.restart_replay, offs["fresh"].enabled) == (1, True, False)
     elif path.name == "population.toml":     # the exploit across runs, its seeds on one market
         assert offs["pop"].population and not offs["off"].population and spec.populations() == ["pop"]
         k = spec.seeds_per_market

@@ -94,6 +94,7 @@ def _state_tensors(state: TrainState) -> dict[str, torch.Tensor]:
 
 def _state_meta(state: TrainState) -> dict:
     return {"epoch": state.epoch, "update_step": state.update_step, "env_steps": state.env_steps,
+            "learn_from": state.learn_from,
             "replay": state.replay.state_meta(), "group_ages": [g["age"] for g in state.opt.param_groups],
             "config_hash": state.cfg.hash()}
 
@@ -268,3 +269,4 @@ def _load_state(state: TrainState, t: dict, meta: dict) -> None:
     state.generator.set_state(t["rng.generator"])
     torch.set_rng_state(t["rng.torch"])
     state.epoch, state.update_step, state.env_steps = int(meta["epoch"]), int(meta["update_step"]), int(meta["env_steps"])
+    state.learn_from = int(meta.get("learn_from", 0))         # a state saved before the replay could be emptied: 0

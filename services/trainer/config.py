@@ -20,7 +20,7 @@ MIN_HOLD_SMALL = 96  # small preset: bars a trade is held before a signal exit (
 CHURN_SMALL = 1e-3  # small preset: reward cost per opened trade (return units, ~10× the 1 bp fill cost)
 
 
-NEUTRAL_UNLISTED = {"policy_ema": 0.0, "restart_every": 0, "support_at_start": False}
+NEUTRAL_UNLISTED = {"policy_ema": 0.0, "restart_every": 0, "restart_replay": False, "support_at_start": False}
 """Fields that `TrainConfig.to_dict` leaves out at their neutral value, so that the configs (and hashes) of runs
 stored before the field existed still match."""
 
@@ -87,6 +87,13 @@ class TrainConfig:
     on for the fixed schedule), and the first epoch of a policy average read 0.62 (bench/README.md, 2026-12-03 ·
     799ab21). Measured there with the average at 0.999 and k = 1: +0.037 [+0.007, +0.068] against the fixed schedule
     (6 epochs against its 8), about the rollback's gain, the restarted epochs below the first (2026-12-03 · 5cc88f4)."""
+    restart_replay: bool = False
+    """With `restart_every`: a restart also empties the replay (`state.empty_replay`: no transition kept, priorities
+    reset) and starts the learner's warm-ups again (the LR warm-up's group ages, and `learning_starts` transitions
+    collected before the first update), so a restarted epoch trains as the run's first did but for the schedule's
+    knobs and the reward support. Off (the default): the replay is kept. Why: on the H200 every epoch after the first
+    validates lower than the first, after a restart too (bench/README.md, 2026-12-03 · 5cc88f4, 206c041); this tells
+    what the epoch learns from apart from the weights it starts from."""
     # -- objective (services.trainer.objective) --
     iqn_quantiles: int = 16
     """τ samples of the IQN loss (online and target)."""
@@ -243,6 +250,8 @@ class TrainConfig:
             raise ValueError(f"train config: policy_ema must be a number in [0, 1), got {self.policy_ema!r}")
         if isinstance(self.restart_every, bool) or not isinstance(self.restart_every, int) or self.restart_every < 0:
             raise ValueError(f"train config: restart_every must be a whole number ≥ 0, got {self.restart_every!r}")
+        if not isinstance(self.restart_replay, bool):
+            raise ValueError(f"train config: restart_replay must be true or false, got {self.restart_replay!r}")
         if not isinstance(self.support_at_start, bool):
             raise ValueError(f"train config: support_at_start must be true or false, got {self.support_at_start!r}")
 

@@ -24,7 +24,7 @@ from services.trainer.checkpoint import EpochProgress, prune_checkpoints, restor
 from services.trainer.config import TrainConfig
 from services.trainer.optim import set_lrs
 from services.trainer.rundir import append_history, latest_epoch, read_run_json, write_run_json
-from services.trainer.state import (TrainState, adapt_support, apply_knobs, build_state, restart_due,
+from services.trainer.state import (TrainState, adapt_support, apply_knobs, build_state, empty_replay, restart_due,
                                     restart_learner)
 
 
@@ -116,6 +116,8 @@ def train_epoch(state: TrainState, knobs: Knobs, progress: Callable[[int, int], 
     if resume is None:
         if restart_due(state):
             restart_learner(state)
+            if cfg.restart_replay:
+                empty_replay(state)
         adapt_support(state)
         env.reset_all()
         env.pop_trade_stats()
@@ -156,7 +158,8 @@ def train_epoch(state: TrainState, knobs: Knobs, progress: Callable[[int, int], 
             apply_knobs(state, new)
             knobs = new
         after = state.env_steps + cfg.n_envs * cfg.env_steps_per_iter
-        learn = after >= cfg.learning_starts and after // cfg.n_envs > max(cfg.horizons)
+        since = after - state.learn_from                            # transitions in the replay after this collection
+        learn = since >= cfg.learning_starts and since // cfg.n_envs > max(cfg.horizons)
         first = learn and cfg.support_at_start and state.update_step == 0 and not support_set
         ta = clock.now()
         if not learn or first:

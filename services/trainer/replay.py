@@ -173,6 +173,15 @@ class Replay:
         self.head_t.add_(1).remainder_(self.L)
         self.count_t.add_(1).clamp_(max=self.L)
 
+    @torch.no_grad()
+    def clear(self) -> None:
+        """Empty, in place (a captured step keeps its addresses): no row counts as written, every priority and
+        sampling weight 0, the priority new rows get back at 1. The ring position stays."""
+        self.count_t.zero_()
+        self.priority.zero_()
+        self.weight.zero_()
+        self.max_priority.fill_(1.0)
+
     def valid_rows(self) -> torch.Tensor:
         """L bool: ring rows whose full n-step window (max horizon steps after them) is written."""
         age = (self.head_t - 1 - self._rows) % self.L                                       # 0 = newest row

@@ -53,6 +53,9 @@ class TrainState:
     """The knobs of the last `apply_knobs` (saved in the checkpoint: the evaluator gates as trained)."""
     update_step: int = 0
     env_steps: int = 0
+    learn_from: int = 0
+    """`env_steps` when the replay was last emptied (`empty_replay`): updates start `learning_starts` transitions
+    after it."""
     accel: str = "eager"
     """How the iteration runs: eager, compile, graph or compile+graph (`StepRunner`)."""
     refresh_idx: torch.Tensor | None = None
@@ -154,6 +157,16 @@ def restart_learner(state: TrainState) -> None:
                 v.zero_()
             else:
                 st[key] = type(v)(0)
+
+
+def empty_replay(state: TrainState) -> None:
+    """`TrainConfig.restart_replay`'s part of a restart: the replay emptied, the learning gate moved to the present
+    (`learn_from`: `learning_starts` transitions are collected before the next update) and every optimizer group's
+    age back to 0 (the LR warm-up starts again)."""
+    state.replay.clear()
+    state.learn_from = state.env_steps
+    for g in state.opt.param_groups:
+        g["age"] = 0
 
 
 @torch.no_grad()
