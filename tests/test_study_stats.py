@@ -101,7 +101,34 @@ def test_aggregate_deflates_by_every_checkpoint_of_the_study_and_pairs_by_seed_a
     assert res["variants"]["on"]["verdict"] == ("validated edge" if res["variants"]["on"]["dsr"]["mean"] >= 0.95
                                                 else "no validated edge")
     assert res["pairing"] == {"groups": 2, "identical_checkpoints": 2, "max_epoch1_val_spread": 0.0,
-                              "mean_epoch1_val_spread": 0.0}
+                              "mean_epoch1_val_spread": 0.0, "later_epochs": {}}     # no knobs_key: epoch 1 alone
+
+
+def test_pairing_follows_the_epochs_a_group_still_trained_alike():
+    from tradeloop.study.report import markdown
+
+    runs = [_summary("on", 0, 0, [0.5, 0.2, 0.4, 0.3], 1, 0.3), _summary("off", 0, 0, [0.6, 0.5, 0.1, 0.2], 1, 0.2),
+            _summary("on", 1, 0, [0.5, 0.2, 0.4], 1, 0.3), _summary("off", 1, 0, [0.4, 0.6, 0.1], 1, 0.2)]
+    for m in runs:
+        for e in m["epochs"]:
+            e["knobs_key"], e["rollback"] = f"k{e['epoch']}", False
+    runs[0]["epochs"][2]["rollback"] = True          # unit 0: on's epoch 4 began from a rollback → alike to epoch 3
+    runs[3]["epochs"][1]["knobs_key"] = "other"      # unit 1: off's epoch 2 trained under other knobs → epoch 1 only
+    p = aggregate(runs, [], ["on", "off"], "off", n_boot=200, seed=0)["pairing"]
+    assert p["groups"] == 2 and p["mean_epoch1_val_spread"] == pytest.approx((0.1 + 0.1) / 2)
+    assert list(p["later_epochs"]) == ["2", "3"]
+    assert p["later_epochs"]["2"] == pytest.approx({"groups": 1, "mean_val_spread": 0.3, "max_val_spread": 0.3})
+    assert p["later_epochs"]["3"] == pytest.approx({"groups": 1, "mean_val_spread": 0.3, "max_val_spread": 0.3})
+    runs[1]["epochs"][1]["rollback"] = True          # off's epoch 3 of unit 0 began from one too (rollback after 2)
+    p = aggregate(runs, [], ["on", "off"], "off", n_boot=200, seed=0)["pairing"]
+    assert list(p["later_epochs"]) == ["2"]
+    res = {**aggregate(runs, [], ["on", "off"], "off", n_boot=200, seed=0),
+           "study": {"dataset": "synthetic", "variants": [{"name": n, "settings": []} for n in ("on", "off")],
+                     "seeds": [0, 1], "folds": 1, "epochs": 4, "preset": "small", "settings": [], "device": "cpu",
+                     "accel": "auto", "deterministic": False, "bars": 3000, "min_val_trades": 20, "n_boot": 200,
+                     "ci_seed": 0},
+           "timing": {"wall_s": 10.0, "runs_at_once": 1, "epochs_trained": 14, "epochs_per_s": 1.4}}
+    assert "val spread within a group: epoch 2: mean 0.3000, max 0.3000 (1 of 2 groups)." in " ".join(markdown(res).split())
 
 
 def test_what_a_rollback_led_to_is_the_next_epochs_validation_against_the_epoch_it_restored():

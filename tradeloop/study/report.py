@@ -133,6 +133,12 @@ def markdown(res: dict) -> str:
                       f"same config and knobs, epoch 1's checkpoints were byte-identical in {p['identical_checkpoints']}; "
                       f"epoch-1 val per-trade Sharpe spread within a group: max {_n(p['max_epoch1_val_spread'], '.4f')}, "
                       f"mean {_n(p['mean_epoch1_val_spread'], '.4f')} (0 where identical: the noise a GPU adds)."]
+        later = p.get("later_epochs") or {}
+        if later:
+            lines[-1] += (" Later epochs that every run of a group still trained alike (the same knobs, no rollback or "
+                          "exploit yet), val spread within a group: " + "; ".join(
+                              f"epoch {e}: mean {_n(d['mean_val_spread'], '.4f')}, max {_n(d['max_val_spread'], '.4f')} "
+                              f"({d['groups']} of {p['groups']} groups)" for e, d in later.items()) + ".")
     lines += ["", "| run | seed | fold | selected epoch | val SR | val trades | OOS SR | OOS trades | DSR (study) "
                   "| DSR (run) | last-epoch val SR |",
               "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]

@@ -277,7 +277,7 @@ def pairing_check(summaries: Sequence[dict]) -> dict:
     groups: dict[tuple, list[dict]] = {}
     for m in summaries:
         groups.setdefault((m["seed"], m["fold"], m["first_epoch_key"]), []).append(m)
-    spreads, identical, n = [], 0, 0
+    spreads, identical, n, later = [], 0, 0, {}
     for ms in groups.values():
         if len(ms) < 2:
             continue
@@ -285,7 +285,26 @@ def pairing_check(summaries: Sequence[dict]) -> dict:
         v = [m["epochs"][0]["val_sharpe"] for m in ms]
         spreads.append(max(v) - min(v))
         identical += len({m["epochs"][0]["checkpoint_sha256"] for m in ms}) == 1
+        for e in range(2, alike_epochs(ms) + 1):
+            v = [m["epochs"][e - 1]["val_sharpe"] for m in ms]
+            later.setdefault(e, []).append(max(v) - min(v))
     return {"groups": n, "identical_checkpoints": identical,
             "max_epoch1_val_spread": max(spreads) if spreads else None,
-            "mean_epoch1_val_spread": float(np.mean(spreads)) if spreads else None}
+            "mean_epoch1_val_spread": float(np.mean(spreads)) if spreads else None,
+            "later_epochs": {str(e): {"groups": len(s), "mean_val_spread": float(np.mean(s)),
+                                      "max_val_spread": float(max(s))} for e, s in sorted(later.items())}}
+
+
+def alike_epochs(ms: Sequence[dict]) -> int:
+    """How many epochs from the first the runs `ms` (one group of `pairing_check`) all trained alike: each epoch under
+    the same knobs in every run (`knobs_key`), none begun from a rollback or another run's epoch. 1 for summaries
+    without `knobs_key`."""
+    k = 1
+    while all(len(m["epochs"]) > k for m in ms):
+        prev, cur = [m["epochs"][k - 1] for m in ms], [m["epochs"][k] for m in ms]
+        keys = {e.get("knobs_key") for e in cur}
+        if None in keys or len(keys) > 1 or any(e.get("rollback") or e.get("exploit") for e in prev):
+            break
+        k += 1
+    return k
 

@@ -87,6 +87,11 @@ def first_epoch_key(cfg, knobs) -> str:
     return hashlib.sha256(doc.encode()).hexdigest()[:16]
 
 
+def knobs_key(knobs: dict) -> str:
+    """An epoch's knobs (a record's `knobs`) as a short key: epochs under equal keys trained under the same knobs."""
+    return hashlib.sha256(json.dumps(knobs, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
 def execute_run(spec: StudySpec, out: Path, rs: RunSpec, data: DataCache,
                 on_epoch: Callable[[dict], None] | None = None) -> dict:
     """Run (or resume) one run of the study to its end; returns its summary (also written to summary.json)."""
@@ -125,7 +130,7 @@ def execute_run(spec: StudySpec, out: Path, rs: RunSpec, data: DataCache,
                     "epsilon": r["knobs"]["epsilon"], "gamma": r["knobs"]["gamma"],
                     "rollback": r["bundle"]["rollback"], "reason": r["bundle"]["reason"],
                     "rollback_to": r["bundle"].get("rollback_to_epoch") if r["bundle"]["rollback"] else None,
-                    "exploit": r["bundle"].get("exploit"),
+                    "exploit": r["bundle"].get("exploit"), "knobs_key": knobs_key(r["knobs"]),
                     "checkpoint_sha256": r["checkpoint_sha256"]} for i, r in enumerate(records)],
         "selected_epoch": sel, "selectable": selectable,
         "val_sharpe": vals[sel - 1], "val_trades": trades[sel - 1],
