@@ -196,6 +196,10 @@ def main(argv=None) -> None:
     accel = resolve_accel(args.accel, args.device)
     cuda = args.device.startswith("cuda")
     states = make_states(args, max(args.runs))
+    short = [i for i, st in enumerate(states) if int(st.replay.valid_row_count()) == 0]
+    if short:           # nothing to sample: the update would read unwritten rows (NaN targets, garbage bin indices)
+        ap.error(f"--warmup {args.warmup} left the replay of run(s) {short} without a transition whose "
+                 f"{max(states[0].cfg.horizons)}-step window is written; give a longer --warmup")
     with mock.patch.object(layers, "written_out_attention", lambda q: True):     # vmap-able attention (above)
         rows = measure(args, states, accel, cuda)
     one = next((r["updates_per_s"] for r in rows if r["runs"] == 1), None)

@@ -30,3 +30,12 @@ def test_the_bench_times_vmapped_updates_that_move_every_run(capsys, monkeypatch
     assert losses.shape == (2,) and torch.isfinite(losses).all()
     assert [any(not torch.equal(upd.p[n][r], before[n][r]) for n in before) for r in range(2)] == [True, True]
     assert any(not torch.equal(upd.tp[n], tbefore[n]) for n in tbefore)          # the targets follow
+
+
+def test_a_warmup_too_short_to_sample_from_is_refused(capsys):
+    import pytest
+
+    with pytest.raises(SystemExit):
+        vmap_update.main(["--device", "cpu", "--preset", "small", "--runs", "1", "--updates", "2", "--warmup", "5",
+                          "--bars", "6000", "--set", "iterations=4", "--accel", "eager"])
+    assert "--warmup 5 left the replay of run(s) [0] without a transition" in capsys.readouterr().err
