@@ -223,10 +223,16 @@ def aggregate(summaries: Sequence[dict], baselines: Sequence[dict], variants: Se
             "pairing": pairing_check(summaries)}
 
 
+def rolls_back(epoch: dict) -> bool:
+    """Whether the epoch after this one of a summary began from a feedback rollback to the run's own best epoch: its
+    bundle asked for one and no exploit took its place."""
+    return bool(epoch.get("rollback")) and not epoch.get("exploit")
+
+
 def rollbacks(summary: dict) -> int:
-    """Epochs of a run that began from a feedback rollback to its own best epoch: those after an epoch whose bundle
-    asked for one and no exploit (which takes its place) (the last epoch's bundle starts no epoch)."""
-    return sum(bool(e.get("rollback")) and not e.get("exploit") for e in summary["epochs"][:-1])
+    """Epochs of a run that began from a feedback rollback to its own best epoch (the last epoch's bundle starts no
+    epoch)."""
+    return sum(rolls_back(e) for e in summary["epochs"][:-1])
 
 
 def rollback_steps(summary: dict) -> list[float]:
@@ -236,8 +242,7 @@ def rollback_steps(summary: dict) -> list[float]:
     ep = summary["epochs"]
     val = {int(e["epoch"]): float(e["val_sharpe"]) for e in ep}
     return [float(nxt["val_sharpe"]) - val[int(e["rollback_to"])] for e, nxt in zip(ep[:-1], ep[1:])
-            if e.get("rollback") and not e.get("exploit") and e.get("rollback_to") is not None
-            and int(e["rollback_to"]) in val]
+            if rolls_back(e) and e.get("rollback_to") is not None and int(e["rollback_to"]) in val]
 
 
 def best_validated(rows: Sequence[dict], cluster: Callable[[int, int], Any]) -> dict | None:

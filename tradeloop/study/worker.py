@@ -81,15 +81,19 @@ class DataCache:
         return self._cache[data_seed]
 
 
+def short_key(doc) -> str:
+    """A short hash of a JSON-able document (its keys sorted): equal documents, equal keys."""
+    return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
 def first_epoch_key(cfg, knobs) -> str:
     """Runs whose first epoch trains under the same config and knobs (and seed and data) must agree there."""
-    doc = json.dumps([cfg.to_dict(), knobs.to_dict()], sort_keys=True, default=str)
-    return hashlib.sha256(doc.encode()).hexdigest()[:16]
+    return short_key([cfg.to_dict(), knobs.to_dict()])
 
 
 def knobs_key(knobs: dict) -> str:
     """An epoch's knobs (a record's `knobs`) as a short key: epochs under equal keys trained under the same knobs."""
-    return hashlib.sha256(json.dumps(knobs, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return short_key(knobs)
 
 
 def execute_run(spec: StudySpec, out: Path, rs: RunSpec, data: DataCache,
