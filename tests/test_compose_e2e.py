@@ -4,8 +4,9 @@
    `synthetic`, a few iterations each), every setting passed through compose from an env file of its own; a Redis
    password with characters a URL reserves; every published port 0, so the engine picks free ones (nothing on the
    host can collide). compose starts the trainer once Redis and both consumers pass their healthchecks.
-2. Mid-run, the evaluator replica holding a checkpoint (its /status says `evaluating`) is paused, the entry checked
-   pending on it in Redis, and the container `docker kill`ed; the other replica claims the entry after
+2. Mid-run, the evaluator replica holding a checkpoint (its /status says `evaluating`) is stopped with SIGSTOP (not
+   `docker pause`: the cgroup freezer fails on some hosts), the entry checked pending on it in Redis, and the
+   container `docker kill`ed; the other replica claims the entry after
    TL_CLAIM_IDLE_MS.
 3. Every container reaches `healthy`; every service's /status and the dashboard (the page, /config.json and its
    proxy /api/<service>/..., compared with the services' own answers) are read through the published ports.
@@ -51,8 +52,8 @@ SETTINGS = {
     "TL_API_TOKEN": "e2e-" + secrets.token_hex(8),
     "TL_RUN_ID": "e2e", "TL_EPOCHS": str(EPOCHS), "TL_DATA": "synthetic", "TL_DATA_SEED": "0",
     # a tiny run: few iterations per epoch, on enough bars (60 000: validation and test windows of ~9 000) that an
-    # evaluation lasts long enough (~0.5–2 s) for the replica holding it to be caught and paused mid-way (on 1 000
-    # bars it lasts 0.07–0.2 s, often over before `docker pause` lands)
+    # evaluation lasts long enough (~0.5–2 s) for the replica holding it to be caught and stopped mid-way (on 1 000
+    # bars it lasts 0.07–0.2 s, often over before the SIGSTOP lands)
     "TL_DATA_BARS": "60000", "TL_TRAIN_ITERATIONS": "6", "TL_TRAIN_LEARNING_STARTS": "32",
     "TL_TRAIN_BATCH_SIZE": "32", "TL_TRAIN_N_ENVS": "4", "TL_FEEDBACK_TIMEOUT_S": "300",
     # a dead replica's checkpoint is claimed by the other after 15 s (longer than any evaluation of this run)
@@ -175,10 +176,10 @@ def get_or_none(client: httpx.Client, url: str):
 
 def kill_an_evaluator_mid_evaluation(stack: Stack, client: httpx.Client, evaluators: dict[str, str],
                                      seen: dict, deadline_s: float) -> tuple[str, str, int, bool]:
-    """Pause the replica that reports `evaluating`, check the checkpoint is pending on it in Redis, `docker kill`
-    it: (container, consumer, epoch, stored) where `stored` says the paused replica had already written that
-    epoch's evaluation (it was stopped between the write and the XACK). A replica that finished before the pause
-    is resumed, and the next tried."""
+    """Stop (SIGSTOP) the replica that reports `evaluating`, check the checkpoint is pending on it in Redis, `docker kill`
+    it: (container, consumer, epoch, stored) where `stored` says the stopped replica had already written that
+    epoch's evaluation (it was stopped between the write and the XACK). A replica that finished before the stop
+    is resumed (SIGCONT), and the next tried."""
     end = time.monotonic() + deadline_s
     while time.monotonic() < end:
         for name, url in evaluators.items():
@@ -187,13 +188,13 @@ def kill_an_evaluator_mid_evaluation(stack: Stack, client: httpx.Client, evaluat
                 continue
             seen[name] = st
             if st.get("evaluating"):
-                docker("pause", name)
+                docker("kill", "--signal", "SIGSTOP", name)
                 held = stack.probe()
                 if held["consumers"].get(st["consumer"], 0) > 0:
                     docker("kill", name)   # SIGKILL: the restart policy leaves a killed container down
                     epoch = int(st["evaluating"])
                     return name, st["consumer"], epoch, str(epoch) in held["evaluations"]
-                docker("unpause", name)
+                docker("kill", "--signal", "SIGCONT", name)
         time.sleep(0.1)
     pytest.fail(f"no evaluator was seen holding a checkpoint in {deadline_s:.0f}s; last status: {seen}\n{stack.logs()}")
 
