@@ -46,7 +46,7 @@ test: $(STAMP) $(TRITON_STAMP)
 	$(BIN)/python -m pytest -q -ra -n 2 --dist loadfile
 	TRITON_INTERPRET=1 PYTHONPATH=$(TRITON_DIR) $(BIN)/python -m pytest -q -ra -n 2 --dist load \
 		-k "not compiled_writes_in_place" tests/test_fused_c51.py tests/test_fused_greedy.py tests/test_replay_kernel.py \
-		tests/test_fused_attention.py
+		tests/test_fused_attention.py tests/test_run_batch.py
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -ra -m "not e2e and not browser"

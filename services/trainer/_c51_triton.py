@@ -2,7 +2,9 @@
 
 A program holds ROWS (sample, branch) rows as a ROWS × AP tile (atoms padded to a power of two) and visits the K
 ensemble members one after another; what depends on the row alone (its action, its shift, the taps' sources and
-weights) is computed once, before that loop. Holding all members at once, a ROWS × KP × AP tile
+weights, its support) is computed once, before that loop. The support z (`z_ptr`) is one row of A atoms for every z_per
+samples: one row for all (z_per ≥ N), or one a run when the samples of several runs are folded into one batch
+(`services.trainer.run_batch`). Holding all members at once, a ROWS × KP × AP tile
 (K = 5 padded to 8), took 159 µs forward + backward at batch 4 096 on the H200 against 136 µs for this layout
 (bench/c51_kernel_speed.py). Positions and distances are in atom units (`losses._shift_pairs`): the
 source j lands at j + u, u = δ / Δz, exactly at δ = 0. The algorithm is described in `services.trainer.fused_c51`."""
@@ -18,17 +20,19 @@ def _div(x, y):
 
 
 @triton.jit
-def _row_setup(pid, n_rows, col_ptr, delta_ptr, z_ptr, NBR: tl.constexpr, A: tl.constexpr, AP: tl.constexpr,
+def _row_setup(pid, n_rows, col_ptr, delta_ptr, z_ptr, z_per, NBR: tl.constexpr, A: tl.constexpr, AP: tl.constexpr,
                ROWS: tl.constexpr):
     row = pid * ROWS + tl.arange(0, ROWS)[:, None]                         # ROWS × 1: (sample n, branch b)
     i = tl.arange(0, AP)[None, :]                                          # 1 × AP: atom
     rm, am = row < n_rows, i < A
     row = tl.where(rm, row, 0).to(tl.int64)
+    n = row // NBR
     c = tl.load(col_ptr + row).to(tl.int64)
-    dz = _div(tl.load(z_ptr + A - 1) - tl.load(z_ptr), A - 1.0)            # Δz
+    zr = z_ptr + (n // z_per) * A                                          # the support of sample n's run
+    dz = _div(tl.load(zr + A - 1) - tl.load(zr), A - 1.0)                  # ROWS × 1: Δz
     u = _div(tl.load(delta_ptr + row), dz)                                 # ROWS × 1: δ / Δz
     s = tl.minimum(tl.maximum(tl.floor(u), -A - 2.0), A + 2.0).to(tl.int32)  # ⌊u⌋
-    return row, row // NBR, c, i, rm, am, dz, u, s
+    return row, n, c, i, rm, am, dz, u, s
 
 
 @triton.jit
@@ -52,12 +56,12 @@ def _fwd_taps(i, s, u, am, t: tl.constexpr, A: tl.constexpr):
 
 
 @triton.jit
-def c51_fwd(logits_ptr, s_n, s_k, s_c, col_ptr, delta_ptr, target_ptr, z_ptr, n_rows,
+def c51_fwd(logits_ptr, s_n, s_k, s_c, col_ptr, delta_ptr, target_ptr, z_ptr, z_per, n_rows,
             ce_ptr, ent_ptr, util_ptr, r_ptr,
             NBR: tl.constexpr, K: tl.constexpr, A: tl.constexpr, AP: tl.constexpr,
             ROWS: tl.constexpr, EPS: tl.constexpr, UTIL: tl.constexpr):
     pid = tl.program_id(0)
-    row, n, c, i, rm, am, dz, u, s = _row_setup(pid, n_rows, col_ptr, delta_ptr, z_ptr, NBR, A, AP, ROWS)
+    row, n, c, i, rm, am, dz, u, s = _row_setup(pid, n_rows, col_ptr, delta_ptr, z_ptr, z_per, NBR, A, AP, ROWS)
     m2 = rm & am
     j0, w0 = _fwd_taps(i, s, u, am, 0, A)
     j1, w1 = _fwd_taps(i, s, u, am, 1, A)
@@ -102,12 +106,12 @@ def _bwd_taps(i, s, xs, inside, dz, t: tl.constexpr, A: tl.constexpr):
 
 
 @triton.jit
-def c51_bwd(logits_ptr, s_n, s_k, s_c, col_ptr, delta_ptr, z_ptr, n_rows, r_ptr, gce_ptr, gent_ptr, gl_ptr, g_sn,
+def c51_bwd(logits_ptr, s_n, s_k, s_c, col_ptr, delta_ptr, z_ptr, z_per, n_rows, r_ptr, gce_ptr, gent_ptr, gl_ptr, g_sn,
             gd_ptr, NBR: tl.constexpr, K: tl.constexpr, A: tl.constexpr, AP: tl.constexpr,
             ROWS: tl.constexpr, NB: tl.constexpr, S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr,
             MAXB: tl.constexpr):
     pid = tl.program_id(0)
-    row, n, c, i, rm, am, dz, u, s = _row_setup(pid, n_rows, col_ptr, delta_ptr, z_ptr, NBR, A, AP, ROWS)
+    row, n, c, i, rm, am, dz, u, s = _row_setup(pid, n_rows, col_ptr, delta_ptr, z_ptr, z_per, NBR, A, AP, ROWS)
     m2 = rm & am
     xs = i + u                                                             # z_j + δ of each source j (here i), in atoms
     inside = (xs >= 0.0) & (xs <= A - 1.0) & am
@@ -147,7 +151,7 @@ def c51_bwd(logits_ptr, s_n, s_k, s_c, col_ptr, delta_ptr, z_ptr, n_rows, r_ptr,
 
 
 @triton.jit
-def _direction_tile(logits_ptr, s_n, s_k, s_c, z_ptr, n, K: tl.constexpr, KP: tl.constexpr, A: tl.constexpr,
+def _direction_tile(logits_ptr, s_n, s_k, s_c, z_ptr, z_per, n, K: tl.constexpr, KP: tl.constexpr, A: tl.constexpr,
                     AP: tl.constexpr):
     """Sample n's direction actions (the first three) of every member as the rows (k, a) of a KP·4 × AP tile: the
     rows, their mask, the atoms, the probabilities (fp32), the support and each row's Q = Σ_i z_i p_i."""
@@ -161,26 +165,26 @@ def _direction_tile(logits_ptr, s_n, s_k, s_c, z_ptr, n, K: tl.constexpr, KP: tl
     lg = tl.where(am[None, :], lg, float("-inf"))
     e = tl.exp(lg - tl.max(lg, axis=1)[:, None])
     p = e * _div(1.0, tl.sum(e, axis=1))[:, None]
-    z = tl.load(z_ptr + i, mask=am, other=0.0)[None, :]
+    z = tl.load(z_ptr + (n // z_per) * A + i, mask=am, other=0.0)[None, :]
     return k, a, rm, i, am, p, z, tl.sum(p * z, axis=1)
 
 
 @triton.jit
-def qdir_fwd(logits_ptr, s_n, s_k, s_c, z_ptr, q_ptr, K: tl.constexpr, KP: tl.constexpr, A: tl.constexpr,
+def qdir_fwd(logits_ptr, s_n, s_k, s_c, z_ptr, z_per, q_ptr, K: tl.constexpr, KP: tl.constexpr, A: tl.constexpr,
              AP: tl.constexpr):
     """q[n, k, a] = Σ_i z_i softmax(logits[n, k, a])_i of the direction actions a < 3 (N × K × 3, fp32)."""
     n = tl.program_id(0).to(tl.int64)
-    k, a, rm, i, am, p, z, q = _direction_tile(logits_ptr, s_n, s_k, s_c, z_ptr, n, K, KP, A, AP)
+    k, a, rm, i, am, p, z, q = _direction_tile(logits_ptr, s_n, s_k, s_c, z_ptr, z_per, n, K, KP, A, AP)
     tl.store(q_ptr + (n * K + k) * 3 + a, q, mask=rm)
 
 
 @triton.jit
-def qdir_bwd(logits_ptr, s_n, s_k, s_c, z_ptr, gq_ptr, gl_ptr, g_sn, K: tl.constexpr, KP: tl.constexpr,
+def qdir_bwd(logits_ptr, s_n, s_k, s_c, z_ptr, z_per, gq_ptr, gl_ptr, g_sn, K: tl.constexpr, KP: tl.constexpr,
              NB: tl.constexpr, A: tl.constexpr, AP: tl.constexpr, PAD: tl.constexpr, PADP: tl.constexpr):
     """Adds ∂/∂logits of Σ g_q · q (∂q/∂l_i = p_i (z_i − q)) into the direction rows of the gradient c51_bwd has
     written (row stride g_sn, each row K × NB × A), and writes zeros into the row's PAD columns after them."""
     n = tl.program_id(0).to(tl.int64)
-    k, a, rm, i, am, p, z, q = _direction_tile(logits_ptr, s_n, s_k, s_c, z_ptr, n, K, KP, A, AP)
+    k, a, rm, i, am, p, z, q = _direction_tile(logits_ptr, s_n, s_k, s_c, z_ptr, z_per, n, K, KP, A, AP)
     g = tl.load(gq_ptr + (n * K + k) * 3 + a, mask=rm, other=0.0)
     m2 = rm[:, None] & am[None, :]
     ptr = gl_ptr + n * g_sn + (k[:, None] * NB + a[:, None]) * A + i[None, :]

@@ -9,7 +9,8 @@ One program holds one bootstrap state n, in two tiles, each one load and a few r
      member; the softmaxes summed over the members give each branch's mean distribution.
 A form that visited the members and the branches one after another (1 + 3 members' loops of row
 reductions and a load that waited on each argmax): 72 µs at batch 4 096 on the H200, more than the compiled chain
-it replaced (bench/train_profile.py --trace)."""
+it replaced (bench/train_profile.py --trace). The support z (`z_ptr`) is one row of A atoms for every z_per states (one
+row for all, or one a run when several runs' states are folded into one batch: `services.trainer.run_batch`)."""
 import triton
 import triton.language as tl
 
@@ -30,7 +31,7 @@ def _softmax_rows(lg, am):
 
 @triton.jit
 def greedy_fwd(on_ptr, on_sn, on_sk, on_sc, ond_ptr, ond_sn, tg_ptr, tg_sn, tg_sk, tg_sc, tgd_ptr, tgd_sn, z_ptr,
-               col_ptr, p_ptr, d_ptr,
+               z_per, col_ptr, p_ptr, d_ptr,
                K: tl.constexpr, KP: tl.constexpr, NB: tl.constexpr, NBP: tl.constexpr, A: tl.constexpr,
                AP: tl.constexpr, S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr):
     n = tl.program_id(0).to(tl.int64)
@@ -43,7 +44,7 @@ def greedy_fwd(on_ptr, on_sn, on_sk, on_sc, ond_ptr, ond_sn, tg_ptr, tg_sn, tg_s
     lg = tl.load(on_ptr + n * on_sn + k[:, None] * on_sk + b[:, None] * on_sc + i[None, :],
                  mask=rm[:, None] & am[None, :], other=0.0).to(tl.float32)  # padded rows: finite zeros
     e, s = _softmax_rows(lg, am)
-    z = tl.load(z_ptr + i, mask=am, other=0.0)
+    z = tl.load(z_ptr + (n // z_per) * A + i, mask=am, other=0.0)          # the support of state n's run
     qk = tl.where(rm, _div(tl.sum(e * z[None, :], axis=1), s), 0.0)        # member k's Q of action b
     a = tl.arange(0, NBP)
     q = _div(tl.sum(tl.reshape(qk, (KP, NBP)), axis=0), K * 1.0)

@@ -13,7 +13,8 @@ reads the packed qkv projection (N × W × 3D) and writes the layouts the block'
 The same numbers as `F.scaled_dot_product_attention` up to float rounding (fp32 softmax and accumulation; TF32
 products of bf16 inputs, which TF32 holds exactly, IEEE ones of fp32 inputs; the outputs and gradients rounded to
 the inputs' dtype): tests/test_fused_attention.py, on a GPU or under Triton's interpreter.
-`supported(...)` says where the trainer uses them (CUDA with Triton, windows of up to 128 bars, heads of 16, 32,
+Under `torch.func.vmap` over several runs the forward ops fold the runs' windows into one launch
+(`services.trainer.run_batch`). `supported(...)` says where the trainer uses them (CUDA with Triton, windows of up to 128 bars, heads of 16, 32,
 64 or 128 dims); `shared.agent.CausalBlock.fused` holds them when the trainer turns them on (`TrainConfig.attention`).
 """
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from services.trainer.fused_c51 import available
+from services.trainer.run_batch import vmap_by_folding
 
 
 def supported(x: torch.Tensor, window: int, head_dim: int) -> bool:
@@ -90,6 +92,7 @@ def _causal_backward(ctx, grad_o, _grad_lse):
 
 
 _causal_fwd.register_autograd(_causal_backward, setup_context=_causal_setup)
+vmap_by_folding(_causal_fwd, per_sample=(0,))
 
 
 @torch.library.custom_op("tradeloop::last_query_attention_fwd", mutates_args=())
@@ -145,6 +148,7 @@ def _last_backward(ctx, grad_o, _grad_lse):
 
 
 _last_fwd.register_autograd(_last_backward, setup_context=_last_setup)
+vmap_by_folding(_last_fwd, per_sample=(0, 1))
 
 
 def causal_attention(qkv: torch.Tensor, n_heads: int) -> torch.Tensor:

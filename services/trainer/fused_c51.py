@@ -37,13 +37,15 @@ gradient of the whole padded row: no softmax backward, sum of two gradients and 
 
 Triton is torch's own compiler backend (what torch.compile generates its kernels with), present wherever torch runs
 on CUDA; it is imported only when the fused path runs. The ops are torch custom ops, so torch.compile keeps them as
-they are and a CUDA graph captures their launches.
+they are and a CUDA graph captures their launches. Under `torch.func.vmap` over several runs, the forward ops fold
+the runs' samples into one launch, each run with its own support (`services.trainer.run_batch`).
 """
 from __future__ import annotations
 
 import torch
 
 from services.trainer.losses import C51_EPS, UTIL_THRESHOLD
+from services.trainer.run_batch import support_rows, vmap_by_folding
 
 LAUNCH = {"rows": 1, "num_warps": 1}
 """Launch settings of both kernels: (sample, branch) rows per program and warps per program. One row and one warp
@@ -79,9 +81,10 @@ def _launch_fwd(logits: torch.Tensor, col: torch.Tensor, delta: torch.Tensor, ta
     r = torch.empty(N, NBR, K, A, **f32)
     triton, fwd, _ = _kernels()
     rows = LAUNCH["rows"]
+    z, z_per = support_rows(support, N)
     fwd[(triton.cdiv(N * NBR, rows),)](
         logits, logits.stride(0), logits.stride(1), logits.stride(2), col.contiguous(), delta.contiguous().float(),
-        target.contiguous().float(), support.contiguous().float(), N * NBR, ce, ent, util, r,
+        target.contiguous().float(), z, z_per, N * NBR, ce, ent, util, r,
         NBR=NBR, K=K, A=A, AP=triton.next_power_of_2(A), ROWS=rows, EPS=C51_EPS, UTIL=UTIL_THRESHOLD,
         num_warps=LAUNCH["num_warps"])
     return ce, ent, util, r
@@ -111,9 +114,10 @@ def _launch_bwd(logits: torch.Tensor, col: torch.Tensor, delta: torch.Tensor, su
     grad_delta = torch.empty(N, NBR, dtype=torch.float32, device=logits.device)
     triton, _, bwd = _kernels()
     rows = LAUNCH["rows"]
+    z, z_per = support_rows(support, N)
     bwd[(triton.cdiv(N * NBR, rows),)](
         logits, logits.stride(0), logits.stride(1), logits.stride(2), col.contiguous(), delta.contiguous().float(),
-        support.contiguous().float(), N * NBR, r, grad_ce.contiguous().float(), grad_ent.contiguous().float(),
+        z, z_per, N * NBR, r, grad_ce.contiguous().float(), grad_ent.contiguous().float(),
         grad_logits, g_sn, grad_delta, NBR=NBR, K=K, A=A, AP=triton.next_power_of_2(A), ROWS=rows, NB=NB,
         S0=branch_sizes[0], S1=branch_sizes[1], S2=branch_sizes[2], MAXB=max(branch_sizes),
         num_warps=LAUNCH["num_warps"])
@@ -154,6 +158,7 @@ def _backward(ctx, grad_ce, grad_ent, _grad_util, _grad_r):
 
 
 _fwd.register_autograd(_backward, setup_context=_setup_context)
+vmap_by_folding(_fwd, per_sample=(0, 1, 2, 3), support=4)
 
 
 def c51_branch_losses_fused(logits: torch.Tensor, col: torch.Tensor, delta: torch.Tensor, target: torch.Tensor,
@@ -174,20 +179,20 @@ def _wide_logits(wide: torch.Tensor, members: int, branch_sizes: list[int], atom
 def _fwd_q(wide: torch.Tensor, col: torch.Tensor, delta: torch.Tensor, target: torch.Tensor, support: torch.Tensor,
            branch_sizes: list[int], members: int
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    logits = _wide_logits(wide, members, branch_sizes, support.shape[0])
+    logits = _wide_logits(wide, members, branch_sizes, support.shape[-1])
     ce, ent, util, r = _launch_fwd(logits, col, delta, target, support)
     N, K, _, A = logits.shape
     q = torch.empty(N, K, 3, dtype=torch.float32, device=wide.device)
     triton = _kernels()[0]
     from services.trainer._c51_triton import qdir_fwd
-    qdir_fwd[(N,)](logits, logits.stride(0), logits.stride(1), logits.stride(2), support.contiguous().float(), q,
+    qdir_fwd[(N,)](logits, logits.stride(0), logits.stride(1), logits.stride(2), *support_rows(support, N), q,
                    K=K, KP=triton.next_power_of_2(K), A=A, AP=triton.next_power_of_2(A), num_warps=1)
     return ce, ent, util, r, q
 
 
 @_fwd_q.register_fake
 def _(wide, col, delta, target, support, branch_sizes, members):
-    N, NBR, A = wide.shape[0], col.shape[1], support.shape[0]
+    N, NBR, A = wide.shape[0], col.shape[1], support.shape[-1]
     e = lambda *s: wide.new_empty(*s, dtype=torch.float32)  # noqa: E731
     return e(N, NBR, members), e(N, members), e(N, members), e(N, NBR, members, A), e(N, members, 3)
 
@@ -196,7 +201,7 @@ def _(wide, col, delta, target, support, branch_sizes, members):
 def _bwd_q(wide: torch.Tensor, col: torch.Tensor, delta: torch.Tensor, support: torch.Tensor, r: torch.Tensor,
            grad_ce: torch.Tensor, grad_ent: torch.Tensor, grad_q: torch.Tensor, branch_sizes: list[int], members: int
            ) -> tuple[torch.Tensor, torch.Tensor]:
-    logits = _wide_logits(wide, members, branch_sizes, support.shape[0])
+    logits = _wide_logits(wide, members, branch_sizes, support.shape[-1])
     N, K, NB, A = logits.shape
     W = wide.shape[1]
     # the gradient of the whole padded output, written by the kernels (the C51 rows, then the direction Q added and
@@ -206,7 +211,7 @@ def _bwd_q(wide: torch.Tensor, col: torch.Tensor, delta: torch.Tensor, support: 
     triton = _kernels()[0]
     from services.trainer._c51_triton import qdir_bwd
     pad = W - K * NB * A
-    qdir_bwd[(N,)](logits, logits.stride(0), logits.stride(1), logits.stride(2), support.contiguous().float(),
+    qdir_bwd[(N,)](logits, logits.stride(0), logits.stride(1), logits.stride(2), *support_rows(support, N),
                    grad_q.contiguous().float(), grad_wide, W, K=K, KP=triton.next_power_of_2(K), NB=NB, A=A,
                    AP=triton.next_power_of_2(A), PAD=pad, PADP=triton.next_power_of_2(max(pad, 1)), num_warps=1)
     return grad_wide, grad_delta
@@ -237,6 +242,7 @@ def _backward_q(ctx, grad_ce, grad_ent, _grad_util, _grad_r, grad_q):
 
 
 _fwd_q.register_autograd(_backward_q, setup_context=_setup_context_q)
+vmap_by_folding(_fwd_q, per_sample=(0, 1, 2, 3), support=4)
 
 
 def c51_branch_losses_q_fused(wide: torch.Tensor, members: int, col: torch.Tensor, delta: torch.Tensor,

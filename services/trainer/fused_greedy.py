@@ -14,11 +14,15 @@ logits of every action in one tile of registers, then the greedy actions' target
 (`_greedy_triton`). No gradient: the targets are computed without one.
 
 Triton is torch's own compiler backend, present wherever torch runs on CUDA; it is imported only when the fused
-path runs. The op is a torch custom op, so torch.compile keeps it as it is and a CUDA graph captures its launch.
+path runs. The op is a torch custom op, so torch.compile keeps it as it is and a CUDA graph captures its launch. Under
+`torch.func.vmap` over several runs it folds the runs' states into one launch, each run with its own support
+(`services.trainer.run_batch`).
 """
 from __future__ import annotations
 
 import torch
+
+from services.trainer.run_batch import support_rows, vmap_by_folding
 
 NUM_WARPS = 1
 """Warps per program (one bootstrap state: tiles of 64 × 64 and 32 × 64 values for the `full` agent). On the H200 at
@@ -44,7 +48,7 @@ def _greedy(on_logits: torch.Tensor, on_delta: torch.Tensor, tg_logits: torch.Te
         greedy_fwd[(N,)](
             on_logits, on_logits.stride(0), on_logits.stride(1), on_logits.stride(2), on_delta, on_delta.stride(0),
             tg_logits, tg_logits.stride(0), tg_logits.stride(1), tg_logits.stride(2), tg_delta, tg_delta.stride(0),
-            support.contiguous().float(), col, p_next, d_star,
+            *support_rows(support, N), col, p_next, d_star,
             K=K, KP=triton.next_power_of_2(K), NB=NB, NBP=triton.next_power_of_2(NB), A=A, AP=triton.next_power_of_2(A),
             S0=branch_sizes[0], S1=branch_sizes[1], S2=branch_sizes[2], num_warps=NUM_WARPS)
     return col, p_next, d_star
@@ -56,6 +60,9 @@ def _(on_logits, on_delta, tg_logits, tg_delta, support, branch_sizes):
     NBR = len(branch_sizes)
     return (on_logits.new_empty(N, NBR, dtype=torch.int64), on_logits.new_empty(N, NBR, A, dtype=torch.float32),
             on_logits.new_empty(N, NBR, dtype=torch.float32))
+
+
+vmap_by_folding(_greedy, per_sample=(0, 1, 2, 3), support=4)
 
 
 def greedy_next_fused(on_logits: torch.Tensor, on_delta: torch.Tensor, tg_logits: torch.Tensor,
