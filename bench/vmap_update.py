@@ -4,6 +4,7 @@ the same kernels gets for the price of one, the step a run-batched study needs (
 
     python3 -m bench.vmap_update --device cuda [--runs 1 2 4 8] [--updates 200] [--preset full]
                                  [--set iterations=1000] [--accel compile+graph] [--bars 300000]
+                                 [--kernels fused|reference]
 
 Every run is a `build_state` of the preset on the same synthetic training split (seeds 0…R−1), trained for a short
 warm-up epoch so its replay holds transitions. The batched update, per call (the uniforms of every run drawn into
@@ -16,12 +17,15 @@ static tensors first, outside the step, as `StepRunner` draws them):
   clip      each run's gradients clipped to `grad_clip` by its own norm
   AdamW     one `torch.optim.AdamW` over the stacked parameters (elementwise: each run's moments are its own)
   target    θ' ← θ' + τ(θ − θ') over the stacked networks
-The priorities, the rolling embedding refresh and the LR schedule of the product's update are not in it (the runs
-read the first run's embedding tables), nor its Triton kernels (the runs train with `attention=sdpa`,
-`fused_c51=False`, `fused_targets=False`, whose reference paths vmap) and its attention is written out
-(`causal_attention_math`, `last_query_attention_math`: on CUDA, SDPA's memory-efficient backward rejects the strides
-vmap gives its saved log-sum-exp, "LSE is not correctly aligned"); R = 1 runs the same code, so the ratio compares
-like with like.
+Each run reads its own update buffers (embedding tables, knobs, hindsight labels, the acting view's table: stacked
+and vmapped like the parameters). The priorities, the rolling embedding refresh and the LR schedule of the
+product's update are not in it. `--kernels fused` (the default) keeps the preset's Triton kernels (fused
+attention, C51 chain and targets), whose vmap rules fold the runs' samples into one launch
+(`services.trainer.run_batch`); `--kernels reference` trains with `attention=sdpa`, `fused_c51=False`,
+`fused_targets=False` and the attention written out (`causal_attention_math`, `last_query_attention_math`: on CUDA,
+SDPA's memory-efficient backward rejects the strides vmap gives its saved log-sum-exp, "LSE is not correctly
+aligned"). R = 1 runs the same code, so the ratio compares like with like. Before timing, each R's batched loss is
+checked against every run's own objective on the same batch (`check`: the largest |Δ| relative to the loss).
   updates/s   updates of all runs together per second; ×1: over R = 1's
 """
 from __future__ import annotations
@@ -83,10 +87,12 @@ def batched_sample(states: list, n: int):
 
 
 def make_states(args, R: int) -> list:
-    """R eager states (seeds 0…R−1) with the reference paths of the Triton kernels, which vmap (`run_streams`'s)."""
+    """R eager states (seeds 0…R−1), with the reference paths of the Triton kernels under `--kernels reference`
+    (`run_streams`'s)."""
     def reference_paths(cfg: TrainConfig) -> None:
         cfg.attention, cfg.fused_c51, cfg.fused_targets = "sdpa", False, False
-    return run_streams.make_states(args, list(range(R)), accel="eager", configure=reference_paths)
+    configure = reference_paths if args.kernels == "reference" else (lambda cfg: None)
+    return run_streams.make_states(args, list(range(R)), accel="eager", configure=configure)
 
 
 class BatchedUpdate:
@@ -98,6 +104,11 @@ class BatchedUpdate:
         dev, B = st.device, st.cfg.batch_size
         self.p, self.b = stack_module_state([s.agent for s in states])
         self.tp, self.tb = stack_module_state([s.target for s in states])
+        bufs = [s.buffers for s in states]
+        self.bufs = {k: torch.stack([getattr(x, k) for x in bufs]) for k in tensor_attributes(st.buffers)}
+        views = [x.view_online for x in bufs]
+        self.views = ({} if views[0] is None else
+                      {k: torch.stack([getattr(v, k) for v in views]) for k in tensor_attributes(views[0])})
         for t in self.tp.values():
             t.requires_grad_(False)
         self.gen = torch.Generator(device=dev).manual_seed(0)
@@ -112,13 +123,46 @@ class BatchedUpdate:
     def _online(self, p: dict, b: dict):
         return torch.nn.utils.stateless._reparametrize_module(self.st.agent, {**p, **b})
 
-    def _targets(self, p, b, tp, tb, batch, noise) -> tuple[torch.Tensor, ...]:
-        with self._online(p, b), torch.nn.utils.stateless._reparametrize_module(self.st.target, {**tp, **tb}):
+    def _buffers(self, bufs: dict, views: dict):
+        """The first state's update buffers holding one run's slices of the stacked ones (inside vmap)."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(swapped(self.st.buffers, bufs))
+        if views:
+            stack.enter_context(swapped(self.st.buffers.view_online, views))
+        return stack
+
+    def _targets(self, p, b, tp, tb, bufs, views, batch, noise) -> tuple[torch.Tensor, ...]:
+        with self._online(p, b), torch.nn.utils.stateless._reparametrize_module(self.st.target, {**tp, **tb}), \
+                self._buffers(bufs, views):
             return tuple(self.targets(Batch(*batch), noise).tensors())
 
-    def _loss(self, p, b, batch, noise, tg) -> torch.Tensor:
-        with self._online(p, b):
+    def _loss(self, p, b, bufs, views, batch, noise, tg) -> torch.Tensor:
+        with self._online(p, b), self._buffers(bufs, views):
             return self.objective(Batch(*batch), noise, Targets(*tg), lambda: None).loss
+
+    def losses(self) -> tuple[tuple, tuple, torch.Tensor]:
+        """(the runs' batches, their targets, their losses) of one step, vmapped over the runs."""
+        with torch.no_grad():
+            batch = self.sample(self.replays, self.u)
+            tg = vmap(self._targets, randomness="different")(self.p, self.b, self.tp, self.tb, self.bufs, self.views,
+                                                             batch, self.noise)
+        return batch, tg, vmap(self._loss, randomness="different")(self.p, self.b, self.bufs, self.views, batch,
+                                                                   self.noise, tg)
+
+    def check(self, states: list) -> float:
+        """The largest |Δ| between the batched loss of each run and the loss its own networks and buffers give (its
+        own targets and objective) on the same batch and noise, relative to the loss."""
+        self.draw()
+        with torch.no_grad():
+            batch, _, losses = self.losses()
+            worst = 0.0
+            for r, s in enumerate(states):
+                b = Batch(*(x[r] for x in batch))
+                tg = make_targets(s.agent, s.target, s.buffers, s.cfg)(b, self.noise[r])
+                own = make_objective(s.agent, s.env.market.windows, s.buffers, s.cfg)(
+                    b, self.noise[r], tg, lambda: None).loss
+                worst = max(worst, float((losses[r] - own).abs() / own.abs().clamp(min=1e-12)))
+        return worst
 
     def draw(self) -> None:
         """Every run's uniforms for the next step, into the static tensors the step reads."""
@@ -126,10 +170,7 @@ class BatchedUpdate:
         torch.rand(self.noise.shape, generator=self.gen, out=self.noise)
 
     def __call__(self) -> torch.Tensor:
-        with torch.no_grad():
-            batch = self.sample(self.replays, self.u)
-            tg = vmap(self._targets, randomness="different")(self.p, self.b, self.tp, self.tb, batch, self.noise)
-        losses = vmap(self._loss, randomness="different")(self.p, self.b, batch, self.noise, tg)
+        _, _, losses = self.losses()
         self.opt.zero_grad(set_to_none=True)
         losses.sum().backward()
         with torch.no_grad():
@@ -160,6 +201,7 @@ def measure(args, states: list, accel: str, cuda: bool) -> list[dict]:
     rows = []
     for R in args.runs:
         upd = BatchedUpdate(states[:R])
+        check = upd.check(states[:R])
         step = upd
         if "compile" in accel:
             # every R its own static graph: a recompile of the same `__call__` at a new R makes the run dimension
@@ -177,7 +219,7 @@ def measure(args, states: list, accel: str, cuda: bool) -> list[dict]:
         first = time.perf_counter() - t0
         wall = timed(upd.draw, step, args.updates, cuda)
         rows.append({"runs": R, "updates_per_s": R * args.updates / wall, "wall_s": wall, "first_s": first,
-                     "accel": accel})
+                     "accel": accel, "kernels": args.kernels, "check": check})
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     return rows
 
@@ -192,6 +234,8 @@ def main(argv=None) -> None:
     ap.add_argument("--bars", type=int, default=300_000, help="training-split bars")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--accel", default="auto", help="eager, compile, graph or compile+graph (auto: the device's)")
+    ap.add_argument("--kernels", choices=("fused", "reference"), default="fused",
+                    help="the preset's Triton kernels (vmapped by folding the runs) or their reference paths")
     args = ap.parse_args(argv)
     accel = resolve_accel(args.accel, args.device)
     cuda = args.device.startswith("cuda")
@@ -200,13 +244,16 @@ def main(argv=None) -> None:
     if short:           # nothing to sample: the update would read unwritten rows (NaN targets, garbage bin indices)
         ap.error(f"--warmup {args.warmup} left the replay of run(s) {short} without a transition whose "
                  f"{max(states[0].cfg.horizons)}-step window is written; give a longer --warmup")
-    with mock.patch.object(layers, "written_out_attention", lambda q: True):     # vmap-able attention (above)
+    written_out = mock.patch.object(layers, "written_out_attention", lambda q: True)   # vmap-able SDPA (above)
+    with written_out if args.kernels == "reference" else contextlib.nullcontext():
         rows = measure(args, states, accel, cuda)
     one = next((r["updates_per_s"] for r in rows if r["runs"] == 1), None)
-    print("| runs in one vmapped update | updates/s (all runs) | ×1 | wall s | first call s |\n|---|---|---|---|---|")
+    print("| runs in one vmapped update | updates/s (all runs) | ×1 | wall s | first call s | check |\n"
+          "|---|---|---|---|---|---|")
     for r in rows:
         x = f"{r['updates_per_s'] / one:.2f}" if one else "n/a"
-        print(f"| {r['runs']} | {r['updates_per_s']:.1f} | {x} | {r['wall_s']:.2f} | {r['first_s']:.1f} |")
+        print(f"| {r['runs']} | {r['updates_per_s']:.1f} | {x} | {r['wall_s']:.2f} | {r['first_s']:.1f} | "
+              f"{r['check']:.1e} |")
     print(json.dumps(rows))
 
 

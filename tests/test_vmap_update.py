@@ -1,6 +1,7 @@
-"""bench/vmap_update.py: R runs' updates as one vmapped computation print their rows for a tiny CPU config; each run's
-batch is the one its own replay gives, bit for bit; a batched update moves every run's networks, each from its own
-state (its GPU figures come from the device machine)."""
+"""bench/vmap_update.py: R runs' updates as one vmapped computation print their rows for a tiny CPU config, each R's
+batched losses checked against the runs' own objectives; each run's batch is the one its own replay gives, bit for
+bit; a batched update moves every run's networks, each from its own state (its GPU figures come from the device
+machine)."""
 import json
 
 import torch
@@ -16,7 +17,15 @@ def test_the_bench_times_vmapped_updates_that_move_every_run(capsys, monkeypatch
                       "--bars", "6000", "--set", "iterations=4", "--accel", "eager"])
     rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert [r["runs"] for r in rows] == [1, 2] and all(r["updates_per_s"] > 0 for r in rows)
+    assert all(r["check"] < 1e-5 for r in rows), rows        # each run's batched loss is its own objective's
+    with torch.no_grad():                                  # run 1's own knobs and embedding tables
+        built[1].buffers.gamma.fill_(0.9)
+        built[1].buffers.emb_target.mul_(1.5)
     upd = vmap_update.BatchedUpdate(built)
+    assert upd.check(built) < 1e-5
+    mixed = vmap_update.BatchedUpdate(built)               # every run reading run 0's buffers: the check sees it
+    mixed.bufs = {k: v[:1].expand_as(v) for k, v in mixed.bufs.items()}
+    assert mixed.check(built) > 1e-4
     upd.draw()
     batch = upd.sample(upd.replays, upd.u)
     for r, st in enumerate(built):
