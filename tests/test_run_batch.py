@@ -136,7 +136,8 @@ def test_the_c51_op_of_stacked_runs_compiled_equals_eager():
     N, K, NB, A = runs[0][7]
     loss = _c51_loss(True, K, NB, A)
     w_q = _stack([torch.randn(N, K, 3, generator=torch.Generator().manual_seed(r)) for r in range(R)])
-    fixed = [_stack([x[i] for x in runs]) for i in (1, 3)] + [_stack(z)] + [_stack([x[i] for x in runs]) for i in (5, 6)]
+    col, target, w_ce, w_ent = (_stack([x[i] for x in runs]) for i in (1, 3, 5, 6))
+    fixed = [col, target, _stack(z), w_ce, w_ent]
 
     def total(wide, delta):
         def one(w, c, d, t, s, a, b, q):

@@ -14,8 +14,9 @@ The same numbers as `F.scaled_dot_product_attention` up to float rounding (fp32 
 products of bf16 inputs, which TF32 holds exactly, IEEE ones of fp32 inputs; the outputs and gradients rounded to
 the inputs' dtype): tests/test_fused_attention.py, on a GPU or under Triton's interpreter.
 Under `torch.func.vmap` over several runs the forward ops fold the runs' windows into one launch
-(`services.trainer.run_batch`). `supported(...)` says where the trainer uses them (CUDA with Triton, windows of up to 128 bars, heads of 16, 32,
-64 or 128 dims); `shared.agent.CausalBlock.fused` holds them when the trainer turns them on (`TrainConfig.attention`).
+(`services.trainer.run_batch`). `supported(...)` says where the trainer uses them (CUDA with Triton, windows of up
+to 128 bars, heads of 16, 32, 64 or 128 dims); `shared.agent.CausalBlock.fused` holds them when the trainer turns
+them on (`TrainConfig.attention`).
 """
 from __future__ import annotations
 
