@@ -272,6 +272,9 @@ class FeedbackSettings(CommonSettings):
     rollback_keep: float | None = Field(default=None, ge=0, lt=1,
                                         description="the share of the current weights a rollback keeps (unset: "
                                                     "FeedbackConfig's default, 0: the best epoch's weights exactly)")
+    rollback_restart: bool | None = Field(default=None,
+                                          description="answer a drop beyond the noise with a fresh learner instead "
+                                                      "of the best epoch's (unset: FeedbackConfig's default, false)")
 
     @field_validator("feedback_off")
     @classmethod

@@ -331,6 +331,9 @@ class FeedbackBundle(_Versioned):
     rollback_keep: float = Field(default=0.0, ge=0.0, lt=1.0)
     """The share of the current weights the rollback keeps (`FeedbackConfig.rollback_keep`; 0: that epoch's
     weights exactly)."""
+    rollback_restart: bool = False
+    """The trainer answers the drop with a fresh learner instead of restoring epoch `rollback_to_epoch`'s
+    (`FeedbackConfig.rollback_restart`); the knobs are that epoch's either way."""
     best_epoch: int | None = None
     """The epoch with the best validation per-trade Sharpe so far, this one included: what a later rollback would
     restore, so the trainer keeps its checkpoint files. None with the rollback off."""

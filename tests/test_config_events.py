@@ -197,6 +197,8 @@ def test_the_rollback_settings_reach_the_feedback_config(monkeypatch):
     monkeypatch.setenv("TL_ROLLBACK_KEEP", "0.25")
     cfg = FeedbackConfig.coerce(load_settings(FeedbackSettings))
     assert [getattr(cfg, n) for n in names] == [1.5, 0.5, 0.25]
+    monkeypatch.setenv("TL_ROLLBACK_RESTART", "true")
+    assert FeedbackConfig.coerce(load_settings(FeedbackSettings)).rollback_restart is True
     monkeypatch.setenv("TL_ROLLBACK_LR_FACTOR", "2")
     with pytest.raises(ConfigError, match="ROLLBACK_LR_FACTOR"):
         load_settings(FeedbackSettings)

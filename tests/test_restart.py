@@ -113,6 +113,36 @@ def test_a_restart_with_the_replay_emptied_trains_its_epoch_as_the_first(tmp_pat
     assert three.update_step == 3 * one.update_step and three.learn_from == two.env_steps
 
 
+def test_a_rollback_that_asks_for_a_restart_trains_on_from_a_fresh_learner(tmp_path):
+    """`roll_back(..., restart=True)` (a bundle's `rollback_restart`): the learner is the fresh one `restart_learner`
+    makes, not the rolled-back-to epoch's, and under `restart_replay` the replay is emptied; `train_run` applies it
+    from a rollback request as the study's runs get it."""
+    from services.trainer.checkpoint import roll_back
+    bars = generate(700, seed=3).bars
+    cfg = dataclasses.replace(tiny_config(), restart_replay=True)
+    st = train_run(bars, "synthetic", tmp_path / "a", 1, config=cfg, seed=5)
+    twin = train_run(bars, "synthetic", tmp_path / "b", 1, config=cfg, seed=5)
+    kept = train_run(bars, "synthetic", tmp_path / "c", 1, config=tiny_config(), seed=5)   # restart_replay off
+    trained = {n: p.detach().clone() for n, p in st.agent.named_parameters()}
+    roll_back(st, tmp_path / "a", 1, restart=True)
+    restart_learner(twin)
+    roll_back(kept, tmp_path / "c", 1, restart=True)
+    for n, p in st.agent.named_parameters():
+        assert torch.equal(p, dict(twin.agent.named_parameters())[n]), n
+    assert any(not torch.equal(p, trained[n]) for n, p in st.agent.named_parameters())
+    assert st.replay.count == 0 and st.learn_from == st.env_steps and kept.replay.count > 0
+    assert all(float(v.abs().sum()) == 0 for v in _opt_tensors(st))
+    calls = []
+
+    def rollback_fn(e: int):
+        calls.append(e)
+        return (1, "", 0.0, None, True) if e == 2 else None
+    two = train_run(bars, "synthetic", tmp_path / "d", 2, config=cfg, seed=5, rollback_fn=rollback_fn)
+    rows = cfg.iterations * cfg.env_steps_per_iter
+    assert calls == [1, 2] and two.replay.count == rows          # epoch 2 from the emptied replay: its rows alone
+    assert two.learn_from == st.env_steps                         # the gate counted from epoch 2's start
+
+
 def test_an_emptied_replay_holds_nothing_to_sample_until_it_is_written_again():
     from services.trainer.replay import Replay
     rp = Replay(40, 2, 3, 50, (1, 2), "cpu")

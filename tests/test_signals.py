@@ -469,6 +469,19 @@ def test_a_rollback_names_the_share_of_the_current_weights_it_keeps():
             FeedbackConfig(rollback_keep=bad)
 
 
+def test_a_rollback_asks_for_a_fresh_learner_when_configured():
+    """`rollback_restart` reaches the bundle of a rollback and its reason (the knobs still the best epoch's), never a
+    bundle without one; off by default; only true or false."""
+    b = compute_bundle(at(2, -0.3), [at(1, 0.6)], {"rollback_restart": True, "rollback_keep": 0.5}, now="t")
+    restored = compute_bundle(at(2, -0.3), [at(1, 0.6)], {}, now="t")
+    assert b.rollback and b.rollback_restart and b.rollback_to_epoch == 1
+    assert "restarts a fresh learner under epoch 1's knobs" in b.reason and "current" not in b.reason
+    assert b.knobs == restored.knobs and not restored.rollback_restart
+    assert not compute_bundle(at(2, 0.7), [at(1, 0.6)], {"rollback_restart": True}, now="t").rollback_restart
+    with pytest.raises(ValueError, match="rollback_restart must be true or false"):
+        FeedbackConfig(rollback_restart=1)
+
+
 def test_switched_off_signals_keep_the_fixed_schedule():
     prev = Knobs(epsilon=0.4, gamma=0.95, q_bias=0.02, regime_confidence=[0.5] * 9)
     trades = [tr(-0.01 + 0.002 * (i % 2), t=2 * i, regime=3, q=0.01) for i in range(40)]

@@ -57,6 +57,9 @@ def test_the_shipped_study_files_build(path: Path, tmp_path: Path):
     elif path.name == "fresh-epochs.toml":   # a fresh learner on a fresh replay every epoch, the schedule fixed
         cfg = spec.configs(next(v for v in spec.variants if v.name == "fresh"), 14)[0]
         assert (cfg.restart_every, cfg.restart_replay, offs["fresh"].enabled) == (1, True, False)
+        cfg = spec.configs(next(v for v in spec.variants if v.name == "restart"), 14)[0]   # the loop, a fresh answer
+        assert (cfg.restart_every, cfg.restart_replay, offs["restart"].rollback_restart) == (0, True, True)
+        assert offs["restart"].enabled and set(offs["restart"].off) == signals
     elif path.name == "population.toml":     # the exploit across runs, its seeds on one market
         assert offs["pop"].population and not offs["off"].population and spec.populations() == ["pop"]
         k = spec.seeds_per_market

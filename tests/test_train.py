@@ -222,7 +222,7 @@ def test_rollback_restores_the_best_epochs_learner_bit_for_bit(tmp_path):
     # train_run's hook: a run rolled back to epoch 1 before epoch 3 trains epoch 3 as this state does
     train_epoch(a, cfg.schedule.knobs(3))
     c = train_run(bars, "synthetic", tmp_path / "c", 3, config=cfg, seed=5, pinned_fn=lambda: {1},
-                  rollback_fn=lambda e: (1, "", 0.0, None) if e == 3 else None)
+                  rollback_fn=lambda e: (1, "", 0.0, None, False) if e == 3 else None)
     for (n, pa), pc in zip(a.agent.state_dict().items(), c.agent.state_dict().values()):
         assert torch.equal(pa, pc), n
     hist = [json.loads(x) for x in (tmp_path / "c" / "history.jsonl").read_text().splitlines()]

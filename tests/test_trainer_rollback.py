@@ -115,13 +115,16 @@ async def test_a_restarted_trainer_times_out_onto_the_bundle_its_last_epoch_trai
 
 
 def test_the_rollback_request_carries_the_share_of_the_current_weights_kept():
-    """The trainer's request from a bundle: the epoch, its checkpoint's sha256 and `rollback_keep` (0 when the
-    bundle predates the field); no request without a rollback."""
+    """The trainer's request from a bundle: the epoch, its checkpoint's sha256, `rollback_keep` and
+    `rollback_restart` (0 and false when the bundle predates the fields); no request without a rollback."""
     from services.trainer.bundles import rollback_request
 
     b = bundle("r", 3, rollback=True, rollback_to_epoch=1, rollback_checkpoint_sha256="ab" * 32, rollback_keep=0.5,
                best_epoch=1).model_dump(mode="json")
-    assert rollback_request(b) == {"rollback_to_epoch": 1, "rollback_checkpoint_sha256": "ab" * 32, "rollback_keep": 0.5}
-    old = {k: v for k, v in b.items() if k != "rollback_keep"}
-    assert rollback_request(old)["rollback_keep"] == 0.0
+    assert rollback_request(b) == {"rollback_to_epoch": 1, "rollback_checkpoint_sha256": "ab" * 32, "rollback_keep": 0.5,
+                                   "rollback_restart": False}
+    old = {k: v for k, v in b.items() if k not in ("rollback_keep", "rollback_restart")}
+    assert rollback_request(old)["rollback_keep"] == 0.0 and rollback_request(old)["rollback_restart"] is False
+    fresh = bundle("r", 3, rollback=True, rollback_to_epoch=1, rollback_restart=True, best_epoch=1)
+    assert rollback_request(fresh.model_dump(mode="json"))["rollback_restart"] is True
     assert rollback_request(bundle("r", 3, best_epoch=1).model_dump(mode="json")) == {}

@@ -129,6 +129,11 @@ class FeedbackConfig:
     """The share of the current learner's weights a rollback keeps: every floating-point weight of the network and
     its target becomes `keep·w_now + (1 − keep)·w_best` (a point on the line between the two, as weight averaging
     and the Lookahead optimizer take); 0: the best epoch's weights bit for bit."""
+    rollback_restart: bool = False
+    """Answer the drop with a fresh learner (`state.restart_fresh`: new weights, zeroed optimizer state, and the
+    replay emptied under `train.restart_replay`) instead of the best epoch's; the knobs are the best epoch's either
+    way. Why: an epoch begun from a restored best validated 0.173 below it on the H200 (2026-12-03 · 206c041),
+    while the mean first epoch of a run validated above every later epoch's mean."""
     # population
     population: bool = False
     """Exploit across runs (`fallbacks.exploit_target`): the next epoch starts from a peer's epoch (in `tradeloop
@@ -146,6 +151,8 @@ class FeedbackConfig:
             raise ValueError(f"feedback config: rollback_lr_factor must be in (0, 1], got {self.rollback_lr_factor}")
         if not 0.0 <= self.rollback_keep < 1.0:
             raise ValueError(f"feedback config: rollback_keep must be in [0, 1), got {self.rollback_keep}")
+        if not isinstance(self.rollback_restart, bool):
+            raise ValueError(f"feedback config: rollback_restart must be true or false, got {self.rollback_restart!r}")
         object.__setattr__(self, "schedule", FixedSchedule.coerce(self.schedule, "feedback config: schedule"))
         if not (self.schedule.eps_start > 0 and self.schedule.eps_end > 0):
             raise ValueError(f"feedback config: schedule eps_start and eps_end must be > 0 (E2 scales the schedule's "
@@ -556,13 +563,14 @@ def compute_bundle(report: EvalReport, history: Sequence[EvalReport | HistoryEnt
     if rb is not None:
         g = rb.best
         s = view.val.metric("per_trade_sharpe")
+        answer = (f"restarts a fresh learner under epoch {g.epoch}'s knobs" if cfg.rollback_restart else
+                  f"restores epoch {g.epoch}'s weights and optimizer state, and its knobs")
         why = (f"rollback: val per-trade Sharpe {s:.3f} fell {rb.drop:.3f} below epoch {g.epoch}'s "
-               f"{g.val_sharpe:.3f}, beyond {cfg.rollback_z:g}·SE = {cfg.rollback_z * rb.se:.3f}; the trainer "
-               f"restores epoch {g.epoch}'s weights and optimizer state, and its knobs")
+               f"{g.val_sharpe:.3f}, beyond {cfg.rollback_z:g}·SE = {cfg.rollback_z * rb.se:.3f}; the trainer {answer}")
         if cfg.rollback_lr_factor != 1.0:
             why += (f"; learning rates × {cfg.rollback_lr_factor:g} (lr_decay {view.knobs.lr_decay:g} → "
                     f"{view.knobs.lr_decay * cfg.rollback_lr_factor:g})")
-        if cfg.rollback_keep:
+        if cfg.rollback_keep and not cfg.rollback_restart:
             why += f"; weights {cfg.rollback_keep:g}·current + {1 - cfg.rollback_keep:g}·epoch {g.epoch}'s"
         for i in CONTINUOUS:
             if i in off:
@@ -594,6 +602,7 @@ def compute_bundle(report: EvalReport, history: Sequence[EvalReport | HistoryEnt
                           rollback=rb is not None, rollback_to_epoch=None if rb is None else rb.best.epoch,
                           rollback_checkpoint_sha256="" if rb is None else rb.best.checkpoint_sha256,
                           rollback_keep=0.0 if rb is None else cfg.rollback_keep,
+                          rollback_restart=rb is not None and cfg.rollback_restart,
                           best_epoch=best_epoch,
                           reason=reason, signals=sig, knobs=knobs.to_dict(), off=list(cfg.off),
                           report_checkpoint_sha256=report.checkpoint_sha256, created_at=now)

@@ -62,10 +62,11 @@ class BundleWaiter:
 
 
 def rollback_request(bundle: dict | None) -> dict:
-    """{"rollback_to_epoch", "rollback_checkpoint_sha256", "rollback_keep"} of a bundle that asks for a rollback,
-    else {}."""
+    """{"rollback_to_epoch", "rollback_checkpoint_sha256", "rollback_keep", "rollback_restart"} of a bundle that asks
+    for a rollback, else {}."""
     if bundle and bundle.get("rollback") and bundle.get("rollback_to_epoch") is not None:
         return {"rollback_to_epoch": int(bundle["rollback_to_epoch"]),
                 "rollback_checkpoint_sha256": str(bundle.get("rollback_checkpoint_sha256") or ""),
-                "rollback_keep": float(bundle.get("rollback_keep") or 0.0)}
+                "rollback_keep": float(bundle.get("rollback_keep") or 0.0),
+                "rollback_restart": bool(bundle.get("rollback_restart"))}
     return {}

@@ -16,7 +16,7 @@ import torch
 from shared.checkpoints import load_checkpoint, save_checkpoint, sidecar_path
 from services.trainer.buffers import refresh_embeddings
 from services.trainer.rundir import CHECKPOINTS, checkpoint_path, epoch_of
-from services.trainer.state import TrainState
+from services.trainer.state import TrainState, restart_fresh
 
 
 @dataclass
@@ -200,7 +200,7 @@ def restore_state(state: TrainState, run_dir: Path, epoch: int) -> None:
 
 
 def roll_back(state: TrainState, run_dir: Path, epoch: int, expected_sha256: str | None = None,
-              keep: float = 0.0) -> None:
+              keep: float = 0.0, restart: bool = False) -> None:
     """A feedback rollback (population-based training's exploit step): the learner of the best epoch `epoch` —
     its weights, target network, optimizer state (moments, step counts) and entropy coefficient, bit for bit from
     its checkpoint files (`expected_sha256`: the checkpoint its report evaluated) — replaces the current one, in
@@ -208,9 +208,16 @@ def roll_back(state: TrainState, run_dir: Path, epoch: int, expected_sha256: str
     target becomes `keep·current + (1 − keep)·best` instead; the optimizer state is the best epoch's either way.
     What was collected stays (the replay buffer, the trade tracker), and time moves on (the RNGs, the epoch,
     update and environment-step counters, the LR schedule's group ages). The embedding tables the updates and
-    collection read are recomputed from the restored encoders."""
+    collection read are recomputed from the restored encoders.
+    With `restart` (`FeedbackBundle.rollback_restart`) the answer to the drop is a fresh learner instead
+    (`state.restart_fresh`: new weights, zeroed optimizer state, and the replay emptied under
+    `TrainConfig.restart_replay`); `epoch`'s files are not read."""
     if not 0.0 <= keep < 1.0:
         raise ValueError(f"rollback keep must be in [0, 1), got {keep}")
+    if restart:
+        restart_fresh(state)
+        refresh_embeddings(state)
+        return
     w, t, _ = _load_epoch(state, run_dir, epoch, expected_sha256)
     if keep:
         now = {k: v.detach().cpu() for k, v in state.agent.state_dict().items()}

@@ -88,12 +88,13 @@ class TrainConfig:
     799ab21). Measured there with the average at 0.999 and k = 1: +0.037 [+0.007, +0.068] against the fixed schedule
     (6 epochs against its 8), about the rollback's gain, the restarted epochs below the first (2026-12-03 · 5cc88f4)."""
     restart_replay: bool = False
-    """With `restart_every`: a restart also empties the replay (`state.empty_replay`: no transition kept, priorities
-    reset) and starts the learner's warm-ups again (the LR warm-up's group ages, and `learning_starts` transitions
-    collected before the first update), so a restarted epoch trains as the run's first did but for the schedule's
-    knobs and the reward support. Off (the default): the replay is kept. Why: on the H200 every epoch after the first
-    validates lower than the first, after a restart too (bench/README.md, 2026-12-03 · 5cc88f4, 206c041); this tells
-    what the epoch learns from apart from the weights it starts from."""
+    """With `restart_every`, or a feedback rollback that asks for a fresh learner (`FeedbackConfig.rollback_restart`):
+    a restart also empties the replay (`state.empty_replay`: no transition kept, priorities reset) and starts the
+    learner's warm-ups again (the LR warm-up's group ages, and `learning_starts` transitions collected before the
+    first update), so a restarted epoch trains as the run's first did but for the schedule's knobs and the reward
+    support. Off (the default): the replay is kept. Why: on the H200 every epoch after the first validates lower than
+    the first, after a restart too (bench/README.md, 2026-12-03 · 5cc88f4, 206c041); this tells what the epoch learns
+    from apart from the weights it starts from."""
     # -- objective (services.trainer.objective) --
     iqn_quantiles: int = 16
     """τ samples of the IQN loss (online and target)."""

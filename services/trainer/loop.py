@@ -24,8 +24,8 @@ from services.trainer.checkpoint import EpochProgress, prune_checkpoints, restor
 from services.trainer.config import TrainConfig
 from services.trainer.optim import set_lrs
 from services.trainer.rundir import append_history, latest_epoch, read_run_json, write_run_json
-from services.trainer.state import (TrainState, adapt_support, apply_knobs, build_state, empty_replay, restart_due,
-                                    restart_learner)
+from services.trainer.state import (TrainState, adapt_support, apply_knobs, build_state, restart_due,
+                                    restart_fresh)
 
 
 @dataclass
@@ -115,9 +115,7 @@ def train_epoch(state: TrainState, knobs: Knobs, progress: Callable[[int, int], 
     apply_knobs(state, knobs)
     if resume is None:
         if restart_due(state):
-            restart_learner(state)
-            if cfg.restart_replay:
-                empty_replay(state)
+            restart_fresh(state)
         adapt_support(state)
         env.reset_all()
         env.pop_trade_stats()
@@ -231,18 +229,19 @@ def train_run(bars: Bars, dataset: str, run_dir: Path, epochs: int, *, config: s
               on_epoch: Callable[[EpochStats], None] | None = None,
               progress: Callable[[int, int], None] | None = None,
               on_compile: Callable[[str | None], None] | None = None,
-              rollback_fn: Callable[[int], tuple[int, str, float, Path | None] | None] | None = None,
+              rollback_fn: Callable[[int], tuple[int, str, float, Path | None, bool] | None] | None = None,
               pinned_fn: Callable[[], Iterable[int]] | None = None, split: Split | None = None,
               features: np.ndarray | None = None) -> TrainState:
     """Train until `epochs` epochs exist in `run_dir`, resuming from its latest checkpoint when it holds a run.
 
     Knobs of epoch e (1-based) come from `knobs_fn(e)`, by default the config's fixed schedule
     (`cfg.schedule.knobs(e)`). `on_compile`: see `StepRunner.on_compile`. `rollback_fn(e)`, when given and not
-    None, is (epoch, checkpoint sha256 or "", keep, run directory) of a feedback rollback: `roll_back` to that epoch
-    of that run directory (None: this one; another: a population's exploit) before epoch e trains (its record says
-    `rolled_back_to`). `pinned_fn()`: epochs whose trainer state the pruning keeps (a later
-    rollback's candidates). `split`: the bar ranges of a new run (default `chronological_split`; a walk-forward
-    fold, `shared.market.walk_forward_folds`); a resumed run keeps its own and refuses a different one.
+    None, is (epoch, checkpoint sha256 or "", keep, run directory, restart) of a feedback rollback: `roll_back` to
+    that epoch of that run directory (None: this one; another: a population's exploit), or a fresh learner where
+    restart is True, before epoch e trains (its record says `rolled_back_to`). `pinned_fn()`: epochs whose trainer
+    state the pruning keeps (a later rollback's candidates). `split`: the bar ranges of a new run (default
+    `chronological_split`; a walk-forward fold, `shared.market.walk_forward_folds`); a resumed run keeps its own and
+    refuses a different one.
     `features`: `compute_features(bars)` when already computed."""
     run_dir = Path(run_dir)
     feats = compute_features(bars) if features is None else features
@@ -258,7 +257,7 @@ def train_run(bars: Bars, dataset: str, run_dir: Path, epochs: int, *, config: s
     while state.epoch < epochs:
         rb = rollback_fn(state.epoch + 1) if rollback_fn is not None else None
         if rb is not None:
-            roll_back(state, rb[3] or run_dir, rb[0], rb[1] or None, keep=rb[2])
+            roll_back(state, rb[3] or run_dir, rb[0], rb[1] or None, keep=rb[2], restart=rb[4])
         stats = train_epoch(state, knobs_fn(state.epoch + 1), progress)
         stats.rolled_back_to = None if rb is None else rb[0]
         save_epoch(state, run_dir, meta)

@@ -159,6 +159,15 @@ def restart_learner(state: TrainState) -> None:
                 st[key] = type(v)(0)
 
 
+def restart_fresh(state: TrainState) -> None:
+    """A restart of the learner (`restart_learner`) and, under `TrainConfig.restart_replay`, of what it learns from
+    (`empty_replay`): the one form of a restart, before an epoch of `restart_every` or at a feedback rollback that
+    asks for one (`FeedbackConfig.rollback_restart`)."""
+    restart_learner(state)
+    if state.cfg.restart_replay:
+        empty_replay(state)
+
+
 def empty_replay(state: TrainState) -> None:
     """`TrainConfig.restart_replay`'s part of a restart: the replay emptied, the learning gate moved to the present
     (`learn_from`: `learning_starts` transitions are collected before the next update) and every optimizer group's

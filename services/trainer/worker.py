@@ -403,13 +403,16 @@ class TrainerWorker:
         target = rec["rollback_to_epoch"]
         try:
             roll_back(self._tstate, self.run_dir, target, rec.get("rollback_checkpoint_sha256") or None,
-                      keep=float(rec.get("rollback_keep") or 0.0))
+                      keep=float(rec.get("rollback_keep") or 0.0), restart=bool(rec.get("rollback_restart")))
         except (CheckpointError, ValueError, OSError) as exc:
             log.error("rollback to epoch %d refused: %s", target, exc)
             self.state.error(f"rollback to epoch {target} refused: {exc}")
             return {"rolled_back_to": None, "rollback_error": str(exc)}
         self.state.count("rollbacks")
-        log.info("rolled back to epoch %d's weights and optimizer state", target)
+        if rec.get("rollback_restart"):
+            log.info("answered the drop below epoch %d with a fresh learner", target)
+        else:
+            log.info("rolled back to epoch %d's weights and optimizer state", target)
         return {"rolled_back_to": target}
 
     def _pinned(self, epoch: int) -> set[int]:

@@ -182,7 +182,7 @@ def run_closed_loop(bars: Bars, dataset: str, run_dir: Path, epochs: int, *, con
                "bundle": {"enabled": bundle.enabled, "rollback": bundle.rollback, "reason": reason,
                           "rollback_to_epoch": bundle.rollback_to_epoch,
                           "rollback_checkpoint_sha256": bundle.rollback_checkpoint_sha256,
-                          "rollback_keep": bundle.rollback_keep,
+                          "rollback_keep": bundle.rollback_keep, "rollback_restart": bundle.rollback_restart,
                           "best_epoch": bundle.best_epoch, "exploit": exploit},
                "val": {k: v for k, v in vm.items()},
                "train": None if stats is None else {k: (v if not isinstance(v, float) or np.isfinite(v) else None)
@@ -213,15 +213,17 @@ def run_closed_loop(bars: Bars, dataset: str, run_dir: Path, epochs: int, *, con
             del found[key]
         return None
 
-    def rollback_for(e: int) -> tuple[int, str, float, Path | None] | None:
+    def rollback_for(e: int) -> tuple[int, str, float, Path | None, bool] | None:
         """Bundle e−1's rollback or exploit: (the epoch whose learner `train_run` restores before epoch e, its sha256,
-        the share of the current weights kept, the run directory it is in: None for this one)."""
+        the share of the current weights kept, the run directory it is in: None for this one, and whether a fresh
+        learner answers the drop instead)."""
         b = records.get(e - 1, {}).get("bundle", {})
         if b.get("exploit"):
             x = b["exploit"]
-            return int(x["epoch"]), x["checkpoint_sha256"], 0.0, run_dir / PEER_DIR
+            return int(x["epoch"]), x["checkpoint_sha256"], 0.0, run_dir / PEER_DIR, False
         return ((int(b["rollback_to_epoch"]), b.get("rollback_checkpoint_sha256") or "",
-                 float(b.get("rollback_keep") or 0.0), None) if b.get("rollback") else None)
+                 float(b.get("rollback_keep") or 0.0), None, bool(b.get("rollback_restart")))
+                if b.get("rollback") else None)
 
     def pinned() -> set[int]:
         """The epoch a later rollback would restore (the latest bundle's best epoch): its trainer state is kept."""
