@@ -94,3 +94,33 @@ def test_the_op_compiled_writes_in_place_what_eager_writes(device):
     text = "\n".join(code)
     assert "tradeloop.scatter_amax_reweigh_" in text
     assert "scatter_reduce" not in text and "index_copy" not in text
+
+
+@pytest.mark.parametrize("shared_boost", [True, False], ids=["one boost table", "a boost table a run"])
+def test_the_priority_write_of_stacked_runs_equals_each_runs_own(shared_boost):
+    """Under `torch.func.vmap` over R runs' replays (aten on the CPU; the Triton kernel on a GPU): each run's
+    priorities and weights are what its own call writes, in place, with indices repeated within a run and the same
+    slot indices in different runs."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    R, slots, n, bars = 3, 50, 40, 20
+    g = torch.Generator().manual_seed(4)
+    priority = (torch.rand(R, slots, generator=g) * 5.0).to(dev)
+    weight = torch.rand(R, slots, generator=g).to(dev)
+    index = torch.randint(0, 12, (R, n), generator=g).to(dev)
+    src = (torch.rand(R, n, generator=g) * 3.0 + 1e-3).to(dev)
+    bar = torch.randint(0, bars, (R, slots), generator=g).to(dev)
+    boost = (torch.rand(bars, generator=g) + 0.5).to(dev) if shared_boost else \
+        (torch.rand(R, bars, generator=g) + 0.5).to(dev)
+    want_p, want_w = priority.clone(), weight.clone()
+    for r in range(R):
+        scatter_amax_reweigh_(want_p[r], want_w[r], index[r], src[r], bar[r], boost if shared_boost else boost[r],
+                              0.6)
+
+    def write(p, w, i, s, b, *bo):
+        scatter_amax_reweigh_(p, w, i, s, b, bo[0] if bo else boost, 0.6)
+        return p
+
+    torch.func.vmap(write)(priority, weight, index, src, bar, *(() if shared_boost else (boost,)))
+    assert not torch.equal(want_p, priority.new_zeros(priority.shape))
+    torch.testing.assert_close(priority, want_p, rtol=0, atol=0)
+    torch.testing.assert_close(weight, want_w, rtol=1e-6, atol=1e-7)
