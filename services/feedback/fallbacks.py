@@ -1,8 +1,9 @@
 """Where a feedback bundle's knobs do not come from the signals: the fixed schedule (a signal switched off, or
 feedback off: `fixed_signals`, `disabled_bundle`) and the rollback to the best earlier epoch (`rollback_target`:
-its evidence; `services.feedback.signals.compute_bundle` restores that epoch's knobs), and the exploit of another
-run's better epoch (`exploit_target`: population-based training across runs). `KNOB_OF` names the knob each
-signal sets; `knobs_from_signals` turns E1–E9 into the `Knobs` of a bundle.
+its evidence; `rollback_reason`: what the bundle says of it; `services.feedback.signals.compute_bundle` restores
+that epoch's knobs), and the exploit of another run's better epoch (`exploit_target`: population-based training
+across runs). `KNOB_OF` names the knob each signal sets; `knobs_from_signals` turns E1–E9 into the `Knobs` of a
+bundle.
 """
 from __future__ import annotations
 
@@ -82,6 +83,21 @@ class Exploit:
     """peer.point.val_sharpe − this run's best validation per-trade Sharpe (un-annualized)."""
     se: float
     """Standard error of that difference."""
+
+
+def rollback_reason(view: FeedbackView, rb: Rollback, cfg: "FeedbackConfig") -> str:
+    """The bundle's reason for rollback `rb`: the drop against its noise, and what the trainer does about it."""
+    g, s = rb.best, view.val.metric("per_trade_sharpe")
+    answer = (f"restarts a fresh learner under epoch {g.epoch}'s knobs" if cfg.rollback_restart else
+              f"restores epoch {g.epoch}'s weights and optimizer state, and its knobs")
+    why = (f"rollback: val per-trade Sharpe {s:.3f} fell {rb.drop:.3f} below epoch {g.epoch}'s "
+           f"{g.val_sharpe:.3f}, beyond {cfg.rollback_z:g}·SE = {cfg.rollback_z * rb.se:.3f}; the trainer {answer}")
+    if cfg.rollback_lr_factor != 1.0:
+        why += (f"; learning rates × {cfg.rollback_lr_factor:g} (lr_decay {view.knobs.lr_decay:g} → "
+                f"{view.knobs.lr_decay * cfg.rollback_lr_factor:g})")
+    if cfg.rollback_keep and not cfg.rollback_restart:
+        why += f"; weights {cfg.rollback_keep:g}·current + {1 - cfg.rollback_keep:g}·epoch {g.epoch}'s"
+    return why
 
 
 def exploit_target(own: Sequence[HistoryPoint], peers: Sequence[PeerPoint], cfg: "FeedbackConfig") -> Exploit | None:

@@ -42,7 +42,7 @@ from typing import Any, Sequence
 
 
 from services.feedback.fallbacks import (KNOB_OF, best_point, diff_se, disabled_bundle, fixed_signals,
-                                        knobs_from_signals, rollback_target)
+                                        knobs_from_signals, rollback_reason, rollback_target)
 from services.feedback.bounds import _clamp, _fin, _ratio_limit, _w, beyond_noise, project_weights
 from services.feedback.guard import FeedbackView, HistoryEntry, HistoryPoint, build_view, check_train_indices
 from shared.knobs import BRANCHES, N_REGIMES, FixedSchedule
@@ -561,17 +561,7 @@ def compute_bundle(report: EvalReport, history: Sequence[EvalReport | HistoryEnt
     if off:
         reason += f"; switched off: {', '.join(cfg.off)}"
     if rb is not None:
-        g = rb.best
-        s = view.val.metric("per_trade_sharpe")
-        answer = (f"restarts a fresh learner under epoch {g.epoch}'s knobs" if cfg.rollback_restart else
-                  f"restores epoch {g.epoch}'s weights and optimizer state, and its knobs")
-        why = (f"rollback: val per-trade Sharpe {s:.3f} fell {rb.drop:.3f} below epoch {g.epoch}'s "
-               f"{g.val_sharpe:.3f}, beyond {cfg.rollback_z:g}·SE = {cfg.rollback_z * rb.se:.3f}; the trainer {answer}")
-        if cfg.rollback_lr_factor != 1.0:
-            why += (f"; learning rates × {cfg.rollback_lr_factor:g} (lr_decay {view.knobs.lr_decay:g} → "
-                    f"{view.knobs.lr_decay * cfg.rollback_lr_factor:g})")
-        if cfg.rollback_keep and not cfg.rollback_restart:
-            why += f"; weights {cfg.rollback_keep:g}·current + {1 - cfg.rollback_keep:g}·epoch {g.epoch}'s"
+        g, why = rb.best, rollback_reason(view, rb, cfg)
         for i in CONTINUOUS:
             if i in off:
                 continue

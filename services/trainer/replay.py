@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from services.trainer.run_batch import runs_first
+
 SAMPLE_BLOCK = 256
 """Slots per block of `inverse_cdf`'s first level."""
 
@@ -63,17 +65,13 @@ def _amax_reweigh_vmap(info, in_dims, priority, weight, index, src, bar, boost, 
     r = info.batch_size
     if in_dims[0] is None or in_dims[1] is None:
         raise ValueError("scatter_amax_reweigh_ under vmap: the priorities and weights it writes must be one row a run")
-
-    def runs(t: torch.Tensor, d: int | None) -> torch.Tensor:
-        return t.movedim(d, 0) if d is not None else t.expand(r, *t.shape)
-    p, w = runs(priority, in_dims[0]), runs(weight, in_dims[1])
-    i, s, b = runs(index, in_dims[2]), runs(src, in_dims[3]), runs(bar, in_dims[4])
+    p, w, i, s, b = (runs_first(t, d, r) for t, d in zip((priority, weight, index, src, bar), in_dims))
     if in_dims[5] is None and p.is_contiguous() and w.is_contiguous():
         off = torch.arange(r, device=i.device).view(r, 1) * p.shape[1]
         scatter_amax_reweigh_(p.view(-1), w.view(-1), (i + off).reshape(-1), s.reshape(-1), b.reshape(-1), boost,
                               alpha)
     else:
-        boosts = runs(boost, in_dims[5])
+        boosts = runs_first(boost, in_dims[5], r)
         for k in range(r):
             scatter_amax_reweigh_(p[k], w[k], i[k], s[k], b[k], boosts[k], alpha)
     return None, None

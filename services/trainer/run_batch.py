@@ -30,6 +30,11 @@ def support_rows(support: torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
     return support.contiguous().float(), max(n // s, 1)
 
 
+def runs_first(t: torch.Tensor, d: int | None, r: int) -> torch.Tensor:
+    """An input of a vmap rule with its run dimension first: moved there, or (unbatched) the same for all r runs."""
+    return t.movedim(d, 0) if d is not None else t.expand(r, *t.shape)
+
+
 def vmap_by_folding(op, per_sample: Sequence[int], support: int | None = None) -> None:
     """Register op's vmap rule: the inputs at positions `per_sample` (leading dimension: samples) folded into one
     batch of R·N, the input at `support` (if any) kept as R rows, every output (leading dimension: samples) split
@@ -38,8 +43,7 @@ def vmap_by_folding(op, per_sample: Sequence[int], support: int | None = None) -
         r = info.batch_size
         args, n = list(args), None
         for i in per_sample:
-            t, d = args[i], in_dims[i]
-            t = t.movedim(d, 0) if d is not None else t.expand(r, *t.shape)
+            t = runs_first(args[i], in_dims[i], r)
             n = t.shape[1]
             t = t.reshape(r * n, *t.shape[2:])
             args[i] = t if t.dim() == 1 or t.stride(-1) == 1 else t.contiguous()
