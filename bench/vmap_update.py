@@ -1,10 +1,11 @@
-"""R runs' gradient updates as one computation: the product's objective and targets under `torch.func.vmap` over
-the runs' stacked parameters, against the same with one run — how much of K runs' update work batching them into
-the same kernels gets for the price of one, the step a run-batched study needs (bench/README.md, run_streams.py).
+"""R runs' training steps as one computation: the product's update (and with `--step iteration` the whole iteration:
+collection, then the updates) under `torch.func.vmap` over the runs' stacked state, against the same with one run
+and against one run as the product trains it — how much of R runs' work batching them into the same kernels gets for
+the price of one, the step a run-batched study needs (bench/README.md, run_streams.py).
 
-    python3 -m bench.vmap_update --device cuda [--runs 1 2 4 8] [--updates 200] [--preset full]
+    python3 -m bench.vmap_update --device cuda [--runs 1 2 4 8] [--steps 200] [--preset full]
                                  [--set iterations=1000] [--accel compile+graph] [--bars 300000]
-                                 [--kernels fused|reference]
+                                 [--kernels fused|reference] [--step update|iteration] [--product]
 
 Every run is a `build_state` of the preset on the same synthetic training split (seeds 0…R−1), trained for a short
 warm-up epoch so its replay holds transitions. The batched update, per call (the uniforms of every run drawn into
@@ -17,6 +18,9 @@ static tensors first, outside the step, as `StepRunner` draws them):
   clip      each run's gradients clipped to `grad_clip` by its own norm
   AdamW     one `torch.optim.AdamW` over the stacked parameters (elementwise: each run's moments are its own)
   target    θ' ← θ' + τ(θ − θ') over the stacked networks
+The batched collection (`--step iteration`, before the iteration's `updates_per_iter` updates): `TrainEnv.collect`
+vmapped over every run's accounts, exploration knobs, acting view table and replay (`BatchedCollect`), so the
+updates sample what it wrote.
 Each run reads its own update buffers (embedding tables, knobs, hindsight labels, the acting view's table: stacked
 and vmapped like the parameters). The priorities, the rolling embedding refresh and the LR schedule of the
 product's update are not in it. `--kernels fused` (the default) keeps the preset's Triton kernels (fused
@@ -24,9 +28,11 @@ attention, C51 chain and targets), whose vmap rules fold the runs' samples into 
 (`services.trainer.run_batch`); `--kernels reference` trains with `attention=sdpa`, `fused_c51=False`,
 `fused_targets=False` and the attention written out (`causal_attention_math`, `last_query_attention_math`: on CUDA,
 SDPA's memory-efficient backward rejects the strides vmap gives its saved log-sum-exp, "LSE is not correctly
-aligned"). R = 1 runs the same code, so the ratio compares like with like. Before timing, each R's batched loss is
-checked against every run's own objective on the same batch (`check`: the largest |Δ| relative to the loss).
-  updates/s   updates of all runs together per second; ×1: over R = 1's
+aligned"). R = 1 runs the same code, so the ratio compares like with like; `--product` adds one run as `tradeloop
+train` runs it (`train_epoch` at the device's default accel, its epoch-start work included), the rate a study's
+runs have today. Before timing, each R's batched step is checked against every run's own (`check`: the largest
+|Δ| relative to the scale — the loss for the update; every tensor the collection writes for the iteration).
+  steps/s     steps (updates or iterations) of all runs together per second; ×1: over R = 1's
 """
 from __future__ import annotations
 
@@ -41,9 +47,11 @@ import torch
 from torch.func import stack_module_state, vmap
 
 from bench import run_streams
+from shared.knobs import Knobs
 from shared import layers
 from services.trainer.objective import make_objective
 from services.trainer.replay import Batch
+from services.trainer.loop import train_epoch
 from services.trainer.runtime import compile_step
 from services.trainer.targets import Targets, make_targets, noise_width
 from services.trainer.train import TrainConfig
@@ -113,8 +121,10 @@ class BatchedUpdate:
             t.requires_grad_(False)
         self.gen = torch.Generator(device=dev).manual_seed(0)
         self.replays, self.sample = batched_sample(states, B)
-        self.u = torch.zeros(self.R, B, device=dev)
-        self.noise = torch.zeros(self.R, B, noise_width(st.cfg), device=dev)
+        U = max(st.cfg.updates_per_iter, 1)
+        self.us = torch.zeros(U, self.R, B, device=dev)             # an iteration's updates: each its own uniforms
+        self.noises = torch.zeros(U, self.R, B, noise_width(st.cfg), device=dev)
+        self.u, self.noise = self.us[0], self.noises[0]
         self.objective = make_objective(st.agent, st.env.market.windows, st.buffers, st.cfg)
         self.targets = make_targets(st.agent, st.target, st.buffers, st.cfg)
         self.opt = torch.optim.AdamW(list(self.p.values()), lr=st.cfg.lr, eps=1e-6, capturable=dev.type == "cuda",
@@ -140,14 +150,16 @@ class BatchedUpdate:
         with self._online(p, b), self._buffers(bufs, views):
             return self.objective(Batch(*batch), noise, Targets(*tg), lambda: None).loss
 
-    def losses(self) -> tuple[tuple, tuple, torch.Tensor]:
-        """(the runs' batches, their targets, their losses) of one step, vmapped over the runs."""
+    def losses(self, k: int = 0) -> tuple[tuple, tuple, torch.Tensor]:
+        """(the runs' batches, their targets, their losses) of one step (the iteration's k-th update's uniforms),
+        vmapped over the runs."""
+        u, noise = self.us[k], self.noises[k]
         with torch.no_grad():
-            batch = self.sample(self.replays, self.u)
+            batch = self.sample(self.replays, u)
             tg = vmap(self._targets, randomness="different")(self.p, self.b, self.tp, self.tb, self.bufs, self.views,
-                                                             batch, self.noise)
+                                                             batch, noise)
         return batch, tg, vmap(self._loss, randomness="different")(self.p, self.b, self.bufs, self.views, batch,
-                                                                   self.noise, tg)
+                                                                   noise, tg)
 
     def check(self, states: list) -> float:
         """The largest |Δ| between the batched loss of each run and the loss its own networks and buffers give (its
@@ -165,12 +177,12 @@ class BatchedUpdate:
         return worst
 
     def draw(self) -> None:
-        """Every run's uniforms for the next step, into the static tensors the step reads."""
-        torch.rand(self.u.shape, generator=self.gen, out=self.u)
-        torch.rand(self.noise.shape, generator=self.gen, out=self.noise)
+        """Every run's uniforms for the next step (each update of an iteration), into the static tensors it reads."""
+        torch.rand(self.us.shape, generator=self.gen, out=self.us)
+        torch.rand(self.noises.shape, generator=self.gen, out=self.noises)
 
-    def __call__(self) -> torch.Tensor:
-        _, _, losses = self.losses()
+    def __call__(self, k: int = 0) -> torch.Tensor:
+        _, _, losses = self.losses(k)
         self.opt.zero_grad(set_to_none=True)
         losses.sum().backward()
         with torch.no_grad():
@@ -183,6 +195,91 @@ class BatchedUpdate:
         with torch.no_grad():
             torch._foreach_lerp_(list(self.tp.values()), list(self.p.values()), self.cfg.tau)
         return losses.detach()
+
+
+def collect_objects(st) -> dict[str, object]:
+    """The objects whose tensors `TrainEnv.collect` reads and writes, besides the replay, the networks and the update
+    buffers."""
+    return {"sim": st.env.sim, "tracker": st.env.tracker, "env": st.env, "controls": st.controls}
+
+
+class BatchedCollect:
+    """`TrainEnv.collect` of R states as one vmapped computation: each run's accounts (simulator, tracker, episode
+    counters), exploration knobs, acting view table and replay, stacked; the runs' networks and replays are the
+    `BatchedUpdate`'s, so the updates sample what the collection wrote. Inside vmap the first state's objects hold
+    one run's slices; what `collect` rebinds (the simulator's state, written out of place) is handed back and
+    copied into the stacks, what it writes in place (the replay's rows: `index_put_`) lands in them directly."""
+
+    def __init__(self, states: list, upd: BatchedUpdate):
+        st = self.st = states[0]
+        self.upd, cfg = upd, st.cfg
+        self.names = {k: tensor_attributes(o) for k, o in collect_objects(st).items()}
+        self.state = {k: {n: torch.stack([getattr(collect_objects(s)[k], n) for s in states]) for n in names}
+                      for k, names in self.names.items()}
+        self.noise = torch.zeros(len(states), cfg.env_steps_per_iter, cfg.n_envs, 7, device=st.device)
+
+    def _one(self, p, b, state, replay, bufs, views, noise):
+        st, objs = self.st, collect_objects(self.st)
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.nn.utils.stateless._reparametrize_module(st.agent, {**p, **b}))
+            stack.enter_context(self.upd._buffers(bufs, views))
+            stack.enter_context(swapped(st.replay, replay))
+            for k, obj in objs.items():
+                stack.enter_context(swapped(obj, state[k]))
+            st.env.collect(st.agent, st.controls, st.cfg.env_steps_per_iter, st.buffers.emb_online, noise,
+                           view_table=st.buffers.view_online)
+            rebound = {k: {n: getattr(obj, n) for n in self.names[k] if getattr(obj, n) is not state[k][n]}
+                       for k, obj in objs.items()}
+            rebound["replay"] = {n: getattr(st.replay, n) for n in replay if getattr(st.replay, n) is not replay[n]}
+        return rebound
+
+    def draw(self) -> None:
+        torch.rand(self.noise.shape, generator=self.upd.gen, out=self.noise)
+
+    def __call__(self) -> None:
+        u = self.upd
+        with torch.no_grad():
+            out = vmap(self._one, randomness="error")(u.p, u.b, self.state, u.replays, u.bufs, u.views, self.noise)
+            for k, rebound in out.items():
+                into = u.replays if k == "replay" else self.state[k]
+                for n, v in rebound.items():
+                    into[n].copy_(v)
+
+    def check(self, states: list) -> float:
+        """The largest |Δ| between the batched collection and each run's own `collect` (on the same noise, from the
+        same state) over every tensor either writes (the accounts, the episode counters, the replay), relative to
+        the tensor's scale. Each state then holds its own collection's result."""
+        self.draw()
+        self()
+        worst = 0.0
+        with torch.no_grad():
+            for r, s in enumerate(states):
+                s.env.collect(s.agent, s.controls, s.cfg.env_steps_per_iter, s.buffers.emb_online, self.noise[r],
+                              view_table=s.buffers.view_online)
+                for k, obj in {**collect_objects(s), "replay": s.replay}.items():
+                    stacked = self.upd.replays if k == "replay" else self.state[k]
+                    for n, got in stacked.items():
+                        own = getattr(obj, n).double()
+                        d = (got[r].double() - own).abs().max() / own.abs().max().clamp(min=1.0)
+                        worst = max(worst, float(d))
+        return worst
+
+
+class BatchedIteration:
+    """A training iteration of R runs: the batched collection, then `updates_per_iter` batched updates."""
+
+    def __init__(self, states: list):
+        self.upd = BatchedUpdate(states)
+        self.col = BatchedCollect(states, self.upd)
+        self.cfg, self.R = self.upd.cfg, self.upd.R
+
+    def draw(self) -> None:
+        self.col.draw()
+        self.upd.draw()
+
+    def __call__(self) -> torch.Tensor:
+        self.col()
+        return torch.stack([self.upd(k) for k in range(max(self.cfg.updates_per_iter, 1))])
 
 
 def timed(draw, step, n: int, cuda: bool) -> float:
@@ -200,8 +297,12 @@ def measure(args, states: list, accel: str, cuda: bool) -> list[dict]:
     """One row per R in `args.runs`: the first R states' batched update, compiled and captured per `accel`."""
     rows = []
     for R in args.runs:
-        upd = BatchedUpdate(states[:R])
-        check = upd.check(states[:R])
+        if args.step == "iteration":
+            upd = BatchedIteration(states[:R])
+            check = max(upd.col.check(states[:R]), upd.upd.check(states[:R]))
+        else:
+            upd = BatchedUpdate(states[:R])
+            check = upd.check(states[:R])
         step = upd
         if "compile" in accel:
             # every R its own static graph: a recompile of the same `__call__` at a new R makes the run dimension
@@ -217,17 +318,31 @@ def measure(args, states: list, accel: str, cuda: bool) -> list[dict]:
         else:
             step()
         first = time.perf_counter() - t0
-        wall = timed(upd.draw, step, args.updates, cuda)
-        rows.append({"runs": R, "updates_per_s": R * args.updates / wall, "wall_s": wall, "first_s": first,
-                     "accel": accel, "kernels": args.kernels, "check": check})
+        wall = timed(upd.draw, step, args.steps, cuda)
+        rows.append({"runs": R, "per_s": R * args.steps / wall, "wall_s": wall, "first_s": first,
+                     "accel": accel, "kernels": args.kernels, "step": args.step, "check": check})
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     return rows
+
+
+def product_rate(args) -> dict:
+    """One run as `tradeloop train` trains it (`train_epoch`, the device's default accel, the preset's kernels): its
+    iterations per second over an epoch of `--steps` iterations, after a warm-up epoch that compiles and captures."""
+    st = run_streams.make_states(args, [0], accel="auto")[0]
+    st.cfg.iterations = args.steps
+    stats = train_epoch(st, Knobs())
+    return {"runs": "product", "per_s": args.steps / stats.seconds, "wall_s": stats.seconds, "first_s": 0.0,
+            "accel": st.accel, "kernels": "fused", "step": "iteration", "check": 0.0}
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, nargs="+", default=[1, 2, 4, 8])
-    ap.add_argument("--updates", type=int, default=200)
+    ap.add_argument("--steps", type=int, default=200, help="steps (updates or iterations) of each run timed")
+    ap.add_argument("--step", choices=("update", "iteration"), default="update",
+                    help="what is batched: the update, or the whole iteration (collection and updates)")
+    ap.add_argument("--product", action="store_true",
+                    help="also time one run as `tradeloop train` trains it (--step iteration): the ratio that counts")
     ap.add_argument("--warmup", type=int, default=40, help="iterations of each state's warm-up epoch")
     ap.add_argument("--preset", default="full")
     ap.add_argument("--set", action="append", default=None)
@@ -247,12 +362,16 @@ def main(argv=None) -> None:
     written_out = mock.patch.object(layers, "written_out_attention", lambda q: True)   # vmap-able SDPA (above)
     with written_out if args.kernels == "reference" else contextlib.nullcontext():
         rows = measure(args, states, accel, cuda)
-    one = next((r["updates_per_s"] for r in rows if r["runs"] == 1), None)
-    print("| runs in one vmapped update | updates/s (all runs) | ×1 | wall s | first call s | check |\n"
-          "|---|---|---|---|---|---|")
+    if args.product:
+        rows.insert(0, product_rate(args))
+    one = next((r["per_s"] for r in rows if r["runs"] == 1), None)
+    prod = next((r["per_s"] for r in rows if r["runs"] == "product"), None)
+    print(f"| runs in one vmapped {args.step} | {args.step}s/s (all runs) | ×1 | × the product's run | wall s | "
+          "first call s | check |\n|---|---|---|---|---|---|---|")
     for r in rows:
-        x = f"{r['updates_per_s'] / one:.2f}" if one else "n/a"
-        print(f"| {r['runs']} | {r['updates_per_s']:.1f} | {x} | {r['wall_s']:.2f} | {r['first_s']:.1f} | "
+        x = f"{r['per_s'] / one:.2f}" if one else "n/a"
+        xp = f"{r['per_s'] / prod:.2f}" if prod else "n/a"
+        print(f"| {r['runs']} | {r['per_s']:.1f} | {x} | {xp} | {r['wall_s']:.2f} | {r['first_s']:.1f} | "
               f"{r['check']:.1e} |")
     print(json.dumps(rows))
 

@@ -13,10 +13,10 @@ def test_the_bench_times_vmapped_updates_that_move_every_run(capsys, monkeypatch
     built = []
     make = vmap_update.make_states
     monkeypatch.setattr(vmap_update, "make_states", lambda args, R: built.extend(make(args, R)) or built)
-    vmap_update.main(["--device", "cpu", "--preset", "small", "--runs", "1", "2", "--updates", "2", "--warmup", "14",
+    vmap_update.main(["--device", "cpu", "--preset", "small", "--runs", "1", "2", "--steps", "2", "--warmup", "14",
                       "--bars", "6000", "--set", "iterations=4", "--accel", "eager"])
     rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert [r["runs"] for r in rows] == [1, 2] and all(r["updates_per_s"] > 0 for r in rows)
+    assert [r["runs"] for r in rows] == [1, 2] and all(r["per_s"] > 0 for r in rows)
     assert all(r["check"] < 1e-5 for r in rows), rows        # each run's batched loss is its own objective's
     with torch.no_grad():                                  # run 1's own knobs and embedding tables
         built[1].buffers.gamma.fill_(0.9)
@@ -41,10 +41,36 @@ def test_the_bench_times_vmapped_updates_that_move_every_run(capsys, monkeypatch
     assert any(not torch.equal(upd.tp[n], tbefore[n]) for n in tbefore)          # the targets follow
 
 
+def test_the_whole_iteration_batched_collects_what_each_run_collects_alone(capsys, monkeypatch):
+    """`--step iteration`: R runs' collections in one vmapped computation write what each run's own `collect` writes
+    from the same state on the same noise (accounts, episodes, replay rows); a run whose accounts are another's is
+    seen; the product's own run is timed beside them."""
+    built = []
+    make = vmap_update.make_states
+    monkeypatch.setattr(vmap_update, "make_states", lambda args, R: built.extend(make(args, R)) or built)
+    vmap_update.main(["--device", "cpu", "--preset", "small", "--runs", "1", "2", "--steps", "2", "--warmup", "14",
+                      "--bars", "6000", "--set", "iterations=4", "--accel", "eager", "--step", "iteration",
+                      "--product"])
+    rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [r["runs"] for r in rows] == ["product", 1, 2] and all(r["per_s"] > 0 for r in rows)
+    assert all(r["check"] < 1e-5 for r in rows), rows
+    it = vmap_update.BatchedIteration(built)
+    head = it.upd.replays["head_t"].clone()
+    assert it.col.check(built) < 1e-9                      # the collection alone: each run's own, to rounding
+    n = built[0].cfg.env_steps_per_iter                    # a row per step, for every run
+    assert torch.equal(it.upd.replays["head_t"], (head + n) % built[0].replay.L)
+    for r, st in enumerate(built):
+        assert torch.equal(it.upd.replays["action"][r], st.replay.action)
+        assert torch.equal(it.col.state["sim"]["position"][r], st.env.sim.position)
+    mixed = vmap_update.BatchedIteration(built)            # every run's accounts run 0's: the check sees it
+    mixed.col.state["sim"] = {k: v[:1].expand_as(v).clone() for k, v in mixed.col.state["sim"].items()}
+    assert mixed.col.check(built) > 1e-3
+
+
 def test_a_warmup_too_short_to_sample_from_is_refused(capsys):
     import pytest
 
     with pytest.raises(SystemExit):
-        vmap_update.main(["--device", "cpu", "--preset", "small", "--runs", "1", "--updates", "2", "--warmup", "5",
+        vmap_update.main(["--device", "cpu", "--preset", "small", "--runs", "1", "--steps", "2", "--warmup", "5",
                           "--bars", "6000", "--set", "iterations=4", "--accel", "eager"])
     assert "--warmup 5 left the replay of run(s) [0] without a transition" in capsys.readouterr().err

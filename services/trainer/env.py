@@ -79,7 +79,7 @@ class TrainEnv:
         if u is None:
             u = torch.rand(n, device=self.start_cdf.device, generator=self.gen)
         idx = torch.searchsorted(self.start_cdf, u.double() * self.start_cdf[-1], right=True)
-        return idx.clamp_(max=self.start_cdf.shape[0] - 1)
+        return idx.clamp(max=self.start_cdf.shape[0] - 1)
 
     def collect(self, agent, controls, n_steps: int, emb_table: torch.Tensor, noise: torch.Tensor,
                 view_table: MarketView | None = None, per_bar: bool | None = None) -> None:

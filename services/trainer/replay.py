@@ -184,18 +184,20 @@ class Replay:
     def add(self, bar, portfolio, action, regime, reward, done) -> None:
         """Write one step for all E envs: bar E, portfolio E × P, action E × 3, regime E, reward E, done E.
 
-        The row index is the device tensor `head_t` (no host integer), so a CUDA graph can capture the write."""
-        r = self.head_t.view(1)
-        self.bar.index_copy_(0, r, bar.view(1, -1))
-        self.portfolio.index_copy_(0, r, portfolio.unsqueeze(0))
-        self.action.index_copy_(0, r, action.unsqueeze(0))
-        self.regime.index_copy_(0, r, regime.view(1, -1))
-        self.reward.index_copy_(0, r, reward.to(torch.float32).view(1, -1))
-        self.done.index_copy_(0, r, done.view(1, -1))
-        self.priority.index_copy_(0, r, self.max_priority.expand(1, self.E))
-        self.weight.index_copy_(0, r, self._weigh(self.max_priority.expand(self.E), bar).view(1, -1))
-        self.head_t.add_(1).remainder_(self.L)
-        self.count_t.add_(1).clamp_(max=self.L)
+        The row index is the device tensor `head_t` (no host integer), so a CUDA graph can capture the write; the
+        writes are `index_put_` and out-of-place counter updates, which have vmap rules (one launch for R runs'
+        replays under vmap over runs: bench/vmap_update.py --step iteration)."""
+        r = (self.head_t.view(1),)
+        self.bar.index_put_(r, bar.view(1, -1))
+        self.portfolio.index_put_(r, portfolio.unsqueeze(0))
+        self.action.index_put_(r, action.unsqueeze(0))
+        self.regime.index_put_(r, regime.view(1, -1))
+        self.reward.index_put_(r, reward.to(torch.float32).view(1, -1))
+        self.done.index_put_(r, done.view(1, -1))
+        self.priority.index_put_(r, self.max_priority.expand(1, self.E))
+        self.weight.index_put_(r, self._weigh(self.max_priority.expand(self.E), bar).view(1, -1))
+        self.head_t.copy_(torch.remainder(self.head_t + 1, self.L))
+        self.count_t.copy_(torch.clamp(self.count_t + 1, max=self.L))
 
     @torch.no_grad()
     def clear(self) -> None:
