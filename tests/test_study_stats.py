@@ -187,6 +187,26 @@ def test_rollbacks_count_the_epochs_that_began_from_one_not_the_last_epochs_bund
     assert res["variants"]["on"]["val_step"]["mean"] == pytest.approx(0.25)
     assert ("epoch to the next (mean |Δ val per-trade Sharpe| between a run's consecutive epochs; mean [95 % CI] over "
             "units): on +0.250 [+0.150, +0.350]; off +0.100 [+0.100, +0.100].") in " ".join(markdown(res).split())
+    # the typical epoch: on [0.5, 0.1, 0.4] → mean 1/3, deviations 1/6, −7/30, 1/15 → var 0.26/9 (ddof 0);
+    # [0.5, 0.4, 0.6] → 0.5, var 0.02/3; off [0.2, 0.1, 0.2] → 1/6, [0.2, 0.3, 0.2] → 7/30, var 0.02/9 each
+    assert [r["val_epochs_mean"] for r in res["runs"]] == pytest.approx([1 / 3, 0.5, 1 / 6, 7 / 30])
+    assert [r["val_epochs_sd"] for r in res["runs"]] == pytest.approx(
+        [(0.26 / 9) ** 0.5, (0.02 / 3) ** 0.5, (0.02 / 9) ** 0.5, (0.02 / 9) ** 0.5])
+    assert res["variants"]["on"]["epochs_val"]["mean"]["mean"] == pytest.approx(5 / 12)
+    typical = res["paired"]["on"]["val_epochs_mean"]                 # on − off: 1/3 − 1/6 and 0.5 − 7/30, both won
+    assert typical["mean"] == pytest.approx((1 / 6 + 4 / 15) / 2) and typical["wins"] == 2
+    assert ("The typical epoch beside the selected one (a run's mean val per-trade Sharpe over its epochs, and their "
+            "standard deviation within the run; mean [95 % CI] over units — the choice on validation keeps the best "
+            "draw, so the spread counts as much as the mean): on +0.417 [+0.333, +0.500], sd +0.126 [+0.082, +0.170]; "
+            "off +0.200 [+0.167, +0.233], sd +0.047 [+0.047, +0.047]; paired on − off +0.217 [+0.167, +0.267] (2/2)."
+            ) in " ".join(markdown(res).split())
+    runs[2]["epochs"] = runs[2]["epochs"][:1]                 # a run of one epoch: none for its variant, no pairing
+    res2 = {**res, **aggregate(runs, [], ["on", "off"], "off", n_boot=200, seed=0)}
+    assert res2["runs"][2]["val_epochs_sd"] is None and "epochs_val" not in res2["variants"]["off"]
+    assert "val_epochs_mean" not in res2["paired"]["on"]
+    assert "so the spread counts as much as the mean): on +0.417 [+0.333, +0.500], sd +0.126 [+0.082, +0.170]." in (
+        " ".join(markdown(res2).split()))
+    runs[2]["epochs"] = _summary("off", 0, 0, [0.2, 0.1, 0.2], 1, 0.2)["epochs"]
     # an exploit of a peer's epoch takes the place of the rollback its bundle also asked for
     runs[0]["epochs"][1]["exploit"] = {"run": "on-s1-f0", "epoch": 1, "val_sharpe": 0.5}
     runs[1]["epochs"][2]["exploit"] = {"run": "on-s0-f0", "epoch": 3, "val_sharpe": 0.4}  # the last's: starts nothing

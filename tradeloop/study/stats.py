@@ -142,7 +142,7 @@ def aggregate(summaries: Sequence[dict], baselines: Sequence[dict], variants: Se
                      "dsr": study_dsr(m["selected_val_trade_returns"], n_trials, var),
                      "run_dsr": m["run_dsr"], "rollbacks": rollbacks(m), "rollback_steps": rollback_steps(m),
                      "exploits": len(exploited(m)),
-                     "exploited": exploited(m), "val_step": val_step(m)})
+                     "exploited": exploited(m), "val_step": val_step(m), **typical_epoch(m)})
     ci = lambda xs: bootstrap_ci(xs, n_boot=n_boot, seed=seed)  # noqa: E731
     cluster = cluster_of or (lambda s, f: (s, f))
     pops = set(populations)
@@ -179,6 +179,9 @@ def aggregate(summaries: Sequence[dict], baselines: Sequence[dict], variants: Se
                                    "higher": sum(x > 0 for x in flat)}
         if all(r["val_step"] is not None for r in rs):
             d["val_step"] = ci(list(pooled(name, {(r["seed"], r["fold"]): r["val_step"] for r in rs}).values()))
+        if all(r["val_epochs_sd"] is not None for r in rs):
+            d["epochs_val"] = {k: ci(list(pooled(name, {(r["seed"], r["fold"]): r[f"val_epochs_{k}"]
+                                                        for r in rs}).values())) for k in ("mean", "sd")}
         if all(r["oos_sharpe_unshaped"] is not None for r in rs):
             d["unshaped"] = {"shaped_runs": sum(bool(r["shaped"]) for r in rs),
                              **{k: ci([r[f"{k}_unshaped"] for r in rs]) for k in ("oos_sharpe", "val_sharpe")},
@@ -210,6 +213,8 @@ def aggregate(summaries: Sequence[dict], baselines: Sequence[dict], variants: Se
                           n_boot=n_boot, seed=seed)
 
         out_p[name] = {k: pair(k) for k in ("oos_sharpe", "val_sharpe", "last_val_sharpe", "dsr")}
+        if "epochs_val" in out_v[name] and "epochs_val" in out_v[reference]:
+            out_p[name]["val_epochs_mean"] = pair("val_epochs_mean")
         if over in pops:
             out_p[name]["over_populations"] = True
         if name in best_by and reference in best_by:
@@ -266,6 +271,17 @@ def val_step(summary: dict) -> float | None:
     per-trade Sharpes (None for a single epoch)."""
     v = [float(e["val_sharpe"]) for e in summary["epochs"]]
     return float(np.mean(np.abs(np.diff(v)))) if len(v) > 1 else None
+
+
+def typical_epoch(summary: dict) -> dict:
+    """A run's typical epoch beside the one selection keeps: the mean of its epochs' validation per-trade Sharpes
+    (`val_epochs_mean`) and their standard deviation over the epochs (`val_epochs_sd`, ddof 0), epochs without a
+    Sharpe left out; None where fewer than 2 epochs have one. The choice on validation keeps the best of the draws,
+    so a higher typical epoch with a narrower spread can select no higher (bench/README.md 2026-12-03 · 3d56890)."""
+    v = [x for x in (float(e["val_sharpe"]) for e in summary["epochs"]) if np.isfinite(x)]
+    if len(v) < 2:
+        return {"val_epochs_mean": None, "val_epochs_sd": None}
+    return {"val_epochs_mean": float(np.mean(v)), "val_epochs_sd": float(np.std(v))}
 
 
 def exploited(summary: dict) -> list[list]:
