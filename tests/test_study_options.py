@@ -45,7 +45,9 @@ def test_the_shipped_study_files_build(path: Path, tmp_path: Path):
     assert not offs["off"].enabled
     if "on" in offs or "pop" in offs:
         assert set(offs.get("on", offs.get("pop")).off) == signals
-    assert all(fb.enabled for n, fb in offs.items() if n != "off" and not n.startswith(("ema", "fresh")))
+    schedule_only = ("ema", "fresh", "recent", "lowlr")       # variants of the fixed schedule: feedback off
+    assert all(fb.enabled for n, fb in offs.items() if n != "off" and not n.startswith(schedule_only))
+
     for name, fb in offs.items():
         if name.startswith("no"):
             assert set(fb.off) == {name[2:]} and fb.enabled
@@ -69,6 +71,11 @@ def test_the_shipped_study_files_build(path: Path, tmp_path: Path):
         ema = {v.name: spec.configs(v, 14)[0].policy_ema for v in spec.variants}
         assert ema == {"off": 0.0, "ema": 0.999, "ema-short": 0.99}
         assert not offs["ema"].enabled and not offs["ema-short"].enabled
+    elif path.name == "learning-later-epochs.toml":   # the fixed schedule with a one-epoch replay, a third of the LR
+        cfgs = {v.name: spec.configs(v, 14)[0] for v in spec.variants}
+        assert not any(fb.enabled for fb in offs.values())
+        assert (cfgs["off"].replay_capacity, cfgs["recent"].replay_capacity) == (2_000_000, 500_000)
+        assert (cfgs["off"].lr, cfgs["lowlr"].lr) == (3e-4, 1e-4) and cfgs["lowlr"].replay_capacity == 2_000_000
     else:                                    # rollback-settings.toml: the rollback's z, learning-rate decay, blend
         want = {"on": (2.0, 1.0, 0.0), "z1": (1.0, 1.0, 0.0), "anneal": (2.0, 0.5, 0.0), "keep": (2.0, 1.0, 0.5)}
         assert {n: (fb.rollback_z, fb.rollback_lr_factor, fb.rollback_keep)

@@ -96,9 +96,9 @@ def markdown(res: dict) -> str:
     if typical:
         pairs = [f"{n} − {res['reference']} {describe(p['val_epochs_mean'])} ({p['val_epochs_mean']['wins']}/"
                  f"{p['val_epochs_mean']['n']})" for n, p in res["paired"].items() if "val_epochs_mean" in p]
-        lines += ["", "The typical epoch beside the selected one (a run's mean val per-trade Sharpe over its epochs, and "
-                  "their standard deviation within the run; mean [95 % CI] over units — the choice on validation keeps "
-                  f"the best draw, so the spread counts as much as the mean): {'; '.join(typical)}"
+        lines += ["", "The typical epoch beside the selected one (a run's mean val per-trade Sharpe over its epochs, "
+                  "and their standard deviation within the run; mean [95 % CI] over units — the choice on validation "
+                  f"keeps the best draw, so the spread counts as much as the mean): {'; '.join(typical)}"
                   + (f"; paired {', '.join(pairs)}." if pairs else ".")]
     best = {name: d["best_validated"] for name, d in res["variants"].items() if d.get("best_validated")}
     if best:
