@@ -6,6 +6,7 @@ the price of one, the step a run-batched study needs (bench/README.md, run_strea
     python3 -m bench.vmap_update --device cuda [--runs 1 2 4 8] [--steps 200] [--preset full]
                                  [--set iterations=1000] [--accel compile+graph] [--bars 300000]
                                  [--kernels fused|reference] [--step update|iteration] [--product]
+                                 [--profile TOP]
 
 Every run is a `build_state` of the preset on the same synthetic training split (seeds 0…R−1), trained for a short
 warm-up epoch so its replay holds transitions. The batched update, per call (the uniforms of every run drawn into
@@ -32,6 +33,7 @@ aligned"). R = 1 runs the same code, so the ratio compares like with like; `--pr
 train` runs it (`train_epoch` at the device's default accel, its epoch-start work included), the rate a study's
 runs have today. Before timing, each R's batched step is checked against every run's own (`check`: the largest
 |Δ| relative to the scale — the loss for the update; every tensor the collection writes for the iteration).
+`--profile TOP` (CUDA) prints each timed step's kernel profile (`bench.train_profile.report`) and the product's.
   steps/s     steps (updates or iterations) of all runs together per second; ×1: over R = 1's
 """
 from __future__ import annotations
@@ -322,7 +324,17 @@ def measure(args, states: list, accel: str, cuda: bool) -> list[dict]:
         rows.append({"runs": R, "per_s": R * args.steps / wall, "wall_s": wall, "first_s": first,
                      "accel": accel, "kernels": args.kernels, "step": args.step, "check": check})
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+        if args.profile:
+            profile(f"{R} runs' {args.step}, vmapped ({accel})", lambda: (upd.draw(), step()), args.profile)
     return rows
+
+
+def profile(name: str, fn, top: int) -> None:
+    """Where a step's GPU time goes (`bench.train_profile.report`: kernels a call, their kinds and streams, the top
+    `top` kernels) — to set a vmapped step's kernels beside one product run's."""
+    from bench import train_profile
+
+    train_profile.report(name, fn, calls=5, top=top)
 
 
 def product_rate(args) -> dict:
@@ -331,6 +343,8 @@ def product_rate(args) -> dict:
     st = run_streams.make_states(args, [0], accel="auto")[0]
     st.cfg.iterations = args.steps
     stats = train_epoch(st, Knobs())
+    if args.profile:
+        profile(f"one run's iteration, the product's ({st.accel})", st.runner.iteration, args.profile)
     return {"runs": "product", "per_s": args.steps / stats.seconds, "wall_s": stats.seconds, "first_s": 0.0,
             "accel": st.accel, "kernels": "fused", "step": "iteration", "check": 0.0}
 
@@ -351,7 +365,11 @@ def main(argv=None) -> None:
     ap.add_argument("--accel", default="auto", help="eager, compile, graph or compile+graph (auto: the device's)")
     ap.add_argument("--kernels", choices=("fused", "reference"), default="fused",
                     help="the preset's Triton kernels (vmapped by folding the runs) or their reference paths")
+    ap.add_argument("--profile", type=int, default=0, metavar="TOP",
+                    help="on CUDA, also print each timed step's GPU profile with its TOP kernels (and the product's)")
     args = ap.parse_args(argv)
+    if args.profile and not args.device.startswith("cuda"):
+        ap.error("--profile reads CUDA kernels: it needs --device cuda")
     accel = resolve_accel(args.accel, args.device)
     cuda = args.device.startswith("cuda")
     states = make_states(args, max(args.runs))

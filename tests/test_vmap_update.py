@@ -74,3 +74,11 @@ def test_a_warmup_too_short_to_sample_from_is_refused(capsys):
         vmap_update.main(["--device", "cpu", "--preset", "small", "--runs", "1", "--steps", "2", "--warmup", "5",
                           "--bars", "6000", "--set", "iterations=4", "--accel", "eager"])
     assert "--warmup 5 left the replay of run(s) [0] without a transition" in capsys.readouterr().err
+
+
+def test_a_profile_is_refused_off_a_gpu(capsys):
+    import pytest
+
+    with pytest.raises(SystemExit):
+        vmap_update.main(["--device", "cpu", "--preset", "small", "--runs", "1", "--profile", "20"])
+    assert "--profile reads CUDA kernels: it needs --device cuda" in capsys.readouterr().err
