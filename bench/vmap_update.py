@@ -281,7 +281,7 @@ class BatchedIteration:
 
     def __call__(self) -> torch.Tensor:
         self.col()
-        return torch.stack([self.upd(k) for k in range(max(self.cfg.updates_per_iter, 1))])
+        return torch.stack([self.upd(k) for k in range(len(self.upd.us))])    # one per update's uniforms
 
 
 def timed(draw, step, n: int, cuda: bool) -> float:
