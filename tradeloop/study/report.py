@@ -40,6 +40,12 @@ def _n(x, spec: str = "+.3f") -> str:
     return "n/a" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, spec)
 
 
+def paired_list(res: dict, key: str) -> list[str]:
+    """Each variant's paired difference `key` against the reference: "name − reference mean [lo, hi] (wins/n)"."""
+    return [f"{n} − {res['reference']} {describe(p[key])} ({p[key]['wins']}/{p[key]['n']})"
+            for n, p in res["paired"].items() if key in p]
+
+
 def markdown(res: dict) -> str:
     s, t = res["study"], res["timing"]
     units = len(s["seeds"]) * s["folds"]
@@ -94,17 +100,14 @@ def markdown(res: dict) -> str:
     typical = [f"{name} {describe(d['epochs_val']['mean'])}, sd {describe(d['epochs_val']['sd'])}"
                for name, d in res["variants"].items() if d.get("epochs_val")]
     if typical:
-        pairs = [f"{n} − {res['reference']} {describe(p['val_epochs_mean'])} ({p['val_epochs_mean']['wins']}/"
-                 f"{p['val_epochs_mean']['n']})" for n, p in res["paired"].items() if "val_epochs_mean" in p]
+        pairs = paired_list(res, "val_epochs_mean")
         lines += ["", "The typical epoch beside the selected one (a run's mean val per-trade Sharpe over its epochs, "
                   "and their standard deviation within the run; mean [95 % CI] over units — the choice on validation "
                   f"keeps the best draw, so the spread counts as much as the mean): {'; '.join(typical)}"
                   + (f"; paired {', '.join(pairs)}." if pairs else ".")]
     best = {name: d["best_validated"] for name, d in res["variants"].items() if d.get("best_validated")}
     if best:
-        pairs = [f"{n} − {res['reference']} {describe(p['best_validated_oos'])} "
-                 f"({p['best_validated_oos']['wins']}/{p['best_validated_oos']['n']})"
-                 for n, p in res["paired"].items() if "best_validated_oos" in p]
+        pairs = paired_list(res, "best_validated_oos")
         lines += ["", "The run chosen on validation among each market and fold's runs (what training them and keeping "
                   "the best validated gives; mean [95 % CI] over the groups): "
                   + "; ".join(f"{n} OOS {describe(b['oos'])}, {describe(b['lift'])} above the group's mean "
