@@ -200,10 +200,19 @@ def test_rollbacks_count_the_epochs_that_began_from_one_not_the_last_epochs_bund
             "draw, so the spread counts as much as the mean): on +0.417 [+0.333, +0.500], sd +0.126 [+0.082, +0.170]; "
             "off +0.200 [+0.167, +0.233], sd +0.047 [+0.047, +0.047]; paired on − off +0.217 [+0.167, +0.267] (2/2)."
             ) in " ".join(markdown(res).split())
+    # the first epoch against the later ones: on 0.5 | mean(0.1, 0.4) = 0.25 and 0.5 | 0.5; off 0.2 | 0.15 and
+    # 0.2 | 0.25 → paired epoch 1 +0.3 twice, later +0.1 and +0.25
+    assert [x for r in res["runs"] for x in (r["val_epoch1"], r["val_later_mean"])] == pytest.approx(
+        [0.5, 0.25, 0.5, 0.5, 0.2, 0.15, 0.2, 0.25])
+    later = res["paired"]["on"]["val_later_mean"]
+    assert later["mean"] == pytest.approx(0.175) and (later["lo"], later["hi"]) == pytest.approx((0.1, 0.25))
+    assert ("so its difference there is the pairing's noise): epoch 1 on − off +0.300 [+0.300, +0.300] (2/2); the "
+            "mean of epochs 2–3 on − off +0.175 [+0.100, +0.250] (2/2).") in " ".join(markdown(res).split())
     runs[2]["epochs"] = runs[2]["epochs"][:1]                 # a run of one epoch: none for its variant, no pairing
     res2 = {**res, **aggregate(runs, [], ["on", "off"], "off", n_boot=200, seed=0)}
     assert res2["runs"][2]["val_epochs_sd"] is None and "epochs_val" not in res2["variants"]["off"]
-    assert "val_epochs_mean" not in res2["paired"]["on"]
+    assert "val_epochs_mean" not in res2["paired"]["on"] and "val_later_mean" not in res2["paired"]["on"]
+    assert res2["runs"][2]["val_epoch1"] is None and "The first epoch against" not in markdown(res2)
     assert "so the spread counts as much as the mean): on +0.417 [+0.333, +0.500], sd +0.126 [+0.082, +0.170]." in (
         " ".join(markdown(res2).split()))
     runs[2]["epochs"] = _summary("off", 0, 0, [0.2, 0.1, 0.2], 1, 0.2)["epochs"]

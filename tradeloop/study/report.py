@@ -105,6 +105,12 @@ def markdown(res: dict) -> str:
                   "and their standard deviation within the run; mean [95 % CI] over units — the choice on validation "
                   f"keeps the best draw, so the spread counts as much as the mean): {'; '.join(typical)}"
                   + (f"; paired {', '.join(pairs)}." if pairs else ".")]
+    first, later = paired_list(res, "val_epoch1"), paired_list(res, "val_later_mean")
+    if first:
+        lines += ["", "The first epoch against the later ones (paired, val per-trade Sharpe; a variant that changes "
+                  "training only after epoch 1 trains epoch 1 as the reference does, so its difference there is the "
+                  f"pairing's noise): epoch 1 {', '.join(first)}; the mean of epochs 2–{s['epochs']} "
+                  f"{', '.join(later)}."]
     best = {name: d["best_validated"] for name, d in res["variants"].items() if d.get("best_validated")}
     if best:
         pairs = paired_list(res, "best_validated_oos")

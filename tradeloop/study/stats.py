@@ -142,7 +142,8 @@ def aggregate(summaries: Sequence[dict], baselines: Sequence[dict], variants: Se
                      "dsr": study_dsr(m["selected_val_trade_returns"], n_trials, var),
                      "run_dsr": m["run_dsr"], "rollbacks": rollbacks(m), "rollback_steps": rollback_steps(m),
                      "exploits": len(exploited(m)),
-                     "exploited": exploited(m), "val_step": val_step(m), **typical_epoch(m)})
+                     "exploited": exploited(m), "val_step": val_step(m), **typical_epoch(m),
+                     **first_and_later(m)})
     ci = lambda xs: bootstrap_ci(xs, n_boot=n_boot, seed=seed)  # noqa: E731
     cluster = cluster_of or (lambda s, f: (s, f))
     pops = set(populations)
@@ -215,6 +216,8 @@ def aggregate(summaries: Sequence[dict], baselines: Sequence[dict], variants: Se
         out_p[name] = {k: pair(k) for k in ("oos_sharpe", "val_sharpe", "last_val_sharpe", "dsr")}
         if "epochs_val" in out_v[name] and "epochs_val" in out_v[reference]:
             out_p[name]["val_epochs_mean"] = pair("val_epochs_mean")
+        if all(r["val_later_mean"] is not None for r in rows if r["variant"] in (name, reference)):
+            out_p[name].update({k: pair(k) for k in ("val_epoch1", "val_later_mean")})
         if over in pops:
             out_p[name]["over_populations"] = True
         if name in best_by and reference in best_by:
@@ -282,6 +285,18 @@ def typical_epoch(summary: dict) -> dict:
     if len(v) < 2:
         return {"val_epochs_mean": None, "val_epochs_sd": None}
     return {"val_epochs_mean": float(np.mean(v)), "val_epochs_sd": float(np.std(v))}
+
+
+def first_and_later(summary: dict) -> dict:
+    """A run's first epoch's validation per-trade Sharpe (`val_epoch1`) and the mean of its later epochs'
+    (`val_later_mean`), epochs without a Sharpe left out; both None unless the first and at least one later epoch
+    have one. A variant that changes training only after epoch 1 trains epoch 1 as the reference does: its paired
+    difference there is the pairing's noise (on a GPU, training's nondeterminism), the yardstick for the later one."""
+    v = [float(e["val_sharpe"]) for e in summary["epochs"]]
+    later = [x for x in v[1:] if np.isfinite(x)]
+    if not v or not np.isfinite(v[0]) or not later:
+        return {"val_epoch1": None, "val_later_mean": None}
+    return {"val_epoch1": v[0], "val_later_mean": float(np.mean(later))}
 
 
 def exploited(summary: dict) -> list[list]:
