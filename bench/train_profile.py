@@ -37,7 +37,8 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from bench import yardstick  # noqa: E402
 from shared.graphs import Graphed  # noqa: E402
-from services.trainer.train import TrainConfig, _bf16, build_state, compile_step, refresh_rolling  # noqa: E402
+from services.trainer.train import (TrainConfig, build_state, compile_step, in_precision,  # noqa: E402
+                                    refresh_rolling)
 from bench.train_speed import fill_for_updates, synthetic_dataset  # noqa: E402
 
 
@@ -316,7 +317,7 @@ def main() -> None:
             st.env.reset_all()
             fill_for_updates(st)
             if part == "refresh":
-                fn = _bf16(lambda: refresh_rolling(st)) if cfg.bf16 else (lambda: refresh_rolling(st))
+                fn = in_precision(lambda st=st: refresh_rolling(st), cfg, st.device)
                 if a.accel == "compile":
                     fn = compile_step(fn, cfg, st.device)
                 label = f"rolling refresh ({st.refresh_idx.shape[0]:,} bars × 2 networks per update)"

@@ -31,8 +31,10 @@ attention, C51 chain and targets), whose vmap rules fold the runs' samples into 
 SDPA's memory-efficient backward rejects the strides vmap gives its saved log-sum-exp, "LSE is not correctly
 aligned"). R = 1 runs the same code, so the ratio compares like with like; `--product` adds one run as `tradeloop
 train` runs it (`train_epoch` at the device's default accel, its epoch-start work included), the rate a study's
-runs have today. Before timing, each R's batched step is checked against every run's own (`check`: the largest
-|Δ| relative to the scale — the loss for the update; every tensor the collection writes for the iteration).
+runs have today. The timed step runs in the product's precision (`in_precision`: bf16 autocast on CUDA with the
+preset's `bf16`; without it the fused attention ran its IEEE-fp32 path, bench/README.md 2026-12-04). Before timing,
+each R's batched step is checked against every run's own (`check`: the largest |Δ| relative to the scale — the loss
+for the update; every tensor the collection writes for the iteration).
 `--profile TOP` (CUDA) prints each timed step's kernel profile (`bench.train_profile.report`) and the product's.
   steps/s     steps (updates or iterations) of all runs together per second; ×1: over R = 1's
 """
@@ -54,7 +56,7 @@ from shared import layers
 from services.trainer.objective import make_objective
 from services.trainer.replay import Batch
 from services.trainer.loop import train_epoch
-from services.trainer.runtime import compile_step
+from services.trainer.runtime import compile_step, in_precision
 from services.trainer.targets import Targets, make_targets, noise_width
 from services.trainer.train import TrainConfig
 from shared.graphs import capture, resolve_accel
@@ -305,14 +307,14 @@ def measure(args, states: list, accel: str, cuda: bool) -> list[dict]:
         else:
             upd = BatchedUpdate(states[:R])
             check = upd.check(states[:R])
-        step = upd
+        step = in_precision(upd, upd.cfg, args.device)          # bf16 autocast on CUDA, as the product's steps
         if "compile" in accel:
             # every R its own static graph: a recompile of the same `__call__` at a new R makes the run dimension
             # symbolic (automatic dynamic shapes), and on the H200 a compile of this step failed building its shape
             # guards (IndexError in produce_guards_verbose), which only symbolic shapes have
             torch._dynamo.reset()
             torch._dynamo.config.automatic_dynamic_shapes = False
-            step = compile_step(upd, upd.cfg, args.device)
+            step = compile_step(step, upd.cfg, args.device)
         t0 = time.perf_counter()
         upd.draw()
         if "graph" in accel:

@@ -30,6 +30,22 @@ def test_auto_is_compile_and_graph_on_cuda_and_eager_on_a_cpu():
         resolve_accel("compile+graph", "cpu")
 
 
+def test_the_steps_precision_is_bf16_autocast_on_cuda_with_the_presets_bf16_and_none_elsewhere():
+    from services.trainer.runtime import in_precision
+    from services.trainer.train import TrainConfig
+
+    def step():
+        return torch.get_autocast_dtype("cuda")
+
+    full, small = TrainConfig.preset("full", 8), TrainConfig.preset("small", 8)
+    assert full.bf16 and not small.bf16
+    assert in_precision(step, full, "cpu") is step and in_precision(step, small, "cuda") is step
+    wrapped = in_precision(step, full, torch.device("cuda:0"))
+    assert wrapped is not step
+    if torch.cuda.is_available():
+        assert wrapped() == torch.bfloat16
+
+
 def test_the_settings_and_the_options_know_the_same_modes():
     assert set(get_args(AccelMode)) == {"auto", *ACCEL_MODES}
     check_accel("compile+graph", "cuda")

@@ -65,9 +65,8 @@ class StepRunner:
         update_fn = lambda noise, staged, join, via, prio: train_step(state, noise, staged, join, via, prio)  # noqa: E731
         encode_fn = lambda: refresh_encode(state)  # noqa: E731
         targets_fn = lambda b, noise, out: _targets_into(state.targets, b, noise, out)  # noqa: E731
-        if cfg.bf16 and dev.type == "cuda":
-            collect_fn, update_fn, encode_fn, targets_fn = (_bf16(collect_fn), _bf16(update_fn), _bf16(encode_fn),
-                                                            _bf16(targets_fn))
+        collect_fn, update_fn, encode_fn, targets_fn = (in_precision(f, cfg, dev) for f in
+                                                        (collect_fn, update_fn, encode_fn, targets_fn))
         if "compile" in accel:
             collect_fn, update_fn, encode_fn, targets_fn = (compile_step(f, cfg, dev) for f in
                                                             (collect_fn, update_fn, encode_fn, targets_fn))
@@ -272,6 +271,12 @@ def compile_step(fn: Callable[..., object], cfg: TrainConfig, device: torch.devi
     if torch.device(device).type == "cpu" and torch.__version__ < "2.13":      # a TorchVersion: compared as one
         options.setdefault("pattern_matcher", False)
     return torch.compile(fn, options=options or None)
+
+
+def in_precision(fn: Callable[..., object], cfg: TrainConfig, device) -> Callable[..., object]:
+    """fn in the precision the trainer runs its steps in on `device`: under bf16 autocast where `cfg.bf16` and the
+    device is CUDA (`_bf16`), else fn itself. Every path that times or runs the trainer's steps wraps them here."""
+    return _bf16(fn) if cfg.bf16 and torch.device(device).type == "cuda" else fn
 
 
 def _bf16(fn: Callable[..., object]) -> Callable[..., object]:

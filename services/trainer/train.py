@@ -24,16 +24,17 @@ from services.trainer.objective import Objective, make_objective
 from services.trainer.optim import (build_optimizer, clip_grad_norm, device_lrs, group_lr, materialise_state,
                                     param_branch, scheduled_lr, set_lrs, weight_decay_mask)
 from services.trainer.rundir import append_history, latest_epoch, read_run_json
-from services.trainer.runtime import StepRunner, _bf16, compile_step, inductor_options
+from services.trainer.runtime import StepRunner, compile_step, in_precision, inductor_options
 from services.trainer.state import TrainState, adapt_support, apply_knobs, build_state
 from services.trainer.step import make_update, train_step
 from services.trainer.targets import Targets, iqn_rows, make_targets, noise_width, sample_horizons
 
 __all__ = [
     "CHURN_SMALL", "INTERRUPTED", "METRICS", "MIN_HOLD_SMALL", "EpochInterrupted", "EpochProgress", "EpochStats",
-    "Objective", "PhaseClock", "StepRunner", "Targets", "TrainConfig", "TrainState", "UpdateBuffers", "_bf16",
+    "Objective", "PhaseClock", "StepRunner", "Targets", "TrainConfig", "TrainState", "UpdateBuffers",
     "adapt_support", "agent_metadata", "append_history", "apply_knobs", "build_optimizer", "build_state",
-    "clip_grad_norm", "compile_step", "device_lrs", "group_lr", "inductor_options", "iqn_rows", "latest_epoch",
+    "clip_grad_norm", "compile_step", "device_lrs", "group_lr", "in_precision", "inductor_options", "iqn_rows",
+    "latest_epoch",
     "make_buffers", "make_objective", "make_targets", "make_update", "materialise_state", "noise_width", "open_run",
     "param_branch", "prune_checkpoints", "read_interrupted", "read_run_json", "refresh_embeddings",
     "refresh_encode", "refresh_rolling", "refresh_store", "remove_checkpoint", "restore_interrupted",
