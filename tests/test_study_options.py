@@ -76,6 +76,12 @@ def test_the_shipped_study_files_build(path: Path, tmp_path: Path):
         assert not any(fb.enabled for fb in offs.values())
         assert (cfgs["off"].replay_capacity, cfgs["recent"].replay_capacity) == (2_000_000, 500_000)
         assert (cfgs["off"].lr, cfgs["lowlr"].lr) == (3e-4, 1e-4) and cfgs["lowlr"].replay_capacity == 2_000_000
+    elif path.name == "recent-replay.toml":   # the one-epoch replay on new seeds, and the loop as shipped on it
+        cfgs = {v.name: spec.configs(v, 14)[0] for v in spec.variants}
+        assert {n: c.replay_capacity for n, c in cfgs.items()} == {"off": 2_000_000, "recent": 500_000,
+                                                                    "on-recent": 500_000}
+        assert not offs["recent"].enabled and offs["on-recent"].enabled and set(offs["on-recent"].off) == signals
+        assert spec.reference == "recent" and spec.seeds == [5, 6, 7, 8, 9]
     else:                                    # rollback-settings.toml: the rollback's z, learning-rate decay, blend
         want = {"on": (2.0, 1.0, 0.0), "z1": (1.0, 1.0, 0.0), "anneal": (2.0, 0.5, 0.0), "keep": (2.0, 1.0, 0.5)}
         assert {n: (fb.rollback_z, fb.rollback_lr_factor, fb.rollback_keep)
