@@ -23,10 +23,11 @@ The batched collection (`--step iteration`, before the iteration's `updates_per_
 vmapped over every run's accounts, exploration knobs, acting view table and replay (`BatchedCollect`), so the
 updates sample what it wrote.
 Each run reads its own update buffers (embedding tables, knobs, hindsight labels, the acting view's table: stacked
-and vmapped like the parameters). The priorities, the rolling embedding refresh and the LR schedule of the
-product's update are not in it. `--kernels fused` (the default) keeps the preset's Triton kernels (fused
-attention, C51 chain and targets), whose vmap rules fold the runs' samples into one launch
-(`services.trainer.run_batch`); `--kernels reference` trains with `attention=sdpa`, `fused_c51=False`,
+and vmapped like the parameters). Each update also advances every run's rolling embedding refresh
+(`BatchedRefresh`: encoded before the forward pass, stored after the backward pass, as `train_step` does). The
+priorities and the LR schedule of the product's update are not in it. `--kernels fused` (the default) keeps the
+preset's Triton kernels (fused attention, C51 chain and targets), whose vmap rules fold the runs' samples into one
+launch (`services.trainer.run_batch`); `--kernels reference` trains with `attention=sdpa`, `fused_c51=False`,
 `fused_targets=False` and the attention written out (`causal_attention_math`, `last_query_attention_math`: on CUDA,
 SDPA's memory-efficient backward rejects the strides vmap gives its saved log-sum-exp, "LSE is not correctly
 aligned"). R = 1 runs the same code, so the ratio compares like with like; `--product` adds one run as `tradeloop
@@ -53,6 +54,7 @@ from torch.func import stack_module_state, vmap
 from bench import run_streams
 from shared.knobs import Knobs
 from shared import layers
+from services.trainer.buffers import refresh_encode, refresh_rolling, refresh_store
 from services.trainer.objective import make_objective
 from services.trainer.replay import Batch
 from services.trainer.loop import train_epoch
@@ -133,6 +135,7 @@ class BatchedUpdate:
         self.targets = make_targets(st.agent, st.target, st.buffers, st.cfg)
         self.opt = torch.optim.AdamW(list(self.p.values()), lr=st.cfg.lr, eps=1e-6, capturable=dev.type == "cuda",
                                      foreach=True)
+        self.refresh = BatchedRefresh(self)
 
     def _online(self, p: dict, b: dict):
         return torch.nn.utils.stateless._reparametrize_module(self.st.agent, {**p, **b})
@@ -186,9 +189,11 @@ class BatchedUpdate:
         torch.rand(self.noises.shape, generator=self.gen, out=self.noises)
 
     def __call__(self, k: int = 0) -> torch.Tensor:
+        staged = self.refresh.encode()
         _, _, losses = self.losses(k)
         self.opt.zero_grad(set_to_none=True)
         losses.sum().backward()
+        self.refresh.store(staged)
         with torch.no_grad():
             grads = [p.grad for p in self.p.values() if p.grad is not None]
             norms = torch.stack([g.flatten(1).norm(dim=1) for g in grads]).norm(dim=0)         # R
@@ -199,6 +204,52 @@ class BatchedUpdate:
         with torch.no_grad():
             torch._foreach_lerp_(list(self.tp.values()), list(self.p.values()), self.cfg.tau)
         return losses.detach()
+
+
+class BatchedRefresh:
+    """The rolling embedding refresh of R runs, vmapped over their networks and tables, in `train_step`'s order: the
+    next chunk of bars encoded with the parameters an update starts from (`refresh_encode`, before its forward pass),
+    stored into each run's tables after its backward pass (`refresh_store`: rows by `index_put_`, the offset in
+    place), before the optimizer step."""
+
+    def __init__(self, upd: BatchedUpdate):
+        self.upd = upd
+
+    def _encode(self, p, b, tp, tb, bufs, views) -> tuple[torch.Tensor, ...]:
+        u = self.upd
+        with u._online(p, b), torch.nn.utils.stateless._reparametrize_module(u.st.target, {**tp, **tb}), \
+                u._buffers(bufs, views):
+            return tuple(refresh_encode(u.st))
+
+    def _store(self, bufs, views, staged) -> tuple:
+        with self.upd._buffers(bufs, views):
+            refresh_store(self.upd.st, list(staged))
+        return ()                                          # in place: the stacked tables take the rows
+
+    def encode(self) -> tuple[torch.Tensor, ...]:
+        u = self.upd
+        with torch.no_grad():
+            return vmap(self._encode, randomness="error")(u.p, u.b, u.tp, u.tb, u.bufs, u.views)
+
+    def store(self, staged: tuple[torch.Tensor, ...]) -> None:
+        with torch.no_grad():
+            vmap(self._store, randomness="error")(self.upd.bufs, self.upd.views, staged)
+
+    def check(self, states: list) -> float:
+        """The largest |Δ| between the batched refresh and each run's own `refresh_rolling` from the same networks
+        and tables, over the tables and the offset, relative to each table's scale. Each state then holds its own
+        refresh's result."""
+        self.store(self.encode())
+        worst = 0.0
+        u = self.upd
+        for r, s in enumerate(states):
+            refresh_rolling(s)
+            own = {**{k: getattr(s.buffers, k) for k in u.bufs},
+                   **{k: getattr(s.buffers.view_online, k) for k in u.views}}
+            for k, got in {**u.bufs, **u.views}.items():
+                d = (got[r].double() - own[k].double()).abs().max() / own[k].double().abs().max().clamp(min=1.0)
+                worst = max(worst, float(d))
+        return worst
 
 
 def collect_objects(st) -> dict[str, object]:
@@ -303,10 +354,10 @@ def measure(args, states: list, accel: str, cuda: bool) -> list[dict]:
     for R in args.runs:
         if args.step == "iteration":
             upd = BatchedIteration(states[:R])
-            check = max(upd.col.check(states[:R]), upd.upd.check(states[:R]))
+            check = max(upd.col.check(states[:R]), upd.upd.check(states[:R]), upd.upd.refresh.check(states[:R]))
         else:
             upd = BatchedUpdate(states[:R])
-            check = upd.check(states[:R])
+            check = max(upd.check(states[:R]), upd.refresh.check(states[:R]))
         step = in_precision(upd, upd.cfg, args.device)          # bf16 autocast on CUDA, as the product's steps
         if "compile" in accel:
             # every R its own static graph: a recompile of the same `__call__` at a new R makes the run dimension

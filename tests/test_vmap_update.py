@@ -82,3 +82,30 @@ def test_a_profile_is_refused_off_a_gpu(capsys):
     with pytest.raises(SystemExit):
         vmap_update.main(["--device", "cpu", "--preset", "small", "--runs", "1", "--profile", "20"])
     assert "--profile reads CUDA kernels: it needs --device cuda" in capsys.readouterr().err
+
+
+def test_the_batched_refresh_stores_what_each_runs_own_refresh_stores(monkeypatch):
+    """Every batched update advances each run's rolling embedding refresh: the tables and the offset after a batched
+    refresh are those each run's own `refresh_rolling` gives from the same networks and tables; a run encoding with
+    another run's networks is seen."""
+    built = []
+    make = vmap_update.make_states
+    monkeypatch.setattr(vmap_update, "make_states", lambda a, R: built.extend(make(a, R)) or built)
+    vmap_update.main(["--device", "cpu", "--preset", "small", "--runs", "2", "--steps", "1", "--warmup", "14",
+                      "--bars", "6000", "--set", "iterations=4", "--accel", "eager"])
+    upd = vmap_update.BatchedUpdate(built)
+    offset = upd.bufs["emb_offset"].clone()
+    with torch.no_grad():
+        upd.p[next(iter(upd.p))][1].mul_(1.01)            # run 1's networks now differ from run 0's
+        next(built[1].agent.parameters()).mul_(1.01)
+    before = upd.bufs["emb_online"].clone()
+    assert upd.refresh.check(built) < 1e-6
+    C, T = built[0].refresh_idx.shape[0], upd.bufs["emb_online"].shape[1]
+    assert torch.equal(upd.bufs["emb_offset"], (offset + C) % T)
+    changed = (upd.bufs["emb_online"] != before).any(dim=-1)                    # R × T: the chunk's rows alone
+    for r in range(2):
+        rows = set(((offset[r] + torch.arange(C)) % T).tolist())
+        assert set(changed[r].nonzero().flatten().tolist()) <= rows and changed[r].any(), r
+    mixed = vmap_update.BatchedUpdate(built)              # every run encoding with run 0's networks: the check sees it
+    mixed.p = {k: v[:1].expand_as(v).clone() for k, v in mixed.p.items()}
+    assert mixed.refresh.check(built) > 1e-6

@@ -79,10 +79,11 @@ def _view_table(cfg: AgentConfig, T: int, device) -> MarketView:
 
 
 def _store_view(table: MarketView, idx: torch.Tensor, v: MarketView) -> None:
-    """table[idx] = v for each field, in place (`index_copy_`: capturable)."""
+    """table[idx] = v for each field, in place (`index_put_` of distinct rows: capturable, and with a vmap rule, so
+    R runs' tables take their rows in one launch)."""
     for name in MarketView.FIELDS:
         dst = getattr(table, name)
-        dst.index_copy_(0, idx, getattr(v, name).to(dst.dtype))
+        dst.index_put_((idx,), getattr(v, name).to(dst.dtype))
 
 
 @torch.no_grad()
@@ -121,11 +122,11 @@ def refresh_store(state: TrainState, staged: list[torch.Tensor]) -> None:
     device scalar)."""
     buf, T = state.buffers, state.buffers.emb_online.shape[0]
     idx = (buf.emb_offset + state.refresh_idx) % T                                         # C
-    buf.emb_online.index_copy_(0, idx, staged[0].to(buf.emb_online.dtype))
-    buf.emb_target.index_copy_(0, idx, staged[1].to(buf.emb_target.dtype))
+    buf.emb_online.index_put_((idx,), staged[0].to(buf.emb_online.dtype))
+    buf.emb_target.index_put_((idx,), staged[1].to(buf.emb_target.dtype))
     if buf.view_online is not None:
         _store_view(buf.view_online, idx, MarketView(*staged[2:]))
-    buf.emb_offset.add_(state.refresh_idx.shape[0]).remainder_(T)
+    buf.emb_offset.copy_(torch.remainder(buf.emb_offset + state.refresh_idx.shape[0], T))     # copy_: a vmap rule
 
 
 def refresh_rolling(state: TrainState) -> None:
