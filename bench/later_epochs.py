@@ -1,0 +1,69 @@
+"""Do a run's later epochs validate above its first? For each variant of finished studies, the mean over its runs of
+(the mean validation per-trade Sharpe of epochs 2–E) − (epoch 1's), with its 95 % CI (the study's bootstrap over the
+runs, `tradeloop.study.stats.bootstrap_ci`). A knob schedule or a rollback chooses among a run's epochs; only a learner
+whose later epochs improve on its first raises the level they are chosen from.
+
+    python3 -m bench.later_epochs docs/study-h200*/results.json [--variants off]
+
+Reads the studies' `curves` (each run's validation per-trade Sharpe by epoch); runs with a missing Sharpe are left
+out. Sharpes are un-annualized, per trade.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from tradeloop.study.stats import bootstrap_ci
+
+
+def kept(curves: dict[str, list[float]]) -> list[list[float]]:
+    """The runs (`curves` entries) with a later epoch and every epoch's Sharpe."""
+    return [v for v in curves.values() if len(v) > 1 and all(x is not None and np.isfinite(x) for x in v)]
+
+
+def later_minus_first(curves: dict[str, list[float]]) -> list[float]:
+    """Per kept run: the mean of epochs 2–E minus epoch 1."""
+    return [float(np.mean(v[1:]) - v[0]) for v in kept(curves)]
+
+
+def rows(paths: list[Path], variants: set[str] | None = None) -> list[dict]:
+    out = []
+    for path in paths:
+        res = json.loads(Path(path).read_text())
+        for name, curves in res.get("curves", {}).items():
+            if variants and name not in variants:
+                continue
+            d = later_minus_first(curves)
+            if not d:
+                continue
+            runs = kept(curves)
+            out.append({"study": Path(path).parent.name, "variant": name, "runs": len(d), "epochs": len(runs[0]),
+                        "epoch1": float(np.mean([v[0] for v in runs])),
+                        "later": float(np.mean([np.mean(v[1:]) for v in runs])), "diff": bootstrap_ci(d)})
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("results", nargs="+", type=Path, help="a finished study's results.json (several allowed)")
+    ap.add_argument("--variants", nargs="*", help="only these variants")
+    a = ap.parse_args(argv)
+    missing = [str(p) for p in a.results if not p.is_file()]
+    if missing:
+        ap.error(f"no such results.json: {', '.join(missing)}")
+    found = rows(a.results, set(a.variants) if a.variants else None)
+    print("| study | variant | runs | epochs | epoch 1 | epochs 2–E | later − first [95 % CI] |")
+    print("|---|---|---:|---:|---:|---:|---|")
+    for r in found:
+        d = r["diff"]
+        print(f"| {r['study']} | {r['variant']} | {r['runs']} | {r['epochs']} | {r['epoch1']:+.3f} | {r['later']:+.3f} "
+              f"| {d['mean']:+.3f} [{d['lo']:+.3f}, {d['hi']:+.3f}] |")
+    print(json.dumps(found), file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,28 @@
+"""bench/later_epochs.py: a run's later epochs against its first, per variant of finished studies, on a hand-computed
+case; runs with a missing Sharpe left out; a missing results.json named."""
+import json
+
+import pytest
+
+from bench import later_epochs
+
+
+def test_later_minus_first_per_variant_by_hand(tmp_path, capsys):
+    study = tmp_path / "study-x"
+    study.mkdir()
+    curves = {"off": {"0/0": [0.5, 0.1, 0.4], "1/0": [0.2, 0.3, 0.2], "2/0": [0.3, float("nan"), 0.1]},
+              "one": {"0/0": [0.4]}}
+    (study / "results.json").write_text(json.dumps({"curves": curves}))
+    # off: mean(0.1, 0.4) − 0.5 = −0.25, mean(0.3, 0.2) − 0.2 = +0.05; the NaN run left out; "one" has no later epoch
+    assert later_epochs.later_minus_first(curves["off"]) == pytest.approx([-0.25, 0.05])
+    later_epochs.main([str(study / "results.json")])
+    out = capsys.readouterr().out
+    assert "| study-x | off | 2 | 3 | +0.350 | +0.250 | -0.100 [-0.250, +0.050] |" in out and "| one |" not in out
+    later_epochs.main([str(study / "results.json"), "--variants", "none"])
+    assert "| study-x |" not in capsys.readouterr().out
+
+
+def test_a_missing_results_file_is_named(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        later_epochs.main([str(tmp_path / "nope.json")])
+    assert f"no such results.json: {tmp_path / 'nope.json'}" in capsys.readouterr().err
