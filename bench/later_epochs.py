@@ -5,8 +5,8 @@ whose later epochs improve on its first raises the level they are chosen from.
 
     python3 -m bench.later_epochs docs/study-h200*/results.json [--variants off]
 
-Reads the studies' `curves` (each run's validation per-trade Sharpe by epoch); runs with a missing Sharpe are left
-out. Sharpes are un-annualized, per trade.
+Reads the studies' `curves` (each run's validation per-trade Sharpe by epoch); an epoch without a Sharpe is left out
+of a run's later mean, a run without epoch 1's or a later one is left out. Sharpes are un-annualized, per trade.
 """
 from __future__ import annotations
 
@@ -17,17 +17,17 @@ from pathlib import Path
 
 import numpy as np
 
-from tradeloop.study.stats import bootstrap_ci
+from tradeloop.study.stats import bootstrap_ci, first_and_later_of
 
 
-def kept(curves: dict[str, list[float]]) -> list[list[float]]:
-    """The runs (`curves` entries) with a later epoch and every epoch's Sharpe."""
-    return [v for v in curves.values() if len(v) > 1 and all(x is not None and np.isfinite(x) for x in v)]
+def kept(curves: dict[str, list[float]]) -> list[tuple[float, float]]:
+    """(epoch 1, the mean of epochs 2–E) of each run of `curves` that has both (`stats.first_and_later_of`)."""
+    return [x for x in map(first_and_later_of, curves.values()) if x is not None]
 
 
 def later_minus_first(curves: dict[str, list[float]]) -> list[float]:
     """Per kept run: the mean of epochs 2–E minus epoch 1."""
-    return [float(np.mean(v[1:]) - v[0]) for v in kept(curves)]
+    return [later - first for first, later in kept(curves)]
 
 
 def rows(paths: list[Path], variants: set[str] | None = None) -> list[dict]:
@@ -41,9 +41,10 @@ def rows(paths: list[Path], variants: set[str] | None = None) -> list[dict]:
             if not d:
                 continue
             runs = kept(curves)
-            out.append({"study": Path(path).parent.name, "variant": name, "runs": len(d), "epochs": len(runs[0]),
-                        "epoch1": float(np.mean([v[0] for v in runs])),
-                        "later": float(np.mean([np.mean(v[1:]) for v in runs])), "diff": bootstrap_ci(d)})
+            out.append({"study": Path(path).parent.name, "variant": name, "runs": len(d),
+                        "epochs": max(len(v) for v in curves.values()),
+                        "epoch1": float(np.mean([f for f, _ in runs])),
+                        "later": float(np.mean([la for _, la in runs])), "diff": bootstrap_ci(d)})
     return out
 
 

@@ -13,11 +13,12 @@ def test_later_minus_first_per_variant_by_hand(tmp_path, capsys):
     curves = {"off": {"0/0": [0.5, 0.1, 0.4], "1/0": [0.2, 0.3, 0.2], "2/0": [0.3, float("nan"), 0.1]},
               "one": {"0/0": [0.4]}}
     (study / "results.json").write_text(json.dumps({"curves": curves}))
-    # off: mean(0.1, 0.4) − 0.5 = −0.25, mean(0.3, 0.2) − 0.2 = +0.05; the NaN run left out; "one" has no later epoch
-    assert later_epochs.later_minus_first(curves["off"]) == pytest.approx([-0.25, 0.05])
+    # off: mean(0.1, 0.4) − 0.5 = −0.25, mean(0.3, 0.2) − 0.2 = +0.05, and the NaN epoch left out: 0.1 − 0.3 = −0.2;
+    # "one" has no later epoch → epoch 1 (0.5 + 0.2 + 0.3) / 3, later (0.25 + 0.25 + 0.1) / 3, Δ −0.4 / 3
+    assert later_epochs.later_minus_first(curves["off"]) == pytest.approx([-0.25, 0.05, -0.2])
     later_epochs.main([str(study / "results.json")])
     out = capsys.readouterr().out
-    assert "| study-x | off | 2 | 3 | +0.350 | +0.250 | -0.100 [-0.250, +0.050] |" in out and "| one |" not in out
+    assert "| study-x | off | 3 | 3 | +0.333 | +0.200 | -0.133 [" in out and "| one |" not in out
     later_epochs.main([str(study / "results.json"), "--variants", "none"])
     assert "| study-x |" not in capsys.readouterr().out
 

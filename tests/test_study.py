@@ -112,6 +112,12 @@ def test_tiny_study_end_to_end(reference):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
     md = (out / "report.md").read_text()
     assert "Paired differences, variant − off" in md and "| oracle (baseline) |" in md
+    # every epoch's in-sample Sharpe (the greedy policy on the training split's last bars) is kept beside validation
+    for rid, s in sums.items():
+        rec = json.loads((out / "runs" / rid / "loop" / "epoch-0001.json").read_text())
+        assert s["epochs"][0]["insample_sharpe"] == float(rec["insample"]["per_trade_sharpe"] or 0.0), rid
+        assert all(isinstance(e["insample_sharpe"], float) for e in s["epochs"]), rid
+    assert set(res["curves_insample"]) == {"on", "off"} and "In sample beside validation" in md
     assert "runs at once" in p.stdout and "epochs/s" in p.stdout and "wall" in p.stdout
     finished = [line.split(":")[0] for line in p.stdout.splitlines() if "selected on validation (val" in line]
     assert sorted(finished) == sorted(RUNS)                # one line per finished run

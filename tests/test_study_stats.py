@@ -208,6 +208,16 @@ def test_rollbacks_count_the_epochs_that_began_from_one_not_the_last_epochs_bund
     assert later["mean"] == pytest.approx(0.175) and (later["lo"], later["hi"]) == pytest.approx((0.1, 0.25))
     assert ("so its difference there is the pairing's noise): epoch 1 on − off +0.300 [+0.300, +0.300] (2/2); the "
             "mean of epochs 2–3 on − off +0.175 [+0.100, +0.250] (2/2).") in " ".join(markdown(res).split())
+    # in sample beside validation: on's runs carry it at every epoch, off's not (summaries written before it was kept)
+    for m, ins in zip(runs[:2], ([0.6, 0.8, 1.0], [0.6, 0.7, 0.9])):
+        for e, x in zip(m["epochs"], ins):
+            e["insample_sharpe"] = x
+    res3 = {**res, **aggregate(runs, [], ["on", "off"], "off", n_boot=200, seed=0)}
+    assert set(res3["curves_insample"]) == {"on"} and res3["curves_insample"]["on"]["1/0"] == [0.6, 0.7, 0.9]
+    # on: in sample 0.6 → mean(0.9, 0.8) = 0.85; validation 0.5 → mean(0.25, 0.5) = 0.375
+    assert ("epoch 1 → the mean of epochs 2–E — in sample rising while validation falls is overfitting the training "
+            "split): on in sample +0.600 → +0.850, validation +0.500 → +0.375.") in " ".join(markdown(res3).split())
+    assert "In sample beside validation" not in markdown(res)
     runs[2]["epochs"] = runs[2]["epochs"][:1]                 # a run of one epoch: none for its variant, no pairing
     res2 = {**res, **aggregate(runs, [], ["on", "off"], "off", n_boot=200, seed=0)}
     assert res2["runs"][2]["val_epochs_sd"] is None and "epochs_val" not in res2["variants"]["off"]

@@ -185,6 +185,9 @@ def run_closed_loop(bars: Bars, dataset: str, run_dir: Path, epochs: int, *, con
                           "rollback_keep": bundle.rollback_keep, "rollback_restart": bundle.rollback_restart,
                           "best_epoch": bundle.best_epoch, "exploit": exploit},
                "val": {k: v for k, v in vm.items()},
+               # the same greedy policy on the training split's last bars (as many as validation's): what it learned
+               # on the data it trains on, beside what holds out of it
+               "insample": None if rep.insample is None else dict(rep.insample.metrics),
                "train": None if stats is None else {k: (v if not isinstance(v, float) or np.isfinite(v) else None)
                                                     for k, v in asdict(stats).items() if k != "knobs"},
                "seconds": {"train": None if stats is None else stats.seconds, "eval": t1 - t0, "feedback": t2 - t1},

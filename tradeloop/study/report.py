@@ -13,7 +13,7 @@ import numpy as np
 
 from tradeloop.study.loop import write_json_atomic
 from tradeloop.study.spec import StudySpec
-from tradeloop.study.stats import DSR_BAR, aggregate, describe
+from tradeloop.study.stats import DSR_BAR, aggregate, describe, first_then_later
 
 
 def load_summaries(spec: StudySpec, out: Path) -> list[dict]:
@@ -111,6 +111,15 @@ def markdown(res: dict) -> str:
                   "training only after epoch 1 trains epoch 1 as the reference does, so its difference there is the "
                   f"pairing's noise): epoch 1 {', '.join(first)}; the mean of epochs 2–{s['epochs']} "
                   f"{', '.join(later)}."]
+    fit = []
+    for name, ins in res.get("curves_insample", {}).items():
+        a, v = first_then_later(ins), first_then_later({u: res["curves"][name][u] for u in ins})
+        if a and v:
+            fit.append(f"{name} in sample {a[0]:+.3f} → {a[1]:+.3f}, validation {v[0]:+.3f} → {v[1]:+.3f}")
+    if fit:
+        lines += ["", "In sample beside validation (the same greedy policy on the training split's last bars, as many "
+                  "as validation's; mean over the runs, epoch 1 → the mean of epochs 2–E — in sample rising while "
+                  f"validation falls is overfitting the training split): {'; '.join(fit)}."]
     best = {name: d["best_validated"] for name, d in res["variants"].items() if d.get("best_validated")}
     if best:
         pairs = paired_list(res, "best_validated_oos")
@@ -186,9 +195,13 @@ def plot(res: dict, path: Path) -> None:
             ax.plot(range(1, len(c) + 1), c, color=colors[n], alpha=0.2, lw=0.8)
         m = np.mean(np.array(curves, dtype=float), axis=0)
         ax.plot(range(1, len(m) + 1), m, color=colors[n], lw=2.4, marker="o", ms=4, label=f"{n} (mean of {len(curves)})")
+        if ins := res.get("curves_insample", {}).get(n):
+            mi = np.mean(np.array(list(ins.values()), dtype=float), axis=0)
+            ax.plot(range(1, len(mi) + 1), mi, color=colors[n], lw=1.6, ls="--", label=f"{n} in sample (mean)")
     ax.axhline(0, color="grey", lw=0.8)
     ax.xaxis.get_major_locator().set_params(integer=True)
-    ax.set(xlabel="epoch", ylabel="val per-trade Sharpe (un-annualized)", title="Validation by epoch (thin: each run)")
+    ax.set(xlabel="epoch", ylabel="per-trade Sharpe (un-annualized)",
+           title="Validation by epoch (thin: each run; dashed: in sample)")
     ax.legend(fontsize=8)
     ax = axes[1]
     ref = res["reference"]

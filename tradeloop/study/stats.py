@@ -228,7 +228,26 @@ def aggregate(summaries: Sequence[dict], baselines: Sequence[dict], variants: Se
                      for m in summaries if m["variant"] == name} for name in variants}
     return {"n_trials": n_trials, "trial_sharpe_var": var, "reference": reference, "variants": out_v,
             "baselines": out_b, "paired": out_p, "runs": rows, "curves": curves,
-            "pairing": pairing_check(summaries)}
+            "curves_insample": insample_curves(summaries, variants), "pairing": pairing_check(summaries)}
+
+
+def insample_curves(summaries: Sequence[dict], variants: Sequence[str]) -> dict:
+    """Per variant, each run's in-sample per-trade Sharpe by epoch (`insample_sharpe`: the greedy policy on the
+    training split's last bars), keyed as `curves`; only variants whose every run has it at every epoch."""
+    out = {}
+    for name in variants:
+        ms = [m for m in summaries if m["variant"] == name]
+        vals = {f"{m['seed']}/{m['fold']}": [e.get("insample_sharpe") for e in m["epochs"]] for m in ms}
+        if ms and all(x is not None and np.isfinite(x) for v in vals.values() for x in v):
+            out[name] = vals
+    return out
+
+
+def first_then_later(curves: dict[str, list[float]]) -> tuple[float, float] | None:
+    """Over the runs of `curves` that have both (`first_and_later_of`): (the mean of epoch 1, the mean of each run's
+    mean of epochs 2–E); None where none has."""
+    fl = [x for x in map(first_and_later_of, curves.values()) if x is not None]
+    return (float(np.mean([f for f, _ in fl])), float(np.mean([la for _, la in fl]))) if fl else None
 
 
 def rolls_back(epoch: dict) -> bool:
@@ -292,11 +311,18 @@ def first_and_later(summary: dict) -> dict:
     (`val_later_mean`), epochs without a Sharpe left out; both None unless the first and at least one later epoch
     have one. A variant that changes training only after epoch 1 trains epoch 1 as the reference does: its paired
     difference there is the pairing's noise (on a GPU, training's nondeterminism), the yardstick for the later one."""
-    v = [float(e["val_sharpe"]) for e in summary["epochs"]]
-    later = [x for x in v[1:] if np.isfinite(x)]
-    if not v or not np.isfinite(v[0]) or not later:
-        return {"val_epoch1": None, "val_later_mean": None}
-    return {"val_epoch1": v[0], "val_later_mean": float(np.mean(later))}
+    fl = first_and_later_of([float(e["val_sharpe"]) for e in summary["epochs"]])
+    return {"val_epoch1": fl and fl[0], "val_later_mean": fl and fl[1]}
+
+
+def first_and_later_of(values: Sequence[float | None]) -> tuple[float, float] | None:
+    """(epoch 1's value, the mean of the later epochs' values) of one run's values by epoch, missing or non-finite
+    later values left out; None unless epoch 1's value and a later one exist."""
+    ok = lambda x: x is not None and np.isfinite(x)  # noqa: E731
+    later = [float(x) for x in values[1:] if ok(x)]
+    if not values or not ok(values[0]) or not later:
+        return None
+    return float(values[0]), float(np.mean(later))
 
 
 def exploited(summary: dict) -> list[list]:

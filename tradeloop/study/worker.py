@@ -96,6 +96,16 @@ def knobs_key(knobs: dict) -> str:
     return short_key(knobs)
 
 
+def insample_sharpe(record: dict) -> float | None:
+    """An epoch record's in-sample per-trade Sharpe (the greedy policy on the training split's last bars), 0 where it
+    is undefined, as validation's (`SplitReport.metric`); None where the record has no in-sample window (written
+    before it was kept, or a training split too short for one)."""
+    m = record.get("insample")
+    if not m:
+        return None
+    return 0.0 if m.get("per_trade_sharpe") is None else float(m["per_trade_sharpe"])
+
+
 def execute_run(spec: StudySpec, out: Path, rs: RunSpec, data: DataCache,
                 on_epoch: Callable[[dict], None] | None = None) -> dict:
     """Run (or resume) one run of the study to its end; returns its summary (also written to summary.json)."""
@@ -131,6 +141,7 @@ def execute_run(spec: StudySpec, out: Path, rs: RunSpec, data: DataCache,
         "data_seed": spec.data_seed_of(rs.seed), "split": split.to_dict(), "n_bars": len(bars),
         "epochs": [{"epoch": r["epoch"], "val_sharpe": vals[i], "val_trades": trades[i],
                     "train_s": r["seconds"]["train"], "eval_s": r["seconds"]["eval"],
+                    "insample_sharpe": insample_sharpe(r),
                     "epsilon": r["knobs"]["epsilon"], "gamma": r["knobs"]["gamma"],
                     "rollback": r["bundle"]["rollback"], "reason": r["bundle"]["reason"],
                     "rollback_to": r["bundle"].get("rollback_to_epoch") if r["bundle"]["rollback"] else None,
