@@ -15,9 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-import numpy as np
-
-from tradeloop.study.stats import bootstrap_ci, first_and_later_of
+from tradeloop.study.stats import bootstrap_ci, first_and_later_of, first_then_later
 
 
 def kept(curves: dict[str, list[float]]) -> list[tuple[float, float]]:
@@ -40,11 +38,10 @@ def rows(paths: list[Path], variants: set[str] | None = None) -> list[dict]:
             d = later_minus_first(curves)
             if not d:
                 continue
-            runs = kept(curves)
+            epoch1, later = first_then_later(curves)
             out.append({"study": Path(path).parent.name, "variant": name, "runs": len(d),
-                        "epochs": max(len(v) for v in curves.values()),
-                        "epoch1": float(np.mean([f for f, _ in runs])),
-                        "later": float(np.mean([la for _, la in runs])), "diff": bootstrap_ci(d)})
+                        "epochs": max(len(v) for v in curves.values()), "epoch1": epoch1, "later": later,
+                        "diff": bootstrap_ci(d)})
     return out
 
 

@@ -15,10 +15,10 @@
 What the services keep in Redis is kept here in the run directory, one JSON file per epoch written atomically after
 the epoch's bundle (`loop/epoch-NNNN.json`: the knobs it trained under, the next epoch's knobs, the validation
 metrics and trade returns, the in-sample window's metrics, the history entry the feedback service would keep,
-timings). A loop killed at any point resumes where it stopped: an epoch whose checkpoint exists but whose record does not is evaluated again
-(evaluation and feedback are pure functions of the checkpoint and the earlier records), then `train_run`
-resumes from the latest checkpoint. Only the latest epoch's trainer state (optimizer, replay, RNG: what resuming
-needs, hundreds of MB at the `full` preset) is kept.
+timings). A loop killed at any point resumes where it stopped: an epoch whose checkpoint exists but whose record
+does not is evaluated again (evaluation and feedback are pure functions of the checkpoint and the earlier records),
+then `train_run` resumes from the latest checkpoint. Only the latest epoch's trainer state (optimizer, replay, RNG:
+what resuming needs, hundreds of MB at the `full` preset) is kept.
 
 Sharpes are un-annualized, per trade.
 """
