@@ -214,9 +214,16 @@ def test_rollbacks_count_the_epochs_that_began_from_one_not_the_last_epochs_bund
             e["insample_sharpe"] = x
     res3 = {**res, **aggregate(runs, [], ["on", "off"], "off", n_boot=200, seed=0)}
     assert set(res3["curves_insample"]) == {"on"} and res3["curves_insample"]["on"]["1/0"] == [0.6, 0.7, 0.9]
-    # on: in sample 0.6 → mean(0.9, 0.8) = 0.85; validation 0.5 → mean(0.25, 0.5) = 0.375
+    # on: in sample 0.6 → mean(0.9, 0.8) = 0.85; validation 0.5 → mean(0.25, 0.5) = 0.375. The gap in sample −
+    # validation: run 1 0.1 | 0.7, 0.6 → widens 0.55; run 2 0.1 | 0.3, 0.3 → 0.2; mean 0.375 over the 2 units
+    assert [r["gap_widening"] for r in res3["runs"][:2]] == pytest.approx([0.55, 0.2])
+    assert all(r["gap_widening"] is None for r in res3["runs"][2:]) and "gap_widening" not in res3["variants"]["off"]
+    wide = res3["variants"]["on"]["gap_widening"]
+    assert (wide["mean"], wide["lo"], wide["hi"], wide["widened"]) == pytest.approx((0.375, 0.2, 0.55, 2))
     assert ("epoch 1 → the mean of epochs 2–E — in sample rising while validation falls is overfitting the training "
-            "split): on in sample +0.600 → +0.850, validation +0.500 → +0.375.") in " ".join(markdown(res3).split())
+            "split; the widening of the gap, in sample − validation, mean [95 % CI] over units and how many widened): "
+            "on in sample +0.600 → +0.850, validation +0.500 → +0.375, the gap between them widening +0.375 [+0.200, "
+            "+0.550] (2/2).") in " ".join(markdown(res3).split())
     assert "In sample beside validation" not in markdown(res)
     runs[2]["epochs"] = runs[2]["epochs"][:1]                 # a run of one epoch: none for its variant, no pairing
     res2 = {**res, **aggregate(runs, [], ["on", "off"], "off", n_boot=200, seed=0)}

@@ -115,11 +115,15 @@ def markdown(res: dict) -> str:
     for name, ins in res.get("curves_insample", {}).items():
         a, v = first_then_later(ins), first_then_later({u: res["curves"][name][u] for u in ins})
         if a and v:
-            fit.append(f"{name} in sample {a[0]:+.3f} → {a[1]:+.3f}, validation {v[0]:+.3f} → {v[1]:+.3f}")
+            w = res["variants"].get(name, {}).get("gap_widening")
+            fit.append(f"{name} in sample {a[0]:+.3f} → {a[1]:+.3f}, validation {v[0]:+.3f} → {v[1]:+.3f}"
+                       + (f", the gap between them widening {describe(w)} ({w['widened']}/{w['n']})" if w else ""))
     if fit:
         lines += ["", "In sample beside validation (the same greedy policy on the training split's last bars, as many "
                   "as validation's; mean over the runs, epoch 1 → the mean of epochs 2–E — in sample rising while "
-                  f"validation falls is overfitting the training split): {'; '.join(fit)}."]
+                  "validation falls is overfitting the training split; the widening of the gap, in sample − "
+                  "validation, mean [95 % CI] over units and how many widened): "
+                  f"{'; '.join(fit)}."]
     best = {name: d["best_validated"] for name, d in res["variants"].items() if d.get("best_validated")}
     if best:
         pairs = paired_list(res, "best_validated_oos")

@@ -143,7 +143,7 @@ def aggregate(summaries: Sequence[dict], baselines: Sequence[dict], variants: Se
                      "run_dsr": m["run_dsr"], "rollbacks": rollbacks(m), "rollback_steps": rollback_steps(m),
                      "exploits": len(exploited(m)),
                      "exploited": exploited(m), "val_step": val_step(m), **typical_epoch(m),
-                     **first_and_later(m)})
+                     **first_and_later(m), "gap_widening": gap_widening(m)})
     ci = lambda xs: bootstrap_ci(xs, n_boot=n_boot, seed=seed)  # noqa: E731
     cluster = cluster_of or (lambda s, f: (s, f))
     pops = set(populations)
@@ -183,6 +183,9 @@ def aggregate(summaries: Sequence[dict], baselines: Sequence[dict], variants: Se
         if all(r["val_epochs_sd"] is not None for r in rs):
             d["epochs_val"] = {k: ci(list(pooled(name, {(r["seed"], r["fold"]): r[f"val_epochs_{k}"]
                                                         for r in rs}).values())) for k in ("mean", "sd")}
+        if all(r["gap_widening"] is not None for r in rs):
+            wide = pooled(name, {(r["seed"], r["fold"]): r["gap_widening"] for r in rs})
+            d["gap_widening"] = {**ci(list(wide.values())), "widened": sum(x > 0 for x in wide.values())}
         if all(r["oos_sharpe_unshaped"] is not None for r in rs):
             d["unshaped"] = {"shaped_runs": sum(bool(r["shaped"]) for r in rs),
                              **{k: ci([r[f"{k}_unshaped"] for r in rs]) for k in ("oos_sharpe", "val_sharpe")},
@@ -313,6 +316,17 @@ def first_and_later(summary: dict) -> dict:
     difference there is the pairing's noise (on a GPU, training's nondeterminism), the yardstick for the later one."""
     fl = first_and_later_of([float(e["val_sharpe"]) for e in summary["epochs"]])
     return {"val_epoch1": fl and fl[0], "val_later_mean": fl and fl[1]}
+
+
+def gap_widening(summary: dict) -> float | None:
+    """How much a run's generalization gap grows after its first epoch: with g_e = in-sample − validation per-trade
+    Sharpe of epoch e (`insample_sharpe`, the greedy policy on the training split's last bars), the mean of g over
+    epochs 2–E minus g_1 (`first_and_later_of`). Above 0: the later epochs fit the training split better than they
+    carry to validation; None without the in-sample record at epoch 1 and a later epoch."""
+    g = [None if e.get("insample_sharpe") is None else float(e["insample_sharpe"]) - float(e["val_sharpe"])
+         for e in summary["epochs"]]
+    fl = first_and_later_of(g)
+    return None if fl is None else fl[1] - fl[0]
 
 
 def first_and_later_of(values: Sequence[float | None]) -> tuple[float, float] | None:
