@@ -6,7 +6,10 @@ whose later epochs improve on its first raises the level they are chosen from.
     python3 -m bench.later_epochs docs/study-h200*/results.json [--variants off]
 
 Reads the studies' `curves` (each run's validation per-trade Sharpe by epoch); an epoch without a Sharpe is left out
-of a run's later mean, a run without epoch 1's or a later one is left out. Sharpes are un-annualized, per trade.
+of a run's later mean, a run without epoch 1's or a later one is left out. Sharpes are un-annualized, per trade. The
+last column is the study's own widening of the gap in sample − validation after epoch 1 (`stats.gap_widening`; a
+study written before the in-sample record has none): later epochs that fall in validation while that gap widens
+overfit the training split.
 """
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ import json
 import sys
 from pathlib import Path
 
-from tradeloop.study.stats import bootstrap_ci, first_and_later_of, first_then_later
+from tradeloop.study.stats import bootstrap_ci, describe, first_and_later_of, first_then_later
 
 
 def kept(curves: dict[str, list[float]]) -> list[tuple[float, float]]:
@@ -41,7 +44,8 @@ def rows(paths: list[Path], variants: set[str] | None = None) -> list[dict]:
             epoch1, later = first_then_later(curves)
             out.append({"study": Path(path).parent.name, "variant": name, "runs": len(d),
                         "epochs": max(len(v) for v in curves.values()), "epoch1": epoch1, "later": later,
-                        "diff": bootstrap_ci(d)})
+                        "diff": bootstrap_ci(d),
+                        "gap_widening": res.get("variants", {}).get(name, {}).get("gap_widening")})
     return out
 
 
@@ -54,12 +58,13 @@ def main(argv: list[str] | None = None) -> None:
     if missing:
         ap.error(f"no such results.json: {', '.join(missing)}")
     found = rows(a.results, set(a.variants) if a.variants else None)
-    print("| study | variant | runs | epochs | epoch 1 | epochs 2–E | later − first [95 % CI] |")
-    print("|---|---|---:|---:|---:|---:|---|")
+    print("| study | variant | runs | epochs | epoch 1 | epochs 2–E | later − first [95 % CI] "
+          "| gap widening, in sample − val [95 % CI] |")
+    print("|---|---|---:|---:|---:|---:|---|---|")
     for r in found:
-        d = r["diff"]
+        d, w = r["diff"], r["gap_widening"]
         print(f"| {r['study']} | {r['variant']} | {r['runs']} | {r['epochs']} | {r['epoch1']:+.3f} | {r['later']:+.3f} "
-              f"| {d['mean']:+.3f} [{d['lo']:+.3f}, {d['hi']:+.3f}] |")
+              f"| {describe(d)} | {describe(w) if w else '—'} |")
     print(json.dumps(found), file=sys.stderr)
 
 

@@ -12,13 +12,15 @@ def test_later_minus_first_per_variant_by_hand(tmp_path, capsys):
     study.mkdir()
     curves = {"off": {"0/0": [0.5, 0.1, 0.4], "1/0": [0.2, 0.3, 0.2], "2/0": [0.3, float("nan"), 0.1]},
               "one": {"0/0": [0.4]}}
-    (study / "results.json").write_text(json.dumps({"curves": curves}))
+    wide = {"mean": 0.09, "lo": 0.05, "hi": 0.13, "n": 3, "widened": 3}   # the study's own, printed as it is
+    (study / "results.json").write_text(json.dumps({"curves": curves, "variants": {"off": {"gap_widening": wide}}}))
     # off: mean(0.1, 0.4) − 0.5 = −0.25, mean(0.3, 0.2) − 0.2 = +0.05, and the NaN epoch left out: 0.1 − 0.3 = −0.2;
     # "one" has no later epoch → epoch 1 (0.5 + 0.2 + 0.3) / 3, later (0.25 + 0.25 + 0.1) / 3, Δ −0.4 / 3
     assert later_epochs.later_minus_first(curves["off"]) == pytest.approx([-0.25, 0.05, -0.2])
     later_epochs.main([str(study / "results.json")])
     out = capsys.readouterr().out
     assert "| study-x | off | 3 | 3 | +0.333 | +0.200 | -0.133 [" in out and "| one |" not in out
+    assert "| +0.090 [+0.050, +0.130] |" in out
     later_epochs.main([str(study / "results.json"), "--variants", "none"])
     assert "| study-x |" not in capsys.readouterr().out
 
