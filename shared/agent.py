@@ -309,10 +309,13 @@ class Agent(nn.Module):
         b = (self.value_b.unsqueeze(1) + adv_b - centre_b).reshape(-1)                                # K·NB·A
         return w, b
 
-    def market(self, emb: torch.Tensor) -> MarketOut:
-        """The market heads (no portfolio): C51 logits of every action (N × K × NB × A), trunk state, V_e, code."""
+    def market(self, emb: torch.Tensor, keep: torch.Tensor | None = None) -> MarketOut:
+        """The market heads (no portfolio): C51 logits of every action (N × K × NB × A), trunk state, V_e, code.
+        `keep`: N × H multipliers of the trunk state (a dropout mask already scaled by 1 / (1 − p)); None: none."""
         N, A, K, NB = emb.shape[0], self.cfg.n_atoms, self.cfg.ensemble, self.cfg.n_actions
         h = self.trunk(emb)                                                                 # N × H
+        if keep is not None:
+            h = h * keep.to(h.dtype)
         w, b = self.logit_weights()
         # rows of 128 bytes on CUDA (a multiple of 64 bf16 values). With rows of 16 (`aligned_linear`; the `full`
         # agent's 2 040 columns) the compiled targets' two logit GEMMs ran without cuBLASLt's bias epilogue: aten
@@ -331,9 +334,9 @@ class Agent(nn.Module):
         x = torch.cat([code.float(), portfolio.float()], dim=-1)                            # N × (C + P)
         return self.v_max * aligned_linear(self.shift[1](self.shift[0](x)), self.shift[2]).float()
 
-    def head(self, emb: torch.Tensor, portfolio: torch.Tensor) -> HeadOut:
-        """Market heads + portfolio shift (what the update trains)."""
-        m = self.market(emb)
+    def head(self, emb: torch.Tensor, portfolio: torch.Tensor, keep: torch.Tensor | None = None) -> HeadOut:
+        """Market heads + portfolio shift (what the update trains); `keep` as in `market`."""
+        m = self.market(emb, keep)
         d = self.delta(m.code, portfolio)
         return HeadOut(logits=m.logits, hidden=m.hidden, value_e=m.value_e.float() + d[:, -1], delta=d,
                        wide=m.wide)

@@ -45,7 +45,7 @@ def test_the_shipped_study_files_build(path: Path, tmp_path: Path):
     assert not offs["off"].enabled
     if "on" in offs or "pop" in offs:
         assert set(offs.get("on", offs.get("pop")).off) == signals
-    schedule_only = ("ema", "fresh", "recent", "lowlr", "decay", "fewer")       # variants of the fixed schedule: feedback off
+    schedule_only = ("ema", "fresh", "recent", "lowlr", "decay", "fewer", "dropout")       # variants of the fixed schedule: feedback off
     assert all(fb.enabled for n, fb in offs.items() if n != "off" and not n.startswith(schedule_only))
 
     for name, fb in offs.items():
@@ -76,11 +76,11 @@ def test_the_shipped_study_files_build(path: Path, tmp_path: Path):
         assert not any(fb.enabled for fb in offs.values())
         assert (cfgs["off"].replay_capacity, cfgs["recent"].replay_capacity) == (2_000_000, 500_000)
         assert (cfgs["off"].lr, cfgs["lowlr"].lr) == (3e-4, 1e-4) and cfgs["lowlr"].replay_capacity == 2_000_000
-    elif path.name == "generalization.toml":   # weight decay and a lower LR against overfitting, the schedule fixed
+    elif path.name == "generalization.toml":   # weight decay, dropout, fewer updates against overfitting
         cfgs = {v.name: spec.configs(v, 14)[0] for v in spec.variants}
         assert not any(fb.enabled for fb in offs.values()) and spec.reference == "off"
-        assert {n: (c.weight_decay, c.lr, c.updates_per_iter) for n, c in cfgs.items()} == {
-            "off": (1e-4, 3e-4, 2), "decay": (0.1, 3e-4, 2), "lowlr": (1e-4, 1e-4, 2), "fewer-updates": (1e-4, 3e-4, 1)}
+        assert {n: (c.weight_decay, c.dropout, c.updates_per_iter) for n, c in cfgs.items()} == {
+            "off": (1e-4, 0.0, 2), "decay": (0.1, 0.0, 2), "dropout": (1e-4, 0.1, 2), "fewer-updates": (1e-4, 0.0, 1)}
     elif path.name == "recent-replay.toml":   # the one-epoch replay on new seeds, and the loop as shipped on it
         cfgs = {v.name: spec.configs(v, 14)[0] for v in spec.variants}
         assert {n: c.replay_capacity for n, c in cfgs.items()} == {"off": 2_000_000, "recent": 500_000,

@@ -415,3 +415,19 @@ def test_graphed_knobs_reach_the_captured_step(data):
     lr = {g["name"]: float(g["lr"]) for g in st.opt.param_groups}
     assert lr and all(v > 0 for v in lr.values())
     assert n >= steps and E == 16
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
+def test_compiled_update_with_dropout_equals_eager(data, device):
+    """`TrainConfig.dropout` under torch.compile: its mask comes from the update's noise, so the compiled update on
+    the same batch and noise gives the eager one's metrics and gradients (and a captured step replays the same)."""
+    if not compile_works(torch.device(device)):
+        pytest.skip("torch.compile cannot build kernels here")
+    m_e, g_e = one_update(data, device, "eager", True, dropout=0.25)
+    m_c, g_c = one_update(data, device, "compile", True, dropout=0.25)
+    m_0, _ = one_update(data, device, "eager", True)
+    assert not math.isclose(m_e["loss"], m_0["loss"], rel_tol=1e-4)                  # the mask takes part
+    for k, v in m_e.items():
+        assert math.isclose(v, m_c[k], rel_tol=1e-4, abs_tol=1e-6), (k, v, m_c[k])
+    rel = _relative_differences(g_e, g_c)
+    assert max(rel.values()) < 1e-3, max(rel, key=rel.get)

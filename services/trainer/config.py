@@ -20,7 +20,8 @@ MIN_HOLD_SMALL = 96  # small preset: bars a trade is held before a signal exit (
 CHURN_SMALL = 1e-3  # small preset: reward cost per opened trade (return units, ~10× the 1 bp fill cost)
 
 
-NEUTRAL_UNLISTED = {"policy_ema": 0.0, "restart_every": 0, "restart_replay": False, "support_at_start": False}
+NEUTRAL_UNLISTED = {"policy_ema": 0.0, "restart_every": 0, "restart_replay": False, "support_at_start": False,
+                    "dropout": 0.0}
 """Fields that `TrainConfig.to_dict` leaves out at their neutral value, so that the configs (and hashes) of runs
 stored before the field existed still match."""
 
@@ -57,6 +58,11 @@ class TrainConfig:
     """Base learning rate of every parameter group."""
     weight_decay: float = 1e-4
     """AdamW decay of the trunk and value-head weight matrices (the decay mask); 0 elsewhere."""
+    dropout: float = 0.0
+    """> 0: dropout of the trunk state h (every head's input) in the update's online forward pass, with this
+    probability: h ← h · m / (1 − p), m drawn from the update's noise (`targets.dropout_columns`), so a captured
+    or vmapped update stays a function of its inputs (DroQ, Hiraoka et al. 2022: dropout in the Q-network against
+    overfitting the replay). The targets, the double-Q selection, acting and evaluation run the network whole."""
     lr_warmup: int = 200
     """Updates of linear LR warm-up of a parameter group from its creation."""
     cosine_period: int = 1000
@@ -249,6 +255,9 @@ class TrainConfig:
         if isinstance(self.policy_ema, bool) or not isinstance(self.policy_ema, (int, float)) \
                 or not 0.0 <= self.policy_ema < 1.0:
             raise ValueError(f"train config: policy_ema must be a number in [0, 1), got {self.policy_ema!r}")
+        if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) \
+                or not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"train config: dropout must be a number in [0, 1), got {self.dropout!r}")
         if isinstance(self.restart_every, bool) or not isinstance(self.restart_every, int) or self.restart_every < 0:
             raise ValueError(f"train config: restart_every must be a whole number ≥ 0, got {self.restart_every!r}")
         if not isinstance(self.restart_replay, bool):

@@ -4,10 +4,10 @@
 loss = mean_w(C51 + expectile_coef · expectile) + iqn_coef · IQN + q_centre_coef · centring + q_gap_coef · gap
        + hindsight_coef · hindsight − β · entropy
 
-Owns: the online forward pass (the encoder with gradient on the first `encoder_batch` samples), the C51 losses
-of every branch on each member's bootstrap mask, the IQN quantile Huber loss, the expectile value head, the
-stability and hindsight terms, and the batch's scalars as two-level sums. Imports: torch, `shared.agent`,
-`services.trainer.{config, buffers, targets, losses, fused_c51, replay}`.
+Owns: the online forward pass (the encoder with gradient on the first `encoder_batch` samples; the trunk state's
+dropout), the C51 losses of every branch on each member's bootstrap mask, the IQN quantile Huber loss, the
+expectile value head, the stability and hindsight terms, and the batch's scalars as two-level sums. Imports: torch,
+`shared.agent`, `services.trainer.{config, buffers, targets, losses, fused_c51, replay}`.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from services.trainer.fused_c51 import available as fused_c51_available
 from services.trainer.losses import (batch_sum, c51_branch_losses, c51_branch_losses_q, expectile_loss,
                                      quantile_huber_loss, top_two)
 from services.trainer.replay import Batch
-from services.trainer.targets import Targets, iqn_rows, sample_horizons
+from services.trainer.targets import Targets, dropout_columns, iqn_rows, sample_horizons
 
 
 class Objective(NamedTuple):
@@ -36,6 +36,14 @@ class Objective(NamedTuple):
     """N: each sample's new replay priority (its direction branch's C51 loss, detached)."""
     utilisation: torch.Tensor
     """The batch's atom utilisation (what the entropy coefficient adapts to)."""
+
+
+def dropout_keep(noise: torch.Tensor, cfg: TrainConfig) -> torch.Tensor | None:
+    """The trunk state's dropout multipliers of a batch (`TrainConfig.dropout` p): 1 / (1 − p) where the noise's
+    dropout column is ≥ p, else 0 (N × H); None without dropout."""
+    if cfg.dropout <= 0:
+        return None
+    return (noise[:, dropout_columns(cfg)] >= cfg.dropout).float() / (1.0 - cfg.dropout)
 
 
 def make_objective(agent: Agent, windows: torch.Tensor, buf: UpdateBuffers, cfg: TrainConfig
@@ -55,7 +63,7 @@ def make_objective(agent: Agent, windows: torch.Tensor, buf: UpdateBuffers, cfg:
         emb = agent.encode(windows[b.bar[:n_enc]])
         if n_enc < N:
             emb = torch.cat([emb, buf.emb_online[b.bar[n_enc:]].to(emb.dtype)])
-        out = agent.head(emb, b.portfolio)
+        out = agent.head(emb, b.portfolio, dropout_keep(noise, cfg))
         # the portfolio shift of the taken action of every branch
         col = b.action + agent.branch_first                                                # N × NBR
         d_a = out.delta.gather(1, col)                                                     # N × NBR

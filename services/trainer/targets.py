@@ -57,8 +57,16 @@ def iqn_rows(cfg: TrainConfig, n: int) -> int:
 
 def noise_width(cfg: TrainConfig) -> int:
     """Uniforms per sample that an update reads (`step.make_update`): K ensemble-mask draws, M online τ, then M' target τ
-    at each of the sample's H' bootstrap horizons (and, with `horizon_sample`, the draw of that horizon)."""
-    return cfg.agent.ensemble + cfg.iqn_quantiles * (1 + sample_horizons(cfg)) + int(cfg.horizon_sample)
+    at each of the sample's H' bootstrap horizons (and, with `horizon_sample`, the draw of that horizon), then with
+    `dropout` the H of the trunk state's dropout mask (`dropout_columns`)."""
+    cols = dropout_columns(cfg)
+    return cols.stop if cfg.dropout > 0 else cols.start
+
+
+def dropout_columns(cfg: TrainConfig) -> slice:
+    """The columns of an update's noise that draw its dropout mask (`TrainConfig.dropout`): the last H."""
+    start = cfg.agent.ensemble + cfg.iqn_quantiles * (1 + sample_horizons(cfg)) + int(cfg.horizon_sample)
+    return slice(start, start + cfg.agent.hidden)
 
 
 def make_targets(agent: Agent, target: Agent, buf: UpdateBuffers, cfg: TrainConfig
