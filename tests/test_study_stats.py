@@ -225,6 +225,19 @@ def test_rollbacks_count_the_epochs_that_began_from_one_not_the_last_epochs_bund
             "on in sample +0.600 → +0.850, validation +0.500 → +0.375, the gap between them widening +0.375 [+0.200, "
             "+0.550] (2/2).") in " ".join(markdown(res3).split())
     assert "In sample beside validation" not in markdown(res)
+    assert "gap_widening" not in res3["paired"]["on"]                            # off has no in-sample record
+    # off's runs with one too: in sample at validation's level at every epoch (0.2 0.1 0.2 and 0.2 0.3 0.2), so their
+    # gap does not widen, and on − off is on's own widening, 0.55 and 0.2
+    for m, ins in zip(runs[2:], ([0.2, 0.1, 0.2], [0.2, 0.3, 0.2])):
+        for e, x in zip(m["epochs"], ins):
+            e["insample_sharpe"] = x
+    res4 = {**res, **aggregate(runs, [], ["on", "off"], "off", n_boot=200, seed=0)}
+    off_wide = res4["variants"]["off"]["gap_widening"]
+    assert (off_wide["mean"], off_wide["widened"]) == (0, 0)
+    pw = res4["paired"]["on"]["gap_widening"]
+    assert (pw["mean"], pw["lo"], pw["hi"], pw["wins"]) == pytest.approx((0.375, 0.2, 0.55, 2))
+    assert ("widening +0.000 [+0.000, +0.000] (0/2); paired widening on − off +0.375 [+0.200, +0.550] (2/2)."
+            in " ".join(markdown(res4).split()))
     runs[2]["epochs"] = runs[2]["epochs"][:1]                 # a run of one epoch: none for its variant, no pairing
     res2 = {**res, **aggregate(runs, [], ["on", "off"], "off", n_boot=200, seed=0)}
     assert res2["runs"][2]["val_epochs_sd"] is None and "epochs_val" not in res2["variants"]["off"]

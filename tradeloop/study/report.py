@@ -119,11 +119,12 @@ def markdown(res: dict) -> str:
             fit.append(f"{name} in sample {a[0]:+.3f} → {a[1]:+.3f}, validation {v[0]:+.3f} → {v[1]:+.3f}"
                        + (f", the gap between them widening {describe(w)} ({w['widened']}/{w['n']})" if w else ""))
     if fit:
+        pairs = paired_list(res, "gap_widening")
         lines += ["", "In sample beside validation (the same greedy policy on the training split's last bars, as many "
                   "as validation's; mean over the runs, epoch 1 → the mean of epochs 2–E — in sample rising while "
                   "validation falls is overfitting the training split; the widening of the gap, in sample − "
                   "validation, mean [95 % CI] over units and how many widened): "
-                  f"{'; '.join(fit)}."]
+                  f"{'; '.join(fit)}" + (f"; paired widening {', '.join(pairs)}." if pairs else ".")]
     best = {name: d["best_validated"] for name, d in res["variants"].items() if d.get("best_validated")}
     if best:
         pairs = paired_list(res, "best_validated_oos")

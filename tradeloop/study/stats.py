@@ -221,6 +221,8 @@ def aggregate(summaries: Sequence[dict], baselines: Sequence[dict], variants: Se
             out_p[name]["val_epochs_mean"] = pair("val_epochs_mean")
         if all(r["val_later_mean"] is not None for r in rows if r["variant"] in (name, reference)):
             out_p[name].update({k: pair(k) for k in ("val_epoch1", "val_later_mean")})
+        if "gap_widening" in out_v[name] and "gap_widening" in out_v[reference]:
+            out_p[name]["gap_widening"] = pair("gap_widening")
         if over in pops:
             out_p[name]["over_populations"] = True
         if name in best_by and reference in best_by:
