@@ -81,6 +81,11 @@ def test_the_shipped_study_files_build(path: Path, tmp_path: Path):
         assert not any(fb.enabled for fb in offs.values()) and spec.reference == "off"
         assert {n: (c.weight_decay, c.dropout, c.updates_per_iter) for n, c in cfgs.items()} == {
             "off": (1e-4, 0.0, 2), "decay": (0.1, 0.0, 2), "dropout": (1e-4, 0.1, 2), "fewer-updates": (1e-4, 0.0, 1)}
+    elif path.name == "fewer-updates.toml":   # one update an iteration on new seeds, and the loop on that learner
+        cfgs = {v.name: spec.configs(v, 14)[0] for v in spec.variants}
+        assert {n: c.updates_per_iter for n, c in cfgs.items()} == {"off": 2, "fewer-updates": 1, "on-fewer": 1}
+        assert not offs["fewer-updates"].enabled and offs["on-fewer"].enabled and set(offs["on-fewer"].off) == signals
+        assert spec.reference == "off" and spec.seeds == [5, 6, 7, 8, 9] and spec.folds == 2
     elif path.name == "recent-replay.toml":   # the one-epoch replay on new seeds, and the loop as shipped on it
         cfgs = {v.name: spec.configs(v, 14)[0] for v in spec.variants}
         assert {n: c.replay_capacity for n, c in cfgs.items()} == {"off": 2_000_000, "recent": 500_000,
