@@ -3,14 +3,18 @@ MPS, against one run alone — the product's own command, side by side in one in
 
     python3 -m bench.study_speed [--parallel 1 10] [--mps off on] [--mps-share 100 25] [--epochs 4]
                                  [--preset full] [--set iterations=1000] [--device cuda] [--out runs/study-speed]
+    python3 -m bench.study_speed --from runs/study-speed     # the table again from the cases' records
 
 Each case is one `tradeloop study --dataset synthetic --bars auto --folds 1` whose runs number P (variants on,off ×
 ⌈P/2⌉ seeds; P = 1: the variant `on`, seed 0), so every worker holds one run from start to end; the cases share one
 compile cache, and the cases of P = 1 run first, so the one that compiles is a run alone. From the runs' epoch
 records (`finished_at`):
-  epochs/s   steady aggregate rate: the epochs finished after every run had finished its first (start-up, data,
-             compile) and before the first run finished its last, over that span (n/a where the runs' starts spread
-             over more than that: raise `--epochs`)
+  epochs/s   steady aggregate rate over the span after every run had finished its first epoch (start-up, data,
+             compile) and before the first of them finished its last: the sum over the runs of each one's rate
+             between its first and last epoch inside the span (runs in step finish their epochs together, so a
+             count of the epochs in the span would depend on where its ends fall). A run that finished every epoch
+             before the others' first (the one that warms the compile cache, running ahead) is left out, and
+             `in_span` says how many ran together (n/a where the starts spread over every epoch: raise `--epochs`)
   epoch_s    the median seconds between two epochs of one run after its first: P / epoch_s is the aggregate rate
              while all P run
   ×1         that rate over the rate of one run alone (`--parallel 1`; the first case's when it is P = 1)
@@ -26,11 +30,52 @@ import argparse
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+
+def steady_rate(finish: list[list[float]]) -> tuple[float | None, int, float]:
+    """(aggregate epochs/s, runs in the span, span seconds) from each run's sorted epoch finish times: the span
+    runs from the last first epoch to the first last epoch of the runs still going then; each run's rate there is
+    (its epochs in the span − 1) over the time between the first and the last of them."""
+    t_lo = max(f[0] for f in finish)                  # every run past its first epoch
+    going = [f for f in finish if f[-1] > t_lo]       # not a run that finished before the others began
+    if not going:
+        return None, 0, 0.0
+    t_hi = min(f[-1] for f in going)
+    rates = []
+    for f in going:
+        inside = [t for t in f if t_lo <= t <= t_hi]
+        if len(inside) >= 2 and inside[-1] > inside[0]:
+            rates.append((len(inside) - 1) / (inside[-1] - inside[0]))
+    ok = len(rates) == len(going)
+    return (sum(rates) if ok else None), len(going), t_hi - t_lo
+
+
+def analyse(out: Path, P: int, mps: str, share: int, wall: float | None = None) -> dict:
+    """A finished case's row from its study's records (`out`: the case's study directory)."""
+    results = json.loads((out / "results.json").read_text())
+    timing = results.get("timing", {})
+    finish: list[list[float]] = []
+    train, ev = [], []
+    for run_dir in sorted((out / "runs").iterdir()):
+        recs = [json.loads(p.read_text()) for p in sorted((run_dir / "loop").glob("epoch-*.json"))]
+        finish.append(sorted(r["finished_at"] for r in recs))
+        train += [r["seconds"]["train"] for r in recs if r["seconds"]["train"] is not None]
+        ev += [r["seconds"]["eval"] for r in recs]
+    rate, in_span, span = steady_rate(finish)
+    steps = [b - a for f in finish for a, b in zip(f[1:], f[2:])]
+    busy = [v for v in (timing.get("gpu_busy_pct") or {}).values() if v is not None]
+    return {"P": P, "mps": bool(timing.get("mps")), "mps_asked": mps, "share": share, "runs": len(finish),
+            "epochs_per_s": rate, "in_span": in_span, "span_s": span,
+            "wall_s": wall if wall is not None else timing.get("wall_s"),
+            "epoch_s": float(sorted(steps)[len(steps) // 2]) if steps else None,
+            "train_s": sum(train) / len(train), "eval_s": sum(ev) / len(ev),
+            "busy_pct": sum(busy) / len(busy) if busy else None}
 
 
 def run_case(out: Path, P: int, mps: str, args, share: int = 100) -> dict:
@@ -48,26 +93,43 @@ def run_case(out: Path, P: int, mps: str, args, share: int = 100) -> dict:
     wall = time.time() - t0
     if proc.returncode != 0:
         return {"P": P, "mps": mps, "share": share, "error": (proc.stderr or proc.stdout).strip()[-600:]}
-    results = json.loads((out / "results.json").read_text())
-    timing = results.get("timing", {})
-    finish: list[list[float]] = []
-    train, ev = [], []
-    for run_dir in sorted((out / "runs").iterdir()):
-        recs = [json.loads(p.read_text()) for p in sorted((run_dir / "loop").glob("epoch-*.json"))]
-        finish.append(sorted(r["finished_at"] for r in recs))
-        train += [r["seconds"]["train"] for r in recs if r["seconds"]["train"] is not None]
-        ev += [r["seconds"]["eval"] for r in recs]
-    t_lo = max(f[0] for f in finish)          # every run past its first epoch
-    t_hi = min(f[-1] for f in finish)         # no run finished yet
-    n = sum(1 for f in finish for t in f if t_lo < t <= t_hi)
-    rate = n / (t_hi - t_lo) if t_hi > t_lo and n else None
-    steps = [b - a for f in finish for a, b in zip(f[1:], f[2:])]
-    busy = [v for v in (timing.get("gpu_busy_pct") or {}).values() if v is not None]
-    return {"P": P, "mps": bool(timing.get("mps")), "mps_asked": mps, "share": share, "runs": len(finish),
-            "epochs_per_s": rate, "epochs_in_span": n, "span_s": t_hi - t_lo, "wall_s": wall,
-            "epoch_s": float(sorted(steps)[len(steps) // 2]) if steps else None,
-            "train_s": sum(train) / len(train), "eval_s": sum(ev) / len(ev),
-            "busy_pct": sum(busy) / len(busy) if busy else None}
+    return analyse(out, P, mps, share, wall)
+
+
+CASE = re.compile(r"p(\d+)-mps-(on|off|auto)-sm(\d+)")
+
+
+def read_cases(source: Path) -> list[dict]:
+    """The rows of the cases found under `source` (directories named as `main` names them), a run alone first."""
+    if not source.is_dir():
+        raise SystemExit(f"--from {source}: no such directory")
+    rows = []
+    for d in sorted(source.iterdir()):
+        m = CASE.fullmatch(d.name)
+        if m and (d / "results.json").exists():
+            rows.append(analyse(d, int(m[1]), m[2], int(m[3])))
+    if not rows:
+        raise SystemExit(f"--from {source}: no finished case (pN-mps-M-smS/results.json) in it")
+    return sorted(rows, key=lambda r: (r["P"] != 1, r["P"], r["mps_asked"], -r["share"]))
+
+
+def print_table(rows: list[dict], argv) -> None:
+    base = next((r["epochs_per_s"] for r in rows if r["P"] == 1 and r.get("epochs_per_s")), None)
+    print(f"\n`python3 -m bench.study_speed {' '.join(argv if argv is not None else sys.argv[1:])}`\n")
+    print("| runs at once | MPS | SM share % | epochs/s (steady) | in span | ×1 | epoch_s | train_s | eval_s "
+          "| GPU busy % | wall s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['P']} | {r['mps']} | {r['share']} | error: {r['error'][-200:]} | | | | | | | |")
+            continue
+        ratio = f"{r['epochs_per_s'] / base:.2f}" if base and r["epochs_per_s"] else "n/a"
+        eps = "n/a" if r["epochs_per_s"] is None else f"{r['epochs_per_s']:.3f}"
+        busy = "n/a" if r["busy_pct"] is None else f"{r['busy_pct']:.0f}"
+        step = "n/a" if r["epoch_s"] is None else f"{r['epoch_s']:.1f}"
+        wall = "n/a" if r["wall_s"] is None else f"{r['wall_s']:.0f}"
+        print(f"| {r['P']} | {'on' if r['mps'] else 'off'} | {r['share']} | {eps} | {r['in_span']} | {ratio} | "
+              f"{step} | {r['train_s']:.2f} | {r['eval_s']:.2f} | {busy} | {wall} |")
 
 
 def main(argv=None) -> None:
@@ -81,7 +143,12 @@ def main(argv=None) -> None:
     ap.add_argument("--mps-share", type=int, nargs="+", default=[100],
                     help="SM percentages for each MPS case (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE; 100: no limit)")
     ap.add_argument("--out", type=Path, default=Path("runs/study-speed"))
+    ap.add_argument("--from", dest="source", type=Path, default=None,
+                    help="an earlier --out directory: its cases' table again, from their records (nothing runs)")
     args = ap.parse_args(argv)
+    if args.source is not None:
+        print_table(read_cases(args.source), argv)
+        return
     if any(not 1 <= x <= 100 for x in args.mps_share):
         ap.error("--mps-share takes percentages in 1…100")
     if args.epochs < 3:
@@ -103,20 +170,7 @@ def main(argv=None) -> None:
         row = run_case(out, P, mps, args, share)
         rows.append(row)
         print(json.dumps(row), flush=True)
-    base = next((r["epochs_per_s"] for r in rows if r["P"] == 1 and r.get("epochs_per_s")), None)
-    print(f"\n`python3 -m bench.study_speed {' '.join(argv if argv is not None else sys.argv[1:])}`\n")
-    print("| runs at once | MPS | SM share % | epochs/s (steady) | ×1 | epoch_s | train_s | eval_s | GPU busy % | wall s |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        if "error" in r:
-            print(f"| {r['P']} | {r['mps']} | {r['share']} | error: {r['error'][-200:]} | | | | | | |")
-            continue
-        ratio = f"{r['epochs_per_s'] / base:.2f}" if base and r["epochs_per_s"] else "n/a"
-        eps = "n/a" if r["epochs_per_s"] is None else f"{r['epochs_per_s']:.3f}"
-        busy = "n/a" if r["busy_pct"] is None else f"{r['busy_pct']:.0f}"
-        step = "n/a" if r["epoch_s"] is None else f"{r['epoch_s']:.1f}"
-        print(f"| {r['P']} | {'on' if r['mps'] else 'off'} | {r['share']} | {eps} | {ratio} | {step} | {r['train_s']:.2f} | "
-              f"{r['eval_s']:.2f} | {busy} | {r['wall_s']:.0f} |")
+    print_table(rows, argv)
     (args.out / "study_speed.json").write_text(json.dumps(rows, indent=1))
 
 

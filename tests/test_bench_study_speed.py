@@ -1,0 +1,53 @@
+"""bench/study_speed.py's steady rate: the sum of each run's own rate inside the span every run shares, the run that
+ran ahead left out, and its table again from a finished case's records (`--from`)."""
+import json
+
+import pytest
+
+from bench import study_speed as bench
+
+
+def test_runs_in_step_sum_their_rates_whatever_the_span_edges():
+    runs = [[10.0 + d, 20.0 + d, 30.0 + d, 40.0 + d] for d in (0.0, 0.05, 0.1)]
+    rate, in_span, span = bench.steady_rate(runs)
+    assert rate == pytest.approx(3 * 0.1) and in_span == 3 and span == pytest.approx(29.9)
+
+
+def test_a_run_done_before_the_others_began_is_left_out():
+    ahead = [1.0, 2.0, 3.0, 4.0]                 # the run that warmed the cache and ran alone
+    rate, in_span, _ = bench.steady_rate([ahead, [10.0, 20.0, 30.0, 40.0], [11.0, 21.0, 31.0, 41.0]])
+    assert in_span == 2 and rate == pytest.approx(0.2)
+
+
+def test_starts_spread_over_every_epoch_give_no_steady_rate():
+    assert bench.steady_rate([[0.0, 10.0, 20.0], [19.0, 21.0, 40.0]])[0] is None
+
+
+def _case(root, name, finish):
+    d = root / name
+    (d / "runs").mkdir(parents=True)
+    (d / "results.json").write_text(json.dumps({"timing": {"mps": name.startswith("p2-mps-on"), "wall_s": 99.0,
+                                                           "gpu_busy_pct": {"0": 50.0}}}))
+    for i, f in enumerate(finish):
+        loop = d / "runs" / f"on-s{i}-f0" / "loop"
+        loop.mkdir(parents=True)
+        for e, t in enumerate(f, 1):
+            rec = {"finished_at": t, "seconds": {"train": 2.0, "eval": 0.5, "feedback": 0.0}}
+            (loop / f"epoch-{e:04d}.json").write_text(json.dumps(rec))
+
+
+def test_from_reads_the_cases_back(tmp_path, capsys):
+    _case(tmp_path, "p2-mps-on-sm100", [[10.0, 20.0, 30.0, 40.0], [10.5, 20.5, 30.5, 40.5]])
+    _case(tmp_path, "p1-mps-off-sm100", [[5.0, 10.0, 15.0, 20.0]])
+    (tmp_path / "cache").mkdir()
+    rows = bench.read_cases(tmp_path)
+    assert [(r["P"], r["mps"]) for r in rows] == [(1, False), (2, True)]
+    assert rows[0]["epochs_per_s"] == pytest.approx(0.2) and rows[1]["epochs_per_s"] == pytest.approx(0.2)
+    bench.main(["--from", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "| 2 | on | 100 | 0.200 | 2 | 1.00 | 10.0 |" in out
+
+
+def test_from_a_directory_without_cases_says_so(tmp_path):
+    with pytest.raises(SystemExit, match="no finished case"):
+        bench.read_cases(tmp_path)
