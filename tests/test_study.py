@@ -117,6 +117,8 @@ def test_tiny_study_end_to_end(reference):
         rec = json.loads((out / "runs" / rid / "loop" / "epoch-0001.json").read_text())
         assert s["epochs"][0]["insample_sharpe"] == float(rec["insample"]["per_trade_sharpe"] or 0.0), rid
         assert all(isinstance(e["insample_sharpe"], float) for e in s["epochs"]), rid
+        assert all(0.0 <= e["compile_s"] <= e["train_s"] for e in s["epochs"]), rid     # compiling is part of training
+    assert res["timing"]["compile_max_s"] >= res["timing"]["compile_median_s"] >= 0.0
     assert set(res["curves_insample"]) == {"on", "off"} and "In sample beside validation" in md
     assert "runs at once" in p.stdout and "epochs/s" in p.stdout and "wall" in p.stdout
     finished = [line.split(":")[0] for line in p.stdout.splitlines() if "selected on validation (val" in line]

@@ -7,7 +7,7 @@ import pytest
 
 from tradeloop.cmd_study import build_spec
 from tradeloop.study import mps
-from tradeloop.study.report import fmt_timing
+from tradeloop.study.report import compile_times, fmt_timing
 from tradeloop.study.spec import StudyError
 
 
@@ -93,3 +93,14 @@ def test_a_daemon_an_earlier_start_left_is_quit_and_its_directory_removed(tmp_pa
     other = tmp_path / "not-ours"
     (other / "pipe").mkdir(parents=True)
     assert mps.quit_stale(str(other), exe=str(fake)) is False and other.exists()   # only a study's own directory
+
+
+def test_the_timing_line_says_what_compiling_took():
+    runs = [{"epochs": [{"compile_s": c}, {"compile_s": 0.0}]} for c in (88.0, 12.0, 14.0, 13.0)]
+    t = {"wall_s": 493.0, "runs_at_once": 10, "epochs_trained": 240, "epochs_per_s": 0.49, "gpu_busy_pct": {},
+         **compile_times(runs)}
+    assert (t["compile_max_s"], t["compile_median_s"]) == (88.0, 13.0)
+    assert "compiling and capturing the step: 88 s in the run that took longest" in fmt_timing(t)
+    assert ", 13 s in each other (median)" in fmt_timing(t)
+    assert compile_times([{"epochs": [{"train_s": 1.0}]}]) == {}          # summaries without the field
+    assert "compiling" not in fmt_timing({**t, "compile_max_s": None})

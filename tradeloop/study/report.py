@@ -25,7 +25,8 @@ def write_results(spec: StudySpec, out: Path, timing: dict) -> dict:
     out = Path(out)
     summaries = load_summaries(spec, out)
     epoch_s = [e["train_s"] + e["eval_s"] for m in summaries for e in m["epochs"] if e["train_s"] is not None]
-    timing = {**timing, "mean_epoch_s": float(np.mean(epoch_s)) if epoch_s else None}
+    timing = {**timing, "mean_epoch_s": float(np.mean(epoch_s)) if epoch_s else None,
+              **compile_times(summaries)}
     res = aggregate(summaries, baselines(spec, out, min(os.cpu_count() or 1, 8)), [v.name for v in spec.variants],
                     spec.reference_name, n_boot=spec.n_boot, seed=spec.ci_seed, populations=spec.populations(),
                     cluster_of=spec.cluster_of)
@@ -34,6 +35,18 @@ def write_results(spec: StudySpec, out: Path, timing: dict) -> dict:
     (out / "report.md").write_text(markdown(res))
     plot(res, out / "report.png")
     return res
+
+
+def compile_times(summaries: list[dict]) -> dict:
+    """The seconds each run spent compiling and capturing its step (its epochs' `compile_s`, part of `train_s`):
+    the longest (a cold compile cache: the run that fills it while the other workers wait) and the median of the
+    others (loading the kernels it left). Empty where no run recorded any (summaries that predate the field)."""
+    per_run = sorted(sum(e.get("compile_s") or 0.0 for e in m["epochs"]) for m in summaries
+                     if any(e.get("compile_s") is not None for e in m["epochs"]))
+    if not per_run:
+        return {}
+    rest = per_run[:-1]
+    return {"compile_max_s": per_run[-1], "compile_median_s": float(np.median(rest)) if rest else None}
 
 
 def _n(x, spec: str = "+.3f") -> str:
@@ -336,4 +349,14 @@ def fmt_timing(t: dict) -> str:
             f"trained, aggregate {'n/a' if eps is None else f'{eps:.3f}'} epochs/s" + (f" ({t['from']})" if t.get("from") else "")
             + (f"; busy {busy}" if busy else "")
             + (f"; mean epoch {t['mean_epoch_s']:.1f} s a run (train + evaluation)"
-               if t.get("mean_epoch_s") is not None and math.isfinite(t["mean_epoch_s"]) else ""))
+               if t.get("mean_epoch_s") is not None and math.isfinite(t["mean_epoch_s"]) else "")
+            + _fmt_compile(t))
+
+
+def _fmt_compile(t: dict) -> str:
+    if t.get("compile_max_s") is None:
+        return ""
+    rest = t.get("compile_median_s")
+    return (f"; compiling and capturing the step: {t['compile_max_s']:.0f} s in the run that took longest (with a "
+            f"cold compile cache, the run that fills it while the other workers wait)"
+            + (f", {rest:.0f} s in each other (median)" if rest is not None else ""))
