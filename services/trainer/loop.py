@@ -60,6 +60,8 @@ class EpochStats:
     knobs: dict
     rolled_back_to: int | None = None
     """The epoch whose learner a feedback rollback restored before this epoch trained (`roll_back`), else None."""
+    save_s: float | None = None
+    """Seconds after `seconds` writing the epoch's weights and trainer state (`save_epoch`) and pruning older ones."""
 
 
 
@@ -260,9 +262,11 @@ def train_run(bars: Bars, dataset: str, run_dir: Path, epochs: int, *, config: s
             roll_back(state, rb[3] or run_dir, rb[0], rb[1] or None, keep=rb[2], restart=rb[4])
         stats = train_epoch(state, knobs_fn(state.epoch + 1), progress)
         stats.rolled_back_to = None if rb is None else rb[0]
+        t_save = time.perf_counter()
         save_epoch(state, run_dir, meta)
         # every epoch's weights stay; only the last state and the pinned ones
         prune_checkpoints(run_dir, state.epoch, keep=None, pinned=pinned_fn() if pinned_fn is not None else ())
+        stats.save_s = time.perf_counter() - t_save
         append_history(run_dir, asdict(stats))
         if on_epoch is not None:
             on_epoch(stats)
