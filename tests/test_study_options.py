@@ -45,7 +45,8 @@ def test_the_shipped_study_files_build(path: Path, tmp_path: Path):
     assert not offs["off"].enabled
     if "on" in offs or "pop" in offs:
         assert set(offs.get("on", offs.get("pop")).off) == signals
-    schedule_only = ("ema", "fresh", "recent", "lowlr", "decay", "fewer", "dropout")       # variants of the fixed schedule: feedback off
+    # variants of the fixed schedule: feedback off
+    schedule_only = ("ema", "fresh", "recent", "lowlr", "decay", "fewer", "dropout", "ratio")
     assert all(fb.enabled for n, fb in offs.items() if n != "off" and not n.startswith(schedule_only))
 
     for name, fb in offs.items():
@@ -86,6 +87,11 @@ def test_the_shipped_study_files_build(path: Path, tmp_path: Path):
         assert {n: c.updates_per_iter for n, c in cfgs.items()} == {"off": 2, "fewer-updates": 1, "on-fewer": 1}
         assert not offs["fewer-updates"].enabled and offs["on-fewer"].enabled and set(offs["on-fewer"].off) == signals
         assert spec.reference == "off" and spec.seeds == [5, 6, 7, 8, 9] and spec.folds == 2
+    elif path.name == "replay-ratio.toml":   # each transition sampled about once: half the batch, twice the steps
+        cfgs = {v.name: spec.configs(v, 14)[0] for v in spec.variants}
+        assert {n: (c.batch_size, c.env_steps_per_iter, c.updates_per_iter, c.n_envs) for n, c in cfgs.items()} == {
+            "off": (1024, 2, 1, 256), "ratio1-batch": (512, 2, 1, 256), "ratio1-steps": (1024, 4, 1, 256)}
+        assert not any(fb.enabled for fb in offs.values()) and spec.seeds == [10, 11, 12, 13, 14]
     elif path.name == "recent-replay.toml":   # the one-epoch replay on new seeds, and the loop as shipped on it
         cfgs = {v.name: spec.configs(v, 14)[0] for v in spec.variants}
         assert {n: c.replay_capacity for n, c in cfgs.items()} == {"off": 2_000_000, "recent": 500_000,
