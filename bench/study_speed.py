@@ -18,8 +18,9 @@ records (`finished_at`):
   epoch_s    the median seconds between two epochs of one run after its first: P / epoch_s is the aggregate rate
              while all P run
   ×1         that rate over the rate of one run alone (`--parallel 1`; the first case's when it is P = 1)
-  train_s / eval_s / save_s   mean seconds of an epoch's training, evaluation, and writing of its weights and
-             trainer state inside one run (save_s: n/a in records that predate it)
+  setup_s / train_s / eval_s / save_s   mean seconds of an epoch's set-up (knobs, fresh episodes, the embedding
+             cache's full refresh), training iterations, evaluation, and writing of its weights and trainer state
+             inside one run (setup_s, save_s: n/a in records that predate them)
   busy       the study's mean GPU utilisation (nvidia-smi) over its whole wall time
 Cases with P = 1 run once whatever `--mps` says (one worker never starts MPS). `--mps-share PCT …` runs each MPS
 case once per PCT with `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=PCT` in the workers' environment: each run's kernels may
@@ -62,13 +63,14 @@ def analyse(out: Path, P: int, mps: str, share: int, wall: float | None = None) 
     results = json.loads((out / "results.json").read_text())
     timing = results.get("timing", {})
     finish: list[list[float]] = []
-    train, ev, save = [], [], []
+    train, ev, save, setup = [], [], [], []
     for run_dir in sorted((out / "runs").iterdir()):
         recs = [json.loads(p.read_text()) for p in sorted((run_dir / "loop").glob("epoch-*.json"))]
         finish.append(sorted(r["finished_at"] for r in recs))
         train += [r["seconds"]["train"] for r in recs if r["seconds"]["train"] is not None]
         ev += [r["seconds"]["eval"] for r in recs]
         save += [r["seconds"]["save"] for r in recs if r["seconds"].get("save") is not None]
+        setup += [r["seconds"]["setup"] for r in recs if r["seconds"].get("setup") is not None]
     rate, in_span, span = steady_rate(finish)
     steps = [b - a for f in finish for a, b in zip(f[1:], f[2:])]
     busy = [v for v in (timing.get("gpu_busy_pct") or {}).values() if v is not None]
@@ -77,7 +79,7 @@ def analyse(out: Path, P: int, mps: str, share: int, wall: float | None = None) 
             "wall_s": wall if wall is not None else timing.get("wall_s"),
             "epoch_s": float(sorted(steps)[len(steps) // 2]) if steps else None,
             "train_s": sum(train) / len(train), "eval_s": sum(ev) / len(ev),
-            "save_s": sum(save) / len(save) if save else None,
+            "save_s": sum(save) / len(save) if save else None, "setup_s": sum(setup) / len(setup) if setup else None,
             "busy_pct": sum(busy) / len(busy) if busy else None}
 
 
@@ -119,12 +121,12 @@ def read_cases(source: Path) -> list[dict]:
 def print_table(rows: list[dict], argv) -> None:
     base = next((r["epochs_per_s"] for r in rows if r["P"] == 1 and r.get("epochs_per_s")), None)
     print(f"\n`python3 -m bench.study_speed {' '.join(argv if argv is not None else sys.argv[1:])}`\n")
-    print("| runs at once | MPS | SM share % | epochs/s (steady) | in span | ×1 | epoch_s | train_s | eval_s "
+    print("| runs at once | MPS | SM share % | epochs/s (steady) | in span | ×1 | epoch_s | setup_s | train_s | eval_s "
           "| save_s | GPU busy % | wall s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
-            print(f"| {r['P']} | {r['mps']} | {r['share']} | error: {r['error'][-200:]} | | | | | | | | |")
+            print(f"| {r['P']} | {r['mps']} | {r['share']} | error: {r['error'][-200:]} | | | | | | | | | |")
             continue
         ratio = f"{r['epochs_per_s'] / base:.2f}" if base and r["epochs_per_s"] else "n/a"
         eps = "n/a" if r["epochs_per_s"] is None else f"{r['epochs_per_s']:.3f}"
@@ -132,8 +134,9 @@ def print_table(rows: list[dict], argv) -> None:
         step = "n/a" if r["epoch_s"] is None else f"{r['epoch_s']:.1f}"
         wall = "n/a" if r["wall_s"] is None else f"{r['wall_s']:.0f}"
         save = "n/a" if r.get("save_s") is None else f"{r['save_s']:.2f}"
+        setup = "n/a" if r.get("setup_s") is None else f"{r['setup_s']:.2f}"
         print(f"| {r['P']} | {'on' if r['mps'] else 'off'} | {r['share']} | {eps} | {r['in_span']} | {ratio} | "
-              f"{step} | {r['train_s']:.2f} | {r['eval_s']:.2f} | {save} | {busy} | {wall} |")
+              f"{step} | {setup} | {r['train_s']:.2f} | {r['eval_s']:.2f} | {save} | {busy} | {wall} |")
 
 
 def main(argv=None) -> None:

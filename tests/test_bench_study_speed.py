@@ -32,7 +32,8 @@ def _case(root, name, finish):
         loop = d / "runs" / f"on-s{i}-f0" / "loop"
         loop.mkdir(parents=True)
         for e, t in enumerate(f, 1):
-            rec = {"finished_at": t, "seconds": {"train": 2.0, "save": 0.25, "eval": 0.5, "feedback": 0.0}}
+            rec = {"finished_at": t, "seconds": {"setup": 0.125, "train": 2.0, "save": 0.25, "eval": 0.5,
+                                                    "feedback": 0.0}}
             (loop / f"epoch-{e:04d}.json").write_text(json.dumps(rec))
 
 
@@ -45,7 +46,7 @@ def test_from_reads_the_cases_back(tmp_path, capsys):
     assert rows[0]["epochs_per_s"] == pytest.approx(0.2) and rows[1]["epochs_per_s"] == pytest.approx(0.2)
     bench.main(["--from", str(tmp_path)])
     out = capsys.readouterr().out
-    assert "| 2 | on | 100 | 0.200 | 2 | 1.00 | 10.0 | 2.00 | 0.50 | 0.25 | 50 | 99 |" in out
+    assert "| 2 | on | 100 | 0.200 | 2 | 1.00 | 10.0 | 0.12 | 2.00 | 0.50 | 0.25 | 50 | 99 |" in out
 
 
 def test_from_a_directory_without_cases_says_so(tmp_path):

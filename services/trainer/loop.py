@@ -62,6 +62,9 @@ class EpochStats:
     """The epoch whose learner a feedback rollback restored before this epoch trained (`roll_back`), else None."""
     save_s: float | None = None
     """Seconds after `seconds` writing the epoch's weights and trainer state (`save_epoch`) and pruning older ones."""
+    setup_s: float | None = None
+    """Seconds before `seconds`: the knobs, a restart, fresh episodes and the embedding cache's full refresh
+    (`refresh_embeddings`: every training bar through the online and target encoders)."""
 
 
 
@@ -114,6 +117,7 @@ def train_epoch(state: TrainState, knobs: Knobs, progress: Callable[[int, int], 
     interrupted epoch: its remaining iterations under `knobs` (those in effect when it stopped), with fresh
     episodes, the support as it was, and the epoch's sums carried, so its stats cover the whole epoch."""
     cfg, env = state.cfg, state.env
+    t_setup = time.perf_counter()
     apply_knobs(state, knobs)
     if resume is None:
         if restart_due(state):
@@ -134,7 +138,10 @@ def train_epoch(state: TrainState, knobs: Knobs, progress: Callable[[int, int], 
     state.buffers.step.fill_(float(state.update_step))
     runner = state.runner
     compile0 = runner.compile_s
+    if state.device.type == "cuda":
+        torch.cuda.synchronize(state.device)     # the refresh's kernels counted in setup_s, not in the iterations
     t0 = time.perf_counter()
+    setup_s = t0 - t_setup
     state.agent.train()
     cuda = state.device.type == "cuda"
     clock = PhaseClock(cuda)
@@ -196,7 +203,8 @@ def train_epoch(state: TrainState, knobs: Knobs, progress: Callable[[int, int], 
                       utilisation=means.get("utilisation", nan), epsilon=knobs.epsilon, gamma=knobs.gamma,
                       v_max=float(state.agent.v_max), maturity=mat, env_steps=env_steps, updates=n_upd,
                       env_steps_per_s=env_steps / max(t_env, 1e-9), updates_per_s=n_upd / max(t_upd, 1e-9),
-                      seconds=dt, compile_s=runner.compile_s - compile0, train_per_trade_sharpe=sharpe, train_trades=int(n_trades), knobs=knobs.to_dict())
+                      seconds=dt, compile_s=runner.compile_s - compile0, train_per_trade_sharpe=sharpe, train_trades=int(n_trades), knobs=knobs.to_dict(),
+                      setup_s=setup_s)
 
 
 
