@@ -58,19 +58,21 @@ def steady_rate(finish: list[list[float]]) -> tuple[float | None, int, float]:
     return (sum(rates) if ok else None), len(going), t_hi - t_lo
 
 
+PHASES = ("setup", "train", "eval", "save")
+"""The parts of an epoch its record times (`seconds`); a part an older record lacks reads n/a."""
+
+
 def analyse(out: Path, P: int, mps: str, share: int, wall: float | None = None) -> dict:
     """A finished case's row from its study's records (`out`: the case's study directory)."""
     results = json.loads((out / "results.json").read_text())
     timing = results.get("timing", {})
     finish: list[list[float]] = []
-    train, ev, save, setup = [], [], [], []
+    phases: dict[str, list[float]] = {k: [] for k in PHASES}
     for run_dir in sorted((out / "runs").iterdir()):
         recs = [json.loads(p.read_text()) for p in sorted((run_dir / "loop").glob("epoch-*.json"))]
         finish.append(sorted(r["finished_at"] for r in recs))
-        train += [r["seconds"]["train"] for r in recs if r["seconds"]["train"] is not None]
-        ev += [r["seconds"]["eval"] for r in recs]
-        save += [r["seconds"]["save"] for r in recs if r["seconds"].get("save") is not None]
-        setup += [r["seconds"]["setup"] for r in recs if r["seconds"].get("setup") is not None]
+        for k, xs in phases.items():
+            xs += [r["seconds"][k] for r in recs if r["seconds"].get(k) is not None]
     rate, in_span, span = steady_rate(finish)
     steps = [b - a for f in finish for a, b in zip(f[1:], f[2:])]
     busy = [v for v in (timing.get("gpu_busy_pct") or {}).values() if v is not None]
@@ -78,8 +80,7 @@ def analyse(out: Path, P: int, mps: str, share: int, wall: float | None = None) 
             "epochs_per_s": rate, "in_span": in_span, "span_s": span,
             "wall_s": wall if wall is not None else timing.get("wall_s"),
             "epoch_s": float(sorted(steps)[len(steps) // 2]) if steps else None,
-            "train_s": sum(train) / len(train), "eval_s": sum(ev) / len(ev),
-            "save_s": sum(save) / len(save) if save else None, "setup_s": sum(setup) / len(setup) if setup else None,
+            **{f"{k}_s": sum(xs) / len(xs) if xs else None for k, xs in phases.items()},
             "busy_pct": sum(busy) / len(busy) if busy else None}
 
 
@@ -118,6 +119,10 @@ def read_cases(source: Path) -> list[dict]:
     return sorted(rows, key=lambda r: (r["P"] != 1, r["P"], r["mps_asked"], -r["share"]))
 
 
+def _cell(x: float | None, spec: str) -> str:
+    return "n/a" if x is None else format(x, spec)
+
+
 def print_table(rows: list[dict], argv) -> None:
     base = next((r["epochs_per_s"] for r in rows if r["P"] == 1 and r.get("epochs_per_s")), None)
     print(f"\n`python3 -m bench.study_speed {' '.join(argv if argv is not None else sys.argv[1:])}`\n")
@@ -128,15 +133,11 @@ def print_table(rows: list[dict], argv) -> None:
         if "error" in r:
             print(f"| {r['P']} | {r['mps']} | {r['share']} | error: {r['error'][-200:]} | | | | | | | | | |")
             continue
-        ratio = f"{r['epochs_per_s'] / base:.2f}" if base and r["epochs_per_s"] else "n/a"
-        eps = "n/a" if r["epochs_per_s"] is None else f"{r['epochs_per_s']:.3f}"
-        busy = "n/a" if r["busy_pct"] is None else f"{r['busy_pct']:.0f}"
-        step = "n/a" if r["epoch_s"] is None else f"{r['epoch_s']:.1f}"
-        wall = "n/a" if r["wall_s"] is None else f"{r['wall_s']:.0f}"
-        save = "n/a" if r.get("save_s") is None else f"{r['save_s']:.2f}"
-        setup = "n/a" if r.get("setup_s") is None else f"{r['setup_s']:.2f}"
-        print(f"| {r['P']} | {'on' if r['mps'] else 'off'} | {r['share']} | {eps} | {r['in_span']} | {ratio} | "
-              f"{step} | {setup} | {r['train_s']:.2f} | {r['eval_s']:.2f} | {save} | {busy} | {wall} |")
+        ratio = r["epochs_per_s"] / base if base and r["epochs_per_s"] else None
+        cells = [_cell(r["epochs_per_s"], ".3f"), str(r["in_span"]), _cell(ratio, ".2f"), _cell(r["epoch_s"], ".1f"),
+                 *(_cell(r.get(f"{k}_s"), ".2f") for k in PHASES),
+                 _cell(r["busy_pct"], ".0f"), _cell(r["wall_s"], ".0f")]
+        print(f"| {r['P']} | {'on' if r['mps'] else 'off'} | {r['share']} | " + " | ".join(cells) + " |")
 
 
 def main(argv=None) -> None:

@@ -308,8 +308,9 @@ class TrainConfig:
             # 2 attention heads of 64 dims, not 8 of 16: the fused attention kernels tile 64 dims, so 16-dim heads
             # were mostly padding (bench/attention_speed.py: fwd+bwd 300 vs 575 µs at 1 024 windows on the H200).
             # One update an iteration (each transition sampled about twice), not two: OOS per-trade Sharpe of the
-            # val-selected checkpoint +0.054 [+0.016, +0.097], the last epoch's validation +0.118 [+0.051, +0.202],
-            # paired over 20 seed × fold units of two studies (docs/study-h200-generalization, -fewer-updates).
+            # val-selected checkpoint +0.042 [+0.009, +0.075], the last epoch's validation +0.087 [+0.038, +0.144],
+            # paired over 35 seed × fold units of three H200 studies (docs/study-h200-generalization,
+            # -fewer-updates, -onoff-one-update against -onoff8; bench/README.md 2026-12-04 · 955e644).
             return cls(agent=AgentConfig(n_features=n_features, window=64, d_model=128, n_heads=2, n_layers=2,
                                          hidden=256, ensemble=5),
                        n_envs=256, env_steps_per_iter=2, updates_per_iter=1, iterations=2000, batch_size=1024,

@@ -138,12 +138,12 @@ def train_epoch(state: TrainState, knobs: Knobs, progress: Callable[[int, int], 
     state.buffers.step.fill_(float(state.update_step))
     runner = state.runner
     compile0 = runner.compile_s
-    if state.device.type == "cuda":
+    cuda = state.device.type == "cuda"
+    if cuda:
         torch.cuda.synchronize(state.device)     # the refresh's kernels counted in setup_s, not in the iterations
     t0 = time.perf_counter()
     setup_s = t0 - t_setup
     state.agent.train()
-    cuda = state.device.type == "cuda"
     clock = PhaseClock(cuda)
 
     def before_update() -> None:                # host bookkeeping of one update (LRs on a CPU, group ages)
