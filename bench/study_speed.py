@@ -18,9 +18,11 @@ records (`finished_at`):
   epoch_s    the median seconds between two epochs of one run after its first: P / epoch_s is the aggregate rate
              while all P run
   ×1         that rate over the rate of one run alone (`--parallel 1`; the first case's when it is P = 1)
-  setup_s / train_s / eval_s / save_s   mean seconds of an epoch's set-up (knobs, fresh episodes, the embedding
+  setup_s / train_s / eval_s / save_s   median seconds of an epoch's set-up (knobs, fresh episodes, the embedding
              cache's full refresh), training iterations, evaluation, and writing of its weights and trainer state
-             inside one run (setup_s, save_s: n/a in records that predate them)
+             inside one run, over the epochs after each run's first (the first compiles; setup_s, save_s: n/a in
+             records that predate them); rollback_s: the median over the epochs that began from a rollback
+             (restoring the best epoch's learner before the set-up), n/a where none did
   busy       the study's mean GPU utilisation (nvidia-smi) over its whole wall time
 Cases with P = 1 run once whatever `--mps` says (one worker never starts MPS). `--mps-share PCT …` runs each MPS
 case once per PCT with `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=PCT` in the workers' environment: each run's kernels may
@@ -58,8 +60,12 @@ def steady_rate(finish: list[list[float]]) -> tuple[float | None, int, float]:
     return (sum(rates) if ok else None), len(going), t_hi - t_lo
 
 
-PHASES = ("setup", "train", "eval", "save")
+PHASES = ("rollback", "setup", "train", "eval", "save")
 """The parts of an epoch its record times (`seconds`); a part an older record lacks reads n/a."""
+
+
+def _median(xs: list[float]) -> float | None:
+    return float(sorted(xs)[len(xs) // 2]) if xs else None
 
 
 def analyse(out: Path, P: int, mps: str, share: int, wall: float | None = None) -> dict:
@@ -71,16 +77,17 @@ def analyse(out: Path, P: int, mps: str, share: int, wall: float | None = None) 
     for run_dir in sorted((out / "runs").iterdir()):
         recs = [json.loads(p.read_text()) for p in sorted((run_dir / "loop").glob("epoch-*.json"))]
         finish.append(sorted(r["finished_at"] for r in recs))
+        later = sorted(recs, key=lambda r: r["finished_at"])[1:]
         for k, xs in phases.items():
-            xs += [r["seconds"][k] for r in recs if r["seconds"].get(k) is not None]
+            xs += [r["seconds"][k] for r in later if r["seconds"].get(k) is not None]
     rate, in_span, span = steady_rate(finish)
     steps = [b - a for f in finish for a, b in zip(f[1:], f[2:])]
     busy = [v for v in (timing.get("gpu_busy_pct") or {}).values() if v is not None]
     return {"P": P, "mps": bool(timing.get("mps")), "mps_asked": mps, "share": share, "runs": len(finish),
             "epochs_per_s": rate, "in_span": in_span, "span_s": span,
             "wall_s": wall if wall is not None else timing.get("wall_s"),
-            "epoch_s": float(sorted(steps)[len(steps) // 2]) if steps else None,
-            **{f"{k}_s": sum(xs) / len(xs) if xs else None for k, xs in phases.items()},
+            "epoch_s": _median(steps),
+            **{f"{k}_s": _median(xs) for k, xs in phases.items()},
             "busy_pct": sum(busy) / len(busy) if busy else None}
 
 
@@ -126,12 +133,12 @@ def _cell(x: float | None, spec: str) -> str:
 def print_table(rows: list[dict], argv) -> None:
     base = next((r["epochs_per_s"] for r in rows if r["P"] == 1 and r.get("epochs_per_s")), None)
     print(f"\n`python3 -m bench.study_speed {' '.join(argv if argv is not None else sys.argv[1:])}`\n")
-    print("| runs at once | MPS | SM share % | epochs/s (steady) | in span | ×1 | epoch_s | setup_s | train_s | eval_s "
-          "| save_s | GPU busy % | wall s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| runs at once | MPS | SM share % | epochs/s (steady) | in span | ×1 | epoch_s | rollback_s | setup_s "
+          "| train_s | eval_s | save_s | GPU busy % | wall s |")
+    print("|---" * 14 + "|")
     for r in rows:
         if "error" in r:
-            print(f"| {r['P']} | {r['mps']} | {r['share']} | error: {r['error'][-200:]} | | | | | | | | | |")
+            print(f"| {r['P']} | {r['mps']} | {r['share']} | error: {r['error'][-200:]} |" + " |" * 10)
             continue
         ratio = r["epochs_per_s"] / base if base and r["epochs_per_s"] else None
         cells = [_cell(r["epochs_per_s"], ".3f"), str(r["in_span"]), _cell(ratio, ".2f"), _cell(r["epoch_s"], ".1f"),

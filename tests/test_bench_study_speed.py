@@ -23,7 +23,7 @@ def test_starts_spread_over_every_epoch_give_no_steady_rate():
     assert bench.steady_rate([[0.0, 10.0, 20.0], [19.0, 21.0, 40.0]])[0] is None
 
 
-def _case(root, name, finish):
+def _case(root, name, finish, rollback_at=None):
     d = root / name
     (d / "runs").mkdir(parents=True)
     (d / "results.json").write_text(json.dumps({"timing": {"mps": name.startswith("p2-mps-on"), "wall_s": 99.0,
@@ -31,14 +31,15 @@ def _case(root, name, finish):
     for i, f in enumerate(finish):
         loop = d / "runs" / f"on-s{i}-f0" / "loop"
         loop.mkdir(parents=True)
-        for e, t in enumerate(f, 1):
-            rec = {"finished_at": t, "seconds": {"setup": 0.125, "train": 2.0, "save": 0.25, "eval": 0.5,
+        for e, t in enumerate(f, 1):      # the first epoch compiles; (run, epoch) `rollback_at` begins from a rollback
+            rec = {"finished_at": t, "seconds": {"rollback": 0.75 if (i, e) == rollback_at else None, "setup": 0.125,
+                                                    "train": 30.0 if e == 1 else 2.0, "save": 0.25, "eval": 0.5,
                                                     "feedback": 0.0}}
             (loop / f"epoch-{e:04d}.json").write_text(json.dumps(rec))
 
 
 def test_from_reads_the_cases_back(tmp_path, capsys):
-    _case(tmp_path, "p2-mps-on-sm100", [[10.0, 20.0, 30.0, 40.0], [10.5, 20.5, 30.5, 40.5]])
+    _case(tmp_path, "p2-mps-on-sm100", [[10.0, 20.0, 30.0, 40.0], [10.5, 20.5, 30.5, 40.5]], rollback_at=(0, 3))
     _case(tmp_path, "p1-mps-off-sm100", [[5.0, 10.0, 15.0, 20.0]])
     (tmp_path / "cache").mkdir()
     rows = bench.read_cases(tmp_path)
@@ -46,7 +47,8 @@ def test_from_reads_the_cases_back(tmp_path, capsys):
     assert rows[0]["epochs_per_s"] == pytest.approx(0.2) and rows[1]["epochs_per_s"] == pytest.approx(0.2)
     bench.main(["--from", str(tmp_path)])
     out = capsys.readouterr().out
-    assert "| 2 | on | 100 | 0.200 | 2 | 1.00 | 10.0 | 0.12 | 2.00 | 0.50 | 0.25 | 50 | 99 |" in out
+    assert "| 2 | on | 100 | 0.200 | 2 | 1.00 | 10.0 | 0.75 | 0.12 | 2.00 | 0.50 | 0.25 | 50 | 99 |" in out
+    assert "| 1 | off | 100 | 0.200 | 1 | 1.00 | 5.0 | n/a | 0.12 | 2.00 | 0.50 | 0.25 | 50 | 99 |" in out
 
 
 def test_from_a_directory_without_cases_says_so(tmp_path):

@@ -117,6 +117,7 @@ def test_tiny_study_end_to_end(reference):
         rec = json.loads((out / "runs" / rid / "loop" / "epoch-0001.json").read_text())
         assert rec["seconds"]["save"] > 0.0 and rec["train"]["save_s"] == rec["seconds"]["save"], rid
         assert rec["seconds"]["setup"] > 0.0 and rec["train"]["setup_s"] == rec["seconds"]["setup"], rid
+        assert rec["seconds"]["rollback"] is None and rec["train"]["rollback_s"] is None, rid   # nothing to restore
         assert s["epochs"][0]["insample_sharpe"] == float(rec["insample"]["per_trade_sharpe"] or 0.0), rid
         assert all(isinstance(e["insample_sharpe"], float) for e in s["epochs"]), rid
         assert all(0.0 <= e["compile_s"] <= e["train_s"] for e in s["epochs"]), rid     # compiling is part of training

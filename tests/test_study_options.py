@@ -92,6 +92,11 @@ def test_the_shipped_study_files_build(path: Path, tmp_path: Path):
         assert {n: (c.batch_size, c.env_steps_per_iter, c.updates_per_iter, c.n_envs) for n, c in cfgs.items()} == {
             "off": (1024, 2, 1, 256), "ratio1-batch": (512, 2, 1, 256), "ratio1-steps": (1024, 4, 1, 256)}
         assert not any(fb.enabled for fb in offs.values()) and spec.seeds == [10, 11, 12, 13, 14]
+    elif path.name == "replay-ratio-replicate.toml":   # half the batch again, on seeds no other study file uses
+        cfgs = {v.name: spec.configs(v, 14)[0] for v in spec.variants}
+        assert {n: c.batch_size for n, c in cfgs.items()} == {"off": 1024, "ratio1-batch": 512}
+        assert not any(fb.enabled for fb in offs.values()) and spec.seeds == [15, 16, 17, 18, 19]
+        assert spec.folds == 3 and spec.reference == "off"
     elif path.name == "recent-replay.toml":   # the one-epoch replay on new seeds, and the loop as shipped on it
         cfgs = {v.name: spec.configs(v, 14)[0] for v in spec.variants}
         assert {n: c.replay_capacity for n, c in cfgs.items()} == {"off": 2_000_000, "recent": 500_000,

@@ -227,6 +227,7 @@ def test_rollback_restores_the_best_epochs_learner_bit_for_bit(tmp_path):
         assert torch.equal(pa, pc), n
     hist = [json.loads(x) for x in (tmp_path / "c" / "history.jsonl").read_text().splitlines()]
     assert [h["rolled_back_to"] for h in hist] == [None, None, 1]
+    assert hist[0]["rollback_s"] is None and hist[1]["rollback_s"] is None and hist[2]["rollback_s"] > 0.0
 
 
 def test_a_rollback_that_keeps_a_share_blends_the_current_and_the_best_weights(tmp_path):

@@ -65,6 +65,9 @@ class EpochStats:
     setup_s: float | None = None
     """Seconds before `seconds`: the knobs, a restart, fresh episodes and the embedding cache's full refresh
     (`refresh_embeddings`: every training bar through the online and target encoders)."""
+    rollback_s: float | None = None
+    """Seconds before `setup_s` restoring the learner a feedback rollback named (`roll_back`: reading the best
+    epoch's checkpoints back, their sha256 checked); None in an epoch that did not begin from a rollback."""
 
 
 
@@ -266,10 +269,12 @@ def train_run(bars: Bars, dataset: str, run_dir: Path, epochs: int, *, config: s
     knobs_fn = knobs_fn or cfg.schedule.knobs
     while state.epoch < epochs:
         rb = rollback_fn(state.epoch + 1) if rollback_fn is not None else None
+        t_rollback = time.perf_counter()
         if rb is not None:
             roll_back(state, rb[3] or run_dir, rb[0], rb[1] or None, keep=rb[2], restart=rb[4])
+        rollback_s = time.perf_counter() - t_rollback
         stats = train_epoch(state, knobs_fn(state.epoch + 1), progress)
-        stats.rolled_back_to = None if rb is None else rb[0]
+        stats.rolled_back_to, stats.rollback_s = (None, None) if rb is None else (rb[0], rollback_s)
         t_save = time.perf_counter()
         save_epoch(state, run_dir, meta)
         # every epoch's weights stay; only the last state and the pinned ones

@@ -190,7 +190,8 @@ def run_closed_loop(bars: Bars, dataset: str, run_dir: Path, epochs: int, *, con
                "insample": None if rep.insample is None else dict(rep.insample.metrics),
                "train": None if stats is None else {k: (v if not isinstance(v, float) or np.isfinite(v) else None)
                                                     for k, v in asdict(stats).items() if k != "knobs"},
-               "seconds": {"setup": None if stats is None else stats.setup_s,
+               "seconds": {"rollback": None if stats is None else stats.rollback_s,
+                           "setup": None if stats is None else stats.setup_s,
                            "train": None if stats is None else stats.seconds,
                            "save": None if stats is None else stats.save_s, "eval": t1 - t0, "feedback": t2 - t1},
                "finished_at": time.time()}
