@@ -25,8 +25,9 @@ records (`finished_at`):
              (restoring the best epoch's learner before the set-up), n/a where none did
   busy       the study's mean GPU utilisation (nvidia-smi) over its whole wall time
 Cases with P = 1 run once whatever `--mps` says (one worker never starts MPS). `--mps-share PCT …` runs each MPS
-case once per PCT with `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=PCT` in the workers' environment: each run's kernels may
-then occupy at most that share of the SMs, which can let the kernels of more runs execute at once (100: no limit).
+case once per PCT with the study's `--mps-share PCT` (`CUDA_MPS_ACTIVE_THREAD_PERCENTAGE` in its workers'
+environment): each run's kernels may then occupy at most that share of the SMs, which can let the kernels of more
+runs execute at once (100: no limit).
 """
 from __future__ import annotations
 
@@ -100,9 +101,10 @@ def run_case(out: Path, P: int, mps: str, args, share: int = 100) -> dict:
            "--n-boot", "200", "--out", str(out)]
     for s in args.set or []:
         cmd += ["--set", s]
+    if share < 100:
+        cmd += ["--mps-share", str(share)]
     t0 = time.time()
-    env = {**os.environ, "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(share)} if share < 100 else None
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    proc = subprocess.run(cmd, capture_output=True, text=True)
     wall = time.time() - t0
     if proc.returncode != 0:
         return {"P": P, "mps": mps, "share": share, "error": (proc.stderr or proc.stdout).strip()[-600:]}

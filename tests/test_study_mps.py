@@ -73,10 +73,28 @@ def test_the_mps_option_is_checked_and_not_part_of_the_studys_identity(tmp_path:
     assert b.mps == "auto" and a.identity() == b.identity()
 
 
+def test_the_sm_share_reaches_the_workers_alone_and_is_checked(tmp_path: Path):
+    """`--mps-share PCT`: the workers' environment holds CUDA_MPS_ACTIVE_THREAD_PERCENTAGE (none at 100), the
+    daemon's own does not, a share outside 1–100 is refused naming the option, and it is not part of the identity."""
+    d = mps.MpsDaemon(exe="unused")
+    d.root = tmp_path
+    assert d.client_env(30) == {**d.env(), "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "30"} and d.client_env(100) == d.env()
+    assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in d.env()
+    base = {"dataset": "synthetic", "epochs": 1, "out": tmp_path / "o", "folds": 1}
+    for bad in (0, 101):
+        with pytest.raises(StudyError, match=rf"--mps-share must be a percentage of the SMs from 1 to 100, got {bad}"):
+            build_spec({**base, "mps_share": bad})
+    a, _ = build_spec({**base, "mps_share": 30})
+    b, _ = build_spec(base)
+    assert (a.mps_share, b.mps_share) == (30, 100) and a.identity() == b.identity()
+
+
 def test_the_timing_line_says_when_runs_shared_the_gpu_through_mps():
     t = {"wall_s": 300.0, "runs_at_once": 10, "epochs_trained": 120, "epochs_per_s": 0.4, "gpu_busy_pct": {}}
     assert "10 runs at once (sharing the GPU through CUDA MPS), 120 epochs" in fmt_timing({**t, "mps": True})
     assert "10 runs at once, 120 epochs" in fmt_timing({**t, "mps": False})
+    assert "(sharing the GPU through CUDA MPS, each run's kernels held to 30 % of the SMs)" in fmt_timing(
+        {**t, "mps": True, "mps_share": 30})
 
 
 def test_a_daemon_an_earlier_start_left_is_quit_and_its_directory_removed(tmp_path: Path):

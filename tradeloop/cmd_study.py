@@ -100,7 +100,8 @@ def build_spec(cli: dict[str, Any]):
             reference=pick("reference"), n_boot=int(pick("n_boot", 10_000)), ci_seed=int(pick("ci_seed", 0)),
             parallel=parse_parallel(pick("parallel", "auto"), str(pick("device", "cpu"))),
             threads=None if pick("threads") is None else int(pick("threads")),
-            stagger=str(pick("stagger", "auto")), mps=str(pick("mps", "auto")).strip().lower())
+            stagger=str(pick("stagger", "auto")), mps=str(pick("mps", "auto")).strip().lower(),
+            mps_share=int(pick("mps_share", 100)))
     except (TypeError, ValueError) as exc:
         raise StudyError(f"{where}: {exc}") from None
     return spec.validate(), Path(out)
@@ -187,6 +188,8 @@ def study(
     mps: Optional[str] = typer.Option(None, "--mps", help="auto, on or off: workers sharing a GPU run under a CUDA "
                                       "MPS daemon of the study's own, so their kernels run at once (auto: when "
                                       "installed and a GPU has > 1 worker)."),
+    mps_share: Optional[int] = typer.Option(None, "--mps-share", help="Under MPS, the share of a GPU's SMs (%) "
+                                            "each worker's kernels may occupy (default 100: no limit)."),
     redis: Optional[str] = typer.Option(None, "--redis", help="Redis URL: runs go through its stream, where "
                                         "`tradeloop study-worker` on other hosts take them too (--parallel 0: "
                                         "none here)."),

@@ -50,6 +50,11 @@ class MpsDaemon:
         assert self.root is not None
         return {"CUDA_MPS_PIPE_DIRECTORY": str(self.root / "pipe"), "CUDA_MPS_LOG_DIRECTORY": str(self.root / "log")}
 
+    def client_env(self, share: int = 100) -> dict[str, str]:
+        """`env()` for a worker; with `share` < 100 also `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`: each of its kernels
+        may occupy at most that share of the GPU's SMs, so the kernels of more runs execute at once."""
+        return {**self.env(), **({"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(share)} if share < 100 else {})}
+
     def _control(self, *args: str, stdin: str | None = None, timeout: float = 30) -> subprocess.CompletedProcess:
         return subprocess.run([self.exe, *args], input=stdin, capture_output=True, text=True, timeout=timeout,
                               env={**os.environ, **self.env()})

@@ -344,7 +344,9 @@ def fmt_timing(t: dict) -> str:
     starts = t.get("starts") or 1
     total = (f"{t['wall_total_s']:.0f} s and {t['epochs_trained_total']} epochs over {starts} starts of the command; "
              "the last: " if starts > 1 and t.get("wall_total_s") is not None else "")
-    mps = " (sharing the GPU through CUDA MPS)" if t.get("mps") else ""
+    share = t.get("mps_share")
+    held = f", each run's kernels held to {share} % of the SMs" if share is not None and share < 100 else ""
+    mps = f" (sharing the GPU through CUDA MPS{held})" if t.get("mps") else ""
     return (total + f"wall {wall} s, {t['runs_at_once']} runs at once{mps}, {t.get('epochs_trained') or 0} epochs "
             f"trained, aggregate {'n/a' if eps is None else f'{eps:.3f}'} epochs/s" + (f" ({t['from']})" if t.get("from") else "")
             + (f"; busy {busy}" if busy else "")

@@ -175,9 +175,10 @@ def share_gpus(spec: StudySpec, P: int, gpus: list[str], console, status: "Statu
     if daemon.start():
         if status is not None:
             status.update(force=True, mps_dir=str(daemon.root))
-        console.print(f"{P} workers share {len(gpus)} GPU(s) through CUDA MPS (a daemon of the study's own)",
+        held = f", each run's kernels held to {spec.mps_share} % of the SMs" if spec.mps_share < 100 else ""
+        console.print(f"{P} workers share {len(gpus)} GPU(s) through CUDA MPS (a daemon of the study's own{held})",
                       markup=False, highlight=False)
-        return daemon, mps.client_gpus(gpus), daemon.env()
+        return daemon, mps.client_gpus(gpus), daemon.client_env(spec.mps_share)
     if spec.mps == "on":
         raise StudyError(f"--mps on: {daemon.why_not}")
     console.print(f"runs share the GPU time-sliced, without MPS ({daemon.why_not})", markup=False, highlight=False)
@@ -282,6 +283,7 @@ def run_study(spec: StudySpec, out: Path, console=None, redis_url: str | None = 
     timing = {"wall_s": wall, "runs_at_once": status.doc.get("peak_running") or P, "epochs_trained": epochs_here,
               "epochs_per_s": epochs_here / wall if wall > 0 and epochs_here else None,
               "gpu_busy_pct": busy, "gpus": gpus, "threads_per_worker": threads, "mps": daemon is not None,
+              "mps_share": spec.mps_share if daemon is not None else None,
               **_all_starts(status.doc["earlier_starts"], wall, epochs_here)}
     results = write_results(spec, out, timing)
     status.update(force=True, state="done")
