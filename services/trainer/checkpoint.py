@@ -200,7 +200,7 @@ def restore_state(state: TrainState, run_dir: Path, epoch: int) -> None:
 
 
 def roll_back(state: TrainState, run_dir: Path, epoch: int, expected_sha256: str | None = None,
-              keep: float = 0.0, restart: bool = False) -> None:
+              keep: float = 0.0, restart: bool = False, refresh: bool = True) -> None:
     """A feedback rollback (population-based training's exploit step): the learner of the best epoch `epoch` —
     its weights, target network, optimizer state (moments, step counts) and entropy coefficient, bit for bit from
     its checkpoint files (`expected_sha256`: the checkpoint its report evaluated) — replaces the current one, in
@@ -208,7 +208,8 @@ def roll_back(state: TrainState, run_dir: Path, epoch: int, expected_sha256: str
     target becomes `keep·current + (1 − keep)·best` instead; the optimizer state is the best epoch's either way.
     What was collected stays (the replay buffer, the trade tracker), and time moves on (the RNGs, the epoch,
     update and environment-step counters, the LR schedule's group ages). The embedding tables the updates and
-    collection read are recomputed from the restored encoders.
+    collection read are recomputed from the restored encoders (`refresh`; False for a caller whose next step is
+    `train_epoch`, which recomputes them in its set-up).
     With `restart` (`FeedbackBundle.rollback_restart`) the answer to the drop is a fresh learner instead
     (`state.restart_fresh`: new weights, zeroed optimizer state, and the replay emptied under
     `TrainConfig.restart_replay`); `epoch`'s files are not read."""
@@ -216,7 +217,8 @@ def roll_back(state: TrainState, run_dir: Path, epoch: int, expected_sha256: str
         raise ValueError(f"rollback keep must be in [0, 1), got {keep}")
     if restart:
         restart_fresh(state)
-        refresh_embeddings(state)
+        if refresh:
+            refresh_embeddings(state)
         return
     w, t, _ = _load_epoch(state, run_dir, epoch, expected_sha256)
     if keep:
@@ -227,7 +229,8 @@ def roll_back(state: TrainState, run_dir: Path, epoch: int, expected_sha256: str
     with torch.no_grad():
         state.agent.load_state_dict({k: v.to(state.device) for k, v in w.items()})
     _load_learner(state, t)
-    refresh_embeddings(state)
+    if refresh:
+        refresh_embeddings(state)
 
 
 def _blend(now: dict[str, torch.Tensor], best: dict[str, torch.Tensor], keep: float) -> dict[str, torch.Tensor]:

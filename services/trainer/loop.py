@@ -271,7 +271,8 @@ def train_run(bars: Bars, dataset: str, run_dir: Path, epochs: int, *, config: s
         rb = rollback_fn(state.epoch + 1) if rollback_fn is not None else None
         t_rollback = time.perf_counter()
         if rb is not None:
-            roll_back(state, rb[3] or run_dir, rb[0], rb[1] or None, keep=rb[2], restart=rb[4])
+            roll_back(state, rb[3] or run_dir, rb[0], rb[1] or None, keep=rb[2], restart=rb[4],
+                      refresh=False)       # train_epoch's set-up refreshes the embedding tables from these encoders
         rollback_s = time.perf_counter() - t_rollback
         stats = train_epoch(state, knobs_fn(state.epoch + 1), progress)
         stats.rolled_back_to, stats.rollback_s = (None, None) if rb is None else (rb[0], rollback_s)
