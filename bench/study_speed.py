@@ -42,6 +42,8 @@ import sys
 import time
 from pathlib import Path
 
+from tradeloop.study.report import PARTS, part_medians
+
 
 def steady_rate(finish: list[list[float]]) -> tuple[float | None, int, float]:
     """(aggregate epochs/s, runs in the span, span seconds) from each run's sorted epoch finish times: the span
@@ -61,10 +63,6 @@ def steady_rate(finish: list[list[float]]) -> tuple[float | None, int, float]:
     return (sum(rates) if ok else None), len(going), t_hi - t_lo
 
 
-PHASES = ("rollback", "setup", "train", "eval", "save")
-"""The parts of an epoch its record times (`seconds`); a part an older record lacks reads n/a."""
-
-
 def _median(xs: list[float]) -> float | None:
     return float(sorted(xs)[len(xs) // 2]) if xs else None
 
@@ -74,21 +72,21 @@ def analyse(out: Path, P: int, mps: str, share: int, wall: float | None = None) 
     results = json.loads((out / "results.json").read_text())
     timing = results.get("timing", {})
     finish: list[list[float]] = []
-    phases: dict[str, list[float]] = {k: [] for k in PHASES}
+    parts: list[list[dict]] = []
     for run_dir in sorted((out / "runs").iterdir()):
-        recs = [json.loads(p.read_text()) for p in sorted((run_dir / "loop").glob("epoch-*.json"))]
-        finish.append(sorted(r["finished_at"] for r in recs))
-        later = sorted(recs, key=lambda r: r["finished_at"])[1:]
-        for k, xs in phases.items():
-            xs += [r["seconds"][k] for r in later if r["seconds"].get(k) is not None]
+        recs = sorted((json.loads(p.read_text()) for p in (run_dir / "loop").glob("epoch-*.json")),
+                      key=lambda r: r["finished_at"])
+        finish.append([r["finished_at"] for r in recs])
+        parts.append([{f"{k}_s": r["seconds"].get(k) for k in PARTS} for r in recs])
     rate, in_span, span = steady_rate(finish)
+    medians = part_medians(parts)
     steps = [b - a for f in finish for a, b in zip(f[1:], f[2:])]
     busy = [v for v in (timing.get("gpu_busy_pct") or {}).values() if v is not None]
     return {"P": P, "mps": bool(timing.get("mps")), "mps_asked": mps, "share": share, "runs": len(finish),
             "epochs_per_s": rate, "in_span": in_span, "span_s": span,
             "wall_s": wall if wall is not None else timing.get("wall_s"),
             "epoch_s": _median(steps),
-            **{f"{k}_s": _median(xs) for k, xs in phases.items()},
+            **{f"{k}_s": medians[k] for k in PARTS},
             "busy_pct": sum(busy) / len(busy) if busy else None}
 
 
@@ -144,7 +142,7 @@ def print_table(rows: list[dict], argv) -> None:
             continue
         ratio = r["epochs_per_s"] / base if base and r["epochs_per_s"] else None
         cells = [_cell(r["epochs_per_s"], ".3f"), str(r["in_span"]), _cell(ratio, ".2f"), _cell(r["epoch_s"], ".1f"),
-                 *(_cell(r.get(f"{k}_s"), ".2f") for k in PHASES),
+                 *(_cell(r.get(f"{k}_s"), ".2f") for k in PARTS),
                  _cell(r["busy_pct"], ".0f"), _cell(r["wall_s"], ".0f")]
         print(f"| {r['P']} | {'on' if r['mps'] else 'off'} | {r['share']} | " + " | ".join(cells) + " |")
 

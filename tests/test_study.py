@@ -122,6 +122,9 @@ def test_tiny_study_end_to_end(reference):
         assert all(isinstance(e["insample_sharpe"], float) for e in s["epochs"]), rid
         assert all(0.0 <= e["compile_s"] <= e["train_s"] for e in s["epochs"]), rid     # compiling is part of training
     assert res["timing"]["compile_max_s"] >= res["timing"]["compile_median_s"] >= 0.0
+    parts = res["timing"]["epoch_parts_s"]           # each timed part of the runs' second epochs, in the report
+    assert all(parts[k] > 0.0 for k in ("setup", "train", "eval", "save")), parts
+    assert "an epoch's parts (median after each run's first epoch): set-up" in md
     assert set(res["curves_insample"]) == {"on", "off"} and "In sample beside validation" in md
     assert "runs at once" in p.stdout and "epochs/s" in p.stdout and "wall" in p.stdout
     finished = [line.split(":")[0] for line in p.stdout.splitlines() if "selected on validation (val" in line]

@@ -7,7 +7,7 @@ import pytest
 
 from tradeloop.cmd_study import build_spec
 from tradeloop.study import mps
-from tradeloop.study.report import compile_times, fmt_timing
+from tradeloop.study.report import compile_times, fmt_timing, part_medians
 from tradeloop.study.spec import StudyError
 
 
@@ -122,3 +122,23 @@ def test_the_timing_line_says_what_compiling_took():
     assert ", 13 s in each other (median)" in fmt_timing(t)
     assert compile_times([{"epochs": [{"train_s": 1.0}]}]) == {}          # summaries without the field
     assert "compiling" not in fmt_timing({**t, "compile_max_s": None})
+
+
+def test_the_timing_line_gives_an_epochs_parts_after_each_runs_first():
+    """`part_medians`: the median of each part over the epochs after each run's first (the first compiles), a
+    rollback's restore over the epochs that began from one; the timing line names them, and says nothing of parts
+    that older summaries lack."""
+    def epoch(train, rollback=None):
+        return {"rollback_s": rollback, "setup_s": 0.25, "train_s": train, "eval_s": 0.5, "save_s": 0.75}
+    runs = [[epoch(90.0), epoch(1.0), epoch(3.0, rollback=0.5)],
+            [epoch(20.0), epoch(2.0), epoch(2.0), epoch(4.0, rollback=0.75)]]
+    p = part_medians(runs)
+    assert p == {"rollback": 0.75, "setup": 0.25, "train": 2.0, "eval": 0.5, "save": 0.75, "rollbacks": 2}
+    line = fmt_timing({"wall_s": 10.0, "runs_at_once": 2, "epochs_trained": 7, "epochs_per_s": 0.7,
+                       "gpu_busy_pct": {}, "epoch_parts_s": p})
+    assert ("an epoch's parts (median after each run's first epoch): set-up 0.25 s, training 2.00 s, evaluation "
+            "0.50 s, writing 0.75 s, restoring a rollback's learner 0.75 s (2 epochs began from one)") in line
+    old = part_medians([[{"train_s": 5.0, "eval_s": 1.0}, {"train_s": 1.0, "eval_s": 0.5}]])
+    assert old["setup"] is None and old["rollback"] is None and old["rollbacks"] == 0
+    assert fmt_timing({"wall_s": 1.0, "runs_at_once": 1, "epochs_trained": 2, "epochs_per_s": 2.0,
+                       "epoch_parts_s": old}).endswith("training 1.00 s, evaluation 0.50 s")

@@ -26,7 +26,7 @@ def write_results(spec: StudySpec, out: Path, timing: dict) -> dict:
     summaries = load_summaries(spec, out)
     epoch_s = [e["train_s"] + e["eval_s"] for m in summaries for e in m["epochs"] if e["train_s"] is not None]
     timing = {**timing, "mean_epoch_s": float(np.mean(epoch_s)) if epoch_s else None,
-              **compile_times(summaries)}
+              **compile_times(summaries), "epoch_parts_s": part_medians([m["epochs"] for m in summaries])}
     res = aggregate(summaries, baselines(spec, out, min(os.cpu_count() or 1, 8)), [v.name for v in spec.variants],
                     spec.reference_name, n_boot=spec.n_boot, seed=spec.ci_seed, populations=spec.populations(),
                     cluster_of=spec.cluster_of)
@@ -47,6 +47,24 @@ def compile_times(summaries: list[dict]) -> dict:
         return {}
     rest = per_run[:-1]
     return {"compile_max_s": per_run[-1], "compile_median_s": float(np.median(rest)) if rest else None}
+
+
+PARTS = ("rollback", "setup", "train", "eval", "save")
+"""The timed parts of an epoch, in the order they run: restoring a rollback's learner, the set-up (fresh episodes,
+the embedding cache's full refresh), the iterations, the evaluation, writing the weights and trainer state."""
+
+
+def part_medians(runs: list[list[dict]]) -> dict:
+    """Median seconds of each of an epoch's `PARTS` (`<part>_s` of each run's epochs, in order) over the epochs after
+    each run's first (which compiles); `rollback` over the epochs that began from one (None where none did, or
+    where the records predate a part); `rollbacks`: how many did."""
+    later = [e for epochs in runs for e in epochs[1:]]
+    out: dict = {}
+    for k in PARTS:
+        xs = sorted(e[f"{k}_s"] for e in later if e.get(f"{k}_s") is not None)
+        out[k] = float(xs[len(xs) // 2]) if xs else None
+    out["rollbacks"] = sum(e.get("rollback_s") is not None for e in later)
+    return out
 
 
 def _n(x, spec: str = "+.3f") -> str:
@@ -352,7 +370,15 @@ def fmt_timing(t: dict) -> str:
             + (f"; busy {busy}" if busy else "")
             + (f"; mean epoch {t['mean_epoch_s']:.1f} s a run (train + evaluation)"
                if t.get("mean_epoch_s") is not None and math.isfinite(t["mean_epoch_s"]) else "")
-            + _fmt_compile(t))
+            + _fmt_parts(t.get("epoch_parts_s") or {}) + _fmt_compile(t))
+
+
+def _fmt_parts(p: dict) -> str:
+    names = {"setup": "set-up", "train": "training", "eval": "evaluation", "save": "writing"}
+    cells = [f"{name} {p[k]:.2f} s" for k, name in names.items() if p.get(k) is not None]
+    if p.get("rollback") is not None:
+        cells.append(f"restoring a rollback's learner {p['rollback']:.2f} s ({p['rollbacks']} epochs began from one)")
+    return f"; an epoch's parts (median after each run's first epoch): {', '.join(cells)}" if cells else ""
 
 
 def _fmt_compile(t: dict) -> str:

@@ -141,6 +141,7 @@ def execute_run(spec: StudySpec, out: Path, rs: RunSpec, data: DataCache,
         "data_seed": spec.data_seed_of(rs.seed), "split": split.to_dict(), "n_bars": len(bars),
         "epochs": [{"epoch": r["epoch"], "val_sharpe": vals[i], "val_trades": trades[i],
                     "train_s": r["seconds"]["train"], "eval_s": r["seconds"]["eval"],
+                    **{f"{k}_s": r["seconds"].get(k) for k in ("rollback", "setup", "save")},
                     "compile_s": (r.get("train") or {}).get("compile_s"),   # of train_s: compiling, capturing
                     "insample_sharpe": insample_sharpe(r),
                     "epsilon": r["knobs"]["epsilon"], "gamma": r["knobs"]["gamma"],
