@@ -1,6 +1,7 @@
 """`tradeloop study`'s options: the study file's keys and the values `build_spec` reads come from the command's
 parameters, and each option's flag is its key with '-' for '_'."""
 import inspect
+import json
 from pathlib import Path
 
 import pytest
@@ -97,6 +98,12 @@ def test_the_shipped_study_files_build(path: Path, tmp_path: Path):
         assert {n: c.batch_size for n, c in cfgs.items()} == {"off": 1024, "ratio1-batch": 512}
         assert not any(fb.enabled for fb in offs.values()) and spec.seeds == [15, 16, 17, 18, 19]
         assert spec.folds == 3 and spec.reference == "off"
+    elif path.name == "shorter-epochs.toml":   # the on/off study's training in 16 epochs of half the iterations
+        cfgs = {v.name: spec.configs(v, 14)[0] for v in spec.variants}
+        assert {(c.iterations, c.schedule.eps_decay_epochs, c.updates_per_iter) for c in cfgs.values()} == {(500, 16, 1)}
+        assert offs["on"].enabled and not offs["off"].enabled and spec.epochs == 16
+        onoff = json.loads((path.parents[1] / "docs/study-h200-onoff-one-update/results.json").read_text())["study"]
+        assert (spec.seeds, spec.folds, spec.bars) == (onoff["seeds"], onoff["folds"], onoff["bars"])   # it pairs
     elif path.name == "recent-replay.toml":   # the one-epoch replay on new seeds, and the loop as shipped on it
         cfgs = {v.name: spec.configs(v, 14)[0] for v in spec.variants}
         assert {n: c.replay_capacity for n, c in cfgs.items()} == {"off": 2_000_000, "recent": 500_000,
