@@ -42,7 +42,8 @@ import sys
 import time
 from pathlib import Path
 
-from tradeloop.study.report import PARTS, part_medians
+from tradeloop.study.loop import PARTS
+from tradeloop.study.report import part_medians, upper_median
 
 
 def steady_rate(finish: list[list[float]]) -> tuple[float | None, int, float]:
@@ -63,10 +64,6 @@ def steady_rate(finish: list[list[float]]) -> tuple[float | None, int, float]:
     return (sum(rates) if ok else None), len(going), t_hi - t_lo
 
 
-def _median(xs: list[float]) -> float | None:
-    return float(sorted(xs)[len(xs) // 2]) if xs else None
-
-
 def analyse(out: Path, P: int, mps: str, share: int, wall: float | None = None) -> dict:
     """A finished case's row from its study's records (`out`: the case's study directory)."""
     results = json.loads((out / "results.json").read_text())
@@ -85,7 +82,7 @@ def analyse(out: Path, P: int, mps: str, share: int, wall: float | None = None) 
     return {"P": P, "mps": bool(timing.get("mps")), "mps_asked": mps, "share": share, "runs": len(finish),
             "epochs_per_s": rate, "in_span": in_span, "span_s": span,
             "wall_s": wall if wall is not None else timing.get("wall_s"),
-            "epoch_s": _median(steps),
+            "epoch_s": upper_median(steps),
             **{f"{k}_s": medians[k] for k in PARTS},
             "busy_pct": sum(busy) / len(busy) if busy else None}
 

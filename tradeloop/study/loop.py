@@ -47,6 +47,11 @@ from shared.metrics import sharpe_se
 from shared.report import SplitDefinition
 from shared.runfiles import atomic_write
 
+PARTS = ("rollback", "setup", "train", "eval", "save")
+"""The timed parts of an epoch in its record's `seconds` (beside `feedback`), in the order they run: restoring a
+rollback's learner, the set-up (fresh episodes, the embedding cache's full refresh), the iterations, the evaluation,
+writing the weights and trainer state."""
+
 LOOP_DIR = "loop"
 PEER_DIR = "peer"
 """Where a run keeps the peer epoch an exploit restores (`link_peer_epoch`) until the epoch that starts from it is saved."""

@@ -38,6 +38,11 @@ def wanted(mode: str, device: str, workers: int, gpus: int) -> bool:
     return workers > gpus
 
 
+def held_to(share: int | None) -> str:
+    """How the study's words name a worker's SM share: ", each run's kernels held to N % of the SMs" below 100."""
+    return f", each run's kernels held to {share} % of the SMs" if share is not None and share < 100 else ""
+
+
 class MpsDaemon:
     """Start with `start()` (False, and a reason in `why_not`, when it cannot), `env()` for the workers, `stop()`."""
 

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-from tradeloop.study.loop import write_json_atomic
+from tradeloop.study.loop import PARTS, write_json_atomic
+from tradeloop.study.mps import held_to
 from tradeloop.study.spec import StudySpec
 from tradeloop.study.stats import DSR_BAR, aggregate, describe, first_then_later
 
@@ -49,9 +50,9 @@ def compile_times(summaries: list[dict]) -> dict:
     return {"compile_max_s": per_run[-1], "compile_median_s": float(np.median(rest)) if rest else None}
 
 
-PARTS = ("rollback", "setup", "train", "eval", "save")
-"""The timed parts of an epoch, in the order they run: restoring a rollback's learner, the set-up (fresh episodes,
-the embedding cache's full refresh), the iterations, the evaluation, writing the weights and trainer state."""
+def upper_median(xs: list[float]) -> float | None:
+    """The median of `xs` (the upper one of an even count), None for none."""
+    return float(sorted(xs)[len(xs) // 2]) if xs else None
 
 
 def part_medians(runs: list[list[dict]]) -> dict:
@@ -61,8 +62,7 @@ def part_medians(runs: list[list[dict]]) -> dict:
     later = [e for epochs in runs for e in epochs[1:]]
     out: dict = {}
     for k in PARTS:
-        xs = sorted(e[f"{k}_s"] for e in later if e.get(f"{k}_s") is not None)
-        out[k] = float(xs[len(xs) // 2]) if xs else None
+        out[k] = upper_median([e[f"{k}_s"] for e in later if e.get(f"{k}_s") is not None])
     out["rollbacks"] = sum(e.get("rollback_s") is not None for e in later)
     return out
 
@@ -362,9 +362,7 @@ def fmt_timing(t: dict) -> str:
     starts = t.get("starts") or 1
     total = (f"{t['wall_total_s']:.0f} s and {t['epochs_trained_total']} epochs over {starts} starts of the command; "
              "the last: " if starts > 1 and t.get("wall_total_s") is not None else "")
-    share = t.get("mps_share")
-    held = f", each run's kernels held to {share} % of the SMs" if share is not None and share < 100 else ""
-    mps = f" (sharing the GPU through CUDA MPS{held})" if t.get("mps") else ""
+    mps = f" (sharing the GPU through CUDA MPS{held_to(t.get('mps_share'))})" if t.get("mps") else ""
     return (total + f"wall {wall} s, {t['runs_at_once']} runs at once{mps}, {t.get('epochs_trained') or 0} epochs "
             f"trained, aggregate {'n/a' if eps is None else f'{eps:.3f}'} epochs/s" + (f" ({t['from']})" if t.get("from") else "")
             + (f"; busy {busy}" if busy else "")

@@ -175,8 +175,8 @@ def share_gpus(spec: StudySpec, P: int, gpus: list[str], console, status: "Statu
     if daemon.start():
         if status is not None:
             status.update(force=True, mps_dir=str(daemon.root))
-        held = f", each run's kernels held to {spec.mps_share} % of the SMs" if spec.mps_share < 100 else ""
-        console.print(f"{P} workers share {len(gpus)} GPU(s) through CUDA MPS (a daemon of the study's own{held})",
+        console.print(f"{P} workers share {len(gpus)} GPU(s) through CUDA MPS (a daemon of the study's own"
+                      f"{mps.held_to(spec.mps_share)})",
                       markup=False, highlight=False)
         return daemon, mps.client_gpus(gpus), daemon.client_env(spec.mps_share)
     if spec.mps == "on":

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Callable
 
 from shared.redis_server import die_with_parent
-from tradeloop.study.loop import write_json_atomic
+from tradeloop.study.loop import PARTS, write_json_atomic
 from tradeloop.study.spec import RunSpec, StudyError, StudySpec
 
 WARM_FILE = ".cache/warm"
@@ -140,8 +140,7 @@ def execute_run(spec: StudySpec, out: Path, rs: RunSpec, data: DataCache,
         "run_id": rs.run_id, "variant": rs.variant, "seed": rs.seed, "fold": rs.fold,
         "data_seed": spec.data_seed_of(rs.seed), "split": split.to_dict(), "n_bars": len(bars),
         "epochs": [{"epoch": r["epoch"], "val_sharpe": vals[i], "val_trades": trades[i],
-                    "train_s": r["seconds"]["train"], "eval_s": r["seconds"]["eval"],
-                    **{f"{k}_s": r["seconds"].get(k) for k in ("rollback", "setup", "save")},
+                    **{f"{k}_s": r["seconds"].get(k) for k in PARTS},
                     "compile_s": (r.get("train") or {}).get("compile_s"),   # of train_s: compiling, capturing
                     "insample_sharpe": insample_sharpe(r),
                     "epsilon": r["knobs"]["epsilon"], "gamma": r["knobs"]["gamma"],
