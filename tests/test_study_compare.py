@@ -140,6 +140,27 @@ def test_any_epochs_pairs_studies_that_differ_in_epochs_alone_and_says_so(tmp_pa
     assert "epochs" not in c                                  # nothing to say when they agree
 
 
+def test_any_settings_pairs_studies_trained_otherwise_on_the_same_units_and_says_how(tmp_path):
+    a = study(tmp_path, "a", "off", dict(zip(UNITS, [0.50, 0.40, 0.30, 0.20])), dict(zip(UNITS, [0.1] * 4)),
+              epochs=8, settings=[["train.iterations", 60], ["schedule.eps_decay_epochs", 8]])
+    b = study(tmp_path, "b", "off", dict(zip(UNITS, [0.40] * 4)), dict(zip(UNITS, [0.1] * 4)))
+    r = CliRunner().invoke(app, ["study-compare", f"{a}:off", f"{b}:off", "--n-boot", "500", "--any-epochs"])
+    assert r.exit_code == 2 and "differ in settings" in r.output                  # epochs alone are not enough
+    r = CliRunner().invoke(app, ["study-compare", f"{a}:off", f"{b}:off", "--n-boot", "500", "--any-settings"])
+    assert r.exit_code == 2 and "differ in epochs" in r.output and "settings" not in r.output.split("differ in")[1]
+    r = CliRunner().invoke(app, ["study-compare", f"{a}:off", f"{b}:off", "--n-boot", "500", "--any-epochs",
+                                 "--any-settings"])
+    assert r.exit_code == 0, r.output
+    assert "**-0.050" in r.output and "The sides differ in epochs (8 against 4)" in r.output
+    assert ("base settings (train.iterations=60, schedule.eps_decay_epochs=8 against train.iterations=120)"
+            in r.output)
+    c = compare(*load_side(f"{b}:off")[:2], *load_side(f"{b}:off")[:2], n_boot=200, any_settings=True)
+    assert "settings" not in c                                # nothing to say when they agree
+    dataset = study(tmp_path, "d", "off", dict(zip(UNITS, [0.40] * 4)), dict(zip(UNITS, [0.1] * 4)), dataset="sp500")
+    with pytest.raises(StudyError, match="differ in dataset"):   # the units themselves must still be the same
+        compare(*load_side(f"{a}:off")[:2], *load_side(f"{dataset}:off")[:2], any_epochs=True, any_settings=True)
+
+
 def test_the_first_epochs_validation_is_paired_from_the_curves_as_the_studies_shift(tmp_path):
     a = study(tmp_path, "a", "rb", dict(zip(UNITS, [0.5] * 4)), dict(zip(UNITS, [0.3] * 4)))
     b = study(tmp_path, "b", "off", dict(zip(UNITS, [0.4] * 4)), dict(zip(UNITS, [0.2] * 4)))

@@ -297,6 +297,8 @@ def study_compare(
     as_json: bool = typer.Option(False, "--json", help="The comparison as JSON."),
     any_epochs: bool = typer.Option(False, "--any-epochs", help="Pair studies that differ in epochs alone (each run's "
                                     "checkpoint chosen among its own epochs); the table says how many each side had."),
+    any_settings: bool = typer.Option(False, "--any-settings", help="Pair studies that differ in their base settings "
+                                      "(--set) too: the same units trained otherwise; the table says each side's."),
 ) -> None:
     """A variant of one finished study against a variant of another on the same seeds, folds and data, paired by
     (seed, fold): OOS and val per-trade Sharpe of the val-selected checkpoints and last-epoch val. Several pairs
@@ -314,7 +316,8 @@ def study_compare(
             raise StudyError(f"give DIR:VARIANT in pairs (A B [A2 B2 …]); got {len(sides)}: {' '.join(sides)}")
         loaded = [load_side(x) for x in sides]
         pairs = [(ra, va, rb, vb) for (ra, va, _), (rb, vb, _) in zip(loaded[::2], loaded[1::2])]
-        c = compare_pooled(pairs, n_boot=n_boot, seed=ci_seed, any_epochs=any_epochs)
+        c = compare_pooled(pairs, n_boot=n_boot, seed=ci_seed, any_epochs=any_epochs,
+                           any_settings=any_settings)
     except StudyError as exc:
         err.print(f"error: {exc}", markup=False, highlight=False)
         raise typer.Exit(2) from None

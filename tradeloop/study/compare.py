@@ -7,7 +7,9 @@ base settings, bars, data seed); the differences are taken on the (seed, fold) u
 bootstrap as a study's own paired differences (`stats.paired`). Each study's DSR stays deflated by its own
 checkpoints only, so it is not compared here. `--any-epochs` pairs studies that differ in epochs alone (a variant
 trained for fewer or more epochs than its reference): each run's checkpoint is still chosen on validation among its
-own epochs, and the table says how many each side had.
+own epochs, and the table says how many each side had. `--any-settings` pairs studies that differ in their base
+settings too (`--set`: the same runs trained otherwise, e.g. one training cut into more, shorter epochs); the table
+says each side's.
 
 Beside the table: the paired difference of the first epoch's validation (from each study's curves). Where the two
 variants train their first epoch alike (a change that acts from epoch 2 on), it is a shift between the two studies
@@ -73,27 +75,31 @@ def population_units(a: dict, va: str, b: dict, vb: str):
 
 
 def compare(a: dict, va: str, b: dict, vb: str, *, n_boot: int = 10_000, seed: int = 0,
-            any_epochs: bool = False) -> dict:
+            any_epochs: bool = False, any_settings: bool = False) -> dict:
     """Paired a − b per metric over the shared units, each side's mean, and per seed whether a's last-epoch
     validation (mean over folds) is ≥ b's. StudyError when the studies' units differ (in anything but epochs, with
-    `any_epochs`) or none is shared."""
-    return compare_pooled([(a, va, b, vb)], n_boot=n_boot, seed=seed, any_epochs=any_epochs)
+    `any_epochs`, and base settings, with `any_settings`) or none is shared."""
+    return compare_pooled([(a, va, b, vb)], n_boot=n_boot, seed=seed, any_epochs=any_epochs,
+                          any_settings=any_settings)
 
 
 def compare_pooled(pairs: list[tuple[dict, str, dict, str]], *, n_boot: int = 10_000, seed: int = 0,
-                   any_epochs: bool = False) -> dict:
+                   any_epochs: bool = False, any_settings: bool = False) -> dict:
     """`compare` over several pairs of studies at once (a replication: the same two variants run again in another
     study), their units pooled: each pair's studies must pair with each other (`SAME_UNITS`; not in epochs with
-    `any_epochs`, and then `epochs` lists each pair's (a, b) epochs), a unit is (pair, seed, fold), and one
-    bootstrap runs over all of them; the per-seed count is over (pair, seed)."""
+    `any_epochs`, and then `epochs` lists each pair's (a, b) epochs; not in base settings with `any_settings`, and
+    then `settings` lists each pair's), a unit is (pair, seed, fold), and one bootstrap runs over all of them; the
+    per-seed count is over (pair, seed)."""
     xs: dict[str, tuple[dict, dict]] = {key: ({}, {}) for key, _ in COMPARED}
-    epochs = []
+    free = {k for k, on in (("epochs", any_epochs), ("settings", any_settings)) if on}
+    sides: dict[str, list[tuple]] = {"epochs": [], "settings": []}
     for i, (a, va, b, vb) in enumerate(pairs):
         sa, sb = a["study"], b["study"]
         val = lambda st, k: st.get(k, SAME_UNITS[k])  # noqa: E731
-        epochs.append((val(sa, "epochs"), val(sb, "epochs")))
+        for k in sides:
+            sides[k].append((val(sa, k), val(sb, k)))
         diff = [k for k in SAME_UNITS if json.dumps(val(sa, k), sort_keys=True) != json.dumps(val(sb, k), sort_keys=True)
-                and not (any_epochs and k == "epochs")]
+                and k not in free]
         if diff:
             raise StudyError(f"the studies' units do not pair: they differ in {', '.join(diff)} "
                              f"({'; '.join(f'{k}: {val(sa, k)!r} vs {val(sb, k)!r}' for k in diff)})")
@@ -108,8 +114,9 @@ def compare_pooled(pairs: list[tuple[dict, str, dict, str]], *, n_boot: int = 10
                 xs[key][0][(i, *g)] = float(np.mean([ra[u] for u in us]))
                 xs[key][1][(i, *g)] = float(np.mean([rb[u] for u in us]))
     out: dict = {"metrics": {}, "pairs": len(pairs)}
-    if any(ea != eb for ea, eb in epochs):
-        out["epochs"] = epochs
+    for k, both in sides.items():
+        if any(json.dumps(x) != json.dumps(y) for x, y in both):
+            out[k] = both
     for key, _ in COMPARED:
         xa, xb = xs[key]
         units = sorted(set(xa) & set(xb))
@@ -144,6 +151,11 @@ def first_epoch(pairs: list[tuple[dict, str, dict, str]], shared: tuple[dict, di
     return (xa, xb) if xa else None
 
 
+def settings_text(settings) -> str:
+    """A study's base settings (`[[key, value], …]`) as `key=value, …` (`none` for none)."""
+    return ", ".join(f"{k}={json.dumps(v)}" for k, v in settings or []) or "none"
+
+
 def markdown(c: dict, la: str, lb: str) -> str:
     over = f"{c['units']} units" + (f" of {c['pairs']} pairs of studies, pooled" if c.get("pairs", 1) > 1 else "")
     lines = [f"{la} − {lb}, paired by (seed, fold) over {over} (mean [95 % CI]; percentile bootstrap):",
@@ -164,4 +176,7 @@ def markdown(c: dict, la: str, lb: str) -> str:
     if c.get("epochs"):
         lines.append(f"The sides differ in epochs ({', '.join(f'{ea} against {eb}' for ea, eb in c['epochs'])}): each "
                      "run's checkpoint was chosen on validation among its own, and the last epoch is each side's.")
+    if c.get("settings"):
+        said = "; ".join(f"{settings_text(x)} against {settings_text(y)}" for x, y in c["settings"])
+        lines.append(f"The sides differ in their base settings ({said}): the same units, trained otherwise.")
     return "\n".join(lines) + "\n"
