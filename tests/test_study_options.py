@@ -47,7 +47,7 @@ def test_the_shipped_study_files_build(path: Path, tmp_path: Path):
     if "on" in offs or "pop" in offs:
         assert set(offs.get("on", offs.get("pop")).off) == signals
     # variants of the fixed schedule: feedback off
-    schedule_only = ("ema", "fresh", "recent", "lowlr", "decay", "fewer", "dropout", "ratio")
+    schedule_only = ("ema", "fresh", "recent", "lowlr", "decay", "fewer", "dropout", "ratio", "gamma")
     assert all(fb.enabled for n, fb in offs.items() if n != "off" and not n.startswith(schedule_only))
 
     for name, fb in offs.items():
@@ -104,6 +104,14 @@ def test_the_shipped_study_files_build(path: Path, tmp_path: Path):
         assert offs["on"].enabled and not offs["off"].enabled and spec.epochs == 16
         onoff = json.loads((path.parents[1] / "docs/study-h200-onoff-one-update/results.json").read_text())["study"]
         assert (spec.seeds, spec.folds, spec.bars) == (onoff["seeds"], onoff["folds"], onoff["bars"])   # it pairs
+    elif path.name == "gamma-from-holding.toml":   # E3 with and without the rollback, and a fixed γ of 0.98
+        cfgs = {v.name: spec.configs(v, 14)[0] for v in spec.variants}
+        assert {n: c.schedule.gamma for n, c in cfgs.items()} == {"on": 0.99, "off": 0.99, "E3": 0.99,
+                                                                   "E3-alone": 0.99, "gamma98": 0.98}
+        assert {n: offs[n].schedule.gamma for n in offs} == {n: c.schedule.gamma for n, c in cfgs.items()}
+        assert set(offs["E3-alone"].off) == (signals - {"E3"}) | {"rollback"} and offs["E3-alone"].enabled
+        assert offs["E3"].is_on("rollback") and not offs["E3-alone"].is_on("rollback")
+        assert not offs["gamma98"].enabled and {c.updates_per_iter for c in cfgs.values()} == {1}
     elif path.name == "recent-replay.toml":   # the one-epoch replay on new seeds, and the loop as shipped on it
         cfgs = {v.name: spec.configs(v, 14)[0] for v in spec.variants}
         assert {n: c.replay_capacity for n, c in cfgs.items()} == {"off": 2_000_000, "recent": 500_000,
