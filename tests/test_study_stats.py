@@ -423,3 +423,31 @@ def test_the_best_validated_run_of_each_market_and_fold_is_chosen_on_validation_
     assert "on OOS +0.450 [" in text and "(2 groups of ≥ 2 runs)" in text and "paired on − off +0.100 [" in text
     alone = aggregate(runs, [], ["on", "off"], "off", n_boot=500, seed=0)        # a market a seed
     assert "best_validated" not in alone["variants"]["off"] and "best_validated_oos" not in alone["paired"]["on"]
+
+
+def test_the_knobs_each_epoch_trained_under_are_reported_where_the_variants_differ():
+    from tradeloop.study.report import markdown
+    from tradeloop.study.stats import knob_paths
+
+    runs = [_summary("E3", 0, 0, [0.1, 0.2, 0.3], 3, 0.3), _summary("E3", 1, 0, [0.2, 0.3, 0.1], 2, 0.2),
+            _summary("off", 0, 0, [0.1, 0.1, 0.1], 1, 0.1), _summary("off", 1, 0, [0.2, 0.1, 0.1], 1, 0.1)]
+    gammas = ([0.99, 0.98, 0.975], [0.99, 0.98, 0.985], [0.99] * 3, [0.99] * 3)
+    for m, gs in zip(runs, gammas):
+        for e, g in zip(m["epochs"], gs):
+            e["gamma"], e["epsilon"] = g, 0.3 / e["epoch"]          # ε: the same schedule in both variants
+    paths = knob_paths(runs, ["E3", "off"])
+    assert set(paths) == {"gamma"}                                   # ε does not differ: not reported
+    assert paths["gamma"]["E3"] == pytest.approx([0.99, 0.98, 0.98]) and paths["gamma"]["off"] == [0.99] * 3
+    res = aggregate(runs, [], ["E3", "off"], "off", n_boot=200, seed=0)
+    assert res["knob_paths"] == paths
+    res["study"] = {"dataset": "synthetic", "variants": [{"name": n, "settings": []} for n in ("E3", "off")],
+                    "seeds": [0, 1], "folds": 1, "epochs": 3, "preset": "small", "settings": [], "device": "cpu",
+                    "accel": "auto", "deterministic": False, "bars": 3000, "min_val_trades": 20, "n_boot": 200,
+                    "ci_seed": 0}
+    res["timing"] = {"wall_s": 10.0, "runs_at_once": 1, "epochs_trained": 12, "epochs_per_s": 1.2}
+    text = " ".join(markdown(res).split())
+    assert ("The γ each epoch trained under, where the variants differ (mean over a variant's runs, epoch 1 → 3): "
+            "E3 0.9900, 0.9800, 0.9800; off 0.9900, 0.9900, 0.9900.") in text
+    assert "The ε each epoch" not in text
+    del runs[0]["epochs"][1]["gamma"]                                # a summary without it: E3 is left out, and
+    assert knob_paths(runs, ["E3", "off"]) == {}                     # one variant alone differs from nothing

@@ -14,7 +14,7 @@ import numpy as np
 from tradeloop.study.loop import PARTS, write_json_atomic
 from tradeloop.study.mps import held_to
 from tradeloop.study.spec import StudySpec
-from tradeloop.study.stats import DSR_BAR, aggregate, describe, first_then_later
+from tradeloop.study.stats import DSR_BAR, KNOBS, aggregate, describe, first_then_later
 
 
 def load_summaries(spec: StudySpec, out: Path) -> list[dict]:
@@ -124,6 +124,12 @@ def markdown(res: dict) -> str:
              if d.get("exploits")]
     if taken:
         lines += ["", f"Epochs that began from another run's epoch (the population's exploit): {'; '.join(taken)}."]
+    for knob, sym, fmt in KNOBS:
+        if knob in res.get("knob_paths", {}):
+            said = "; ".join(f"{name} {', '.join(format(x, fmt) for x in path)}"
+                             for name, path in res["knob_paths"][knob].items())
+            lines += ["", f"The {sym} each epoch trained under, where the variants differ (mean over a variant's runs, "
+                      f"epoch 1 → {len(next(iter(res['knob_paths'][knob].values())))}): {said}."]
     steps = [f"{name} {describe(d['val_step'])}" for name, d in res["variants"].items() if d.get("val_step")]
     if steps:
         lines += ["", "How far the policy moves from one epoch to the next (mean |Δ val per-trade Sharpe| between a "

@@ -233,7 +233,30 @@ def aggregate(summaries: Sequence[dict], baselines: Sequence[dict], variants: Se
                      for m in summaries if m["variant"] == name} for name in variants}
     return {"n_trials": n_trials, "trial_sharpe_var": var, "reference": reference, "variants": out_v,
             "baselines": out_b, "paired": out_p, "runs": rows, "curves": curves,
-            "curves_insample": insample_curves(summaries, variants), "pairing": pairing_check(summaries)}
+            "curves_insample": insample_curves(summaries, variants), "knob_paths": knob_paths(summaries, variants),
+            "pairing": pairing_check(summaries)}
+
+
+KNOBS = (("epsilon", "ε", ".3f"), ("gamma", "γ", ".4f"))
+"""The scheduled knobs an epoch's record names (what it trained under), their symbols and formats in the report."""
+
+
+def knob_paths(summaries: Sequence[dict], variants: Sequence[str]) -> dict:
+    """Per knob of `KNOBS`, each variant's mean over its runs of the knob's value by epoch — only the knobs whose
+    paths differ between the variants (a signal or a setting that moves it), only variants whose every run has it
+    at every epoch; {} when none differs."""
+    out: dict = {}
+    for knob, _, _ in KNOBS:
+        paths = {}
+        for name in variants:
+            ms = [m for m in summaries if m["variant"] == name]
+            vals = [[e.get(knob) for e in m["epochs"]] for m in ms]
+            if ms and all(v is not None for row in vals for v in row) and len({len(row) for row in vals}) == 1:
+                paths[name] = [float(x) for x in np.mean(np.array(vals, dtype=float), axis=0)]
+        if len(paths) > 1 and any(not np.allclose(a, b, rtol=0, atol=1e-9) for a in paths.values()
+                                  for b in paths.values() if len(a) == len(b)):
+            out[knob] = paths
+    return out
 
 
 def insample_curves(summaries: Sequence[dict], variants: Sequence[str]) -> dict:
