@@ -423,3 +423,27 @@ def test_clip_grad_norm_equals_torchs(max_norm):
     assert clipped == (max_norm == 0.5)
     for a, g0 in zip(ours, grads):
         torch.testing.assert_close(a.grad, g0 * (max_norm / (float(n_ref) + 1e-6) if clipped else 1.0))
+
+
+def test_the_saved_replay_keeps_its_integers_in_the_narrowest_dtype_and_loads_them_back_as_they_were(tmp_path):
+    from services.trainer.checkpoint import narrow_ints
+    from shared.checkpoints import load_checkpoint
+
+    t = torch.tensor([0, 5, 127], dtype=torch.int64)
+    assert narrow_ints(t).dtype == torch.int8 and torch.equal(narrow_ints(t).long(), t)
+    assert narrow_ints(torch.tensor([-129, 0])).dtype == torch.int16
+    assert narrow_ints(torch.tensor([0, 40_000])).dtype == torch.int32
+    assert narrow_ints(torch.tensor([0, 2**31])).dtype == torch.int64            # too wide for int32: unchanged
+    assert narrow_ints(torch.tensor([0.5])).dtype == torch.float32                 # not an integer: unchanged
+    assert narrow_ints(torch.zeros(0, dtype=torch.int64)).dtype == torch.int64
+    bars = generate(700, seed=3).bars
+    cfg = tiny_config()
+    a = train_run(bars, "synthetic", tmp_path / "a", 1, config=cfg, seed=5)
+    saved, _ = load_checkpoint(tmp_path / "a" / "checkpoints" / "epoch-0001.state.safetensors")
+    assert saved["replay.action"].dtype == torch.int8 and saved["replay.regime"].dtype == torch.int8
+    assert saved["replay.bar"].dtype == torch.int16                                   # 700 bars
+    b = train_run(bars, "synthetic", tmp_path / "a", 1, config=cfg, seed=5)    # resumed: a fresh state, restored
+    assert b is not a and b.epoch == 1
+    for k, v in a.replay.state_tensors().items():
+        got = b.replay.state_tensors()[k]
+        assert got.dtype == v.dtype and torch.equal(got, v), k

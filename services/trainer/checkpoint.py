@@ -84,11 +84,29 @@ def _state_tensors(state: TrainState) -> dict[str, torch.Tensor]:
     for p, st in state.opt.state.items():
         for k, v in st.items():
             t[f"opt.{names[p]}.{k}"] = torch.as_tensor(v).detach().contiguous()
-    t.update({f"replay.{k}": v.contiguous() for k, v in state.replay.state_tensors().items()})
+    t.update({f"replay.{k}": narrow_ints(v.contiguous()) for k, v in state.replay.state_tensors().items()})
     t.update({f"tracker.{k}": v.contiguous() for k, v in state.env.tracker.state_tensors().items()})
     t["rng.generator"] = _rng_tensor(state.generator.get_state())
     t["rng.torch"] = _rng_tensor(torch.get_rng_state())
     t["buf.entropy_coef"] = state.buffers.entropy_coef.detach().clone()
+    return t
+
+
+NARROW = (torch.int8, torch.int16, torch.int32)
+"""The integer dtypes a saved int64 tensor may take (the narrowest that holds its values)."""
+
+
+def narrow_ints(t: torch.Tensor) -> torch.Tensor:
+    """An int64 tensor in the narrowest dtype of `NARROW` that holds every one of its values, else itself (and any
+    other tensor as it is): the replay's bar indices, actions and regimes take an eighth to a half of their bytes in
+    the trainer state's file. Loading copies them back into the ring's int64 buffers (`Replay.load_state`), so the
+    values, and a resumed run, are the same."""
+    if t.dtype != torch.int64 or t.numel() == 0:
+        return t
+    lo, hi = (int(x) for x in torch.aminmax(t))
+    for dt in NARROW:
+        if torch.iinfo(dt).min <= lo and hi <= torch.iinfo(dt).max:
+            return t.to(dt)
     return t
 
 

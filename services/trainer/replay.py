@@ -281,6 +281,8 @@ class Replay:
         return {"head": self.head, "count": self.count}
 
     def load_state(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+        """`state_tensors` / `state_meta` back, copied into the buffers (a saved integer tensor may be narrower:
+        `services.trainer.checkpoint.narrow_ints`; the copy widens it)."""
         for k, v in tensors.items():
             getattr(self, k).copy_(v)
         self.head_t.fill_(int(meta["head"]))
