@@ -10,8 +10,8 @@ import pytest
 
 from tradeloop.study.runner import prepare
 from tradeloop.study.spec import AUTO_RUNS_PER_GPU, StudyError, StudySpec, Variant, parse_parallel
-from tradeloop.study.worker import (MEMORY_HEADROOM, RUN_MEMORY_FILE, WARM_FILE, gpu_slots, runs_that_fit,
-                                    start_workers)
+from tradeloop.study.worker import (MEMORY_HEADROOM, RUN_MEMORY_FILE, SPREAD_S, WARM_FILE, gpu_slots,
+                                    runs_that_fit, start_plan, start_workers)
 
 GIB = 2 ** 30
 
@@ -36,6 +36,25 @@ def test_gpu_slots_read_the_first_runs_measure(tmp_path: Path):
     (tmp_path / RUN_MEMORY_FILE).write_text(json.dumps({"run_bytes": 30 * GIB, "total_bytes": 80 * GIB, "gpu": "0"}))
     fit, doc = gpu_slots(tmp_path)
     assert fit == 2 and doc["gpu"] == "0"
+
+
+def test_workers_sharing_a_gpu_start_spread_apart_after_the_warm_compile_and_on_a_resume(tmp_path: Path):
+    """Auto: on a cold cache the workers after the first wait for its first epoch; on each GPU its k-th worker then
+    starts k × SPREAD_S later, cold or warm, so the runs' epochs (and their writes, GPU idle) are not in step. One
+    worker per GPU, or the CPU, is not spread; `--stagger SECONDS` replaces all of it."""
+    gpu = _spec(device="cuda")
+    cold = start_plan(gpu, tmp_path, 4, ["0", "1"])
+    assert [w for w, _, _ in cold] == [0.0, 600.0, 600.0, 600.0]
+    assert [s for _, _, s in cold] == [0.0, 0.0, SPREAD_S, SPREAD_S] and SPREAD_S > 0
+    assert [d for _, d, _ in cold] == [0.0] * 4
+    (tmp_path / WARM_FILE).parent.mkdir(parents=True)
+    (tmp_path / WARM_FILE).write_text("measured\n")
+    warm = start_plan(gpu, tmp_path, 3, ["0"])
+    assert warm == [(0.0, 0.0, 0.0), (0.0, 0.0, SPREAD_S), (0.0, 0.0, 2 * SPREAD_S)]
+    assert [s for _, _, s in start_plan(gpu, tmp_path, 2, ["0", "1"])] == [0.0, 0.0]
+    assert start_plan(_spec(device="cpu"), tmp_path, 2, []) == [(0.0, 0.0, 0.0)] * 2
+    assert start_plan(_spec(device="cuda", stagger="2.5"), tmp_path, 3, ["0"]) == [(0.0, 0.0, 0.0), (0.0, 2.5, 0.0),
+                                                                                   (0.0, 5.0, 0.0)]
 
 
 def test_parallel_auto_is_one_on_a_cpu_and_a_worker_per_core_per_gpu_on_cuda(monkeypatch):

@@ -9,7 +9,8 @@ capturing `full` on a fresh H200: 133 s, bench/README.md 2026-12-03 · 799ab21),
 (`PR_SET_PDEATHSIG`). With a compiled `--accel` (auto on CUDA) or on a GPU the workers after the first start
 once the first has finished an epoch (`WARM_FILE`: its compiled kernels are then in the shared cache, and the GPU
 memory of one run is measured, `RUN_MEMORY_FILE`: a worker past the runs that fit its GPU stands down; `--stagger
-SECONDS`: worker i starts i × SECONDS later instead). A run holds an exclusive lock on its directory while it runs,
+SECONDS`: worker i starts i × SECONDS later instead), and the workers sharing a GPU then start `SPREAD_S` apart,
+so that their runs' epochs do not stay in step. A run holds an exclusive lock on its directory while it runs,
 so no run is ever done by two processes; a run killed half done resumes from its latest epoch
 (`tradeloop.study.loop`).
 """
@@ -36,6 +37,11 @@ RUN_MEMORY_FILE = ".cache/gpu-memory.json"
 """Under the out directory: the GPU memory one run holds ({"run_bytes", "total_bytes", "gpu"}), read on the device
 once the first epoch of the first run is done, while it runs alone there (the other workers wait for `WARM_FILE`);
 it caps the runs at once on each GPU (`runs_that_fit`)."""
+SPREAD_S = 1.0
+"""With `--stagger auto`, the k-th worker of a GPU starts k × SPREAD_S after the compile cache is warm. Runs started
+at one moment stay in step, and each epoch's write of its weights and trainer state (≈ 1.1 s with ten runs at once
+on an H200, bench/README.md 2026-12-04 · 55afb1c) then leaves the GPU idle for all of them together; runs spread by
+about one write keep their writes apart, each overlapping the others' training."""
 MEMORY_HEADROOM = 0.95
 """The share of a GPU's memory the study's runs may fill together."""
 
@@ -226,7 +232,8 @@ class LocalSource:
 
 
 def worker_main(index: int, gpu: str | None, out: str, source: tuple, threads: int, wait_warm: float,
-                delay: float, parent_pid: int, extra_env: dict[str, str] | None = None, slot: int = 0) -> None:
+                delay: float, parent_pid: int, extra_env: dict[str, str] | None = None, slot: int = 0,
+                spread: float = 0.0) -> None:
     """A worker process: take run ids from its source (("local", tasks, events) or ("redis", url, sid, n_runs))
     until there is none left, run each, report progress as events. `slot`: its place among the workers of its GPU;
     a worker whose slot is past the runs that fit the GPU's memory (`gpu_slots`) stands down before its next run,
@@ -255,6 +262,8 @@ def worker_main(index: int, gpu: str | None, out: str, source: tuple, threads: i
         deadline = time.monotonic() + wait_warm
         while not (out_p / WARM_FILE).exists() and time.monotonic() < deadline:
             time.sleep(0.5)
+    if spread > 0:
+        time.sleep(spread)
     if source[0] == "redis":
         from tradeloop.study.remote import RedisSource
 
@@ -361,23 +370,34 @@ def visible_gpus() -> list[str]:
     return [str(i) for i in range(torch.cuda.device_count())]
 
 
-def start_workers(ctx, spec: StudySpec, out: Path, source: tuple, P: int, gpus: list[str], threads: int,
-                  extra_env: dict[str, str] | None = None) -> list:
-    """P worker processes (spawn), worker i on GPU i mod G; with a compiled accel or a GPU and `--stagger auto` the
-    workers after the first wait (≤ 10 min) for the first epoch of any run, so that its compile fills the shared
-    cache and its GPU memory is measured alone.
-    `extra_env` is set in every worker before it loads CUDA."""
-    compiled = spec.compiled()
-    fixed = 0.0 if spec.stagger == "auto" else float(spec.stagger)
-    workers = []
+def start_plan(spec: StudySpec, out: Path, P: int, gpus: list[str]) -> list[tuple[float, float, float]]:
+    """Per worker (wait for the warm cache ≤ s, delay s, spread s): `--stagger auto` — with a compiled accel or on a
+    GPU, the workers after the first wait (≤ 10 min) for the first epoch of any run, so that its compile fills the
+    shared cache and its GPU memory is measured alone; on a GPU, the k-th worker of each GPU then starts k × SPREAD_S
+    later (a resumed study's too). `--stagger SECONDS`: worker i starts i × SECONDS after the first, nothing else."""
+    auto = spec.stagger == "auto"
+    fixed = 0.0 if auto else float(spec.stagger)
+    compiled, warm = spec.compiled(), (out / WARM_FILE).exists()
+    plan = []
     for i in range(P):
         gpu = gpus[i % len(gpus)] if gpus else None
-        # compiled, or on a GPU (the first run measures a run's memory there): the others wait for its first epoch
-        first = spec.stagger == "auto" and (compiled or gpu is not None) and not (out / WARM_FILE).exists()
-        wait = 600.0 if first and i > 0 else 0.0
+        first = auto and (compiled or gpu is not None) and not warm
+        shared = gpu is not None and P > len(gpus)
+        plan.append((600.0 if first and i > 0 else 0.0, i * fixed,
+                     (i // len(gpus)) * SPREAD_S if auto and shared else 0.0))
+    return plan
+
+
+def start_workers(ctx, spec: StudySpec, out: Path, source: tuple, P: int, gpus: list[str], threads: int,
+                  extra_env: dict[str, str] | None = None) -> list:
+    """P worker processes (spawn), worker i on GPU i mod G, started as `start_plan` says.
+    `extra_env` is set in every worker before it loads CUDA."""
+    workers = []
+    for i, (wait, delay, spread) in enumerate(start_plan(spec, out, P, gpus)):
+        gpu = gpus[i % len(gpus)] if gpus else None
         workers.append(ctx.Process(target=worker_main, name=f"study-worker-{i}",
-                                   args=(i, gpu, str(out), source, threads, wait, i * fixed, os.getpid(),
-                                         extra_env, i // len(gpus) if gpus else i)))
+                                   args=(i, gpu, str(out), source, threads, wait, delay, os.getpid(),
+                                         extra_env, i // len(gpus) if gpus else i, spread)))
     for p in workers:
         p.start()
     return workers
