@@ -160,3 +160,18 @@ def test_workers_compile_into_the_users_compile_cache_unless_told_otherwise(tmp_
     assert env["CUDA_VISIBLE_DEVICES"] == "0" and "CUBLAS_WORKSPACE_CONFIG" not in env
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "theirs"))
     assert worker_env(tmp_path / "study", None, deterministic=True)["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "theirs")
+
+
+def test_a_study_resumes_with_a_default_spelled_out_as_it_was_and_refuses_another_value(tmp_path: Path):
+    """A study file that pins a setting at the default its study started under (`schedule.gamma` at the fixed
+    schedule's γ) resumes that study: every variant resolves as it did; pinned at another value, or with another
+    setting that changes a variant, it is another study, refused naming what differs."""
+    from shared.knobs import FixedSchedule
+
+    out = tmp_path / "study"
+    prepare(_spec(device="cpu"), out)
+    gamma = FixedSchedule().gamma
+    prepare(_spec(device="cpu", settings=[("schedule.gamma", gamma)]), out)                # the same study
+    for other in ([("schedule.gamma", 0.5 * gamma)], [("train.iterations", 7)]):
+        with pytest.raises(StudyError, match=r"holds another study \(it differs in settings\)"):
+            prepare(_spec(device="cpu", settings=other), out)

@@ -81,10 +81,12 @@ def prepare(spec: StudySpec, out: Path) -> None:
         except Exception:  # noqa: BLE001 — an unreadable spec compares as saved
             pass
         diff = [k for k in mine if json.dumps(mine[k], sort_keys=True) != json.dumps(theirs.get(k), sort_keys=True)]
+        then, now = old.get("resolved"), spec.resolved()
+        if diff == ["settings"] and then == now:
+            diff = []   # settings spelled out (a default pinned as it was): every variant resolves as it did
         if diff:
             raise StudyError(f"--out {out} holds another study (it differs in {', '.join(diff)}); use another --out "
                              "or ask for the same study to resume it")
-        then, now = old.get("resolved"), spec.resolved()
         changed = [k for k in now if then is not None and then.get(k) != now[k]]
         if changed:
             raise StudyError(f"--out {out}: variant(s) {', '.join(changed)} resolve to other trainer or feedback "
