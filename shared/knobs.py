@@ -111,7 +111,7 @@ class FixedSchedule:
     trade at `full`. Against 0.99, on the H200 (synthetic, `full`, 5 seeds × 3 folds × 8 epochs, side by side in one
     study, docs/study-h200-gamma/): OOS of the checkpoint chosen on validation +0.098 [+0.015, +0.195] (higher in
     12 of 15), validation +0.077 [+0.012, +0.133]; on a CPU at `small` +0.043 [+0.003, +0.084] (docs/study-cpu-gamma/).
-    E3's γ from the holding time settled near it (0.980–0.985) and scored below it (−0.036 [−0.104, +0.028])."""
+    E3's γ from the holding time settled near it (0.980–0.985) and scored below it (−0.036 [−0.105, +0.029])."""
 
     ALIASES = {"gamma_fixed": "gamma"}
     """Other names of fields that settings accept: the feedback config's name for γ."""
