@@ -40,13 +40,17 @@ DIRECTIONS = ("short", "flat", "long")
 SIGNAL_IDS = ("E1", "E2", "E3", "E4", "E5", "E6", "E7", "E8", "E9")
 OFF_NAMES = (*SIGNAL_IDS, "rollback")
 """What a feedback config may switch off: a signal, or the rollback."""
-DEFAULT_OFF = SIGNAL_IDS
-"""The signals the product ships switched off (`TL_FEEDBACK_OFF`'s default; the base of every `tradeloop study`
-variant): all nine. At the `full` preset on the H200 the loop with the rollback alone (the exploit step: the best
-epoch's weights, optimizer state and knobs restored when validation falls beyond its noise) scored at least as well
-as with the signals acting, and on the S&P 500 sample the signals' knobs lowered OOS below the fixed schedule's
-beyond the CI (docs/feedback.md, "What the studies say"). A signal is switched on by naming the others
-(`TL_FEEDBACK_OFF=E7`, a study variant's `off=E7`); `FeedbackConfig()` itself switches nothing off."""
+DEFAULT_OFF = OFF_NAMES
+"""What the product ships switched off (`TL_FEEDBACK_OFF`'s default; the base of every `tradeloop study` variant):
+the nine signals and the rollback, so every knob follows the fixed schedule (`shared.knobs.FixedSchedule`) while the
+feedback service still computes each signal, its inputs and its reason. None earned its place: in the leave-one-out
+study no signal did (docs/study-h200-loo/), and on the S&P 500 sample the signals' knobs lowered OOS below the fixed
+schedule's beyond the CI; the rollback alone − the fixed schedule at `full`'s one update an iteration read −0.045
+[−0.171, +0.048] (docs/study-h200-onoff-one-update/) and −0.090 [−0.258, +0.075] (docs/study-h200-gamma/), pooled
+−0.068 [−0.172, +0.028] over 30 units, and on a CPU at `small` with γ 0.98 −0.043 [−0.097, +0.001] (higher in 1 of
+6; docs/study-cpu-after-gamma/): each act re-draws an epoch from an optimistic best. One is switched on by naming
+the others (`TL_FEEDBACK_OFF=E1,E2,E3,E4,E5,E6,E7,E8,E9` for the rollback alone; a study variant's
+`off = [...]`); `FeedbackConfig()` itself switches nothing off."""
 
 
 def parse_off(value: str | Sequence[str]) -> tuple[str, ...]:
@@ -336,7 +340,8 @@ class FeedbackBundle(_Versioned):
     (`FeedbackConfig.rollback_restart`); the knobs are that epoch's either way."""
     best_epoch: int | None = None
     """The epoch with the best validation per-trade Sharpe so far, this one included: what a later rollback would
-    restore, so the trainer keeps its checkpoint files. None with the rollback off."""
+    restore, or a peer run of a population exploit, so the trainer keeps its checkpoint files. None with the rollback
+    and the population off."""
     reason: str = ""
     signals: dict[str, Signal]
     knobs: dict[str, Any]

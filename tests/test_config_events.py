@@ -164,14 +164,14 @@ def test_run_dir_not_writable_is_refused_naming_the_variable(tmp_path):
         TrainerSettings(run_dir=tmp_path / "file", run_id="r1").check_run_dir("trainer")
 
 
-def test_the_product_ships_the_signals_off_and_every_signal_can_be_turned_on(monkeypatch):
+def test_the_product_ships_the_signals_and_the_rollback_off_and_each_can_be_turned_on(monkeypatch):
     """`DEFAULT_OFF` is what the service's settings and every study variant start from; the library's config itself
-    switches nothing off; `TL_FEEDBACK_OFF=""` turns every signal on."""
+    switches nothing off; `TL_FEEDBACK_OFF=""` turns every signal and the rollback on."""
     from services.feedback.signals import FeedbackConfig
     from shared.report import DEFAULT_OFF
     from tradeloop.study.spec import StudySpec, parse_variants
 
-    assert DEFAULT_OFF == ("E1", "E2", "E3", "E4", "E5", "E6", "E7", "E8", "E9")   # the rollback alone acts
+    assert DEFAULT_OFF == ("E1", "E2", "E3", "E4", "E5", "E6", "E7", "E8", "E9", "rollback")   # the fixed schedule
     s = load_settings(FeedbackSettings)
     assert s.off == DEFAULT_OFF and FeedbackConfig.coerce(s).off == DEFAULT_OFF
     assert FeedbackConfig().off == ()

@@ -388,6 +388,8 @@ def test_rollback_only_beyond_the_noise_of_the_drop():
     assert not compute_bundle(at(1, -5.0), [], CFG, now="t").rollback
     off = compute_bundle(at(2, -0.3), [at(1, 0.6)], {"off": ("rollback",)}, now="t")
     assert not off.rollback and off.best_epoch is None                   # nothing to keep for a rollback
+    pop = compute_bundle(at(2, -0.3), [at(1, 0.6)], {"off": ("rollback",), "population": True}, now="t")
+    assert not pop.rollback and pop.best_epoch == 1                      # kept for the population's peers
     # the best epoch so far, this one included (ties: the earliest)
     assert compute_bundle(at(3, 0.9), [at(1, 0.6), at(2, 0.6)], CFG, now="t").best_epoch == 3
     assert compute_bundle(at(3, 0.6), [at(1, 0.6), at(2, 0.6)], CFG, now="t").best_epoch == 1

@@ -587,7 +587,8 @@ def compute_bundle(report: EvalReport, history: Sequence[EvalReport | HistoryEnt
     knobs = replace(knobs_from_signals(sig), lr_decay=view.knobs.lr_decay * (
         cfg.rollback_lr_factor if rb is not None else 1.0)).validate()
     this = HistoryPoint(view.epoch, view.val.metric("per_trade_sharpe"), _n_val(view), view.knobs)
-    best_epoch = best_point([*view.history, this])[0].epoch if cfg.is_on("rollback") else None
+    keep_best = cfg.is_on("rollback") or cfg.population      # a rollback restores it, or a peer exploits it
+    best_epoch = best_point([*view.history, this])[0].epoch if keep_best else None
     return FeedbackBundle(run_id=report.run_id, epoch=report.epoch, for_epoch=report.epoch + 1, enabled=True,
                           rollback=rb is not None, rollback_to_epoch=None if rb is None else rb.best.epoch,
                           rollback_checkpoint_sha256="" if rb is None else rb.best.checkpoint_sha256,

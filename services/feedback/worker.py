@@ -7,8 +7,8 @@ A member of the consumer group "feedback" on `tl:{run}:stream:reports`. Handling
 of JSON, so re-reading all of them at every epoch made the feedback stage grow with the run's length),
 `compute_bundle(report, history, settings)` (the leakage guard runs inside it), store the bundle (first
 wins), publish feedback.ready for epoch + 1. With TL_ENABLED=false the bundle carries the fixed schedule
-(the ablation); the signals named in TL_FEEDBACK_OFF (default all nine: the rollback alone acts; "rollback"
-switches that off too) keep their knobs at the fixed schedule's values.
+(the ablation); the signals named in TL_FEEDBACK_OFF (default all nine and "rollback": the knobs follow the fixed
+schedule) keep their knobs at the fixed schedule's values.
 """
 from __future__ import annotations
 
