@@ -24,7 +24,10 @@ records (`finished_at`):
              records that predate them); rollback_s: the median over the epochs that began from a rollback
              (restoring the best epoch's learner before the set-up), n/a where none did
   busy       the study's mean GPU utilisation (nvidia-smi) over its whole wall time
-Cases with P = 1 run once whatever `--mps` says (one worker never starts MPS). `--mps-share PCT …` runs each MPS
+Cases with P = 1 run once whatever `--mps` says (one worker never starts MPS); `--mps` runs each case of P > 1
+time-sliced and under MPS by default (`--mps on` for MPS alone). `--case-limit SECONDS` stops a case's study there
+(SIGINT: it keeps its records) and reads the case from the epochs it finished (`stopped` in the wall column), so a
+bench cut short by a machine's call limit still gives the cases it reached. `--mps-share PCT …` runs each MPS
 case once per PCT with the study's `--mps-share PCT` (`CUDA_MPS_ACTIVE_THREAD_PERCENTAGE` in its workers'
 environment): each run's kernels may then occupy at most that share of the SMs, which can let the kernels of more
 runs execute at once (100: no limit).
@@ -37,6 +40,7 @@ import math
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -64,18 +68,26 @@ def steady_rate(finish: list[list[float]]) -> tuple[float | None, int, float]:
     return (sum(rates) if ok else None), len(going), t_hi - t_lo
 
 
+STOPPED = "stopped.json"
+"""In a case's directory: the case was stopped at `--case-limit` ({"wall_s", "limit_s"}); its row is read from the
+epochs its runs finished."""
+
+
 def analyse(out: Path, P: int, mps: str, share: int, wall: float | None = None) -> dict:
-    """A finished case's row from its study's records (`out`: the case's study directory)."""
-    results = json.loads((out / "results.json").read_text())
-    timing = results.get("timing", {})
+    """A case's row from its study's records (`out`: the case's study directory): a finished case's, or a stopped
+    one's from the epochs its runs finished (no GPU busy %: the study wrote no results)."""
+    stopped = (out / STOPPED).exists()
+    timing = ({"mps": mps == "on", **json.loads((out / STOPPED).read_text())} if stopped
+              else json.loads((out / "results.json").read_text()).get("timing", {}))
     finish: list[list[float]] = []
     parts: list[list[dict]] = []
-    for run_dir in sorted((out / "runs").iterdir()):
+    for run_dir in sorted((out / "runs").iterdir()) if (out / "runs").is_dir() else []:
         recs = sorted((json.loads(p.read_text()) for p in (run_dir / "loop").glob("epoch-*.json")),
                       key=lambda r: r["finished_at"])
-        finish.append([r["finished_at"] for r in recs])
-        parts.append([{f"{k}_s": r["seconds"].get(k) for k in PARTS} for r in recs])
-    rate, in_span, span = steady_rate(finish)
+        if recs:                                    # a stopped case's run may not have finished an epoch
+            finish.append([r["finished_at"] for r in recs])
+            parts.append([{f"{k}_s": r["seconds"].get(k) for k in PARTS} for r in recs])
+    rate, in_span, span = steady_rate(finish) if finish else (None, 0, 0.0)
     medians = part_medians(parts)
     steps = [b - a for f in finish for a, b in zip(f[1:], f[2:])]
     busy = [v for v in (timing.get("gpu_busy_pct") or {}).values() if v is not None]
@@ -84,7 +96,7 @@ def analyse(out: Path, P: int, mps: str, share: int, wall: float | None = None) 
             "wall_s": wall if wall is not None else timing.get("wall_s"),
             "epoch_s": upper_median(steps),
             **{f"{k}_s": medians[k] for k in PARTS},
-            "busy_pct": sum(busy) / len(busy) if busy else None}
+            "busy_pct": sum(busy) / len(busy) if busy else None, "stopped": stopped}
 
 
 def run_case(out: Path, P: int, mps: str, args, share: int = 100) -> dict:
@@ -99,10 +111,22 @@ def run_case(out: Path, P: int, mps: str, args, share: int = 100) -> dict:
     if share < 100:
         cmd += ["--mps-share", str(share)]
     t0 = time.time()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=getattr(args, "case_limit", None))
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)            # the study stops its workers and keeps every record written
+        try:
+            stdout, stderr = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            stdout, stderr = proc.communicate()
+        wall = time.time() - t0
+        (out / STOPPED).write_text(json.dumps({"wall_s": wall, "limit_s": args.case_limit}))
+        return analyse(out, P, mps, share, wall)
     wall = time.time() - t0
     if proc.returncode != 0:
-        return {"P": P, "mps": mps, "share": share, "error": (proc.stderr or proc.stdout).strip()[-600:]}
+        return {"P": P, "mps": mps, "share": share, "error": (stderr or stdout).strip()[-600:]}
     return analyse(out, P, mps, share, wall)
 
 
@@ -116,10 +140,11 @@ def read_cases(source: Path) -> list[dict]:
     rows = []
     for d in sorted(source.iterdir()):
         m = CASE.fullmatch(d.name)
-        if m and (d / "results.json").exists():
+        if m and ((d / "results.json").exists() or (d / STOPPED).exists()):
             rows.append(analyse(d, int(m[1]), m[2], int(m[3])))
     if not rows:
-        raise SystemExit(f"--from {source}: no finished case (pN-mps-M-smS/results.json) in it")
+        raise SystemExit(f"--from {source}: no finished or stopped case (pN-mps-M-smS/results.json or "
+                         f"{STOPPED}) in it")
     return sorted(rows, key=lambda r: (r["P"] != 1, r["P"], r["mps_asked"], -r["share"]))
 
 
@@ -140,7 +165,8 @@ def print_table(rows: list[dict], argv) -> None:
         ratio = r["epochs_per_s"] / base if base and r["epochs_per_s"] else None
         cells = [_cell(r["epochs_per_s"], ".3f"), str(r["in_span"]), _cell(ratio, ".2f"), _cell(r["epoch_s"], ".1f"),
                  *(_cell(r.get(f"{k}_s"), ".2f") for k in PARTS),
-                 _cell(r["busy_pct"], ".0f"), _cell(r["wall_s"], ".0f")]
+                 _cell(r["busy_pct"], ".0f"),
+                 _cell(r["wall_s"], ".0f") + (" (stopped)" if r.get("stopped") else "")]
         print(f"| {r['P']} | {'on' if r['mps'] else 'off'} | {r['share']} | " + " | ".join(cells) + " |")
 
 
@@ -154,6 +180,8 @@ def main(argv=None) -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--mps-share", type=int, nargs="+", default=[100],
                     help="SM percentages for each MPS case (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE; 100: no limit)")
+    ap.add_argument("--case-limit", type=float, default=None,
+                    help="seconds a case's study may run; then it is stopped and read from the epochs it finished")
     ap.add_argument("--out", type=Path, default=Path("runs/study-speed"))
     ap.add_argument("--from", dest="source", type=Path, default=None,
                     help="an earlier --out directory: its cases' table again, from their records (nothing runs)")
