@@ -181,6 +181,11 @@ def test_the_product_ships_the_signals_and_the_rollback_off_and_each_can_be_turn
     spec = StudySpec(dataset="synthetic", variants=[on, off, no_e1], seeds=[0], folds=1, epochs=1)
     assert spec.configs(on, 8)[1].off == DEFAULT_OFF                 # "on" is the loop as shipped
     assert spec.configs(no_e1, 8)[1].off == ("E1",)                  # a variant's `off` replaces the list
+    assert spec.acting_on_nothing() == ["on"]                          # "on" trains as the fixed schedule does
+    rb, pop, e3 = parse_variants("rb:off=E1+E2+E3+E4+E5+E6+E7+E8+E9,pop:feedback.population=true,e3:off=E1+E2+"
+                                 "E4+E5+E6+E7+E8+E9+rollback")
+    acting = StudySpec(dataset="synthetic", variants=[off, rb, pop, e3], seeds=[0], folds=1, epochs=1)
+    assert acting.acting_on_nothing() == []
 
 
 def test_the_rollback_settings_reach_the_feedback_config(monkeypatch):

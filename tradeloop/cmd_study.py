@@ -228,6 +228,10 @@ def study(
                   f"{len(spec.runs())} runs of {spec.epochs} epochs, {spec.parallel} at once"
                   f"{' at most (those that fit each GPU)' if spec.device != 'cpu' else ''}, in {out_dir}",
                   markup=False, highlight=False)
+    for name in spec.acting_on_nothing():
+        console.print(f"note: variant {name!r} switches every signal and the rollback off (the product's default): "
+                      "it trains as the fixed schedule does; a variant switches one on by leaving it out of `off` "
+                      "(e.g. 'rollback:off=E1+E2+E3+E4+E5+E6+E7+E8+E9')", markup=False, highlight=False)
     try:
         res = run_study(spec, out_dir, console, redis_url=redis)
     except (StudyError, RedisServerError) as exc:

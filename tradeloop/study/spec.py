@@ -35,7 +35,7 @@ from services.trainer.env import RewardConfig
 from services.trainer.train import TrainConfig
 from shared.agent import AgentConfig
 from shared.knobs import FixedSchedule
-from shared.report import DEFAULT_OFF
+from shared.report import DEFAULT_OFF, OFF_NAMES
 
 PRESETS = ("small", "full")
 BUILTIN = {"on": (), "off": (("feedback.enabled", False),)}
@@ -408,6 +408,16 @@ class StudySpec:
         """The runs a population variant's statistics count as one unit: those on the same data and fold (a
         synthetic market, or the one real series)."""
         return (self.data_seed_of(seed) if self.dataset == "synthetic" else None, fold)
+
+    def acting_on_nothing(self) -> list[str]:
+        """The variants whose feedback is on with every signal and the rollback switched off and no population
+        (`on` at the product's defaults): they train as the fixed schedule does, `off` in all but GPU noise."""
+        out = []
+        for v in self.variants:
+            fb = self.configs(v, 14)[1]
+            if fb.enabled and not fb.population and not any(fb.is_on(n) for n in OFF_NAMES):
+                out.append(v.name)
+        return out
 
     def populations(self) -> list[str]:
         """The variants whose runs exploit one another (`in_population`)."""
