@@ -113,7 +113,7 @@ def run_case(out: Path, P: int, mps: str, args, share: int = 100) -> dict:
     t0 = time.time()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        stdout, stderr = proc.communicate(timeout=getattr(args, "case_limit", None))
+        stdout, stderr = proc.communicate(timeout=args.case_limit)
     except subprocess.TimeoutExpired:
         proc.send_signal(signal.SIGINT)            # the study stops its workers and keeps every record written
         try:
