@@ -461,7 +461,7 @@
       ["E7", "hindsight labels", String(knobs.hindsight.length)],
       ["E8", "regime sampling weights", list(knobs.regime_weights)],
       ["E9", "regime confidence (size)", list(knobs.regime_confidence)],
-      ["rollback", "LR decay (all groups)", isNum(knobs.lr_decay) ? (+knobs.lr_decay).toPrecision(4) : "1"],
+      ["LR", "decay of every LR (schedule, rollbacks)", isNum(knobs.lr_decay) ? (+knobs.lr_decay).toPrecision(4) : "1"],
     ];
     return rows.map(([id, name, v]) => `<tr data-signal="${id}"><th>${id}</th><td>${name}</td><td class="knob-value">${esc(v)}</td></tr>`).join("");
   }

@@ -269,6 +269,10 @@ class FeedbackSettings(CommonSettings):
     rollback_lr_factor: float | None = Field(default=None, gt=0, le=1,
                                              description="multiply every learning rate by this at each rollback "
                                                          "(unset: FeedbackConfig's default, 1: no decay)")
+    plateau_lr_factor: float | None = Field(default=None, gt=0, le=1,
+                                            description="multiply every learning rate by this after an epoch that "
+                                                        "set no new validation best beyond noise (unset: "
+                                                        "FeedbackConfig's default, 1: off)")
     rollback_keep: float | None = Field(default=None, ge=0, lt=1,
                                         description="the share of the current weights a rollback keeps (unset: "
                                                     "FeedbackConfig's default, 0: the best epoch's weights exactly)")

@@ -39,8 +39,9 @@ class Knobs:
     regime_confidence: list[float] = field(default_factory=lambda: [1.0] * N_REGIMES)
     """E9 — position-size multiplier in [0, 1] by regime (0 closes the regime to new entries)."""
     lr_decay: float = 1.0
-    """The rollback's — multiplier in (0, 1] of every parameter group's learning rate, the E4 scales included:
-    `FeedbackConfig.rollback_lr_factor` to the power of the rollbacks so far (1: none)."""
+    """Multiplier in (0, 1] of every parameter group's learning rate, the E4 scales included: the fixed schedule's
+    `lr_epoch_factor` once an epoch after the first, × `FeedbackConfig.rollback_lr_factor` once a rollback so far
+    (1: neither)."""
 
     def validate(self) -> "Knobs":
         if not 0.0 <= self.epsilon <= 1.0:
@@ -83,7 +84,7 @@ class Knobs:
 
 def group_lr_scale(lr_scale: Mapping[str, float], lr_decay: float, branch: str) -> float:
     """The multiplier of a parameter group's scheduled learning rate: E4's scale of its branch (1 for the trunk and
-    the risk head) × the rollback's `lr_decay`."""
+    the risk head) × `Knobs.lr_decay` (the schedule's decay across epochs and the rollbacks')."""
     return (lr_scale[branch] if branch in BRANCHES else 1.0) * lr_decay
 
 
@@ -93,8 +94,9 @@ class FixedSchedule:
     train`, the first epoch) and `FeedbackConfig.schedule` (the feedback service switched off, or a signal
     switched off) hold one, so the trainer alone and the feedback service switched off agree.
 
-    ε falls linearly from `eps_start` at epoch 1 to `eps_end` at epoch 1 + `eps_decay_epochs`; γ is fixed;
-    every other knob keeps its neutral default (no Q-bias, LR scales 1, no gate, no boosts or labels, uniform
+    ε falls linearly from `eps_start` at epoch 1 to `eps_end` at epoch 1 + `eps_decay_epochs`; γ is fixed; every
+    learning rate is `lr_epoch_factor` times the previous epoch's (`Knobs.lr_decay`); every other knob keeps its
+    neutral default (no Q-bias, LR scales 1, no gate, no boosts or labels, uniform
     regime weights, full confidence).
 
     Settings name a field bare (`eps_start=0.5`) or under `schedule.` (`schedule.eps_start=0.5`); `gamma_fixed`
@@ -112,6 +114,10 @@ class FixedSchedule:
     study, docs/study-h200-gamma/): OOS of the checkpoint chosen on validation +0.098 [+0.015, +0.195] (higher in
     12 of 15), validation +0.077 [+0.012, +0.133]; on a CPU at `small` +0.043 [+0.003, +0.084] (docs/study-cpu-gamma/).
     E3's γ from the holding time settled near it (0.980–0.985) and scored below it (−0.036 [−0.105, +0.029])."""
+    lr_epoch_factor: float = 1.0
+    """Every learning rate of epoch e + 1 is this times epoch e's: epoch e trains at `lr_epoch_factor`^(e − 1) of
+    the preset's rates (the warm-up and the branches' cosine cycle inside an epoch unchanged); 1: the same rates in
+    every epoch."""
 
     ALIASES = {"gamma_fixed": "gamma"}
     """Other names of fields that settings accept: the feedback config's name for γ."""
@@ -126,6 +132,9 @@ class FixedSchedule:
             raise ValueError(f"fixed schedule: eps_decay_epochs must be an integer ≥ 0, got {d!r}")
         if isinstance(self.gamma, bool) or not isinstance(self.gamma, (int, float)) or not 0.0 < self.gamma < 1.0:
             raise ValueError(f"fixed schedule: gamma must be a number in (0, 1), got {self.gamma!r}")
+        f = self.lr_epoch_factor
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 < f <= 1.0:
+            raise ValueError(f"fixed schedule: lr_epoch_factor must be a number in (0, 1], got {f!r}")
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -182,6 +191,10 @@ class FixedSchedule:
         frac = min(1.0, max(0, epoch - 1) / max(1, self.eps_decay_epochs))
         return self.eps_start + (self.eps_end - self.eps_start) * frac
 
+    def lr_decay(self, epoch: int) -> float:
+        """`Knobs.lr_decay` of 1-based `epoch`: `lr_epoch_factor`^(epoch − 1)."""
+        return self.lr_epoch_factor ** max(0, epoch - 1)
+
     def knobs(self, epoch: int) -> Knobs:
         """The knobs of 1-based `epoch`."""
-        return Knobs(epsilon=self.epsilon(epoch), gamma=self.gamma)
+        return Knobs(epsilon=self.epsilon(epoch), gamma=self.gamma, lr_decay=self.lr_decay(epoch))

@@ -182,9 +182,9 @@ def test_the_product_ships_the_signals_and_the_rollback_off_and_each_can_be_turn
     assert spec.configs(on, 8)[1].off == DEFAULT_OFF                 # "on" is the loop as shipped
     assert spec.configs(no_e1, 8)[1].off == ("E1",)                  # a variant's `off` replaces the list
     assert spec.acting_on_nothing() == ["on"]                          # "on" trains as the fixed schedule does
-    rb, pop, e3 = parse_variants("rb:off=E1+E2+E3+E4+E5+E6+E7+E8+E9,pop:feedback.population=true,e3:off=E1+E2+"
-                                 "E4+E5+E6+E7+E8+E9+rollback")
-    acting = StudySpec(dataset="synthetic", variants=[off, rb, pop, e3], seeds=[0], folds=1, epochs=1)
+    rb, pop, e3, plateau = parse_variants("rb:off=E1+E2+E3+E4+E5+E6+E7+E8+E9,pop:feedback.population=true,e3:off=E1+"
+                                          "E2+E4+E5+E6+E7+E8+E9+rollback,plateau:feedback.plateau_lr_factor=0.5")
+    acting = StudySpec(dataset="synthetic", variants=[off, rb, pop, e3, plateau], seeds=[0], folds=1, epochs=1)
     assert acting.acting_on_nothing() == []
 
 
@@ -202,6 +202,8 @@ def test_the_rollback_settings_reach_the_feedback_config(monkeypatch):
     monkeypatch.setenv("TL_ROLLBACK_KEEP", "0.25")
     cfg = FeedbackConfig.coerce(load_settings(FeedbackSettings))
     assert [getattr(cfg, n) for n in names] == [1.5, 0.5, 0.25]
+    monkeypatch.setenv("TL_PLATEAU_LR_FACTOR", "0.7")
+    assert FeedbackConfig.coerce(load_settings(FeedbackSettings)).plateau_lr_factor == 0.7
     monkeypatch.setenv("TL_ROLLBACK_RESTART", "true")
     assert FeedbackConfig.coerce(load_settings(FeedbackSettings)).rollback_restart is True
     monkeypatch.setenv("TL_ROLLBACK_LR_FACTOR", "2")

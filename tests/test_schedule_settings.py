@@ -13,7 +13,7 @@ from tests.test_train import tiny_config
 from tradeloop.study.loop import first_knobs
 from tradeloop.study.spec import StudyError, StudySpec, parse_variants, variants_from_toml
 
-WANT = FixedSchedule(eps_start=0.45, eps_end=0.05, eps_decay_epochs=3, gamma=0.95)
+WANT = FixedSchedule(eps_start=0.45, eps_end=0.05, eps_decay_epochs=3, gamma=0.95, lr_epoch_factor=0.8)
 
 
 def feedback_off_knobs(fb: FeedbackConfig, epoch: int = 4):
@@ -35,9 +35,10 @@ def _reaches_both(cfg: TrainConfig, fb: FeedbackConfig) -> None:
 
 
 @pytest.mark.parametrize("items", [
-    ["eps_start=0.45", "eps_end=0.05", "eps_decay_epochs=3", "gamma=0.95"],
-    ["schedule.eps_start=0.45", "schedule.eps_end=0.05", "schedule.eps_decay_epochs=3", "schedule.gamma=0.95"],
-    ["eps_start=0.45", "schedule.eps_end=0.05", "eps_decay_epochs=3", "gamma_fixed=0.95"],
+    ["eps_start=0.45", "eps_end=0.05", "eps_decay_epochs=3", "gamma=0.95", "lr_epoch_factor=0.8"],
+    ["schedule.eps_start=0.45", "schedule.eps_end=0.05", "schedule.eps_decay_epochs=3", "schedule.gamma=0.95",
+     "schedule.lr_epoch_factor=0.8"],
+    ["eps_start=0.45", "schedule.eps_end=0.05", "eps_decay_epochs=3", "gamma_fixed=0.95", "lr_epoch_factor=0.8"],
 ])
 def test_train_config_set_spellings_give_the_schedule(items):
     cfg = TrainConfig().override(items)
@@ -45,11 +46,13 @@ def test_train_config_set_spellings_give_the_schedule(items):
 
 
 @pytest.mark.parametrize("text", [
-    "x:train.eps_start=0.45;train.eps_end=0.05;train.eps_decay_epochs=3;train.gamma=0.95",
-    "x:schedule.eps_start=0.45;schedule.eps_end=0.05;schedule.eps_decay_epochs=3;schedule.gamma=0.95",
-    "x:eps_start=0.45;eps_end=0.05;eps_decay_epochs=3;gamma=0.95",
-    "x:feedback.eps_start=0.45;feedback.eps_end=0.05;feedback.eps_decay_epochs=3;feedback.gamma_fixed=0.95",
-    "x:gamma_fixed=0.95;eps_start=0.45;eps_end=0.05;eps_decay_epochs=3",
+    "x:train.eps_start=0.45;train.eps_end=0.05;train.eps_decay_epochs=3;train.gamma=0.95;train.lr_epoch_factor=0.8",
+    "x:schedule.eps_start=0.45;schedule.eps_end=0.05;schedule.eps_decay_epochs=3;schedule.gamma=0.95;"
+    "schedule.lr_epoch_factor=0.8",
+    "x:eps_start=0.45;eps_end=0.05;eps_decay_epochs=3;gamma=0.95;lr_epoch_factor=0.8",
+    "x:feedback.eps_start=0.45;feedback.eps_end=0.05;feedback.eps_decay_epochs=3;feedback.gamma_fixed=0.95;"
+    "feedback.lr_epoch_factor=0.8",
+    "x:gamma_fixed=0.95;eps_start=0.45;eps_end=0.05;eps_decay_epochs=3;lr_epoch_factor=0.8",
 ])
 def test_study_setting_spellings_reach_trainer_and_feedback_off_alike(text):
     v = parse_variants(text)[0]
@@ -59,9 +62,10 @@ def test_study_setting_spellings_reach_trainer_and_feedback_off_alike(text):
 
 
 @pytest.mark.parametrize("table", [
-    {"schedule": {"eps_start": 0.45, "eps_end": 0.05, "eps_decay_epochs": 3, "gamma": 0.95}},
-    {"train": {"eps_start": 0.45, "eps_end": 0.05, "eps_decay_epochs": 3, "gamma": 0.95}},
-    {"feedback": {"eps_start": 0.45, "eps_end": 0.05, "eps_decay_epochs": 3, "gamma_fixed": 0.95}},
+    {"schedule": {"eps_start": 0.45, "eps_end": 0.05, "eps_decay_epochs": 3, "gamma": 0.95, "lr_epoch_factor": 0.8}},
+    {"train": {"eps_start": 0.45, "eps_end": 0.05, "eps_decay_epochs": 3, "gamma": 0.95, "lr_epoch_factor": 0.8}},
+    {"feedback": {"eps_start": 0.45, "eps_end": 0.05, "eps_decay_epochs": 3, "gamma_fixed": 0.95,
+                  "lr_epoch_factor": 0.8}},
 ])
 def test_study_toml_tables_reach_trainer_and_feedback_off_alike(table):
     v = variants_from_toml({"x": table}, "study.toml")[0]
@@ -70,8 +74,8 @@ def test_study_toml_tables_reach_trainer_and_feedback_off_alike(table):
 
 
 @pytest.mark.parametrize("mapping", [
-    {"eps_start": 0.45, "eps_end": 0.05, "eps_decay_epochs": 3, "gamma_fixed": 0.95},
-    {"schedule": {"eps_start": 0.45, "eps_end": 0.05, "eps_decay_epochs": 3, "gamma": 0.95}},
+    {"eps_start": 0.45, "eps_end": 0.05, "eps_decay_epochs": 3, "gamma_fixed": 0.95, "lr_epoch_factor": 0.8},
+    {"schedule": {"eps_start": 0.45, "eps_end": 0.05, "eps_decay_epochs": 3, "gamma": 0.95, "lr_epoch_factor": 0.8}},
     {"schedule": WANT},
 ])
 def test_feedback_config_mappings_give_the_schedule(mapping):
@@ -81,7 +85,8 @@ def test_feedback_config_mappings_give_the_schedule(mapping):
 
 
 def test_stored_config_keeps_its_form_and_hash_and_reads_both_forms():
-    cfg = TrainConfig().override(["eps_start=0.45", "eps_end=0.05", "eps_decay_epochs=3", "gamma=0.95"])
+    cfg = TrainConfig().override(["eps_start=0.45", "eps_end=0.05", "eps_decay_epochs=3", "gamma=0.95",
+                                  "lr_epoch_factor=0.8"])
     d = cfg.to_dict()
     assert "schedule" not in d and {k: d[k] for k in FixedSchedule.names()} == WANT.to_dict()
     assert TrainConfig.from_dict(json.loads(json.dumps(d))) == cfg
@@ -93,6 +98,8 @@ def test_stored_config_keeps_its_form_and_hash_and_reads_both_forms():
     (["eps_start=1.5"], r"eps_start must be a number in \[0, 1\], got 1.5"),
     (["schedule.gamma=1"], r"gamma must be a number in \(0, 1\)"),
     (["eps_decay_epochs=2.5"], "eps_decay_epochs expects an integer, got '2.5'"),
+    (["lr_epoch_factor=0"], r"lr_epoch_factor must be a number in \(0, 1\], got 0.0"),
+    (["schedule.lr_epoch_factor=1.2"], r"lr_epoch_factor must be a number in \(0, 1\], got 1.2"),
     (["schedule.eps=0.2"], "FIELD=VALUE"),
 ])
 def test_bad_schedule_values_are_refused_naming_the_key(items, message):
@@ -113,11 +120,22 @@ def test_bad_schedule_in_a_study_or_feedback_config_is_refused_naming_it():
         FeedbackConfig.coerce({"gamma_fixd": 0.9})
 
 
-def test_the_trainers_first_epoch_trains_under_the_set_schedule(tmp_path):
-    cfg = tiny_config().override(["schedule.eps_start=0.45", "eps_end=0.05", "eps_decay_epochs=3", "gamma=0.95"])
+def test_the_trainers_epochs_train_under_the_set_schedule(tmp_path):
+    """`tradeloop train`'s epochs take the schedule's knobs: epoch 1's ε and γ, and epoch 2's learning rates at
+    `lr_epoch_factor` of epoch 1's (every group, at the same point of the warm-up and cosine cycle)."""
+    from services.trainer.optim import group_lr
+
+    cfg = tiny_config().override(["schedule.eps_start=0.45", "eps_end=0.05", "eps_decay_epochs=3", "gamma=0.95",
+                                  "lr_epoch_factor=0.8"])
     seen = []
-    train_run(generate(700, seed=3).bars, "synthetic", tmp_path / "r", 1, config=cfg, seed=1, on_epoch=seen.append)
+    st = train_run(generate(700, seed=3).bars, "synthetic", tmp_path / "r", 2, config=cfg, seed=1,
+                   on_epoch=seen.append)
     assert (seen[0].epsilon, seen[0].gamma) == (WANT.knobs(1).epsilon, WANT.knobs(1).gamma) == (0.45, 0.95)
+    assert st.update_step > 0
+    assert [s.knobs["lr_decay"] for s in seen] == [1.0, 0.8] == [WANT.knobs(e).lr_decay for e in (1, 2)]
+    for g in st.opt.param_groups:               # the last update's rate: the preset's schedule × 0.8
+        full = group_lr({**g, "age": g["age"] - 1}, st.update_step - 1, seen[1].knobs["lr_scale"], st.cfg)
+        assert abs(float(g["lr"]) - 0.8 * full) <= 1e-12 * full, g["name"]
     stored = json.loads((tmp_path / "r" / "run.json").read_text())["config"]
     assert TrainConfig.from_dict(stored).schedule == WANT
 

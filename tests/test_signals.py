@@ -12,8 +12,8 @@ from services.feedback.guard import build_view
 from services.feedback.signals import (KNOB_OF, FeedbackConfig, beyond_noise, compute_bundle, e1_q_bias, e2_epsilon,
                                        e3_gamma, e4_lr_scale, e5_gate, e6_priority, e7_hindsight, e8_regime_weights,
                                        e9_regime_confidence)
-from shared.knobs import BRANCHES, N_REGIMES, Knobs
-from shared.report import EvalReport, FeedbackBundle, SplitDefinition, SplitReport, TradeRecord
+from shared.knobs import BRANCHES, N_REGIMES, FixedSchedule, Knobs
+from shared.report import OFF_NAMES, EvalReport, FeedbackBundle, SplitDefinition, SplitReport, TradeRecord
 
 SPLIT = SplitDefinition(n_bars=1000, train=(0, 600), val=(620, 800), test=(820, 1000), embargo=20,
                         train_hash="T" * 64, val_hash="V" * 64, test_hash="X" * 64)
@@ -457,6 +457,46 @@ def test_a_rollback_decays_every_learning_rate_and_the_decay_carries_on():
             FeedbackConfig(rollback_lr_factor=bad)
     with pytest.raises(ValueError, match="lr_decay must be in"):
         Knobs(lr_decay=0.0).validate()
+
+
+def test_the_schedules_lr_decay_is_the_same_with_feedback_on_off_and_after_a_rollback():
+    """The fixed schedule's `lr_epoch_factor` f: the bundle after epoch e sets `lr_decay` f^e, as
+    `FixedSchedule.knobs(e + 1)` does, whether feedback is off, on with every act off, or on with a signal acting;
+    a rollback's factor multiplies on top of it."""
+    sched = FixedSchedule(lr_epoch_factor=0.5)
+    want = sched.knobs(3).lr_decay
+    assert want == 0.25 and sched.knobs(1).lr_decay == 1.0
+    cur, hist = at(2, 0.6, lr_decay=0.5), [at(1, 0.6)]
+    for cfg in ({"enabled": False}, {"off": list(OFF_NAMES)}, {}):
+        b = compute_bundle(cur, hist, {"schedule": sched, **cfg}, now="t")
+        assert b.to_knobs().lr_decay == want, cfg
+    rb = compute_bundle(at(2, -0.3, lr_decay=0.5), hist, {"schedule": sched, "off": ["E7"],
+                                                           "rollback_lr_factor": 0.5}, now="t")
+    assert rb.rollback and rb.to_knobs().lr_decay == 0.125
+
+
+def test_the_plateau_decays_the_learning_rates_after_an_epoch_without_a_new_best_beyond_noise():
+    """`plateau_lr_factor` f: after an epoch whose validation did not beat the best earlier epoch's by more than
+    noise_z standard errors of the difference, every learning rate × f (carried on, times the schedule's factor);
+    a new best beyond noise, the first epoch, f = 1 (the default) and feedback off leave the decay as it was."""
+    cfg = {"off": list(OFF_NAMES), "plateau_lr_factor": 0.5}
+    flat = compute_bundle(at(3, 0.6, lr_decay=0.5), [at(1, 0.6), at(2, 0.5)], cfg, now="t")
+    assert flat.to_knobs().lr_decay == 0.25 and "no new best beyond noise: learning rates × 0.5" in flat.reason
+    # above the best, but within the noise of 30 trades a side (SE of the difference ≈ 0.27): still a plateau
+    assert compute_bundle(at(3, 0.7, lr_decay=0.5), [at(1, 0.6)], cfg, now="t").to_knobs().lr_decay == 0.25
+    better = compute_bundle(at(3, 1.5, lr_decay=0.5), [at(1, 0.6), at(2, 0.5)], cfg, now="t")
+    assert better.to_knobs().lr_decay == 0.5 and "plateau" not in better.reason.lower() \
+        and "no new best" not in better.reason
+    assert compute_bundle(at(1, 0.6), [], cfg, now="t").to_knobs().lr_decay == 1.0          # nothing to beat yet
+    assert compute_bundle(at(3, 0.6), [at(1, 0.6)], {"off": list(OFF_NAMES)}, now="t").to_knobs().lr_decay == 1.0
+    assert compute_bundle(at(3, 0.6, lr_decay=0.5), [at(1, 0.6)], {**cfg, "enabled": False},
+                          now="t").to_knobs().lr_decay == 1.0                              # the schedule's: none
+    with_schedule = compute_bundle(at(3, 0.6, lr_decay=0.5), [at(1, 0.6)],
+                                   {**cfg, "schedule": {"lr_epoch_factor": 0.8}}, now="t")
+    assert with_schedule.to_knobs().lr_decay == pytest.approx(0.5 * 0.8 * 0.5)
+    for bad in (0.0, 1.5):
+        with pytest.raises(ValueError, match="plateau_lr_factor must be in"):
+            FeedbackConfig(plateau_lr_factor=bad)
 
 
 def test_a_rollback_names_the_share_of_the_current_weights_it_keeps():

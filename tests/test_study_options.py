@@ -47,7 +47,7 @@ def test_the_shipped_study_files_build(path: Path, tmp_path: Path):
     if "on" in offs or "pop" in offs:
         assert set(offs.get("on", offs.get("pop")).off) == signals
     # variants of the fixed schedule: feedback off
-    schedule_only = ("ema", "fresh", "recent", "lowlr", "decay", "fewer", "dropout", "ratio", "gamma")
+    schedule_only = ("ema", "fresh", "recent", "lowlr", "lr", "decay", "fewer", "dropout", "ratio", "gamma")
     assert all(fb.enabled for n, fb in offs.items() if n != "off" and not n.startswith(schedule_only))
 
     for name, fb in offs.items():
@@ -122,6 +122,18 @@ def test_the_shipped_study_files_build(path: Path, tmp_path: Path):
         assert (offs["rollback"].rollback_z, offs["rollback-z10"].rollback_z) == (2.0, 10.0)
         assert set(offs["E3-alone"].off) == (signals - {"E3"}) | {"rollback"} and offs["E3-alone"].enabled
         assert not offs["gamma97"].enabled and not offs["gamma95"].enabled
+        gamma = json.loads((path.parents[1] / "docs/study-h200-gamma/results.json").read_text())["study"]
+        assert (spec.seeds, spec.folds, spec.bars) == (gamma["seeds"], gamma["folds"], gamma["bars"])   # it pairs
+    elif path.name == "lr-decay.toml":      # the learning rates decayed across epochs at γ 0.98
+        cfgs = {v.name: spec.configs(v, 14)[0] for v in spec.variants}
+        want = {"off": 1.0, "lr85": 0.85, "lr70": 0.7, "lr50": 0.5, "plateau50": 1.0}
+        assert {n: c.schedule.lr_epoch_factor for n, c in cfgs.items()} == want
+        assert {n: fb.schedule.lr_epoch_factor for n, fb in offs.items()} == want      # feedback off's knobs alike
+        assert {n: fb.plateau_lr_factor for n, fb in offs.items()} == {**{n: 1.0 for n in want}, "plateau50": 0.5}
+        assert {c.schedule.gamma for c in cfgs.values()} == {0.98}
+        assert [n for n, fb in offs.items() if fb.enabled] == ["plateau50"] and set(offs["plateau50"].off) == (
+            signals | {"rollback"}) and spec.acting_on_nothing() == []
+        assert cfgs["lr70"].schedule.knobs(8).lr_decay == pytest.approx(0.7 ** 7)
         gamma = json.loads((path.parents[1] / "docs/study-h200-gamma/results.json").read_text())["study"]
         assert (spec.seeds, spec.folds, spec.bars) == (gamma["seeds"], gamma["folds"], gamma["bars"])   # it pairs
     elif path.name == "recent-replay.toml":   # the one-epoch replay on new seeds, and the loop as shipped on it

@@ -449,5 +449,15 @@ def test_the_knobs_each_epoch_trained_under_are_reported_where_the_variants_diff
     assert ("The γ each epoch trained under, where the variants differ (mean over a variant's runs, epoch 1 → 3): "
             "E3 0.9900, 0.9800, 0.9800; off 0.9900, 0.9900, 0.9900.") in text
     assert "The ε each epoch" not in text
+    for m in runs:                                                   # the learning rates' decay (schedule, plateau)
+        for e in m["epochs"]:
+            e["lr_decay"] = 0.5 ** (e["epoch"] - 1) if m["variant"] == "E3" else 1.0
+    res["knob_paths"] = knob_paths(runs, ["E3", "off"])
+    assert set(res["knob_paths"]) == {"gamma", "lr_decay"}
+    assert ("The learning rates' decay each epoch trained under, where the variants differ (mean over a variant's "
+            "runs, epoch 1 → 3): E3 1.000, 0.500, 0.250; off 1.000, 1.000, 1.000.") in " ".join(markdown(res).split())
+    for m in runs:
+        for e in m["epochs"]:
+            del e["lr_decay"]
     del runs[0]["epochs"][1]["gamma"]                                # a summary without it: E3 is left out, and
     assert knob_paths(runs, ["E3", "off"]) == {}                     # one variant alone differs from nothing

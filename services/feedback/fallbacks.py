@@ -8,7 +8,7 @@ bundle.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Sequence
 
 from services.feedback.guard import FeedbackView, HistoryPoint
@@ -49,6 +49,28 @@ def best_point(points: Sequence[HistoryPoint]) -> tuple[HistoryPoint, bool]:
     has), the earliest of equal Sharpes; and whether it has enough trades."""
     i, enough = select_best([p.val_sharpe for p in points], [p.val_n_trades for p in points])
     return points[i], enough
+
+
+def new_best(view: FeedbackView, cfg: "FeedbackConfig") -> tuple[bool, HistoryPoint | None, float]:
+    """(whether the reported epoch's validation per-trade Sharpe beat the best earlier epoch's by more than noise_z
+    standard errors of the difference, that epoch or None on the first, that standard error or inf)."""
+    s, se = view.val.metric("per_trade_sharpe"), view.val.sharpe_se
+    best = max(view.history, key=lambda h: h.val_sharpe) if view.history else None
+    gain_se = diff_se(se, best.val_sharpe_se) if best is not None else math.inf
+    return best is not None and s - best.val_sharpe > cfg.noise_z * gain_se, best, gain_se
+
+
+def next_lr_decay(view: FeedbackView, cfg: "FeedbackConfig", rolled_back: bool) -> tuple[float, str]:
+    """(`Knobs.lr_decay` of the next epoch, a note for the bundle's reason or ""): the reported epoch's decay, carried
+    on, × the fixed schedule's `lr_epoch_factor`, × `plateau_lr_factor` after an epoch that set no new best beyond
+    noise (never after the first), × `rollback_lr_factor` at a rollback (which accumulates over the run's rollbacks:
+    the restored epoch's knobs do not reset it, so each retry from the best epoch takes smaller steps)."""
+    plateau = cfg.plateau_lr_factor < 1.0 and bool(view.history) and not new_best(view, cfg)[0]
+    decay = view.knobs.lr_decay * cfg.schedule.lr_epoch_factor * (cfg.plateau_lr_factor if plateau else 1.0) * (
+        cfg.rollback_lr_factor if rolled_back else 1.0)
+    why = (f"; no new best beyond noise: learning rates × {cfg.plateau_lr_factor:g} (lr_decay "
+           f"{view.knobs.lr_decay:g} → {decay:g})") if plateau else ""
+    return decay, why
 
 
 def rollback_target(view: FeedbackView, cfg: "FeedbackConfig") -> Rollback | None:
@@ -146,6 +168,7 @@ def disabled_bundle(report: EvalReport, cfg: "FeedbackConfig", now: str) -> Feed
     """The bundle with feedback off: every knob from the fixed schedule for epoch e+1."""
     why = "feedback disabled (ablation)"
     sig = fixed_signals(SIGNAL_IDS, report, cfg, why, "feedback.enabled")
+    knobs = replace(knobs_from_signals(sig), lr_decay=cfg.schedule.lr_decay(report.epoch + 1))
     return FeedbackBundle(run_id=report.run_id, epoch=report.epoch, for_epoch=report.epoch + 1, enabled=False,
-                          reason=why, signals=sig, knobs=knobs_from_signals(sig).to_dict(), off=list(OFF_NAMES),
+                          reason=why, signals=sig, knobs=knobs.to_dict(), off=list(OFF_NAMES),
                           report_checkpoint_sha256=report.checkpoint_sha256, created_at=now)

@@ -40,9 +40,8 @@ import math
 from dataclasses import dataclass, fields, replace
 from typing import Any, Sequence
 
-
-from services.feedback.fallbacks import (KNOB_OF, best_point, diff_se, disabled_bundle, fixed_signals,
-                                        knobs_from_signals, rollback_reason, rollback_target)
+from services.feedback.fallbacks import (KNOB_OF, best_point, diff_se, disabled_bundle, fixed_signals, new_best,
+                                        next_lr_decay, knobs_from_signals, rollback_reason, rollback_target)
 from services.feedback.bounds import _clamp, _fin, _ratio_limit, _w, beyond_noise, project_weights
 from services.feedback.guard import FeedbackView, HistoryEntry, HistoryPoint, build_view, check_train_indices
 from shared.knobs import BRANCHES, N_REGIMES, FixedSchedule
@@ -125,6 +124,9 @@ class FeedbackConfig:
     rollback_lr_factor: float = 1.0
     """Each rollback multiplies every learning rate by this (`Knobs.lr_decay`, carried from epoch to epoch): the
     restored epoch trains on in smaller steps, as "restore the best and anneal" schedules do; 1: no decay."""
+    plateau_lr_factor: float = 1.0
+    """Every learning rate × this after an epoch that set no new validation best beyond noise (`new_best`;
+    `Knobs.lr_decay`, carried on): reduce-on-plateau driven by validation (`next_lr_decay`); 1: off."""
     rollback_keep: float = 0.0
     """The share of the current learner's weights a rollback keeps: every floating-point weight of the network and
     its target becomes `keep·w_now + (1 − keep)·w_best` (a point on the line between the two, as weight averaging
@@ -147,8 +149,9 @@ class FeedbackConfig:
             object.__setattr__(self, "off", parse_off(self.off))
         except ValueError as exc:
             raise ValueError(f"feedback config: {exc}") from None
-        if not 0.0 < self.rollback_lr_factor <= 1.0:
-            raise ValueError(f"feedback config: rollback_lr_factor must be in (0, 1], got {self.rollback_lr_factor}")
+        for name in ("rollback_lr_factor", "plateau_lr_factor"):
+            if not 0.0 < getattr(self, name) <= 1.0:
+                raise ValueError(f"feedback config: {name} must be in (0, 1], got {getattr(self, name)}")
         if not 0.0 <= self.rollback_keep < 1.0:
             raise ValueError(f"feedback config: rollback_keep must be in [0, 1), got {self.rollback_keep}")
         if not isinstance(self.rollback_restart, bool):
@@ -284,11 +287,9 @@ def e2_epsilon(view: FeedbackView, cfg: FeedbackConfig) -> Signal:
     need = min(float(cfg.min_trades), cfg.min_trade_frac * capacity)
     last = view.history[-1] if view.history else None
     improving = last is not None and s > last.val_sharpe
-    best = max(view.history, key=lambda h: h.val_sharpe) if view.history else None
-    gain_se = diff_se(se, best.val_sharpe_se) if best is not None else math.inf
-    new_best = best is not None and s - best.val_sharpe > cfg.noise_z * gain_se
+    beat, best, gain_se = new_best(view, cfg)
     stagnant = _stagnant(view, s, se, cfg)
-    if new_best:
+    if beat:
         factor, why = 1.0 / cfg.eps_improve, (f"validation per-trade Sharpe {s:.3f} beats the best {best.val_sharpe:.3f}"
                                               f" beyond noise ({cfg.noise_z:g}·SE = {cfg.noise_z * gain_se:.3f}): "
                                               "exploit more")
@@ -313,7 +314,7 @@ def e2_epsilon(view: FeedbackView, cfg: FeedbackConfig) -> Signal:
                               _hist_prov(view)],
                   inputs={"val_sharpe": s, "sharpe_se": _fin(se), "n_trades": n, "min_trades_for_window": need,
                           "best_previous_sharpe": None if best is None else best.val_sharpe,
-                          "improving": improving, "new_best": new_best, "stagnant": stagnant, "factor": factor,
+                          "improving": improving, "new_best": beat, "stagnant": stagnant, "factor": factor,
                           "schedule_multiplier": m, "schedule_epsilon": cfg.schedule.epsilon(e + 1)},
                   reason=why)
 
@@ -582,10 +583,9 @@ def compute_bundle(report: EvalReport, history: Sequence[EvalReport | HistoryEnt
                                             "inputs": {**old.inputs, "rollback_to_epoch": g.epoch,
                                                        "signal_labels": len(old.value)}})
         reason = why
-    # the rollback's learning-rate decay accumulates over the run's rollbacks (the restored epoch's knobs do not
-    # reset it: each retry from the best epoch takes smaller steps than the last)
-    knobs = replace(knobs_from_signals(sig), lr_decay=view.knobs.lr_decay * (
-        cfg.rollback_lr_factor if rb is not None else 1.0)).validate()
+    decay, why = next_lr_decay(view, cfg, rb is not None)
+    knobs = replace(knobs_from_signals(sig), lr_decay=decay).validate()
+    reason += why
     this = HistoryPoint(view.epoch, view.val.metric("per_trade_sharpe"), _n_val(view), view.knobs)
     keep_best = cfg.is_on("rollback") or cfg.population      # a rollback restores it, or a peer exploits it
     best_epoch = best_point([*view.history, this])[0].epoch if keep_best else None

@@ -410,12 +410,14 @@ class StudySpec:
         return (self.data_seed_of(seed) if self.dataset == "synthetic" else None, fold)
 
     def acting_on_nothing(self) -> list[str]:
-        """The variants whose feedback is on with every signal and the rollback switched off and no population
-        (`on` at the product's defaults): they train as the fixed schedule does, `off` in all but GPU noise."""
+        """The variants whose feedback is on with every signal and the rollback switched off, no plateau decay and
+        no population (`on` at the product's defaults): they train as the fixed schedule does, `off` in all but GPU
+        noise."""
         out = []
         for v in self.variants:
             fb = self.configs(v, 14)[1]
-            if fb.enabled and not fb.population and not any(fb.is_on(n) for n in OFF_NAMES):
+            if fb.enabled and not fb.population and fb.plateau_lr_factor == 1.0 and not any(fb.is_on(n)
+                                                                                             for n in OFF_NAMES):
                 out.append(v.name)
         return out
 

@@ -237,7 +237,7 @@ def aggregate(summaries: Sequence[dict], baselines: Sequence[dict], variants: Se
             "pairing": pairing_check(summaries)}
 
 
-KNOBS = (("epsilon", "ε", ".3f"), ("gamma", "γ", ".4f"))
+KNOBS = (("epsilon", "ε", ".3f"), ("gamma", "γ", ".4f"), ("lr_decay", "learning rates' decay", ".3f"))
 """The scheduled knobs an epoch's record names (what it trained under), their symbols and formats in the report."""
 
 

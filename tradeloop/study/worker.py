@@ -150,6 +150,7 @@ def execute_run(spec: StudySpec, out: Path, rs: RunSpec, data: DataCache,
                     "compile_s": (r.get("train") or {}).get("compile_s"),   # of train_s: compiling, capturing
                     "insample_sharpe": insample_sharpe(r),
                     "epsilon": r["knobs"]["epsilon"], "gamma": r["knobs"]["gamma"],
+                    "lr_decay": r["knobs"].get("lr_decay", 1.0),
                     "rollback": r["bundle"]["rollback"], "reason": r["bundle"]["reason"],
                     "rollback_to": r["bundle"].get("rollback_to_epoch") if r["bundle"]["rollback"] else None,
                     "exploit": r["bundle"].get("exploit"), "knobs_key": knobs_key(r["knobs"]),
