@@ -192,3 +192,18 @@ def test_a_study_whose_variant_means_something_else_with_todays_defaults_is_not_
     del saved["resolved"]
     (tmp_path / "study.json").write_text(json.dumps(saved))
     prepare(spec, tmp_path)                                            # saved before the check: nothing to compare
+
+
+def test_the_learning_rate_decays_at_their_neutral_value_leave_stored_hashes_as_they_were():
+    """`lr_epoch_factor` 1 and `plateau_lr_factor` 1 stay out of a run's stored config (its hash, which every
+    checkpoint carries) and of a study's resolved variants, so runs and studies from before the fields existed
+    still resume; at another value they are in both."""
+    assert "lr_epoch_factor" not in TrainConfig().to_dict()
+    assert TrainConfig().override(["lr_epoch_factor=0.7"]).to_dict()["lr_epoch_factor"] == 0.7
+    off, on, lr, plateau = parse_variants("off,on,lr:schedule.lr_epoch_factor=0.7,p:feedback.plateau_lr_factor=0.5")
+    spec = StudySpec(dataset="synthetic", variants=[off, on, lr, plateau], seeds=[0], folds=1, epochs=1)
+    text = {v.name: json.dumps(spec.resolved_doc(v)) for v in spec.variants}
+    assert not any(k in text[n] for k in ("lr_epoch_factor", "plateau_lr_factor") for n in ("off", "on"))
+    assert text["lr"].count('"lr_epoch_factor": 0.7') == 2          # the trainer's schedule and the feedback's
+    assert '"plateau_lr_factor": 0.5' in text["p"] and len(set(spec.resolved().values())) == 4
+

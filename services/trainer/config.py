@@ -21,7 +21,7 @@ CHURN_SMALL = 1e-3  # small preset: reward cost per opened trade (return units, 
 
 
 NEUTRAL_UNLISTED = {"policy_ema": 0.0, "restart_every": 0, "restart_replay": False, "support_at_start": False,
-                    "dropout": 0.0}
+                    "dropout": 0.0, "lr_epoch_factor": 1.0}
 """Fields that `TrainConfig.to_dict` leaves out at their neutral value, so that the configs (and hashes) of runs
 stored before the field existed still match."""
 

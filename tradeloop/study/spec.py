@@ -32,6 +32,7 @@ from typing import Any
 
 from services.feedback.signals import FeedbackConfig
 from services.trainer.env import RewardConfig
+from services.trainer.config import NEUTRAL_UNLISTED
 from services.trainer.train import TrainConfig
 from shared.agent import AgentConfig
 from shared.knobs import FixedSchedule
@@ -344,15 +345,20 @@ class StudySpec:
         """Per variant, a hash of the TrainConfig and FeedbackConfig it resolves to with this tradeloop's defaults
         (the preset, the feedback the product ships): kept in study.json, so a study is not resumed by a tradeloop
         whose defaults make a variant mean something else."""
-        out = {}
-        for v in self.variants:
-            cfg, fb = self.configs(v, 14)
-            fbd = fb.to_dict() if fb.enabled else {"enabled": False, "schedule": fb.schedule.to_dict()}
-            if not fbd.get("population"):          # with the population off its two fields decide nothing
-                fbd.pop("population", None), fbd.pop("population_z", None)
-            doc = json.dumps([cfg.to_dict(), fbd], sort_keys=True, default=str)
-            out[v.name] = hashlib.sha256(doc.encode()).hexdigest()[:16]
-        return out
+        return {v.name: hashlib.sha256(json.dumps(self.resolved_doc(v), sort_keys=True, default=str).encode()
+                                       ).hexdigest()[:16] for v in self.variants}
+
+    def resolved_doc(self, variant: Variant) -> list[dict]:
+        """[TrainConfig, FeedbackConfig] of `variant` as `resolved` hashes them: a field added later is left out at
+        its neutral value (`NEUTRAL_UNLISTED`, the plateau's factor 1), so a study started before it resumes."""
+        cfg, fb = self.configs(variant, 14)
+        fbd = fb.to_dict() if fb.enabled else {"enabled": False, "schedule": fb.schedule.to_dict()}
+        if not fbd.get("population"):              # with the population off its two fields decide nothing
+            fbd.pop("population", None), fbd.pop("population_z", None)
+        if fbd.get("plateau_lr_factor") == 1.0:
+            del fbd["plateau_lr_factor"]
+        fbd["schedule"] = {k: x for k, x in fbd["schedule"].items() if NEUTRAL_UNLISTED.get(k, object()) != x}
+        return [cfg.to_dict(), fbd]
 
     @property
     def reference_name(self) -> str:
