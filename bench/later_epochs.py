@@ -3,13 +3,15 @@
 runs, `tradeloop.study.stats.bootstrap_ci`). A knob schedule or a rollback chooses among a run's epochs; only a learner
 whose later epochs improve on its first raises the level they are chosen from.
 
-    python3 -m bench.later_epochs docs/study-h200*/results.json [--variants off]
+    python3 -m bench.later_epochs docs/study-h200*/results.json [--variants off] [--steps]
 
 Reads the studies' `curves` (each run's validation per-trade Sharpe by epoch); an epoch without a Sharpe is left out
 of a run's later mean, a run without epoch 1's or a later one is left out. Sharpes are un-annualized, per trade. The
 last column is the study's own widening of the gap in sample − validation after epoch 1 (`stats.gap_widening`; a
 study written before the in-sample record has none): later epochs that fall in validation while that gap widens
 overfit the training split.
+`--steps` prints instead, per variant, the mean validation per-trade Sharpe at each epoch and the change from each
+epoch to the next (mean over the runs that have both, 95 % CI by the same bootstrap): where a dip falls.
 """
 from __future__ import annotations
 
@@ -17,6 +19,8 @@ import argparse
 import json
 import sys
 from pathlib import Path
+
+import numpy as np
 
 from tradeloop.study.stats import bootstrap_ci, describe, first_and_later_of, first_then_later
 
@@ -49,14 +53,45 @@ def rows(paths: list[Path], variants: set[str] | None = None) -> list[dict]:
     return out
 
 
+def steps(curves: dict[str, list[float]]) -> tuple[list[float | None], list[dict]]:
+    """(the mean over the runs of each epoch's validation per-trade Sharpe, the CI of epoch k+1 − epoch k over the
+    runs with both finite), epochs 1…E of the longest run."""
+    ok = lambda x: x is not None and np.isfinite(x)  # noqa: E731
+    n = max((len(v) for v in curves.values()), default=0)
+    at = [[v[k] for v in curves.values() if k < len(v) and ok(v[k])] for k in range(n)]
+    means = [float(np.mean(x)) if x else None for x in at]
+    deltas = [bootstrap_ci([v[k + 1] - v[k] for v in curves.values()
+                            if k + 1 < len(v) and ok(v[k]) and ok(v[k + 1])]) for k in range(n - 1)]
+    return means, deltas
+
+
+def print_steps(paths: list[Path], variants: set[str] | None) -> None:
+    print("| study | variant | runs | epoch | mean val | change from the epoch before [95 % CI] |")
+    print("|---|---|---:|---:|---:|---|")
+    for path in paths:
+        res = json.loads(Path(path).read_text())
+        for name, curves in res.get("curves", {}).items():
+            if variants and name not in variants:
+                continue
+            means, deltas = steps(curves)
+            for k, m in enumerate(means):
+                change = describe(deltas[k - 1]) if k else "—"
+                print(f"| {Path(path).parent.name} | {name} | {len(curves)} | {k + 1} | "
+                      f"{'n/a' if m is None else format(m, '+.3f')} | {change} |")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("results", nargs="+", type=Path, help="a finished study's results.json (several allowed)")
     ap.add_argument("--variants", nargs="*", help="only these variants")
+    ap.add_argument("--steps", action="store_true", help="the mean validation at each epoch and each epoch's change")
     a = ap.parse_args(argv)
     missing = [str(p) for p in a.results if not p.is_file()]
     if missing:
         ap.error(f"no such results.json: {', '.join(missing)}")
+    if a.steps:
+        print_steps(a.results, set(a.variants) if a.variants else None)
+        return
     found = rows(a.results, set(a.variants) if a.variants else None)
     print("| study | variant | runs | epochs | epoch 1 | epochs 2–E | later − first [95 % CI] "
           "| gap widening, in sample − val [95 % CI] |")

@@ -96,8 +96,7 @@ class FixedSchedule:
 
     ε falls linearly from `eps_start` at epoch 1 to `eps_end` at epoch 1 + `eps_decay_epochs`; γ is fixed; every
     learning rate is `lr_epoch_factor` times the previous epoch's (`Knobs.lr_decay`); every other knob keeps its
-    neutral default (no Q-bias, LR scales 1, no gate, no boosts or labels, uniform
-    regime weights, full confidence).
+    neutral default (no Q-bias, LR scales 1, no gate, no boosts or labels, uniform regime weights, full confidence).
 
     Settings name a field bare (`eps_start=0.5`) or under `schedule.` (`schedule.eps_start=0.5`); `gamma_fixed`
     (see `ALIASES`) is another name of `gamma`."""

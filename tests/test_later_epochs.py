@@ -29,3 +29,20 @@ def test_a_missing_results_file_is_named(tmp_path, capsys):
     with pytest.raises(SystemExit):
         later_epochs.main([str(tmp_path / "nope.json")])
     assert f"no such results.json: {tmp_path / 'nope.json'}" in capsys.readouterr().err
+
+
+def test_each_epochs_change_by_hand(tmp_path, capsys):
+    study = tmp_path / "study-y"
+    study.mkdir()
+    curves = {"off": {"0/0": [0.5, 0.1, 0.4], "1/0": [0.3, 0.2, float("nan")]}}
+    (study / "results.json").write_text(json.dumps({"curves": curves}))
+    means, deltas = later_epochs.steps(curves["off"])
+    # epoch means (0.5 + 0.3) / 2, (0.1 + 0.2) / 2, 0.4 (the NaN left out); changes −0.4 and −0.1, then +0.3 alone
+    assert means == pytest.approx([0.4, 0.15, 0.4])
+    assert [d["mean"] for d in deltas] == pytest.approx([-0.25, 0.3]) and [d["n"] for d in deltas] == [2, 1]
+    later_epochs.main([str(study / "results.json"), "--steps"])
+    out = capsys.readouterr().out
+    assert "| study-y | off | 2 | 1 | +0.400 | — |" in out
+    assert "| study-y | off | 2 | 3 | +0.400 | +0.300 [+0.300, +0.300] |" in out
+    assert "| study-y | off | 2 | 2 | +0.150 | -0.250 [" in out
+

@@ -47,7 +47,8 @@ def test_the_shipped_study_files_build(path: Path, tmp_path: Path):
     if "on" in offs or "pop" in offs:
         assert set(offs.get("on", offs.get("pop")).off) == signals
     # variants of the fixed schedule: feedback off
-    schedule_only = ("ema", "fresh", "recent", "lowlr", "lr", "decay", "fewer", "dropout", "ratio", "gamma")
+    schedule_only = ("ema", "fresh", "recent", "lowlr", "lr", "decay", "fewer", "dropout", "ratio", "gamma",
+                     "cosine")
     assert all(fb.enabled for n, fb in offs.items() if n != "off" and not n.startswith(schedule_only))
 
     for name, fb in offs.items():
@@ -126,7 +127,9 @@ def test_the_shipped_study_files_build(path: Path, tmp_path: Path):
         assert (spec.seeds, spec.folds, spec.bars) == (gamma["seeds"], gamma["folds"], gamma["bars"])   # it pairs
     elif path.name == "lr-decay.toml":      # the learning rates decayed across epochs at γ 0.98
         cfgs = {v.name: spec.configs(v, 14)[0] for v in spec.variants}
-        want = {"off": 1.0, "lr85": 0.85, "lr70": 0.7, "plateau50": 1.0}
+        want = {"off": 1.0, "lr85": 0.85, "lr70": 0.7, "plateau50": 1.0, "cosine-run": 1.0}
+        assert {n: c.cosine_period for n, c in cfgs.items()} == {**{n: 1000 for n in want}, "cosine-run": 8000}
+        assert 8 * cfgs["off"].iterations * cfgs["off"].updates_per_iter == 8000     # one cycle over the run
         assert {n: c.schedule.lr_epoch_factor for n, c in cfgs.items()} == want
         assert {n: fb.schedule.lr_epoch_factor for n, fb in offs.items()} == want      # feedback off's knobs alike
         assert {n: fb.plateau_lr_factor for n, fb in offs.items()} == {**{n: 1.0 for n in want}, "plateau50": 0.5}

@@ -2,8 +2,9 @@
 feedback off: `fixed_signals`, `disabled_bundle`) and the rollback to the best earlier epoch (`rollback_target`:
 its evidence; `rollback_reason`: what the bundle says of it; `services.feedback.signals.compute_bundle` restores
 that epoch's knobs), and the exploit of another run's better epoch (`exploit_target`: population-based training
-across runs). `KNOB_OF` names the knob each signal sets; `knobs_from_signals` turns E1–E9 into the `Knobs` of a
-bundle.
+across runs), and the learning rates' decay (`next_lr_decay`: the schedule's, the plateau's after an epoch without
+a `new_best`, the rollback's). `KNOB_OF` names the knob each signal sets; `knobs_from_signals` turns E1–E9 into the
+`Knobs` of a bundle.
 """
 from __future__ import annotations
 
