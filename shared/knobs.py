@@ -82,6 +82,12 @@ class Knobs:
         return FixedSchedule(**schedule).knobs(epoch)
 
 
+def unlisted_at_neutral(d: dict[str, Any], neutral: Mapping[str, Any]) -> dict[str, Any]:
+    """`d` without the keys of `neutral` that hold their neutral value: a config's JSON form (and its hash) stays as
+    it was before a field was added, so runs, checkpoints and studies stored then still match."""
+    return {k: v for k, v in d.items() if k not in neutral or v != neutral[k]}
+
+
 def group_lr_scale(lr_scale: Mapping[str, float], lr_decay: float, branch: str) -> float:
     """The multiplier of a parameter group's scheduled learning rate: E4's scale of its branch (1 for the trunk and
     the risk head) × `Knobs.lr_decay` (the schedule's decay across epochs and the rollbacks')."""
@@ -120,6 +126,8 @@ class FixedSchedule:
 
     ALIASES = {"gamma_fixed": "gamma"}
     """Other names of fields that settings accept: the feedback config's name for γ."""
+    NEUTRAL_UNLISTED = {"lr_epoch_factor": 1.0}
+    """Fields that `to_dict` leaves out at their neutral value (`unlisted_at_neutral`)."""
 
     def __post_init__(self) -> None:
         for name in ("eps_start", "eps_end"):
@@ -183,7 +191,7 @@ class FixedSchedule:
         raise ValueError(f"{where}: expected a table of {', '.join(cls.names())}, got {value!r}")
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return unlisted_at_neutral(asdict(self), self.NEUTRAL_UNLISTED)
 
     def epsilon(self, epoch: int) -> float:
         """ε of 1-based `epoch`."""

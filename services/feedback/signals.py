@@ -44,7 +44,7 @@ from services.feedback.fallbacks import (KNOB_OF, best_point, diff_se, disabled_
                                         next_lr_decay, knobs_from_signals, rollback_reason, rollback_target)
 from services.feedback.bounds import _clamp, _fin, _ratio_limit, _w, beyond_noise, project_weights
 from services.feedback.guard import FeedbackView, HistoryEntry, HistoryPoint, build_view, check_train_indices
-from shared.knobs import BRANCHES, N_REGIMES, FixedSchedule
+from shared.knobs import BRANCHES, N_REGIMES, FixedSchedule, unlisted_at_neutral
 from shared.report import SIGNAL_IDS, EvalReport, FeedbackBundle, Provenance, Signal, parse_off
 
 CONTINUOUS = ("E1", "E2", "E3", "E4", "E5", "E8", "E9")
@@ -163,7 +163,7 @@ class FeedbackConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON form, which `coerce` reads back: `off` a list, the schedule a table of its fields."""
-        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d = unlisted_at_neutral({f.name: getattr(self, f.name) for f in fields(self)}, {"plateau_lr_factor": 1.0})
         return {**d, "off": list(self.off), "schedule": self.schedule.to_dict()}
 
     def is_on(self, name: str) -> bool:

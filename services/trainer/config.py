@@ -13,7 +13,7 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from shared.agent import AgentConfig
-from shared.knobs import FixedSchedule
+from shared.knobs import FixedSchedule, unlisted_at_neutral
 from services.trainer.env import RewardConfig
 
 MIN_HOLD_SMALL = 96  # small preset: bars a trade is held before a signal exit (regimes last ~200 bars)
@@ -21,7 +21,7 @@ CHURN_SMALL = 1e-3  # small preset: reward cost per opened trade (return units, 
 
 
 NEUTRAL_UNLISTED = {"policy_ema": 0.0, "restart_every": 0, "restart_replay": False, "support_at_start": False,
-                    "dropout": 0.0, "lr_epoch_factor": 1.0}
+                    "dropout": 0.0}
 """Fields that `TrainConfig.to_dict` leaves out at their neutral value, so that the configs (and hashes) of runs
 stored before the field existed still match."""
 
@@ -270,11 +270,8 @@ class TrainConfig:
         (and so the hash) that stored runs and checkpoints carry."""
         d = asdict(self)
         d["agent"] = self.agent.to_dict()
-        d.update(d.pop("schedule"))
-        for k, neutral in NEUTRAL_UNLISTED.items():    # at its neutral value a later field leaves the hash as it was
-            if d[k] == neutral:
-                del d[k]
-        return d
+        del d["schedule"]
+        return unlisted_at_neutral({**d, **self.schedule.to_dict()}, NEUTRAL_UNLISTED)
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":

@@ -32,7 +32,6 @@ from typing import Any
 
 from services.feedback.signals import FeedbackConfig
 from services.trainer.env import RewardConfig
-from services.trainer.config import NEUTRAL_UNLISTED
 from services.trainer.train import TrainConfig
 from shared.agent import AgentConfig
 from shared.knobs import FixedSchedule
@@ -349,15 +348,12 @@ class StudySpec:
                                        ).hexdigest()[:16] for v in self.variants}
 
     def resolved_doc(self, variant: Variant) -> list[dict]:
-        """[TrainConfig, FeedbackConfig] of `variant` as `resolved` hashes them: a field added later is left out at
-        its neutral value (`NEUTRAL_UNLISTED`, the plateau's factor 1), so a study started before it resumes."""
+        """[TrainConfig, FeedbackConfig] of `variant` as `resolved` hashes them (their JSON forms, which leave a field
+        added later out at its neutral value, so a study started before it resumes)."""
         cfg, fb = self.configs(variant, 14)
         fbd = fb.to_dict() if fb.enabled else {"enabled": False, "schedule": fb.schedule.to_dict()}
         if not fbd.get("population"):              # with the population off its two fields decide nothing
             fbd.pop("population", None), fbd.pop("population_z", None)
-        if fbd.get("plateau_lr_factor") == 1.0:
-            del fbd["plateau_lr_factor"]
-        fbd["schedule"] = {k: x for k, x in fbd["schedule"].items() if NEUTRAL_UNLISTED.get(k, object()) != x}
         return [cfg.to_dict(), fbd]
 
     @property
@@ -422,8 +418,8 @@ class StudySpec:
         out = []
         for v in self.variants:
             fb = self.configs(v, 14)[1]
-            if fb.enabled and not fb.population and fb.plateau_lr_factor == 1.0 and not any(fb.is_on(n)
-                                                                                             for n in OFF_NAMES):
+            acts = fb.population or fb.plateau_lr_factor < 1.0 or any(fb.is_on(n) for n in OFF_NAMES)
+            if fb.enabled and not acts:
                 out.append(v.name)
         return out
 
