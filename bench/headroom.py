@@ -25,7 +25,6 @@ import json
 import sys
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 
 from tradeloop.study.compare import SAME_UNITS
@@ -66,7 +65,8 @@ def candidates(studies: dict[str, dict]) -> pd.DataFrame:
 def headroom(df: pd.DataFrame, reference: str, *, n_boot: int = 10_000, seed: int = 0) -> dict:
     """The three readings over the units that the reference and ≥ 2 candidates hold (see the module's text)."""
     if reference not in set(df["label"]):
-        raise SystemExit(f"error: --reference {reference}: no such study:variant (have {', '.join(sorted(set(df.label)))})")
+        have = ", ".join(sorted(set(df.label)))
+        raise SystemExit(f"error: --reference {reference}: no such study:variant (have {have})")
     ref = df[df.label == reference].set_index(["seed", "fold"])["oos"]
     chosen, best, corr, n_cand = {}, {}, {}, []
     for unit, g in df.groupby(["seed", "fold"]):

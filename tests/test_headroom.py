@@ -23,9 +23,9 @@ def test_choice_by_validation_and_the_ceiling_by_hand(tmp_path, capsys):
     b = write(tmp_path / "b", [("y", 0, 0, 0.6, 0.9), ("y", 1, 0, 0.3, 0.1), ("y", 2, 0, 0.9, 0.9)])
     h = headroom.headroom(headroom.candidates({"a": json.loads((a / "results.json").read_text()),
                                                "b": json.loads((b / "results.json").read_text())}), "a:ref")
-    # unit (0, 0): val picks x (0.7) → OOS 0.6, ceiling y's 0.9; unit (1, 0): val picks ref (0.8) → 0.2, ceiling 0.3;
-    # seed 2 has no reference and is left out. Ranks of val / OOS: (1, 3, 2) / (1, 2, 3) → +0.5; (3, 1, 2) / (2, 3, 1)
-    # → −0.5.
+    # unit (0, 0): val picks x (0.7) → OOS 0.6, ceiling y's 0.9; unit (1, 0): val picks ref (0.8) → 0.2,
+    # ceiling 0.3; seed 2 has no reference and is left out. Ranks of val / OOS: (1, 3, 2) / (1, 2, 3) → +0.5;
+    # (3, 1, 2) / (2, 3, 1) → −0.5.
     assert h["units"] == 2 and h["candidates_per_unit"] == [3, 3]
     assert h["val_chosen_oos"]["mean"] == pytest.approx(0.4) and h["oos_best_oos"]["mean"] == pytest.approx(0.6)
     assert h["val_chosen_minus_reference"]["mean"] == pytest.approx(0.1)
