@@ -112,6 +112,7 @@ def test_tiny_study_end_to_end(reference):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
     md = (out / "report.md").read_text()
     assert "Paired differences, variant − off" in md and "| oracle (baseline) |" in md
+    assert res["choice"]["units"] == 4 and "Choosing among the variants by validation (2 on each of 4" in md
     # every epoch's in-sample Sharpe (the greedy policy on the training split's last bars) is kept beside validation
     for rid, s in sums.items():
         rec = json.loads((out / "runs" / rid / "loop" / "epoch-0001.json").read_text())

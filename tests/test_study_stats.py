@@ -461,3 +461,18 @@ def test_the_knobs_each_epoch_trained_under_are_reported_where_the_variants_diff
             del e["lr_decay"]
     del runs[0]["epochs"][1]["gamma"]                                # a summary without it: E3 is left out, and
     assert knob_paths(runs, ["E3", "off"]) == {}                     # one variant alone differs from nothing
+
+
+def test_a_studys_results_and_report_carry_the_choice_among_its_variants_by_validation():
+    from tradeloop.study.report import choice_lines
+
+    runs = [_summary("off", 0, 0, [0.5], 1, 0.4), _summary("on", 0, 0, [0.7], 1, 0.6),
+            _summary("off", 1, 0, [0.8], 1, 0.2), _summary("on", 1, 0, [0.1], 1, 0.3)]
+    res = aggregate(runs, [], ["off", "on"], "off", n_boot=200)
+    # unit (0, 0): validation picks on → 0.6 against off's 0.4, the best OOS 0.6; unit (1, 0): off → 0.2, best 0.3
+    assert res["choice"]["val_chosen_minus_reference"]["mean"] == pytest.approx(0.1)
+    assert res["choice"]["oos_best_minus_reference"]["mean"] == pytest.approx(0.15)
+    assert res["choice"]["chosen_by_val"] == {"off": 1, "on": 1} and res["choice"]["rank_corr"] is None
+    head = choice_lines(res["choice"])[0]
+    assert "Choosing among the variants by validation (2 on each of 2 (seed, fold) units" in head
+    assert aggregate(runs[::2], [], ["off"], "off", n_boot=200)["choice"] is None     # one variant: no choice

@@ -77,6 +77,24 @@ def paired_list(res: dict, key: str) -> list[str]:
             for n, p in res["paired"].items() if key in p]
 
 
+def choice_lines(c: dict) -> list[str]:
+    """`stats.choice_by_validation`'s readings as a table (markdown lines), and the within-unit rank correlation."""
+    lo, hi = c["variants_per_unit"]
+    lines = [f"Choosing among the variants by validation ({lo if lo == hi else f'{lo}–{hi}'} on each of {c['units']} "
+             f"(seed, fold) units; OOS per-trade Sharpe, mean [95 % CI], against {c['reference']} on the same units):",
+             "", "| reading | OOS | − reference | higher |", "|---|---|---|---|",
+             f"| {c['reference']} | {describe(c['reference_oos'])} | | |"]
+    for key, label in (("val_chosen", "the variant validation prefers"), ("oos_best", "the best OOS (hindsight)")):
+        d = c[f"{key}_minus_reference"]
+        lines.append(f"| {label} | {describe(c[f'{key}_oos'])} | {describe(d)} | {d['wins']} of {d['n']} |")
+    chosen = ", ".join(f"{k} {v}" for k, v in list(c["chosen_by_val"].items())[:6])
+    lines += ["", f"Chosen by validation: {chosen}."]
+    if c["rank_corr"] is not None:
+        lines[-1] += (f" Within a unit the variants' val and OOS rank alike by {describe(c['rank_corr'])} (Spearman): "
+                      "near 0, validation cannot tell them apart on this data and choosing by it earns nothing.")
+    return lines
+
+
 def markdown(res: dict) -> str:
     s, t = res["study"], res["timing"]
     units = len(s["seeds"]) * s["folds"]
@@ -196,6 +214,8 @@ def markdown(res: dict) -> str:
             lines.append(f"| {name} | {u['shaped_runs']}/{res['variants'][name]['n_runs']} | {describe(u['oos_sharpe'])} "
                          f"| {describe(u['val_sharpe'])} | {describe(u['shaping_oos'])} "
                          f"| {describe(pd_) if pd_ else '—'} |")
+    if res.get("choice"):
+        lines += [""] + choice_lines(res["choice"])
     p = res["pairing"]
     if p["groups"]:
         lines += ["", f"Pairing: in {p['groups']} (seed, fold) groups of variants whose first epoch trains under the "

@@ -234,7 +234,8 @@ def aggregate(summaries: Sequence[dict], baselines: Sequence[dict], variants: Se
     return {"n_trials": n_trials, "trial_sharpe_var": var, "reference": reference, "variants": out_v,
             "baselines": out_b, "paired": out_p, "runs": rows, "curves": curves,
             "curves_insample": insample_curves(summaries, variants), "knob_paths": knob_paths(summaries, variants),
-            "pairing": pairing_check(summaries)}
+            "pairing": pairing_check(summaries),
+            "choice": choice_by_validation(rows, reference, n_boot=n_boot, seed=seed) if len(out_v) > 1 else None}
 
 
 KNOBS = (("epsilon", "ε", ".3f"), ("gamma", "γ", ".4f"), ("lr_decay", "learning rates' decay", ".3f"))
@@ -314,6 +315,50 @@ def best_validated(rows: Sequence[dict], cluster: Callable[[int, int], Any]) -> 
     return {"runs": min(len(g) for g in groups.values()),
             "oos": {c: float(max(g, key=lambda r: r["val_sharpe"])["oos_sharpe"]) for c, g in groups.items()},
             "mean": {c: float(np.mean([r["oos_sharpe"] for r in g])) for c, g in groups.items()}}
+
+
+def _ranks(x: np.ndarray) -> np.ndarray:
+    """1-based ranks of `x`, ties sharing their mean rank (Spearman's convention)."""
+    r = np.empty(len(x))
+    r[np.argsort(x, kind="mergesort")] = np.arange(1, len(x) + 1)
+    for v in np.unique(x):
+        r[x == v] = r[x == v].mean()
+    return r
+
+
+def choice_by_validation(rows: Sequence[dict], reference: str, *, n_boot: int = 10_000, seed: int = 0) -> dict | None:
+    """What choosing among the variants by validation would earn, unit by unit: on each (seed, fold) that holds the
+    reference and ≥ 2 variants, the OOS of the variant whose selected checkpoint validated highest (`val_chosen`: OOS
+    not used to choose, so an honest estimate of keeping the variant validation prefers) and the highest OOS
+    (`oos_best`: a ceiling only the test split's hindsight reaches), each against the reference's OOS (`paired`);
+    and Spearman's correlation of the variants' val and OOS within a unit (`rank_corr`, units of ≥ 3 variants):
+    near 0, validation cannot tell the variants apart there. `rows`: dicts with variant, seed, fold, val_sharpe,
+    oos_sharpe. None when no unit qualifies."""
+    units: dict = {}
+    for r in rows:
+        if r.get("val_sharpe") is not None and r.get("oos_sharpe") is not None:
+            units.setdefault((r["seed"], r["fold"]), []).append(r)
+    chosen, best, ref, corr, n, picks = {}, {}, {}, [], [], {}
+    for u, rs in sorted(units.items()):
+        mine = [r for r in rs if r["variant"] == reference]
+        if not mine or len(rs) < 2:
+            continue
+        top = max(rs, key=lambda r: r["val_sharpe"])       # the first of a tie, in the rows' order
+        chosen[u], best[u], ref[u] = top["oos_sharpe"], max(r["oos_sharpe"] for r in rs), mine[0]["oos_sharpe"]
+        picks[top["variant"]] = picks.get(top["variant"], 0) + 1
+        n.append(len(rs))
+        val, oos = (np.array([r[k] for r in rs], dtype=float) for k in ("val_sharpe", "oos_sharpe"))
+        if len(rs) >= 3 and np.ptp(val) > 0 and np.ptp(oos) > 0:
+            corr.append(float(np.corrcoef(_ranks(val), _ranks(oos))[0, 1]))
+    if not chosen:
+        return None
+    ci = lambda xs: bootstrap_ci(list(xs), n_boot=n_boot, seed=seed)  # noqa: E731
+    return {"reference": reference, "units": len(chosen), "variants_per_unit": [min(n), max(n)],
+            "reference_oos": ci(ref.values()), "val_chosen_oos": ci(chosen.values()), "oos_best_oos": ci(best.values()),
+            "val_chosen_minus_reference": paired(chosen, ref, n_boot=n_boot, seed=seed),
+            "oos_best_minus_reference": paired(best, ref, n_boot=n_boot, seed=seed),
+            "rank_corr": ci(corr) if corr else None,
+            "chosen_by_val": dict(sorted(picks.items(), key=lambda kv: (-kv[1], kv[0])))}
 
 
 def val_step(summary: dict) -> float | None:
