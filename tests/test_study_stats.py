@@ -274,6 +274,7 @@ def test_a_population_variant_is_judged_over_its_populations_not_its_runs():
     alt = res["paired"]["alt"]["oos_sharpe"]                         # no population on either side: over units
     assert alt["n"] == 4 and alt["mean"] == pytest.approx(np.mean([-0.1, 0.2, -0.2, -0.1]))
     assert "over_populations" not in res["paired"]["alt"] and "populations" not in res["variants"]["off"]
+    assert res["choice"] is None                 # its units are not independent: no unit-by-unit choice
     res["study"] = {"dataset": "synthetic", "variants": [{"name": n, "settings": []} for n in oos],
                     "seeds": [0, 1, 2, 3], "folds": 1, "epochs": 3, "preset": "small", "settings": [], "device": "cpu",
                     "accel": "auto", "deterministic": False, "bars": 3000, "min_val_trades": 20, "n_boot": 500,

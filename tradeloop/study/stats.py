@@ -235,7 +235,9 @@ def aggregate(summaries: Sequence[dict], baselines: Sequence[dict], variants: Se
             "baselines": out_b, "paired": out_p, "runs": rows, "curves": curves,
             "curves_insample": insample_curves(summaries, variants), "knob_paths": knob_paths(summaries, variants),
             "pairing": pairing_check(summaries),
-            "choice": choice_by_validation(rows, reference, n_boot=n_boot, seed=seed) if len(out_v) > 1 else None}
+            # a population's units are not independent: no unit-by-unit choice where one is among the variants
+            "choice": choice_by_validation(rows, reference, n_boot=n_boot, seed=seed)
+            if len(out_v) > 1 and not pops & set(out_v) else None}
 
 
 KNOBS = (("epsilon", "ε", ".3f"), ("gamma", "γ", ".4f"), ("lr_decay", "learning rates' decay", ".3f"))
