@@ -40,6 +40,11 @@ def load(path: Path) -> dict:
         raise SystemExit(f"error: {path} is unreadable ({exc})") from None
 
 
+def study_name(path: Path) -> str:
+    """A study's name: its directory's, given the directory or its results.json."""
+    return (path.parent if path.name == "results.json" else path).name
+
+
 def check_pairing(studies: dict[str, dict], any_settings: bool) -> None:
     """SystemExit naming the key and the studies when two studies' units do not pair."""
     keys = [k for k in SAME_UNITS if not (any_settings and k == "settings")]
@@ -72,20 +77,20 @@ def headroom(rows: list[dict], reference: str, *, n_boot: int = 10_000, seed: in
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python3 -m bench.headroom", description=__doc__.split("\n\n")[0])
     ap.add_argument("results", nargs="+", type=Path, help="finished studies (their directories or results.json)")
-    ap.add_argument("--reference", required=True, help="DIR:VARIANT (DIR as given, or its last component)")
+    ap.add_argument("--reference", required=True, help="DIR:VARIANT (DIR a study as given, or its name)")
     ap.add_argument("--any-settings", action="store_true", help="pair studies whose base settings differ")
     ap.add_argument("--n-boot", type=int, default=10_000)
     ap.add_argument("--json", action="store_true", help="the readings as JSON")
     a = ap.parse_args(argv)
     studies = {}
     for p in a.results:
-        name = (p.parent if p.name == "results.json" else p).name
+        name = study_name(p)
         if name in studies:
             raise SystemExit(f"error: two studies named {name}")
         studies[name] = load(p)
     check_pairing(studies, a.any_settings)
     d, _, v = a.reference.rpartition(":")
-    h = headroom(candidates(studies), f"{Path(d).name}:{v}", n_boot=a.n_boot)
+    h = headroom(candidates(studies), f"{study_name(Path(d))}:{v}", n_boot=a.n_boot)
     text = "\n".join([f"{len(h['candidates'])} candidates from {len(studies)} studies.", ""] + choice_lines(h)) + "\n"
     sys.stdout.write(json.dumps(h, indent=1) + "\n" if a.json else text)
 

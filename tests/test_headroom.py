@@ -35,7 +35,7 @@ def test_choice_by_validation_and_the_ceiling_by_hand(tmp_path, capsys):
     assert h["val_chosen_minus_reference"]["wins"] == 1
     assert h["oos_best_minus_reference"]["mean"] == pytest.approx(0.3)
     assert h["rank_corr"]["mean"] == pytest.approx(0.0) and h["rank_corr"]["n"] == 2
-    headroom.main([str(a), str(b / "results.json"), "--reference", f"{a}:ref"])
+    headroom.main([str(a), str(b / "results.json"), "--reference", f"{a / 'results.json'}:ref"])
     out = capsys.readouterr().out
     assert "3 candidates from 2 studies." in out and "(3 on each of 2 (seed, fold) units;" in out
     assert "| the variant validation prefers | +0.400 [" in out and "| the best OOS (hindsight) | +0.600 [" in out
