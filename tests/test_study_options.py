@@ -139,6 +139,14 @@ def test_the_shipped_study_files_build(path: Path, tmp_path: Path):
         assert [[k, v] for k, v in spec.settings] == ran["settings"]
         gamma = json.loads((path.parents[1] / "docs/study-h200-gamma/results.json").read_text())["study"]
         assert (spec.seeds, spec.folds, spec.bars) == (gamma["seeds"], gamma["folds"], gamma["bars"])   # it pairs
+    elif path.name == "gamma-low.toml":     # the fixed schedule's γ below 0.98
+        cfgs = {v.name: spec.configs(v, 14)[0] for v in spec.variants}
+        assert {n: c.schedule.gamma for n, c in cfgs.items()} == {"off": 0.98, "gamma97": 0.97, "gamma95": 0.95,
+                                                                   "gamma93": 0.93}
+        assert {n: fb.schedule.gamma for n, fb in offs.items()} == {n: c.schedule.gamma for n, c in cfgs.items()}
+        assert not any(fb.enabled for fb in offs.values())
+        gamma = json.loads((path.parents[1] / "docs/study-h200-gamma/results.json").read_text())["study"]
+        assert (spec.seeds, spec.folds, spec.bars) == (gamma["seeds"], gamma["folds"], gamma["bars"])   # it pairs
     elif path.name == "recent-replay.toml":   # the one-epoch replay on new seeds, and the loop as shipped on it
         cfgs = {v.name: spec.configs(v, 14)[0] for v in spec.variants}
         assert {n: c.replay_capacity for n, c in cfgs.items()} == {"off": 2_000_000, "recent": 500_000,
