@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from bench import headroom
-from tradeloop.study import stats
+from tradeloop.study import report, stats
 
 STUDY = {"dataset": "synthetic", "seeds": [0, 1], "folds": 1, "epochs": 2, "preset": "small",
          "settings": [], "bars": 1000, "data_seed": None}
@@ -40,6 +40,7 @@ def test_choice_by_validation_and_the_ceiling_by_hand(tmp_path, capsys):
     assert "3 candidates from 2 studies." in out and "(3 on each of 2 (seed, fold) units;" in out
     assert "| the variant validation prefers | +0.400 [" in out and "| the best OOS (hindsight) | +0.600 [" in out
     assert "+0.100 [" in out and "| 1 of 2 |" in out
+    assert "its CI reaches 0, so validation does not tell them apart" in out          # ranks +0.5 and −0.5
 
 
 def test_studies_that_do_not_pair_and_an_unknown_reference_are_named(tmp_path, capsys):
@@ -65,4 +66,9 @@ def test_ranks_share_ties_and_a_unit_without_spread_has_no_correlation():
     c = stats.choice_by_validation(rows, "ref", n_boot=200)
     assert c["rank_corr"] is None and c["val_chosen_oos"]["mean"] == 0.1      # a tie in val: the first row
     assert stats.choice_by_validation(rows[1:], "ref") is None                 # no unit holds the reference
+    alike = [{"variant": v, "seed": s, "fold": 0, "val_sharpe": x + s, "oos_sharpe": x} for s in (0, 1)
+             for v, x in (("ref", 0.1), ("x", 0.2), ("y", 0.3))]
+    c = stats.choice_by_validation(alike, "ref", n_boot=200)
+    assert c["rank_corr"]["lo"] == pytest.approx(1.0)
+    assert "validation tells them apart on this data" in " ".join(report.choice_lines(c))
 

@@ -89,9 +89,12 @@ def choice_lines(c: dict) -> list[str]:
         lines.append(f"| {label} | {describe(c[f'{key}_oos'])} | {describe(d)} | {d['wins']} of {d['n']} |")
     chosen = ", ".join(f"{k} {v}" for k, v in list(c["chosen_by_val"].items())[:6])
     lines += ["", f"Chosen by validation: {chosen}."]
-    if c["rank_corr"] is not None:
-        lines[-1] += (f" Within a unit the variants' val and OOS rank alike by {describe(c['rank_corr'])} (Spearman): "
-                      "near 0, validation cannot tell them apart on this data and choosing by it earns nothing.")
+    rc = c["rank_corr"]
+    if rc is not None:
+        lines[-1] += (f" Within a unit the variants' val and OOS rank alike by {describe(rc)} (Spearman): "
+                      + ("validation tells them apart on this data." if rc["lo"] > 0 else
+                         "its CI reaches 0, so validation does not tell them apart on this data and choosing by it "
+                         "earns no more than chance."))
     return lines
 
 
