@@ -25,7 +25,7 @@ import json
 import sys
 from pathlib import Path
 
-from tradeloop.study.compare import SAME_UNITS
+from tradeloop.study.compare import unit_differences, unit_key
 from tradeloop.study.report import choice_lines
 from tradeloop.study.stats import choice_by_validation
 
@@ -47,14 +47,12 @@ def study_name(path: Path) -> str:
 
 def check_pairing(studies: dict[str, dict], any_settings: bool) -> None:
     """SystemExit naming the key and the studies when two studies' units do not pair."""
-    keys = [k for k in SAME_UNITS if not (any_settings and k == "settings")]
     (first, a), *rest = studies.items()
     for name, b in rest:
-        for k in keys:
-            va, vb = (s["study"].get(k, SAME_UNITS[k]) for s in (a, b))
-            if json.dumps(va, sort_keys=True) != json.dumps(vb, sort_keys=True):
-                raise SystemExit(f"error: {first} and {name} do not pair: they differ in {k} ({va!r} vs {vb!r})"
-                                 + (" (--any-settings lets base settings differ)" if k == "settings" else ""))
+        for k in unit_differences(a["study"], b["study"], {"settings"} if any_settings else set())[:1]:
+            va, vb = unit_key(a["study"], k), unit_key(b["study"], k)
+            raise SystemExit(f"error: {first} and {name} do not pair: they differ in {k} ({va!r} vs {vb!r})"
+                             + (" (--any-settings lets base settings differ)" if k == "settings" else ""))
 
 
 def candidates(studies: dict[str, dict]) -> list[dict]:

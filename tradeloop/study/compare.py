@@ -34,6 +34,17 @@ COMPARED = (("oos_sharpe", "OOS per-trade Sharpe (val-selected)"), ("val_sharpe"
             ("last_val_sharpe", "last-epoch val per-trade Sharpe"))
 
 
+def unit_key(study: dict, key: str):
+    """A results.json study's value of a `SAME_UNITS` key (the default it stands for when it names none)."""
+    return study.get(key, SAME_UNITS[key])
+
+
+def unit_differences(sa: dict, sb: dict, free: set[str] | frozenset = frozenset()) -> list[str]:
+    """The `SAME_UNITS` keys (but `free`) in which two results.json studies differ: their units pair when none."""
+    return [k for k in SAME_UNITS if k not in free
+            and json.dumps(unit_key(sa, k), sort_keys=True) != json.dumps(unit_key(sb, k), sort_keys=True)]
+
+
 def parse_side(text: str) -> tuple[Path, str]:
     """`DIR:VARIANT` → (DIR, VARIANT) (split at the last ':')."""
     d, sep, v = text.rpartition(":")
@@ -95,14 +106,12 @@ def compare_pooled(pairs: list[tuple[dict, str, dict, str]], *, n_boot: int = 10
     sides: dict[str, list[tuple]] = {"epochs": [], "settings": []}
     for i, (a, va, b, vb) in enumerate(pairs):
         sa, sb = a["study"], b["study"]
-        val = lambda st, k: st.get(k, SAME_UNITS[k])  # noqa: E731
         for k in sides:
-            sides[k].append((val(sa, k), val(sb, k)))
-        diff = [k for k in SAME_UNITS if json.dumps(val(sa, k), sort_keys=True) != json.dumps(val(sb, k), sort_keys=True)
-                and k not in free]
+            sides[k].append((unit_key(sa, k), unit_key(sb, k)))
+        diff = unit_differences(sa, sb, free)
         if diff:
             raise StudyError(f"the studies' units do not pair: they differ in {', '.join(diff)} "
-                             f"({'; '.join(f'{k}: {val(sa, k)!r} vs {val(sb, k)!r}' for k in diff)})")
+                             f"({'; '.join(f'{k}: {unit_key(sa, k)!r} vs {unit_key(sb, k)!r}' for k in diff)})")
         unit = population_units(a, va, b, vb)
         for key, _ in COMPARED:
             ra, rb = ({(r["seed"], r["fold"]): r[key] for r in res["runs"] if r["variant"] == v and r.get(key) is not None}
