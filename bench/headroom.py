@@ -49,7 +49,8 @@ def check_pairing(studies: dict[str, dict], any_settings: bool) -> None:
     """SystemExit naming the key and the studies when two studies' units do not pair."""
     (first, a), *rest = studies.items()
     for name, b in rest:
-        for k in unit_differences(a["study"], b["study"], {"settings"} if any_settings else set())[:1]:
+        if diff := unit_differences(a["study"], b["study"], {"settings"} if any_settings else set()):
+            k = diff[0]
             va, vb = unit_key(a["study"], k), unit_key(b["study"], k)
             raise SystemExit(f"error: {first} and {name} do not pair: they differ in {k} ({va!r} vs {vb!r})"
                              + (" (--any-settings lets base settings differ)" if k == "settings" else ""))
