@@ -265,14 +265,15 @@ static void run_account(const Pass *p, int64_t b, float *work) {
         const int live = t < T - 1;
         const int64_t t1 = t + 1 < T - 1 ? t + 1 : T - 1;
         const double o = p->open[t1], hi = p->high[t1], lo = p->low[t1], cl = p->close[t1];
-        const double tgt = live ? clampd(target, -TL_MAX_POSITION, TL_MAX_POSITION) : pos;
+        double tgt = live ? clampd(target, -TL_MAX_POSITION, TL_MAX_POSITION) : pos;
         const double eq0 = eq;
         /* fills at the open: the closing fill, then the opening or resizing one on the equity left */
         const int fill = tgt != pos;
-        const double old_side = sgn(pos), new_side = sgn(tgt);
+        const double old_side = sgn(pos);
+        double new_side = sgn(tgt);
         const int closes = fill && (old_side != 0) && (new_side != old_side);
-        const int opens = fill && (new_side != 0) && (new_side != old_side);
-        const int resize = fill && (old_side != 0) && (new_side == old_side);
+        int opens = fill && (new_side != 0) && (new_side != old_side);
+        int resize = fill && (old_side != 0) && (new_side == old_side);
         double u = units, csh = cash;
         if (closes) {
             csh = (csh + u * o) - (rate * fabs(u) * o + fee);
@@ -280,13 +281,18 @@ static void run_account(const Pass *p, int64_t b, float *work) {
         }
         const double eq_fill = csh + u * o;
         const double ret1 = closes ? eq_fill / entry_equity - 1.0 : 0.0;
+        const int flip = new_side != 0;                /* the reason a close records: a flip was asked for */
+        if (!(eq_fill > 0.0) && (opens || resize)) {   /* ruin: no equity left at the open opens nothing */
+            tgt = resize ? pos : 0.0;
+            opens = resize = 0;
+            new_side = sgn(tgt);
+        }
         if (opens || resize) {
             const double u_new = tgt * eq_fill / o;
             const double du = u_new - u;
             csh = (csh - du * o) - (rate * fabs(du) * o + fee);
             u = u_new;
         }
-        const int flip = new_side != 0;
         const double n_entry_equity = opens ? eq_fill : entry_equity;
         const double n_entry_price = opens ? o : entry_price, n_entry_size = opens ? fabs(tgt) : entry_size;
         const int64_t n_entry_t = opens ? t1 : entry_t;
@@ -294,9 +300,14 @@ static void run_account(const Pass *p, int64_t b, float *work) {
         const double n_sl = opens ? (new_side > 0 ? o * (1.0 - sl) : o * (1.0 + sl)) : sl_price;
         double p2 = tgt;
         const int is_long = new_side > 0, is_short = new_side < 0;
-        const int stop_hit = (is_long && lo <= n_sl) || (is_short && hi >= n_sl);
+        /* the stop: the trade's own level or its liquidation price (an exit there leaves no equity) */
+        const double au = u != 0 ? fabs(u) : 1.0;
+        const double liq = is_long ? (fee - csh) / (au * (1.0 - rate)) : (csh - fee) / (au * (1.0 + rate));
+        const int liquidating = is_long ? liq > n_sl : liq < n_sl;
+        const double stop_level = liquidating ? liq : n_sl;
+        const int stop_hit = (is_long && lo <= stop_level) || (is_short && hi >= stop_level);
         const int tgt_hit = !stop_hit && ((is_long && hi >= n_tp) || (is_short && lo <= n_tp));
-        const double stop_px = is_long ? mind(o, n_sl) : maxd(o, n_sl);
+        const double stop_px = is_long ? mind(o, stop_level) : maxd(o, stop_level);
         const double tgt_px = is_long ? maxd(o, n_tp) : mind(o, n_tp);
         const int exit_intrabar = stop_hit || tgt_hit;
         const int last = t1 == T - 1;
@@ -306,6 +317,7 @@ static void run_account(const Pass *p, int64_t b, float *work) {
         const int exits2 = exit_intrabar || exit_end;
         if (exits2) {
             csh = (csh + u * exit_px) - (rate * fabs(u) * exit_px + fee);
+            if (stop_hit && liquidating) csh = mind(csh, 0.0);   /* liquidated: none left */
             u = 0.0;
         }
         const double eq1 = csh + u * cl;
@@ -327,7 +339,7 @@ static void run_account(const Pass *p, int64_t b, float *work) {
         }
         t = t1;
         const int n_closed = (closes && live) + (exits2 && live);
-        const double bar_ret = live ? eq1 / eq0 - 1.0 : 0.0;
+        const double bar_ret = live && eq0 > 0 ? eq1 / eq0 - 1.0 : 0.0;
         const double trade_ret = live ? ret1 + ret2 : 0.0;
         p->flags[row] = (opens && live) * TL_F_OPEN + (closes && live) * TL_F_CLOSE1 +
                         (closes && live && flip) * TL_F_FLIP + (exits2 && live) * TL_F_EXIT2 +

@@ -39,6 +39,11 @@ Fill rules
   changes the units at its fill and stays in the trade; a sign flip is two fills at the same open: the old trade
   closes (its cost is the old trade's), then the new one opens on the equity left.
 - A position still open on the last bar is closed at that bar's close, with `exit_reason = "end"`.
+- Liquidation: a held position is also stopped at the price where its exit fill would leave the account no equity
+  (cash + units·x − the fill's cost = 0: for a size-1 short without costs, twice its entry price), when that comes
+  before its own stop; the fill is at that price (or at an open already past it), `exit_reason = "stop"`, net return
+  −1 (below it when an open gapped past). An account with no equity left at an open (≤ 0) opens and resizes
+  nothing: it stays flat, equity unchanged, bar returns 0, to the end of the pass or the next `reset`.
 
 Trade accounting: each trade keeps the equity at its entry (before its entry fill, after the previous trade's
 closing fill on a flip). `net_return = equity after its exit fill / equity at its entry − 1`: while it is open the
@@ -259,6 +264,13 @@ class Simulator:
             reason = torch.where(new_side == 0, _SIGNAL, _FLIP)
             self.ledger_buf.add(closes, self.entry_t, t1, old_side, self.entry_size, self.entry_price, o,
                                 closed_ret1, reason)
+        # ruin: an account with no equity left at the open opens and resizes nothing (a resize keeps its units,
+        # which the liquidation below then closes at this open)
+        solvent = eq_fill > 0.0
+        refused = (opens | resize) & ~solvent
+        target = torch.where(refused, torch.where(resize, pos, zero), target)
+        opens, resize = opens & solvent, resize & solvent
+        new_side = torch.sign(target)
         sets = opens | resize
         u_new = torch.where(sets, target * eq_fill / o, u)
         du = u_new - u
@@ -272,11 +284,18 @@ class Simulator:
         sl_price = torch.where(opens, torch.where(new_side > 0, o * (1.0 - sl), o * (1.0 + sl)), self.sl_price)
         side = new_side
 
-        # 2) intrabar: stop first, then target; a level the open is already past fills at the open
+        # 2) intrabar: stop first, then target; a level the open is already past fills at the open. The stop is
+        # the trade's own level or its liquidation price, whichever comes first: where an exit fill would leave
+        # the account no equity (cash + u·x − rate·|u|·x − fee = 0)
         long, short = side > 0, side < 0
-        stop_hit = (long & (l <= sl_price)) | (short & (h >= sl_price))
+        au = torch.where(u != 0, u.abs(), torch.ones_like(u))
+        liq = torch.where(long, (self.fee - cash) / (au * (1.0 - self.rate)),
+                          (cash - self.fee) / (au * (1.0 + self.rate)))
+        liquidating = torch.where(long, liq > sl_price, liq < sl_price)
+        stop_level = torch.where(liquidating, liq, sl_price)
+        stop_hit = (long & (l <= stop_level)) | (short & (h >= stop_level))
         tgt_hit = ~stop_hit & ((long & (h >= tp_price)) | (short & (l <= tp_price)))
-        stop_px = torch.where(long, torch.minimum(o, sl_price), torch.maximum(o, sl_price))
+        stop_px = torch.where(long, torch.minimum(o, stop_level), torch.maximum(o, stop_level))
         tgt_px = torch.where(long, torch.maximum(o, tp_price), torch.minimum(o, tp_price))
         exit_intrabar = stop_hit | tgt_hit
         last = t1 == self.T - 1
@@ -286,6 +305,7 @@ class Simulator:
             cash = cash - torch.where(short & ~exit_intrabar, self.borrow * u.abs() * cl, zero)
         exits2 = exit_intrabar | exit_end
         cash = torch.where(exits2, cash + u * exit_px, cash) - self._fill_cost(u, exit_px, exits2)
+        cash = torch.where(stop_hit & liquidating, torch.minimum(cash, zero), cash)   # liquidated: none left
         u = torch.where(exits2, zero, u)
         eq = cash + u * cl
         closed_ret2 = torch.where(exits2, cash / entry_equity - 1.0, zero)  # flat after the exit: equity = cash
@@ -310,7 +330,7 @@ class Simulator:
         self.t = t1
         n_closed = (closes & live).long() + (exits2 & live).long()
         return StepResult(
-            bar_return=torch.where(live, eq / eq0 - 1.0, zero),
+            bar_return=torch.where(live & (eq0 > 0), eq / eq0 - 1.0, zero),
             trade_return=torch.where(live, closed_ret1 + closed_ret2, zero),
             n_closed=n_closed,
             opened=opens & live,

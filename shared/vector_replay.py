@@ -57,8 +57,10 @@ def _run_positions_vectorized(prices: Prices, tg: torch.Tensor, costs: CostModel
     Precision: log E is a running float64 sum over a block's legs, so a trade's log growth carries an absolute
     error ~1e-16 times the largest |log E| summed in its block.
     Ruin: held units can lose more than the equity (a size-1 long whose price falls ~100 % still paid its entry
-    fill; a size-1 short whose price more than doubles), so a leg's E or the last close's equity can be ≤ 0, where
-    log E is undefined. Such accounts (rare) are replayed by the step simulator, the reference (`_replay_ruined`).
+    fill; a size-1 short whose price more than doubles). The step simulator liquidates a position where an exit
+    would leave no equity and opens nothing after; the accounts whose bars reach that price, or whose leg's E or
+    last close's equity is ≤ 0 (log E undefined there), are rare and replayed by the step simulator, the reference
+    (`_replay_ruined`).
     """
     if not costs.proportional:
         raise ValueError("the vectorised replay takes proportional costs only (no fixed fee, no borrow)")
@@ -180,6 +182,11 @@ def _replay_blocks(prices: Prices, tg: torch.Tensor, costs: CostModel, block_ele
             torch.index_select(cash, 0, legid, out=eqv.view(-1))
             torch.index_select(units, 0, legid, out=tmp.view(-1))
             eqv.addcmul_(tmp, cl[t0:t1])
+            # liquidation (`Simulator.step`): where a bar's low (long) or high (short) would leave an exit fill no
+            # equity, the account is the step simulator's (marked NaN here, replayed by `_replay_ruined`)
+            worst = torch.where(tmp < 0, prices.high[t0:t1], prices.low[t0:t1])
+            exit_eq = eqv + tmp * (worst - cl[t0:t1]) - c * tmp.abs() * worst
+            eqv.masked_fill_((exit_eq <= 1e-9 * eqv.abs()).any(dim=1, keepdim=True), float("nan"))
             if last:                                                      # the end exit's fill at the last close
                 eqv[:, -1].sub_(c * cl[T - 1] * tmp[:, -1].abs())
             if eqv is not eq_out:

@@ -146,6 +146,39 @@ def test_gap_through_stop_fills_at_the_open():
     assert tr.net_return == pytest.approx(-0.5 * (106 / 100 - 1) - 0.5 * C - 0.5 * C * 1.06, abs=1e-15)
 
 
+def test_a_short_is_liquidated_where_its_exit_would_leave_no_equity_and_the_account_trades_no_more():
+    # a full short at 100 holds cash 2 and −0.01 units: equity 2 − 0.01·x is gone at x = 200. The bar-3 high of
+    # 205 reaches it; every later target (−1 still) is refused: flat, equity 0, bar returns 0
+    p = prices([100, 100, 150, 190, 190, 180], h=[101, 101, 151, 205, 191, 181], l=[99, 99, 149, 189, 189, 179],
+               c=[100, 100, 150, 190, 190, 180])
+    res = run_positions(p, [-1] * 6, CostModel(cost_bps=0))
+    assert len(res.ledger) == 1
+    tr = one_trade(res)
+    assert (tr.exit_reason, tr.exit_price, tr.exit_t, tr.entry_t) == ("stop", 200.0, 3, 1)
+    assert tr.net_return == -1.0
+    np.testing.assert_array_equal(res.equity[0, 3:], 0.0)
+    np.testing.assert_array_equal(res.positions[0, 3:], 0.0)
+    np.testing.assert_array_equal(res.bar_returns[0, 4:], 0.0)
+    assert res.bar_returns[0, 3] == pytest.approx(0.0 / (2 - 150 / 100) - 1.0)
+    # with costs the exit's own cost counts: cash 2 − C, so x·0.01·(1 + C) = 2 − C
+    tr = one_trade(run_positions(p, [-1] * 6, CostModel(cost_bps=10)))
+    assert tr.exit_price == pytest.approx((2 - C) / (0.01 * (1 + C)), rel=1e-15) and tr.net_return == -1.0
+    # a trade's own stop below the liquidation price comes first: the stop at +40 % (140) fills at the open of 150
+    tr = one_trade(run_positions(p, [-1] * 6, CostModel(cost_bps=0), stop_loss=0.4))
+    assert (tr.exit_reason, tr.exit_price, tr.net_return) == ("stop", 150.0, pytest.approx(-0.5, abs=1e-15))
+
+
+def test_an_open_gapped_past_the_liquidation_price_fills_there_and_leaves_a_debt():
+    p = prices([100, 100, 250, 250, 250], c=[100, 100, 250, 250, 250])
+    res = run_positions(p, [-1, -1, 0, 1, 1], CostModel(cost_bps=0))
+    tr = one_trade(res)
+    assert (tr.exit_reason, tr.exit_price, tr.exit_t) == ("stop", 250.0, 2)
+    assert tr.net_return == pytest.approx(2 - 2.5 - 1.0, abs=1e-15)          # cash 2 − 0.01·250 = −0.5
+    assert len(res.ledger) == 1                                               # the long at bar 3 is refused
+    np.testing.assert_allclose(res.equity[0, 2:], -0.5, rtol=0, atol=1e-15)
+    np.testing.assert_array_equal(res.bar_returns[0, 3:], 0.0)
+
+
 def test_position_open_at_the_end_is_closed_at_the_last_close():
     p = prices([100, 101, 102, 103])
     res = run_positions(p, [0, 1, 1, 1], CostModel(cost_bps=10))

@@ -138,23 +138,34 @@ def test_fixed_fees_and_borrow_take_the_step_simulator():
 
 
 def test_ruined_accounts_match_the_step_simulator():
-    """Held units can lose more than the equity: a size-1 long whose price falls 99.99 % (its entry fill's cost
-    leaves the end equity < 0), a size-1 short whose price triples (equity < 0 at its exit fill, then trades on).
-    The replay's log E is undefined there; the ledger and equity still equal the step simulator's, finite."""
+    """Held units can lose more than the equity: a size-1 long whose price falls 99.99 %, a size-1 short whose price
+    triples, a short whose bar high alone (a wick; every close below it) reaches its liquidation price. The step
+    simulator liquidates them there and opens nothing after; the replay hands them back to it: the ledger and
+    equity equal the step simulator's, finite."""
     T = 60
     close = np.r_[np.full(10, 100.0), 100.0 * np.geomspace(1.0, 1e-4, T - 10)]
     up = np.r_[np.full(10, 100.0), np.linspace(100.0, 300.0, 20), np.full(T - 30, 300.0)]
     p = Prices.from_arrays(close, close * 1.001, close * 0.999, close)
-    q = Prices.from_arrays(up, up * 1.001, up * 0.999, up)
-    tg = np.zeros((3, T))
-    tg[0, :] = 1.0                                       # buy-and-hold through the collapse: end exit at equity < 0
+    q_high = up * 1.001
+    q_high[8] = 230.0                                    # a wick past account 3's liquidation price (≈ 199.8)
+    q = Prices.from_arrays(up, q_high, up * 0.999, up)
+    tg = np.zeros((4, T))
+    tg[0, :] = 1.0                                       # buy-and-hold through the collapse
     tg[1, 5:20], tg[1, 35:45] = 0.5, -0.5               # the healthy account alongside
-    tg[2, 5:32], tg[2, 40:50] = -1.0, 1.0                # short through the tripling, closed, then a long
+    tg[2, 5:32], tg[2, 40:50] = -1.0, 1.0                # short through the tripling, then a long it cannot open
+    tg[3, 2:9] = -1.0                                    # short through the wick only
     for prices in (p, q):
         for be in (7, 1 << 17):                          # the ruined account in a multi-row block, and alone
             fast = replay(prices, tg, be)
             slow = run_positions(prices, np.clip(tg, -1, 1), COSTS, fast=False)
             assert np.isfinite(fast.ledger["net_return"]).all() and np.isfinite(fast.equity).all()
             assert_same(fast, slow)
-    assert replay(p, tg, 1 << 17).ledger.query("account == 0")["net_return"].iloc[0] < -1.0
-    assert (replay(q, tg, 1 << 17).equity[2] < 0).any()
+    for prices, acct in ((p, 0), (q, 2), (q, 3)):
+        res = replay(prices, tg, 1 << 17)
+        trades = res.ledger.query(f"account == {acct}")
+        assert len(trades) == 1 and trades["exit_reason"].iloc[0] == "stop"
+        # liquidated: nothing left, or a little less where an open gapped past the liquidation price
+        assert -1.001 < trades["net_return"].iloc[0] <= -1.0 + 1e-12
+        later = np.arange(T) > trades["exit_t"].iloc[0]
+        after = res.equity[acct, later]
+        assert (after <= 0).all() and (after == after[0]).all() and (res.positions[acct, later] == 0.0).all()

@@ -129,6 +129,29 @@ def test_native_pass_equals_eager(starts, length):
 
 
 @NATIVE
+def test_native_pass_equals_eager_through_liquidations():
+    """Wicks ten times the price liquidate the shorts held through them without a stop of their own
+    (`Simulator.step`: an exit that would leave no equity), and a ruined account opens nothing after: in the loop
+    as in the simulator."""
+    from test_eval_graph import COSTS
+
+    from shared.rollout import greedy_pass
+
+    agent, market, view, controls = make(700, 3, exit_plans=((math.inf, math.inf),))
+    market.prices.high[40::23] *= 10.0
+    st = torch.tensor([10, 200, 305, 321])
+    eager = greedy_pass(agent, market, view, st, 300, controls, COSTS, accel="eager")
+    torch.set_num_threads(2)
+    nat = greedy_pass(agent, market, view, st, 300, controls, COSTS, accel="native")
+    check_same(nat, eager)
+    led = eager.ledger
+    ruin = led[led.net_return <= -1.0 + 1e-9]
+    assert len(ruin) >= 2 and (ruin.side < 0).all() and (ruin.exit_reason == "stop").all()
+    for acct, exit_t in zip(ruin.account, ruin.exit_t):          # the ruinous trade is its account's last
+        assert led[led.account == acct].exit_t.max() == exit_t
+
+
+@NATIVE
 def test_native_pass_equals_eager_with_fixed_fees_and_borrow():
     """The fixed fee per fill and the borrow of shorts held at a close, in the loop as in `Simulator.step`."""
     from test_eval_graph import COSTS
