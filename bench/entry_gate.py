@@ -13,7 +13,8 @@ gate included; ties → the looser gate). Printed, as differences chosen − no 
 - OOS per-bar Sharpe of the same passes — the account's risk-adjusted return, flat bars included;
 - OOS trades, as a ratio to the ungated policy's.
 
-The OOS of every level is printed too, as a hindsight curve (no choice may use it).
+The OOS of every level is printed too, as a hindsight curve (no choice may use it), and the runs whose ungated OOS
+differs from the one their study recorded (a study run under other fill rules).
 
     python3 -m bench.entry_gate runs/cpu-gamma-low [more study directories] [--levels 0.05,0.1,0.2,0.3,0.5,0.7]
         [--min-trades 200] [--variants off,...] [--json FILE]
@@ -132,7 +133,8 @@ def main(argv: list[str] | None = None) -> None:
             lv = gate_levels(sj.parent, spec, levels, cache)
             chosen = choose_level(lv, a.min_trades)
             rows.append({"study": study.name, "run": s["run_id"], "variant": s["variant"], "data_seed": s["data_seed"],
-                         "fold": s["fold"], "levels": lv, "chosen": chosen, "ungated": lv[-1]})
+                         "fold": s["fold"], "levels": lv, "chosen": chosen, "ungated": lv[-1],
+                         "recorded_oos_sharpe": s["oos_sharpe"]})
             print(f"{study.name}/{s['run_id']}: gate at q = {chosen['q']}, OOS {chosen['oos_sharpe']:+.3f} "
                   f"({chosen['oos_trades']} trades) against {lv[-1]['oos_sharpe']:+.3f} ({lv[-1]['oos_trades']})",
                   flush=True)
@@ -146,6 +148,10 @@ def main(argv: list[str] | None = None) -> None:
     gated = sum(r["chosen"]["q"] is not None for r in rows)
     print(f"| {describe(cis['oos_sharpe'])} | {describe(cis['oos_bar_sharpe'], '+.4f')} | "
           f"{describe(cis['oos_trades'], '.2f')} | {gated}/{len(rows)} |")
+    moved = [r for r in rows if abs(r["ungated"]["oos_sharpe"] - r["recorded_oos_sharpe"]) > 1e-9]
+    print(f"\nNo gate against the OOS the study recorded (the simulator then and now): {len(moved)} of {len(rows)} "
+          f"runs differ" + (", by " + ", ".join(f"{r['ungated']['oos_sharpe'] - r['recorded_oos_sharpe']:+.3f}"
+                                                  for r in moved) if moved else "") + ".")
     print("\nHindsight (OOS at every level, mean over runs): "
           + ", ".join(f"q {lv['q']}: per-trade {np.mean([r['levels'][i]['oos_sharpe'] for r in rows]):+.3f}, "
                       f"per-bar {np.mean([r['levels'][i]['oos_bar_sharpe'] for r in rows]):+.4f}"
