@@ -9,7 +9,8 @@ Reward of the step at decision bar t (return units, rewards enter replay raw):
         − churn · opened                      per new trade: discourages tiny trades
         − inaction · relu(edge) · stayed_flat inaction penalty ∝ the model's own predicted edge
 Episodes: an account's episode is due after `episode_bars` steps and ends at the first flat close after that
-(position-gated); past `episode_bars + grace_bars`, and near the end of the split, its target is forced flat.
+(position-gated), or at once when a liquidation left the account no equity (`shared.execution`: it could trade no
+more); past `episode_bars + grace_bars`, and near the end of the split, its target is forced flat.
 An ended episode is a terminal transition; the account is soft-reset (equity 1, Kelly/DSR accumulators pulled
 toward their priors) at a new start bar sampled with weights ∝ regime_weights[regime(start)] (E8).
 
@@ -124,7 +125,7 @@ class TrainEnv:
         self.steps_in_episode += 1
         T = len(self.market)
         flat = res.position == 0
-        done = flat & ((self.steps_in_episode >= rc.episode_bars) | (self.sim.t >= T - 2))
+        done = flat & ((self.steps_in_episode >= rc.episode_bars) | (self.sim.t >= T - 2) | (self.sim.equity <= 0))
         self.replay.add(rec.t, rec.portfolio, a.branches, rec.regime, reward, done)
         closed = res.n_closed > 0
         tr = res.trade_return
