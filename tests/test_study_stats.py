@@ -387,6 +387,33 @@ def test_policy_shaping_is_told_apart_from_learning_by_hand():
     assert "unshaped" not in aggregate(runs, [], ["on", "off"], "off", n_boot=200, seed=0)["variants"]["on"]
 
 
+def test_the_accounts_per_bar_sharpe_stands_beside_the_per_trade_one_by_hand():
+    """OOS per-bar Sharpe (the summary's `oos_metrics`): per variant its CI, paired against the reference, in the
+    report; summaries without it give neither."""
+    from tradeloop.study.report import markdown
+
+    runs = [_summary("on", 0, 0, [0.1, 0.4], 2, 0.30), _summary("off", 0, 0, [0.1, 0.2], 2, 0.10),
+            _summary("on", 1, 0, [0.2, 0.5], 2, 0.50), _summary("off", 1, 0, [0.2, 0.1], 1, 0.20)]
+    per_bar = {"on-s0-f0": 0.05, "on-s1-f0": 0.07, "off-s0-f0": 0.10, "off-s1-f0": 0.08}
+    for m in runs:
+        m["oos_metrics"] = {"per_trade_sharpe": m["oos_sharpe"], "per_bar_sharpe": per_bar[m["run_id"]]}
+    res = aggregate(runs, [], ["on", "off"], "off", n_boot=2000, seed=0)
+    assert res["variants"]["on"]["oos_bar_sharpe"]["mean"] == pytest.approx(0.06)
+    assert res["variants"]["off"]["oos_bar_sharpe"]["mean"] == pytest.approx(0.09)
+    p = res["paired"]["on"]["oos_bar_sharpe"]
+    assert p["mean"] == pytest.approx(((0.05 - 0.10) + (0.07 - 0.08)) / 2) and p["wins"] == 0
+    res["study"] = {"dataset": "synthetic", "variants": [{"name": "on", "settings": []}, {"name": "off", "settings": []}],
+                    "seeds": [0, 1], "folds": 1, "epochs": 2, "preset": "tiny", "settings": [], "device": "cpu",
+                    "accel": "auto", "deterministic": False, "bars": None, "min_val_trades": 20, "n_boot": 2000,
+                    "ci_seed": 0}
+    res["timing"] = {"runs_at_once": 1}
+    md = markdown(res)
+    assert "OOS per-bar Sharpe of the selected checkpoints" in md and "on − off -0.030" in md
+    del runs[0]["oos_metrics"]
+    res = aggregate(runs, [], ["on", "off"], "off", n_boot=200, seed=0)
+    assert "oos_bar_sharpe" not in res["variants"]["on"] and "oos_bar_sharpe" not in res["paired"]["on"]
+
+
 def test_shapes_policy_names_the_knobs_that_change_the_greedy_policy():
     from services.evaluator.runner import shapes_policy
     from shared.knobs import Knobs

@@ -205,6 +205,13 @@ def markdown(res: dict) -> str:
             lines.append(f"| {name} | {describe(d['oos_sharpe'])} | {d['oos_sharpe']['wins']}/{d['oos_sharpe']['n']} "
                          f"| {describe(d['val_sharpe'])} | {describe(d['last_val_sharpe'])} "
                          f"({d['last_val_sharpe']['wins']}/{d['last_val_sharpe']['n']} higher) | {describe(d['dsr'], '+.3f')} |")
+    bar = [f"{n} {describe(d['oos_bar_sharpe'])}" for n, d in res["variants"].items() if d.get("oos_bar_sharpe")]
+    if bar:
+        pairs = paired_list(res, "oos_bar_sharpe")
+        lines += ["", "The account beside its trades: OOS per-bar Sharpe of the selected checkpoints (the equity "
+                  "curve's bar returns, flat bars included, un-annualized; a policy that raises its per-trade Sharpe "
+                  "by trading less can lower it; mean [95 % CI] over units): " + "; ".join(bar)
+                  + (f"; paired {', '.join(pairs)}." if pairs else ".")]
     shaped = {n: d["unshaped"] for n, d in res["variants"].items() if "unshaped" in d}
     if any(u["shaped_runs"] for u in shaped.values()):
         lines += ["", "Policy shaping apart from learning: the selected checkpoints backtested again without the knobs "

@@ -139,6 +139,8 @@ def aggregate(summaries: Sequence[dict], baselines: Sequence[dict], variants: Se
                      # the policy as learned (no E5/E9 shaping); None in a summary written without it
                      "shaped": m.get("shaped"), "oos_sharpe_unshaped": m.get("oos_sharpe_unshaped"),
                      "val_sharpe_unshaped": m.get("val_sharpe_unshaped"),
+                     # the account's OOS equity curve beside its trades (bar returns, flat bars included)
+                     "oos_bar_sharpe": (m.get("oos_metrics") or {}).get("per_bar_sharpe"),
                      "dsr": study_dsr(m["selected_val_trade_returns"], n_trials, var),
                      "run_dsr": m["run_dsr"], "rollbacks": rollbacks(m), "rollback_steps": rollback_steps(m),
                      "exploits": len(exploited(m)),
@@ -186,6 +188,9 @@ def aggregate(summaries: Sequence[dict], baselines: Sequence[dict], variants: Se
         if all(r["gap_widening"] is not None for r in rs):
             wide = pooled(name, {(r["seed"], r["fold"]): r["gap_widening"] for r in rs})
             d["gap_widening"] = {**ci(list(wide.values())), "widened": sum(x > 0 for x in wide.values())}
+        if all(r["oos_bar_sharpe"] is not None for r in rs):
+            bars = pooled(name, {(r["seed"], r["fold"]): r["oos_bar_sharpe"] for r in rs})
+            d["oos_bar_sharpe"] = ci(list(bars.values()))
         if all(r["oos_sharpe_unshaped"] is not None for r in rs):
             d["unshaped"] = {"shaped_runs": sum(bool(r["shaped"]) for r in rs),
                              **{k: ci([r[f"{k}_unshaped"] for r in rs]) for k in ("oos_sharpe", "val_sharpe")},
@@ -229,6 +234,8 @@ def aggregate(summaries: Sequence[dict], baselines: Sequence[dict], variants: Se
             out_p[name]["best_validated_oos"] = paired(best_by[name], best_by[reference], n_boot=n_boot, seed=seed)
         if "unshaped" in out_v[name] and "unshaped" in out_v[reference]:
             out_p[name]["oos_sharpe_unshaped"] = pair("oos_sharpe_unshaped")
+        if "oos_bar_sharpe" in out_v[name] and "oos_bar_sharpe" in out_v[reference]:
+            out_p[name]["oos_bar_sharpe"] = pair("oos_bar_sharpe")
     curves = {name: {str(m["seed"]) + "/" + str(m["fold"]): [e["val_sharpe"] for e in m["epochs"]]
                      for m in summaries if m["variant"] == name} for name in variants}
     return {"n_trials": n_trials, "trial_sharpe_var": var, "reference": reference, "variants": out_v,
