@@ -381,7 +381,7 @@ def _assemble(sim: Simulator, records: tuple[torch.Tensor, torch.Tensor, torch.T
     eq, br, pos = torch.ones(L, B, **f64), torch.zeros(L, B, **f64), torch.zeros(L, B, **f64)
     eq[1:], br[1:], pos[1:] = r64[..., 1], r64[..., 2], r64[..., 3]
     eq[L - 1] = sim.equity                                         # after the end close
-    br[L - 1] = eq[L - 1] / eq[L - 2] - 1.0
+    br[L - 1] = torch.where(eq[L - 2] > 0, eq[L - 1] / eq[L - 2] - 1.0, torch.zeros_like(eq[L - 1]))   # as `step`
     pos[L - 1] = 0.0
     return GreedyPass(ledger=sim.ledger(), equity=eq, bar_returns=br, positions=pos, targets=r64[..., 0],
                       branches=rl[..., :3], q=r32[..., 0], q_std=r32[..., 1], edge=r32[..., 2], cvar=r32[..., 3],

@@ -149,6 +149,9 @@ def test_native_pass_equals_eager_through_liquidations():
     assert len(ruin) >= 2 and (ruin.side < 0).all() and (ruin.exit_reason == "stop").all()
     for acct, exit_t in zip(ruin.account, ruin.exit_t):          # the ruinous trade is its account's last
         assert led[led.account == acct].exit_t.max() == exit_t
+    # flat on no equity to the end: bar returns 0 there, the last bar's included (no 0 / 0)
+    assert torch.isfinite(nat.bar_returns).all() and torch.isfinite(eager.bar_returns).all()
+    assert (eager.bar_returns[-5:, torch.as_tensor(ruin.account.unique())] == 0).all()
 
 
 @NATIVE
