@@ -357,11 +357,21 @@ def test_auto_bars_give_walk_forward_windows_of_the_asked_trades():
             assert (b - a) / (1.5 * MEAN_DURATION) >= 200 * 1.1
 
 
+def _markdown_of_on_off(res: dict) -> str:
+    """The report of an `aggregate` of variants on and off over seeds 0, 1 × 1 fold × 2 epochs (a tiny study)."""
+    from tradeloop.study.report import markdown
+
+    res["study"] = {"dataset": "synthetic", "variants": [{"name": "on", "settings": []}, {"name": "off", "settings": []}],
+                    "seeds": [0, 1], "folds": 1, "epochs": 2, "preset": "tiny", "settings": [], "device": "cpu",
+                    "accel": "auto", "deterministic": False, "bars": None, "min_val_trades": 20, "n_boot": 2000,
+                    "ci_seed": 0}
+    res["timing"] = {"runs_at_once": 1}
+    return markdown(res)
+
+
 def test_policy_shaping_is_told_apart_from_learning_by_hand():
     """Each run's OOS as learned (the selected checkpoint without its E5/E9 knobs): per variant its CI and the
     shaped − learned difference; paired against the reference; and the report's table says so."""
-    from tradeloop.study.report import markdown
-
     runs = [_summary("on", 0, 0, [0.1, 0.4], 2, 0.30), _summary("off", 0, 0, [0.1, 0.2], 2, 0.10),
             _summary("on", 1, 0, [0.2, 0.5], 2, 0.50), _summary("off", 1, 0, [0.2, 0.1], 1, 0.20)]
     learned = {"on-s0-f0": 0.20, "on-s1-f0": 0.10, "off-s0-f0": 0.10, "off-s1-f0": 0.20}
@@ -374,12 +384,7 @@ def test_policy_shaping_is_told_apart_from_learning_by_hand():
     assert u["shaping_oos"]["mean"] == pytest.approx(((0.30 - 0.20) + (0.50 - 0.10)) / 2)
     assert res["paired"]["on"]["oos_sharpe_unshaped"]["mean"] == pytest.approx(((0.20 - 0.10) + (0.10 - 0.20)) / 2)
     assert res["variants"]["off"]["unshaped"]["shaping_oos"]["mean"] == pytest.approx(0.0)
-    res["study"] = {"dataset": "synthetic", "variants": [{"name": "on", "settings": []}, {"name": "off", "settings": []}],
-                    "seeds": [0, 1], "folds": 1, "epochs": 2, "preset": "tiny", "settings": [], "device": "cpu",
-                    "accel": "auto", "deterministic": False, "bars": None, "min_val_trades": 20, "n_boot": 2000,
-                    "ci_seed": 0}
-    res["timing"] = {"runs_at_once": 1}
-    md = markdown(res)
+    md = _markdown_of_on_off(res)
     assert "Policy shaping apart from learning" in md and "| on | 2/2 | +0.150" in md
     # summaries written without the field: no such table, nothing invented
     for m in runs:
@@ -390,8 +395,6 @@ def test_policy_shaping_is_told_apart_from_learning_by_hand():
 def test_the_accounts_per_bar_sharpe_stands_beside_the_per_trade_one_by_hand():
     """OOS per-bar Sharpe (the summary's `oos_metrics`): per variant its CI, paired against the reference, in the
     report; summaries without it give neither."""
-    from tradeloop.study.report import markdown
-
     runs = [_summary("on", 0, 0, [0.1, 0.4], 2, 0.30), _summary("off", 0, 0, [0.1, 0.2], 2, 0.10),
             _summary("on", 1, 0, [0.2, 0.5], 2, 0.50), _summary("off", 1, 0, [0.2, 0.1], 1, 0.20)]
     per_bar = {"on-s0-f0": 0.05, "on-s1-f0": 0.07, "off-s0-f0": 0.10, "off-s1-f0": 0.08}
@@ -402,12 +405,7 @@ def test_the_accounts_per_bar_sharpe_stands_beside_the_per_trade_one_by_hand():
     assert res["variants"]["off"]["oos_bar_sharpe"]["mean"] == pytest.approx(0.09)
     p = res["paired"]["on"]["oos_bar_sharpe"]
     assert p["mean"] == pytest.approx(((0.05 - 0.10) + (0.07 - 0.08)) / 2) and p["wins"] == 0
-    res["study"] = {"dataset": "synthetic", "variants": [{"name": "on", "settings": []}, {"name": "off", "settings": []}],
-                    "seeds": [0, 1], "folds": 1, "epochs": 2, "preset": "tiny", "settings": [], "device": "cpu",
-                    "accel": "auto", "deterministic": False, "bars": None, "min_val_trades": 20, "n_boot": 2000,
-                    "ci_seed": 0}
-    res["timing"] = {"runs_at_once": 1}
-    md = markdown(res)
+    md = _markdown_of_on_off(res)
     assert "OOS per-bar Sharpe of the selected checkpoints" in md and "on − off -0.030" in md
     del runs[0]["oos_metrics"]
     res = aggregate(runs, [], ["on", "off"], "off", n_boot=200, seed=0)
