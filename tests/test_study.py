@@ -113,6 +113,11 @@ def test_tiny_study_end_to_end(reference):
     md = (out / "report.md").read_text()
     assert "Paired differences, variant − off" in md and "| oracle (baseline) |" in md
     assert res["choice"]["units"] == 4 and "Choosing among the variants by validation (2 on each of 4" in md
+    # the account's OOS per-bar Sharpe beside the per-trade one: each run's, per variant and paired
+    bars = {rid: s["oos_metrics"]["per_bar_sharpe"] for rid, s in sums.items()}
+    assert res["variants"]["off"]["oos_bar_sharpe"]["mean"] == pytest.approx(
+        sum(v for r, v in bars.items() if r.startswith("off")) / 4)
+    assert res["paired"]["on"]["oos_bar_sharpe"]["n"] == 4 and "OOS per-bar Sharpe of the selected checkpoints" in md
     # every epoch's in-sample Sharpe (the greedy policy on the training split's last bars) is kept beside validation
     for rid, s in sums.items():
         rec = json.loads((out / "runs" / rid / "loop" / "epoch-0001.json").read_text())
