@@ -141,7 +141,8 @@ def main(argv: list[str] | None = None) -> None:
     if not rows:
         raise SystemExit("error: no run with a selected checkpoint kept in the given studies")
     d = unit_deltas(rows)
-    print(f"\n{len(rows)} runs, {len(d['oos_sharpe'])} (seed, fold) units; chosen − no gate, mean [95 % CI] over units:\n")
+    print(f"\n{len(rows)} runs, {len(d['oos_sharpe'])} (seed, fold) units; chosen − no gate, "
+          "mean [95 % CI] over units:\n")
     print("| OOS per-trade Sharpe | OOS per-bar Sharpe | OOS trades (ratio) | runs gated |")
     print("|---|---|---|---|")
     cis = {k: bootstrap_ci(v) for k, v in d.items()}

@@ -361,7 +361,8 @@ def _markdown_of_on_off(res: dict) -> str:
     """The report of an `aggregate` of variants on and off over seeds 0, 1 × 1 fold × 2 epochs (a tiny study)."""
     from tradeloop.study.report import markdown
 
-    res["study"] = {"dataset": "synthetic", "variants": [{"name": "on", "settings": []}, {"name": "off", "settings": []}],
+    res["study"] = {"dataset": "synthetic",
+                    "variants": [{"name": "on", "settings": []}, {"name": "off", "settings": []}],
                     "seeds": [0, 1], "folds": 1, "epochs": 2, "preset": "tiny", "settings": [], "device": "cpu",
                     "accel": "auto", "deterministic": False, "bars": None, "min_val_trades": 20, "n_boot": 2000,
                     "ci_seed": 0}
