@@ -55,10 +55,9 @@ def unit_deltas(rows: list[dict]) -> dict[str, list[float]]:
     return out
 
 
-def gate_levels(run_dir: Path, spec, levels: list[float], cache: dict) -> list[dict]:
-    """Validation and OOS of `run_dir`'s selected checkpoint at each gate level (and none), one batched pass."""
-    import torch
-
+def gate_levels(run_dir: Path, s: dict, spec, levels: list[float], cache: dict) -> list[dict]:
+    """Validation and OOS of `run_dir`'s selected checkpoint (its summary `s`) at each gate level (and none), one
+    batched pass."""
     from services.evaluator.autopsy import build_trades
     from services.evaluator.runner import eval_controls, restore_agent, run_windows_many
     from shared.costs import CostModel
@@ -68,7 +67,6 @@ def gate_levels(run_dir: Path, spec, levels: list[float], cache: dict) -> list[d
     from shared.policy import MATURITY_FLOOR, PolicyControls
     from tradeloop.study.spec import load_study_bars
 
-    s = json.loads((run_dir / "summary.json").read_text())
     seed = s["data_seed"]
     if cache.get("seed") != seed:
         bars = load_study_bars(spec, seed)
@@ -88,8 +86,7 @@ def gate_levels(run_dir: Path, spec, levels: list[float], cache: dict) -> list[d
     thetas = [math.inf if q is None or not std.size else float(np.quantile(std, q)) * m for q in qs]
     ctl = [PolicyControls.make("cpu", epsilon=0.0, gate_threshold=t, regime_confidence=knobs.regime_confidence)
            for t in thetas]
-    with torch.no_grad():
-        runs = run_windows_many([agent] * len(ctl), bars, [val, test], controls=ctl, costs=costs, features=feats)
+    runs = run_windows_many([agent] * len(ctl), bars, [val, test], controls=ctl, costs=costs, features=feats)
     out = []
     for q, (v, o) in zip(qs, runs):
         out.append({"q": q, "val_sharpe": per_trade_sharpe(v.ledger["net_return"]), "val_trades": len(v.ledger),
@@ -124,13 +121,11 @@ def main(argv: list[str] | None = None) -> None:
         except (OSError, ValueError, KeyError) as exc:
             raise SystemExit(f"error: {study}/study.json is missing or unreadable ({exc})") from None
         cache: dict = {}
-        dirs = sorted((study / "runs").glob("*/summary.json"), key=lambda p: (json.loads(p.read_text())["data_seed"],
-                                                                                p.parent.name))
-        for sj in dirs:
-            s = json.loads(sj.read_text())
+        runs = [(sj.parent, json.loads(sj.read_text())) for sj in (study / "runs").glob("*/summary.json")]
+        for run_dir, s in sorted(runs, key=lambda r: (r[1]["data_seed"], r[0].name)):   # one market at a time
             if (keep is not None and s["variant"] not in keep) or not s.get("selectable"):
                 continue
-            lv = gate_levels(sj.parent, spec, levels, cache)
+            lv = gate_levels(run_dir, s, spec, levels, cache)
             chosen = choose_level(lv, a.min_trades)
             rows.append({"study": study.name, "run": s["run_id"], "variant": s["variant"], "data_seed": s["data_seed"],
                          "fold": s["fold"], "levels": lv, "chosen": chosen, "ungated": lv[-1],
