@@ -1,7 +1,7 @@
 """What does a tighter entry gate, chosen on validation, do to the checkpoints a study selected?
 
 The E5 gate (`shared.policy`: no new entry where the ensemble's std of Q for the chosen direction exceeds
-θ / maturity) shapes the greedy policy without any learning. For every run of the given finished studies whose
+θ) shapes the greedy policy without any learning. For every run of the given finished studies whose
 selected checkpoint is kept, this re-runs that checkpoint (under the knobs it trained under) over its validation and
 test windows with the gate at the `--levels` quantiles of its own validation trades' ensemble std, and without one,
 all in one batched pass (`services.evaluator.runner.run_windows_many`). Per run the level is chosen on validation
@@ -64,7 +64,7 @@ def gate_levels(run_dir: Path, s: dict, spec, levels: list[float], cache: dict) 
     from shared.features import compute_features
     from shared.knobs import Knobs
     from shared.metrics import per_bar_sharpe, per_trade_sharpe
-    from shared.policy import MATURITY_FLOOR, PolicyControls
+    from shared.policy import PolicyControls
     from tradeloop.study.spec import load_study_bars
 
     seed = s["data_seed"]
@@ -81,9 +81,8 @@ def gate_levels(run_dir: Path, s: dict, spec, levels: list[float], cache: dict) 
     base = run_windows_many([agent], bars, [val], controls=eval_controls(knobs), costs=costs, features=feats)[0][0]
     close = np.asarray(bars.close)[val[0]:val[1]]
     std = build_trades(base.ledger, base.preds, base.regimes, close, cost_rate=costs.rate).ensemble_std
-    m = float(agent.maturity.clamp(MATURITY_FLOOR, 1.0))          # the policy gates at θ / maturity
     qs: list[float | None] = [*levels, None]
-    thetas = [math.inf if q is None or not std.size else float(np.quantile(std, q)) * m for q in qs]
+    thetas = [math.inf if q is None or not std.size else float(np.quantile(std, q)) for q in qs]
     ctl = [PolicyControls.make("cpu", epsilon=0.0, gate_threshold=t, regime_confidence=knobs.regime_confidence)
            for t in thetas]
     runs = run_windows_many([agent] * len(ctl), bars, [val, test], controls=ctl, costs=costs, features=feats)

@@ -192,7 +192,7 @@ static void run_account(const Pass *p, int64_t b, float *work) {
     const double cvar_limit = p->cvar_limit, min_hold = p->min_hold, dsr_size_cut = p->dsr_size_cut;
     const double decay = TL_TRACKER_DECAY, eta = TL_DSR_ETA;
     const float m = fminf(fmaxf(maturity, (float)TL_MATURITY_FLOOR), 1.0f);   /* float32, as in act */
-    const float cvar_floor = -((float)cvar_limit) / m, gate_m = gate / m, hold = (float)min_hold * m;
+    const float cvar_floor = -((float)cvar_limit) / m, hold = (float)min_hold * m;
     const double cut = (double)((float)dsr_size_cut * m);
     const float n_tail = (float)(MT > 1 ? MT : 1);                       /* max(n_tail, 1) */
 
@@ -250,7 +250,7 @@ static void run_account(const Pass *p, int64_t b, float *work) {
         /* commitment first: a young trade is held whatever the signal, so no entry is blocked there */
         const int committed = (cur_side != 0) && (sidef != cur_side) && ((float)bars < hold);
         const int blocked = entering && !committed &&
-                            ((cvar_dir[d] < cvar_floor) || (q_std0 > gate_m) || (conf32 <= 0.0f));
+                            ((cvar_dir[d] < cvar_floor) || (q_std0 > gate) || (conf32 <= 0.0f));
         double target = ((sidef == cur_side) && (cur_side != 0)) ? pos : new_target;
         if (blocked) target = 0.0;
         if (committed) target = pos;

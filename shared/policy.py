@@ -102,9 +102,10 @@ def act(agent: Agent, view: MarketView, portfolio: torch.Tensor, *, position: to
     view.tail + δ_direction. No host syncs, no Python branches on tensor values and no host-to-device copies, so a
     CUDA graph can capture it. `noise` (B × 6 uniforms in [0, 1): three ε draws, three random actions) is drawn from
     `generator` when not given; a captured step is handed noise drawn outside it.
-    Protection stack, each scaled by m = agent.maturity (loose while the risk head is untrained):
+    Protection stack, the constants scaled by m = agent.maturity (loose while the risk head is untrained):
       CVaR limit      — no new entry where CVaR_α(chosen direction) < −cvar_limit / m;
-      epistemic gate  — no new entry where std_K Q(chosen direction) > gate_threshold / m   (E5);
+      epistemic gate  — no new entry where std_K Q(chosen direction) > gate_threshold   (E5: a threshold read off
+                        this ensemble's own validation std, so in its units, not scaled);
       commitment      — an open trade is not exited by signal before min_hold · m bars;
       diff. Sharpe    — size × (1 − dsr_size_cut · m · clamp(−DSR, 0, 1)).
     """
@@ -147,7 +148,7 @@ def act(agent: Agent, view: MarketView, portfolio: torch.Tensor, *, position: to
     entering = (side != 0) & (side != cur_side)
     committed = (cur_side != 0) & (side != cur_side) & (bars_in_trade.float() < cfg.min_hold * m)
     # commitment comes first: a young trade is held whatever the signal, so no entry is blocked there
-    blocked = entering & ~committed & ((cvar < -cfg.cvar_limit / m) | (q_std > controls.gate_threshold / m)
+    blocked = entering & ~committed & ((cvar < -cfg.cvar_limit / m) | (q_std > controls.gate_threshold)
                                        | (conf <= 0))
     target = torch.where((side == cur_side) & (cur_side != 0), position, new_target)        # hold, no resize
     target = torch.where(blocked, torch.zeros_like(target), target)

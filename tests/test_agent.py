@@ -1,5 +1,7 @@
 """The network and the policy step: shapes, dueling identity, batch consistency, ε, gates, sizing."""
 
+import math
+
 import pytest
 import torch
 
@@ -214,6 +216,33 @@ def test_epistemic_gate_and_regime_confidence_block_new_entries():
     assert a.blocked.sum() > 0
     a = _act(ag, emb, port, flat, PolicyControls.make("cpu", epsilon=1.0, regime_confidence=[0.0] * 9))
     assert torch.all(a.target == 0)
+
+
+def test_epistemic_gate_compares_the_raw_std_whatever_the_maturity():
+    """E5's θ is a quantile of the ensemble's own std: the gate blocks at θ itself, not θ / maturity."""
+    ag = make()
+    B = 256
+    emb, port = torch.randn(B, 16), torch.zeros(B, CFG.n_portfolio)
+    flat = torch.zeros(B, dtype=torch.float64)
+    noise = torch.rand(B, 6, generator=torch.Generator().manual_seed(3))
+    d = (noise[:, 3] * ag.act_n[0]).long()                             # ε = 1: the direction is the random one
+    view = ag.view(emb)
+    std = view.q_std.gather(1, d.view(B, 1)).squeeze(1)
+    entering = d != 1
+    theta = float(std[entering].median())
+
+    def blocked(gate):
+        return act(ag, view, port, position=flat, bars_in_trade=torch.zeros(B, dtype=torch.long),
+                   vol=torch.full((B,), 0.01, dtype=torch.float64), regime=torch.zeros(B, dtype=torch.long),
+                   controls=PolicyControls.make("cpu", epsilon=1.0, gate_threshold=gate), noise=noise).blocked
+
+    for m in (1.0, 0.25):
+        ag.maturity.fill_(m)
+        base = blocked(math.inf)                                      # the CVaR limit alone
+        gated = entering & (std > theta) & ~base
+        assert torch.equal(blocked(theta), base | gated)
+    # at m < 1 the entries θ / m would have let through are blocked
+    assert (gated & (std <= theta / 0.25)).sum() > 10
 
 
 def test_open_trade_in_chosen_direction_is_held_without_resizing():

@@ -57,7 +57,7 @@ def setup(bars, feats, device="cpu"):
     with torch.no_grad():
         emb = agent.encode(market.windows)
     view = agent.view_table(emb)
-    controls = PolicyControls.make(device, gate_threshold=0.0013,  # the epistemic gate blocks a few entries
+    controls = PolicyControls.make(device, gate_threshold=0.0022,  # the epistemic gate blocks a few entries
                                    regime_confidence=[1.0, 0.8, 1.0, 0.6, 1.0, 1.0, 0.9, 1.0, 0.7])
     return agent, market, emb, view, controls
 

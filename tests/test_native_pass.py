@@ -57,7 +57,7 @@ def randomise_shift(agent, seed: int = 11, std: float = 0.2) -> None:
         last.bias.copy_(torch.randn(last.bias.shape, generator=g) * std * 0.2)
 
 
-def make(n_bars: int, seed: int, *, gate: float = 0.0006, conf=(1.0, 0.8, 1.0, 0.6, 1.0, 1.0, 0.9, 1.0, 0.7),
+def make(n_bars: int, seed: int, *, gate: float = 0.001, conf=(1.0, 0.8, 1.0, 0.6, 1.0, 1.0, 0.9, 1.0, 0.7),
          **sizes):
     """A tiny random agent on synthetic bars, protection stack on (maturity 0.6), exit plans of 0.5–1 bar
     volatilities (stops and targets fire), a random portfolio shift; its market view of every bar, and controls
@@ -184,7 +184,7 @@ def test_native_pass_other_sizes(cvar_alpha):
     from shared.rollout import greedy_pass
 
     agent, market, view, controls = make(
-        500, 4, gate=0.0008, conf=(1.0, 0.8, 1.0, 0.6, 1.0, 0.0, 0.9, 1.0, 0.7), ensemble=9,
+        500, 4, gate=0.0013, conf=(1.0, 0.8, 1.0, 0.6, 1.0, 0.0, 0.9, 1.0, 0.7), ensemble=9,
         size_levels=(0.2, 0.4, 0.6, 0.8, 1.0), exit_plans=((math.inf, math.inf), (1.0, 0.5), (0.5, 1.0), (2.0, 2.0)),
         iqn_quantiles_act=32, cvar_alpha=cvar_alpha, code_dim=5, shift_hidden=70)
     assert agent.cfg.n_tail == (6 if cvar_alpha == 0.2 else 0)
@@ -273,7 +273,7 @@ def test_native_pass_commitment_before_the_entry_block():
 
     from shared.rollout import greedy_pass
 
-    agent, market, view, controls = make(700, 3, gate=0.0008,      # trades end by signal or flip: held for long
+    agent, market, view, controls = make(700, 3, gate=0.0013,      # trades end by signal or flip: held for long
                                          exit_plans=((math.inf, math.inf), (math.inf, math.inf), (8.0, 8.0)))
     flip_happy(agent)
     st = torch.tensor([10, 200, 305, 321])
