@@ -43,7 +43,7 @@ def agents_and_market(k: int, n_bars: int = 420, **cfg_kw):
         a.v_max.fill_(0.05 * (1 + 0.5 * i))
         randomise_shift(a, seed=11 + i)
         agents.append(a)
-        controls.append(PolicyControls.make("cpu", gate_threshold=[0.0006, math.inf, 0.002][i % 3],
+        controls.append(PolicyControls.make("cpu", gate_threshold=[0.0015, math.inf, 0.0025][i % 3],
                                             regime_confidence=[1.0, 0.8 - 0.2 * (i % 2), 1.0, 0.6, 1.0, 1.0, 0.9,
                                                                1.0, 0.7]))
     market = MarketTensors.from_bars(bars, 0, len(bars), cfg.window, "cpu", features=feats)
