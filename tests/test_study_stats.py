@@ -12,7 +12,8 @@ from services.trainer.train import TrainConfig
 from shared.metrics import dsr
 from tradeloop.study.spec import (StudyError, StudySpec, apply_settings, parse_value, parse_variants, resolve_key,
                                   synthetic_bars_for, variants_from_toml)
-from tradeloop.study.stats import aggregate, bootstrap_ci, gap_ci, paired, select_epoch
+from tradeloop.study.stats import (aggregate, bootstrap_ci, expanded_tail, gap_ci, paired, select_epoch,
+                                   t_quantile)
 
 
 # --- selection on validation only ---------------------------------------------------------------------------
@@ -39,10 +40,38 @@ def test_bootstrap_ci_of_two_values_spans_both():
 
 
 def test_bootstrap_ci_of_a_skewed_sample_matches_the_binomial_quantiles():
-    # mean of 4 draws from [0, 0, 0, 1] = K/4, K ~ Binomial(4, ¼): P(K=0) = 0.316 > 2.5 % → lo = 0;
-    # P(K ≤ 2) = 0.949 < 97.5 % < P(K ≤ 3) = 0.996 → hi = 3/4
+    # mean of 4 draws from [0, 0, 0, 1] = K/4, K ~ Binomial(4, ¼). At n = 4 the expanded tail is
+    # α′/2 = 1 − Φ(√(4/3) · t₀.₉₇₅,₃) = 1 − Φ(1.1547 · 3.1824) = 1.2e-4: P(K = 0) = 0.316 > α′/2 → lo = 0;
+    # P(K = 4) = 1/256 = 0.0039 > α′/2 → hi = 1 (the plain 97.5 % quantile would stop at 3/4: P(K ≤ 3) = 0.996)
     ci = bootstrap_ci([0.0, 0.0, 0.0, 1.0], n_boot=20_000, seed=7)
-    assert (ci["mean"], ci["lo"], ci["hi"]) == (0.25, 0.0, 0.75)
+    assert (ci["mean"], ci["lo"], ci["hi"]) == (0.25, 0.0, 1.0)
+
+
+def test_t_quantiles_and_the_expanded_tails_match_the_tables():
+    # Student's t 97.5 % points from the standard tables
+    for df, t in [(1, 12.706205), (3, 3.182446), (5, 2.570582), (14, 2.144787), (30, 2.042272)]:
+        assert t_quantile(0.975, df) == pytest.approx(t, abs=2e-6)
+    # n = 6: √(6/5) · 2.570582 = 2.81592, 1 − Φ(2.81592) = 0.002432; n = 15: √(15/14) · 2.144787 = 2.22006 → 0.013207
+    assert expanded_tail(6) == pytest.approx(0.002432, abs=2e-6)
+    assert expanded_tail(15) == pytest.approx(0.013207, abs=2e-6)
+    assert expanded_tail(10_000) == pytest.approx(0.025, abs=2e-4)      # tends to the plain interval
+    with pytest.raises(ValueError):
+        t_quantile(0.3, 5)
+
+
+def test_the_expanded_interval_covers_a_normal_mean_at_six_units_where_the_plain_one_does_not():
+    # 1 000 samples of 6 units from N(0, 1): the share of CIs that hold the true mean 0
+    rng = np.random.default_rng(11)
+    hit, plain = 0, 0
+    for k in range(1000):
+        x = rng.normal(size=6)
+        ci = bootstrap_ci(x, n_boot=2000, seed=k)
+        hit += ci["lo"] <= 0.0 <= ci["hi"]
+        means = x[np.random.default_rng(k).integers(0, 6, size=(2000, 6))].mean(axis=1)
+        lo, hi = np.quantile(means, [0.025, 0.975])
+        plain += lo <= 0.0 <= hi
+    assert 0.925 <= hit / 1000 <= 0.975          # nominal 95 % (SE of the share ≈ 0.007)
+    assert plain / 1000 < 0.91                   # the plain percentile interval under-covers at n = 6
 
 
 def test_bootstrap_ci_is_fixed_by_its_seed_and_equals_the_documented_procedure():
@@ -50,11 +79,12 @@ def test_bootstrap_ci_is_fixed_by_its_seed_and_equals_the_documented_procedure()
     a, b = bootstrap_ci(x, n_boot=5000, seed=3), bootstrap_ci(x, n_boot=5000, seed=3)
     assert a == b
     assert bootstrap_ci(x, n_boot=5000, seed=4) != a
-    # the procedure written out: one integers(0, n, size=(B, n)) draw, the mean per row, numpy's quantiles
+    # the procedure written out: one integers(0, n, size=(B, n)) draw, the mean per row, numpy's quantiles at the
+    # expanded tail of n = 7: 1 − Φ(√(7/6) · t₀.₉₇₅,₆) = 1 − Φ(1.0801 · 2.446912) = 0.004109
     rng = np.random.default_rng(3)
     idx = rng.integers(0, len(x), size=(5000, len(x)))
     means = [x[row].mean() for row in idx]
-    lo, hi = np.quantile(means, [0.025, 0.975])
+    lo, hi = np.quantile(means, [0.004109, 1 - 0.004109])
     assert a["lo"] == pytest.approx(lo, abs=1e-12) and a["hi"] == pytest.approx(hi, abs=1e-12)
     assert a["mean"] == pytest.approx(x.mean())
     assert bootstrap_ci([2.5])["lo"] == bootstrap_ci([2.5])["hi"] == 2.5

@@ -167,7 +167,7 @@ def settings_text(settings) -> str:
 
 def markdown(c: dict, la: str, lb: str) -> str:
     over = f"{c['units']} units" + (f" of {c['pairs']} pairs of studies, pooled" if c.get("pairs", 1) > 1 else "")
-    lines = [f"{la} − {lb}, paired by (seed, fold) over {over} (mean [95 % CI]; percentile bootstrap):",
+    lines = [f"{la} − {lb}, paired by (seed, fold) over {over} (mean [95 % CI]; expanded percentile bootstrap):",
              "", f"| metric | {la} | {lb} | difference | {la} higher |", "|---|---|---|---|---|"]
     for key, label in COMPARED:
         m = c["metrics"][key]

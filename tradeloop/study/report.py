@@ -109,7 +109,7 @@ def markdown(res: dict) -> str:
              f"bars {s['bars'] or 'dataset default'}; rolling walk-forward folds (train | embargo | val | embargo | "
              f"test). Each run's checkpoint is selected on validation only (best val per-trade Sharpe among epochs with "
              f"≥ {s['min_val_trades']} val trades); OOS is read for that checkpoint alone. Sharpes are un-annualized, "
-             f"per trade. Mean [95 % CI]: percentile bootstrap over the {units} (seed, fold) units, "
+             f"per trade. Mean [95 % CI]: expanded percentile bootstrap over the {units} (seed, fold) units, "
              f"{s['n_boot']} resamples, rng seed {s['ci_seed']}. DSR: the selected checkpoint's validation trades "
              f"deflated by all N = {res['n_trials']} checkpoints of the study (variance of their val Sharpes "
              f"{_n(res['trial_sharpe_var'], '.4f')}); verdict \"validated edge\" only when the mean DSR reaches "

@@ -4,9 +4,14 @@ deflated by every trial of the study, and the results table. Pure numpy over the
 - Selection (`select_epoch`): each run's checkpoint is the epoch with the best validation per-trade Sharpe among
   those with ≥ `min_trades` validation trades (the earliest on a tie); when no epoch has that many, the best of all,
   and the run is flagged not selectable. OOS is never an input: it is read afterwards for that checkpoint only.
-- Units: a (seed, fold) pair. A variant's figure is the mean over its units; its 95 % CI the percentile bootstrap
-  over units (`bootstrap_ci`: B resamples of the units with replacement, drawn from `numpy.random.default_rng(seed)`
-  as one `integers(0, n, size=(B, n))` call, the 2.5 % and 97.5 % quantiles of the resampled statistic).
+- Units: a (seed, fold) pair. A variant's figure is the mean over its units; its 95 % CI the expanded percentile
+  bootstrap over units (`bootstrap_ci`: B resamples of the units with replacement, drawn from
+  `numpy.random.default_rng(seed)` as one `integers(0, n, size=(B, n))` call, and the quantiles α′/2 and 1 − α′/2 of
+  the resampled statistic, where Φ⁻¹(1 − α′/2) = √(n / (n − 1)) · t₀.₉₇₅,ₙ₋₁: Hesterberg's expanded percentile
+  interval, "What Teachers Should Know About the Bootstrap", The American Statistician 69, 2015). The plain 2.5 %
+  and 97.5 % quantiles are too narrow at a study's few units (the resampled mean's spread is √((n − 1) / n) of the
+  mean's, and its tails those of a normal, not a t); the expansion turns n = 6 into the 0.24 % and 99.76 %
+  quantiles, n = 15 into 1.3 % and 98.7 %, and tends to the plain ones as n grows.
 - Paired differences (`paired`): variant − reference on the units both ran, the bootstrap CI of their mean.
 - The val/OOS gap of a variant is the gap of its means, 1 − mean OOS / mean val (a per-run gap explodes where val is
   near 0), with its CI from the same resamples (those whose mean val > 0; "n/a" when fewer than 95 % are).
@@ -18,6 +23,9 @@ Sharpes are un-annualized, per trade.
 """
 from __future__ import annotations
 
+import functools
+import math
+from statistics import NormalDist
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -46,23 +54,52 @@ def resample_indices(n: int, n_boot: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, n, size=(n_boot, n))
 
 
-def _interval(stats: np.ndarray, level: float = CI_LEVEL) -> tuple[float, float]:
-    a = (1.0 - level) / 2.0
+def t_quantile(p: float, df: int) -> float:
+    """Student's t quantile (p ≥ ½, df ≥ 1): bisection on its CDF, ½ + ∫₀ᵗ of the density by Simpson's rule on
+    4 096 intervals (|error| < 1e-9 at the quantiles the intervals use)."""
+    if not 0.5 <= p < 1.0 or df < 1:
+        raise ValueError(f"t_quantile needs 0.5 <= p < 1 and df >= 1 (got p={p}, df={df})")
+    c = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi)
+
+    def cdf(t: float) -> float:
+        x = np.linspace(0.0, t, 4097)
+        f = c * (1.0 + x * x / df) ** (-(df + 1) / 2)
+        return 0.5 + (t / 4096 / 3) * (f[0] + f[-1] + 4 * f[1:-1:2].sum() + 2 * f[2:-1:2].sum())
+
+    lo, hi = 0.0, 1.0
+    while cdf(hi) < p:
+        lo, hi = hi, 2 * hi
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if cdf(mid) < p else (lo, mid)
+    return (lo + hi) / 2
+
+
+@functools.lru_cache(maxsize=None)
+def expanded_tail(n: int, level: float = CI_LEVEL) -> float:
+    """α′/2, the tail each side of the expanded percentile interval over n units: 1 − Φ(√(n / (n − 1)) ·
+    t_{(1 + level) / 2, n − 1}) (module docstring)."""
+    z = math.sqrt(n / (n - 1)) * t_quantile((1.0 + level) / 2.0, n - 1)
+    return 1.0 - NormalDist().cdf(z)
+
+
+def _interval(stats: np.ndarray, n: int, level: float = CI_LEVEL) -> tuple[float, float]:
+    a = expanded_tail(n, level)
     lo, hi = np.quantile(stats, [a, 1.0 - a])
     return float(lo), float(hi)
 
 
 def bootstrap_ci(values: Sequence[float], *, n_boot: int = 10_000, seed: int = 0,
                  level: float = CI_LEVEL) -> dict:
-    """Mean of `values` and its percentile-bootstrap CI: {"mean", "lo", "hi", "n"} (lo = hi = mean for n = 1;
-    all None for n = 0)."""
+    """Mean of `values` and its expanded percentile-bootstrap CI (module docstring): {"mean", "lo", "hi", "n"}
+    (lo = hi = mean for n = 1; all None for n = 0)."""
     x = np.asarray(values, dtype=np.float64)
     if x.size == 0:
         return {"mean": None, "lo": None, "hi": None, "n": 0}
     if x.size == 1:
         return {"mean": float(x[0]), "lo": float(x[0]), "hi": float(x[0]), "n": 1}
     means = x[resample_indices(x.size, n_boot, seed)].mean(axis=1)
-    lo, hi = _interval(means, level)
+    lo, hi = _interval(means, x.size, level)
     return {"mean": float(x.mean()), "lo": lo, "hi": hi, "n": int(x.size)}
 
 
@@ -81,7 +118,7 @@ def gap_ci(val: Sequence[float], oos: Sequence[float], *, n_boot: int = 10_000, 
     mv, mo = v[idx].mean(axis=1), o[idx].mean(axis=1)
     ok = mv > 0
     if ok.mean() >= GAP_VALID:
-        out["lo"], out["hi"] = _interval(1.0 - mo[ok] / mv[ok])
+        out["lo"], out["hi"] = _interval(1.0 - mo[ok] / mv[ok], v.size)
     return out
 
 
