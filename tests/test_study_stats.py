@@ -1,6 +1,7 @@
 """`tradeloop study`'s statistics and its variant grammar: hand-computed cases (pure logic, no runs)."""
 from __future__ import annotations
 
+import math
 import typing
 from dataclasses import dataclass
 
@@ -468,6 +469,12 @@ def test_the_best_validated_run_of_each_market_and_fold_is_chosen_on_validation_
     assert off["oos"]["mean"] == pytest.approx((0.1 + 0.6) / 2) and on["oos"]["mean"] == pytest.approx((0.4 + 0.5) / 2)
     assert off["lift"]["mean"] == pytest.approx(((0.1 - 0.3) + (0.6 - 0.4)) / 2)
     assert on["lift"]["mean"] == pytest.approx(((0.4 - 0.65) + (0.5 - 0.4)) / 2)
+    # a run's own spread: off's groups {0.1, 0.5} and {0.6, 0.2} each hold squares 2 · 0.2² = 0.08 on 1 degree of
+    # freedom → pooled √(0.16 / 2) = 0.2828; the groups' means 0.3 and 0.4 → SD 0.0707
+    assert off["within_sd"] == pytest.approx(math.sqrt(0.08), abs=1e-12)
+    assert off["between_sd"] == pytest.approx(0.1 / math.sqrt(2), abs=1e-12)
+    # on: {0.4, 0.9} squares 2 · 0.25² = 0.125, {0.3, 0.5} 2 · 0.1² = 0.02 → √(0.145 / 2) = 0.2693
+    assert on["within_sd"] == pytest.approx(math.sqrt(0.0725), abs=1e-12)
     p = res["paired"]["on"]["best_validated_oos"]
     assert p["mean"] == pytest.approx(((0.4 - 0.1) + (0.5 - 0.6)) / 2) and (p["wins"], p["n"]) == (1, 2)
     res["study"] = {"dataset": "synthetic", "variants": [{"name": n, "settings": []} for n in ("on", "off")],
@@ -478,6 +485,7 @@ def test_the_best_validated_run_of_each_market_and_fold_is_chosen_on_validation_
     text = " ".join(markdown(res).split())
     assert "The run chosen on validation among each market and fold's runs" in text
     assert "on OOS +0.450 [" in text and "(2 groups of ≥ 2 runs)" in text and "paired on − off +0.100 [" in text
+    assert "off within a group 0.283 (standard deviation, pooled), between the groups' means 0.071" in text
     alone = aggregate(runs, [], ["on", "off"], "off", n_boot=500, seed=0)        # a market a seed
     assert "best_validated" not in alone["variants"]["off"] and "best_validated_oos" not in alone["paired"]["on"]
 

@@ -191,6 +191,12 @@ def markdown(res: dict) -> str:
                   + "; ".join(f"{n} OOS {describe(b['oos'])}, {describe(b['lift'])} above the group's mean "
                               f"({b['groups']} groups of ≥ {b['runs']} runs)" for n, b in best.items())
                   + (f"; paired {', '.join(pairs)}." if pairs else ".")]
+        spread = {n: b for n, b in best.items() if b.get("within_sd") is not None}
+        if spread:
+            lines += ["", "What a run draws on its own (the OOS of runs on the same data and fold under different "
+                      "seeds; a difference between two single runs carries √2 times it): "
+                      + "; ".join(f"{n} within a group {b['within_sd']:.3f} (standard deviation, pooled), between "
+                                  f"the groups' means {_n(b['between_sd'], '.3f')}" for n, b in spread.items()) + "."]
     pops = {name: d["populations"] for name, d in res["variants"].items() if "populations" in d}
     if pops:
         lines += ["", "The runs of a population share weights, so they are not independent: the means, CIs and paired "

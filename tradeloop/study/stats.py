@@ -236,7 +236,8 @@ def aggregate(summaries: Sequence[dict], baselines: Sequence[dict], variants: Se
         if best:
             best_by[name] = best["oos"]
             d["best_validated"] = {"runs": best["runs"], "groups": len(best["oos"]), "oos": ci(list(best["oos"].values())),
-                                   "lift": ci([best["oos"][c] - best["mean"][c] for c in best["oos"]])}
+                                   "lift": ci([best["oos"][c] - best["mean"][c] for c in best["oos"]]),
+                                   "within_sd": best["within_sd"], "between_sd": best["between_sd"]}
         out_v[name] = d
     out_b = {}
     for name in dict.fromkeys(b["policy"] for b in baselines):
@@ -351,16 +352,23 @@ def best_validated(rows: Sequence[dict], cluster: Callable[[int, int], Any]) -> 
     """Within each group of a variant's runs on the same data and fold (`cluster(seed, fold)`: a synthetic market
     several seeds share, or a real series), the run chosen on validation (the highest val per-trade Sharpe; the first
     in (seed, fold) order on a tie) — what training the group's seeds and keeping the best validated gives.
-    {"runs": the smallest group's size, "oos": group → its OOS, "mean": group → the group's mean OOS}; None where a
-    group holds fewer than 2 runs."""
+    {"runs": the smallest group's size, "oos": group → its OOS, "mean": group → the group's mean OOS, "within_sd":
+    the runs' OOS spread within a group (the standard deviation pooled over groups, each with n − 1: a run's own
+    noise, the same data trained again under another seed), "between_sd": the standard deviation of the groups' mean
+    OOS (None for one group)}; None where a group holds fewer than 2 runs."""
     groups: dict = {}
     for r in sorted(rows, key=lambda r: (r["seed"], r["fold"])):
         groups.setdefault(cluster(r["seed"], r["fold"]), []).append(r)
     if not groups or min(len(g) for g in groups.values()) < 2:
         return None
+    oos = {c: np.array([r["oos_sharpe"] for r in g], dtype=np.float64) for c, g in groups.items()}
+    ss = sum(float(((x - x.mean()) ** 2).sum()) for x in oos.values())
+    dof = sum(x.size - 1 for x in oos.values())
+    means = [float(x.mean()) for x in oos.values()]
     return {"runs": min(len(g) for g in groups.values()),
             "oos": {c: float(max(g, key=lambda r: r["val_sharpe"])["oos_sharpe"]) for c, g in groups.items()},
-            "mean": {c: float(np.mean([r["oos_sharpe"] for r in g])) for c, g in groups.items()}}
+            "mean": dict(zip(oos, means)), "within_sd": math.sqrt(ss / dof),
+            "between_sd": float(np.std(means, ddof=1)) if len(means) > 1 else None}
 
 
 def _ranks(x: np.ndarray) -> np.ndarray:
