@@ -80,6 +80,8 @@ def _state_tensors(state: TrainState) -> dict[str, torch.Tensor]:
     if state.ema is not None:    # the checkpoint holds the average: the online weights training goes on from are here
         t.update({f"online.{k}": v.detach().contiguous() for k, v in state.agent.state_dict().items()})
         t.update({f"ema.{k}": v.detach().contiguous() for k, v in state.ema.named_parameters()})
+        if state.cfg.policy_swa > 0:
+            t["swa.count"] = torch.tensor(state.swa_count, dtype=torch.int64)
     names = {p: n for n, p in state.agent.named_parameters()}
     for p, st in state.opt.state.items():
         for k, v in st.items():
@@ -275,6 +277,8 @@ def _load_learner(state: TrainState, t: dict) -> None:
         for k, v in t.items():
             if k.startswith("ema."):
                 ema[k[len("ema."):]].copy_(v)         # in place: a captured step's lerp reads these addresses
+    if "swa.count" in t:
+        state.swa_count = int(t["swa.count"])
     params = dict(state.agent.named_parameters())
     for key, v in t.items():
         if key.startswith("opt."):

@@ -20,7 +20,7 @@ MIN_HOLD_SMALL = 96  # small preset: bars a trade is held before a signal exit (
 CHURN_SMALL = 1e-3  # small preset: reward cost per opened trade (return units, ~10× the 1 bp fill cost)
 
 
-NEUTRAL_UNLISTED = {"policy_ema": 0.0, "restart_every": 0, "restart_replay": False, "support_at_start": False,
+NEUTRAL_UNLISTED = {"policy_ema": 0.0, "policy_swa": 0, "restart_every": 0, "restart_replay": False, "support_at_start": False,
                     "dropout": 0.0}
 """Fields that `TrainConfig.to_dict` leaves out at their neutral value, so that the configs (and hashes) of runs
 stored before the field existed still match."""
@@ -83,6 +83,14 @@ class TrainConfig:
     validation per-trade Sharpe by 0.17 on average and a well-validated epoch's by −0.10 to −0.30 (bench/README.md,
     2026-12-02 · 55207aa); an average over the epoch's last updates is a policy less tied to where its last one
     landed."""
+    policy_swa: int = 0
+    """> 0: from epoch `policy_swa` on, an epoch's checkpoint holds the mean of the online weights at the ends of
+    epochs `policy_swa` … e, each end weighted alike (stochastic weight averaging, Izmailov et al. 2018: the ends of
+    the branches' cosine cycles, which restart every epoch at `full`); earlier epochs' checkpoints hold the online
+    weights, and training goes on from the online weights either way (`state.average_epoch_end`). A restart of the
+    learner starts the mean again. 0 (the default): no average. Not with `policy_ema`. Why: later epochs validate
+    below the first while their policies move 0.17 an epoch (bench/README.md, 2026-12-04 · 24290cc); a mean of the
+    cycles' ends is a policy between them rather than at the last."""
     restart_every: int = 0
     """> 0: before every epoch that follows a multiple of this many, the learner restarts (`state.restart_learner`):
     fresh weights for the network, its target and its average, fresh optimizer moments and step counts, while what
@@ -255,6 +263,11 @@ class TrainConfig:
         if isinstance(self.policy_ema, bool) or not isinstance(self.policy_ema, (int, float)) \
                 or not 0.0 <= self.policy_ema < 1.0:
             raise ValueError(f"train config: policy_ema must be a number in [0, 1), got {self.policy_ema!r}")
+        if isinstance(self.policy_swa, bool) or not isinstance(self.policy_swa, int) or self.policy_swa < 0:
+            raise ValueError(f"train config: policy_swa must be a whole number ≥ 0 (the first epoch averaged), "
+                             f"got {self.policy_swa!r}")
+        if self.policy_swa and self.policy_ema:
+            raise ValueError("train config: policy_swa and policy_ema both set: a checkpoint holds one average")
         if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) \
                 or not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"train config: dropout must be a number in [0, 1), got {self.dropout!r}")

@@ -24,8 +24,8 @@ from services.trainer.checkpoint import EpochProgress, prune_checkpoints, restor
 from services.trainer.config import TrainConfig
 from services.trainer.optim import set_lrs
 from services.trainer.rundir import append_history, latest_epoch, read_run_json, write_run_json
-from services.trainer.state import (TrainState, adapt_support, apply_knobs, build_state, restart_due,
-                                    restart_fresh)
+from services.trainer.state import (TrainState, adapt_support, apply_knobs, average_epoch_end, build_state,
+                                    restart_due, restart_fresh)
 
 
 @dataclass
@@ -197,6 +197,7 @@ def train_epoch(state: TrainState, knobs: Knobs, progress: Callable[[int, int], 
     means = ({k: float(v) / n_upd for k, v in zip(METRICS, state.buffers.metric_sums.tolist())} if n_upd else {})
     sharpe, n_trades = env.pop_trade_stats()
     state.epoch += 1
+    average_epoch_end(state)
     dt = t_before + time.perf_counter() - t0
     env_steps = state.env_steps - n_env0
     nan = float("nan")

@@ -62,8 +62,10 @@ class TrainState:
     """0 … C−1: the rolling embedding refresh re-encodes C bars per update."""
     runner: "StepRunner | None" = None
     ema: Agent | None = None
-    """The moving average of the online weights an epoch's checkpoint holds (`TrainConfig.policy_ema` > 0), its
-    parameters only (buffers are the agent's); None: the checkpoint holds the online weights."""
+    """The average of the online weights an epoch's checkpoint holds (`TrainConfig.policy_ema` or `policy_swa` > 0),
+    its parameters only (buffers are the agent's); None: the checkpoint holds the online weights."""
+    swa_count: int = 0
+    """Under `TrainConfig.policy_swa`: the epoch ends in `ema`'s mean (0: it holds the online weights)."""
 
 
 def build_state(cfg: TrainConfig, bars: Bars, split: Split, seed: int, device="cpu",
@@ -87,9 +89,7 @@ def build_state(cfg: TrainConfig, bars: Bars, split: Split, seed: int, device="c
     target = copy.deepcopy(agent)
     for p in target.parameters():
         p.requires_grad_(False)
-    ema = None
-    if cfg.policy_ema > 0:
-        ema = copy.deepcopy(target)
+    ema = copy.deepcopy(target) if cfg.policy_ema > 0 or cfg.policy_swa > 0 else None
     accel = resolve_accel(accel, device)
     opt = build_optimizer(agent, cfg, device, compiled="compile" in accel)
     replay = Replay(cfg.replay_capacity, cfg.n_envs, cfg.agent.n_portfolio, len(market), cfg.horizons, device)
@@ -98,7 +98,8 @@ def build_state(cfg: TrainConfig, bars: Bars, split: Split, seed: int, device="c
     controls = PolicyControls.make(device)
     buf = make_buffers(cfg, opt, len(market), device)
     targets = make_targets(agent, target, buf, cfg)
-    update = make_update(agent, target, opt, replay, market.windows, buf, cfg, gen, targets, ema=ema)
+    update = make_update(agent, target, opt, replay, market.windows, buf, cfg, gen, targets,
+                         ema=ema if cfg.policy_ema > 0 else None)
     chunk = -(-len(market) // max(cfg.emb_refresh, 1))
     state = TrainState(cfg, device, agent, target, opt, replay, env, controls, buf, gen, update, targets,
                        accel=accel, refresh_idx=torch.arange(chunk, device=device), ema=ema)
@@ -157,6 +158,21 @@ def restart_learner(state: TrainState) -> None:
                 v.zero_()
             else:
                 st[key] = type(v)(0)
+    state.swa_count = 0
+
+
+@torch.no_grad()
+def average_epoch_end(state: TrainState) -> None:
+    """`TrainConfig.policy_swa`'s step at the end of an epoch (`state.epoch` already counts it): before epoch
+    `policy_swa` the average holds the online weights; from it on, the n-th end joins the mean, θ̄ ← θ̄ + (θ − θ̄)/n.
+    Nothing without `policy_swa`."""
+    if state.cfg.policy_swa <= 0 or state.ema is None:
+        return
+    online = dict(state.agent.named_parameters())
+    n = state.swa_count + 1 if state.epoch >= state.cfg.policy_swa else 0
+    for name, p in state.ema.named_parameters():
+        p.lerp_(online[name], 1.0 / n) if n else p.copy_(online[name])
+    state.swa_count = n
 
 
 def restart_fresh(state: TrainState) -> None:
