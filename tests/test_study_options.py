@@ -48,7 +48,7 @@ def test_the_shipped_study_files_build(path: Path, tmp_path: Path):
         assert set(offs.get("on", offs.get("pop")).off) == signals
     # variants of the fixed schedule: feedback off
     schedule_only = ("ema", "fresh", "recent", "lowlr", "lr", "decay", "fewer", "dropout", "ratio", "gamma",
-                     "cosine")
+                     "cosine", "swa")
     assert all(fb.enabled for n, fb in offs.items() if n != "off" and not n.startswith(schedule_only))
 
     for name, fb in offs.items():
@@ -146,6 +146,16 @@ def test_the_shipped_study_files_build(path: Path, tmp_path: Path):
         assert not any(fb.enabled for n, fb in offs.items() if n != "E3k2")
         assert set(offs["E3k2"].off) == (signals - {"E3"}) | {"rollback"} and offs["E3k2"].enabled
         assert {n: fb.gamma_k for n, fb in offs.items()} == {"off": 5.0, "gamma97": 5.0, "E3k2": 2.0}
+        gamma = json.loads((path.parents[1] / "docs/study-h200-gamma/results.json").read_text())["study"]
+        assert (spec.seeds, spec.folds, spec.bars) == (gamma["seeds"], gamma["folds"], gamma["bars"])   # it pairs
+    elif path.name == "swa.toml":           # the policy as the mean of the epochs' ends, and the fixed γ 0.97
+        cfgs = {v.name: spec.configs(v, 14)[0] for v in spec.variants}
+        assert {n: (c.policy_swa, c.policy_ema, c.schedule.gamma) for n, c in cfgs.items()} == {
+            "off": (0, 0.0, 0.98), "swa1": (1, 0.0, 0.98), "swa3": (3, 0.0, 0.98), "gamma97": (0, 0.0, 0.97)}
+        assert {n: fb.schedule.gamma for n, fb in offs.items()} == {n: c.schedule.gamma for n, c in cfgs.items()}
+        assert not any(fb.enabled for fb in offs.values()) and spec.reference == "off"
+        ran = json.loads((path.parents[1] / "docs/study-h200-swa/results.json").read_text())["study"]
+        assert spec.to_dict()["variants"] == ran["variants"]            # the file is the study that was run
         gamma = json.loads((path.parents[1] / "docs/study-h200-gamma/results.json").read_text())["study"]
         assert (spec.seeds, spec.folds, spec.bars) == (gamma["seeds"], gamma["folds"], gamma["bars"])   # it pairs
     elif path.name == "recent-replay.toml":   # the one-epoch replay on new seeds, and the loop as shipped on it
