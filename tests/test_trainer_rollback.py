@@ -73,8 +73,9 @@ async def test_trainer_restores_the_epoch_a_bundle_rolls_back_to(redis_url, run_
     assert len(restored) == 1 and state.counters.get("rollbacks") == 1, [{k: r.get(k) for k in keys} for r in recs]
     if mode == "sync":                       # bundle e starts epoch e + 1
         assert (refused, restored) == ([2], [3]) and "rollback to epoch 1 refused" in state.last_error
-    else:                                    # where bundle 1 lands depends on timing; a newer bundle supersedes it
-        assert len(refused) <= 1 and all(e < restored[0] for e in refused)
+    else:   # where bundle 1 lands depends on timing (at an epoch's start, or in the epoch bundle 2 lands in too: then
+        # that epoch's record holds both the refusal and the restore); a newer bundle supersedes it
+        assert len(refused) <= 1 and all(e <= restored[0] for e in refused)
     # the pruning keeps the best epoch's files (the bundles' best_epoch) beside the last state
     ck = tmp_path / run_id / "trainer" / "checkpoints"
     states = sorted(int(p.name[6:10]) for p in ck.glob("epoch-*.state.safetensors"))
