@@ -166,12 +166,12 @@ def average_epoch_end(state: TrainState) -> None:
     """`TrainConfig.policy_swa`'s step at the end of an epoch (`state.epoch` already counts it): before epoch
     `policy_swa` the average holds the online weights; from it on, the n-th end joins the mean, θ̄ ← θ̄ + (θ − θ̄)/n.
     Nothing without `policy_swa`."""
-    if state.cfg.policy_swa <= 0 or state.ema is None:
+    if state.cfg.policy_swa <= 0:
         return
     online = dict(state.agent.named_parameters())
     n = state.swa_count + 1 if state.epoch >= state.cfg.policy_swa else 0
     for name, p in state.ema.named_parameters():
-        p.lerp_(online[name], 1.0 / n) if n else p.copy_(online[name])
+        p.lerp_(online[name], 1.0 / max(n, 1))           # weight 1 (n ≤ 1): the online weights exactly
     state.swa_count = n
 
 
