@@ -73,7 +73,7 @@ STOPPED = "stopped.json"
 epochs its runs finished."""
 
 
-def analyse(out: Path, P: int, mps: str, share: int, wall: float | None = None) -> dict:
+def analyse(out: Path, P: int, mps: str, share: int, wall: float | None = None, isms: int = 0) -> dict:
     """A case's row from its study's records (`out`: the case's study directory): a finished case's, or a stopped
     one's from the epochs its runs finished (no GPU busy %: the study wrote no results)."""
     stopped = (out / STOPPED).exists()
@@ -91,7 +91,8 @@ def analyse(out: Path, P: int, mps: str, share: int, wall: float | None = None) 
     medians = part_medians(parts)
     steps = [b - a for f in finish for a, b in zip(f[1:], f[2:])]
     busy = [v for v in (timing.get("gpu_busy_pct") or {}).values() if v is not None]
-    return {"P": P, "mps": bool(timing.get("mps")), "mps_asked": mps, "share": share, "runs": len(finish),
+    return {"P": P, "mps": bool(timing.get("mps")), "mps_asked": mps, "share": share, "iteration_sms": isms,
+            "runs": len(finish),
             "epochs_per_s": rate, "in_span": in_span, "span_s": span,
             "wall_s": wall if wall is not None else timing.get("wall_s"),
             "epoch_s": upper_median(steps),
@@ -99,7 +100,7 @@ def analyse(out: Path, P: int, mps: str, share: int, wall: float | None = None) 
             "busy_pct": sum(busy) / len(busy) if busy else None, "stopped": stopped}
 
 
-def run_case(out: Path, P: int, mps: str, args, share: int = 100) -> dict:
+def run_case(out: Path, P: int, mps: str, args, share: int = 100, isms: int = 0) -> dict:
     seeds = max(1, math.ceil(P / 2))
     variants = "on" if P == 1 else "on,off"
     cmd = [sys.executable, "-m", "tradeloop.cli", "study", "--dataset", "synthetic", "--bars", "auto",
@@ -110,6 +111,8 @@ def run_case(out: Path, P: int, mps: str, args, share: int = 100) -> dict:
         cmd += ["--set", s]
     if share < 100:
         cmd += ["--mps-share", str(share)]
+    if isms:
+        cmd += ["--iteration-sms", str(isms)]
     t0 = time.time()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -123,14 +126,14 @@ def run_case(out: Path, P: int, mps: str, args, share: int = 100) -> dict:
             stdout, stderr = proc.communicate()
         wall = time.time() - t0
         (out / STOPPED).write_text(json.dumps({"wall_s": wall, "limit_s": args.case_limit}))
-        return analyse(out, P, mps, share, wall)
+        return analyse(out, P, mps, share, wall, isms)
     wall = time.time() - t0
     if proc.returncode != 0:
-        return {"P": P, "mps": mps, "share": share, "error": (stderr or stdout).strip()[-600:]}
-    return analyse(out, P, mps, share, wall)
+        return {"P": P, "mps": mps, "share": share, "iteration_sms": isms, "error": (stderr or stdout).strip()[-600:]}
+    return analyse(out, P, mps, share, wall, isms)
 
 
-CASE = re.compile(r"p(\d+)-mps-(on|off|auto)-sm(\d+)")
+CASE = re.compile(r"p(\d+)-mps-(on|off|auto)-sm(\d+)(?:-it(\d+))?")
 
 
 def read_cases(source: Path) -> list[dict]:
@@ -141,11 +144,11 @@ def read_cases(source: Path) -> list[dict]:
     for d in sorted(source.iterdir()):
         m = CASE.fullmatch(d.name)
         if m and ((d / "results.json").exists() or (d / STOPPED).exists()):
-            rows.append(analyse(d, int(m[1]), m[2], int(m[3])))
+            rows.append(analyse(d, int(m[1]), m[2], int(m[3]), isms=int(m[4] or 0)))
     if not rows:
         raise SystemExit(f"--from {source}: no finished or stopped case (pN-mps-M-smS/results.json or "
                          f"{STOPPED}) in it")
-    return sorted(rows, key=lambda r: (r["P"] != 1, r["P"], r["mps_asked"], -r["share"]))
+    return sorted(rows, key=lambda r: (r["P"] != 1, r["P"], r["mps_asked"], -r["share"], r["iteration_sms"]))
 
 
 def _cell(x: float | None, spec: str) -> str:
@@ -155,19 +158,21 @@ def _cell(x: float | None, spec: str) -> str:
 def print_table(rows: list[dict], argv) -> None:
     base = next((r["epochs_per_s"] for r in rows if r["P"] == 1 and r.get("epochs_per_s")), None)
     print(f"\n`python3 -m bench.study_speed {' '.join(argv if argv is not None else sys.argv[1:])}`\n")
-    print("| runs at once | MPS | SM share % | epochs/s (steady) | in span | ×1 | epoch_s | rollback_s | setup_s "
+    print("| runs at once | MPS | SM share % | iteration SMs | epochs/s (steady) | in span | ×1 | epoch_s | rollback_s | setup_s "
           "| train_s | eval_s | save_s | GPU busy % | wall s |")
-    print("|---" * 14 + "|")
+    print("|---" * 15 + "|")
     for r in rows:
         if "error" in r:
-            print(f"| {r['P']} | {r['mps']} | {r['share']} | error: {r['error'][-200:]} |" + " |" * 10)
+            print(f"| {r['P']} | {r['mps']} | {r['share']} | {r.get('iteration_sms') or 'all'} | "
+                  f"error: {r['error'][-200:]} |" + " |" * 10)
             continue
         ratio = r["epochs_per_s"] / base if base and r["epochs_per_s"] else None
         cells = [_cell(r["epochs_per_s"], ".3f"), str(r["in_span"]), _cell(ratio, ".2f"), _cell(r["epoch_s"], ".1f"),
                  *(_cell(r.get(f"{k}_s"), ".2f") for k in PARTS),
                  _cell(r["busy_pct"], ".0f"),
                  _cell(r["wall_s"], ".0f") + (" (stopped)" if r.get("stopped") else "")]
-        print(f"| {r['P']} | {'on' if r['mps'] else 'off'} | {r['share']} | " + " | ".join(cells) + " |")
+        print(f"| {r['P']} | {'on' if r['mps'] else 'off'} | {r['share']} | {r.get('iteration_sms') or 'all'} | "
+              + " | ".join(cells) + " |")
 
 
 def main(argv=None) -> None:
@@ -180,6 +185,9 @@ def main(argv=None) -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--mps-share", type=int, nargs="+", default=[100],
                     help="SM percentages for each MPS case (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE; 100: no limit)")
+    ap.add_argument("--iteration-sms", type=int, nargs="+", default=[0],
+                    help="SMs each run's training iterations may use, for each case of P > 1 (the study's "
+                         "--iteration-sms; 0: no limit)")
     ap.add_argument("--case-limit", type=float, default=None,
                     help="seconds a case's study may run; then it is stopped and read from the epochs it finished")
     ap.add_argument("--out", type=Path, default=Path("runs/study-speed"))
@@ -200,14 +208,15 @@ def main(argv=None) -> None:
     for P in args.parallel:
         for mps in (["off"] if P == 1 else args.mps):
             for share in (args.mps_share if mps != "off" else [100]):
-                cases.append((P, mps, share))
+                for isms in (args.iteration_sms if P > 1 else [0]):
+                    cases.append((P, mps, share, isms))
     cases.sort(key=lambda c: c[0] != 1)        # a run alone first: it compiles, the others find the cache warm
     rows = []
-    for P, mps, share in cases:
-        out = args.out / f"p{P}-mps-{mps}-sm{share}"
+    for P, mps, share, isms in cases:
+        out = args.out / (f"p{P}-mps-{mps}-sm{share}" + (f"-it{isms}" if isms else ""))
         if out.exists():
             shutil.rmtree(out)
-        row = run_case(out, P, mps, args, share)
+        row = run_case(out, P, mps, args, share, isms)
         rows.append(row)
         print(json.dumps(row), flush=True)
     print_table(rows, argv)

@@ -113,9 +113,9 @@ class StaticState:
 class Graphed:
     """A step function recorded in one CUDA graph; calling it replays the graph (no Python in the hot path)."""
 
-    def __init__(self, fn: Callable[[], object], *, warmup: int = 3, pool=None):
+    def __init__(self, fn: Callable[[], object], *, warmup: int = 3, pool=None, stream=None):
         self.fn = fn
-        stream = torch.cuda.Stream()
+        stream = stream if stream is not None else torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):                 # warm-up: allocator, cuBLAS handles, lazy init
             for _ in range(warmup):
@@ -130,8 +130,8 @@ class Graphed:
         return self.output
 
 
-def capture(fn: Callable[[], object], *, warmup: int = 3, pool=None) -> Graphed:
+def capture(fn: Callable[[], object], *, warmup: int = 3, pool=None, stream=None) -> Graphed:
     """Record `fn` in a CUDA graph after `warmup` eager calls on a side stream (which run for real: a step that
-    changes state advances it `warmup` times). Returns the replayable `Graphed`; its `output` is what `fn`
-    returned while captured (static tensors, overwritten by each replay)."""
-    return Graphed(fn, warmup=warmup, pool=pool)
+    changes state advances it `warmup` times; `stream`: that stream, else a new one). Returns the replayable
+    `Graphed`; its `output` is what `fn` returned while captured (static tensors, overwritten by each replay)."""
+    return Graphed(fn, warmup=warmup, pool=pool, stream=stream)

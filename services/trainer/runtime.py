@@ -19,6 +19,7 @@ from shared.graphs import StaticState, capture, use_compile_cache
 from services.trainer.buffers import refresh_encode
 from services.trainer.config import TrainConfig
 from services.trainer.replay import Batch
+from services.trainer.sm_partition import partition_streams
 from services.trainer.step import train_step
 from services.trainer.targets import Targets, iqn_rows, noise_width, sample_horizons
 
@@ -53,6 +54,8 @@ class StepRunner:
     A graph is captured on the first call, whose warm-up run is that call's real step; later calls replay it.
     """
 
+    part: torch.cuda.Stream | None = None
+
     def __init__(self, state: "TrainState", accel: str):
         self.state, self.accel = state, accel
         cfg, dev, env = state.cfg, state.device, state.env
@@ -70,18 +73,22 @@ class StepRunner:
         if "compile" in accel:
             collect_fn, update_fn, encode_fn, targets_fn = (compile_step(f, cfg, dev) for f in
                                                             (collect_fn, update_fn, encode_fn, targets_fn))
+        part = partition_streams(dev, 3) if dev.type == "cuda" else None
+        self.part = part[0] if part else None
+        """The stream the steps run on when the run's iterations are held to a partition of the SMs
+        (`services.trainer.sm_partition`); None: the current stream, the whole GPU."""
         if dev.type == "cuda":
             # the rolling refresh's encodings on a side stream, beside the update's forward and backward passes
             # (both only read the parameters); the update waits for them just before its optimizer step. Static
             # staging tensors carry them across, so nothing allocated on one stream is freed on the other.
-            side = torch.cuda.Stream(device=dev)
+            side = part[1] if part else torch.cuda.Stream(device=dev)
             C, D = state.refresh_idx.shape[0], cfg.agent.d_model
             staging = [torch.zeros(C, D, device=dev), torch.zeros(C, D, device=dev)]
             if state.buffers.view_online is not None:
                 staging += [torch.zeros(C, *getattr(state.buffers.view_online, f).shape[1:], device=dev)
                             for f in MarketView.FIELDS]
             join = torch._dynamo.disable(lambda: torch.cuda.current_stream().wait_stream(side))
-            via = self._side_targets(targets_fn) if cfg.target_stream else None
+            via = self._side_targets(targets_fn, part[2] if part else None) if cfg.target_stream else None
             prio = self._side_priorities(side) if cfg.priorities_aside else None
 
             def encode_aside() -> None:
@@ -128,7 +135,7 @@ class StepRunner:
         """Told what is being compiled when a first call starts ("compiling the iteration", …) and None when it
         ends: the trainer's /status phase and `tradeloop train`'s progress show it."""
 
-    def _side_targets(self, targets_fn: Callable[[Batch, torch.Tensor, list[torch.Tensor]], None]
+    def _side_targets(self, targets_fn: Callable[[Batch, torch.Tensor, list[torch.Tensor]], None], stream=None
                       ) -> Callable[[Batch, torch.Tensor], tuple[Targets, Callable[[], None]]]:
         """The update's `targets_via` on CUDA: the batch's `Targets` on their own stream, beside the online forward
         pass (they read the batch, the parameters and the tables; the online pass reads the same), written into
@@ -140,7 +147,7 @@ class StepRunner:
         out = Targets(dist=torch.zeros(N, NBR, A, device=dev),
                       quantiles=torch.zeros(iqn_rows(cfg, N), H, M, device=dev),
                       value=torch.zeros(N, device=dev), blend=torch.zeros(N, H, device=dev))
-        stream = torch.cuda.Stream(device=dev)
+        stream = stream if stream is not None else torch.cuda.Stream(device=dev)
         wait = torch._dynamo.disable(lambda: torch.cuda.current_stream().wait_stream(stream))
 
         @torch._dynamo.disable
@@ -171,6 +178,15 @@ class StepRunner:
         return "graph" in self.accel
 
     def _run(self, name: str) -> None:
+        if self.part is None:
+            return self._step(name)
+        here = torch.cuda.current_stream()
+        self.part.wait_stream(here)               # the noise drawn and the state committed on `here` first
+        with torch.cuda.stream(self.part):
+            self._step(name)
+        here.wait_stream(self.part)
+
+    def _step(self, name: str) -> None:
         if self.accel != "eager" and name not in self._ran:
             return self._first(name)
         if not self.graphed:
@@ -178,7 +194,7 @@ class StepRunner:
         elif name in self._graphs:
             self._graphs[name]()
         else:
-            self._graphs[name] = capture(self._bodies[name], warmup=1)
+            self._graphs[name] = capture(self._bodies[name], warmup=1, stream=self.part)
 
     def _first(self, name: str) -> None:
         """The first call of a step in a compiled or captured mode: compiles (torch.compile's caches in
@@ -190,7 +206,7 @@ class StepRunner:
         t0 = time.perf_counter()
         try:
             self._ran.add(name)
-            self._run(name)
+            self._step(name)
             if self.state.device.type == "cuda":
                 torch.cuda.synchronize(self.state.device)
         finally:

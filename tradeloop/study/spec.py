@@ -284,7 +284,7 @@ def parse_parallel(value: Any, device: str, where: str = "--parallel") -> int:
 @dataclass
 class StudySpec:
     """Everything that decides a study's results (saved as `study.json`; a resume must ask for the same), plus how
-    it runs (`parallel`, `threads`, `stagger`, `mps`, `mps_share`: free to change between a kill and a resume)."""
+    it runs (`parallel`, `threads`, `stagger`, `mps`, `mps_share`, `iteration_sms`: free to change between a kill and a resume)."""
 
     dataset: str
     variants: list[Variant]
@@ -318,6 +318,9 @@ class StudySpec:
     mps_share: int = 100
     """Under MPS, the share of a GPU's SMs (%) each worker's kernels may occupy (`CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`;
     100: no limit)."""
+    iteration_sms: int = 0
+    """Where runs share a GPU, the SMs each run's training iterations may use (`services.trainer.sm_partition`: a
+    green context a worker; the rest of a run uses the whole GPU); 0: no limit."""
 
     IDENTITY = ("dataset", "variants", "seeds", "folds", "epochs", "preset", "settings", "bars", "data_seed",
                 "seeds_per_market", "device", "accel", "deterministic")
@@ -454,6 +457,9 @@ class StudySpec:
             raise StudyError(f"--mps must be auto, on or off, got {self.mps!r}")
         if not isinstance(self.mps_share, int) or not 1 <= self.mps_share <= 100:
             raise StudyError(f"--mps-share must be a percentage of the SMs from 1 to 100, got {self.mps_share!r}")
+        if not isinstance(self.iteration_sms, int) or not 0 <= self.iteration_sms <= 4096:
+            raise StudyError(f"--iteration-sms must be a count of SMs from 0 (no limit) to 4096, got "
+                             f"{self.iteration_sms!r}")
         if not isinstance(self.seeds_per_market, int) or self.seeds_per_market < 1:
             raise StudyError(f"--seeds-per-market must be an integer ≥ 1, got {self.seeds_per_market!r}")
         if self.seeds_per_market > 1 and (self.data_seed is not None or self.dataset != "synthetic"):

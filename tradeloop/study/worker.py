@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Callable
 
 from shared.redis_server import die_with_parent
+from services.trainer.sm_partition import ENV_SLOT, ENV_SMS
 from tradeloop.study.loop import PARTS, write_json_atomic
 from tradeloop.study.spec import RunSpec, StudyError, StudySpec
 
@@ -251,6 +252,8 @@ def worker_main(index: int, gpu: str | None, out: str, source: tuple, threads: i
         else:
             os.environ[k] = v
     os.environ.update(extra_env or {})   # the study's MPS daemon (`tradeloop.study.mps`)
+    if spec.iteration_sms and gpu is not None:   # this worker's slice of its GPU for the iterations
+        os.environ.update({ENV_SMS: str(spec.iteration_sms), ENV_SLOT: str(slot)})
     import torch
 
     torch.set_num_threads(threads)
