@@ -23,9 +23,11 @@ def timed(fn, stream, reps: int = 3) -> float:
     best = float("inf")
     for _ in range(reps):
         torch.cuda.synchronize()
+        stream.synchronize()
         t0 = time.perf_counter()
         with torch.cuda.stream(stream):
             fn()
+        stream.synchronize()                        # the green context's stream: a device sync may not wait for it
         torch.cuda.synchronize()
         best = min(best, time.perf_counter() - t0)
     return best
