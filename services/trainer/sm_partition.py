@@ -115,7 +115,11 @@ def partition_streams(device: torch.device, n: int) -> list[torch.cuda.ExternalS
     """`n` streams of the run's partition (`TL_ITERATION_SMS` SMs, slot `TL_ITERATION_SLOT`), the same ones on
     every call, or None (not asked for, not CUDA, or no green contexts in this driver: the iterations use the whole
     GPU, and a line on stderr says why)."""
-    ask = requested()
+    try:
+        ask = requested()
+    except PartitionError as exc:
+        print(f"{exc}; the iterations use the whole GPU", file=sys.stderr)
+        return None
     if ask is None or device.type != "cuda":
         return None
     import torch

@@ -204,8 +204,11 @@ class RunLock:
 
 
 
-def worker_env(out: Path, gpu: str | None, deterministic: bool) -> dict[str, str]:
-    """The environment a worker sets before it loads CUDA (the caches only where the user has not set them)."""
+def worker_env(out: Path, gpu: str | None, deterministic: bool, iteration_sms: int = 0,
+               slot: int = 0) -> dict[str, str]:
+    """The environment a worker sets before it loads CUDA (the caches only where the user has not set them; on a
+    GPU with `iteration_sms`, the SMs its runs' iterations may use and its slot among its GPU's workers, which
+    `services.trainer.sm_partition` turns into a partition of its own)."""
     from shared.graphs import compile_cache_dir
 
     cache = compile_cache_dir()
@@ -214,6 +217,8 @@ def worker_env(out: Path, gpu: str | None, deterministic: bool) -> dict[str, str
         env["CUDA_VISIBLE_DEVICES"] = gpu
     if deterministic:
         env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+    if iteration_sms and gpu is not None:
+        env.update({ENV_SMS: str(iteration_sms), ENV_SLOT: str(slot)})
     return env
 
 
@@ -246,14 +251,12 @@ def worker_main(index: int, gpu: str | None, out: str, source: tuple, threads: i
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the study process's to handle: it stops the workers
     out_p = Path(out)
     spec = StudySpec.from_dict(json.loads((out_p / "study.json").read_text())["spec"])
-    for k, v in worker_env(out_p, gpu, spec.deterministic).items():
+    for k, v in worker_env(out_p, gpu, spec.deterministic, spec.iteration_sms, slot).items():
         if k.endswith("_CACHE_DIR"):
             os.environ.setdefault(k, v)   # a cache the user points at is kept
         else:
             os.environ[k] = v
     os.environ.update(extra_env or {})   # the study's MPS daemon (`tradeloop.study.mps`)
-    if spec.iteration_sms and gpu is not None:   # this worker's slice of its GPU for the iterations
-        os.environ.update({ENV_SMS: str(spec.iteration_sms), ENV_SLOT: str(slot)})
     import torch
 
     torch.set_num_threads(threads)
