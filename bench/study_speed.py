@@ -24,6 +24,8 @@ records (`finished_at`):
              records that predate them); rollback_s: the median over the epochs that began from a rollback
              (restoring the best epoch's learner before the set-up), n/a where none did
   busy       the study's mean GPU utilisation (nvidia-smi) over its whole wall time
+  runs at once   P, and "(n at most)" where the study ran fewer at once (`peak_running`: a GPU keeps only the
+             runs that fit its memory)
 Cases with P = 1 run once whatever `--mps` says (one worker never starts MPS); `--mps` runs each case of P > 1
 time-sliced and under MPS by default (`--mps on` for MPS alone). `--case-limit SECONDS` stops a case's study there
 (SIGINT: it keeps its records) and reads the case from the epochs it finished (`stopped` in the wall column), so a
@@ -91,8 +93,11 @@ def analyse(out: Path, P: int, mps: str, share: int, wall: float | None = None, 
     medians = part_medians(parts)
     steps = [b - a for f in finish for a, b in zip(f[1:], f[2:])]
     busy = [v for v in (timing.get("gpu_busy_pct") or {}).values() if v is not None]
+    status = out / "status.json"
+    peak = timing.get("runs_at_once") or (json.loads(status.read_text()).get("peak_running") if status.exists()
+                                          else None)
     return {"P": P, "mps": bool(timing.get("mps")), "mps_asked": mps, "share": share, "iteration_sms": isms,
-            "runs": len(finish),
+            "runs": len(finish), "at_once": peak,
             "epochs_per_s": rate, "in_span": in_span, "span_s": span,
             "wall_s": wall if wall is not None else timing.get("wall_s"),
             "epoch_s": upper_median(steps),
@@ -171,7 +176,8 @@ def print_table(rows: list[dict], argv) -> None:
                  *(_cell(r.get(f"{k}_s"), ".2f") for k in PARTS),
                  _cell(r["busy_pct"], ".0f"),
                  _cell(r["wall_s"], ".0f") + (" (stopped)" if r.get("stopped") else "")]
-        print(f"| {r['P']} | {'on' if r['mps'] else 'off'} | {r['share']} | {r.get('iteration_sms') or 'all'} | "
+        asked = str(r["P"]) if r.get("at_once") in (None, r["P"]) else f"{r['P']} ({r['at_once']} at most)"
+        print(f"| {asked} | {'on' if r['mps'] else 'off'} | {r['share']} | {r.get('iteration_sms') or 'all'} | "
               + " | ".join(cells) + " |")
 
 

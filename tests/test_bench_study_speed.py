@@ -23,11 +23,13 @@ def test_starts_spread_over_every_epoch_give_no_steady_rate():
     assert bench.steady_rate([[0.0, 10.0, 20.0], [19.0, 21.0, 40.0]])[0] is None
 
 
-def _case(root, name, finish, rollback_at=None, stopped=False):
+def _case(root, name, finish, rollback_at=None, stopped=False, peak=None):
     d = root / name
     (d / "runs").mkdir(parents=True)
     if stopped:                                  # stopped at --case-limit: no results.json, the marker instead
         (d / bench.STOPPED).write_text(json.dumps({"wall_s": 120.0, "limit_s": 120.0}))
+        if peak is not None:                     # the study's status.json: the most runs it had going at once
+            (d / "status.json").write_text(json.dumps({"state": "running", "peak_running": peak}))
     else:
         (d / "results.json").write_text(json.dumps({"timing": {"mps": name.startswith("p2-mps-on"), "wall_s": 99.0,
                                                                "gpu_busy_pct": {"0": 50.0}}}))
@@ -66,11 +68,13 @@ def test_a_case_stopped_at_its_limit_is_read_from_the_epochs_its_runs_finished(t
     """`--case-limit`: the stopped case's rate comes from the epochs its runs finished (a run that finished none is
     left out), its wall says stopped, and it has no GPU busy % (the study wrote no results)."""
     _case(tmp_path, "p1-mps-off-sm100", [[5.0, 10.0, 15.0, 20.0]])
-    _case(tmp_path, "p3-mps-on-sm100", [[10.0, 20.0, 30.0], [10.5, 20.5, 30.5], []], stopped=True)
+    _case(tmp_path, "p3-mps-on-sm100", [[10.0, 20.0, 30.0], [10.5, 20.5, 30.5], []], stopped=True, peak=2)
     rows = bench.read_cases(tmp_path)
     stopped = rows[1]
     assert stopped["stopped"] and not rows[0]["stopped"] and stopped["runs"] == 2 and stopped["mps"]
+    assert stopped["at_once"] == 2 and rows[0]["at_once"] is None
     assert stopped["epochs_per_s"] == pytest.approx(0.2) and stopped["busy_pct"] is None
     bench.main(["--from", str(tmp_path)])
     out = capsys.readouterr().out
-    assert "| 3 | on | 100 | all | 0.200 | 2 | 1.00 | 10.0 | n/a | 0.12 | 2.00 | 0.50 | 0.25 | n/a | 120 (stopped) |" in out
+    assert ("| 3 (2 at most) | on | 100 | all | 0.200 | 2 | 1.00 | 10.0 | n/a | 0.12 | 2.00 | 0.50 | 0.25 | n/a "
+            "| 120 (stopped) |") in out
