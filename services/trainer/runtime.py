@@ -209,6 +209,8 @@ class StepRunner:
             self._step(name)
             if self.state.device.type == "cuda":
                 torch.cuda.synchronize(self.state.device)
+                if self.part is not None:       # a green context's stream: the device's sync does not wait for it
+                    self.part.synchronize()
         finally:
             self.compile_s += time.perf_counter() - t0
             if self.on_compile is not None:
