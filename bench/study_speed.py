@@ -163,7 +163,8 @@ def _cell(x: float | None, spec: str) -> str:
 def print_table(rows: list[dict], argv) -> None:
     base = next((r["epochs_per_s"] for r in rows if r["P"] == 1 and r.get("epochs_per_s")), None)
     print(f"\n`python3 -m bench.study_speed {' '.join(argv if argv is not None else sys.argv[1:])}`\n")
-    print("| runs at once | MPS | SM share % | iteration SMs | epochs/s (steady) | in span | ×1 | epoch_s | rollback_s | setup_s "
+    print("| runs at once | MPS | SM share % | iteration SMs | epochs/s (steady) | in span | ×1 | epoch_s | rollback_s "
+          "| setup_s "
           "| train_s | eval_s | save_s | GPU busy % | wall s |")
     print("|---" * 15 + "|")
     for r in rows:

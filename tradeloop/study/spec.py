@@ -284,7 +284,8 @@ def parse_parallel(value: Any, device: str, where: str = "--parallel") -> int:
 @dataclass
 class StudySpec:
     """Everything that decides a study's results (saved as `study.json`; a resume must ask for the same), plus how
-    it runs (`parallel`, `threads`, `stagger`, `mps`, `mps_share`, `iteration_sms`: free to change between a kill and a resume)."""
+    it runs (`parallel`, `threads`, `stagger`, `mps`, `mps_share`, `iteration_sms`: free to change between a kill
+    and a resume)."""
 
     dataset: str
     variants: list[Variant]
