@@ -21,6 +21,7 @@ CHURN_SMALL = 1e-3  # small preset: reward cost per opened trade (return units, 
 
 
 NEUTRAL_UNLISTED = {"policy_ema": 0.0, "policy_swa": 0, "restart_every": 0, "restart_replay": False,
+                    "shrink_perturb": 0.0,
                     "support_at_start": False, "dropout": 0.0}
 """Fields that `TrainConfig.to_dict` leaves out at their neutral value, so that the configs (and hashes) of runs
 stored before the field existed still match."""
@@ -111,6 +112,14 @@ class TrainConfig:
     support. Off (the default): the replay is kept. Why: on the H200 every epoch after the first validates lower than
     the first, after a restart too (bench/README.md, 2026-12-03 · 5cc88f4, 206c041); this tells what the epoch learns
     from apart from the weights it starts from."""
+    shrink_perturb: float = 0.0
+    """s > 0: before every epoch after the first, every parameter of the online network moves a share s of the way
+    to a fresh initialisation, θ ← (1 − s)·θ + s·θ_fresh (shrink and perturb, Ash & Adams 2020; the encoder's
+    interpolation in BBF, Schwarzer et al. 2023), θ_fresh from a seed the run's generator draws; the target network,
+    the optimizer moments, the replay and the schedule are kept. 0 (the default): none. Why: a full restart before
+    every epoch made each epoch a new draw for the validation choice but trained below the first epoch (+0.037 on the
+    H200, 2026-12-03 · 5cc88f4); a partial one keeps most of what was learned while still moving each epoch's
+    policy off its predecessor's."""
     # -- objective (services.trainer.objective) --
     iqn_quantiles: int = 16
     """τ samples of the IQN loss (online and target)."""
@@ -275,6 +284,9 @@ class TrainConfig:
             raise ValueError(f"train config: dropout must be a number in [0, 1), got {self.dropout!r}")
         if isinstance(self.restart_every, bool) or not isinstance(self.restart_every, int) or self.restart_every < 0:
             raise ValueError(f"train config: restart_every must be a whole number ≥ 0, got {self.restart_every!r}")
+        if isinstance(self.shrink_perturb, bool) or not isinstance(self.shrink_perturb, (int, float)) \
+                or not 0.0 <= self.shrink_perturb <= 1.0:
+            raise ValueError(f"train config: shrink_perturb must be a share in [0, 1], got {self.shrink_perturb!r}")
         if not isinstance(self.restart_replay, bool):
             raise ValueError(f"train config: restart_replay must be true or false, got {self.restart_replay!r}")
         if not isinstance(self.support_at_start, bool):

@@ -25,7 +25,7 @@ from services.trainer.config import TrainConfig
 from services.trainer.optim import set_lrs
 from services.trainer.rundir import append_history, latest_epoch, read_run_json, write_run_json
 from services.trainer.state import (TrainState, adapt_support, apply_knobs, average_epoch_end, build_state,
-                                    restart_due, restart_fresh)
+                                    perturb_due, restart_due, restart_fresh, shrink_perturb)
 
 
 @dataclass
@@ -125,6 +125,8 @@ def train_epoch(state: TrainState, knobs: Knobs, progress: Callable[[int, int], 
     if resume is None:
         if restart_due(state):
             restart_fresh(state)
+        elif perturb_due(state):
+            shrink_perturb(state)
         adapt_support(state)
         env.reset_all()
         env.pop_trade_stats()

@@ -144,10 +144,7 @@ def restart_learner(state: TrainState) -> None:
     (the global RNG untouched), and every optimizer moment and step count zeroed. The buffers (the reward support
     `v_max`, `maturity`) stay, as do the replay, the tracker, the entropy coefficient and the counters that the
     schedule reads; `train_epoch` then re-encodes the embedding tables from the fresh encoder."""
-    seed = int(torch.randint(0, 2**62, (1,), generator=state.generator, device=state.generator.device))
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        fresh = dict(Agent(state.cfg.agent).named_parameters())
+    fresh = fresh_parameters(state)
     for net in (state.agent, state.target, state.ema):
         if net is not None:
             for name, p in net.named_parameters():
@@ -173,6 +170,31 @@ def average_epoch_end(state: TrainState) -> None:
     for name, p in state.ema.named_parameters():
         p.lerp_(online[name], 1.0 / max(n, 1))           # weight 1 (n ≤ 1): the online weights exactly
     state.swa_count = n
+
+
+def fresh_parameters(state: TrainState) -> dict[str, torch.Tensor]:
+    """The parameters of a new `Agent` of the run's config (on the CPU), initialised from a seed drawn from the run's
+    generator; the global RNG untouched."""
+    seed = int(torch.randint(0, 2**62, (1,), generator=state.generator, device=state.generator.device))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return {n: p.detach() for n, p in Agent(state.cfg.agent).named_parameters()}
+
+
+def perturb_due(state: TrainState) -> bool:
+    """Whether the online network shrinks toward a fresh one before the next epoch (`TrainConfig.shrink_perturb`):
+    before every epoch after the first."""
+    return state.cfg.shrink_perturb > 0 and state.epoch > 0
+
+
+@torch.no_grad()
+def shrink_perturb(state: TrainState) -> None:
+    """θ ← (1 − s)·θ + s·θ_fresh for every parameter of the online network, in place (the captured step reads
+    these addresses), s = `TrainConfig.shrink_perturb`; the target, the average, the optimizer and the replay as
+    they are."""
+    fresh = fresh_parameters(state)
+    for name, p in state.agent.named_parameters():
+        p.lerp_(fresh[name].to(p.device, p.dtype), state.cfg.shrink_perturb)
 
 
 def restart_fresh(state: TrainState) -> None:
