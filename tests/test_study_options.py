@@ -48,7 +48,7 @@ def test_the_shipped_study_files_build(path: Path, tmp_path: Path):
         assert set(offs.get("on", offs.get("pop")).off) == signals
     # variants of the fixed schedule: feedback off
     schedule_only = ("ema", "fresh", "recent", "lowlr", "lr", "decay", "fewer", "dropout", "ratio", "gamma",
-                     "cosine", "swa")
+                     "cosine", "swa", "sp")
     assert all(fb.enabled for n, fb in offs.items() if n != "off" and not n.startswith(schedule_only))
 
     for name, fb in offs.items():
@@ -158,6 +158,13 @@ def test_the_shipped_study_files_build(path: Path, tmp_path: Path):
         assert spec.to_dict()["variants"] == ran["variants"]            # the file is the study that was run
         gamma = json.loads((path.parents[1] / "docs/study-h200-gamma/results.json").read_text())["study"]
         assert (spec.seeds, spec.folds, spec.bars) == (gamma["seeds"], gamma["folds"], gamma["bars"])   # it pairs
+    elif path.name == "shrink-perturb.toml":   # the online network shrunk toward a fresh one before each epoch
+        cfgs = {v.name: spec.configs(v, 14)[0] for v in spec.variants}
+        assert {n: (c.shrink_perturb, c.restart_every, c.schedule.gamma) for n, c in cfgs.items()} == {
+            "off": (0.0, 0, 0.98), "sp30": (0.3, 0, 0.98), "sp50": (0.5, 0, 0.98)}
+        assert not any(fb.enabled for fb in offs.values()) and spec.reference == "off"
+        swa = json.loads((path.parents[1] / "docs/study-h200-swa/results.json").read_text())["study"]
+        assert (spec.seeds, spec.folds, spec.bars) == (swa["seeds"], swa["folds"], swa["bars"])   # it pairs
     elif path.name == "recent-replay.toml":   # the one-epoch replay on new seeds, and the loop as shipped on it
         cfgs = {v.name: spec.configs(v, 14)[0] for v in spec.variants}
         assert {n: c.replay_capacity for n, c in cfgs.items()} == {"off": 2_000_000, "recent": 500_000,
