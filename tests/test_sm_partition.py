@@ -2,12 +2,12 @@
 it, where it is refused; on an NVIDIA GPU, that the iterations' graph captured on the partition runs on its SMs."""
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from bench.sm_partition_probe import timed
 from services.trainer import sm_partition
 from services.trainer.sm_partition import ENV_SLOT, ENV_SMS, PartitionError, partition_streams, requested
 
@@ -98,17 +98,6 @@ def test_a_graph_captured_on_the_partition_runs_on_its_sms(monkeypatch):
     def work():
         for _ in range(40):
             torch.mm(a, a, out=c)
-
-    def timed(fn, stream):
-        best = float("inf")
-        for _ in range(3):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            with torch.cuda.stream(stream):
-                fn()
-            stream.synchronize()
-            best = min(best, time.perf_counter() - t0)
-        return best
 
     whole = timed(work, torch.cuda.current_stream())
     g = torch.cuda.CUDAGraph()
