@@ -58,6 +58,7 @@ from services.trainer.buffers import refresh_encode, refresh_rolling, refresh_st
 from services.trainer.objective import make_objective
 from services.trainer.replay import Batch
 from services.trainer.loop import train_epoch
+from services.trainer.run_batch import autocast_linear
 from services.trainer.runtime import compile_step, in_precision
 from services.trainer.targets import Targets, make_targets, noise_width
 from services.trainer.train import TrainConfig
@@ -358,7 +359,8 @@ def measure(args, states: list, accel: str, cuda: bool) -> list[dict]:
         else:
             upd = BatchedUpdate(states[:R])
             check = max(upd.check(states[:R]), upd.refresh.check(states[:R]))
-        step = in_precision(upd, upd.cfg, args.device)          # bf16 autocast on CUDA, as the product's steps
+        # bf16 autocast on CUDA, as the product's steps, with vmap's linear layers kept in it (`AutocastLinear`)
+        step = autocast_linear(in_precision(upd, upd.cfg, args.device))
         if "compile" in accel:
             # every R its own static graph: a recompile of the same `__call__` at a new R makes the run dimension
             # symbolic (automatic dynamic shapes), and on the H200 a compile of this step failed building its shape

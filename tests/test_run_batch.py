@@ -161,3 +161,39 @@ def test_a_support_is_one_row_for_all_or_a_row_for_each_runs_samples():
     assert per == 4 and rows.shape == (3, 5)
     with pytest.raises(ValueError, match=r"support of shape \(5, 5\) for 12 samples"):
         support_rows(torch.zeros(5, 5), 12)
+
+
+def test_linear_layers_vmapped_over_runs_stay_in_autocasts_dtype():
+    """`AutocastLinear`: under bf16 autocast, linear layers vmapped over R runs' weights (a bias of their own and one
+    computed from parameters, as `ln_fold` computes it) come out bf16 with each run's own autocast values; without
+    autocast the mode changes nothing. Pure logic on the CPU."""
+    import torch.nn.functional as F
+    from torch.func import functional_call, stack_module_state
+    from services.trainer.run_batch import AutocastLinear
+
+    g = torch.Generator().manual_seed(0)
+    nets = [torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 8)) for _ in range(R)]
+    for net in nets:
+        for p in net.parameters():
+            p.data.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    params, _ = stack_module_state(nets)
+    x = torch.randn(R, 5, 16, generator=g)
+
+    def one(p, x):
+        h = functional_call(nets[0], p, (x,))
+        return F.linear(h, p["2.weight"][:, :8], p["2.bias"] + p["0.bias"][:8])   # a bias computed in fp32
+
+    def own(r):
+        net = nets[r]
+        return F.linear(net(x[r]), net[2].weight[:, :8], net[2].bias + net[0].bias[:8])
+
+    with torch.no_grad():
+        plain = vmap(one)(params, x)
+        with AutocastLinear():
+            assert torch.equal(vmap(one)(params, x), plain)                          # no autocast: no change
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            with AutocastLinear():
+                got = vmap(one)(params, x)
+            want = torch.stack([own(r) for r in range(R)])
+    assert got.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2 * float(want.abs().max()))
