@@ -33,7 +33,9 @@ SDPA's memory-efficient backward rejects the strides vmap gives its saved log-su
 aligned"). R = 1 runs the same code, so the ratio compares like with like; `--product` adds one run as `tradeloop
 train` runs it (`train_epoch` at the device's default accel, its epoch-start work included), the rate a study's
 runs have today. The timed step runs in the product's precision (`in_precision`: bf16 autocast on CUDA with the
-preset's `bf16`; without it the fused attention ran its IEEE-fp32 path, bench/README.md 2026-12-04). Before timing,
+preset's `bf16`; without it the fused attention ran its IEEE-fp32 path, bench/README.md 2026-12-04), its vmapped
+linear layers kept in autocast's dtype (`run_batch.AutocastLinear`: vmap adds their biases after the product, outside
+autocast, and the fp32 sum reached the attention, bench/README.md 2026-12-05 · 10abaa5). Before timing,
 each R's batched step is checked against every run's own (`check`: the largest |Δ| relative to the scale — the loss
 for the update; every tensor the collection writes for the iteration).
 `--profile TOP` (CUDA) prints each timed step's kernel profile (`bench.train_profile.report`) and the product's.

@@ -109,3 +109,31 @@ def test_the_batched_refresh_stores_what_each_runs_own_refresh_stores(monkeypatc
     mixed = vmap_update.BatchedUpdate(built)              # every run encoding with run 0's networks: the check sees it
     mixed.p = {k: v[:1].expand_as(v).clone() for k, v in mixed.p.items()}
     assert mixed.refresh.check(built) > 1e-6
+
+
+def test_the_timed_step_keeps_the_vmapped_layers_in_autocasts_precision(capsys, monkeypatch):
+    """The step the bench times runs in the product's precision all the way through: with its precision rule set to
+    bf16 autocast (CUDA's on the device; the CPU's here), the attention of the vmapped iteration receives bf16, as
+    one run's does — vmap alone would hand it fp32 (`run_batch.AutocastLinear`)."""
+    import torch.nn.functional as F
+    from torch.overrides import TorchFunctionMode
+
+    def bf16(fn, cfg, device):
+        def run(*args):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return fn(*args)
+        return run
+
+    seen = []
+
+    class Spy(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is F.scaled_dot_product_attention and torch.is_autocast_enabled("cpu"):
+                seen.append(args[0].dtype)
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.setattr(vmap_update, "in_precision", bf16)
+    with Spy():
+        vmap_update.main(["--device", "cpu", "--preset", "small", "--runs", "2", "--steps", "1", "--warmup", "14",
+                          "--bars", "6000", "--set", "iterations=4", "--accel", "eager", "--step", "iteration"])
+    assert seen and set(seen) == {torch.bfloat16}, seen
