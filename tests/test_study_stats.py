@@ -541,3 +541,33 @@ def test_a_studys_results_and_report_carry_the_choice_among_its_variants_by_vali
     head = choice_lines(res["choice"])[0]
     assert "Choosing among the variants by validation (2 on each of 2 (seed, fold) units" in head
     assert aggregate(runs[::2], [], ["off"], "off", n_boot=200)["choice"] is None     # one variant: no choice
+
+
+def test_the_accounts_worst_fall_and_its_ruin_out_of_sample_by_hand():
+    """OOS max drawdown (the summary's `oos_metrics`): per variant its CI over units; a run whose OOS account ran out
+    of equity (a drawdown of the whole peak) is named in the report, and a drawdown short of it is not; each run's
+    drawdown in the run table; a variant whose summaries lack it gives neither."""
+    from tradeloop.study.stats import ruined
+    runs = [_summary("on", 0, 0, [0.1, 0.4], 2, 0.30), _summary("off", 0, 0, [0.1, 0.2], 2, 0.10),
+            _summary("on", 1, 0, [0.2, 0.5], 2, 0.50), _summary("off", 1, 0, [0.2, 0.1], 1, 0.20)]
+    dd = {"on-s0-f0": 0.2, "on-s1-f0": 0.4, "off-s0-f0": 1.0, "off-s1-f0": 0.999}
+    for m in runs:
+        m["oos_metrics"] = {"per_trade_sharpe": m["oos_sharpe"], "max_drawdown": dd[m["run_id"]]}
+    res = aggregate(runs, [], ["on", "off"], "off", n_boot=2000, seed=0)
+    assert res["variants"]["on"]["oos_max_drawdown"]["mean"] == pytest.approx(0.3)
+    assert res["variants"]["off"]["oos_max_drawdown"]["mean"] == pytest.approx(0.9995)
+    assert res["variants"]["on"]["oos_ruined"] == [] and res["variants"]["off"]["oos_ruined"] == ["off-s0-f0"]
+    assert ruined(1.0) and not ruined(0.999)
+    md = _markdown_of_on_off(res)
+    assert "ran out of equity out of sample" in md and "stops there): off-s0-f0." in md
+    assert "| off-s1-f0 | 1 | 0 | 1 | +0.200 | 30 | +0.200 | 30 | 0.999 |" in md
+    dd["off-s0-f0"] = 0.5
+    for m in runs:
+        m["oos_metrics"]["max_drawdown"] = dd[m["run_id"]]
+    md = _markdown_of_on_off(aggregate(runs, [], ["on", "off"], "off", n_boot=200, seed=0))
+    assert "No account ran out of equity out of sample." in md
+    del runs[0]["oos_metrics"]
+    res = aggregate(runs, [], ["on", "off"], "off", n_boot=200, seed=0)
+    assert "oos_max_drawdown" not in res["variants"]["on"] and "oos_ruined" not in res["variants"]["on"]
+    line = next(x for x in _markdown_of_on_off(res).splitlines() if "worst fall out of sample" in x)
+    assert "units): off 0.750" in line and "; on " not in line                 # only the variant that has it

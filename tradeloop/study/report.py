@@ -218,6 +218,15 @@ def markdown(res: dict) -> str:
                   "curve's bar returns, flat bars included, un-annualized; a policy that raises its per-trade Sharpe "
                   "by trading less can lower it; mean [95 % CI] over units): " + "; ".join(bar)
                   + (f"; paired {', '.join(pairs)}." if pairs else ".")]
+    dd = {n: d for n, d in res["variants"].items() if d.get("oos_max_drawdown")}
+    if dd:
+        gone = [r for d in dd.values() for r in d["oos_ruined"]]
+        lines += ["", "The account's worst fall out of sample: max drawdown of the selected checkpoints' OOS equity "
+                  "(a fraction of its running peak; mean [95 % CI] over units): "
+                  + "; ".join(f"{n} {describe(d['oos_max_drawdown'], '.3f')}" for n, d in dd.items()) + ". "
+                  + (f"Accounts that ran out of equity out of sample (liquidated, then no more trades: their per-trade "
+                     f"Sharpe stops there): {', '.join(gone)}." if gone else
+                     "No account ran out of equity out of sample.")]
     shaped = {n: d["unshaped"] for n, d in res["variants"].items() if "unshaped" in d}
     if any(u["shaped_runs"] for u in shaped.values()):
         lines += ["", "Policy shaping apart from learning: the selected checkpoints backtested again without the knobs "
@@ -244,13 +253,13 @@ def markdown(res: dict) -> str:
                           "exploit yet), val spread within a group: " + "; ".join(
                               f"epoch {e}: mean {_n(d['mean_val_spread'], '.4f')}, max {_n(d['max_val_spread'], '.4f')} "
                               f"({d['groups']} of {p['groups']} groups)" for e, d in later.items()) + ".")
-    lines += ["", "| run | seed | fold | selected epoch | val SR | val trades | OOS SR | OOS trades | DSR (study) "
-                  "| DSR (run) | last-epoch val SR |",
-              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines += ["", "| run | seed | fold | selected epoch | val SR | val trades | OOS SR | OOS trades | OOS max DD "
+                  "| DSR (study) | DSR (run) | last-epoch val SR |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in res["runs"]:
         lines.append(f"| {r['run_id']} | {r['seed']} | {r['fold']} | {r['selected_epoch']}{'' if r['selectable'] else '*'} "
                      f"| {_n(r['val_sharpe'])} | {r['val_trades']} | {_n(r['oos_sharpe'])} | {r['oos_trades']} "
-                     f"| {_n(r['dsr'], '.3f')} | {_n(r['run_dsr'], '.3f')} | {_n(r['last_val_sharpe'])} |")
+                     f"| {_n(r.get('oos_max_drawdown'), '.3f')} | {_n(r['dsr'], '.3f')} | {_n(r['run_dsr'], '.3f')} | {_n(r['last_val_sharpe'])} |")
     if any(not r["selectable"] for r in res["runs"]):
         lines.append(f"\n\\* no epoch had {s['min_val_trades']} validation trades: the best of all was taken.")
     return "\n".join(lines) + "\n"

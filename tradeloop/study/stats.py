@@ -153,6 +153,13 @@ def describe(ci: dict, spec: str = "+.3f") -> str:
     return f"{f(ci['mean'])} [{f(ci['lo'])}, {f(ci['hi'])}]"
 
 
+def ruined(max_drawdown: float) -> bool:
+    """Whether an account's equity reached zero (a max drawdown of the whole peak, `shared.metrics.max_drawdown`):
+    the simulator liquidates such an account and it trades no more (`shared.execution`), so its later trades are
+    missing from its per-trade Sharpe rather than counted as losses."""
+    return max_drawdown >= 1.0 - 1e-9
+
+
 METRICS = (("oos_sharpe", "OOS per-trade Sharpe"), ("val_sharpe", "val per-trade Sharpe"),
            ("dsr", "DSR (study)"), ("val_trades", "val trades"), ("oos_trades", "OOS trades"),
            ("last_val_sharpe", "last-epoch val per-trade Sharpe"))
@@ -178,6 +185,7 @@ def aggregate(summaries: Sequence[dict], baselines: Sequence[dict], variants: Se
                      "val_sharpe_unshaped": m.get("val_sharpe_unshaped"),
                      # the account's OOS equity curve beside its trades (bar returns, flat bars included)
                      "oos_bar_sharpe": (m.get("oos_metrics") or {}).get("per_bar_sharpe"),
+                     "oos_max_drawdown": (m.get("oos_metrics") or {}).get("max_drawdown"),
                      "dsr": study_dsr(m["selected_val_trade_returns"], n_trials, var),
                      "run_dsr": m["run_dsr"], "rollbacks": rollbacks(m), "rollback_steps": rollback_steps(m),
                      "exploits": len(exploited(m)),
@@ -228,6 +236,10 @@ def aggregate(summaries: Sequence[dict], baselines: Sequence[dict], variants: Se
         if all(r["oos_bar_sharpe"] is not None for r in rs):
             bars = pooled(name, {(r["seed"], r["fold"]): r["oos_bar_sharpe"] for r in rs})
             d["oos_bar_sharpe"] = ci(list(bars.values()))
+        if all(r["oos_max_drawdown"] is not None for r in rs):
+            dds = pooled(name, {(r["seed"], r["fold"]): r["oos_max_drawdown"] for r in rs})
+            d["oos_max_drawdown"] = ci(list(dds.values()))
+            d["oos_ruined"] = [r["run_id"] for r in rs if ruined(r["oos_max_drawdown"])]
         if all(r["oos_sharpe_unshaped"] is not None for r in rs):
             d["unshaped"] = {"shaped_runs": sum(bool(r["shaped"]) for r in rs),
                              **{k: ci([r[f"{k}_unshaped"] for r in rs]) for k in ("oos_sharpe", "val_sharpe")},
