@@ -259,7 +259,8 @@ def markdown(res: dict) -> str:
     for r in res["runs"]:
         lines.append(f"| {r['run_id']} | {r['seed']} | {r['fold']} | {r['selected_epoch']}{'' if r['selectable'] else '*'} "
                      f"| {_n(r['val_sharpe'])} | {r['val_trades']} | {_n(r['oos_sharpe'])} | {r['oos_trades']} "
-                     f"| {_n(r.get('oos_max_drawdown'), '.3f')} | {_n(r['dsr'], '.3f')} | {_n(r['run_dsr'], '.3f')} | {_n(r['last_val_sharpe'])} |")
+                     f"| {_n(r.get('oos_max_drawdown'), '.3f')} | {_n(r['dsr'], '.3f')} | {_n(r['run_dsr'], '.3f')} "
+                     f"| {_n(r['last_val_sharpe'])} |")
     if any(not r["selectable"] for r in res["runs"]):
         lines.append(f"\n\\* no epoch had {s['min_val_trades']} validation trades: the best of all was taken.")
     return "\n".join(lines) + "\n"
