@@ -557,7 +557,9 @@ def test_the_accounts_worst_fall_and_its_ruin_out_of_sample_by_hand():
     assert res["variants"]["on"]["oos_max_drawdown"]["mean"] == pytest.approx(0.3)
     assert res["variants"]["off"]["oos_max_drawdown"]["mean"] == pytest.approx(0.9995)
     assert res["variants"]["on"]["oos_ruined"] == [] and res["variants"]["off"]["oos_ruined"] == ["off-s0-f0"]
-    assert ruined(1.0) and not ruined(0.999)
+    from shared.metrics import max_drawdown                # an account's bar returns once its equity is gone: 0
+    assert ruined(max_drawdown([0.1, -1.0, 0.0])) and ruined(max_drawdown([0.1, -1.3, 0.0]))   # gapped past zero
+    assert not ruined(max_drawdown([0.1, -0.99, 0.0])) and not ruined(0.999)
     md = _markdown_of_on_off(res)
     assert "ran out of equity out of sample" in md and "stops there): off-s0-f0." in md
     assert "| off-s1-f0 | 1 | 0 | 1 | +0.200 | 30 | +0.200 | 30 | 0.999 |" in md
