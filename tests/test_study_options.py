@@ -165,6 +165,16 @@ def test_the_shipped_study_files_build(path: Path, tmp_path: Path):
         assert not any(fb.enabled for fb in offs.values()) and spec.reference == "off"
         swa = json.loads((path.parents[1] / "docs/study-h200-swa/results.json").read_text())["study"]
         assert (spec.seeds, spec.folds, spec.bars) == (swa["seeds"], swa["folds"], swa["bars"])   # it pairs
+        ran = json.loads((path.parents[1] / "docs/study-h100-shrink-perturb/results.json").read_text())["study"]
+        assert spec.to_dict()["variants"] == ran["variants"]            # the file is the study that was run
+    elif path.name == "regularise.toml":    # weight decay and dropout together against the widening gap
+        cfgs = {v.name: spec.configs(v, 14)[0] for v in spec.variants}
+        assert {n: (c.weight_decay, c.dropout, c.schedule.gamma, c.updates_per_iter) for n, c in cfgs.items()} == {
+            "off": (cfgs["off"].weight_decay, 0.0, 0.98, 1), "decay-dropout": (0.1, 0.1, 0.98, 1)}
+        assert cfgs["off"].weight_decay < 0.1
+        assert not any(fb.enabled for fb in offs.values()) and spec.reference == "off"
+        sp = json.loads((path.parents[1] / "docs/study-h100-shrink-perturb/results.json").read_text())["study"]
+        assert (spec.seeds, spec.folds, spec.bars) == (sp["seeds"], sp["folds"], sp["bars"])   # it pairs
     elif path.name == "recent-replay.toml":   # the one-epoch replay on new seeds, and the loop as shipped on it
         cfgs = {v.name: spec.configs(v, 14)[0] for v in spec.variants}
         assert {n: c.replay_capacity for n, c in cfgs.items()} == {"off": 2_000_000, "recent": 500_000,
