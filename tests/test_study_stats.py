@@ -116,9 +116,14 @@ def _summary(variant, seed, fold, vals, sel, oos, trades=30):
                        for i, v in enumerate(vals)]}
 
 
-def test_aggregate_deflates_by_every_checkpoint_of_the_study_and_pairs_by_seed_and_fold():
-    runs = [_summary("on", 0, 0, [0.1, 0.4], 2, 0.30), _summary("off", 0, 0, [0.1, 0.2], 2, 0.10),
+def _two_units():
+    """on and off on seeds 0 and 1 of fold 0: the hand-computed case several tests share."""
+    return [_summary("on", 0, 0, [0.1, 0.4], 2, 0.30), _summary("off", 0, 0, [0.1, 0.2], 2, 0.10),
             _summary("on", 1, 0, [0.2, 0.5], 2, 0.50), _summary("off", 1, 0, [0.2, 0.1], 1, 0.20)]
+
+
+def test_aggregate_deflates_by_every_checkpoint_of_the_study_and_pairs_by_seed_and_fold():
+    runs = _two_units()
     res = aggregate(runs, [], ["on", "off"], "off", n_boot=2000, seed=0)
     allv = [0.1, 0.4, 0.1, 0.2, 0.2, 0.5, 0.2, 0.1]
     assert res["n_trials"] == 8 and res["trial_sharpe_var"] == pytest.approx(np.var(allv, ddof=1))
@@ -404,8 +409,7 @@ def _markdown_of_on_off(res: dict) -> str:
 def test_policy_shaping_is_told_apart_from_learning_by_hand():
     """Each run's OOS as learned (the selected checkpoint without its E5/E9 knobs): per variant its CI and the
     shaped − learned difference; paired against the reference; and the report's table says so."""
-    runs = [_summary("on", 0, 0, [0.1, 0.4], 2, 0.30), _summary("off", 0, 0, [0.1, 0.2], 2, 0.10),
-            _summary("on", 1, 0, [0.2, 0.5], 2, 0.50), _summary("off", 1, 0, [0.2, 0.1], 1, 0.20)]
+    runs = _two_units()
     learned = {"on-s0-f0": 0.20, "on-s1-f0": 0.10, "off-s0-f0": 0.10, "off-s1-f0": 0.20}
     for m in runs:
         m.update(shaped=m["variant"] == "on", oos_sharpe_unshaped=learned[m["run_id"]],
@@ -427,8 +431,7 @@ def test_policy_shaping_is_told_apart_from_learning_by_hand():
 def test_the_accounts_per_bar_sharpe_stands_beside_the_per_trade_one_by_hand():
     """OOS per-bar Sharpe (the summary's `oos_metrics`): per variant its CI, paired against the reference, in the
     report; summaries without it give neither."""
-    runs = [_summary("on", 0, 0, [0.1, 0.4], 2, 0.30), _summary("off", 0, 0, [0.1, 0.2], 2, 0.10),
-            _summary("on", 1, 0, [0.2, 0.5], 2, 0.50), _summary("off", 1, 0, [0.2, 0.1], 1, 0.20)]
+    runs = _two_units()
     per_bar = {"on-s0-f0": 0.05, "on-s1-f0": 0.07, "off-s0-f0": 0.10, "off-s1-f0": 0.08}
     for m in runs:
         m["oos_metrics"] = {"per_trade_sharpe": m["oos_sharpe"], "per_bar_sharpe": per_bar[m["run_id"]]}
@@ -548,8 +551,7 @@ def test_the_accounts_worst_fall_and_its_ruin_out_of_sample_by_hand():
     of equity (a drawdown of the whole peak) is named in the report, and a drawdown short of it is not; each run's
     drawdown in the run table; a variant whose summaries lack it gives neither."""
     from tradeloop.study.stats import ruined
-    runs = [_summary("on", 0, 0, [0.1, 0.4], 2, 0.30), _summary("off", 0, 0, [0.1, 0.2], 2, 0.10),
-            _summary("on", 1, 0, [0.2, 0.5], 2, 0.50), _summary("off", 1, 0, [0.2, 0.1], 1, 0.20)]
+    runs = _two_units()
     dd = {"on-s0-f0": 0.2, "on-s1-f0": 0.4, "off-s0-f0": 1.0, "off-s1-f0": 0.999}
     for m in runs:
         m["oos_metrics"] = {"per_trade_sharpe": m["oos_sharpe"], "max_drawdown": dd[m["run_id"]]}
