@@ -19,13 +19,15 @@ static tensors first, outside the step, as `StepRunner` draws them):
   clip      each run's gradients clipped to `grad_clip` by its own norm
   AdamW     one `torch.optim.AdamW` over the stacked parameters (elementwise: each run's moments are its own)
   target    θ' ← θ' + τ(θ − θ') over the stacked networks
+  priority  each run's replay priorities and sampling weights from its own TD errors (`Replay.update_priorities`,
+            vmapped over the runs' replays: one launch of the priority op for all of them)
 The batched collection (`--step iteration`, before the iteration's `updates_per_iter` updates): `TrainEnv.collect`
 vmapped over every run's accounts, exploration knobs, acting view table and replay (`BatchedCollect`), so the
 updates sample what it wrote.
 Each run reads its own update buffers (embedding tables, knobs, hindsight labels, the acting view's table: stacked
 and vmapped like the parameters). Each update also advances every run's rolling embedding refresh
-(`BatchedRefresh`: encoded before the forward pass, stored after the backward pass, as `train_step` does). The
-priorities and the LR schedule of the product's update are not in it. `--kernels fused` (the default) keeps the
+(`BatchedRefresh`: encoded before the forward pass, stored after the backward pass, as `train_step` does). The LR
+schedule of the product's update is not in it, and the optimizer is torch's AdamW, not the product's flat one. `--kernels fused` (the default) keeps the
 preset's Triton kernels (fused attention, C51 chain and targets), whose vmap rules fold the runs' samples into one
 launch (`services.trainer.run_batch`); `--kernels reference` trains with `attention=sdpa`, `fused_c51=False`,
 `fused_targets=False` and the attention written out (`causal_attention_math`, `last_query_attention_math`: on CUDA,
@@ -156,27 +158,33 @@ class BatchedUpdate:
                 self._buffers(bufs, views):
             return tuple(self.targets(Batch(*batch), noise).tensors())
 
-    def _loss(self, p, b, bufs, views, batch, noise, tg) -> torch.Tensor:
+    def _loss(self, p, b, bufs, views, batch, noise, tg) -> tuple[torch.Tensor, torch.Tensor]:
         with self._online(p, b), self._buffers(bufs, views):
-            return self.objective(Batch(*batch), noise, Targets(*tg), lambda: None).loss
+            o = self.objective(Batch(*batch), noise, Targets(*tg), lambda: None)
+            return o.loss, o.priority.detach()
 
-    def losses(self, k: int = 0) -> tuple[tuple, tuple, torch.Tensor]:
-        """(the runs' batches, their targets, their losses) of one step (the iteration's k-th update's uniforms),
-        vmapped over the runs."""
+    def _prioritise(self, replay: dict, slot: torch.Tensor, td: torch.Tensor) -> tuple:
+        with swapped(self.st.replay, replay):
+            self.st.replay.update_priorities(slot, td)
+        return ()                                          # in place: the stacked replays take the writes
+
+    def losses(self, k: int = 0) -> tuple[tuple, tuple, torch.Tensor, torch.Tensor]:
+        """(the runs' batches, their targets, their losses, their TD errors for the priorities) of one step (the
+        iteration's k-th update's uniforms), vmapped over the runs."""
         u, noise = self.us[k], self.noises[k]
         with torch.no_grad():
             batch = self.sample(self.replays, u)
             tg = vmap(self._targets, randomness="different")(self.p, self.b, self.tp, self.tb, self.bufs, self.views,
                                                              batch, noise)
-        return batch, tg, vmap(self._loss, randomness="different")(self.p, self.b, self.bufs, self.views, batch,
-                                                                   noise, tg)
+        losses, td = vmap(self._loss, randomness="different")(self.p, self.b, self.bufs, self.views, batch, noise, tg)
+        return batch, tg, losses, td
 
     def check(self, states: list) -> float:
         """The largest |Δ| between the batched loss of each run and the loss its own networks and buffers give (its
         own targets and objective) on the same batch and noise, relative to the loss."""
         self.draw()
         with torch.no_grad():
-            batch, _, losses = self.losses()
+            batch, _, losses, _ = self.losses()
             worst = 0.0
             for r, s in enumerate(states):
                 b = Batch(*(x[r] for x in batch))
@@ -193,7 +201,7 @@ class BatchedUpdate:
 
     def __call__(self, k: int = 0) -> torch.Tensor:
         staged = self.refresh.encode()
-        _, _, losses = self.losses(k)
+        batch, _, losses, td = self.losses(k)
         self.opt.zero_grad(set_to_none=True)
         losses.sum().backward()
         self.refresh.store(staged)
@@ -206,6 +214,7 @@ class BatchedUpdate:
         self.opt.step()
         with torch.no_grad():
             torch._foreach_lerp_(list(self.tp.values()), list(self.p.values()), self.cfg.tau)
+            vmap(self._prioritise)(self.replays, batch[BATCH_FIELDS.index("slot")], td)
         return losses.detach()
 
 

@@ -1,7 +1,7 @@
 """bench/vmap_update.py: R runs' updates as one vmapped computation print their rows for a tiny CPU config, each R's
 batched losses checked against the runs' own objectives; each run's batch is the one its own replay gives, bit for
-bit; a batched update moves every run's networks, each from its own state (its GPU figures come from the device
-machine)."""
+bit; a batched update moves every run's networks, each from its own state, and writes each run's priorities as its
+own replay does (its GPU figures come from the device machine)."""
 import json
 
 import torch
@@ -35,10 +35,18 @@ def test_the_bench_times_vmapped_updates_that_move_every_run(capsys, monkeypatch
     for n, p in built[1].agent.named_parameters():                                # the stack starts from each state
         assert torch.equal(p, before[n][1])
     tbefore = {n: p.clone() for n, p in upd.tp.items()}
+    with torch.no_grad():
+        td = upd.losses()[3]                               # each run's TD errors on its batch, before the update
+    priority = upd.replays["priority"].clone()
     losses = upd()
     assert losses.shape == (2,) and torch.isfinite(losses).all()
     assert [any(not torch.equal(upd.p[n][r], before[n][r]) for n in before) for r in range(2)] == [True, True]
     assert any(not torch.equal(upd.tp[n], tbefore[n]) for n in tbefore)          # the targets follow
+    for r, st in enumerate(built):                 # each run's priorities: what its own replay writes from its TD
+        assert not torch.equal(upd.replays["priority"][r], priority[r])
+        st.replay.update_priorities(batch[0][r], td[r])
+        for k in ("priority", "weight", "max_priority"):
+            assert torch.equal(upd.replays[k][r], getattr(st.replay, k)), (r, k)
 
 
 def test_the_whole_iteration_batched_collects_what_each_run_collects_alone(capsys, monkeypatch):

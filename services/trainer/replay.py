@@ -254,7 +254,7 @@ class Replay:
         new = td.detach().abs().float() + eps
         scatter_amax_reweigh_(self.priority.view(-1), self.weight.view(-1), slot, new, self.bar.view(-1),
                               self.bar_boost, self.alpha)
-        torch.maximum(self.max_priority, new.max(), out=self.max_priority)
+        self.max_priority.copy_(torch.maximum(self.max_priority, new.max()))
 
     @torch.no_grad()
     def set_priority(self, slot: torch.Tensor, value: torch.Tensor) -> None:
