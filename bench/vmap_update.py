@@ -27,8 +27,8 @@ updates sample what it wrote.
 Each run reads its own update buffers (embedding tables, knobs, hindsight labels, the acting view's table: stacked
 and vmapped like the parameters). Each update also advances every run's rolling embedding refresh
 (`BatchedRefresh`: encoded before the forward pass, stored after the backward pass, as `train_step` does). The LR
-schedule of the product's update is not in it, and the optimizer is torch's AdamW, not the product's flat one. `--kernels fused` (the default) keeps the
-preset's Triton kernels (fused attention, C51 chain and targets), whose vmap rules fold the runs' samples into one
+schedule of the product's update is not in it, and the optimizer is torch's AdamW, not the product's flat one.
+`--kernels fused` (the default) keeps the preset's Triton kernels (fused attention, C51 chain and targets), whose vmap rules fold the runs' samples into one
 launch (`services.trainer.run_batch`); `--kernels reference` trains with `attention=sdpa`, `fused_c51=False`,
 `fused_targets=False` and the attention written out (`causal_attention_math`, `last_query_attention_math`: on CUDA,
 SDPA's memory-efficient backward rejects the strides vmap gives its saved log-sum-exp, "LSE is not correctly
