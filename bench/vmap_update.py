@@ -28,18 +28,18 @@ Each run reads its own update buffers (embedding tables, knobs, hindsight labels
 and vmapped like the parameters). Each update also advances every run's rolling embedding refresh
 (`BatchedRefresh`: encoded before the forward pass, stored after the backward pass, as `train_step` does). The LR
 schedule of the product's update is not in it, and the optimizer is torch's AdamW, not the product's flat one.
-`--kernels fused` (the default) keeps the preset's Triton kernels (fused attention, C51 chain and targets), whose vmap rules fold the runs' samples into one
-launch (`services.trainer.run_batch`); `--kernels reference` trains with `attention=sdpa`, `fused_c51=False`,
-`fused_targets=False` and the attention written out (`causal_attention_math`, `last_query_attention_math`: on CUDA,
-SDPA's memory-efficient backward rejects the strides vmap gives its saved log-sum-exp, "LSE is not correctly
-aligned"). R = 1 runs the same code, so the ratio compares like with like; `--product` adds one run as `tradeloop
-train` runs it (`train_epoch` at the device's default accel, its epoch-start work included), the rate a study's
-runs have today. The timed step runs in the product's precision (`in_precision`: bf16 autocast on CUDA with the
-preset's `bf16`; without it the fused attention ran its IEEE-fp32 path, bench/README.md 2026-12-04), its vmapped
-linear layers kept in autocast's dtype (`run_batch.AutocastLinear`: vmap adds their biases after the product, outside
-autocast, and the fp32 sum reached the attention, bench/README.md 2026-12-05 · 10abaa5). Before timing,
-each R's batched step is checked against every run's own (`check`: the largest |Δ| relative to the scale — the loss
-for the update; every tensor the collection writes for the iteration).
+`--kernels fused` (the default) keeps the preset's Triton kernels (fused attention, C51 chain and targets), whose
+vmap rules fold the runs' samples into one launch (`services.trainer.run_batch`); `--kernels reference` trains with
+`attention=sdpa`, `fused_c51=False`, `fused_targets=False` and the attention written out (`causal_attention_math`,
+`last_query_attention_math`: on CUDA, SDPA's memory-efficient backward rejects the strides vmap gives its saved
+log-sum-exp, "LSE is not correctly aligned"). R = 1 runs the same code, so the ratio compares like with like;
+`--product` adds one run as `tradeloop train` runs it (`train_epoch` at the device's default accel, its epoch-start
+work included), the rate a study's runs have today. The timed step runs in the product's precision (`in_precision`:
+bf16 autocast on CUDA with the preset's `bf16`; without it the fused attention ran its IEEE-fp32 path,
+bench/README.md 2026-12-04), its vmapped linear layers kept in autocast's dtype (`run_batch.AutocastLinear`: vmap
+adds their biases after the product, outside autocast, and the fp32 sum reached the attention, bench/README.md
+2026-12-05 · 10abaa5). Before timing, each R's batched step is checked against every run's own (`check`: the
+largest |Δ| relative to the scale — the loss for the update; every tensor the collection writes for the iteration).
 `--profile TOP` (CUDA) prints each timed step's kernel profile (`bench.train_profile.report`) and the product's.
   steps/s     steps (updates or iterations) of all runs together per second; ×1: over R = 1's
 """
