@@ -17,8 +17,9 @@ static tensors first, outside the step, as `StepRunner` draws them):
   loss      `make_objective`'s loss of every run, vmapped; one backward pass through their sum gives each run's
             own gradients (tests/test_vmap_runs.py)
   clip      each run's gradients clipped to `grad_clip` by its own norm
-  AdamW     one `torch.optim.AdamW` over the stacked parameters (elementwise: each run's moments are its own)
-  target    θ' ← θ' + τ(θ − θ') over the stacked networks
+  AdamW     the product's `FlatAdamW` over its parameter groups, with a run dimension (`runs=R`: each run's row of
+            the flat buffer steps as its own optimizer would, its moments its own)
+  target    θ' ← θ' + τ(θ − θ'): one lerp over the stacked target networks' flat buffer, as the product's
   priority  each run's replay priorities and sampling weights from its own TD errors (`Replay.update_priorities`,
             vmapped over the runs' replays: one launch of the priority op for all of them)
 The batched collection (`--step iteration`, before the iteration's `updates_per_iter` updates): `TrainEnv.collect`
@@ -27,7 +28,7 @@ updates sample what it wrote.
 Each run reads its own update buffers (embedding tables, knobs, hindsight labels, the acting view's table: stacked
 and vmapped like the parameters). Each update also advances every run's rolling embedding refresh
 (`BatchedRefresh`: encoded before the forward pass, stored after the backward pass, as `train_step` does). The LR
-schedule of the product's update is not in it, and the optimizer is torch's AdamW, not the product's flat one.
+schedule of the product's update is not in it (the runs step at the preset's learning rates).
 `--kernels fused` (the default) keeps the preset's Triton kernels (fused attention, C51 chain and targets), whose
 vmap rules fold the runs' samples into one launch (`services.trainer.run_batch`); `--kernels reference` trains with
 `attention=sdpa`, `fused_c51=False`, `fused_targets=False` and the attention written out (`causal_attention_math`,
@@ -59,6 +60,7 @@ from bench import run_streams
 from shared.knobs import Knobs
 from shared import layers
 from services.trainer.buffers import refresh_encode, refresh_rolling, refresh_store
+from services.trainer.flat_adamw import FlatAdamW, flatten_parameters
 from services.trainer.objective import make_objective
 from services.trainer.replay import Batch
 from services.trainer.loop import train_epoch
@@ -138,8 +140,13 @@ class BatchedUpdate:
         self.u, self.noise = self.us[0], self.noises[0]
         self.objective = make_objective(st.agent, st.env.market.windows, st.buffers, st.cfg)
         self.targets = make_targets(st.agent, st.target, st.buffers, st.cfg)
-        self.opt = torch.optim.AdamW(list(self.p.values()), lr=st.cfg.lr, eps=1e-6, capturable=dev.type == "cuda",
-                                     foreach=True)
+        # the product's flat AdamW over its parameter groups, with a run dimension: each run clipped by its own norm
+        name_of = {p: n for n, p in st.agent.named_parameters()}
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [self.p[name_of[p]] for p in g["params"]]}
+                  for g in st.opt.param_groups]
+        self.opt = FlatAdamW(groups, lr=st.cfg.lr, betas=(0.9, 0.999), eps=1e-6, runs=self.R)
+        stacked_name = {p: n for n, p in self.p.items()}
+        self.target_flat = flatten_parameters([self.tp[stacked_name[p]] for p in self.opt.params], runs=self.R)
         self.refresh = BatchedRefresh(self)
 
     def _online(self, p: dict, b: dict):
@@ -205,15 +212,9 @@ class BatchedUpdate:
         self.opt.zero_grad(set_to_none=True)
         losses.sum().backward()
         self.refresh.store(staged)
+        self.opt.step(self.cfg.grad_clip)                                        # each run's clip, then AdamW
         with torch.no_grad():
-            grads = [p.grad for p in self.p.values() if p.grad is not None]
-            norms = torch.stack([g.flatten(1).norm(dim=1) for g in grads]).norm(dim=0)         # R
-            scale = (self.cfg.grad_clip / (norms + 1e-6)).clamp(max=1.0)
-            for g in grads:
-                g.mul_(scale.view(-1, *([1] * (g.dim() - 1))))
-        self.opt.step()
-        with torch.no_grad():
-            torch._foreach_lerp_(list(self.tp.values()), list(self.p.values()), self.cfg.tau)
+            self.target_flat.lerp_(self.opt.flat, self.cfg.tau)                 # θ' ← θ' + τ(θ − θ'), every run
             vmap(self._prioritise)(self.replays, batch[BATCH_FIELDS.index("slot")], td)
         return losses.detach()
 

@@ -14,9 +14,10 @@ def _net() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(7, 16), torch.nn.LayerNorm(16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
 
 
-def _groups(net: torch.nn.Module) -> list[dict]:
-    """Three groups with different decays and learning rates, as the trainer's are (decay mask, branches)."""
-    ps = list(net.parameters())
+def _groups(net: torch.nn.Module | list[torch.Tensor]) -> list[dict]:
+    """Three groups with different decays and learning rates, as the trainer's are (decay mask, branches), of a
+    network's parameters (or of a list of them)."""
+    ps = list(net.parameters()) if isinstance(net, torch.nn.Module) else net
     return [{"params": [ps[0], ps[4]], "weight_decay": 1e-2, "lr": 3e-3},
             {"params": [ps[1], ps[2], ps[3]], "weight_decay": 0.0, "lr": 1e-3},
             {"params": [ps[5]], "weight_decay": 0.0, "lr": 5e-3}]
@@ -147,3 +148,53 @@ def test_compiled_step_writes_the_flat_buffer_in_place_without_a_copy_back():
             torch.Tensor.copy_ = orig
         assert not torch.equal(before, opt.flat), "the step should move the parameters"
     assert copies == [], f"the flat buffer was copied back after the compiled step: {copies}"
+
+
+def test_runs_stacked_in_one_buffer_step_each_as_its_own_flat_adamw():
+    """`runs=R`: R runs' parameters stacked along their first dimension (`torch.func.stack_module_state`), their
+    gradients from one backward pass through the vmapped losses, step as R FlatAdamWs over each run's own network:
+    each run's gradients clipped by their own norm (the largest run's clipped, the smallest's not), the shared
+    learning rates written in place between steps; a parameter not stacked R deep is refused."""
+    from torch.func import functional_call, stack_module_state, vmap
+
+    R, max_norm = 3, None
+    nets = [_net() for _ in range(R)]
+    with torch.no_grad():
+        for r, net in enumerate(nets):
+            for p in net.parameters():
+                p.mul_(1.0 + 0.5 * r)
+    own = [copy.deepcopy(n) for n in nets]
+    own_opts = [FlatAdamW(_groups(n), lr=1e-3, eps=1e-6) for n in own]
+    params, _ = stack_module_state(nets)
+    names = [n for n, _ in nets[0].named_parameters()]
+    opt = FlatAdamW(_groups([params[n] for n in names]), lr=1e-3, eps=1e-6, runs=R)
+    g = torch.Generator().manual_seed(2)
+
+    def loss(p, x, y):
+        return torch.nn.functional.mse_loss(functional_call(nets[0], p, (x,)), y)
+    for step in range(8):
+        x = torch.randn(R, 32, 7, generator=g)
+        y = torch.randn(R, 32, 3, generator=g) * torch.tensor([1.0, 4.0, 16.0]).view(R, 1, 1)
+        if step == 4:
+            for o in (opt, *own_opts):
+                o.param_groups[2]["lr"].fill_(2e-4)
+        for r, (net, o) in enumerate(zip(own, own_opts)):
+            o.zero_grad(set_to_none=True)
+            torch.nn.functional.mse_loss(net(x[r]), y[r]).backward()
+        if max_norm is None:                                   # between the runs' first norms: one clips, one not
+            first = sorted(float(torch.cat([p.grad.flatten() for p in n.parameters()]).norm()) for n in own)
+            max_norm = first[1]
+        want = torch.stack([o.step(max_norm) for o in own_opts])
+        opt.zero_grad(set_to_none=True)
+        vmap(loss)(params, x, y).sum().backward()
+        got = opt.step(max_norm)
+        assert got.shape == (R,) and torch.allclose(got, want, rtol=1e-5), (step, got, want)
+        if step == 0:
+            assert float(want.min()) < max_norm < float(want.max())
+        for r, net in enumerate(own):
+            for n, p in net.named_parameters():
+                assert torch.allclose(params[n][r], p, rtol=1e-5, atol=1e-7), (step, r, n)
+                assert torch.allclose(opt.state[params[n]]["exp_avg"][r], own_opts[r].state[p]["exp_avg"],
+                                      rtol=1e-4, atol=1e-8), (step, r, n)
+    with pytest.raises(ValueError, match="runs=3 needs every parameter stacked 3 runs deep"):
+        flatten_parameters([torch.nn.Parameter(torch.zeros(2, 5))], runs=3)

@@ -9,7 +9,11 @@ buffer, each parameter reading its group's learning rate and decay through a per
 network's parameters can be flattened the same way, so its update is one `lerp_` over a buffer.
 
 The numbers are those of `torch.optim.AdamW` (decoupled weight decay, bias correction) after
-`torch.nn.utils.clip_grad_norm_`, up to the order of float sums (tests/test_flat_adamw.py). The groups keep
+`torch.nn.utils.clip_grad_norm_`, up to the order of float sums (tests/test_flat_adamw.py). With `runs=R`, every
+parameter holds R runs' values along its first dimension (`torch.func.stack_module_state`'s stacks, for runs trained
+as one vmapped computation): the buffer is R rows of one run's layout, and each row steps as that run's own
+FlatAdamW would, its gradients clipped by their own norm (the runs share the groups' learning rates: one
+schedule). The groups keep
 torch's interface where the trainer reads it: `param_groups` (with "lr" a 0-d tensor, as a capturable torch
 optimizer has it, to be written in place), `state[p]` with "exp_avg", "exp_avg_sq" (views of the flat moments) and
 "step" (one counter all parameters share: every parameter steps at every update), `zero_grad`. Imports torch only.
@@ -34,19 +38,25 @@ def flat_layout(params: list[torch.Tensor]) -> tuple[list[int], int]:
     return offsets, o
 
 
-def flatten_parameters(params: list[torch.nn.Parameter]) -> torch.Tensor:
+def flatten_parameters(params: list[torch.nn.Parameter], runs: int | None = None) -> torch.Tensor:
     """Move `params` into one new flat float32 buffer, in order (`flat_layout`), each parameter's data becoming a
-    view of it; returns the buffer. Autograd, state dicts and `copy_` see the same parameters as before."""
+    view of it; returns the buffer. Autograd, state dicts and `copy_` see the same parameters as before. `runs=R`:
+    each parameter is R runs' stacked along its first dimension, and the buffer R rows, row r holding run r's
+    values in one run's layout."""
     dev = params[0].device
-    offsets, n = flat_layout(params)
-    flat = torch.zeros(n, dtype=torch.float32, device=dev)
+    if runs is not None and any(p.dim() < 1 or p.shape[0] != runs for p in params):
+        raise ValueError(f"flatten_parameters: runs={runs} needs every parameter stacked {runs} runs deep; got "
+                         f"{sorted({tuple(p.shape) for p in params if p.dim() < 1 or p.shape[0] != runs})}")
+    lead = () if runs is None else (runs,)
+    offsets, n = flat_layout([p if runs is None else p[0] for p in params])
+    flat = torch.zeros(*lead, n, dtype=torch.float32, device=dev)
     with torch.no_grad():
         for p, o in zip(params, offsets):
             if p.dtype != torch.float32 or p.device != dev:
                 raise ValueError(f"flatten_parameters: a {p.dtype} parameter on {p.device}; float32 on {dev} only")
-            k = p.numel()
-            flat[o:o + k].copy_(p.reshape(-1))
-            p.data = flat[o:o + k].view_as(p)
+            k = p.numel() // (runs or 1)
+            flat[..., o:o + k].copy_(p.reshape(*lead, -1))
+            p.data = flat[..., o:o + k].view(p.shape)
     return flat
 
 
@@ -54,27 +64,29 @@ class FlatAdamW:
     """AdamW with the gradient-norm clip built in, over parameters flattened into one buffer (module docstring).
 
     `groups`: torch-style parameter groups (dicts with "params", "weight_decay", an optional "lr" and any other
-    keys, kept). `step(max_norm)` clips the gradients together by their global 2-norm (as
-    `clip_grad_norm_`, inf = no clip), takes the AdamW step and returns the norm (a device scalar). The groups'
-    learning rates are views of one device vector (`lr_vector`), written in place by a schedule (`fill_`, or one
-    copy on the device), and the step counter is a device tensor: nothing is read back on the host, a CUDA graph
-    can capture the step, and torch.compile sees no changing Python floats (which would recompile it)."""
+    keys, kept). `step(max_norm)` clips the gradients together by their global 2-norm (as `clip_grad_norm_`, inf =
+    no clip; with `runs`, each run's by its own), takes the AdamW step and returns the norm (a device scalar; with
+    `runs`, R of them). The groups' learning rates are views of one device vector (`lr_vector`), written in place by
+    a schedule (`fill_`, or one copy on the device), and the step counter is a device tensor: nothing is read back
+    on the host, a CUDA graph can capture the step, and torch.compile sees no changing Python floats (which would
+    recompile it)."""
 
-    def __init__(self, groups: list[dict], lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8):
+    def __init__(self, groups: list[dict], lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 runs: int | None = None):
         self.defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=0.0)
         self.param_groups = [{**self.defaults, **g, "params": list(g["params"])} for g in groups]
         self.state: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
         params = [p for g in self.param_groups for p in g["params"]]
-        self.params = params
-        self.flat = flatten_parameters(params)
-        dev, n = self.flat.device, self.flat.numel()
-        self.exp_avg = torch.zeros(n, device=dev)
-        self.exp_avg_sq = torch.zeros(n, device=dev)
+        self.params, self.runs = params, runs
+        self.flat = flatten_parameters(params, runs)
+        dev, n = self.flat.device, self.flat.shape[-1]
+        self.exp_avg = torch.zeros_like(self.flat)
+        self.exp_avg_sq = torch.zeros_like(self.flat)
         # float64: 1 − β2^t in float32 loses ~5 digits at t = 1 (β2 = 0.999). One element, not 0-d: torch.compile
         # (2.13, CPU) lost the in-place increment of a 0-d float64 CPU tensor read back in the same graph (the step
         # always read 0; `t.add_(1.0); x.mul_(1 + t.float())` reproduces it, float32 and one element do not)
         self.step_count = torch.zeros(1, dtype=torch.float64, device=dev)
-        self.offsets, _ = flat_layout(params)
+        self.offsets, _ = flat_layout([p if runs is None else p[0] for p in params])
         ends = self.offsets[1:] + [n]
         group_of = [i for i, g in enumerate(self.param_groups) for _ in g["params"]]
         gid = torch.cat([torch.full((e - o,), i, dtype=torch.int32) for i, o, e in zip(group_of, self.offsets, ends)])
@@ -89,10 +101,10 @@ class FlatAdamW:
         for i, g in enumerate(self.param_groups):
             g["lr"] = self.lr_vector[i]
         for p, o in zip(params, self.offsets):
-            k = p.numel()
-            self.state[p] = {"step": self.step_count.view(()), "exp_avg": self.exp_avg[o:o + k].view_as(p),
-                             "exp_avg_sq": self.exp_avg_sq[o:o + k].view_as(p)}
-        self._gaps = [e - o - p.numel() for p, o, e in zip(params, self.offsets, ends)]
+            k = p.numel() // (runs or 1)
+            self.state[p] = {"step": self.step_count.view(()), "exp_avg": self.exp_avg[..., o:o + k].view(p.shape),
+                             "exp_avg_sq": self.exp_avg_sq[..., o:o + k].view(p.shape)}
+        self._gaps = [e - o - p.numel() // (runs or 1) for p, o, e in zip(params, self.offsets, ends)]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params:
@@ -107,15 +119,18 @@ class FlatAdamW:
         # becomes a graph input aliasing the buffer the step mutates, and AOTAutograd then writes the buffer back
         # with a copy after the compiled kernels (a device-to-device memcpy of every parameter, ~9 µs at the end of
         # the batch-4 096 update on the H200)
+        lead = () if self.runs is None else (self.runs,)
         parts = []
         for p, gap in zip(self.params, self._gaps):
-            parts.append(p.grad.reshape(-1).float() if p.grad is not None else self.flat.new_zeros(p.numel()))
+            parts.append(p.grad.reshape(*lead, -1).float() if p.grad is not None
+                         else self.flat.new_zeros(*lead, p.numel() // (self.runs or 1)))
             if gap:
-                parts.append(self.flat.new_zeros(gap))
-        g = torch.cat(parts)
-        norm = g.square().sum().sqrt()
+                parts.append(self.flat.new_zeros(*lead, gap))
+        g = torch.cat(parts, dim=-1)
+        norm = g.square().sum().sqrt() if self.runs is None else g.square().sum(-1).sqrt()      # each run's own
         if max_norm != float("inf"):
-            g = g * (max_norm / (norm + 1e-6)).clamp(max=1.0)
+            scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+            g = g * (scale if self.runs is None else scale.unsqueeze(-1))
         beta1, beta2 = self.defaults["betas"]
         eps = self.defaults["eps"]
         self.step_count.add_(1.0)
