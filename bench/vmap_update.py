@@ -11,6 +11,7 @@ the price of one, the step a run-batched study needs (bench/README.md, run_strea
 Every run is a `build_state` of the preset on the same synthetic training split (seeds 0…R−1), trained for a short
 warm-up epoch so its replay holds transitions. The batched update, per call (the uniforms of every run drawn into
 static tensors first, outside the step, as `StepRunner` draws them):
+  schedule  each run's learning rates from its own update counter and knobs (`device_lrs`, vmapped)
   sample    each run's batch from its own replay (`Replay.sample`, vmapped over the runs' stacked replay tensors)
   targets   `make_targets`'s no-grad targets of every run's batch, vmapped over the runs' online and target
             networks
@@ -27,8 +28,7 @@ vmapped over every run's accounts, exploration knobs, acting view table and repl
 updates sample what it wrote.
 Each run reads its own update buffers (embedding tables, knobs, hindsight labels, the acting view's table: stacked
 and vmapped like the parameters). Each update also advances every run's rolling embedding refresh
-(`BatchedRefresh`: encoded before the forward pass, stored after the backward pass, as `train_step` does). The LR
-schedule of the product's update is not in it (the runs step at the preset's learning rates).
+(`BatchedRefresh`: encoded before the forward pass, stored after the backward pass, as `train_step` does).
 `--kernels fused` (the default) keeps the preset's Triton kernels (fused attention, C51 chain and targets), whose
 vmap rules fold the runs' samples into one launch (`services.trainer.run_batch`); `--kernels reference` trains with
 `attention=sdpa`, `fused_c51=False`, `fused_targets=False` and the attention written out (`causal_attention_math`,
@@ -62,6 +62,7 @@ from shared import layers
 from services.trainer.buffers import refresh_encode, refresh_rolling, refresh_store
 from services.trainer.flat_adamw import FlatAdamW, flatten_parameters
 from services.trainer.objective import make_objective
+from services.trainer.optim import device_lrs
 from services.trainer.replay import Batch
 from services.trainer.loop import train_epoch
 from services.trainer.run_batch import autocast_linear
@@ -170,6 +171,17 @@ class BatchedUpdate:
             o = self.objective(Batch(*batch), noise, Targets(*tg), lambda: None)
             return o.loss, o.priority.detach()
 
+    def _schedule(self, lrs: torch.Tensor, keep: torch.Tensor, bufs: dict, views: dict) -> tuple:
+        with swapped(self.opt, {"lr_vector": lrs, "momentum_keep": keep}), self._buffers(bufs, views):
+            device_lrs(self.opt, self.st.buffers, self.cfg)
+        return ()                                          # in place: each run's row of the LRs, its counter
+
+    def schedule(self) -> None:
+        """Every run's learning rates for its next update from its own update counter and knobs, and the counter
+        advanced (`device_lrs`, vmapped over the runs' rows of the optimizer's LR and momentum vectors)."""
+        with torch.no_grad():
+            vmap(self._schedule)(self.opt.lr_vector, self.opt.momentum_keep, self.bufs, self.views)
+
     def _prioritise(self, replay: dict, slot: torch.Tensor, td: torch.Tensor) -> tuple:
         with swapped(self.st.replay, replay):
             self.st.replay.update_priorities(slot, td)
@@ -207,6 +219,7 @@ class BatchedUpdate:
         torch.rand(self.noises.shape, generator=self.gen, out=self.noises)
 
     def __call__(self, k: int = 0) -> torch.Tensor:
+        self.schedule()
         staged = self.refresh.encode()
         batch, _, losses, td = self.losses(k)
         self.opt.zero_grad(set_to_none=True)

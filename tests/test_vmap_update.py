@@ -1,12 +1,13 @@
 """bench/vmap_update.py: R runs' updates as one vmapped computation print their rows for a tiny CPU config, each R's
 batched losses checked against the runs' own objectives; each run's batch is the one its own replay gives, bit for
-bit; a batched update moves every run's networks, each from its own state, and writes each run's priorities as its
-own replay does (its GPU figures come from the device machine)."""
+bit; a batched update moves every run's networks, each from its own state at its own learning rates, and writes
+each run's priorities as its own replay does (its GPU figures come from the device machine)."""
 import json
 
 import torch
 
 from bench import vmap_update
+from services.trainer.optim import scheduled_lr
 
 
 def test_the_bench_times_vmapped_updates_that_move_every_run(capsys, monkeypatch):
@@ -37,8 +38,15 @@ def test_the_bench_times_vmapped_updates_that_move_every_run(capsys, monkeypatch
     tbefore = {n: p.clone() for n, p in upd.tp.items()}
     with torch.no_grad():
         td = upd.losses()[3]                               # each run's TD errors on its batch, before the update
+        upd.bufs["step"][1].add_(7.0)                      # run 1 later in its schedule, its branches at half rate
+        upd.bufs["lr_scale"][1].mul_(0.5)
     priority = upd.replays["priority"].clone()
+    steps, scales = upd.bufs["step"].clone(), upd.bufs["lr_scale"].clone()
     losses = upd()
+    for r in range(2):                             # each run's LRs from its own counter and knobs, the counter on
+        want = scheduled_lr(steps[r], steps[r], scales[r], upd.bufs["lr_branch"][r], upd.cfg)
+        assert torch.equal(upd.opt.lr_vector[r], want.float()) and torch.equal(upd.bufs["step"][r], steps[r] + 1)
+    assert not torch.equal(upd.opt.lr_vector[0], upd.opt.lr_vector[1])
     assert losses.shape == (2,) and torch.isfinite(losses).all()
     assert [any(not torch.equal(upd.p[n][r], before[n][r]) for n in before) for r in range(2)] == [True, True]
     assert any(not torch.equal(upd.tp[n], tbefore[n]) for n in tbefore)          # the targets follow

@@ -12,8 +12,8 @@ The numbers are those of `torch.optim.AdamW` (decoupled weight decay, bias corre
 `torch.nn.utils.clip_grad_norm_`, up to the order of float sums (tests/test_flat_adamw.py). With `runs=R`, every
 parameter holds R runs' values along its first dimension (`torch.func.stack_module_state`'s stacks, for runs trained
 as one vmapped computation): the buffer is R rows of one run's layout, and each row steps as that run's own
-FlatAdamW would, its gradients clipped by their own norm (the runs share the groups' learning rates: one
-schedule). The groups keep
+FlatAdamW would, its gradients clipped by their own norm, its learning rates and momentum factors its own (a
+row of `lr_vector` and `momentum_keep` a run). The groups keep
 torch's interface where the trainer reads it: `param_groups` (with "lr" a 0-d tensor, as a capturable torch
 optimizer has it, to be written in place), `state[p]` with "exp_avg", "exp_avg_sq" (views of the flat moments) and
 "step" (one counter all parameters share: every parameter steps at every update), `zero_grad`. Imports torch only.
@@ -93,13 +93,15 @@ class FlatAdamW:
         self.group_index = gid.to(dev)
         """Per element of the flat buffer: its parameter group."""
         self.decay = torch.tensor([g["weight_decay"] for g in self.param_groups], dtype=torch.float32, device=dev)
-        G = len(self.param_groups)
-        self.momentum_keep = torch.ones(G, device=dev)
+        G, lead = len(self.param_groups), (() if runs is None else (runs,))
+        self.momentum_keep = torch.ones(*lead, G, device=dev)
         """Per group: a factor on its first moment before the next step (0 = a reset; the trainer's cosine restarts
         write it on the device, `device_lrs`)."""
-        self.lr_vector = torch.tensor([float(g["lr"]) for g in self.param_groups], dtype=torch.float32, device=dev)
+        lrs = torch.tensor([float(g["lr"]) for g in self.param_groups], dtype=torch.float32, device=dev)
+        self.lr_vector = lrs.repeat(*lead, 1)
+        """Per group (with `runs`: per run and group) its learning rate."""
         for i, g in enumerate(self.param_groups):
-            g["lr"] = self.lr_vector[i]
+            g["lr"] = self.lr_vector[..., i]
         for p, o in zip(params, self.offsets):
             k = p.numel() // (runs or 1)
             self.state[p] = {"step": self.step_count.view(()), "exp_avg": self.exp_avg[..., o:o + k].view(p.shape),
@@ -137,9 +139,9 @@ class FlatAdamW:
         t = self.step_count
         step_size = (1.0 / (1.0 - beta1 ** t)).float()                         # 1 / bias correction 1
         bc2_sqrt = (1.0 - beta2 ** t).sqrt().float()
-        lr = self.lr_vector[self.group_index]
+        lr = self.lr_vector[..., self.group_index]
         wd = self.decay[self.group_index]
-        self.exp_avg.mul_(self.momentum_keep[self.group_index]).lerp_(g, 1.0 - beta1)
+        self.exp_avg.mul_(self.momentum_keep[..., self.group_index]).lerp_(g, 1.0 - beta1)
         self.exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
         self.flat.mul_(1.0 - lr * wd)
         self.flat.sub_(lr * step_size * self.exp_avg / (self.exp_avg_sq.sqrt() / bc2_sqrt + eps))
