@@ -21,6 +21,7 @@ static tensors first, outside the step, as `StepRunner` draws them):
   AdamW     the product's `FlatAdamW` over its parameter groups, with a run dimension (`runs=R`: each run's row of
             the flat buffer steps as its own optimizer would, its moments its own)
   target    θ' ← θ' + τ(θ − θ'): one lerp over the stacked target networks' flat buffer, as the product's
+  entropy   each run's entropy coefficient adapted to its own batch's atom utilisation (`adapt_entropy_coef`)
   priority  each run's replay priorities and sampling weights from its own TD errors (`Replay.update_priorities`,
             vmapped over the runs' replays: one launch of the priority op for all of them)
 The batched collection (`--step iteration`, before the iteration's `updates_per_iter` updates): `TrainEnv.collect`
@@ -61,6 +62,7 @@ from shared.knobs import Knobs
 from shared import layers
 from services.trainer.buffers import refresh_encode, refresh_rolling, refresh_store
 from services.trainer.flat_adamw import FlatAdamW, flatten_parameters
+from services.trainer.losses import adapt_entropy_coef
 from services.trainer.objective import make_objective
 from services.trainer.optim import device_lrs
 from services.trainer.replay import Batch
@@ -169,7 +171,7 @@ class BatchedUpdate:
     def _loss(self, p, b, bufs, views, batch, noise, tg) -> tuple[torch.Tensor, torch.Tensor]:
         with self._online(p, b), self._buffers(bufs, views):
             o = self.objective(Batch(*batch), noise, Targets(*tg), lambda: None)
-            return o.loss, o.priority.detach()
+            return o.loss, o.priority.detach(), o.utilisation
 
     def _schedule(self, lrs: torch.Tensor, keep: torch.Tensor, bufs: dict, views: dict) -> tuple:
         with swapped(self.opt, {"lr_vector": lrs, "momentum_keep": keep}), self._buffers(bufs, views):
@@ -187,23 +189,29 @@ class BatchedUpdate:
             self.st.replay.update_priorities(slot, td)
         return ()                                          # in place: the stacked replays take the writes
 
-    def losses(self, k: int = 0) -> tuple[tuple, tuple, torch.Tensor, torch.Tensor]:
-        """(the runs' batches, their targets, their losses, their TD errors for the priorities) of one step (the
-        iteration's k-th update's uniforms), vmapped over the runs."""
+    def _adapt(self, bufs: dict, utilisation: torch.Tensor) -> tuple:
+        adapt_entropy_coef(bufs["entropy_coef"], utilisation, self.cfg.entropy_target, self.cfg.entropy_rate)
+        return ()                                          # in place: each run's coefficient
+
+    def losses(self, k: int = 0) -> tuple[tuple, tuple, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(the runs' batches, their targets, their losses, their TD errors for the priorities, their atom
+        utilisations for the entropy coefficient) of one step (the iteration's k-th update's uniforms), vmapped over
+        the runs."""
         u, noise = self.us[k], self.noises[k]
         with torch.no_grad():
             batch = self.sample(self.replays, u)
             tg = vmap(self._targets, randomness="different")(self.p, self.b, self.tp, self.tb, self.bufs, self.views,
                                                              batch, noise)
-        losses, td = vmap(self._loss, randomness="different")(self.p, self.b, self.bufs, self.views, batch, noise, tg)
-        return batch, tg, losses, td
+        losses, td, util = vmap(self._loss, randomness="different")(self.p, self.b, self.bufs, self.views, batch,
+                                                                    noise, tg)
+        return batch, tg, losses, td, util
 
     def check(self, states: list) -> float:
         """The largest |Δ| between the batched loss of each run and the loss its own networks and buffers give (its
         own targets and objective) on the same batch and noise, relative to the loss."""
         self.draw()
         with torch.no_grad():
-            batch, _, losses, _ = self.losses()
+            batch, _, losses, *_ = self.losses()
             worst = 0.0
             for r, s in enumerate(states):
                 b = Batch(*(x[r] for x in batch))
@@ -221,13 +229,14 @@ class BatchedUpdate:
     def __call__(self, k: int = 0) -> torch.Tensor:
         self.schedule()
         staged = self.refresh.encode()
-        batch, _, losses, td = self.losses(k)
+        batch, _, losses, td, util = self.losses(k)
         self.opt.zero_grad(set_to_none=True)
         losses.sum().backward()
         self.refresh.store(staged)
         self.opt.step(self.cfg.grad_clip)                                        # each run's clip, then AdamW
         with torch.no_grad():
             self.target_flat.lerp_(self.opt.flat, self.cfg.tau)                 # θ' ← θ' + τ(θ − θ'), every run
+            vmap(self._adapt)(self.bufs, util.detach())
             vmap(self._prioritise)(self.replays, batch[BATCH_FIELDS.index("slot")], td)
         return losses.detach()
 

@@ -7,6 +7,7 @@ import json
 import torch
 
 from bench import vmap_update
+from services.trainer.losses import adapt_entropy_coef
 from services.trainer.optim import scheduled_lr
 
 
@@ -37,7 +38,8 @@ def test_the_bench_times_vmapped_updates_that_move_every_run(capsys, monkeypatch
         assert torch.equal(p, before[n][1])
     tbefore = {n: p.clone() for n, p in upd.tp.items()}
     with torch.no_grad():
-        td = upd.losses()[3]                               # each run's TD errors on its batch, before the update
+        td, util = upd.losses()[3:]                        # each run's TD errors and utilisation, before the update
+        coef = upd.bufs["entropy_coef"].clone()
         upd.bufs["step"][1].add_(7.0)                      # run 1 later in its schedule, its branches at half rate
         upd.bufs["lr_scale"][1].mul_(0.5)
     priority = upd.replays["priority"].clone()
@@ -50,6 +52,10 @@ def test_the_bench_times_vmapped_updates_that_move_every_run(capsys, monkeypatch
     assert losses.shape == (2,) and torch.isfinite(losses).all()
     assert [any(not torch.equal(upd.p[n][r], before[n][r]) for n in before) for r in range(2)] == [True, True]
     assert any(not torch.equal(upd.tp[n], tbefore[n]) for n in tbefore)          # the targets follow
+    for r in range(2):                             # each run's entropy coefficient, from its own utilisation
+        own = coef[r].clone()
+        adapt_entropy_coef(own, util[r], upd.cfg.entropy_target, upd.cfg.entropy_rate)
+        assert torch.equal(upd.bufs["entropy_coef"][r], own) and not torch.equal(own, coef[r])
     for r, st in enumerate(built):                 # each run's priorities: what its own replay writes from its TD
         assert not torch.equal(upd.replays["priority"][r], priority[r])
         st.replay.update_priorities(batch[0][r], td[r])
