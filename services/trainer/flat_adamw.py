@@ -78,6 +78,10 @@ class FlatAdamW:
         self.state: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
         params = [p for g in self.param_groups for p in g["params"]]
         self.params, self.runs = params, runs
+        self.lead = () if runs is None else (runs,)
+        """The run dimension the flat buffers, moments and LR vectors lead with: none, or (R,)."""
+        self._sizes = [p.numel() // (runs or 1) for p in params]
+        """Each parameter's elements in one run's layout."""
         self.flat = flatten_parameters(params, runs)
         dev, n = self.flat.device, self.flat.shape[-1]
         self.exp_avg = torch.zeros_like(self.flat)
@@ -93,7 +97,7 @@ class FlatAdamW:
         self.group_index = gid.to(dev)
         """Per element of the flat buffer: its parameter group."""
         self.decay = torch.tensor([g["weight_decay"] for g in self.param_groups], dtype=torch.float32, device=dev)
-        G, lead = len(self.param_groups), (() if runs is None else (runs,))
+        G, lead = len(self.param_groups), self.lead
         self.momentum_keep = torch.ones(*lead, G, device=dev)
         """Per group: a factor on its first moment before the next step (0 = a reset; the trainer's cosine restarts
         write it on the device, `device_lrs`)."""
@@ -102,11 +106,10 @@ class FlatAdamW:
         """Per group (with `runs`: per run and group) its learning rate."""
         for i, g in enumerate(self.param_groups):
             g["lr"] = self.lr_vector[..., i]
-        for p, o in zip(params, self.offsets):
-            k = p.numel() // (runs or 1)
+        for p, o, k in zip(params, self.offsets, self._sizes):
             self.state[p] = {"step": self.step_count.view(()), "exp_avg": self.exp_avg[..., o:o + k].view(p.shape),
                              "exp_avg_sq": self.exp_avg_sq[..., o:o + k].view(p.shape)}
-        self._gaps = [e - o - p.numel() // (runs or 1) for p, o, e in zip(params, self.offsets, ends)]
+        self._gaps = [e - o - k for k, o, e in zip(self._sizes, self.offsets, ends)]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params:
@@ -121,11 +124,10 @@ class FlatAdamW:
         # becomes a graph input aliasing the buffer the step mutates, and AOTAutograd then writes the buffer back
         # with a copy after the compiled kernels (a device-to-device memcpy of every parameter, ~9 µs at the end of
         # the batch-4 096 update on the H200)
-        lead = () if self.runs is None else (self.runs,)
+        lead = self.lead
         parts = []
-        for p, gap in zip(self.params, self._gaps):
-            parts.append(p.grad.reshape(*lead, -1).float() if p.grad is not None
-                         else self.flat.new_zeros(*lead, p.numel() // (self.runs or 1)))
+        for p, k, gap in zip(self.params, self._sizes, self._gaps):
+            parts.append(p.grad.reshape(*lead, -1).float() if p.grad is not None else self.flat.new_zeros(*lead, k))
             if gap:
                 parts.append(self.flat.new_zeros(*lead, gap))
         g = torch.cat(parts, dim=-1)
