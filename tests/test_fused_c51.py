@@ -19,12 +19,17 @@ DEV = triton_device()
 pytestmark = pytest.mark.skipif(DEV is None, reason="needs a CUDA GPU (or TRITON_INTERPRET=1 with triton)")
 
 BRANCHES = (3, 2, 3)
-# Rows of a batch: on the GPU a batch of programs; under the interpreter (numpy, one program after another) ten rows
-# still give a partial last program at 4 rows a program, and the suite's time stays within `make test`'s budget.
-ROWS = 40 if DEV == "cuda" else 10
 
 
-def _inputs(case: str, dtype: torch.dtype, N: int = ROWS, K: int = 5, A: int = 51, seed: int = 0):
+def rows_for(rows_a_program: int) -> int:
+    """Rows of a batch: on the GPU a batch of programs; under the interpreter (numpy, one program after another, ~1 s
+    each here) two whole programs and a partial last one, where a program holds more than one row."""
+    return 40 if DEV == "cuda" else 2 * rows_a_program + 2
+
+
+def _inputs(case: str, dtype: torch.dtype, N: int | None = None, K: int = 5, A: int = 51, seed: int = 0):
+    from services.trainer.fused_c51 import LAUNCH
+    N = rows_for(LAUNCH["rows"]) if N is None else N
     g = torch.Generator().manual_seed(seed)
     NB = sum(BRANCHES)
     z = torch.linspace(-0.05, 0.05, A)
