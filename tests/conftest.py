@@ -22,6 +22,29 @@ import pytest
 # the web/Redis stack is imported inside the fixtures that need it, so the ML-core tests (the GPU equivalence
 # tests among them) run on a machine that has only torch, numpy and pandas
 
+# One CPU thread a test process, and through the environment a thread a process the tests start (where the caller
+# has not set OMP_NUM_THREADS). `make test` runs two pytest workers on two cores beside the processes the loop tests
+# start; with torch's default of a thread a core every OpenMP region of the tiny test networks waited at its barrier
+# for a thread the other processes had descheduled: one epoch test took 50.6 s beside two busy processes against
+# 6.5 s on one thread. A test that needs more threads sets them; `_threads_restored` puts the setting back after it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def pytest_configure(config):
+    import torch
+
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+@pytest.fixture(autouse=True)
+def _threads_restored():
+    import torch
+
+    n = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != n:
+        torch.set_num_threads(n)
+
 
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory):

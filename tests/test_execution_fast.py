@@ -115,9 +115,9 @@ def test_no_trades_and_two_bars():
 
 
 def test_cpu_thread_setting_is_restored():
-    before = torch.get_num_threads()
+    torch.set_num_threads(2)                    # not the suite's one thread (conftest): the replay sets 1 inside
     replay(walk(20), np.ones((2, 20)), 8)
-    assert torch.get_num_threads() == before
+    assert torch.get_num_threads() == 2
 
 
 def test_fixed_fees_and_borrow_take_the_step_simulator():

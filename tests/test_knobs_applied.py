@@ -23,15 +23,6 @@ from shared.synthetic import generate
 N_BARS = 900
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny ops: one intra-op thread is several times faster than two on a loaded 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def data():
     bars = generate(n_bars=N_BARS, seed=3).bars
