@@ -142,3 +142,29 @@ def test_the_timing_line_gives_an_epochs_parts_after_each_runs_first():
     assert old["setup"] is None and old["rollback"] is None and old["rollbacks"] == 0
     assert fmt_timing({"wall_s": 1.0, "runs_at_once": 1, "epochs_trained": 2, "epochs_per_s": 2.0,
                        "epoch_parts_s": old}).endswith("training 1.00 s, evaluation 0.50 s")
+
+
+def test_the_workers_are_joined_against_one_deadline_not_a_wait_each():
+    """`runner.join_workers`: workers whose teardown hangs cost the timeout once, not once each (before the MPS
+    daemon quits, a study of sixteen workers could wait 60 s a worker). Pure logic: a clock the joins advance."""
+    from tradeloop.study.runner import join_workers
+    clock = [0.0]
+
+    class Worker:
+        def __init__(self, hangs: bool):
+            self.hangs, self.waited = hangs, None
+
+        def join(self, timeout=None):
+            self.waited = timeout
+            clock[0] += timeout if self.hangs else min(timeout, 0.5)
+
+        def is_alive(self):
+            return self.hangs
+
+    workers = [Worker(True), Worker(False), Worker(True), Worker(True)]
+    assert join_workers(workers, 60.0, clock=lambda: clock[0]) == [workers[0], workers[2], workers[3]]
+    assert clock[0] == 60.0 and workers[0].waited == 60.0 and all(w.waited == 0.0 for w in workers[1:])
+    clock[0] = 0.0
+    quick = [Worker(False) for _ in range(4)]
+    assert join_workers(quick, 60.0, clock=lambda: clock[0]) == [] and clock[0] == 2.0
+    assert [w.waited for w in quick] == [60.0, 59.5, 59.0, 58.5]

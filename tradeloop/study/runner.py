@@ -260,15 +260,13 @@ def run_study(spec: StudySpec, out: Path, console=None, redis_url: str | None = 
         except KeyboardInterrupt:
             for p in workers:
                 p.terminate()
-            for p in workers:
-                p.join(timeout=30)
+            join_workers(workers, 30.0)
             status.update(force=True, state="interrupted")
             raise StudyError("interrupted: run the same command again to resume (done runs are kept, a run half "
                              "done resumes from its last epoch)") from None
         finally:
             if daemon is not None:
-                for p in workers:
-                    p.join(timeout=60)     # their CUDA contexts closed before the daemon quits
+                join_workers(workers, 60.0)     # their CUDA contexts closed before the daemon quits
                 daemon.stop()
                 status.update(force=True, mps_dir=None)
     wall = time.time() - t_start
@@ -278,8 +276,7 @@ def run_study(spec: StudySpec, out: Path, console=None, redis_url: str | None = 
         _copy_remote_summaries(r, sid, out)
     if failed:
         status.update(force=True, state="failed", runs_failed=sorted(failed))
-        for p in workers:
-            p.join(timeout=30)
+        join_workers(workers, 30.0)
         raise StudyError(f"{len(failed)} run(s) failed: {', '.join(sorted(failed))} (first: "
                          f"{next(iter(failed.values()))}); run the same command again to retry them")
     timing = {"wall_s": wall, "runs_at_once": status.doc.get("peak_running") or P, "epochs_trained": epochs_here,
@@ -290,9 +287,17 @@ def run_study(spec: StudySpec, out: Path, console=None, redis_url: str | None = 
               **_all_starts(status.doc["earlier_starts"], wall, epochs_here)}
     results = write_results(spec, out, timing)
     status.update(force=True, state="done")
-    for p in workers:                       # they have said "exit": only their interpreters' teardown is left
-        p.join(timeout=30)
+    join_workers(workers, 30.0)             # they have said "exit": only their interpreters' teardown is left
     return results
+
+
+def join_workers(workers: list, timeout_s: float, clock=time.monotonic) -> list:
+    """Wait for the worker processes to exit, `timeout_s` for all of them together (a deadline, not a wait each:
+    sixteen workers whose teardown hangs cost `timeout_s`, not sixteen times it); returns those still alive."""
+    deadline = clock() + timeout_s
+    for p in workers:
+        p.join(timeout=max(0.0, deadline - clock()))
+    return [p for p in workers if p.is_alive()]
 
 
 def _all_starts(earlier: list[dict], wall: float, epochs: int) -> dict:
