@@ -353,8 +353,8 @@ def test_compiled_update_equals_eager_on_one_batch(data, device, fused):
     cases, and two eager runs within 3e-7.
 
     Off the kinks with `TrainConfig.dropout` 0.25: its mask comes from the update's noise, so the compiled update on
-    the same batch and noise draws the eager one's mask (one compile fewer than a case of its own; the mask is
-    checked to take part)."""
+    the same batch and noise draws the eager one's mask; the mask is checked to take part (the loss differs from the
+    same update without dropout)."""
     if not compile_works(torch.device(device)):
         pytest.skip("torch.compile cannot build kernels here")
     for off_kinks, dropout in ((True, 0.25), (False, 0.0)):
