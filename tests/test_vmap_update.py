@@ -38,7 +38,7 @@ def test_the_bench_times_vmapped_updates_that_move_every_run(capsys, monkeypatch
         assert torch.equal(p, before[n][1])
     tbefore = {n: p.clone() for n, p in upd.tp.items()}
     with torch.no_grad():
-        td, util = upd.losses()[3:]                        # each run's TD errors and utilisation, before the update
+        td, util = upd.losses()[3:5]                       # each run's TD errors and utilisation, before the update
         coef = upd.bufs["entropy_coef"].clone()
         upd.bufs["step"][1].add_(7.0)                      # run 1 later in its schedule, its branches at half rate
         upd.bufs["lr_scale"][1].mul_(0.5)

@@ -121,18 +121,11 @@ def train_epoch(state: TrainState, knobs: Knobs, progress: Callable[[int, int], 
     episodes, the support as it was, and the epoch's sums carried, so its stats cover the whole epoch."""
     cfg, env = state.cfg, state.env
     t_setup = time.perf_counter()
-    apply_knobs(state, knobs)
     if resume is None:
-        if restart_due(state):
-            restart_fresh(state)
-        elif perturb_due(state):
-            shrink_perturb(state)
-        adapt_support(state)
-        env.reset_all()
-        env.pop_trade_stats()
-        state.buffers.metric_sums.zero_()
+        start_epoch(state, knobs)
         start, n_upd, n_env0, t_before, spent_before = 0, 0, state.env_steps, 0.0, {}
     else:
+        apply_knobs(state, knobs)
         if (resume.epoch, resume.iterations) != (state.epoch + 1, cfg.iterations):
             raise ValueError(f"cannot resume epoch {resume.epoch} ({resume.iterations} iterations) on a state after "
                              f"epoch {state.epoch} ({cfg.iterations} iterations an epoch)")
@@ -169,10 +162,7 @@ def train_epoch(state: TrainState, knobs: Knobs, progress: Callable[[int, int], 
         if between is not None and (new := between(it)) is not None:
             apply_knobs(state, new)
             knobs = new
-        after = state.env_steps + cfg.n_envs * cfg.env_steps_per_iter
-        since = after - state.learn_from                            # transitions in the replay after this collection
-        learn = since >= cfg.learning_starts and since // cfg.n_envs > max(cfg.horizons)
-        first = learn and cfg.support_at_start and state.update_step == 0 and not support_set
+        after, learn, first = iteration_plan(state, support_set)
         ta = clock.now()
         if not learn or first:
             runner.collect()
@@ -193,15 +183,48 @@ def train_epoch(state: TrainState, knobs: Knobs, progress: Callable[[int, int], 
     spent = {k: spent_before.get(k, 0.0) + spent.get(k, 0.0) for k in {*spent_before, *spent}}
     t_it = spent.get("iteration", 0.0)
     t_env, t_upd = spent.get("env", 0.0) + t_it, spent.get("update", 0.0) + t_it
+    return end_epoch(state, knobs, n_upd=n_upd, env_steps=state.env_steps - n_env0, t_env=t_env, t_upd=t_upd,
+                     seconds=t_before + time.perf_counter() - t0, compile_s=runner.compile_s - compile0,
+                     setup_s=setup_s)
+
+
+def start_epoch(state: TrainState, knobs: Knobs) -> None:
+    """An epoch's set-up before its embedding refresh: the knobs applied, a restart or shrink-and-perturb where due,
+    the support adapted, fresh episodes, the epoch's sums zeroed (`train_epoch`, and each run of a lockstep epoch)."""
+    apply_knobs(state, knobs)
+    if restart_due(state):
+        restart_fresh(state)
+    elif perturb_due(state):
+        shrink_perturb(state)
+    adapt_support(state)
+    state.env.reset_all()
+    state.env.pop_trade_stats()
+    state.buffers.metric_sums.zero_()
+
+
+def iteration_plan(state: TrainState, support_set: bool) -> tuple[int, bool, bool]:
+    """(env steps after the next iteration's collection, whether it updates, whether it is the run's first learning
+    iteration, which collects only and then sets the support: `TrainConfig.support_at_start`)."""
+    cfg = state.cfg
+    after = state.env_steps + cfg.n_envs * cfg.env_steps_per_iter
+    since = after - state.learn_from                            # transitions in the replay after this collection
+    learn = since >= cfg.learning_starts and since // cfg.n_envs > max(cfg.horizons)
+    first = learn and cfg.support_at_start and state.update_step == 0 and not support_set
+    return after, learn, first
+
+
+def end_epoch(state: TrainState, knobs: Knobs, *, n_upd: int, env_steps: int, t_env: float, t_upd: float,
+              seconds: float, compile_s: float, setup_s: float) -> EpochStats:
+    """An epoch's end: the maturity, the means of the epoch's sums, the training trades, the epoch counted, the SWA
+    step; its `EpochStats` (`t_env`, `t_upd`: seconds collecting and updating, for the rates)."""
+    cfg = state.cfg
     mat = 1.0 - math.exp(-state.update_step / cfg.maturity_updates)
     state.agent.maturity.fill_(mat)
     state.target.maturity.fill_(mat)
     means = ({k: float(v) / n_upd for k, v in zip(METRICS, state.buffers.metric_sums.tolist())} if n_upd else {})
-    sharpe, n_trades = env.pop_trade_stats()
+    sharpe, n_trades = state.env.pop_trade_stats()
     state.epoch += 1
     average_epoch_end(state)
-    dt = t_before + time.perf_counter() - t0
-    env_steps = state.env_steps - n_env0
     nan = float("nan")
     return EpochStats(epoch=state.epoch, loss=means.get("loss", nan), c51=means.get("c51", nan),
                       iqn=means.get("iqn", nan), expectile=means.get("expectile", nan),
@@ -209,8 +232,8 @@ def train_epoch(state: TrainState, knobs: Knobs, progress: Callable[[int, int], 
                       utilisation=means.get("utilisation", nan), epsilon=knobs.epsilon, gamma=knobs.gamma,
                       v_max=float(state.agent.v_max), maturity=mat, env_steps=env_steps, updates=n_upd,
                       env_steps_per_s=env_steps / max(t_env, 1e-9), updates_per_s=n_upd / max(t_upd, 1e-9),
-                      seconds=dt, compile_s=runner.compile_s - compile0, train_per_trade_sharpe=sharpe, train_trades=int(n_trades), knobs=knobs.to_dict(),
-                      setup_s=setup_s)
+                      seconds=seconds, compile_s=compile_s, train_per_trade_sharpe=sharpe,
+                      train_trades=int(n_trades), knobs=knobs.to_dict(), setup_s=setup_s)
 
 
 
@@ -247,7 +270,8 @@ def train_run(bars: Bars, dataset: str, run_dir: Path, epochs: int, *, config: s
               on_compile: Callable[[str | None], None] | None = None,
               rollback_fn: Callable[[int], tuple[int, str, float, Path | None, bool] | None] | None = None,
               pinned_fn: Callable[[], Iterable[int]] | None = None, split: Split | None = None,
-              features: np.ndarray | None = None) -> TrainState:
+              features: np.ndarray | None = None,
+              train_fn: Callable[..., EpochStats] | None = None) -> TrainState:
     """Train until `epochs` epochs exist in `run_dir`, resuming from its latest checkpoint when it holds a run.
 
     Knobs of epoch e (1-based) come from `knobs_fn(e)`, by default the config's fixed schedule
@@ -258,7 +282,8 @@ def train_run(bars: Bars, dataset: str, run_dir: Path, epochs: int, *, config: s
     state the pruning keeps (a later rollback's candidates). `split`: the bar ranges of a new run (default
     `chronological_split`; a walk-forward fold, `shared.market.walk_forward_folds`); a resumed run keeps its own and
     refuses a different one.
-    `features`: `compute_features(bars)` when already computed."""
+    `features`: `compute_features(bars)` when already computed. `train_fn(state, knobs, progress)` trains an epoch
+    (default `train_epoch`; a lockstep study's member, `services.trainer.lockstep.Lockstep.train`)."""
     run_dir = Path(run_dir)
     feats = compute_features(bars) if features is None else features
     meta, cfg, split, seed = open_run(run_dir, bars, dataset, seed=seed, split=split, where="--out directory",
@@ -277,7 +302,7 @@ def train_run(bars: Bars, dataset: str, run_dir: Path, epochs: int, *, config: s
             roll_back(state, rb[3] or run_dir, rb[0], rb[1] or None, keep=rb[2], restart=rb[4],
                       refresh=False)       # train_epoch's set-up refreshes the embedding tables from these encoders
         rollback_s = time.perf_counter() - t_rollback
-        stats = train_epoch(state, knobs_fn(state.epoch + 1), progress)
+        stats = (train_fn or train_epoch)(state, knobs_fn(state.epoch + 1), progress)
         stats.rolled_back_to, stats.rollback_s = (None, None) if rb is None else (rb[0], rollback_s)
         t_save = time.perf_counter()
         save_epoch(state, run_dir, meta)

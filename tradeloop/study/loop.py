@@ -142,13 +142,15 @@ def run_closed_loop(bars: Bars, dataset: str, run_dir: Path, epochs: int, *, con
                     feedback: FeedbackConfig, split: Split, seed: int, device: str = "cpu", accel: str = "auto",
                     features: np.ndarray | None = None, run_id: str | None = None,
                     on_epoch: Callable[[dict], None] | None = None,
-                    progress: Callable[[int, int], None] | None = None, peers: Sequence[Path] = ()) -> list[dict]:
+                    progress: Callable[[int, int], None] | None = None, peers: Sequence[Path] = (),
+                    train_fn: Callable[..., EpochStats] | None = None) -> list[dict]:
     """Run (or resume) the closed loop for `epochs` epochs in `run_dir`; returns the E epoch records in order.
 
     `on_epoch(record)` is called after each epoch's record is stored (not for epochs a resume found done).
     `peers`: the run directories of the other runs of its population (`feedback.population`): after each epoch's
     bundle, `exploit_target` over their epochs so far (up to this one) may name one, and the next epoch starts from
-    it (`link_peer_epoch`; the record's bundle says `exploit`) instead of any rollback to this run's own best."""
+    it (`link_peer_epoch`; the record's bundle says `exploit`) instead of any rollback to this run's own best.
+    `train_fn`: how an epoch trains (`train_run`'s; a lockstep group's member)."""
     run_dir = Path(run_dir)
     run_id = run_id or run_dir.name
     feats = compute_features(bars) if features is None else features
@@ -256,7 +258,7 @@ def run_closed_loop(bars: Bars, dataset: str, run_dir: Path, epochs: int, *, con
     if done < epochs:
         train_run(bars, dataset, run_dir, epochs, config=config, seed=seed, device=device, accel=accel,
                   knobs_fn=knobs_for, on_epoch=after_epoch, progress=progress, split=split, features=feats,
-                  rollback_fn=rollback_for, pinned_fn=pinned)
+                  rollback_fn=rollback_for, pinned_fn=pinned, train_fn=train_fn)
     return [records[e] for e in range(1, epochs + 1)]
 
 

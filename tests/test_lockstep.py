@@ -1,0 +1,136 @@
+"""services/trainer/lockstep.py: runs trained epoch by epoch in lockstep (their iterations one vmapped computation)
+end each epoch where `train_epoch` leaves each of them alone — the same weights, optimizer moments, replay, accounts
+and epoch statistics, up to the order of float sums — and the group falls back to training alone when its runs are
+out of step."""
+import threading
+
+import pytest
+import torch
+
+from services.trainer.lockstep import Lockstep, LockstepEngine, in_step
+from services.trainer.loop import train_epoch
+from services.trainer.state import build_state
+from shared.market import chronological_split
+from shared.synthetic import generate
+from tests.test_train import tiny_config
+
+BARS = generate(700, seed=3).bars
+
+
+def states(seeds, bars=BARS, **changes):
+    cfg = tiny_config()
+    cfg.support_at_start = True               # the first learning iteration's per-run support: exercised too
+    for k, v in changes.items():
+        setattr(cfg, k, v)
+    return [build_state(cfg, bars, chronological_split(len(bars)), s, "cpu", accel="eager") for s in seeds]
+
+
+def close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if not a.is_floating_point():
+        return torch.equal(a, b)
+    return torch.allclose(a.double(), b.double(), rtol=2e-4, atol=2e-5)
+
+
+def assert_same_run(got, want) -> None:
+    for (n, a), b in zip(got.agent.named_parameters(), want.agent.parameters()):
+        assert close(a, b), n
+    for (n, a), b in zip(got.target.named_parameters(), want.target.parameters()):
+        assert close(a, b), f"target {n}"
+    for p, q in zip(got.agent.parameters(), want.agent.parameters()):
+        sa, sb = got.opt.state[p], want.opt.state[q]
+        assert close(sa["exp_avg"], sb["exp_avg"]) and close(sa["exp_avg_sq"], sb["exp_avg_sq"])
+        assert float(sa["step"]) == float(sb["step"]) > 0
+    for k, t in got.replay.state_tensors().items():
+        assert close(t, want.replay.state_tensors()[k]), f"replay {k}"
+    assert close(got.buffers.entropy_coef, want.buffers.entropy_coef)
+    assert close(got.agent.v_max, want.agent.v_max)
+    assert (got.epoch, got.update_step, got.env_steps) == (want.epoch, want.update_step, want.env_steps)
+    assert torch.equal(got.generator.get_state(), want.generator.get_state())
+
+
+def test_a_lockstep_epoch_trains_each_run_as_it_trains_alone():
+    together, alone = states([0, 1]), states([0, 1])
+    engine = LockstepEngine(together, "eager")
+    for epoch in (1, 2):
+        knobs = [s.cfg.schedule.knobs(epoch) for s in together]
+        stats = engine.epoch([0, 1], together, knobs, [None, None])
+        own = [train_epoch(s, k) for s, k in zip(alone, knobs)]
+        for got, want, a, b in zip(together, alone, stats, own):
+            assert_same_run(got, want)
+            assert a.updates == b.updates > 0 and a.env_steps == b.env_steps
+            assert a.train_trades == b.train_trades
+            for k in ("loss", "c51", "iqn", "expectile", "q_mean", "entropy", "utilisation"):
+                assert getattr(a, k) == pytest.approx(getattr(b, k), rel=1e-3, abs=1e-5), k
+    # the two runs learned different things: the check above compares each with its own
+    assert not torch.allclose(next(together[0].agent.parameters()), next(together[1].agent.parameters()))
+
+
+def test_a_group_trains_in_lockstep_in_step_and_alone_out_of_step():
+    group = Lockstep(2, "eager")
+    sts = states([0, 1])
+    errors = []
+
+    def member(i: int, epochs: int) -> None:
+        try:
+            while sts[i].epoch < epochs:
+                group.member(i)(sts[i], sts[i].cfg.schedule.knobs(sts[i].epoch + 1))
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+        finally:
+            group.leave()
+
+    train_epoch(sts[1], sts[1].cfg.schedule.knobs(1))          # run 1 an epoch ahead: not in step
+    assert not in_step(sts)
+    threads = [threading.Thread(target=member, args=(i, 3)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors and all(s.epoch == 3 for s in sts)
+    # round 1: run 0's epoch 1 and run 1's epoch 2, alone; round 2: run 0's epoch 2 and run 1's epoch 3, still
+    # alone; run 1 leaves, and run 0's epoch 3 trains alone (one member)
+    assert group.rounds == {"lockstep": 0, "alone": 3}
+
+    in_step_group = Lockstep(2, "eager")
+    fresh = states([2, 3])
+    done = []
+
+    def both(i: int) -> None:
+        try:
+            for e in (1, 2):
+                done.append(in_step_group.member(i)(fresh[i], fresh[i].cfg.schedule.knobs(e)).epoch)
+        finally:
+            in_step_group.leave()
+
+    threads = [threading.Thread(target=both, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert sorted(done) == [1, 1, 2, 2] and in_step_group.rounds == {"lockstep": 2, "alone": 0}
+
+
+def test_an_error_in_a_round_reaches_every_member_and_runs_on_other_markets_are_refused():
+    other = states([1], bars=generate(700, seed=4).bars)[0]
+    with pytest.raises(ValueError, match="different markets"):
+        LockstepEngine([states([0])[0], other], "eager")
+    with pytest.raises(ValueError, match="policy_ema"):
+        LockstepEngine(states([0, 1], policy_ema=0.9), "eager")
+    group = Lockstep(2, "eager")
+    sts = states([0, 1])
+    seen = []
+
+    def member(i: int) -> None:
+        try:
+            group.member(i)(sts[i], "not knobs")
+        except BaseException as exc:  # noqa: BLE001
+            seen.append(type(exc).__name__)
+        finally:
+            group.leave()
+
+    threads = [threading.Thread(target=member, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert len(seen) == 2 and not any(t.is_alive() for t in threads)
