@@ -201,7 +201,7 @@ class BatchedUpdate:
         norms = self.opt.step(self.cfg.grad_clip)                                # each run's clip, then AdamW
         with torch.no_grad():
             self.bufs["metric_sums"].add_(torch.cat([metrics.detach(), norms.unsqueeze(-1).float()], -1))
-            self.target_flat.lerp_(self.opt.flat, self.cfg.tau)                 # θ' ← θ' + τ(θ − θ'), every run
+            self.target_flat.lerp_(self.opt.flat, self.cfg.tau)  # θ' ← θ' + τ(θ − θ'), every run
             vmap(self._adapt)(self.bufs, util.detach())
             vmap(self._prioritise)(self.replays, batch[BATCH_FIELDS.index("slot")], td)
         return losses.detach()
