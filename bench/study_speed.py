@@ -2,13 +2,16 @@
 MPS, against one run alone — the product's own command, side by side in one invocation.
 
     python3 -m bench.study_speed [--parallel 1 10] [--mps off on] [--mps-share 100 25] [--epochs 4]
-                                 [--preset full] [--set iterations=1000] [--device cuda] [--out runs/study-speed]
+                                 [--lockstep 1 8] [--preset full] [--set iterations=1000] [--device cuda]
+                                 [--out runs/study-speed]
     python3 -m bench.study_speed --from runs/study-speed     # the table again from the cases' records
 
 Each case is one `tradeloop study --dataset synthetic --bars auto --folds 1` whose runs number P (variants on,off ×
 ⌈P/2⌉ seeds; P = 1: the variant `on`, seed 0), so every worker holds one run from start to end; the cases share one
-compile cache, and the cases of P = 1 run first, so the one that compiles is a run alone. From the runs' epoch
-records (`finished_at`):
+compile cache, and the cases of P = 1 run first, so the one that compiles is a run alone. `--lockstep K …` runs
+each case of P workers once per K: with K > 1 its P·K runs (on,off × ⌈P·K/2⌉ seeds, `--seeds-per-market` all of
+them: one market) train K to a worker in lockstep (the study's `--lockstep K`: each worker's K runs one batched
+computation). From the runs' epoch records (`finished_at`):
   epochs/s   steady aggregate rate over the span after every run had finished its first epoch (start-up, data,
              compile) and before the first of them finished its last: the sum over the runs of each one's rate
              between its first and last epoch inside the span (runs in step finish their epochs together, so a
@@ -75,7 +78,8 @@ STOPPED = "stopped.json"
 epochs its runs finished."""
 
 
-def analyse(out: Path, P: int, mps: str, share: int, wall: float | None = None, isms: int = 0) -> dict:
+def analyse(out: Path, P: int, mps: str, share: int, wall: float | None = None, isms: int = 0,
+            lockstep: int = 1) -> dict:
     """A case's row from its study's records (`out`: the case's study directory): a finished case's, or a stopped
     one's from the epochs its runs finished (no GPU busy %: the study wrote no results)."""
     stopped = (out / STOPPED).exists()
@@ -97,7 +101,7 @@ def analyse(out: Path, P: int, mps: str, share: int, wall: float | None = None, 
     peak = timing.get("runs_at_once") or (json.loads(status.read_text()).get("peak_running") if status.exists()
                                           else None)
     return {"P": P, "mps": bool(timing.get("mps")), "mps_asked": mps, "share": share, "iteration_sms": isms,
-            "runs": len(finish), "at_once": peak,
+            "lockstep": lockstep, "runs": len(finish), "at_once": peak,
             "epochs_per_s": rate, "in_span": in_span, "span_s": span,
             "wall_s": wall if wall is not None else timing.get("wall_s"),
             "epoch_s": upper_median(steps),
@@ -105,9 +109,10 @@ def analyse(out: Path, P: int, mps: str, share: int, wall: float | None = None, 
             "busy_pct": sum(busy) / len(busy) if busy else None, "stopped": stopped}
 
 
-def run_case(out: Path, P: int, mps: str, args, share: int = 100, isms: int = 0) -> dict:
-    seeds = max(1, math.ceil(P / 2))
-    variants = "on" if P == 1 else "on,off"
+def run_case(out: Path, P: int, mps: str, args, share: int = 100, isms: int = 0, lockstep: int = 1) -> dict:
+    n = P * lockstep
+    seeds = max(1, math.ceil(n / 2))
+    variants = "on" if n == 1 else "on,off"
     cmd = [sys.executable, "-m", "tradeloop.cli", "study", "--dataset", "synthetic", "--bars", "auto",
            "--variants", variants, "--seeds", str(seeds), "--folds", "1", "--epochs", str(args.epochs),
            "--preset", args.preset, "--device", args.device, "--parallel", str(P), "--mps", mps,
@@ -118,6 +123,8 @@ def run_case(out: Path, P: int, mps: str, args, share: int = 100, isms: int = 0)
         cmd += ["--mps-share", str(share)]
     if isms:
         cmd += ["--iteration-sms", str(isms)]
+    if lockstep > 1:
+        cmd += ["--lockstep", str(lockstep), "--seeds-per-market", str(seeds)]
     t0 = time.time()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -131,14 +138,15 @@ def run_case(out: Path, P: int, mps: str, args, share: int = 100, isms: int = 0)
             stdout, stderr = proc.communicate()
         wall = time.time() - t0
         (out / STOPPED).write_text(json.dumps({"wall_s": wall, "limit_s": args.case_limit}))
-        return analyse(out, P, mps, share, wall, isms)
+        return analyse(out, P, mps, share, wall, isms, lockstep)
     wall = time.time() - t0
     if proc.returncode != 0:
-        return {"P": P, "mps": mps, "share": share, "iteration_sms": isms, "error": (stderr or stdout).strip()[-600:]}
-    return analyse(out, P, mps, share, wall, isms)
+        return {"P": P, "mps": mps, "share": share, "iteration_sms": isms, "lockstep": lockstep,
+                "error": (stderr or stdout).strip()[-600:]}
+    return analyse(out, P, mps, share, wall, isms, lockstep)
 
 
-CASE = re.compile(r"p(\d+)-mps-(on|off|auto)-sm(\d+)(?:-it(\d+))?")
+CASE = re.compile(r"p(\d+)-mps-(on|off|auto)-sm(\d+)(?:-it(\d+))?(?:-ls(\d+))?")
 
 
 def read_cases(source: Path) -> list[dict]:
@@ -149,11 +157,12 @@ def read_cases(source: Path) -> list[dict]:
     for d in sorted(source.iterdir()):
         m = CASE.fullmatch(d.name)
         if m and ((d / "results.json").exists() or (d / STOPPED).exists()):
-            rows.append(analyse(d, int(m[1]), m[2], int(m[3]), isms=int(m[4] or 0)))
+            rows.append(analyse(d, int(m[1]), m[2], int(m[3]), isms=int(m[4] or 0), lockstep=int(m[5] or 1)))
     if not rows:
         raise SystemExit(f"--from {source}: no finished or stopped case (pN-mps-M-smS/results.json or "
                          f"{STOPPED}) in it")
-    return sorted(rows, key=lambda r: (r["P"] != 1, r["P"], r["mps_asked"], -r["share"], r["iteration_sms"]))
+    return sorted(rows, key=lambda r: (r["P"] * r["lockstep"] != 1, r["P"], r["lockstep"], r["mps_asked"],
+                                       -r["share"], r["iteration_sms"]))
 
 
 def _cell(x: float | None, spec: str) -> str:
@@ -161,16 +170,16 @@ def _cell(x: float | None, spec: str) -> str:
 
 
 def print_table(rows: list[dict], argv) -> None:
-    base = next((r["epochs_per_s"] for r in rows if r["P"] == 1 and r.get("epochs_per_s")), None)
+    base = next((r["epochs_per_s"] for r in rows if r["P"] == 1 and r.get("lockstep", 1) == 1
+                 and r.get("epochs_per_s")), None)
     print(f"\n`python3 -m bench.study_speed {' '.join(argv if argv is not None else sys.argv[1:])}`\n")
-    print("| runs at once | MPS | SM share % | iteration SMs | epochs/s (steady) | in span | ×1 | epoch_s | rollback_s "
-          "| setup_s "
-          "| train_s | eval_s | save_s | GPU busy % | wall s |")
-    print("|---" * 15 + "|")
+    print("| workers | runs in lockstep a worker | MPS | SM share % | iteration SMs | epochs/s (steady) | in span "
+          "| ×1 | epoch_s | rollback_s | setup_s | train_s | eval_s | save_s | GPU busy % | wall s |")
+    print("|---" * 16 + "|")
     for r in rows:
         if "error" in r:
-            print(f"| {r['P']} | {r['mps']} | {r['share']} | {r.get('iteration_sms') or 'all'} | "
-                  f"error: {r['error'][-200:]} |" + " |" * 10)
+            print(f"| {r['P']} | {r.get('lockstep', 1)} | {r['mps']} | {r['share']} | "
+                  f"{r.get('iteration_sms') or 'all'} | error: {r['error'][-200:]} |" + " |" * 10)
             continue
         ratio = r["epochs_per_s"] / base if base and r["epochs_per_s"] else None
         cells = [_cell(r["epochs_per_s"], ".3f"), str(r["in_span"]), _cell(ratio, ".2f"), _cell(r["epoch_s"], ".1f"),
@@ -178,7 +187,8 @@ def print_table(rows: list[dict], argv) -> None:
                  _cell(r["busy_pct"], ".0f"),
                  _cell(r["wall_s"], ".0f") + (" (stopped)" if r.get("stopped") else "")]
         asked = str(r["P"]) if r.get("at_once") in (None, r["P"]) else f"{r['P']} ({r['at_once']} at most)"
-        print(f"| {asked} | {'on' if r['mps'] else 'off'} | {r['share']} | {r.get('iteration_sms') or 'all'} | "
+        print(f"| {asked} | {r.get('lockstep', 1)} | {'on' if r['mps'] else 'off'} | {r['share']} | "
+              f"{r.get('iteration_sms') or 'all'} | "
               + " | ".join(cells) + " |")
 
 
@@ -195,6 +205,8 @@ def main(argv=None) -> None:
     ap.add_argument("--iteration-sms", type=int, nargs="+", default=[0],
                     help="SMs each run's training iterations may use, for each case of P > 1 (the study's "
                          "--iteration-sms; 0: no limit)")
+    ap.add_argument("--lockstep", type=int, nargs="+", default=[1],
+                    help="runs a worker trains in lockstep, for each case of P workers (1: a run a worker)")
     ap.add_argument("--case-limit", type=float, default=None,
                     help="seconds a case's study may run; then it is stopped and read from the epochs it finished")
     ap.add_argument("--out", type=Path, default=Path("runs/study-speed"))
@@ -216,14 +228,14 @@ def main(argv=None) -> None:
         for mps in (["off"] if P == 1 else args.mps):
             for share in (args.mps_share if mps != "off" else [100]):
                 for isms in (args.iteration_sms if P > 1 else [0]):
-                    cases.append((P, mps, share, isms))
-    cases.sort(key=lambda c: c[0] != 1)        # a run alone first: it compiles, the others find the cache warm
+                    cases += [(P, mps, share, isms, k) for k in args.lockstep]
+    cases.sort(key=lambda c: c[0] * c[4] != 1)  # a run alone first: it compiles, the others find the cache warm
     rows = []
-    for P, mps, share, isms in cases:
-        out = args.out / (f"p{P}-mps-{mps}-sm{share}" + (f"-it{isms}" if isms else ""))
+    for P, mps, share, isms, k in cases:
+        out = args.out / (f"p{P}-mps-{mps}-sm{share}" + (f"-it{isms}" if isms else "") + (f"-ls{k}" if k > 1 else ""))
         if out.exists():
             shutil.rmtree(out)
-        row = run_case(out, P, mps, args, share, isms)
+        row = run_case(out, P, mps, args, share, isms, k)
         rows.append(row)
         print(json.dumps(row), flush=True)
     print_table(rows, argv)

@@ -47,16 +47,19 @@ def test_from_reads_the_cases_back(tmp_path, capsys):
     _case(tmp_path, "p2-mps-on-sm100", [[10.0, 20.0, 30.0, 40.0], [10.5, 20.5, 30.5, 40.5]], rollback_at=(0, 3))
     _case(tmp_path, "p1-mps-off-sm100", [[5.0, 10.0, 15.0, 20.0]])
     _case(tmp_path, "p2-mps-on-sm100-it40", [[10.0, 15.0, 20.0, 25.0], [10.5, 15.5, 20.5, 25.5]])
+    _case(tmp_path, "p1-mps-off-sm100-ls4", [[10.0, 20.0, 30.0, 40.0]] * 4)      # four runs of one worker, in step
     (tmp_path / "cache").mkdir()
     rows = bench.read_cases(tmp_path)
-    assert [(r["P"], r["mps"], r["iteration_sms"]) for r in rows] == [(1, False, 0), (2, True, 0), (2, True, 40)]
-    assert rows[0]["epochs_per_s"] == pytest.approx(0.2) and rows[1]["epochs_per_s"] == pytest.approx(0.2)
-    assert rows[2]["epochs_per_s"] == pytest.approx(0.4)
+    assert [(r["P"], r["lockstep"], r["mps"], r["iteration_sms"]) for r in rows] == [
+        (1, 1, False, 0), (1, 4, False, 0), (2, 1, True, 0), (2, 1, True, 40)]
+    assert rows[0]["epochs_per_s"] == pytest.approx(0.2) and rows[2]["epochs_per_s"] == pytest.approx(0.2)
+    assert rows[3]["epochs_per_s"] == pytest.approx(0.4) and rows[1]["epochs_per_s"] == pytest.approx(0.4)
     bench.main(["--from", str(tmp_path)])
     out = capsys.readouterr().out
-    assert "| 2 | on | 100 | all | 0.200 | 2 | 1.00 | 10.0 | 0.75 | 0.12 | 2.00 | 0.50 | 0.25 | 50 | 99 |" in out
-    assert "| 2 | on | 100 | 40 | 0.400 | 2 | 2.00 | 5.0 |" in out
-    assert "| 1 | off | 100 | all | 0.200 | 1 | 1.00 | 5.0 | n/a | 0.12 | 2.00 | 0.50 | 0.25 | 50 | 99 |" in out
+    assert "| 2 | 1 | on | 100 | all | 0.200 | 2 | 1.00 | 10.0 | 0.75 | 0.12 | 2.00 | 0.50 | 0.25 | 50 | 99 |" in out
+    assert "| 2 | 1 | on | 100 | 40 | 0.400 | 2 | 2.00 | 5.0 |" in out
+    assert "| 1 | 1 | off | 100 | all | 0.200 | 1 | 1.00 | 5.0 | n/a | 0.12 | 2.00 | 0.50 | 0.25 | 50 | 99 |" in out
+    assert "| 1 | 4 | off | 100 | all | 0.400 | 4 | 2.00 | 10.0 |" in out
 
 
 def test_from_a_directory_without_cases_says_so(tmp_path):
@@ -76,5 +79,5 @@ def test_a_case_stopped_at_its_limit_is_read_from_the_epochs_its_runs_finished(t
     assert stopped["epochs_per_s"] == pytest.approx(0.2) and stopped["busy_pct"] is None
     bench.main(["--from", str(tmp_path)])
     out = capsys.readouterr().out
-    assert ("| 3 (2 at most) | on | 100 | all | 0.200 | 2 | 1.00 | 10.0 | n/a | 0.12 | 2.00 | 0.50 | 0.25 | n/a "
+    assert ("| 3 (2 at most) | 1 | on | 100 | all | 0.200 | 2 | 1.00 | 10.0 | n/a | 0.12 | 2.00 | 0.50 | 0.25 | n/a "
             "| 120 (stopped) |") in out

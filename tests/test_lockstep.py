@@ -50,7 +50,7 @@ def assert_same_run(got, want) -> None:
 
 def test_a_lockstep_epoch_trains_each_run_as_it_trains_alone():
     together, alone = states([0, 1]), states([0, 1])
-    engine = LockstepEngine(together, "eager")
+    engine = LockstepEngine(together)
     for epoch in (1, 2):
         knobs = [s.cfg.schedule.knobs(epoch) for s in together]
         stats = engine.epoch([0, 1], together, knobs, [None, None])
@@ -66,7 +66,7 @@ def test_a_lockstep_epoch_trains_each_run_as_it_trains_alone():
 
 
 def test_a_group_trains_in_lockstep_in_step_and_alone_out_of_step():
-    group = Lockstep(2, "eager")
+    group = Lockstep(2)
     sts = states([0, 1])
     errors = []
 
@@ -91,7 +91,7 @@ def test_a_group_trains_in_lockstep_in_step_and_alone_out_of_step():
     # alone; run 1 leaves, and run 0's epoch 3 trains alone (one member)
     assert group.rounds == {"lockstep": 0, "alone": 3}
 
-    in_step_group = Lockstep(2, "eager")
+    in_step_group = Lockstep(2)
     fresh = states([2, 3])
     done = []
 
@@ -113,10 +113,10 @@ def test_a_group_trains_in_lockstep_in_step_and_alone_out_of_step():
 def test_an_error_in_a_round_reaches_every_member_and_runs_on_other_markets_are_refused():
     other = states([1], bars=generate(700, seed=4).bars)[0]
     with pytest.raises(ValueError, match="different markets"):
-        LockstepEngine([states([0])[0], other], "eager")
+        LockstepEngine([states([0])[0], other])
     with pytest.raises(ValueError, match="policy_ema"):
-        LockstepEngine(states([0, 1], policy_ema=0.9), "eager")
-    group = Lockstep(2, "eager")
+        LockstepEngine(states([0, 1], policy_ema=0.9))
+    group = Lockstep(2)
     sts = states([0, 1])
     seen = []
 

@@ -253,6 +253,59 @@ def test_bad_input_is_refused_with_exit_2(tmp_path, tiny, reference):
     assert "Traceback" not in r.output
 
 
+def test_a_lockstep_study_trains_each_markets_runs_as_one_and_selects_each_on_its_own(tiny, reference, tmp_path):
+    """--lockstep 2: on and off of one seed and fold (one market, one trainer config) are a group whose epochs train
+    as one computation; every run is still its own — selected on its own validation, its own summary — and on a CPU
+    the two still share their first epoch bit for bit, as the reference study's runs alone do."""
+    out = tmp_path / "lockstep"
+    p = subprocess.run([*_cmd(tiny, out)[:-1], "1", "--lockstep", "2"], cwd=ROOT, env=_env(), capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    events = [json.loads(x) for x in (out / "events.jsonl").read_text().splitlines()]
+    groups = [e for e in events if e["type"] == "lockstep"]
+    assert sorted(sorted(g["runs"]) for g in groups) == sorted(
+        sorted([f"on-s{s}-f{k}", f"off-s{s}-f{k}"]) for s in (0, 1) for k in (0, 1))
+    assert all(g["rounds"] == {"lockstep": EPOCHS, "alone": 0} for g in groups), groups
+    assert "2 runs in lockstep" in p.stdout
+    res, ref = json.loads((out / "results.json").read_text()), json.loads((reference[0] / "results.json").read_text())
+    assert res["pairing"]["identical_checkpoints"] == 4
+    sums = _summaries(out)
+    for rid, s in sums.items():
+        vals = [e["val_sharpe"] for e in s["epochs"]]
+        assert (s["selected_epoch"], s["selectable"]) == select_epoch(vals, [e["val_trades"] for e in s["epochs"]], 5)
+        assert s["val_recheck"] == 0.0 and len(s["epochs"]) == EPOCHS, rid
+    # each run is trained as it is alone: the same data, split and first-epoch key as the reference study's run
+    for rid, s in _summaries(reference[0]).items():
+        assert (sums[rid]["split"], sums[rid]["first_epoch_key"]) == (s["split"], s["first_epoch_key"]), rid
+        loss = [json.loads((d / "runs" / rid / "loop" / "epoch-0001.json").read_text())["train"]["loss"]
+                for d in (out, reference[0])]
+        assert loss[0] == pytest.approx(loss[1], rel=1e-3), rid     # its first epoch as alone, up to float sums
+    assert res["n_trials"] == ref["n_trials"]
+
+
+def test_lockstep_groups_share_a_market_and_a_config_and_split_evenly():
+    from tradeloop.study.runner import lockstep_groups
+    from tradeloop.study.spec import StudySpec, parse_variants
+
+    spec = StudySpec(dataset="synthetic", variants=parse_variants("on,off,g:gamma=0.9"), seeds=[0, 1, 2],
+                     folds=2, epochs=1, lockstep=2, data_seed=7)
+    ids = [r.run_id for r in spec.runs()]
+    groups = lockstep_groups(spec, ids)
+    assert sorted(x for g in groups for x in ([g] if isinstance(g, str) else g)) == sorted(ids)   # each run once
+    for g in groups:
+        runs = [spec.run(x) for x in ([g] if isinstance(g, str) else g)]
+        assert len({r.fold for r in runs}) == 1 and len(runs) <= 2
+        assert len({r.variant == "g" for r in runs}) == 1          # another trainer config: another group
+    # 6 runs of on/off per fold share one market (data_seed) and config: 3 groups of 2; g's 3 a fold: 2 and 1
+    sizes = sorted(len(g) if isinstance(g, list) else 1 for g in groups)
+    assert sizes == [1, 1, 2, 2, 2, 2, 2, 2, 2, 2]
+    assert lockstep_groups(StudySpec(**{**spec.to_dict(), "lockstep": 1}), ids) == ids
+    one_market_a_seed = StudySpec(dataset="synthetic", variants=parse_variants("on,off"), seeds=[0, 1], folds=1,
+                                  epochs=1, lockstep=4)
+    assert sorted(map(sorted, lockstep_groups(one_market_a_seed, [r.run_id for r in one_market_a_seed.runs()]))) == [
+        ["off-s0-f0", "on-s0-f0"], ["off-s1-f0", "on-s1-f0"]]
+
+
 @pytest.mark.redis
 def test_study_through_redis_with_workers_on_two_hosts(tiny, reference, redis_url):
     """The study process queues the runs in Redis and runs none itself (--parallel 0); two `study-worker`s with

@@ -101,7 +101,8 @@ def build_spec(cli: dict[str, Any]):
             parallel=parse_parallel(pick("parallel", "auto"), str(pick("device", "cpu"))),
             threads=None if pick("threads") is None else int(pick("threads")),
             stagger=str(pick("stagger", "auto")), mps=str(pick("mps", "auto")).strip().lower(),
-            mps_share=int(pick("mps_share", 100)), iteration_sms=int(pick("iteration_sms", 0)))
+            mps_share=int(pick("mps_share", 100)), iteration_sms=int(pick("iteration_sms", 0)),
+            lockstep=int(pick("lockstep", 1)))
     except (TypeError, ValueError) as exc:
         raise StudyError(f"{where}: {exc}") from None
     return spec.validate(), Path(out)
@@ -193,6 +194,8 @@ def study(
     iteration_sms: Optional[int] = typer.Option(None, "--iteration-sms", help="SMs each run's training "
                                                 "iterations may use where runs share a GPU (a CUDA green context "
                                                 "a run, disjoint where they fit; default 0: no limit)."),
+    lockstep: Optional[int] = typer.Option(None, "--lockstep", help="Runs a worker trains as one batched "
+                                           "computation: up to K runs of one market and trainer config (default 1)."),
     redis: Optional[str] = typer.Option(None, "--redis", help="Redis URL: runs go through its stream, where "
                                         "`tradeloop study-worker` on other hosts take them too (--parallel 0: "
                                         "none here)."),

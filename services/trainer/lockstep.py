@@ -2,7 +2,7 @@
 loop, checkpoints, evaluation and feedback are those of a run alone), and the iterations of an epoch run as one
 computation over all of them (`lockstep_step.BatchedIteration`: R runs' collection and updates under vmap).
 
-    group = Lockstep(K, accel)                   # one per group; member i trains through group.member(i)
+    group = Lockstep(K)                          # one per group; member i trains through group.member(i)
     train_run(..., train_fn=group.member(i))     # in K threads, one per run; each calls group.leave() when done
 
 A member's `train(state, knobs)` waits until every member still in the group has asked for its next epoch; the last
@@ -55,7 +55,7 @@ class LockstepEngine:
     """The batched state of K runs (one slot each) and its compiled step: `load`/`store` copy a run's state into
     and out of its slot, `epoch` trains the runs of some slots one epoch."""
 
-    def __init__(self, states: list[TrainState], accel: str):
+    def __init__(self, states: list[TrainState]):
         st = states[0]
         why = self.refusal(states)
         if why:
@@ -67,9 +67,9 @@ class LockstepEngine:
         self.sync = (lambda: torch.cuda.synchronize(st.device)) if cuda else (lambda: None)
         step = autocast_linear(in_precision(self.it, st.cfg, st.device))
         self.collect = autocast_linear(in_precision(self.it.col, st.cfg, st.device))   # warm-up iterations: eager
-        if "compile" in accel:
+        if "compile" in st.accel:           # the runs' own accel (`resolve_accel`'s), as their `StepRunner`s
             step = compile_step(step, st.cfg, st.device)
-        self.step, self.graphed, self.accel = step, "graph" in accel and cuda, accel
+        self.step, self.graphed = step, "graph" in st.accel and cuda
         self.graph = None
         self.ran = False
         self.compile_s = 0.0
@@ -204,9 +204,9 @@ class Lockstep:
     """A lockstep group of `n` members, each a thread running its own run's loop with `member(i)` as its
     `train_fn` (module docstring). `rounds`: how many rounds trained in lockstep and how many alone."""
 
-    def __init__(self, n: int, accel: str):
+    def __init__(self, n: int):
         self.cv = threading.Condition()
-        self.active, self.accel = n, accel
+        self.active = n
         self.arrived: dict[int, tuple] = {}
         self.results: dict[int, object] = {}
         self.round = 0
@@ -263,6 +263,6 @@ class Lockstep:
         if self.engine is None:
             if LockstepEngine.refusal(states) is not None:
                 return False
-            self.engine = LockstepEngine(states, self.accel)
+            self.engine = LockstepEngine(states)
             self.slots = {i: r for r, i in enumerate(members)}
         return all(i in self.slots for i in members)

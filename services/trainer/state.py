@@ -8,6 +8,7 @@ optim, buffers, targets, step, runtime, env, replay, fused_attention}`.
 from __future__ import annotations
 
 import copy
+import threading
 from dataclasses import dataclass
 from typing import Callable
 
@@ -68,9 +69,21 @@ class TrainState:
     """Under `TrainConfig.policy_swa`: the epoch ends in `ema`'s mean (0: it holds the online weights)."""
 
 
+_SEEDING = threading.Lock()
+"""Held while a state is built: its networks are initialised from the process's global RNG, seeded first, so two
+threads building states at once (a lockstep group's runs) would interleave their draws."""
+
+
 def build_state(cfg: TrainConfig, bars: Bars, split: Split, seed: int, device="cpu",
                 features: np.ndarray | None = None, accel: str = "auto") -> TrainState:
-    """Fresh training state on the training split of `bars`, seeded; `accel`: see `resolve_accel`."""
+    """Fresh training state on the training split of `bars`, seeded; `accel`: see `resolve_accel`. Thread-safe: the
+    global RNG is seeded and drawn from under `_SEEDING`."""
+    with _SEEDING:
+        return _build_state(cfg, bars, split, seed, device, features, accel)
+
+
+def _build_state(cfg: TrainConfig, bars: Bars, split: Split, seed: int, device, features: np.ndarray | None,
+                 accel: str) -> TrainState:
     device = torch.device(device)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cfg.tf32
@@ -176,7 +189,7 @@ def fresh_parameters(state: TrainState) -> dict[str, torch.Tensor]:
     """The parameters of a new `Agent` of the run's config (on the CPU), initialised from a seed drawn from the run's
     generator; the global RNG untouched."""
     seed = int(torch.randint(0, 2**62, (1,), generator=state.generator, device=state.generator.device))
-    with torch.random.fork_rng(devices=[]):
+    with _SEEDING, torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return {n: p.detach() for n, p in Agent(state.cfg.agent).named_parameters()}
 

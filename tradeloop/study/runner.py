@@ -248,7 +248,9 @@ def run_study(spec: StudySpec, out: Path, console=None, redis_url: str | None = 
                           f"study-worker --redis URL --study {sid} --out DIR`", markup=False, highlight=False)
         else:
             tasks, events = ctx.Queue(), ctx.Queue()
-            for x in pending:
+            work = lockstep_groups(spec, pending)
+            P = min(P, len(work))
+            for x in work:
                 tasks.put(x)
             for _ in range(P):
                 tasks.put(None)
@@ -289,6 +291,27 @@ def run_study(spec: StudySpec, out: Path, console=None, redis_url: str | None = 
     status.update(force=True, state="done")
     join_workers(workers, 30.0)             # they have said "exit": only their interpreters' teardown is left
     return results
+
+
+def lockstep_groups(spec: StudySpec, run_ids: list[str]) -> list[str | list[str]]:
+    """The local workers' tasks: with `spec.lockstep` K > 1, the runs that share a market (`cluster_of`: the synthetic
+    market and the fold) and a trainer config, in groups of at most K as even as they split (a list each; a group
+    of one is its run id); else the run ids. In the order of each group's first run."""
+    if spec.lockstep <= 1:
+        return list(run_ids)
+    by: dict[tuple, list[str]] = {}
+    for rid in run_ids:
+        rs = spec.run(rid)
+        cfg = spec.configs(spec.variant(rs.variant), 14)[0]     # equal configs hash equal at any feature count
+        by.setdefault((*spec.cluster_of(rs.seed, rs.fold), cfg.hash()), []).append(rid)
+    out: list[str | list[str]] = []
+    for ids in by.values():
+        n = -(-len(ids) // spec.lockstep)                         # groups, then as even as they split
+        for k in range(n):
+            g = ids[k * len(ids) // n:(k + 1) * len(ids) // n]
+            out.append(g if len(g) > 1 else g[0])
+    order = {rid: i for i, rid in enumerate(run_ids)}
+    return sorted(out, key=lambda g: order[g[0] if isinstance(g, list) else g])
 
 
 def join_workers(workers: list, timeout_s: float, clock=time.monotonic) -> list:
@@ -338,7 +361,7 @@ def _follow(spec: StudySpec, out: Path, runs: list, workers: list, events, statu
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     epochs_here = 0
-    current: dict[tuple, str] = {}                  # (consumer through Redis or None, worker) → its run
+    current: dict[tuple, set[str]] = {}             # (consumer through Redis or None, worker) → its runs
     cols = (TextColumn("[bold]study"), BarColumn(), MofNCompleteColumn(), TextColumn("epochs"),
             TextColumn("{task.fields[runs]}"), TimeElapsedColumn(), TextColumn("{task.fields[rate]}"))
     with Progress(*cols, console=console, transient=False) as prog:
@@ -363,8 +386,7 @@ def _follow(spec: StudySpec, out: Path, runs: list, workers: list, events, statu
                         exited.add(i)
                         (out / WARM_FILE).parent.mkdir(parents=True, exist_ok=True)
                         (out / WARM_FILE).touch()           # the others need not wait for its compile
-                        if (None, i) in current:
-                            rid = current.pop((None, i))
+                        for rid in sorted(current.pop((None, i), ())):
                             status.doc["running"].pop(rid, None)
                             why = f"worker {i} died (exit code {p.exitcode})"
                             if r is None:          # (through Redis another worker takes the run over)
@@ -383,7 +405,7 @@ def _follow(spec: StudySpec, out: Path, runs: list, workers: list, events, statu
             where = f"worker {w}" + (f" of {ev['consumer']}" if "consumer" in ev else "")
             who = (ev.get("consumer"), w)
             if ev["type"] == "start":
-                current[who] = rid
+                current.setdefault(who, set()).add(rid)
                 status.doc["running"][rid] = {"worker": where, "gpu": ev["gpu"], "epoch": epochs_done(out, rid)}
             elif ev["type"] == "epoch":
                 epochs_here += 1
@@ -394,7 +416,7 @@ def _follow(spec: StudySpec, out: Path, runs: list, workers: list, events, statu
                 rate = epochs_here / max(time.time() - t_start, 1e-9)
                 prog.update(task, advance=1, rate=f"{rate:.2f} epochs/s")
             elif ev["type"] == "done":
-                current.pop(who, None)
+                current.get(who, set()).discard(rid)
                 status.doc["running"].pop(rid, None)
                 status.doc["runs_done"] += 1
                 s = ev["summary"]
@@ -406,7 +428,7 @@ def _follow(spec: StudySpec, out: Path, runs: list, workers: list, events, statu
                 prog.update(task, runs=f"runs {status.doc['runs_done']}/{len(runs)}")
                 _event_log(out, {"type": "done", "run": rid, "worker": where, "pid_t": ev["t"], **s})
             elif ev["type"] == "error":
-                current.pop(who, None)
+                current.get(who, set()).discard(rid)
                 status.doc["running"].pop(rid, None)
                 failed[rid] = ev["error"]
                 prog.console.print(f"[red]{rid} failed: {ev['error']}")
@@ -420,6 +442,12 @@ def _follow(spec: StudySpec, out: Path, runs: list, workers: list, events, statu
                 prog.console.print(f"{rid}: CUDA out of memory on GPU {ev['gpu']}; it resumes once the GPU has memory "
                                    "free", markup=False, highlight=False)
                 _event_log(out, {"type": "memory-wait", "run": rid, "worker": where, "gpu": ev["gpu"]})
+            elif ev["type"] == "lockstep":
+                rd = ev["rounds"]
+                prog.console.print(f"{where}: {len(ev['runs'])} runs in lockstep ({', '.join(ev['runs'])}): "
+                                   f"{rd['lockstep']} epochs together, {rd['alone']} rounds alone",
+                                   markup=False, highlight=False)
+                _event_log(out, {"type": "lockstep", "worker": where, "runs": ev["runs"], "rounds": rd})
             elif ev["type"] == "exit" and "consumer" not in ev:
                 exited.add(w)
             status.doc["peak_running"] = max(status.doc.get("peak_running", 0), len(status.doc["running"]))

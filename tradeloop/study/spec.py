@@ -284,8 +284,8 @@ def parse_parallel(value: Any, device: str, where: str = "--parallel") -> int:
 @dataclass
 class StudySpec:
     """Everything that decides a study's results (saved as `study.json`; a resume must ask for the same), plus how
-    it runs (`parallel`, `threads`, `stagger`, `mps`, `mps_share`, `iteration_sms`: free to change between a kill
-    and a resume)."""
+    it runs (`parallel`, `threads`, `stagger`, `mps`, `mps_share`, `iteration_sms`, `lockstep`: free to change
+    between a kill and a resume)."""
 
     dataset: str
     variants: list[Variant]
@@ -322,6 +322,10 @@ class StudySpec:
     iteration_sms: int = 0
     """Where runs share a GPU, the SMs each run's training iterations may use (`services.trainer.sm_partition`: a
     green context a worker; the rest of a run uses the whole GPU); 0: no limit."""
+    lockstep: int = 1
+    """Runs a worker trains as one computation (`services.trainer.lockstep`): up to this many runs of one market and
+    one trainer config (the variants and seeds that share them) per worker, their iterations batched; 1: a run a
+    worker. Local workers only (a Redis worker takes one run at a time)."""
 
     IDENTITY = ("dataset", "variants", "seeds", "folds", "epochs", "preset", "settings", "bars", "data_seed",
                 "seeds_per_market", "device", "accel", "deterministic")
@@ -461,6 +465,8 @@ class StudySpec:
         if not isinstance(self.iteration_sms, int) or not 0 <= self.iteration_sms <= 4096:
             raise StudyError(f"--iteration-sms must be a count of SMs from 0 (no limit) to 4096, got "
                              f"{self.iteration_sms!r}")
+        if not isinstance(self.lockstep, int) or not 1 <= self.lockstep <= 64:
+            raise StudyError(f"--lockstep must be a count of runs from 1 to 64, got {self.lockstep!r}")
         if not isinstance(self.seeds_per_market, int) or self.seeds_per_market < 1:
             raise StudyError(f"--seeds-per-market must be an integer ≥ 1, got {self.seeds_per_market!r}")
         if self.seeds_per_market > 1 and (self.data_seed is not None or self.dataset != "synthetic"):

@@ -114,8 +114,9 @@ def insample_sharpe(record: dict) -> float | None:
 
 
 def execute_run(spec: StudySpec, out: Path, rs: RunSpec, data: DataCache,
-                on_epoch: Callable[[dict], None] | None = None) -> dict:
-    """Run (or resume) one run of the study to its end; returns its summary (also written to summary.json)."""
+                on_epoch: Callable[[dict], None] | None = None, train_fn: Callable | None = None) -> dict:
+    """Run (or resume) one run of the study to its end; returns its summary (also written to summary.json).
+    `train_fn`: how its epochs train (a lockstep group's member; None: alone)."""
     import numpy as np
 
     from shared.metrics import dsr
@@ -134,7 +135,8 @@ def execute_run(spec: StudySpec, out: Path, rs: RunSpec, data: DataCache,
         f.write(json.dumps({"pid": os.getpid(), "from_epoch": trained_before, "t": time.time()}) + "\n")
     records = run_closed_loop(bars, spec.dataset, run_dir, spec.epochs, config=cfg, feedback=fb, split=split,
                               seed=rs.seed, device=spec.device, accel=spec.accel, features=feats,
-                              run_id=rs.run_id, on_epoch=on_epoch, peers=[out / "runs" / r.run_id for r in peers])
+                              run_id=rs.run_id, on_epoch=on_epoch, peers=[out / "runs" / r.run_id for r in peers],
+                              train_fn=train_fn)
     vals = [float(r["history"]["val_sharpe"]) for r in records]
     trades = [int(r["history"]["val_n_trades"]) for r in records]
     sel, selectable = select_epoch(vals, trades, spec.min_val_trades)
@@ -284,44 +286,93 @@ def worker_main(index: int, gpu: str | None, out: str, source: tuple, threads: i
             src.emit({"type": "stand-down", "worker": index, "gpu": gpu, "fit": fit[0],
                       "run_bytes": fit[1]["run_bytes"], "total_bytes": fit[1]["total_bytes"], "t": time.time()})
             break
-        run_id = src.get()
-        if run_id is None:
+        task = src.get()
+        if task is None:
             break
-        rs = spec.run(run_id)
-        src.emit({"type": "start", "worker": index, "run": run_id, "gpu": gpu, "t": time.time()})
-        lock = None
-        try:
-            lock = RunLock(out_p / "runs" / run_id)
-
-            def on_epoch(rec: dict) -> None:
-                warm = out_p / WARM_FILE
-                if not warm.exists():
-                    warm.parent.mkdir(parents=True, exist_ok=True)
-                    if gpu is not None:
-                        record_run_memory(out_p, gpu)      # before the others start: this run alone on its GPU
-                    warm.write_text(f"{run_id} epoch {rec['epoch']}\n")
-                src.emit({"type": "epoch", "worker": index, "run": run_id, "epoch": rec["epoch"],
-                          "val_sharpe": rec["history"]["val_sharpe"], "train_s": rec["seconds"]["train"],
-                          "eval_s": rec["seconds"]["eval"], "t": time.time()})
-
-            s = run_with_memory_retries(spec, out_p, rs, data, on_epoch, src, index, gpu)
-            src.done(run_id, s)
-            src.emit({"type": "done", "worker": index, "run": run_id, "t": time.time(),
-                      "summary": {**{k: s[k] for k in ("selected_epoch", "val_sharpe", "val_trades", "oos_sharpe",
-                                                       "oos_trades", "run_dsr", "wall_s", "epochs_trained_here")},
-                                  "exploited": [f"{x['run']} e{x['epoch']}" for e in s["epochs"][:-1]
-                                                if (x := e.get("exploit"))]}})
-        except Exception as exc:  # noqa: BLE001 — reported to the study process, which decides
-            err = f"{type(exc).__name__}: {exc}"
-            src.failed(run_id, err)
-            src.emit({"type": "error", "worker": index, "run": run_id, "t": time.time(), "error": err,
-                      "traceback": traceback.format_exc()})
-        finally:
-            if lock is not None:
-                lock.release()
+        if isinstance(task, list):           # a lockstep group (`lockstep_groups`)
+            run_group(spec, out_p, task, data, src, index, gpu)
+        else:
+            run_task(spec, out_p, task, data, src, index, gpu)
             release_run(spec)
     src.emit({"type": "exit", "worker": index, "t": time.time()})
     src.close()
+
+
+def run_task(spec: StudySpec, out: Path, run_id: str, data: DataCache, src, index: int, gpu: str | None,
+             train_fn: Callable | None = None) -> None:
+    """One run in this worker, start to end, its progress and its end (done or error) reported as events; under its
+    directory's lock. Alone (`train_fn` None) a run that meets CUDA out of memory resumes (`run_with_memory_retries`);
+    a lockstep member fails instead (the study run again resumes it)."""
+    rs = spec.run(run_id)
+    src.emit({"type": "start", "worker": index, "run": run_id, "gpu": gpu, "t": time.time()})
+    lock = None
+    try:
+        lock = RunLock(out / "runs" / run_id)
+
+        def on_epoch(rec: dict) -> None:
+            warm = out / WARM_FILE
+            if not warm.exists():
+                warm.parent.mkdir(parents=True, exist_ok=True)
+                if gpu is not None:
+                    record_run_memory(out, gpu)      # before the others start: this worker alone on its GPU
+                warm.write_text(f"{run_id} epoch {rec['epoch']}\n")
+            src.emit({"type": "epoch", "worker": index, "run": run_id, "epoch": rec["epoch"],
+                      "val_sharpe": rec["history"]["val_sharpe"], "train_s": rec["seconds"]["train"],
+                      "eval_s": rec["seconds"]["eval"], "t": time.time()})
+
+        if train_fn is None:
+            s = run_with_memory_retries(spec, out, rs, data, on_epoch, src, index, gpu)
+        else:
+            s = execute_run(spec, out, rs, data, on_epoch, train_fn=train_fn)
+        src.done(run_id, s)
+        src.emit({"type": "done", "worker": index, "run": run_id, "t": time.time(),
+                  "summary": {**{k: s[k] for k in ("selected_epoch", "val_sharpe", "val_trades", "oos_sharpe",
+                                                   "oos_trades", "run_dsr", "wall_s", "epochs_trained_here")},
+                              "exploited": [f"{x['run']} e{x['epoch']}" for e in s["epochs"][:-1]
+                                            if (x := e.get("exploit"))]}})
+    except Exception as exc:  # noqa: BLE001 — reported to the study process, which decides
+        err = f"{type(exc).__name__}: {exc}"
+        src.failed(run_id, err)
+        src.emit({"type": "error", "worker": index, "run": run_id, "t": time.time(), "error": err,
+                  "traceback": traceback.format_exc()})
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def train_group(run_ids: list[str], run: Callable[[str, Callable], None]) -> dict[str, int]:
+    """`run(run_id, train_fn)` of each run in a thread of its own, their epochs trained as one lockstep group; returns
+    the group's rounds (in lockstep, alone) once every thread has ended."""
+    import threading
+
+    from services.trainer.lockstep import Lockstep
+
+    group = Lockstep(len(run_ids))
+
+    def member(i: int, run_id: str) -> None:
+        try:
+            run(run_id, group.member(i))
+        finally:
+            group.leave()
+
+    threads = [threading.Thread(target=member, args=(i, rid), name=f"lockstep-{rid}")
+               for i, rid in enumerate(run_ids)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return dict(group.rounds)
+
+
+def run_group(spec: StudySpec, out: Path, run_ids: list[str], data: DataCache, src, index: int,
+              gpu: str | None) -> None:
+    """A lockstep group: its runs each in a thread of this worker (`run_task`), their epochs trained as one
+    (`services.trainer.lockstep.Lockstep`); what the group leaves is freed once all of them are done."""
+    data.get(spec.data_seed_of(spec.run(run_ids[0]).seed))     # the group's market, built once before the threads
+    rounds = train_group(run_ids, lambda run_id, train_fn: run_task(spec, out, run_id, data, src, index, gpu,
+                                                                    train_fn=train_fn))
+    src.emit({"type": "lockstep", "worker": index, "runs": run_ids, "rounds": rounds, "t": time.time()})
+    release_run(spec)
 
 
 def release_run(spec: StudySpec) -> None:
