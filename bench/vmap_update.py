@@ -35,10 +35,11 @@ vmap rules fold the runs' samples into one launch (`services.trainer.run_batch`)
 `attention=sdpa`, `fused_c51=False`, `fused_targets=False` and the attention written out (`causal_attention_math`,
 `last_query_attention_math`: on CUDA, SDPA's memory-efficient backward rejects the strides vmap gives its saved
 log-sum-exp, "LSE is not correctly aligned"). R = 1 runs the same code, so the ratio compares like with like;
-`--product` adds one run as `tradeloop train` runs it (`train_epoch` at the device's default accel, its epoch-start
-work included), the rate a study's runs have today. The timed step runs in the product's precision (`in_precision`:
-bf16 autocast on CUDA with the preset's `bf16`; without it the fused attention ran its IEEE-fp32 path,
-bench/README.md 2026-12-04), its vmapped linear layers kept in autocast's dtype (`run_batch.AutocastLinear`: vmap
+`--product` adds one run as `tradeloop train` runs it (`StepRunner.iteration` at the device's default accel, timed
+over as many steady calls as the vmapped steps; `epoch_per_s` in its JSON: the rate of one `train_epoch` of
+`--steps` iterations), the rate a study's runs have today. The timed step runs in the product's precision
+(`in_precision`: bf16 autocast on CUDA with the preset's `bf16`; without it the fused attention ran its IEEE-fp32
+path, bench/README.md 2026-12-04), its vmapped linear layers kept in autocast's dtype (`run_batch.AutocastLinear`: vmap
 adds their biases after the product, outside autocast, and the fp32 sum reached the attention, bench/README.md
 2026-12-05 · 10abaa5). Before timing, each R's batched step is checked against every run's own (`check`: the
 largest |Δ| relative to the scale — the loss for the update; every tensor the collection writes for the iteration).
@@ -132,14 +133,18 @@ def profile(name: str, fn, top: int) -> None:
 
 def product_rate(args) -> dict:
     """One run as `tradeloop train` trains it (`train_epoch`, the device's default accel, the preset's kernels): its
-    iterations per second over an epoch of `--steps` iterations, after a warm-up epoch that compiles and captures."""
+    iterations per second over `--steps` calls of its own iteration (`StepRunner.iteration`), timed as the vmapped
+    steps are, after a warm-up epoch that compiles and captures and one epoch of `--steps` iterations
+    (`epoch_per_s`: that epoch's rate, whose fixed costs a short epoch does not amortise)."""
     st = run_streams.make_states(args, [0], accel="auto")[0]
     st.cfg.iterations = args.steps
     stats = train_epoch(st, Knobs())
+    wall = timed(lambda: None, st.runner.iteration, args.steps, args.device.startswith("cuda"))
     if args.profile:
         profile(f"one run's iteration, the product's ({st.accel})", st.runner.iteration, args.profile)
-    return {"runs": "product", "per_s": args.steps / stats.seconds, "wall_s": stats.seconds, "first_s": 0.0,
-            "accel": st.accel, "kernels": "fused", "step": "iteration", "check": 0.0}
+    return {"runs": "product", "per_s": args.steps / wall, "wall_s": wall, "first_s": 0.0,
+            "epoch_per_s": args.steps / stats.seconds, "accel": st.accel, "kernels": "fused", "step": "iteration",
+            "check": 0.0}
 
 
 def main(argv=None) -> None:
