@@ -87,9 +87,22 @@ def test_a_group_trains_in_lockstep_in_step_and_alone_out_of_step():
     for t in threads:
         t.join(timeout=300)
     assert not errors and all(s.epoch == 3 for s in sts)
-    # round 1: run 0's epoch 1 and run 1's epoch 2, alone; round 2: run 0's epoch 2 and run 1's epoch 3, still
-    # alone; run 1 leaves, and run 0's epoch 3 trains alone (one member)
-    assert group.rounds == {"lockstep": 0, "alone": 3}
+    # round 1: run 0's epoch 1 alone while run 1's epoch 2 waits; then both at epoch 1, in step: epochs 2 and 3
+    # together
+    assert group.rounds == {"lockstep": 2, "alone": 1}
+
+    one_ahead = states([4, 5])                                   # at one epoch, not in step: each alone
+    for st in one_ahead:
+        train_epoch(st, st.cfg.schedule.knobs(1))
+    one_ahead[1].update_step += 1
+    alone = Lockstep(2)
+    threads = [threading.Thread(target=lambda i=i: (alone.member(i)(one_ahead[i], one_ahead[i].cfg.schedule.knobs(2)),
+                                                    alone.leave())) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert alone.rounds == {"lockstep": 0, "alone": 1} and [s.epoch for s in one_ahead] == [2, 2]
 
     in_step_group = Lockstep(2)
     fresh = states([2, 3])

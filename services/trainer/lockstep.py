@@ -11,8 +11,10 @@ to ask runs the round for all:
     (`start_epoch`, the embedding refresh) on its own state, then its state copied into its slot of the batched
     state (`LockstepEngine.load`), the epoch's iterations batched, the slots copied back (`store`), and each run's
     `end_epoch` — the same rules as `train_epoch`, which this file calls rather than restates;
-  - not in step (a resume that left runs at different epochs, a rollback that restored another optimizer step), or
-    one member left: each trains its epoch alone (`train_epoch`), one after another.
+  - runs at different epochs (a resume of a group killed while its runs saved an epoch): those behind train theirs
+    alone (`train_epoch`) while the others wait, until the group is at one epoch again;
+  - at one epoch but not in step (a rollback that restored another update count or optimizer step), or one member
+    left: each trains its epoch alone, one after another.
 The iterations draw every run's uniforms from that run's own generator, in the order its `StepRunner` would: an
 eager lockstep epoch trains each run as `train_epoch` does, up to the order of float sums (tests/test_lockstep.py).
 The batched state is built for the group's first round and kept (the compiled and captured step reads its
@@ -226,9 +228,8 @@ class Lockstep:
     def train(self, i: int, state: TrainState, knobs, progress=None) -> EpochStats:
         with self.cv:
             self.arrived[i] = (state, knobs, progress)
-            r = self.round
             self._run_if_all_here()
-            while self.round == r:
+            while i not in self.results:
                 self.cv.wait()
             out = self.results.pop(i)
         if isinstance(out, BaseException):
@@ -240,6 +241,10 @@ class Lockstep:
             return
         members = sorted(self.arrived)
         states = [self.arrived[i][0] for i in members]
+        behind = min(s.epoch for s in states)
+        if any(s.epoch != behind for s in states):     # runs behind the others train alone until they catch up
+            members = [i for i, s in zip(members, states) if s.epoch == behind]
+            states = [self.arrived[i][0] for i in members]
         try:
             if self._together(members, states):
                 slots = [self.slots[i] for i in members]
@@ -253,7 +258,8 @@ class Lockstep:
         except BaseException as exc:  # noqa: BLE001 — every member of the round raises it
             results = {i: exc for i in members}
         self.results.update(results)
-        self.arrived.clear()
+        for i in members:                                # the others' epochs wait for the next round
+            del self.arrived[i]
         self.round += 1
         self.cv.notify_all()
 
