@@ -65,28 +65,40 @@ def test_a_lockstep_epoch_trains_each_run_as_it_trains_alone():
     assert not torch.allclose(next(together[0].agent.parameters()), next(together[1].agent.parameters()))
 
 
-def test_a_group_trains_in_lockstep_in_step_and_alone_out_of_step():
-    group = Lockstep(2)
-    sts = states([0, 1])
-    errors = []
+def train_together(group: Lockstep, sts: list, epochs: int, knobs=None) -> list[BaseException]:
+    """Each state's loop in a thread of its own, training through `group` (its knobs: the schedule's, or `knobs`)
+    until it has `epochs` epochs or fails; the errors the members met."""
+    errors: list[BaseException] = []
 
-    def member(i: int, epochs: int) -> None:
+    def member(i: int) -> None:
         try:
             while sts[i].epoch < epochs:
-                group.member(i)(sts[i], sts[i].cfg.schedule.knobs(sts[i].epoch + 1))
+                group.member(i)(sts[i], knobs or sts[i].cfg.schedule.knobs(sts[i].epoch + 1))
         except BaseException as exc:  # noqa: BLE001
             errors.append(exc)
         finally:
             group.leave()
 
-    train_epoch(sts[1], sts[1].cfg.schedule.knobs(1))          # run 1 an epoch ahead: not in step
-    assert not in_step(sts)
-    threads = [threading.Thread(target=member, args=(i, 3)) for i in range(2)]
+    threads = [threading.Thread(target=member, args=(i,)) for i in range(len(sts))]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=300)
-    assert not errors and all(s.epoch == 3 for s in sts)
+    assert not any(t.is_alive() for t in threads)
+    return errors
+
+
+def test_a_group_trains_in_lockstep_in_step_and_alone_out_of_step():
+    fresh = states([2, 3])
+    group = Lockstep(2)
+    assert not train_together(group, fresh, 2) and [s.epoch for s in fresh] == [2, 2]
+    assert group.rounds == {"lockstep": 2, "alone": 0}
+
+    sts = states([0, 1])
+    train_epoch(sts[1], sts[1].cfg.schedule.knobs(1))          # run 1 an epoch ahead: not in step
+    assert not in_step(sts)
+    group = Lockstep(2)
+    assert not train_together(group, sts, 3) and [s.epoch for s in sts] == [3, 3]
     # round 1: run 0's epoch 1 alone while run 1's epoch 2 waits; then both at epoch 1, in step: epochs 2 and 3
     # together
     assert group.rounds == {"lockstep": 2, "alone": 1}
@@ -95,32 +107,9 @@ def test_a_group_trains_in_lockstep_in_step_and_alone_out_of_step():
     for st in one_ahead:
         train_epoch(st, st.cfg.schedule.knobs(1))
     one_ahead[1].update_step += 1
-    alone = Lockstep(2)
-    threads = [threading.Thread(target=lambda i=i: (alone.member(i)(one_ahead[i], one_ahead[i].cfg.schedule.knobs(2)),
-                                                    alone.leave())) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
-    assert alone.rounds == {"lockstep": 0, "alone": 1} and [s.epoch for s in one_ahead] == [2, 2]
-
-    in_step_group = Lockstep(2)
-    fresh = states([2, 3])
-    done = []
-
-    def both(i: int) -> None:
-        try:
-            for e in (1, 2):
-                done.append(in_step_group.member(i)(fresh[i], fresh[i].cfg.schedule.knobs(e)).epoch)
-        finally:
-            in_step_group.leave()
-
-    threads = [threading.Thread(target=both, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
-    assert sorted(done) == [1, 1, 2, 2] and in_step_group.rounds == {"lockstep": 2, "alone": 0}
+    group = Lockstep(2)
+    assert not train_together(group, one_ahead, 2) and [s.epoch for s in one_ahead] == [2, 2]
+    assert group.rounds == {"lockstep": 0, "alone": 1}
 
 
 def test_an_error_in_a_round_reaches_every_member_and_runs_on_other_markets_are_refused():
@@ -129,21 +118,5 @@ def test_an_error_in_a_round_reaches_every_member_and_runs_on_other_markets_are_
         LockstepEngine([states([0])[0], other])
     with pytest.raises(ValueError, match="policy_ema"):
         LockstepEngine(states([0, 1], policy_ema=0.9))
-    group = Lockstep(2)
-    sts = states([0, 1])
-    seen = []
-
-    def member(i: int) -> None:
-        try:
-            group.member(i)(sts[i], "not knobs")
-        except BaseException as exc:  # noqa: BLE001
-            seen.append(type(exc).__name__)
-        finally:
-            group.leave()
-
-    threads = [threading.Thread(target=member, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    assert len(seen) == 2 and not any(t.is_alive() for t in threads)
+    errors = train_together(Lockstep(2), states([0, 1]), 1, knobs="not knobs")
+    assert len(errors) == 2                                      # both members of the failed round, none hung
