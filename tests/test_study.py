@@ -265,8 +265,9 @@ def test_a_lockstep_study_trains_each_markets_runs_as_one_and_selects_each_on_it
     groups = [e for e in events if e["type"] == "lockstep"]
     assert sorted(sorted(g["runs"]) for g in groups) == [["off-s0-f0", "on-s0-f0"], ["off-s0-f1", "on-s0-f1"]]
     assert all(g["rounds"] == {"lockstep": EPOCHS, "alone": 0} for g in groups), groups
-    assert "2 runs in lockstep" in p.stdout
+    assert "2 runs in lockstep" in p.stdout and "up to 2 a worker in lockstep" in (out / "report.md").read_text()
     res = json.loads((out / "results.json").read_text())
+    assert res["timing"]["lockstep"] == 2
     assert res["pairing"]["identical_checkpoints"] == 2
     runs = [r for r in RUNS if "-s0-" in r]
     ref = _summaries(reference[0])

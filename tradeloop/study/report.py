@@ -415,6 +415,8 @@ def fmt_timing(t: dict) -> str:
     total = (f"{t['wall_total_s']:.0f} s and {t['epochs_trained_total']} epochs over {starts} starts of the command; "
              "the last: " if starts > 1 and t.get("wall_total_s") is not None else "")
     mps = f" (sharing the GPU through CUDA MPS{held_to(t.get('mps_share'))})" if t.get("mps") else ""
+    if t.get("lockstep"):
+        mps += f", up to {t['lockstep']} a worker in lockstep"
     return (total + f"wall {wall} s, {t['runs_at_once']} runs at once{mps}, {t.get('epochs_trained') or 0} epochs "
             f"trained, aggregate {'n/a' if eps is None else f'{eps:.3f}'} epochs/s" + (f" ({t['from']})" if t.get("from") else "")
             + (f"; busy {busy}" if busy else "")

@@ -285,7 +285,7 @@ def run_study(spec: StudySpec, out: Path, console=None, redis_url: str | None = 
               "epochs_per_s": epochs_here / wall if wall > 0 and epochs_here else None,
               "gpu_busy_pct": busy, "gpus": gpus, "threads_per_worker": threads, "mps": daemon is not None,
               "mps_share": spec.mps_share if daemon is not None else None,
-              "iteration_sms": spec.iteration_sms or None,
+              "iteration_sms": spec.iteration_sms or None, "lockstep": spec.lockstep if spec.lockstep > 1 else None,
               **_all_starts(status.doc["earlier_starts"], wall, epochs_here)}
     results = write_results(spec, out, timing)
     status.update(force=True, state="done")
