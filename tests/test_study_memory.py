@@ -147,6 +147,27 @@ def test_a_run_out_of_gpu_memory_waits_for_a_runs_memory_and_resumes_then_says_w
         w.run_with_memory_retries(spec, tmp_path, rs, None, None, _Events(), 0, "0")
 
 
+def test_a_lockstep_run_out_of_gpu_memory_fails_saying_what_to_do(tmp_path, monkeypatch):
+    """A member of a lockstep group does not wait and retry (its group would go on without it): its error says to run
+    the command again with a smaller --lockstep or --parallel."""
+    import torch
+
+    import tradeloop.study.worker as w
+
+    def execute_run(*a, **kw):
+        assert kw["train_fn"] is not None
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
+
+    monkeypatch.setattr(w, "execute_run", execute_run)
+    ev = _Events()
+    ev.failed = ev.done = lambda *a: None
+    spec = _spec(device="cpu")
+    w.run_task(spec, tmp_path, spec.runs()[0].run_id, None, ev, 1, "0", train_fn=lambda *a: None)
+    err = next(e for e in ev.seen if e["type"] == "error")["error"]
+    assert "CUDA out of memory on GPU 0 in a lockstep group (CUDA out of memory. Tried to allocate 2.00 GiB.)" in err
+    assert "with a smaller --lockstep or --parallel" in err and not [e for e in ev.seen if e["type"] == "memory-wait"]
+
+
 def test_workers_compile_into_the_users_compile_cache_unless_told_otherwise(tmp_path: Path, monkeypatch):
     """A study's workers use the compile cache of every run of the user's (`compile_cache_dir`), not one of the
     study's own, so a second study of a compiled configuration loads its kernels; a cache the user set is kept."""

@@ -303,6 +303,8 @@ def run_task(spec: StudySpec, out: Path, run_id: str, data: DataCache, src, inde
     """One run in this worker, start to end, its progress and its end (done or error) reported as events; under its
     directory's lock. Alone (`train_fn` None) a run that meets CUDA out of memory resumes (`run_with_memory_retries`);
     a lockstep member fails instead (the study run again resumes it)."""
+    import torch
+
     rs = spec.run(run_id)
     src.emit({"type": "start", "worker": index, "run": run_id, "gpu": gpu, "t": time.time()})
     lock = None
@@ -323,7 +325,12 @@ def run_task(spec: StudySpec, out: Path, run_id: str, data: DataCache, src, inde
         if train_fn is None:
             s = run_with_memory_retries(spec, out, rs, data, on_epoch, src, index, gpu)
         else:
-            s = execute_run(spec, out, rs, data, on_epoch, train_fn=train_fn)
+            try:
+                s = execute_run(spec, out, rs, data, on_epoch, train_fn=train_fn)
+            except torch.cuda.OutOfMemoryError as exc:
+                raise StudyError(f"CUDA out of memory on GPU {gpu} in a lockstep group ({str(exc).splitlines()[0]}); "
+                                 "a group holds its runs' states and their batched copy: run the same command "
+                                 "again to resume the run, with a smaller --lockstep or --parallel") from None
         src.done(run_id, s)
         src.emit({"type": "done", "worker": index, "run": run_id, "t": time.time(),
                   "summary": {**{k: s[k] for k in ("selected_epoch", "val_sharpe", "val_trades", "oos_sharpe",
@@ -368,7 +375,12 @@ def run_group(spec: StudySpec, out: Path, run_ids: list[str], data: DataCache, s
               gpu: str | None) -> None:
     """A lockstep group: its runs each in a thread of this worker (`run_task`), their epochs trained as one
     (`services.trainer.lockstep.Lockstep`); what the group leaves is freed once all of them are done."""
+    import torch
+
     data.get(spec.data_seed_of(spec.run(run_ids[0]).seed))     # the group's market, built once before the threads
+    # runs that fall out of step train alone, each compiling its own closures of the step's code: room for them all
+    # before dynamo's per-code cache is full (and runs go eager)
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 8 * len(run_ids))
     rounds = train_group(run_ids, lambda run_id, train_fn: run_task(spec, out, run_id, data, src, index, gpu,
                                                                     train_fn=train_fn))
     src.emit({"type": "lockstep", "worker": index, "runs": run_ids, "rounds": rounds, "t": time.time()})
