@@ -2,12 +2,10 @@
 end each epoch where `train_epoch` leaves each of them alone — the same weights, optimizer moments, replay, accounts
 and epoch statistics, up to the order of float sums — and the group falls back to training alone when its runs are
 out of step."""
-import threading
-
 import pytest
 import torch
 
-from services.trainer.lockstep import Lockstep, LockstepEngine, in_step
+from services.trainer.lockstep import LockstepEngine, in_step, train_in_lockstep
 from services.trainer.loop import train_epoch
 from services.trainer.state import build_state
 from shared.market import chronological_split
@@ -65,51 +63,43 @@ def test_a_lockstep_epoch_trains_each_run_as_it_trains_alone():
     assert not torch.allclose(next(together[0].agent.parameters()), next(together[1].agent.parameters()))
 
 
-def train_together(group: Lockstep, sts: list, epochs: int, knobs=None) -> list[BaseException]:
-    """Each state's loop in a thread of its own, training through `group` (its knobs: the schedule's, or `knobs`)
-    until it has `epochs` epochs or fails; the errors the members met."""
+def train_together(sts: list, epochs: int, knobs=None) -> tuple[dict, list[BaseException]]:
+    """Each state's loop in a thread of its own (`train_in_lockstep`), training in one group (its knobs: the
+    schedule's, or `knobs`) until it has `epochs` epochs or fails; (the group's rounds, the errors the members met)."""
     errors: list[BaseException] = []
 
-    def member(i: int) -> None:
+    def loop(st, train_fn) -> None:
         try:
-            while sts[i].epoch < epochs:
-                group.member(i)(sts[i], knobs or sts[i].cfg.schedule.knobs(sts[i].epoch + 1))
+            while st.epoch < epochs:
+                train_fn(st, knobs or st.cfg.schedule.knobs(st.epoch + 1))
         except BaseException as exc:  # noqa: BLE001
             errors.append(exc)
-        finally:
-            group.leave()
 
-    threads = [threading.Thread(target=member, args=(i,)) for i in range(len(sts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
-    assert not any(t.is_alive() for t in threads)
-    return errors
+    return train_in_lockstep(sts, loop), errors
 
 
 def test_a_group_trains_in_lockstep_in_step_and_alone_out_of_step():
     fresh = states([2, 3])
-    group = Lockstep(2)
-    assert not train_together(group, fresh, 2) and [s.epoch for s in fresh] == [2, 2]
-    assert group.rounds == {"lockstep": 2, "alone": 0}
+    rounds, errors = train_together(fresh, 2)
+    assert not errors and [s.epoch for s in fresh] == [2, 2]
+    assert rounds == {"lockstep": 2, "alone": 0}
 
     sts = states([0, 1])
     train_epoch(sts[1], sts[1].cfg.schedule.knobs(1))          # run 1 an epoch ahead: not in step
     assert not in_step(sts)
-    group = Lockstep(2)
-    assert not train_together(group, sts, 3) and [s.epoch for s in sts] == [3, 3]
+    rounds, errors = train_together(sts, 3)
+    assert not errors and [s.epoch for s in sts] == [3, 3]
     # round 1: run 0's epoch 1 alone while run 1's epoch 2 waits; then both at epoch 1, in step: epochs 2 and 3
     # together
-    assert group.rounds == {"lockstep": 2, "alone": 1}
+    assert rounds == {"lockstep": 2, "alone": 1}
 
     one_ahead = states([4, 5])                                   # at one epoch, not in step: each alone
     for st in one_ahead:
         train_epoch(st, st.cfg.schedule.knobs(1))
     one_ahead[1].update_step += 1
-    group = Lockstep(2)
-    assert not train_together(group, one_ahead, 2) and [s.epoch for s in one_ahead] == [2, 2]
-    assert group.rounds == {"lockstep": 0, "alone": 1}
+    rounds, errors = train_together(one_ahead, 2)
+    assert not errors and [s.epoch for s in one_ahead] == [2, 2]
+    assert rounds == {"lockstep": 0, "alone": 1}
 
 
 def test_an_error_in_a_round_reaches_every_member_and_runs_on_other_markets_are_refused():
@@ -118,5 +108,5 @@ def test_an_error_in_a_round_reaches_every_member_and_runs_on_other_markets_are_
         LockstepEngine([states([0])[0], other])
     with pytest.raises(ValueError, match="policy_ema"):
         LockstepEngine(states([0, 1], policy_ema=0.9))
-    errors = train_together(Lockstep(2), states([0, 1]), 1, knobs="not knobs")
+    _, errors = train_together(states([0, 1]), 1, knobs="not knobs")
     assert len(errors) == 2                                      # both members of the failed round, none hung

@@ -4,6 +4,7 @@ computation over all of them (`lockstep_step.BatchedIteration`: R runs' collecti
 
     group = Lockstep(K)                          # one per group; member i trains through group.member(i)
     train_run(..., train_fn=group.member(i))     # in K threads, one per run; each calls group.leave() when done
+    train_in_lockstep(runs, run)                 # the same: run(run, train_fn) in a thread each, the group's rounds
 
 A member's `train(state, knobs)` waits until every member still in the group has asked for its next epoch; the last
 to ask runs the round for all:
@@ -21,7 +22,7 @@ The batched state is built for the group's first round and kept (the compiled an
 addresses); a member that has left keeps its slot, trained on its last state and never copied back.
 
 Not in lockstep: `TrainConfig.policy_ema` (the average's update is not batched: `LockstepEngine` refuses it).
-Imports: torch, `services.trainer.{lockstep_step, loop, run_batch, runtime, buffers, state}`, `shared.graphs`.
+Imports: torch, `services.trainer.{lockstep_step, loop, optim, run_batch, runtime, state}`, `shared.graphs`.
 """
 from __future__ import annotations
 
@@ -31,9 +32,9 @@ from typing import Callable
 
 import torch
 
-from services.trainer.buffers import refresh_embeddings
 from services.trainer.lockstep_step import BatchedIteration, collect_objects
-from services.trainer.loop import EpochStats, end_epoch, iteration_plan, start_epoch, train_epoch
+from services.trainer.loop import EpochStats, end_epoch, iteration_plan, ready_to_train, start_epoch, train_epoch
+from services.trainer.optim import age_groups
 from services.trainer.run_batch import autocast_linear
 from services.trainer.runtime import compile_step, in_precision
 from services.trainer.state import TrainState, adapt_support
@@ -64,7 +65,7 @@ class LockstepEngine:
             raise ValueError(f"lockstep: {why}")
         self.states = list(states)
         self.it = BatchedIteration(states)
-        self.cfg, self.device = st.cfg, st.device
+        self.cfg = st.cfg
         cuda = st.device.type == "cuda"
         self.sync = (lambda: torch.cuda.synchronize(st.device)) if cuda else (lambda: None)
         step = autocast_linear(in_precision(self.it, st.cfg, st.device))
@@ -159,9 +160,7 @@ class LockstepEngine:
         t_setup = time.perf_counter()
         for st, k in zip(states, knobs):
             start_epoch(st, k)
-            refresh_embeddings(st)
-            st.buffers.step.fill_(float(st.update_step))
-            st.agent.train()
+            ready_to_train(st)
         self.it.upd.st.agent.train()            # the module the vmapped calls run (dropout on)
         env0 = lead.env_steps
         self.load(slots, states)
@@ -195,8 +194,7 @@ class LockstepEngine:
         setup_s = t0 - t_setup
         out = []
         for st, k in zip(states, knobs):
-            for g in st.opt.param_groups:
-                g["age"] += n_upd               # `set_lrs`'s host bookkeeping, once per update
+            age_groups(st.opt, n_upd)           # `set_lrs`'s host bookkeeping of the epoch's updates
             out.append(end_epoch(st, k, n_upd=n_upd, env_steps=st.env_steps - env0, t_env=seconds, t_upd=seconds,
                                  seconds=seconds, compile_s=self.compile_s - compile0, setup_s=setup_s))
         return out
@@ -211,7 +209,6 @@ class Lockstep:
         self.active = n
         self.arrived: dict[int, tuple] = {}
         self.results: dict[int, object] = {}
-        self.round = 0
         self.engine: LockstepEngine | None = None
         self.slots: dict[int, int] = {}
         self.rounds = {"lockstep": 0, "alone": 0}
@@ -260,7 +257,6 @@ class Lockstep:
         self.results.update(results)
         for i in members:                                # the others' epochs wait for the next round
             del self.arrived[i]
-        self.round += 1
         self.cv.notify_all()
 
     def _together(self, members: list[int], states: list[TrainState]) -> bool:
@@ -272,3 +268,22 @@ class Lockstep:
             self.engine = LockstepEngine(states)
             self.slots = {i: r for r, i in enumerate(members)}
         return all(i in self.slots for i in members)
+
+
+def train_in_lockstep(members: list, run: Callable[[object, Callable[..., EpochStats]], None]) -> dict[str, int]:
+    """`run(member, train_fn)` of each member in a thread of its own, `train_fn` its place in one `Lockstep` group
+    (left when `run` returns or raises); the group's `rounds` once every thread has ended."""
+    group = Lockstep(len(members))
+
+    def one(i: int, m) -> None:
+        try:
+            run(m, group.member(i))
+        finally:
+            group.leave()
+
+    threads = [threading.Thread(target=one, args=(i, m), name=f"lockstep-{i}") for i, m in enumerate(members)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return dict(group.rounds)

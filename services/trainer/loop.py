@@ -132,8 +132,7 @@ def train_epoch(state: TrainState, knobs: Knobs, progress: Callable[[int, int], 
         env.reset_all()
         start, n_upd = resume.iteration, resume.updates
         n_env0, t_before, spent_before = state.env_steps - resume.env_steps, resume.seconds, resume.phases
-    refresh_embeddings(state)
-    state.buffers.step.fill_(float(state.update_step))
+    ready_to_train(state)
     runner = state.runner
     compile0 = runner.compile_s
     cuda = state.device.type == "cuda"
@@ -141,7 +140,6 @@ def train_epoch(state: TrainState, knobs: Knobs, progress: Callable[[int, int], 
         torch.cuda.synchronize(state.device)     # the refresh's kernels counted in setup_s, not in the iterations
     t0 = time.perf_counter()
     setup_s = t0 - t_setup
-    state.agent.train()
     clock = PhaseClock(cuda)
 
     def before_update() -> None:                # host bookkeeping of one update (LRs on a CPU, group ages)
@@ -200,6 +198,14 @@ def start_epoch(state: TrainState, knobs: Knobs) -> None:
     state.env.reset_all()
     state.env.pop_trade_stats()
     state.buffers.metric_sums.zero_()
+
+
+def ready_to_train(state: TrainState) -> None:
+    """The last of an epoch's set-up, once its knobs are applied: the embedding cache's full refresh from the current
+    encoders, the device's update counter from the host's, the network in training mode."""
+    refresh_embeddings(state)
+    state.buffers.step.fill_(float(state.update_step))
+    state.agent.train()
 
 
 def iteration_plan(state: TrainState, support_set: bool) -> tuple[int, bool, bool]:

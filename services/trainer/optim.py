@@ -158,8 +158,13 @@ def set_lrs(opt: torch.optim.Optimizer, step: int, lr_scale: dict[str, float], c
             if restart and g["branch"] in BRANCHES:
                 for p in g["params"]:
                     opt.state[p]["exp_avg"].zero_()                # created with the optimizer
+    age_groups(opt, 1)
+
+
+def age_groups(opt: torch.optim.Optimizer, updates: int) -> None:
+    """Every group's age advanced by `updates` (the warm-up's clock: `set_lrs` advances it once an update)."""
     for g in opt.param_groups:
-        g["age"] += 1
+        g["age"] += updates
 
 
 def device_lrs(opt: torch.optim.Optimizer, buf: "UpdateBuffers", cfg: TrainConfig) -> None:

@@ -347,42 +347,20 @@ def run_task(spec: StudySpec, out: Path, run_id: str, data: DataCache, src, inde
             lock.release()
 
 
-def train_group(run_ids: list[str], run: Callable[[str, Callable], None]) -> dict[str, int]:
-    """`run(run_id, train_fn)` of each run in a thread of its own, their epochs trained as one lockstep group; returns
-    the group's rounds (in lockstep, alone) once every thread has ended."""
-    import threading
-
-    from services.trainer.lockstep import Lockstep
-
-    group = Lockstep(len(run_ids))
-
-    def member(i: int, run_id: str) -> None:
-        try:
-            run(run_id, group.member(i))
-        finally:
-            group.leave()
-
-    threads = [threading.Thread(target=member, args=(i, rid), name=f"lockstep-{rid}")
-               for i, rid in enumerate(run_ids)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return dict(group.rounds)
-
-
 def run_group(spec: StudySpec, out: Path, run_ids: list[str], data: DataCache, src, index: int,
               gpu: str | None) -> None:
     """A lockstep group: its runs each in a thread of this worker (`run_task`), their epochs trained as one
     (`services.trainer.lockstep.Lockstep`); what the group leaves is freed once all of them are done."""
     import torch
 
+    from services.trainer.lockstep import train_in_lockstep
+
     data.get(spec.data_seed_of(spec.run(run_ids[0]).seed))     # the group's market, built once before the threads
     # runs that fall out of step train alone, each compiling its own closures of the step's code: room for them all
     # before dynamo's per-code cache is full (and runs go eager)
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 8 * len(run_ids))
-    rounds = train_group(run_ids, lambda run_id, train_fn: run_task(spec, out, run_id, data, src, index, gpu,
-                                                                    train_fn=train_fn))
+    rounds = train_in_lockstep(run_ids, lambda run_id, train_fn: run_task(spec, out, run_id, data, src, index, gpu,
+                                                                          train_fn=train_fn))
     src.emit({"type": "lockstep", "worker": index, "runs": run_ids, "rounds": rounds, "t": time.time()})
     release_run(spec)
 
