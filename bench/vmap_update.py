@@ -37,7 +37,11 @@ vmap rules fold the runs' samples into one launch (`services.trainer.run_batch`)
 log-sum-exp, "LSE is not correctly aligned"). R = 1 runs the same code, so the ratio compares like with like;
 `--product` adds one run as `tradeloop train` runs it (`StepRunner.iteration` at the device's default accel, timed
 over as many steady calls as the vmapped steps; `epoch_per_s` in its JSON: the rate of one `train_epoch` of
-`--steps` iterations), the rate a study's runs have today. The timed step runs in the product's precision
+`--steps` iterations), the rate a study's runs have today — timed first, in a process that has compiled nothing
+else (timed after the vmapped steps' compiles, the same call ran 1 427 kernels an iteration, 355 iterations/s, where
+a fresh process runs 403, 920/s: bench/README.md 2026-12-06 · vmap_update.py). Compiled, the vmapped step is traced
+at the level of aten ops and that graph compiled (`services.trainer.traced.TracedStep`, as the lockstep engine
+does: dynamo cannot trace the vmap, and ran most of it eagerly). The timed step runs in the product's precision
 (`in_precision`: bf16 autocast on CUDA with the preset's `bf16`; without it the fused attention ran its IEEE-fp32
 path, bench/README.md 2026-12-04), its vmapped linear layers kept in autocast's dtype (`run_batch.AutocastLinear`: vmap
 adds their biases after the product, outside autocast, and the fp32 sum reached the attention, bench/README.md
@@ -64,6 +68,7 @@ from services.trainer.lockstep_step import BATCH_FIELDS, BatchedIteration, Batch
 from services.trainer.loop import train_epoch
 from services.trainer.run_batch import autocast_linear
 from services.trainer.runtime import compile_step, in_precision
+from services.trainer.traced import TracedStep
 from services.trainer.train import TrainConfig
 from shared.graphs import capture, resolve_accel
 
@@ -100,19 +105,16 @@ def measure(args, states: list, accel: str, cuda: bool) -> list[dict]:
             check = max(upd.check(states[:R]), upd.refresh.check(states[:R]))
         # bf16 autocast on CUDA, as the product's steps, with vmap's linear layers kept in it (`AutocastLinear`)
         step = autocast_linear(in_precision(upd, upd.cfg, args.device))
-        if "compile" in accel:
-            # every R its own static graph: a recompile of the same `__call__` at a new R makes the run dimension
-            # symbolic (automatic dynamic shapes), and on the H200 a compile of this step failed building its shape
-            # guards (IndexError in produce_guards_verbose), which only symbolic shapes have
-            torch._dynamo.reset()
-            torch._dynamo.config.automatic_dynamic_shapes = False
-            step = compile_step(step, upd.cfg, args.device)
+        if "compile" in accel:              # as the lockstep engine compiles it: traced, then through inductor
+            step = TracedStep(step, lambda graph, cfg=upd.cfg: compile_step(graph, cfg, args.device))
         t0 = time.perf_counter()
         upd.draw()
         if "graph" in accel:
-            step = capture(step, warmup=3)
+            step = capture(step, warmup=3)                  # the warm-up calls trace, compile and run the step
         else:
             step()
+            if isinstance(step, TracedStep):
+                step()
         first = time.perf_counter() - t0
         wall = timed(upd.draw, step, args.steps, cuda)
         rows.append({"runs": R, "per_s": R * args.steps / wall, "wall_s": wall, "first_s": first,
@@ -175,11 +177,12 @@ def main(argv=None) -> None:
     if short:           # nothing to sample: the update would read unwritten rows (NaN targets, garbage bin indices)
         ap.error(f"--warmup {args.warmup} left the replay of run(s) {short} without a transition whose "
                  f"{max(states[0].cfg.horizons)}-step window is written; give a longer --warmup")
+    product = product_rate(args) if args.product else None     # first: before any other step is compiled here
     written_out = mock.patch.object(layers, "written_out_attention", lambda q: True)   # vmap-able SDPA (above)
     with written_out if args.kernels == "reference" else contextlib.nullcontext():
         rows = measure(args, states, accel, cuda)
-    if args.product:
-        rows.insert(0, product_rate(args))
+    if product:
+        rows.insert(0, product)
     one = next((r["per_s"] for r in rows if r["runs"] == 1), None)
     prod = next((r["per_s"] for r in rows if r["runs"] == "product"), None)
     print(f"| runs in one vmapped {args.step} | {args.step}s/s (all runs) | ×1 | × the product's run | wall s | "

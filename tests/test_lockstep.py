@@ -5,9 +5,11 @@ out of step."""
 import pytest
 import torch
 
+from services.trainer import lockstep
 from services.trainer.lockstep import LockstepEngine, in_step, train_in_lockstep
 from services.trainer.loop import train_epoch
 from services.trainer.state import build_state
+from services.trainer.traced import TracedStep
 from shared.market import chronological_split
 from shared.synthetic import generate
 from tests.test_train import tiny_config
@@ -46,9 +48,15 @@ def assert_same_run(got, want) -> None:
     assert torch.equal(got.generator.get_state(), want.generator.get_state())
 
 
-def test_a_lockstep_epoch_trains_each_run_as_it_trains_alone():
+@pytest.mark.parametrize("accel", ["eager", "traced"])
+def test_a_lockstep_epoch_trains_each_run_as_it_trains_alone(accel, monkeypatch):
     together, alone = states([0, 1]), states([0, 1])
+    if accel == "traced":          # the compiled engine's step: traced once (`TracedStep`), then its recorded graph
+        monkeypatch.setattr(lockstep, "compile_step", lambda graph, cfg, device: graph)    # run as is, no inductor
+        for st in together:
+            st.accel = "compile"
     engine = LockstepEngine(together)
+    assert isinstance(engine.step, TracedStep) == (accel == "traced")
     for epoch in (1, 2):
         knobs = [s.cfg.schedule.knobs(epoch) for s in together]
         stats = engine.epoch([0, 1], together, knobs, [None, None])
@@ -59,6 +67,8 @@ def test_a_lockstep_epoch_trains_each_run_as_it_trains_alone():
             assert a.train_trades == b.train_trades
             for k in ("loss", "c51", "iqn", "expectile", "q_mean", "entropy", "utilisation"):
                 assert getattr(a, k) == pytest.approx(getattr(b, k), rel=1e-3, abs=1e-5), k
+    if accel == "traced":                    # every learning iteration after the first ran the recorded graph
+        assert engine.step.traced and engine.calls == engine.warm_calls == 2
     # the two runs learned different things: the check above compares each with its own
     assert not torch.allclose(next(together[0].agent.parameters()), next(together[1].agent.parameters()))
 

@@ -22,7 +22,7 @@ The batched state is built for the group's first round and kept (the compiled an
 addresses); a member that has left keeps its slot, trained on its last state and never copied back.
 
 Not in lockstep: `TrainConfig.policy_ema` (the average's update is not batched: `LockstepEngine` refuses it).
-Imports: torch, `services.trainer.{lockstep_step, loop, optim, run_batch, runtime, state}`, `shared.graphs`.
+Imports: torch, `services.trainer.{lockstep_step, loop, optim, run_batch, runtime, state, traced}`, `shared.graphs`.
 """
 from __future__ import annotations
 
@@ -38,6 +38,7 @@ from services.trainer.optim import age_groups
 from services.trainer.run_batch import autocast_linear
 from services.trainer.runtime import compile_step, in_precision
 from services.trainer.state import TrainState, adapt_support
+from services.trainer.traced import TracedStep
 from shared.graphs import capture
 
 
@@ -71,10 +72,11 @@ class LockstepEngine:
         step = autocast_linear(in_precision(self.it, st.cfg, st.device))
         self.collect = autocast_linear(in_precision(self.it.col, st.cfg, st.device))   # warm-up iterations: eager
         if "compile" in st.accel:           # the runs' own accel (`resolve_accel`'s), as their `StepRunner`s
-            step = compile_step(step, st.cfg, st.device)
+            step = TracedStep(step, lambda graph: compile_step(graph, st.cfg, st.device))
         self.step, self.graphed = step, "graph" in st.accel and cuda
         self.graph = None
-        self.ran = False
+        self.calls = 0                      # calls of the step before it runs warm: the trace, then the compile
+        self.warm_calls = 2 if isinstance(step, TracedStep) else 1
         self.compile_s = 0.0
 
     @staticmethod
@@ -137,19 +139,19 @@ class LockstepEngine:
                 upd.draw_run(r, st.generator, k)
 
     def _iteration(self) -> None:
-        if self.ran and not self.graphed:
-            self.step()
-            return
-        if self.ran:
+        if self.graph is not None:
             self.graph()
             return
-        t0 = time.perf_counter()                # the first call: compiling and/or capturing
-        if self.graphed:
-            self.graph = capture(self.step, warmup=1)
+        if self.calls >= self.warm_calls:
+            self.step()
+            return
+        t0 = time.perf_counter()                # the first calls: tracing, compiling, capturing
+        if self.graphed and self.calls == self.warm_calls - 1:
+            self.graph = capture(self.step, warmup=1)           # the warm-up call compiles and runs the step
         else:
             self.step()
+        self.calls += 1
         self.sync()
-        self.ran = True
         self.compile_s += time.perf_counter() - t0
 
     def epoch(self, slots: list[int], states: list[TrainState], knobs: list, progress: list) -> list[EpochStats]:
