@@ -19,7 +19,10 @@ to ask runs the round for all:
 The iterations draw every run's uniforms from that run's own generator, in the order its `StepRunner` would: an
 eager lockstep epoch trains each run as `train_epoch` does, up to the order of float sums (tests/test_lockstep.py).
 The batched state is built for the group's first round and kept (the compiled and captured step reads its
-addresses); a member that has left keeps its slot, trained on its last state and never copied back.
+addresses); a member that has left keeps its slot, trained on its last state and never copied back. Compiled (the
+runs' accel), the step is traced on its first call at the level of aten ops and that graph compiled
+(`traced.TracedStep`: torch.compile's dynamo cannot trace the vmap and ran most of it eagerly); a CUDA graph
+captures it after that.
 
 Not in lockstep: `TrainConfig.policy_ema` (the average's update is not batched: `LockstepEngine` refuses it).
 Imports: torch, `services.trainer.{lockstep_step, loop, optim, run_batch, runtime, state, traced}`, `shared.graphs`.
