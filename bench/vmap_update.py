@@ -47,6 +47,8 @@ path, bench/README.md 2026-12-04), its vmapped linear layers kept in autocast's 
 adds their biases after the product, outside autocast, and the fp32 sum reached the attention, bench/README.md
 2026-12-05 · 10abaa5). Before timing, each R's batched step is checked against every run's own (`check`: the
 largest |Δ| relative to the scale — the loss for the update; every tensor the collection writes for the iteration).
+Compiled, the traced step's first compiled call is checked against the step run eagerly, one call each from the
+same state (`compiled − eager`: floats relative to their scale; the share of integer elements that differ).
 `--profile TOP` (CUDA) prints each timed step's kernel profile (`bench.train_profile.report`) and the product's.
   steps/s     steps (updates or iterations) of all runs together per second; ×1: over R = 1's
 """
@@ -105,24 +107,54 @@ def measure(args, states: list, accel: str, cuda: bool) -> list[dict]:
             check = max(upd.check(states[:R]), upd.refresh.check(states[:R]))
         # bf16 autocast on CUDA, as the product's steps, with vmap's linear layers kept in it (`AutocastLinear`)
         step = autocast_linear(in_precision(upd, upd.cfg, args.device))
+        traced = None
+        t0 = time.perf_counter()
         if "compile" in accel:              # as the lockstep engine compiles it: traced, then through inductor
             step = TracedStep(step, lambda graph, cfg=upd.cfg: compile_step(graph, cfg, args.device))
-        t0 = time.perf_counter()
+            upd.draw()
+            step()                                                  # the trace (one step, run for real)
+            traced = compiled_difference(upd, step)                 # the compile, checked against the eager step
         upd.draw()
         if "graph" in accel:
             step = capture(step, warmup=3)                  # the warm-up calls trace, compile and run the step
         else:
             step()
-            if isinstance(step, TracedStep):
-                step()
         first = time.perf_counter() - t0
         wall = timed(upd.draw, step, args.steps, cuda)
         rows.append({"runs": R, "per_s": R * args.steps / wall, "wall_s": wall, "first_s": first,
-                     "accel": accel, "kernels": args.kernels, "step": args.step, "check": check})
+                     "accel": accel, "kernels": args.kernels, "step": args.step, "check": check, "traced": traced})
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
         if args.profile:
             profile(f"{R} runs' {args.step}, vmapped ({accel})", lambda: (upd.draw(), step()), args.profile)
     return rows
+
+
+def compiled_difference(upd, step: TracedStep) -> dict:
+    """The traced step's compiled call against the step run eagerly, each one call from the same batched state on
+    the same uniforms: {"float": the largest |Δ| of a floating tensor relative to its scale, "int": the largest share
+    of an integer or boolean tensor's elements that differ (a near-tie decided the other way in a lower precision:
+    an action, a sampled row)}. The state is left where the compiled call took it."""
+    tensors = upd.tensors()
+    start = {k: v.detach().clone() for k, v in tensors.items()}
+
+    def restore() -> None:
+        with torch.no_grad():
+            for k, v in tensors.items():
+                v.copy_(start[k])
+
+    step.fn()
+    want = {k: v.detach().clone() for k, v in tensors.items()}
+    restore()
+    step()
+    worst = {"float": 0.0, "int": 0.0}
+    for k, v in tensors.items():
+        got, ref = v.detach(), want[k]
+        if ref.is_floating_point():
+            d = (got.double() - ref.double()).abs().max() / ref.double().abs().max().clamp(min=1.0)
+            worst["float"] = max(worst["float"], float(d))
+        elif ref.numel():
+            worst["int"] = max(worst["int"], float((got != ref).float().mean()))
+    return worst
 
 
 def profile(name: str, fn, top: int) -> None:
@@ -186,12 +218,14 @@ def main(argv=None) -> None:
     one = next((r["per_s"] for r in rows if r["runs"] == 1), None)
     prod = next((r["per_s"] for r in rows if r["runs"] == "product"), None)
     print(f"| runs in one vmapped {args.step} | {args.step}s/s (all runs) | ×1 | × the product's run | wall s | "
-          "first call s | check |\n|---|---|---|---|---|---|---|")
+          "first call s | check | compiled − eager (float / int) |\n|---|---|---|---|---|---|---|---|")
     for r in rows:
         x = f"{r['per_s'] / one:.2f}" if one else "n/a"
         xp = f"{r['per_s'] / prod:.2f}" if prod else "n/a"
+        t = r.get("traced")
+        tr = f"{t['float']:.1e} / {t['int']:.1e}" if t else "n/a"
         print(f"| {r['runs']} | {r['per_s']:.1f} | {x} | {xp} | {r['wall_s']:.2f} | {r['first_s']:.1f} | "
-              f"{r['check']:.1e} |")
+              f"{r['check']:.1e} | {tr} |")
     print(json.dumps(rows))
 
 

@@ -159,3 +159,21 @@ def test_the_timed_step_keeps_the_vmapped_layers_in_autocasts_precision(capsys, 
         vmap_update.main(["--device", "cpu", "--preset", "small", "--runs", "2", "--steps", "1", "--warmup", "14",
                           "--bars", "6000", "--set", "iterations=4", "--accel", "eager", "--step", "iteration"])
     assert seen and set(seen) == {torch.bfloat16}, seen
+
+
+def test_the_compiled_step_is_checked_against_the_eager_step(capsys, monkeypatch):
+    """Compiled, the vmapped step is the lockstep engine's `TracedStep`, and the bench reads its compiled call against
+    the eager step from one state: nothing apart when the recorded graph runs as is, a gap when it does not."""
+    built = []
+    make = vmap_update.make_states
+    monkeypatch.setattr(vmap_update, "make_states", lambda args, R: built.extend(make(args, R)) or built)
+    monkeypatch.setattr(vmap_update, "compile_step", lambda graph, cfg, device: graph)      # no inductor on a CPU
+    vmap_update.main(["--device", "cpu", "--preset", "small", "--runs", "2", "--steps", "2", "--warmup", "14",
+                      "--bars", "6000", "--set", "iterations=4", "--accel", "compile", "--step", "iteration"])
+    (row,) = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert row["traced"] == {"float": 0.0, "int": 0.0} and row["per_s"] > 0
+    it = vmap_update.BatchedIteration(built)
+    twice = vmap_update.TracedStep(it, lambda graph: lambda: (graph(), graph())[1])          # two steps a call
+    it.draw()
+    twice()
+    assert vmap_update.compiled_difference(it, twice)["float"] > 1e-4

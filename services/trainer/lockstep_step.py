@@ -338,3 +338,17 @@ class BatchedIteration:
         return torch.stack([self.upd(k) for k in range(len(self.upd.us))])    # one per update's uniforms
 
 
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor of the batched state an iteration reads or writes, by name: the runs' networks, optimizer,
+        update buffers, replays and accounts, and the uniforms it reads (several are views of one storage)."""
+        u = self.upd
+        named = (("online", u.p), ("online_buffer", u.b), ("target", u.tp), ("target_buffer", u.tb),
+                 ("buffers", u.bufs), ("view", u.views), ("replay", u.replays))
+        out = {f"{what}.{k}": v for what, d in named for k, v in d.items()}
+        out |= {f"{obj}.{k}": v for obj, d in self.col.state.items() for k, v in d.items()}
+        out |= {f"adamw.{k}": v for k, v in vars(u.opt).items() if torch.is_tensor(v)}
+        out |= {f"adamw.{i}.{k}": v for i, s in enumerate(u.opt.state.values()) for k, v in s.items()
+                if torch.is_tensor(v)}
+        out |= {"target_flat": u.target_flat, "uniforms": u.us, "noises": u.noises, "collection_noise": self.col.noise}
+        return out
