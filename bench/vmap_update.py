@@ -133,7 +133,8 @@ def compiled_difference(upd, step: TracedStep) -> dict:
     """The traced step's compiled call against the step run eagerly, each one call from the same batched state on
     the same uniforms: {"float": the largest |Δ| of a floating tensor relative to its scale, "int": the largest share
     of an integer or boolean tensor's elements that differ (a near-tie decided the other way in a lower precision:
-    an action, a sampled row)}. The state is left where the compiled call took it."""
+    an action, a sampled row), "float_at"/"int_at": which tensor (`BatchedIteration.tensors`'s name)}. The state is
+    left where the compiled call took it."""
     tensors = upd.tensors()
     start = {k: v.detach().clone() for k, v in tensors.items()}
 
@@ -146,14 +147,18 @@ def compiled_difference(upd, step: TracedStep) -> dict:
     want = {k: v.detach().clone() for k, v in tensors.items()}
     restore()
     step()
-    worst = {"float": 0.0, "int": 0.0}
+    worst = {"float": 0.0, "float_at": None, "int": 0.0, "int_at": None}
     for k, v in tensors.items():
         got, ref = v.detach(), want[k]
         if ref.is_floating_point():
-            d = (got.double() - ref.double()).abs().max() / ref.double().abs().max().clamp(min=1.0)
-            worst["float"] = max(worst["float"], float(d))
+            d = float((got.double() - ref.double()).abs().max() / ref.double().abs().max().clamp(min=1.0))
+            kind = "float"
         elif ref.numel():
-            worst["int"] = max(worst["int"], float((got != ref).float().mean()))
+            d, kind = float((got != ref).float().mean()), "int"
+        else:
+            continue
+        if d > worst[kind]:
+            worst[kind], worst[f"{kind}_at"] = d, k
     return worst
 
 
@@ -223,7 +228,7 @@ def main(argv=None) -> None:
         x = f"{r['per_s'] / one:.2f}" if one else "n/a"
         xp = f"{r['per_s'] / prod:.2f}" if prod else "n/a"
         t = r.get("traced")
-        tr = f"{t['float']:.1e} / {t['int']:.1e}" if t else "n/a"
+        tr = f"{t['float']:.1e} ({t['float_at']}) / {t['int']:.1e} ({t['int_at']})" if t else "n/a"
         print(f"| {r['runs']} | {r['per_s']:.1f} | {x} | {xp} | {r['wall_s']:.2f} | {r['first_s']:.1f} | "
               f"{r['check']:.1e} | {tr} |")
     print(json.dumps(rows))
