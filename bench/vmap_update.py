@@ -116,7 +116,7 @@ def measure(args, states: list, accel: str, cuda: bool) -> list[dict]:
             traced = compiled_difference(upd, step)                 # the compile, checked against the eager step
         upd.draw()
         if "graph" in accel:
-            step = capture(step, warmup=3)                  # the warm-up calls trace, compile and run the step
+            step = capture(step, warmup=3)
         else:
             step()
         first = time.perf_counter() - t0

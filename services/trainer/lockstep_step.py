@@ -110,6 +110,17 @@ class BatchedUpdate:
         self.target_flat = flatten_parameters([self.tp[stacked_name[p]] for p in self.opt.params], runs=self.R)
         self.refresh = BatchedRefresh(self)
 
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor of the batched state an update reads or writes, by name: the runs' networks, optimizer, update
+        buffers and replays, and the uniforms it reads (several are views of one storage)."""
+        named = (("online", self.p), ("online_buffer", self.b), ("target", self.tp), ("target_buffer", self.tb),
+                 ("buffers", self.bufs), ("view", self.views), ("replay", self.replays))
+        out = {f"{what}.{k}": v for what, d in named for k, v in d.items()}
+        out |= {f"adamw.{k}": v for k, v in vars(self.opt).items() if torch.is_tensor(v)}
+        out |= {f"adamw.{i}.{k}": v for i, s in enumerate(self.opt.state.values()) for k, v in s.items()
+                if torch.is_tensor(v)}
+        return out | {"target_flat": self.target_flat, "uniforms": self.us, "noises": self.noises}
+
     def _online(self, p: dict, b: dict):
         return torch.nn.utils.stateless._reparametrize_module(self.st.agent, {**p, **b})
 
@@ -340,15 +351,7 @@ class BatchedIteration:
 
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """Every tensor of the batched state an iteration reads or writes, by name: the runs' networks, optimizer,
-        update buffers, replays and accounts, and the uniforms it reads (several are views of one storage)."""
-        u = self.upd
-        named = (("online", u.p), ("online_buffer", u.b), ("target", u.tp), ("target_buffer", u.tb),
-                 ("buffers", u.bufs), ("view", u.views), ("replay", u.replays))
-        out = {f"{what}.{k}": v for what, d in named for k, v in d.items()}
+        """`BatchedUpdate.tensors`, and the runs' accounts and the collection's uniforms."""
+        out = self.upd.tensors()
         out |= {f"{obj}.{k}": v for obj, d in self.col.state.items() for k, v in d.items()}
-        out |= {f"adamw.{k}": v for k, v in vars(u.opt).items() if torch.is_tensor(v)}
-        out |= {f"adamw.{i}.{k}": v for i, s in enumerate(u.opt.state.values()) for k, v in s.items()
-                if torch.is_tensor(v)}
-        out |= {"target_flat": u.target_flat, "uniforms": u.us, "noises": u.noises, "collection_noise": self.col.noise}
-        return out
+        return out | {"collection_noise": self.col.noise}
