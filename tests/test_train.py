@@ -347,6 +347,35 @@ def test_view_cache_follows_the_embeddings_and_is_what_collection_acts_on():
     assert stats.updates > 0 and torch.isfinite(torch.tensor(stats.loss))
 
 
+@pytest.mark.parametrize("chunk", [64, 150, 10_000])
+def test_the_full_refresh_in_whole_chunks_fills_every_row_as_the_ragged_chunks_do(chunk):
+    """A compiled pass takes whole chunks only (`StepRunner.encode_bars_compiled`: the last chunk ends at the last
+    bar): the tables and the view table hold what chunks cut anywhere give, where the split divides by the chunk,
+    where it does not, and where one chunk is longer than the split; each pass sees `chunk` bars or the whole
+    split."""
+    from services.trainer.train import build_state, refresh_embeddings
+    from shared.market import chronological_split
+
+    bars = generate(700, seed=3).bars
+    cfg = tiny_config()
+    cfg.act_view_cache = True
+    st = build_state(cfg, bars, chronological_split(len(bars)), 5, "cpu")
+    T = st.env.market.windows.shape[0]
+    refresh_embeddings(st, chunk=T)                 # one pass over every bar: the reference
+    want = [st.buffers.emb_online.clone(), st.buffers.emb_target.clone(), st.buffers.view_online.q.clone()]
+    seen = []
+    own = st.runner.encode_bars
+    st.runner.encode_bars = lambda net, w, view: (seen.append(w.shape[0]), own(net, w, view))[1]
+    st.runner.encode_bars_compiled = True
+    for t in (st.buffers.emb_online, st.buffers.emb_target, st.buffers.view_online.q):
+        t.fill_(float("nan"))
+    refresh_embeddings(st, chunk=chunk)
+    assert set(seen) == {min(chunk, T)}
+    got = [st.buffers.emb_online, st.buffers.emb_target, st.buffers.view_online.q]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
 def test_collection_runs_the_heads_once_per_bar_when_accounts_outnumber_bars():
     """With E × steps ≥ T the collection computes the heads once per bar (`Agent.view_table` of the embedding
     table) and each account-step reads its row: the same decisions and replay as the heads run per account-step."""

@@ -3,7 +3,7 @@ metric sums) and the embedding cache: every training bar's market embedding (onl
 online `MarketView` when `act_view_cache`), refreshed whole once per epoch and a rolling chunk per update.
 
 Owns: the buffers' layout and construction, `METRICS`, the cache's refresh (`refresh_embeddings`,
-`refresh_encode` → `refresh_store`). Imports: torch, `shared.agent` (MarketView), `shared.knobs`,
+`encode_bars`, `refresh_encode` → `refresh_store`). Imports: torch, `shared.agent` (MarketView), `shared.knobs`,
 `services.trainer.config`; `TrainState` for types only.
 """
 from __future__ import annotations
@@ -86,17 +86,31 @@ def _store_view(table: MarketView, idx: torch.Tensor, v: MarketView) -> None:
         dst.index_put_((idx,), getattr(v, name).to(dst.dtype))
 
 
+def encode_bars(net: torch.nn.Module, windows: torch.Tensor, view: bool) -> list[torch.Tensor]:
+    """[the market embeddings of `windows` through `net`'s encoder] (+ the fields of its `MarketView` where `view`):
+    the full refresh's pass over a chunk of bars (`StepRunner.encode_bars` runs it in the steps' precision, and
+    compiled on CUDA)."""
+    emb = net.encode(windows)
+    return [emb, *(getattr(net.view(emb), name) for name in MarketView.FIELDS)] if view else [emb]
+
+
 @torch.no_grad()
 def refresh_embeddings(state: TrainState, chunk: int = 4096) -> None:
-    """Recompute the cached market embeddings of every training bar (online and target networks), in place;
-    the rolling refresh restarts at bar 0."""
-    w, buf = state.env.market.windows, state.buffers
+    """Recompute the cached market embeddings of every training bar (online and target networks), in place, through
+    the run's `StepRunner.encode_bars` (`encode_bars` itself before a runner exists); the rolling refresh restarts at
+    bar 0. A compiled pass takes whole chunks only (one shape: the last starts `chunk` bars before the end)."""
+    w, buf, runner = state.env.market.windows, state.buffers, state.runner
+    T = w.shape[0]
+    run, whole = (runner.encode_bars, runner.encode_bars_compiled) if runner is not None else (encode_bars, False)
     for net, out in ((state.agent, buf.emb_online), (state.target, buf.emb_target)):
-        for i in range(0, w.shape[0], chunk):
-            out[i:i + chunk] = net.encode(w[i:i + chunk])
-            if buf.view_online is not None and net is state.agent:
-                rows = torch.arange(i, min(i + chunk, w.shape[0]), device=w.device)
-                _store_view(buf.view_online, rows, net.view(out[i:i + chunk]))
+        view = buf.view_online is not None and net is state.agent
+        for i in range(0, T, chunk):
+            i = max(0, min(i, T - chunk)) if whole else i
+            got = run(net, w[i:i + chunk], view)
+            out[i:i + chunk] = got[0]
+            if view:
+                rows = torch.arange(i, min(i + chunk, T), device=w.device)
+                _store_view(buf.view_online, rows, MarketView(*got[1:]))
     buf.emb_offset.zero_()
 
 
