@@ -10,8 +10,8 @@ warm-up epoch. Rows:
   fp32 eager        `encode_bars` as it is, in fp32 (TF32 matmuls where the config's `tf32`)
   steps' precision  `in_precision(encode_bars)`: bf16 autocast where the config's `bf16` (the rolling refresh inside
                     the steps runs so)
-  compiled          that through `compile_step` (the product's `StepRunner.encode_bars` on CUDA with a compiling
-                    accel): whole chunks only, one graph a network
+  compiled          `encode_bars` through `compile_step`, run in that precision (the product's
+                    `StepRunner.encode_bars` on CUDA with a compiling accel): whole chunks only, one graph a network
   s         seconds a full refresh (both networks), the median of `--repeats` after one untimed call
   ×         the fp32 eager row's seconds over the row's
   Δ         the largest |Δ| of the online and target tables from the fp32 eager row's, relative to each table's
@@ -35,9 +35,8 @@ from services.trainer.runtime import compile_step, in_precision
 
 def modes(cfg, device) -> dict:
     """{row name: (the pass, whether it is compiled)}."""
-    own = in_precision(encode_bars, cfg, device)
-    return {"fp32 eager": (encode_bars, False), "steps' precision": (own, False),
-            "compiled": (compile_step(own, cfg, device), True)}
+    return {"fp32 eager": (encode_bars, False), "steps' precision": (in_precision(encode_bars, cfg, device), False),
+            "compiled": (in_precision(compile_step(encode_bars, cfg, device), cfg, device), True)}
 
 
 def measure(st, args) -> list[dict]:

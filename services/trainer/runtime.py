@@ -73,14 +73,15 @@ class StepRunner:
         if "compile" in accel:
             collect_fn, update_fn, encode_fn, targets_fn = (compile_step(f, cfg, dev) for f in
                                                             (collect_fn, update_fn, encode_fn, targets_fn))
-        self.encode_bars = in_precision(encode_bars, cfg, dev)
         self.encode_bars_compiled = "compile" in accel and dev.type == "cuda"
+        # compiled inside the precision's autocast (not the autocast wrapper compiled, as the steps are): a code
+        # object of its own, so its graphs (one a network) do not fill the steps' share of dynamo's per-code cache
+        self.encode_bars = in_precision(compile_step(encode_bars, cfg, dev) if self.encode_bars_compiled
+                                        else encode_bars, cfg, dev)
         """The epoch's full refresh of the embedding cache (`refresh_embeddings`), chunk by chunk, in the steps'
         precision and, compiled on CUDA, in one graph a network (LayerNorms and pointwise ops fused: eagerly in fp32
         they took 53 % of its GPU time, and the pass 0.503 s against 0.172 s so, `full` preset, 300 k bars, H100:
         bench/refresh_speed.py). Eager on a CPU, where the compiled pass was slower."""
-        if self.encode_bars_compiled:
-            self.encode_bars = compile_step(self.encode_bars, cfg, dev)
         part = partition_streams(dev, 3) if dev.type == "cuda" else None
         self.part = part[0] if part else None
         """The stream the steps run on when the run's iterations are held to a partition of the SMs
