@@ -347,14 +347,21 @@ def test_view_cache_follows_the_embeddings_and_is_what_collection_acts_on():
     assert stats.updates > 0 and torch.isfinite(torch.tensor(stats.loss))
 
 
-@pytest.mark.parametrize("chunk", [64, 150, 10_000])
-def test_the_full_refresh_in_whole_chunks_fills_every_row_as_the_ragged_chunks_do(chunk):
+@pytest.mark.parametrize("chunk,compiled", [(64, False), (150, False), (10_000, False), (150, True)])
+def test_the_full_refresh_in_whole_chunks_fills_every_row_as_the_ragged_chunks_do(chunk, compiled):
     """A compiled pass takes whole chunks only (`StepRunner.encode_bars_compiled`: the last chunk ends at the last
     bar): the tables and the view table hold what chunks cut anywhere give, where the split divides by the chunk,
     where it does not, and where one chunk is longer than the split; each pass sees `chunk` bars or the whole
-    split."""
+    split. And with `encode_bars` through `compile_step` (the product compiles it on CUDA; here the CPU's kernels):
+    the same tables as the eager pass, within float rounding."""
+    from services.trainer.runtime import compile_step
+    from services.trainer.buffers import encode_bars
     from services.trainer.train import build_state, refresh_embeddings
     from shared.market import chronological_split
+    from shared.rollout import compile_works
+
+    if compiled and not compile_works(torch.device("cpu")):
+        pytest.skip("torch.compile cannot build kernels here")
 
     bars = generate(700, seed=3).bars
     cfg = tiny_config()
@@ -364,7 +371,7 @@ def test_the_full_refresh_in_whole_chunks_fills_every_row_as_the_ragged_chunks_d
     refresh_embeddings(st, chunk=T)                 # one pass over every bar: the reference
     want = [st.buffers.emb_online.clone(), st.buffers.emb_target.clone(), st.buffers.view_online.q.clone()]
     seen = []
-    own = st.runner.encode_bars
+    own = compile_step(encode_bars, cfg, "cpu") if compiled else st.runner.encode_bars
     st.runner.encode_bars = lambda net, w, view: (seen.append(w.shape[0]), own(net, w, view))[1]
     st.runner.encode_bars_compiled = True
     for t in (st.buffers.emb_online, st.buffers.emb_target, st.buffers.view_online.q):
