@@ -348,8 +348,6 @@ class BatchedIteration:
         self.col()
         return torch.stack([self.upd(k) for k in range(len(self.upd.us))])    # one per update's uniforms
 
-
-
     def tensors(self) -> dict[str, torch.Tensor]:
         """`BatchedUpdate.tensors`, and the runs' accounts and the collection's uniforms."""
         out = self.upd.tensors()
