@@ -9,7 +9,8 @@ that every update also runs), run after a warm-up under torch.profiler (eagerly,
 `--accel compile`: its fused kernels are what the captured modes replay) and print: kernels launched per call, GPU
 time per call, the kernels of each CUDA stream (the update's targets and the refresh run on side streams), and the
 top kernels by total GPU time (share of the call), each compiled kernel with the FX nodes it computes (read from the
-modules inductor wrote, `kernel_origins`: in a forward graph the step's own variable names). This is what decides
+modules inductor wrote, `kernel_origins`: in a forward graph the step's own variable names) and the elements its
+launch covers (`kernel_sizes`; a combo kernel's each part, which share one launch's registers). This is what decides
 what to fuse, shrink or capture next. `--variants` profiles config variants one after another in the same run and ends with a
 side-by-side table of them:
 
@@ -174,20 +175,25 @@ CALL = re.compile(r"^\s*(triton_\w+)\.run\(|^\s*(cpp_fused_\w+)\(|^\s*extern_ker
                   r"|^(triton_\w+|cpp_fused_\w+) = async_compile\.")
 
 
+def inductor_modules(root: str | None = None):
+    """The text of every module inductor wrote under root (default: its cache directory)."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+    for path in Path(root or cache_dir()).rglob("*.py"):
+        try:
+            yield path.read_text(errors="replace")
+        except OSError:
+            continue
+
+
 def kernel_origins(root: str | None = None) -> dict[str, set[str]]:
     """Kernel name → the FX nodes it computes, from the modules inductor wrote (its cache directory): each kernel's
     definition, and each launch in a module's call(), follows a comment naming its "source nodes", which in a
     forward graph carry the Python
     variable names of the step (`logits_a`, `probs`, ...) and in a backward graph the ATen ops'. Inductor numbers
     kernels per graph, so one name can stand for kernels of several graphs: all their origins are kept."""
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
     out: dict[str, set[str]] = {}
-    for path in Path(root or cache_dir()).rglob("*.py"):
+    for text in inductor_modules(root):
         last = None
-        try:
-            text = path.read_text(errors="replace")
-        except OSError:
-            continue
         for line in text.splitlines():
             m = SOURCE.search(line)
             if m:
@@ -198,6 +204,37 @@ def kernel_origins(root: str | None = None) -> dict[str, set[str]]:
                 out.setdefault(next(g for g in c.groups() if g), set()).add(last)
                 last = None
     return out
+
+
+HEURISTIC = "@triton_heuristics."
+SIZE_HINTS = re.compile(r"size_hints=\{(.*?)\}")
+COMBO_SIZES = re.compile(r"'xnumel_\d+': (\d+)")
+KERNEL_NAME = re.compile(r"'kernel_name': '(\w+)'")
+
+
+def kernel_sizes(root: str | None = None) -> dict[str, str]:
+    """Kernel name → the elements each of its launches covers, from the modules inductor wrote: a combo kernel's
+    (independent kernels in one launch) each part's, joined by " + " (the parts share one launch's block size and
+    register allocation, so a register-heavy small part can slow a large streaming one); else its size hints
+    (x, and r0 for a reduction's rows). As `kernel_origins`, a name several graphs use keeps all their sizes."""
+    out: dict[str, set[str]] = {}
+    for text in inductor_modules(root):
+        for block in text.split(HEURISTIC)[1:]:
+            name = KERNEL_NAME.search(block)
+            if name is None:
+                continue
+            combo = block.split("'combo_grid_meta'", 1)
+            if len(combo) == 2:
+                parts = COMBO_SIZES.findall(combo[1].split("}", 1)[0])
+                sizes = " + ".join(f"{int(n):,}".replace(",", " ") for n in parts)
+            else:
+                hints = SIZE_HINTS.search(block)
+                sizes = "" if hints is None else " × ".join(
+                    f"{k.strip().strip(chr(39)).rstrip('_')} {int(v):,}".replace(",", " ") for k, v in
+                    (kv.split(":") for kv in hints.group(1).split(",") if ":" in kv))
+            if sizes:
+                out.setdefault(name.group(1), set()).add(sizes)
+    return {k: " / ".join(sorted(v)) for k, v in out.items()}
 
 
 def report(name: str, fn, calls: int, top: int, body=None, trace: str | None = None,
@@ -265,10 +302,12 @@ def report(name: str, fn, calls: int, top: int, body=None, trace: str | None = N
         by[e.name] = by.get(e.name, 0.0) + e.device_time / calls
     origins = kernel_origins()                                  # what each compiled kernel computes (its FX nodes)
     source = lambda kernel: " / ".join(sorted(origins.get(kernel, ())))  # noqa: E731
-    print("| kernel | µs per call | share | source nodes (compiled kernels) |")
-    print("|---|---|---|---|")
+    sizes = kernel_sizes()                                      # the elements each launch covers
+    print("| kernel | µs per call | share | elements (a combo kernel: each part's) "
+          "| source nodes (compiled kernels) |")
+    print("|---|---|---|---|---|")
     for k, v in sorted(by.items(), key=lambda kv: -kv[1])[:top]:
-        print(f"| {k[:90]} | {v:.0f} | {v / total:.0%} | {source(k)[:160]} |")
+        print(f"| {k[:90]} | {v:.0f} | {v / total:.0%} | {sizes.get(k, '')[:80]} | {source(k)[:160]} |")
     if trace:
         t0 = last[0].time_range.start
         with open(trace, "w") as f:

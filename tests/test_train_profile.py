@@ -1,6 +1,6 @@
 """bench/train_profile.py's attribution of compiled kernels to the FX nodes they compute (the GPU profile itself
 runs on the GPU machine)."""
-from bench.train_profile import kernel_origins, kind, phases, replay_timeline
+from bench.train_profile import kernel_origins, kernel_sizes, kind, phases, replay_timeline
 
 MODULE = '''
 # kernel path: /tmp/torchinductor_x/ab/cab.py
@@ -33,6 +33,40 @@ def test_kernels_are_named_with_the_nodes_they_compute(tmp_path):
     assert origins["triton_per_fused__softmax_mul_0"] == {"softmax, q", "mul_23, sum_5"}
     assert origins["mm"] == {"logits_a"}
     assert "triton_poi_fused_unattributed_1" not in origins
+
+
+KERNELS = """
+@triton_heuristics.pointwise(
+    size_hints={'x': 33554432}, tile_hint=TileHint.DEFAULT,
+    inductor_meta={'grid_type': 'SequentialComboKernelGrid', 'combo_grid_meta': {'num_kernels': 2, 'min_blocks': 0,
+    'default_config': None, 'no_x_dim_0': False, 'xnumel_0': 2048, 'no_x_dim_1': False, 'xnumel_1': 33554432},
+    'kernel_name': 'triton_poi_fused_60', 'mutated_arg_names': []}
+)
+@triton.jit
+def triton_poi_fused_60(in_ptr0, out_ptr0, XBLOCK : tl.constexpr):
+    pass
+
+@triton_heuristics.reduction(
+    size_hints={'x': 8, 'r0_': 256},
+    inductor_meta={'kernel_name': 'triton_red_fused_sum_37', 'mutated_arg_names': []}
+)
+@triton.jit
+def triton_red_fused_sum_37(in_ptr0, out_ptr0, xnumel, r0_numel, XBLOCK : tl.constexpr, R0_BLOCK : tl.constexpr):
+    pass
+"""
+
+
+def test_kernel_sizes_give_each_combo_parts_elements(tmp_path):
+    """What a launch covers, from kernel modules as inductor wrote them (the H100's 8-run lockstep iteration,
+    bench/README.md 2026-12-06 · 35ee78b): a combo kernel's parts, a reduction's rows and their length; a name two
+    graphs gave different kernels keeps both."""
+    (tmp_path / "a.py").write_text(KERNELS)
+    (tmp_path / "b.py").write_text(KERNELS.replace("'x': 8, 'r0_': 256", "'x': 16, 'r0_': 256"))
+    sizes = kernel_sizes(str(tmp_path))
+    assert sizes["triton_poi_fused_60"] == "2 048 + 33 554 432"
+    assert sizes["triton_red_fused_sum_37"] == "x 16 × r0 256 / x 8 × r0 256"
+    (tmp_path / "empty").mkdir()
+    assert kernel_sizes(str(tmp_path / "empty")) == {}
 
 
 def test_kernel_kinds_name_what_a_fix_would_target():
