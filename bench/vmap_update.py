@@ -6,7 +6,7 @@ the price of one, the step a run-batched study needs (bench/README.md, run_strea
     python3 -m bench.vmap_update --device cuda [--runs 1 2 4 8] [--steps 200] [--preset full]
                                  [--set iterations=1000] [--accel compile+graph] [--bars 300000]
                                  [--kernels fused|reference] [--step update|iteration] [--product]
-                                 [--profile TOP]
+                                 [--graphs 1|2] [--profile TOP]
 
 Every run is a `build_state` of the preset on the same synthetic training split (seeds 0…R−1), trained for a short
 warm-up epoch so its replay holds transitions. The batched update, per call (the uniforms of every run drawn into
@@ -49,6 +49,9 @@ adds their biases after the product, outside autocast, and the fp32 sum reached 
 largest |Δ| relative to the scale — the loss for the update; every tensor the collection writes for the iteration).
 Compiled, the traced step's first compiled call is checked against the step run eagerly, one call each from the
 same state (`compiled − eager`: floats relative to their scale; the share of integer elements that differ).
+`--graphs 2` traces and compiles the iteration's collection and its updates as two graphs, as `StepRunner` compiles
+one run's (in one graph inductor joined the accounts' fp64 update with the encoder's GELU in one combo launch and
+fused it into an 8-program reduction: bench/README.md 2026-12-06 · 35ee78b).
 `--profile TOP` (CUDA) prints each timed step's kernel profile (`bench.train_profile.report`) and the product's.
   steps/s     steps (updates or iterations) of all runs together per second; ×1: over R = 1's
 """
@@ -106,11 +109,14 @@ def measure(args, states: list, accel: str, cuda: bool) -> list[dict]:
             upd = BatchedUpdate(states[:R])
             check = max(upd.check(states[:R]), upd.refresh.check(states[:R]))
         # bf16 autocast on CUDA, as the product's steps, with vmap's linear layers kept in it (`AutocastLinear`)
-        step = autocast_linear(in_precision(upd, upd.cfg, args.device))
+        precise = lambda fn, cfg=upd.cfg: autocast_linear(in_precision(fn, cfg, args.device))  # noqa: E731
+        step = precise(upd)
         traced = None
         t0 = time.perf_counter()
         if "compile" in accel:              # as the lockstep engine compiles it: traced, then through inductor
-            step = TracedStep(step, lambda graph, cfg=upd.cfg: compile_step(graph, cfg, args.device))
+            compiled = lambda graph, cfg=upd.cfg: compile_step(graph, cfg, args.device)  # noqa: E731
+            step = (Sequenced(TracedStep(precise(upd.col), compiled), TracedStep(precise(upd.updates), compiled))
+                    if args.graphs == 2 else TracedStep(step, compiled))
             upd.draw()
             step()                                                  # the trace (one step, run for real)
             traced = compiled_difference(upd, step)                 # the compile, checked against the eager step
@@ -122,14 +128,29 @@ def measure(args, states: list, accel: str, cuda: bool) -> list[dict]:
         first = time.perf_counter() - t0
         wall = timed(upd.draw, step, args.steps, cuda)
         rows.append({"runs": R, "per_s": R * args.steps / wall, "wall_s": wall, "first_s": first,
-                     "accel": accel, "kernels": args.kernels, "step": args.step, "check": check, "traced": traced})
+                     "accel": accel, "kernels": args.kernels, "step": args.step, "graphs": args.graphs,
+                     "check": check, "traced": traced})
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
         if args.profile:
             profile(f"{R} runs' {args.step}, vmapped ({accel})", lambda: (upd.draw(), step()), args.profile)
     return rows
 
 
-def compiled_difference(upd, step: TracedStep) -> dict:
+class Sequenced:
+    """Traced steps called one after another as one step (`--graphs 2`: the collection's graph, then the updates'),
+    with `fn` their eager functions in the same order, as `TracedStep` has (`compiled_difference`)."""
+
+    def __init__(self, *steps: TracedStep):
+        self.steps = steps
+
+    def fn(self) -> object:
+        return [s.fn() for s in self.steps][-1]
+
+    def __call__(self) -> object:
+        return [s() for s in self.steps][-1]
+
+
+def compiled_difference(upd, step: TracedStep | Sequenced) -> dict:
     """The traced step's compiled call against the step run eagerly, each one call from the same batched state on
     the same uniforms: {"float": the largest |Δ| of a floating tensor relative to its scale, "int": the largest share
     of an integer or boolean tensor's elements that differ (a near-tie decided the other way in a lower precision:
@@ -202,11 +223,18 @@ def main(argv=None) -> None:
     ap.add_argument("--accel", default="auto", help="eager, compile, graph or compile+graph (auto: the device's)")
     ap.add_argument("--kernels", choices=("fused", "reference"), default="fused",
                     help="the preset's Triton kernels (vmapped by folding the runs) or their reference paths")
+    ap.add_argument("--graphs", type=int, choices=(1, 2), default=1,
+                    help="compiled --step iteration: 1, the whole iteration traced as one graph (the lockstep "
+                         "engine's); 2, the collection and the updates traced and compiled as two graphs (as "
+                         "`StepRunner` compiles one run's), one CUDA graph capturing both")
     ap.add_argument("--profile", type=int, default=0, metavar="TOP",
                     help="on CUDA, also print each timed step's GPU profile with its TOP kernels (and the product's)")
     args = ap.parse_args(argv)
     if args.profile and not args.device.startswith("cuda"):
         ap.error("--profile reads CUDA kernels: it needs --device cuda")
+    if args.graphs == 2 and (args.step != "iteration" or "compile" not in resolve_accel(args.accel, args.device)):
+        ap.error("--graphs 2 compiles an iteration's collection and updates apart: it needs --step iteration and a "
+                 "compiled --accel")
     accel = resolve_accel(args.accel, args.device)
     cuda = args.device.startswith("cuda")
     states = make_states(args, max(args.runs))

@@ -162,8 +162,9 @@ def test_the_timed_step_keeps_the_vmapped_layers_in_autocasts_precision(capsys, 
 
 
 def test_the_compiled_step_is_checked_against_the_eager_step(capsys, monkeypatch):
-    """Compiled, the vmapped step is the lockstep engine's `TracedStep`, and the bench reads its compiled call against
-    the eager step from one state: nothing apart when the recorded graph runs as is, a gap when it does not."""
+    """Compiled, the vmapped step is the lockstep engine's `TracedStep` (or, `--graphs 2`, the collection's and the
+    updates' traced apart), and the bench reads its compiled call against the eager step from one state: nothing
+    apart when the recorded graphs run as they are, a gap when they do not."""
     built = []
     make = vmap_update.make_states
     monkeypatch.setattr(vmap_update, "make_states", lambda args, R: built.extend(make(args, R)) or built)
@@ -172,6 +173,14 @@ def test_the_compiled_step_is_checked_against_the_eager_step(capsys, monkeypatch
                       "--bars", "6000", "--set", "iterations=4", "--accel", "compile", "--step", "iteration"])
     (row,) = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert (row["traced"]["float"], row["traced"]["int"]) == (0.0, 0.0) and row["per_s"] > 0
+    it = vmap_update.BatchedIteration(built)
+    graphs = [vmap_update.TracedStep(f, lambda graph: graph) for f in (it.col, it.updates)]
+    split = vmap_update.Sequenced(*graphs)
+    it.draw()
+    split()
+    assert vmap_update.compiled_difference(it, split) == {"float": 0.0, "float_at": None, "int": 0.0, "int_at": None}
+    graphs[0].run = lambda g=graphs[0].graph: (g(), g())[1]                                   # the collection twice
+    assert vmap_update.compiled_difference(it, split)["int"] > 0
     it = vmap_update.BatchedIteration(built)
     twice = vmap_update.TracedStep(it, lambda graph: lambda: (graph(), graph())[1])          # two steps a call
     it.draw()

@@ -346,7 +346,11 @@ class BatchedIteration:
 
     def __call__(self) -> torch.Tensor:
         self.col()
-        return torch.stack([self.upd(k) for k in range(len(self.upd.us))])    # one per update's uniforms
+        return self.updates()
+
+    def updates(self) -> torch.Tensor:
+        """The iteration's batched updates, after its collection: one result per update's uniforms."""
+        return torch.stack([self.upd(k) for k in range(len(self.upd.us))])
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """`BatchedUpdate.tensors`, and the runs' accounts and the collection's uniforms."""
