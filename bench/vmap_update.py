@@ -232,10 +232,10 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if args.profile and not args.device.startswith("cuda"):
         ap.error("--profile reads CUDA kernels: it needs --device cuda")
-    if args.graphs == 2 and (args.step != "iteration" or "compile" not in resolve_accel(args.accel, args.device)):
+    accel = resolve_accel(args.accel, args.device)
+    if args.graphs == 2 and (args.step != "iteration" or "compile" not in accel):
         ap.error("--graphs 2 compiles an iteration's collection and updates apart: it needs --step iteration and a "
                  "compiled --accel")
-    accel = resolve_accel(args.accel, args.device)
     cuda = args.device.startswith("cuda")
     states = make_states(args, max(args.runs))
     short = [i for i, st in enumerate(states) if int(st.replay.valid_row_count()) == 0]
