@@ -8,9 +8,9 @@ can run — side by side in one invocation.
 The state is a `build_state` of the preset on the synthetic training split (seed 0), trained for a short eager
 warm-up epoch. Rows:
   fp32 eager        `encode_bars` as it is, in fp32 (TF32 matmuls where the config's `tf32`)
-  steps' precision  `in_precision(encode_bars)`: bf16 autocast where the config's `bf16` (the rolling refresh inside
+  steps' precision  `in_precision(encode_bars)` (`full_refresh_pass`, not compiled): bf16 autocast where the config's `bf16` (the rolling refresh inside
                     the steps runs so)
-  compiled          `encode_bars` through `compile_step`, run in that precision (the product's
+  compiled          `encode_bars` through `compile_step`, run in that precision (`full_refresh_pass`, the product's
                     `StepRunner.encode_bars` on CUDA with a compiling accel): whole chunks only, one graph a network
   s         seconds a full refresh (both networks), the median of `--repeats` after one untimed call
   ×         the fp32 eager row's seconds over the row's
@@ -30,13 +30,13 @@ import torch
 
 from bench import run_streams
 from services.trainer.buffers import encode_bars, refresh_embeddings
-from services.trainer.runtime import compile_step, in_precision
+from services.trainer.runtime import full_refresh_pass
 
 
 def modes(cfg, device) -> dict:
     """{row name: (the pass, whether it is compiled)}."""
-    return {"fp32 eager": (encode_bars, False), "steps' precision": (in_precision(encode_bars, cfg, device), False),
-            "compiled": (in_precision(compile_step(encode_bars, cfg, device), cfg, device), True)}
+    return {"fp32 eager": (encode_bars, False), "steps' precision": (full_refresh_pass(cfg, device, False), False),
+            "compiled": (full_refresh_pass(cfg, device, True), True)}
 
 
 def measure(st, args) -> list[dict]:

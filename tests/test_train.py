@@ -352,10 +352,9 @@ def test_the_full_refresh_in_whole_chunks_fills_every_row_as_the_ragged_chunks_d
     """A compiled pass takes whole chunks only (`StepRunner.encode_bars_compiled`: the last chunk ends at the last
     bar): the tables and the view table hold what chunks cut anywhere give, where the split divides by the chunk,
     where it does not, and where one chunk is longer than the split; each pass sees `chunk` bars or the whole
-    split. And with `encode_bars` through `compile_step` (the product compiles it on CUDA; here the CPU's kernels):
-    the same tables as the eager pass, within float rounding."""
-    from services.trainer.runtime import compile_step
-    from services.trainer.buffers import encode_bars
+    split. And with `encode_bars` through `compile_step` (`full_refresh_pass`, which the product compiles on CUDA;
+    here the CPU's kernels): the same tables as the eager pass, within float rounding."""
+    from services.trainer.runtime import full_refresh_pass
     from services.trainer.train import build_state, refresh_embeddings
     from shared.market import chronological_split
     from shared.rollout import compile_works
@@ -371,7 +370,7 @@ def test_the_full_refresh_in_whole_chunks_fills_every_row_as_the_ragged_chunks_d
     refresh_embeddings(st, chunk=T)                 # one pass over every bar: the reference
     want = [st.buffers.emb_online.clone(), st.buffers.emb_target.clone(), st.buffers.view_online.q.clone()]
     seen = []
-    own = compile_step(encode_bars, cfg, "cpu") if compiled else st.runner.encode_bars
+    own = full_refresh_pass(cfg, "cpu", compiled)
     st.runner.encode_bars = lambda net, w, view: (seen.append(w.shape[0]), own(net, w, view))[1]
     st.runner.encode_bars_compiled = True
     for t in (st.buffers.emb_online, st.buffers.emb_target, st.buffers.view_online.q):

@@ -3,9 +3,9 @@ graphs, or both (`StepRunner`), over static noise buffers so every mode consumes
 the side streams (the rolling refresh's encodings and the replay's priority write beside the update, its targets
 beside its online forward pass) and bf16 autocast.
 
-Owns: `StepRunner`, `compile_step`, `inductor_options`. Imports: torch, `shared.agent` (MarketView),
-`shared.graphs` (capture, StaticState, the compile cache), `services.trainer.{config, targets, step, buffers,
-replay}`; `TrainState` for types only.
+Owns: `StepRunner`, `compile_step`, `full_refresh_pass`, `inductor_options`. Imports: torch, `shared.agent`
+(MarketView), `shared.graphs` (capture, StaticState, the compile cache), `services.trainer.{config, targets, step,
+buffers, replay}`; `TrainState` for types only.
 """
 from __future__ import annotations
 
@@ -74,10 +74,7 @@ class StepRunner:
             collect_fn, update_fn, encode_fn, targets_fn = (compile_step(f, cfg, dev) for f in
                                                             (collect_fn, update_fn, encode_fn, targets_fn))
         self.encode_bars_compiled = "compile" in accel and dev.type == "cuda"
-        # compiled inside the precision's autocast (not the autocast wrapper compiled, as the steps are): a code
-        # object of its own, so its graphs (one a network) do not fill the steps' share of dynamo's per-code cache
-        self.encode_bars = in_precision(compile_step(encode_bars, cfg, dev) if self.encode_bars_compiled
-                                        else encode_bars, cfg, dev)
+        self.encode_bars = full_refresh_pass(cfg, dev, self.encode_bars_compiled)
         """The epoch's full refresh of the embedding cache (`refresh_embeddings`), chunk by chunk, in the steps'
         precision and, compiled on CUDA, in one graph a network (LayerNorms and pointwise ops fused: eagerly in fp32
         they took 53 % of its GPU time, and the pass 0.503 s against 0.172 s so, `full` preset, 300 k bars, H100:
@@ -298,6 +295,13 @@ def compile_step(fn: Callable[..., object], cfg: TrainConfig, device: torch.devi
     if torch.device(device).type == "cpu" and torch.__version__ < "2.13":      # a TorchVersion: compared as one
         options.setdefault("pattern_matcher", False)
     return torch.compile(fn, options=options or None)
+
+
+def full_refresh_pass(cfg: TrainConfig, device, compiled: bool) -> Callable[..., object]:
+    """`encode_bars` in the steps' precision, through `compile_step` where `compiled` — compiled inside the
+    precision's autocast (not the autocast wrapper compiled, as the steps are): a code object of its own, so its
+    graphs (one a network) do not fill the steps' share of dynamo's per-code cache."""
+    return in_precision(compile_step(encode_bars, cfg, device) if compiled else encode_bars, cfg, device)
 
 
 def in_precision(fn: Callable[..., object], cfg: TrainConfig, device) -> Callable[..., object]:
