@@ -8,8 +8,8 @@ can run — side by side in one invocation.
 The state is a `build_state` of the preset on the synthetic training split (seed 0), trained for a short eager
 warm-up epoch. Rows:
   fp32 eager        `encode_bars` as it is, in fp32 (TF32 matmuls where the config's `tf32`)
-  steps' precision  `in_precision(encode_bars)` (`full_refresh_pass`, not compiled): bf16 autocast where the config's `bf16` (the rolling refresh inside
-                    the steps runs so)
+  steps' precision  `in_precision(encode_bars)` (`full_refresh_pass`, not compiled): bf16 autocast where the
+                    config's `bf16` (the rolling refresh inside the steps runs so)
   compiled          `encode_bars` through `compile_step`, run in that precision (`full_refresh_pass`, the product's
                     `StepRunner.encode_bars` on CUDA with a compiling accel): whole chunks only, one graph a network
   s         seconds a full refresh (both networks), the median of `--repeats` after one untimed call
