@@ -6,7 +6,7 @@ the price of one, the step a run-batched study needs (bench/README.md, run_strea
     python3 -m bench.vmap_update --device cuda [--runs 1 2 4 8] [--steps 200] [--preset full]
                                  [--set iterations=1000] [--accel compile+graph] [--bars 300000]
                                  [--kernels fused|reference] [--step update|iteration] [--product]
-                                 [--graphs 1|2] [--profile TOP]
+                                 [--profile TOP]
 
 Every run is a `build_state` of the preset on the same synthetic training split (seeds 0…R−1), trained for a short
 warm-up epoch so its replay holds transitions. The batched update, per call (the uniforms of every run drawn into
@@ -49,9 +49,8 @@ adds their biases after the product, outside autocast, and the fp32 sum reached 
 largest |Δ| relative to the scale — the loss for the update; every tensor the collection writes for the iteration).
 Compiled, the traced step's first compiled call is checked against the step run eagerly, one call each from the
 same state (`compiled − eager`: floats relative to their scale; the share of integer elements that differ).
-`--graphs 2` traces and compiles the iteration's collection and its updates as two graphs, as `StepRunner` compiles
-one run's (in one graph inductor joined the accounts' fp64 update with the encoder's GELU in one combo launch and
-fused it into an 8-program reduction: bench/README.md 2026-12-06 · 35ee78b).
+A compiled iteration is traced as the lockstep engine traces it: as one graph or, by default, its collection and its
+updates as two (`--set lockstep_graphs=1|2`, `TrainConfig.lockstep_graphs`).
 `--profile TOP` (CUDA) prints each timed step's kernel profile (`bench.train_profile.report`) and the product's.
   steps/s     steps (updates or iterations) of all runs together per second; ×1: over R = 1's
 """
@@ -73,7 +72,7 @@ from services.trainer.lockstep_step import BATCH_FIELDS, BatchedIteration, Batch
 from services.trainer.loop import train_epoch
 from services.trainer.run_batch import autocast_linear
 from services.trainer.runtime import compile_step, in_precision
-from services.trainer.traced import TracedStep
+from services.trainer.traced import Sequenced, TracedStep, traced_iteration
 from services.trainer.train import TrainConfig
 from shared.graphs import capture, resolve_accel
 
@@ -115,8 +114,8 @@ def measure(args, states: list, accel: str, cuda: bool) -> list[dict]:
         t0 = time.perf_counter()
         if "compile" in accel:              # as the lockstep engine compiles it: traced, then through inductor
             compiled = lambda graph, cfg=upd.cfg: compile_step(graph, cfg, args.device)  # noqa: E731
-            step = (Sequenced(TracedStep(precise(upd.col), compiled), TracedStep(precise(upd.updates), compiled))
-                    if args.graphs == 2 else TracedStep(step, compiled))
+            step = traced_iteration(upd, precise, compiled, upd.cfg.lockstep_graphs) if args.step == "iteration" \
+                else TracedStep(step, compiled)
             upd.draw()
             step()                                                  # the trace (one step, run for real)
             traced = compiled_difference(upd, step)                 # the compile, checked against the eager step
@@ -128,26 +127,13 @@ def measure(args, states: list, accel: str, cuda: bool) -> list[dict]:
         first = time.perf_counter() - t0
         wall = timed(upd.draw, step, args.steps, cuda)
         rows.append({"runs": R, "per_s": R * args.steps / wall, "wall_s": wall, "first_s": first,
-                     "accel": accel, "kernels": args.kernels, "step": args.step, "graphs": args.graphs,
+                     "accel": accel, "kernels": args.kernels, "step": args.step,
+                     "graphs": upd.cfg.lockstep_graphs if args.step == "iteration" and "compile" in accel else None,
                      "check": check, "traced": traced})
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
         if args.profile:
             profile(f"{R} runs' {args.step}, vmapped ({accel})", lambda: (upd.draw(), step()), args.profile)
     return rows
-
-
-class Sequenced:
-    """Traced steps called one after another as one step (`--graphs 2`: the collection's graph, then the updates'),
-    with `fn` their eager functions in the same order, as `TracedStep` has (`compiled_difference`)."""
-
-    def __init__(self, *steps: TracedStep):
-        self.steps = steps
-
-    def fn(self) -> object:
-        return [s.fn() for s in self.steps][-1]
-
-    def __call__(self) -> object:
-        return [s() for s in self.steps][-1]
 
 
 def compiled_difference(upd, step: TracedStep | Sequenced) -> dict:
@@ -223,19 +209,12 @@ def main(argv=None) -> None:
     ap.add_argument("--accel", default="auto", help="eager, compile, graph or compile+graph (auto: the device's)")
     ap.add_argument("--kernels", choices=("fused", "reference"), default="fused",
                     help="the preset's Triton kernels (vmapped by folding the runs) or their reference paths")
-    ap.add_argument("--graphs", type=int, choices=(1, 2), default=1,
-                    help="compiled --step iteration: 1, the whole iteration traced as one graph (the lockstep "
-                         "engine's); 2, the collection and the updates traced and compiled as two graphs (as "
-                         "`StepRunner` compiles one run's), one CUDA graph capturing both")
     ap.add_argument("--profile", type=int, default=0, metavar="TOP",
                     help="on CUDA, also print each timed step's GPU profile with its TOP kernels (and the product's)")
     args = ap.parse_args(argv)
     if args.profile and not args.device.startswith("cuda"):
         ap.error("--profile reads CUDA kernels: it needs --device cuda")
     accel = resolve_accel(args.accel, args.device)
-    if args.graphs == 2 and (args.step != "iteration" or "compile" not in accel):
-        ap.error("--graphs 2 compiles an iteration's collection and updates apart: it needs --step iteration and a "
-                 "compiled --accel")
     cuda = args.device.startswith("cuda")
     states = make_states(args, max(args.runs))
     short = [i for i, st in enumerate(states) if int(st.replay.valid_row_count()) == 0]

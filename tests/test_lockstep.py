@@ -9,7 +9,8 @@ from services.trainer import lockstep
 from services.trainer.lockstep import LockstepEngine, in_step, train_in_lockstep
 from services.trainer.loop import train_epoch
 from services.trainer.state import build_state
-from services.trainer.traced import TracedStep
+from services.trainer.train import TrainConfig
+from services.trainer.traced import Sequenced, TracedStep
 from shared.market import chronological_split
 from shared.synthetic import generate
 from tests.test_train import tiny_config
@@ -48,15 +49,19 @@ def assert_same_run(got, want) -> None:
     assert torch.equal(got.generator.get_state(), want.generator.get_state())
 
 
-@pytest.mark.parametrize("accel", ["eager", "traced"])
+@pytest.mark.parametrize("accel", ["eager", "traced", "traced in two graphs"])
 def test_a_lockstep_epoch_trains_each_run_as_it_trains_alone(accel, monkeypatch):
-    together, alone = states([0, 1]), states([0, 1])
-    if accel == "traced":          # the compiled engine's step: traced once (`TracedStep`), then its recorded graph
+    graphs = 2 if accel == "traced in two graphs" else 1
+    together, alone = states([0, 1], lockstep_graphs=graphs), states([0, 1])
+    if accel != "eager":           # the compiled engine's step: traced once (`TracedStep`), then its recorded graph
         monkeypatch.setattr(lockstep, "compile_step", lambda graph, cfg, device: graph)    # run as is, no inductor
         for st in together:
             st.accel = "compile"
     engine = LockstepEngine(together)
-    assert isinstance(engine.step, TracedStep) == (accel == "traced")
+    kind = {"eager": None, "traced": TracedStep, "traced in two graphs": Sequenced}[accel]
+    assert kind is None or type(engine.step) is kind
+    if kind is Sequenced:          # the collection's graph, then the updates'
+        assert len(engine.step.steps) == 2
     for epoch in (1, 2):
         knobs = [s.cfg.schedule.knobs(epoch) for s in together]
         stats = engine.epoch([0, 1], together, knobs, [None, None])
@@ -67,10 +72,15 @@ def test_a_lockstep_epoch_trains_each_run_as_it_trains_alone(accel, monkeypatch)
             assert a.train_trades == b.train_trades
             for k in ("loss", "c51", "iqn", "expectile", "q_mean", "entropy", "utilisation"):
                 assert getattr(a, k) == pytest.approx(getattr(b, k), rel=1e-3, abs=1e-5), k
-    if accel == "traced":                    # every learning iteration after the first ran the recorded graph
+    if kind is not None:                     # every learning iteration after the first ran the recorded graph
         assert engine.step.traced and engine.calls == engine.warm_calls == 2
     # the two runs learned different things: the check above compares each with its own
     assert not torch.allclose(next(together[0].agent.parameters()), next(together[1].agent.parameters()))
+
+
+def test_lockstep_graphs_is_one_or_two():
+    with pytest.raises(ValueError, match="lockstep_graphs must be 1 or 2, got 3"):
+        TrainConfig.from_dict({**tiny_config().to_dict(), "lockstep_graphs": 3})
 
 
 def train_together(sts: list, epochs: int, knobs=None) -> tuple[dict, list[BaseException]]:

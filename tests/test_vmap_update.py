@@ -162,17 +162,21 @@ def test_the_timed_step_keeps_the_vmapped_layers_in_autocasts_precision(capsys, 
 
 
 def test_the_compiled_step_is_checked_against_the_eager_step(capsys, monkeypatch):
-    """Compiled, the vmapped step is the lockstep engine's `TracedStep` (or, `--graphs 2`, the collection's and the
-    updates' traced apart), and the bench reads its compiled call against the eager step from one state: nothing
-    apart when the recorded graphs run as they are, a gap when they do not."""
+    """Compiled, the vmapped step is traced as the lockstep engine traces it (`lockstep_graphs`: the collection's and
+    the updates' graphs apart, or the whole iteration as one), and the bench reads its compiled call against the
+    eager step from one state: nothing apart when the recorded graphs run as they are, a gap when they do not."""
     built = []
     make = vmap_update.make_states
     monkeypatch.setattr(vmap_update, "make_states", lambda args, R: built.extend(make(args, R)) or built)
     monkeypatch.setattr(vmap_update, "compile_step", lambda graph, cfg, device: graph)      # no inductor on a CPU
-    vmap_update.main(["--device", "cpu", "--preset", "small", "--runs", "2", "--steps", "2", "--warmup", "14",
-                      "--bars", "6000", "--set", "iterations=4", "--accel", "compile", "--step", "iteration"])
-    (row,) = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert (row["traced"]["float"], row["traced"]["int"]) == (0.0, 0.0) and row["per_s"] > 0
+    for graphs in (1, 2):
+        built.clear()
+        vmap_update.main(["--device", "cpu", "--preset", "small", "--runs", "2", "--steps", "2", "--warmup", "14",
+                          "--bars", "6000", "--set", "iterations=4", "--set", f"lockstep_graphs={graphs}",
+                          "--accel", "compile", "--step", "iteration"])
+        (row,) = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert (row["traced"]["float"], row["traced"]["int"]) == (0.0, 0.0) and row["per_s"] > 0
+        assert row["graphs"] == graphs
     it = vmap_update.BatchedIteration(built)
     graphs = [vmap_update.TracedStep(f, lambda graph: graph) for f in (it.col, it.updates)]
     split = vmap_update.Sequenced(*graphs)

@@ -22,7 +22,7 @@ CHURN_SMALL = 1e-3  # small preset: reward cost per opened trade (return units, 
 
 NEUTRAL_UNLISTED = {"policy_ema": 0.0, "policy_swa": 0, "restart_every": 0, "restart_replay": False,
                     "shrink_perturb": 0.0,
-                    "support_at_start": False, "dropout": 0.0}
+                    "support_at_start": False, "dropout": 0.0, "lockstep_graphs": 2}
 """Fields that `TrainConfig.to_dict` leaves out at their neutral value, so that the configs (and hashes) of runs
 stored before the field existed still match."""
 
@@ -195,6 +195,13 @@ class TrainConfig:
     1.33 → 1.23 ms with flat AdamW (bench/train_profile.py). On a CPU inductor's C++ backend makes neither.
     Measured against this default and left off: `coordinate_descent_tuning` and `aggressive_fusion` (no faster),
     `!split_reductions` (3× slower), `max_autotune_gemm` (not compiled within 5 min)."""
+    lockstep_graphs: int = 2
+    """Runs trained in lockstep (`tradeloop study --lockstep`), compiled: their batched iteration traced and compiled
+    as one graph (1), or its collection and its updates as two (2, the default, as `StepRunner` compiles one run's);
+    one CUDA graph captures either. In one graph inductor put the 8 runs' fp64 account update in one combo launch
+    with the encoder's GELU (419 µs) and fused it into an 8-program reduction (237 µs): on the H100 the 8-run
+    iteration took 6.06 ms of GPU time as one graph, 5.62 as two (1 317 against 1 412 iterations/s), and 8 runs in
+    lockstep trained an epoch in 5.35 s against 5.95 (bench/README.md 2026-12-06 · 5fe46c0)."""
     tf32: bool = True
     """On CUDA, float32 matmuls and convolutions on TF32 tensor cores (10-bit mantissa inputs, fp32 accumulate)."""
     emb_refresh: int = 50
@@ -294,6 +301,8 @@ class TrainConfig:
             raise ValueError(f"train config: restart_replay must be true or false, got {self.restart_replay!r}")
         if not isinstance(self.support_at_start, bool):
             raise ValueError(f"train config: support_at_start must be true or false, got {self.support_at_start!r}")
+        if self.lockstep_graphs not in (1, 2):
+            raise ValueError(f"train config: lockstep_graphs must be 1 or 2, got {self.lockstep_graphs!r}")
 
     def to_dict(self) -> dict:
         """The JSON form: the schedule's fields sit at the top level under their `FixedSchedule` names, the form

@@ -21,8 +21,8 @@ eager lockstep epoch trains each run as `train_epoch` does, up to the order of f
 The batched state is built for the group's first round and kept (the compiled and captured step reads its
 addresses); a member that has left keeps its slot, trained on its last state and never copied back. Compiled (the
 runs' accel), the step is traced on its first call at the level of aten ops and that graph compiled
-(`traced.TracedStep`: torch.compile's dynamo cannot trace the vmap and ran most of it eagerly); a CUDA graph
-captures it after that.
+(`traced.TracedStep`: torch.compile's dynamo cannot trace the vmap and ran most of it eagerly) — as one graph, or
+its collection and its updates as two (`TrainConfig.lockstep_graphs`); a CUDA graph captures it after that.
 
 Not in lockstep: `TrainConfig.policy_ema` (the average's update is not batched: `LockstepEngine` refuses it).
 Imports: torch, `services.trainer.{lockstep_step, loop, optim, run_batch, runtime, state, traced}`, `shared.graphs`.
@@ -41,7 +41,7 @@ from services.trainer.optim import age_groups
 from services.trainer.run_batch import autocast_linear
 from services.trainer.runtime import compile_step, in_precision
 from services.trainer.state import TrainState, adapt_support
-from services.trainer.traced import TracedStep
+from services.trainer.traced import Sequenced, TracedStep, traced_iteration
 from shared.graphs import capture
 
 
@@ -72,14 +72,16 @@ class LockstepEngine:
         self.cfg = st.cfg
         cuda = st.device.type == "cuda"
         self.sync = (lambda: torch.cuda.synchronize(st.device)) if cuda else (lambda: None)
-        step = autocast_linear(in_precision(self.it, st.cfg, st.device))
-        self.collect = autocast_linear(in_precision(self.it.col, st.cfg, st.device))   # warm-up iterations: eager
+        precise = lambda fn: autocast_linear(in_precision(fn, st.cfg, st.device))  # noqa: E731
+        step = precise(self.it)
+        self.collect = precise(self.it.col)                                         # warm-up iterations: eager
         if "compile" in st.accel:           # the runs' own accel (`resolve_accel`'s), as their `StepRunner`s
-            step = TracedStep(step, lambda graph: compile_step(graph, st.cfg, st.device))
+            step = traced_iteration(self.it, precise, lambda graph: compile_step(graph, st.cfg, st.device),
+                                    st.cfg.lockstep_graphs)
         self.step, self.graphed = step, "graph" in st.accel and cuda
         self.graph = None
         self.calls = 0                      # calls of the step before it runs warm: the trace, then the compile
-        self.warm_calls = 2 if isinstance(step, TracedStep) else 1
+        self.warm_calls = 2 if isinstance(step, (TracedStep, Sequenced)) else 1
         self.compile_s = 0.0
 
     @staticmethod

@@ -53,3 +53,33 @@ class TracedStep:
                 t.grad = None
         self.run = self.compile_fn(self.graph)
         return out[0]
+
+
+class Sequenced:
+    """Traced steps called one after another as one step: an iteration's collection, then its updates, each traced
+    and compiled as a graph of its own (`traced_iteration`, graphs=2). `fn`: their eager functions in the same
+    order, as a `TracedStep` has; `traced`: whether every one has been traced."""
+
+    def __init__(self, *steps: TracedStep):
+        self.steps = steps
+
+    @property
+    def traced(self) -> bool:
+        return all(s.traced for s in self.steps)
+
+    def fn(self) -> object:
+        return [s.fn() for s in self.steps][-1]
+
+    def __call__(self) -> object:
+        return [s() for s in self.steps][-1]
+
+
+def traced_iteration(it, wrap: Callable, compile_fn: Callable, graphs: int = 1) -> TracedStep | Sequenced:
+    """A batched iteration `it` (`lockstep_step.BatchedIteration`) traced and compiled: graphs=1, the whole
+    iteration as one graph; 2, its collection (`it.col`) and its updates (`it.updates`) as two. `wrap` puts a
+    function in the step's precision (autocast) before it is traced."""
+    if graphs == 1:
+        return TracedStep(wrap(it), compile_fn)
+    if graphs == 2:
+        return Sequenced(TracedStep(wrap(it.col), compile_fn), TracedStep(wrap(it.updates), compile_fn))
+    raise ValueError(f"graphs must be 1 or 2, not {graphs!r}")
