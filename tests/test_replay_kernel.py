@@ -63,6 +63,35 @@ def test_the_triton_kernel_writes_the_weights_of_the_final_priorities(n, slots, 
     assert torch.equal(got_w[untouched], weight0[untouched]) and not torch.equal(got_w, weight0)
 
 
+@pytest.mark.skipif(KDEV is None, reason="needs a CUDA GPU (or TRITON_INTERPRET=1 with triton)")
+@pytest.mark.parametrize("block", [4096, 16], ids=["one pass a segment", "several passes a segment"])
+def test_the_triton_kernel_writes_segments_of_runs_side_by_side(block, monkeypatch):
+    """`groups`: R runs' writes folded into one call (run r's slots offset by r × slots, as the vmap rule folds
+    them), a program a run: every run's priorities and weights as its own write leaves them, duplicates within a
+    run included; a count of indices that does not split into the segments is refused."""
+    monkeypatch.setattr(replay, "SCATTER_BLOCK", block)
+    R, slots, n = 4, 30, 50
+    g = torch.Generator().manual_seed(7)
+    dst = (torch.rand(R, slots, generator=g) * 5.0).to(KDEV)
+    index = torch.randint(0, 10, (R, n), generator=g).to(KDEV)
+    src = (torch.rand(R, n, generator=g) * 3.0 + 1e-3).to(KDEV)
+    bar = torch.randint(0, 8, (R, slots), generator=g).to(KDEV)
+    boost = (torch.rand(8, generator=g) + 0.5).to(KDEV)
+    weight0 = torch.rand(R, slots, generator=g).to(KDEV)
+    want_p, want_w = dst.clone(), weight0.clone()
+    for r in range(R):
+        want_p[r].scatter_reduce_(0, index[r], src[r], reduce="amax", include_self=False)
+        want_w[r].index_copy_(0, index[r], want_p[r][index[r]].pow(0.6) * boost[bar[r][index[r]]])
+    got_p, got_w = dst.clone(), weight0.clone()
+    folded = (index + torch.arange(R, device=KDEV).view(R, 1) * slots).reshape(-1)
+    scatter_amax_triton(got_p.view(-1), folded, src.reshape(-1), weigh=(got_w.view(-1), bar.view(-1), boost, 0.6),
+                        groups=R)
+    assert torch.equal(got_p, want_p)
+    torch.testing.assert_close(got_w, want_w, rtol=1e-5, atol=0.0)
+    with pytest.raises(ValueError, match="200 indices do not split into 3 equal segments"):
+        scatter_amax_triton(got_p.view(-1), folded, src.reshape(-1), groups=3)
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
 def test_the_op_compiled_writes_in_place_what_eager_writes(device):

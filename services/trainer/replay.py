@@ -31,7 +31,7 @@ SCATTER_BLOCK = 4096
 
 @torch.library.custom_op("tradeloop::scatter_amax_reweigh_", mutates_args=("priority", "weight"))
 def scatter_amax_reweigh_(priority: torch.Tensor, weight: torch.Tensor, index: torch.Tensor, src: torch.Tensor,
-                          bar: torch.Tensor, boost: torch.Tensor, alpha: float) -> None:
+                          bar: torch.Tensor, boost: torch.Tensor, alpha: float, groups: int = 1) -> None:
     """The priority write and its sampling weights, in place (flat 1-D priority, weight and bar of the ring's slots):
         priority[index[k]] = the largest src[k'] with index[k'] = index[k]   (the rest untouched: what
                              `priority.scatter_reduce_(0, index, src, reduce="amax", include_self=False)` does)
@@ -43,7 +43,10 @@ def scatter_amax_reweigh_(priority: torch.Tensor, weight: torch.Tensor, index: t
     did the weights' `index_copy_` after it: a copy of the 2-M-slot weight array, the write, and a device-to-device
     memcpy back, 3 kernels and ~14 µs (a trace). torch.compile writes a custom op's declared mutations in
     place (seen in its generated code); on CUDA the op is one Triton kernel (`_replay_triton`), elsewhere aten's
-    `scatter_reduce_` and `index_copy_`."""
+    `scatter_reduce_` and `index_copy_`.
+    `groups`: the indices are that many equal segments whose slots no other segment names (R runs' writes folded
+    into one call by the vmap rule); the kernel gives each segment a program of its own (one program for 8 runs'
+    8 192 indices took 167 µs of an 8-run iteration on the H100, bench/README.md 2026-12-06 · 5fe46c0)."""
     _amax_reweigh_aten(priority, weight, index, src, bar, boost, alpha)
 
 
@@ -54,14 +57,14 @@ def _amax_reweigh_aten(priority, weight, index, src, bar, boost, alpha) -> None:
 
 
 @scatter_amax_reweigh_.register_fake
-def _(priority, weight, index, src, bar, boost, alpha) -> None:
+def _(priority, weight, index, src, bar, boost, alpha, groups=1) -> None:
     return None
 
 
-def _amax_reweigh_vmap(info, in_dims, priority, weight, index, src, bar, boost, alpha):
+def _amax_reweigh_vmap(info, in_dims, priority, weight, index, src, bar, boost, alpha, groups=1):
     """The op over R runs' replays (`torch.func.vmap`, `services.trainer.run_batch`): each run's priorities and weights
     written in place. With one boost table for every run, the runs' slots are folded into one launch (run r's
-    indices offset by r × its slots); with a table a run, one launch a run."""
+    indices offset by r × its slots, a segment each); with a table a run, one launch a run."""
     r = info.batch_size
     if in_dims[0] is None or in_dims[1] is None:
         raise ValueError("scatter_amax_reweigh_ under vmap: the priorities and weights it writes must be one row a run")
@@ -69,11 +72,11 @@ def _amax_reweigh_vmap(info, in_dims, priority, weight, index, src, bar, boost, 
     if in_dims[5] is None and p.is_contiguous() and w.is_contiguous():
         off = torch.arange(r, device=i.device).view(r, 1) * p.shape[1]
         scatter_amax_reweigh_(p.view(-1), w.view(-1), (i + off).reshape(-1), s.reshape(-1), b.reshape(-1), boost,
-                              alpha)
+                              alpha, r * groups)
     else:
         boosts = runs_first(boost, in_dims[5], r)
         for k in range(r):
-            scatter_amax_reweigh_(p[k], w[k], i[k], s[k], b[k], boosts[k], alpha)
+            scatter_amax_reweigh_(p[k], w[k], i[k], s[k], b[k], boosts[k], alpha, groups)
     return None, None
 
 
@@ -81,19 +84,21 @@ scatter_amax_reweigh_.register_vmap(_amax_reweigh_vmap)
 
 
 @scatter_amax_reweigh_.register_kernel("cuda")
-def _(priority, weight, index, src, bar, boost, alpha) -> None:
+def _(priority, weight, index, src, bar, boost, alpha, groups=1) -> None:
     try:
         import triton  # noqa: F401
     except ImportError:
         _amax_reweigh_aten(priority, weight, index, src, bar, boost, alpha)
         return
-    scatter_amax_triton(priority, index, src, weigh=(weight, bar, boost, alpha))
+    scatter_amax_triton(priority, index, src, weigh=(weight, bar, boost, alpha), groups=groups)
 
 
 def scatter_amax_triton(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor,
-                        weigh: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float] | None = None) -> None:
+                        weigh: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float] | None = None,
+                        groups: int = 1) -> None:
     """The priority write through its Triton kernel (CUDA tensors, or CPU ones under TRITON_INTERPRET=1): dst as
-    `scatter_amax_reweigh_`'s priority and, with weigh = (weight, bar, boost, alpha), its weights too."""
+    `scatter_amax_reweigh_`'s priority and, with weigh = (weight, bar, boost, alpha), its weights too; a program for
+    each of `groups` equal segments of the indices (`scatter_amax_reweigh_`'s groups)."""
     import triton
 
     from services.trainer._replay_triton import scatter_amax_kernel
@@ -104,10 +109,13 @@ def scatter_amax_triton(dst: torch.Tensor, index: torch.Tensor, src: torch.Tenso
     weight, bar, boost, alpha = weigh if weigh is not None else (dst, index, src, 1.0)
     if weigh is not None:
         assert weight.dtype == boost.dtype == torch.float32 and weight.is_contiguous() and bar.is_contiguous()
-    block = min(triton.next_power_of_2(n), SCATTER_BLOCK)
-    scatter_amax_kernel[(1,)](dst, index.contiguous(), src.contiguous(), weight, bar, boost.contiguous(),
-                              float(alpha), n, BLOCK=block, PASSES=triton.cdiv(n, block), WEIGH=weigh is not None,
-                              num_warps=max(1, min(16, block // 256)))
+    if groups < 1 or n % groups:
+        raise ValueError(f"scatter_amax_triton: {n} indices do not split into {groups} equal segments")
+    seg = n // groups
+    block = min(triton.next_power_of_2(seg), SCATTER_BLOCK)
+    scatter_amax_kernel[(groups,)](dst, index.contiguous(), src.contiguous(), weight, bar, boost.contiguous(),
+                                   float(alpha), seg, BLOCK=block, PASSES=triton.cdiv(seg, block),
+                                   WEIGH=weigh is not None, num_warps=max(1, min(16, block // 256)))
 
 
 @dataclass
