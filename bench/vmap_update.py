@@ -69,9 +69,9 @@ from bench import run_streams
 from shared.knobs import Knobs
 from shared import layers
 from services.trainer.lockstep_step import BATCH_FIELDS, BatchedIteration, BatchedUpdate  # noqa: F401 — the tests'
+from services.trainer.lockstep import batched_precision
 from services.trainer.loop import train_epoch
-from services.trainer.run_batch import autocast_linear
-from services.trainer.runtime import compile_step, in_precision
+from services.trainer.runtime import compile_step
 from services.trainer.traced import Sequenced, TracedStep, traced_iteration
 from services.trainer.train import TrainConfig
 from shared.graphs import capture, resolve_accel
@@ -108,7 +108,7 @@ def measure(args, states: list, accel: str, cuda: bool) -> list[dict]:
             upd = BatchedUpdate(states[:R])
             check = max(upd.check(states[:R]), upd.refresh.check(states[:R]))
         # bf16 autocast on CUDA, as the product's steps, with vmap's linear layers kept in it (`AutocastLinear`)
-        precise = lambda fn, cfg=upd.cfg: autocast_linear(in_precision(fn, cfg, args.device))  # noqa: E731
+        precise = lambda fn, cfg=upd.cfg: batched_precision(fn, cfg, args.device)  # noqa: E731
         step = precise(upd)
         traced = None
         t0 = time.perf_counter()

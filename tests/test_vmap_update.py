@@ -7,6 +7,7 @@ import json
 import torch
 
 from bench import vmap_update
+from services.trainer import lockstep
 from services.trainer.losses import adapt_entropy_coef
 from services.trainer.optim import scheduled_lr
 
@@ -154,7 +155,7 @@ def test_the_timed_step_keeps_the_vmapped_layers_in_autocasts_precision(capsys, 
                 seen.append(args[0].dtype)
             return func(*args, **(kwargs or {}))
 
-    monkeypatch.setattr(vmap_update, "in_precision", bf16)
+    monkeypatch.setattr(lockstep, "in_precision", bf16)          # the rule `batched_precision` reads
     with Spy():
         vmap_update.main(["--device", "cpu", "--preset", "small", "--runs", "2", "--steps", "1", "--warmup", "14",
                           "--bars", "6000", "--set", "iterations=4", "--accel", "eager", "--step", "iteration"])

@@ -58,6 +58,12 @@ def in_step(states: list[TrainState]) -> bool:
     return len(keys) == 1
 
 
+def batched_precision(fn, cfg, device):
+    """A batched step in the precision the trainer's steps run in (`in_precision`), its vmapped linear layers kept in
+    autocast's dtype (`run_batch.autocast_linear`)."""
+    return autocast_linear(in_precision(fn, cfg, device))
+
+
 class LockstepEngine:
     """The batched state of K runs (one slot each) and its compiled step: `load`/`store` copy a run's state into
     and out of its slot, `epoch` trains the runs of some slots one epoch."""
@@ -72,7 +78,7 @@ class LockstepEngine:
         self.cfg = st.cfg
         cuda = st.device.type == "cuda"
         self.sync = (lambda: torch.cuda.synchronize(st.device)) if cuda else (lambda: None)
-        precise = lambda fn: autocast_linear(in_precision(fn, st.cfg, st.device))  # noqa: E731
+        precise = lambda fn: batched_precision(fn, st.cfg, st.device)  # noqa: E731
         step = precise(self.it)
         self.collect = precise(self.it.col)                                         # warm-up iterations: eager
         if "compile" in st.accel:           # the runs' own accel (`resolve_accel`'s), as their `StepRunner`s
