@@ -9,6 +9,11 @@ indices over the dataset's bars, each branch's action within its choices, regime
 priorities), so the narrowing is the one a trained run's state gets. Each write is `save_checkpoint` (host copy,
 serialisation, sha256, atomic fsync'd write, sidecar) into a temporary directory; the table gives the median of
 `--repeat` writes (the narrowing's own reductions and casts included) and the file's size.
+
+A second table, an epoch's close as a study's loop runs it: both checkpoint files, then the validation backtest of
+the weights (`evaluate_checkpoint` as `tradeloop.study.loop` calls it), against `train_run`'s order — the weights'
+file, the backtest while the trainer state is written on a thread (`start_save_epoch`), then the wait for it. Each
+the median of `--repeat` after one close untimed (the evaluator's first call), side by side in one run.
 """
 from __future__ import annotations
 
@@ -23,16 +28,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from services.trainer.checkpoint import NARROW, _state_meta, _state_tensors, narrow_ints  # noqa: E402
+from services.evaluator.runner import evaluate_checkpoint  # noqa: E402
+from services.trainer.checkpoint import (NARROW, _state_meta, _state_tensors, narrow_ints, save_epoch,  # noqa: E402
+                                         start_save_epoch)
 from services.trainer.train import TrainConfig, build_state  # noqa: E402
 from shared.checkpoints import save_checkpoint  # noqa: E402
 from shared.market import chronological_split, compute_features  # noqa: E402
 from shared.synthetic import generate  # noqa: E402
 
 
-def filled_state(preset: str, n_bars: int, device: str):
-    """The preset's training state on `n_bars` synthetic bars, its replay filled with values of a run's ranges."""
-    bars = generate(n_bars=n_bars, seed=0).bars
+def filled_state(preset: str, n_bars: int, device: str, bars=None):
+    """The preset's training state on `n_bars` synthetic bars (or `bars`), its replay filled with values of a run's
+    ranges."""
+    bars = generate(n_bars=n_bars, seed=0).bars if bars is None else bars
     feats = compute_features(bars)
     cfg = TrainConfig.preset(preset, feats.shape[1])
     st = build_state(cfg, bars, chronological_split(len(bars)), 0, device, features=feats, accel="eager")
@@ -67,7 +75,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args(argv)
-    st = filled_state(args.preset, args.bars, args.device)
+    bars = generate(n_bars=args.bars, seed=0).bars
+    st = filled_state(args.preset, args.bars, args.device, bars)
     meta = {"kind": "trainer_state", **_state_meta(st)}
     rest = {k: v for k, v in _state_tensors(st).items() if not k.startswith("replay.")}   # the same either way
     replay = st.replay.state_tensors()
@@ -83,6 +92,48 @@ def main(argv: list[str] | None = None) -> None:
     print("|---|---|---|---|")
     for name, s, size in rows:
         print(f"| {name} | {s:.3f} | {rows[0][1] / s:.2f} | {size / 1e6:.1f} |")
+    closes = epoch_closes(st, bars, args.repeat)
+    print("\n| an epoch's close | seconds (median) | × | the validation backtest s |")
+    print("|---|---|---|---|")
+    for name, (s, ev) in closes.items():
+        print(f"| {name} | {s:.3f} | {closes['written, then the backtest'][0] / s:.2f} | {ev:.3f} |")
+
+
+def epoch_closes(st, bars, repeat: int) -> dict[str, tuple[float, float]]:
+    """{way: (median seconds of the close, median seconds of its backtest)}: both files then the validation backtest
+    (`save_epoch`, `evaluate_checkpoint`), and the backtest while the state is written (`start_save_epoch`)."""
+    split, feats = chronological_split(len(bars)), compute_features(bars)
+    st.epoch = 1
+
+    def backtest(path: Path) -> float:
+        t0 = time.perf_counter()
+        evaluate_checkpoint(path, expected_sha256=None, bars=bars, split=split, run_id="bench", epoch=1,
+                            device=st.device, oos=False, features=feats)
+        return time.perf_counter() - t0
+
+    def sequential(d: Path) -> float:
+        path, _ = save_epoch(st, d, {})
+        return backtest(path)
+
+    def overlapped(d: Path) -> float:
+        path, _, write = start_save_epoch(st, d, {})
+        ev = backtest(path)
+        write.wait()
+        return ev
+
+    with tempfile.TemporaryDirectory() as d:     # the evaluator's first call builds what later calls reuse
+        sequential(Path(d))
+    out = {}
+    for name, close in (("written, then the backtest", sequential), ("the backtest while the state is written",
+                                                                     overlapped)):
+        times, evals = [], []
+        for _ in range(repeat):
+            with tempfile.TemporaryDirectory() as d:
+                t0 = time.perf_counter()
+                evals.append(close(Path(d)))
+                times.append(time.perf_counter() - t0)
+        out[name] = (statistics.median(times), statistics.median(evals))
+    return out
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""bench/state_save.py: the trainer state written with the replay's integers narrowed against int64, side by side."""
+"""bench/state_save.py: the trainer state written with the replay's integers narrowed against int64, and an epoch's close
+with the backtest after the write and beside it, side by side."""
 from __future__ import annotations
 
 from bench import state_save
@@ -12,3 +13,8 @@ def test_the_narrowed_state_file_is_smaller_and_the_table_names_what_was_narrowe
     assert len(rows) == 2
     wide_mb, narrow_mb = float(rows[0][4]), float(rows[1][4])
     assert narrow_mb < wide_mb
+    closes = [line.split("|") for line in out.splitlines()
+              if line.startswith("| written, then") or line.startswith("| the backtest while")]
+    assert len(closes) == 2 and float(closes[0][3]) == 1.0
+    assert all(float(c[2]) > 0 and float(c[4]) > 0 for c in closes)        # a close, and the backtest inside it
+    assert all(float(c[2]) >= float(c[4]) for c in closes)

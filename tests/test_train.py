@@ -482,3 +482,49 @@ def test_the_saved_replay_keeps_its_integers_in_the_narrowest_dtype_and_loads_th
     for k, v in a.replay.state_tensors().items():
         got = b.replay.state_tensors()[k]
         assert got.dtype == v.dtype and torch.equal(got, v), k
+
+
+def test_the_trainer_state_is_written_beside_on_epoch_and_complete_before_on_saved(tmp_path, monkeypatch):
+    """`train_run`: the weights' file is complete when `on_epoch` runs (what an evaluation loads) while the trainer
+    state is written on a thread; `on_saved` comes once both files are complete and the history line is in. The
+    state written beside `on_epoch` is the file an inline write gives, byte for byte; a failed state write is raised
+    and leaves its epoch incomplete."""
+    from services.trainer import checkpoint as ck
+    from services.trainer.rundir import checkpoint_path, latest_epoch
+    from shared.checkpoints import checkpoint_sha256
+
+    bars, cfg = generate(700, seed=3).bars, tiny_config()
+    seen = []
+
+    def history(run):
+        p = run / "history.jsonl"
+        return [json.loads(x)["epoch"] for x in p.read_text().splitlines()] if p.exists() else []
+
+    def on_epoch(s):
+        w = checkpoint_path(tmp_path / "a", s.epoch)
+        side = w.with_name(w.name + ".sha256").read_text().split()[0]
+        assert checkpoint_sha256(w.read_bytes()) == side
+        seen.append(("epoch", s.epoch, history(tmp_path / "a")))
+
+    def on_saved(s):
+        seen.append(("saved", s.epoch, history(tmp_path / "a"), latest_epoch(tmp_path / "a"), s.save_s > 0))
+
+    train_run(bars, "synthetic", tmp_path / "a", 2, config=cfg, seed=5, on_epoch=on_epoch, on_saved=on_saved)
+    assert seen == [("epoch", 1, []), ("saved", 1, [1], 1, True), ("epoch", 2, [1]), ("saved", 2, [1, 2], 2, True)]
+    train_run(bars, "synthetic", tmp_path / "b", 2, config=cfg, seed=5)       # no on_epoch: written inline
+    for run in ("a", "b"):
+        assert not checkpoint_path(tmp_path / run, 1, state=True).exists()    # pruned once epoch 2 was complete
+    assert (checkpoint_path(tmp_path / "a", 2, state=True).read_bytes()
+            == checkpoint_path(tmp_path / "b", 2, state=True).read_bytes())
+
+    real = ck.save_checkpoint
+
+    def failing(path, tensors, meta):
+        if meta.get("kind") == "trainer_state":
+            raise OSError(f"no space left writing {path.name}")
+        return real(path, tensors, meta)
+
+    monkeypatch.setattr(ck, "save_checkpoint", failing)
+    with pytest.raises(OSError, match="no space left writing epoch-0001.state.safetensors"):
+        train_run(bars, "synthetic", tmp_path / "c", 1, config=cfg, seed=5, on_epoch=lambda s: None)
+    assert latest_epoch(tmp_path / "c") == 0 and history(tmp_path / "c") == []

@@ -7,9 +7,11 @@ Owns: the checkpoint contents and metadata, `EpochProgress`. Imports: torch, `sh
 """
 from __future__ import annotations
 
+import threading
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 
@@ -65,13 +67,52 @@ def policy_weights(state: TrainState) -> dict[str, torch.Tensor]:
 
 def save_epoch(state: TrainState, run_dir: Path, run_meta: dict) -> tuple[Path, str]:
     """Write DIR/checkpoints/epoch-NNNN.safetensors (+ .state.safetensors); returns (path, sha256)."""
+    path, sha, write = start_save_epoch(state, run_dir, run_meta, background=False)
+    write.wait()
+    return path, sha
+
+
+class StateWrite:
+    """The write of an epoch's trainer-state file (`start_save_epoch`), on a thread of its own or already done:
+    `wait()` returns once the file and its sidecar are complete (re-raising the write's error) and gives the seconds
+    it waited."""
+
+    def __init__(self, write: Callable[[], object], background: bool):
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(write,), name="state-write", daemon=True)
+        if background:
+            self.thread.start()
+        else:
+            self._run(write)
+
+    def _run(self, write: Callable[[], object]) -> None:
+        try:
+            write()
+        except BaseException as exc:     # noqa: BLE001 - re-raised by wait() in the thread that waits
+            self.error = exc
+
+    def wait(self) -> float:
+        t0 = time.perf_counter()
+        if self.thread.ident is not None:
+            self.thread.join()
+        if self.error is not None:
+            raise self.error
+        return time.perf_counter() - t0
+
+
+def start_save_epoch(state: TrainState, run_dir: Path, run_meta: dict, background: bool = True
+                     ) -> tuple[Path, str, StateWrite]:
+    """`save_epoch` with its trainer state written on a thread: returns (path, sha256, the state's write) once the
+    weights' file is complete — what the evaluator loads — so an evaluation can run while the state is written.
+    Its tensors and metadata are gathered before it returns (the host RNG's state among them); the device tensors
+    are read by the thread, so nothing may change the run's state until `wait()` has returned. A kill before the
+    state is complete leaves the epoch incomplete (`rundir.latest_epoch`): a resume trains it again."""
     path = checkpoint_path(run_dir, state.epoch)
     path.parent.mkdir(parents=True, exist_ok=True)
-    weights = policy_weights(state)
-    sha = save_checkpoint(path, weights, agent_metadata(state, run_meta))
-    save_checkpoint(checkpoint_path(run_dir, state.epoch, state=True), _state_tensors(state),
-                    {"kind": "trainer_state", **_state_meta(state)})
-    return path, sha
+    sha = save_checkpoint(path, policy_weights(state), agent_metadata(state, run_meta))
+    target = checkpoint_path(run_dir, state.epoch, state=True)
+    tensors, meta = _state_tensors(state), {"kind": "trainer_state", **_state_meta(state)}
+    return path, sha, StateWrite(lambda: save_checkpoint(target, tensors, meta), background)
 
 
 def _state_tensors(state: TrainState) -> dict[str, torch.Tensor]:

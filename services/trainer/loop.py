@@ -20,7 +20,7 @@ import torch
 from shared.knobs import Knobs
 from shared.market import Bars, Split, chronological_split, compute_features
 from services.trainer.buffers import METRICS, refresh_embeddings
-from services.trainer.checkpoint import EpochProgress, prune_checkpoints, restore_state, roll_back, save_epoch
+from services.trainer.checkpoint import EpochProgress, prune_checkpoints, restore_state, roll_back, start_save_epoch
 from services.trainer.config import TrainConfig
 from services.trainer.optim import set_lrs
 from services.trainer.rundir import append_history, latest_epoch, read_run_json, write_run_json
@@ -61,7 +61,8 @@ class EpochStats:
     rolled_back_to: int | None = None
     """The epoch whose learner a feedback rollback restored before this epoch trained (`roll_back`), else None."""
     save_s: float | None = None
-    """Seconds after `seconds` writing the epoch's weights and trainer state (`save_epoch`) and pruning older ones."""
+    """Seconds after `seconds` writing the epoch's weights and trainer state and pruning older ones, less the time
+    the state's write ran beside `train_run`'s `on_epoch` (an evaluation)."""
     setup_s: float | None = None
     """Seconds before `seconds`: the knobs, a restart, fresh episodes and the embedding cache's full refresh
     (`refresh_embeddings`: every training bar through the online and target encoders)."""
@@ -272,6 +273,7 @@ def open_run(run_dir: Path, bars: Bars, dataset: str, *, seed: int, new_config: 
 def train_run(bars: Bars, dataset: str, run_dir: Path, epochs: int, *, config: str | TrainConfig = "small",
               seed: int = 0, device="cpu", accel: str = "auto", knobs_fn: Callable[[int], Knobs] | None = None,
               on_epoch: Callable[[EpochStats], None] | None = None,
+              on_saved: Callable[[EpochStats], None] | None = None,
               progress: Callable[[int, int], None] | None = None,
               on_compile: Callable[[str | None], None] | None = None,
               rollback_fn: Callable[[int], tuple[int, str, float, Path | None, bool] | None] | None = None,
@@ -289,7 +291,11 @@ def train_run(bars: Bars, dataset: str, run_dir: Path, epochs: int, *, config: s
     `chronological_split`; a walk-forward fold, `shared.market.walk_forward_folds`); a resumed run keeps its own and
     refuses a different one.
     `features`: `compute_features(bars)` when already computed. `train_fn(state, knobs, progress)` trains an epoch
-    (default `train_epoch`; a lockstep study's member, `services.trainer.lockstep.Lockstep.train`)."""
+    (default `train_epoch`; a lockstep study's member, `services.trainer.lockstep.Lockstep.train`).
+    After each epoch: its weights' file is written, then `on_epoch(stats)` is called while the trainer state's file is
+    written on a thread (`start_save_epoch`: an evaluation of the weights overlaps the write; without `on_epoch` the
+    state is written at once), then — both files complete, older ones pruned, the history line appended —
+    `on_saved(stats)`; `stats.save_s` counts the seconds the loop spent writing and waiting for the write."""
     run_dir = Path(run_dir)
     feats = compute_features(bars) if features is None else features
     meta, cfg, split, seed = open_run(run_dir, bars, dataset, seed=seed, split=split, where="--out directory",
@@ -311,11 +317,18 @@ def train_run(bars: Bars, dataset: str, run_dir: Path, epochs: int, *, config: s
         stats = (train_fn or train_epoch)(state, knobs_fn(state.epoch + 1), progress)
         stats.rolled_back_to, stats.rollback_s = (None, None) if rb is None else (rb[0], rollback_s)
         t_save = time.perf_counter()
-        save_epoch(state, run_dir, meta)
-        # every epoch's weights stay; only the last state and the pinned ones
-        prune_checkpoints(run_dir, state.epoch, keep=None, pinned=pinned_fn() if pinned_fn is not None else ())
+        _, _, write = start_save_epoch(state, run_dir, meta, background=on_epoch is not None)
         stats.save_s = time.perf_counter() - t_save
+        try:
+            if on_epoch is not None:
+                on_epoch(stats)        # the weights' file is complete; the trainer state is being written
+        finally:
+            stats.save_s += write.wait()
+        # every epoch's weights stay; only the last state and the pinned ones
+        t_prune = time.perf_counter()
+        prune_checkpoints(run_dir, state.epoch, keep=None, pinned=pinned_fn() if pinned_fn is not None else ())
+        stats.save_s += time.perf_counter() - t_prune
         append_history(run_dir, asdict(stats))
-        if on_epoch is not None:
-            on_epoch(stats)
+        if on_saved is not None:
+            on_saved(stats)
     return state

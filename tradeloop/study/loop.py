@@ -4,8 +4,9 @@
         knobs_e  = epoch 1: the trainer config's fixed schedule (`Knobs.fixed_schedule(1, …)`), whatever the feedback
                    settings, so variants of one seed and fold share their first epoch
                    e > 1: bundle e−1's knobs
-        train    : services.trainer.train.train_run (train_epoch → save_epoch → history.jsonl), resumed from the
-                   run directory's latest checkpoint
+        train    : services.trainer.train.train_run (train_epoch → the weights' file → report_e and bundle_e while
+                   the trainer state's file is written → history.jsonl), resumed from the run directory's latest
+                   complete checkpoint
         report_e : services.evaluator.runner.evaluate_checkpoint(checkpoint e, knobs_e, n_trials = e, prior_sharpes =
                    earlier val Sharpes, oos=False)  — validation and the in-sample autopsy; the OOS window is not
                    backtested here (`evaluate_selected` reads it for the checkpoint selected on validation only)
@@ -13,12 +14,13 @@
                    — with `feedback.enabled` False the product's fixed schedule ("feedback disabled (ablation)")
 
 What the services keep in Redis is kept here in the run directory, one JSON file per epoch written atomically after
-the epoch's bundle (`loop/epoch-NNNN.json`: the knobs it trained under, the next epoch's knobs, the validation
-metrics and trade returns, the in-sample window's metrics, the history entry the feedback service would keep,
-timings). A loop killed at any point resumes where it stopped: an epoch whose checkpoint exists but whose record
-does not is evaluated again (evaluation and feedback are pure functions of the checkpoint and the earlier records),
-then `train_run` resumes from the latest checkpoint. Only the latest epoch's trainer state (optimizer, replay, RNG:
-what resuming needs, hundreds of MB at the `full` preset) is kept.
+the epoch's bundle, once both its checkpoint files are complete (`loop/epoch-NNNN.json`: the knobs it trained under,
+the next epoch's knobs, the validation metrics and trade returns, the in-sample window's metrics, the history entry
+the feedback service would keep, timings). A loop killed at any point resumes where it stopped: an epoch whose
+checkpoint is complete but whose record does not exist is evaluated again (evaluation and feedback are pure
+functions of the checkpoint and the earlier records), then `train_run` resumes from the latest complete checkpoint
+(one whose trainer state a kill cut short is trained again). Only the latest epoch's trainer state (optimizer,
+replay, RNG: what resuming needs, hundreds of MB at the `full` preset) is kept.
 
 Sharpes are un-annualized, per trade.
 """
@@ -166,6 +168,11 @@ def run_closed_loop(bars: Bars, dataset: str, run_dir: Path, epochs: int, *, con
 
     def close_epoch(e: int, stats: EpochStats | None) -> dict:
         """Evaluate checkpoint e on validation (+ in-sample), compute bundle e, store the epoch's record."""
+        return store_epoch(assess_epoch(e), stats)
+
+    def assess_epoch(e: int) -> dict:
+        """Checkpoint e's evaluation on validation (+ in-sample) and bundle e: the epoch's record but its training
+        statistics (`store_epoch`)."""
         knobs = knobs_for(e)
         prior = [records[k]["history"]["val_sharpe"] for k in range(1, e)]
         t0 = time.perf_counter()
@@ -195,15 +202,21 @@ def run_closed_loop(bars: Bars, dataset: str, run_dir: Path, epochs: int, *, con
                # the same greedy policy on the training split's last bars (as many as validation's): what it learned
                # on the data it trains on, beside what holds out of it
                "insample": None if rep.insample is None else dict(rep.insample.metrics),
-               "train": None if stats is None else {k: (v if not isinstance(v, float) or np.isfinite(v) else None)
-                                                    for k, v in asdict(stats).items() if k != "knobs"},
+               "seconds": {"eval": t1 - t0, "feedback": t2 - t1}}
+        return rec
+
+    def store_epoch(rec: dict, stats: EpochStats | None) -> dict:
+        """The epoch's record with its training statistics (None: an epoch a resume evaluated), stored."""
+        rec = {**rec, "train": None if stats is None else {k: (v if not isinstance(v, float) or np.isfinite(v)
+                                                              else None) for k, v in asdict(stats).items()
+                                                           if k != "knobs"},
                "seconds": {"rollback": None if stats is None else stats.rollback_s,
                            "setup": None if stats is None else stats.setup_s,
                            "train": None if stats is None else stats.seconds,
-                           "save": None if stats is None else stats.save_s, "eval": t1 - t0, "feedback": t2 - t1},
+                           "save": None if stats is None else stats.save_s, **rec["seconds"]},
                "finished_at": time.time()}
-        write_json_atomic(record_path(run_dir, e), rec)
-        records[e] = rec
+        write_json_atomic(record_path(run_dir, rec["epoch"]), rec)
+        records[rec["epoch"]] = rec
         return rec
 
     def population_exploit(own: list[HistoryPoint], e: int) -> dict | None:
@@ -250,14 +263,20 @@ def run_closed_loop(bars: Bars, dataset: str, run_dir: Path, epochs: int, *, con
             close_epoch(e, None)
 
     def after_epoch(stats: EpochStats) -> None:
+        """The epoch's evaluation, while its trainer state is written (`train_run`'s `on_epoch`)."""
         shutil.rmtree(run_dir / PEER_DIR, ignore_errors=True)    # the peer epoch it started from, if any, is used
-        rec = close_epoch(stats.epoch, stats)
+        box["assessed"] = assess_epoch(stats.epoch)
+
+    def after_saved(stats: EpochStats) -> None:
+        """The record, once the epoch's files are complete: a record on disk means a resume starts after it."""
+        rec = store_epoch(box.pop("assessed"), stats)
         if on_epoch is not None:
             on_epoch(rec)
 
     if done < epochs:
         train_run(bars, dataset, run_dir, epochs, config=config, seed=seed, device=device, accel=accel,
-                  knobs_fn=knobs_for, on_epoch=after_epoch, progress=progress, split=split, features=feats,
+                  knobs_fn=knobs_for, on_epoch=after_epoch, on_saved=after_saved, progress=progress, split=split,
+                  features=feats,
                   rollback_fn=rollback_for, pinned_fn=pinned, train_fn=train_fn)
     return [records[e] for e in range(1, epochs + 1)]
 
