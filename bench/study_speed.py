@@ -29,6 +29,8 @@ computation). From the runs' epoch records (`finished_at`):
   busy       the study's mean GPU utilisation (nvidia-smi) over its whole wall time
   runs at once   P, and "(n at most)" where the study ran fewer at once (`peak_running`: a GPU keeps only the
              runs that fit its memory)
+Under the table, each case's notes from its study's events.jsonl: runs that failed, workers that stood down (the
+memory one run or group holds), lockstep groups that trained rounds alone, and runs that stored no epoch.
 Cases with P = 1 run once whatever `--mps` says (one worker never starts MPS); `--mps` runs each case of P > 1
 time-sliced and under MPS by default (`--mps on` for MPS alone). `--case-limit SECONDS` stops a case's study there
 (SIGINT: it keeps its records) and reads the case from the epochs it finished (`stopped` in the wall column), so a
@@ -87,12 +89,15 @@ def analyse(out: Path, P: int, mps: str, share: int, wall: float | None = None, 
               else json.loads((out / "results.json").read_text()).get("timing", {}))
     finish: list[list[float]] = []
     parts: list[list[dict]] = []
+    idle: list[str] = []
     for run_dir in sorted((out / "runs").iterdir()) if (out / "runs").is_dir() else []:
         recs = sorted((json.loads(p.read_text()) for p in (run_dir / "loop").glob("epoch-*.json")),
                       key=lambda r: r["finished_at"])
         if recs:                                    # a stopped case's run may not have finished an epoch
             finish.append([r["finished_at"] for r in recs])
             parts.append([{f"{k}_s": r["seconds"].get(k) for k in PARTS} for r in recs])
+        else:
+            idle.append(run_dir.name)
     rate, in_span, span = steady_rate(finish) if finish else (None, 0, 0.0)
     medians = part_medians(parts)
     steps = [b - a for f in finish for a, b in zip(f[1:], f[2:])]
@@ -106,7 +111,30 @@ def analyse(out: Path, P: int, mps: str, share: int, wall: float | None = None, 
             "wall_s": wall if wall is not None else timing.get("wall_s"),
             "epoch_s": upper_median(steps),
             **{f"{k}_s": medians[k] for k in PARTS},
-            "busy_pct": sum(busy) / len(busy) if busy else None, "stopped": stopped}
+            "busy_pct": sum(busy) / len(busy) if busy else None, "stopped": stopped,
+            "notes": case_notes(out, idle)}
+
+
+def case_notes(out: Path, idle: list[str]) -> list[str]:
+    """What the case's study logged beside its epochs (its events.jsonl): runs failed, workers stood down, lockstep
+    groups that trained rounds alone; and the runs that stored no epoch."""
+    gib = 2.0 ** 30
+    notes = []
+    log = out / "events.jsonl"
+    for line in log.read_text().splitlines() if log.exists() else []:
+        ev = json.loads(line)
+        if ev.get("type") == "error":
+            notes.append(f"{ev.get('run')} failed: {str(ev.get('error', '')).splitlines()[0][:200]}")
+        elif ev.get("type") == "stand-down":
+            notes.append(f"{ev['worker']} stood down: {ev['fit']} at once fit GPU {ev['gpu']} (one holds "
+                         f"{ev['run_bytes'] / gib:.1f} GiB of {ev['total_bytes'] / gib:.1f})")
+        elif ev.get("type") == "lockstep" and (ev.get("rounds") or {}).get("alone"):
+            rd = ev["rounds"]
+            notes.append(f"{ev['worker']}: {len(ev['runs'])} runs in lockstep, {rd.get('lockstep')} epochs together, "
+                         f"{rd['alone']} rounds alone")
+    if idle:
+        notes.append(f"no epoch stored by {len(idle)} run(s): {', '.join(idle)}")
+    return notes
 
 
 def run_case(out: Path, P: int, mps: str, args, share: int = 100, isms: int = 0, lockstep: int = 1) -> dict:
@@ -190,6 +218,11 @@ def print_table(rows: list[dict], argv) -> None:
         print(f"| {asked} | {r.get('lockstep', 1)} | {'on' if r['mps'] else 'off'} | {r['share']} | "
               f"{r.get('iteration_sms') or 'all'} | "
               + " | ".join(cells) + " |")
+    notes = [(r, n) for r in rows for n in r.get("notes") or ()]
+    if notes:
+        print()
+    for r, n in notes:
+        print(f"- {r['P']} × {r.get('lockstep', 1)} ({'MPS' if r['mps'] else 'no MPS'}): {n}")
 
 
 def main(argv=None) -> None:

@@ -81,3 +81,25 @@ def test_a_case_stopped_at_its_limit_is_read_from_the_epochs_its_runs_finished(t
     out = capsys.readouterr().out
     assert ("| 3 (2 at most) | 1 | on | 100 | all | 0.200 | 2 | 1.00 | 10.0 | n/a | 0.12 | 2.00 | 0.50 | 0.25 | n/a "
             "| 120 (stopped) |") in out
+    assert "- 3 × 1 (MPS): no epoch stored by 1 run(s): on-s2-f0" in out
+    assert rows[0]["notes"] == []
+
+
+def test_a_cases_notes_say_what_its_study_logged_beside_the_epochs(tmp_path, capsys):
+    """Under the table: a failed run's first error line, a worker that stood down with the memory one group holds,
+    a lockstep group that trained rounds alone, from the case study's events.jsonl."""
+    _case(tmp_path, "p1-mps-off-sm100", [[5.0, 10.0, 15.0, 20.0]])
+    _case(tmp_path, "p2-mps-on-sm100-ls8", [[10.0, 20.0, 30.0]] * 2, stopped=True, peak=8)
+    events = [{"type": "done", "run": "on-s0-f0"},
+              {"type": "error", "run": "off-s3-f0", "error": "RuntimeError: CUDA error: misaligned address\nmore"},
+              {"type": "stand-down", "worker": "worker 1", "gpu": "0", "fit": 1, "run_bytes": 40 * 2 ** 30,
+               "total_bytes": 80 * 2 ** 30},
+              {"type": "lockstep", "worker": "worker 0", "runs": ["a", "b"], "rounds": {"lockstep": 5, "alone": 2}},
+              {"type": "lockstep", "worker": "worker 2", "runs": ["c", "d"], "rounds": {"lockstep": 7, "alone": 0}}]
+    (tmp_path / "p2-mps-on-sm100-ls8" / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    bench.main(["--from", str(tmp_path)])
+    out = capsys.readouterr().out
+    notes = [line for line in out.splitlines() if line.startswith("- ")]
+    assert notes == ["- 2 × 8 (MPS): off-s3-f0 failed: RuntimeError: CUDA error: misaligned address",
+                     "- 2 × 8 (MPS): worker 1 stood down: 1 at once fit GPU 0 (one holds 40.0 GiB of 80.0)",
+                     "- 2 × 8 (MPS): worker 0: 2 runs in lockstep, 5 epochs together, 2 rounds alone"]

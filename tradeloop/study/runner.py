@@ -8,7 +8,8 @@ Layout of the out directory:
                                attempts.jsonl (a line per start, with the epoch it started from)
     baselines.json             random, flat, buy-and-hold (and the oracle on synthetic) on every (seed, fold)
     status.json                progress, rewritten atomically (state, runs done/running/failed, epochs/s, ETA)
-    events.jsonl               one line per run finished (and per run failed) as the study process saw it
+    events.jsonl               one line per run finished (and per run failed, worker stood down, lockstep group
+                               ended) as the study process saw it
     results.json, report.md, report.png
 
 The workers (`multiprocessing`, spawn; `tradeloop.study.worker`) run the runs; a done run (summary.json) is never
@@ -438,6 +439,8 @@ def _follow(spec: StudySpec, out: Path, runs: list, workers: list, events, statu
                 prog.console.print(
                     f"{where} stands down: {ev['fit']} runs at once fit GPU {ev['gpu']} (a run holds "
                     f"{ev['run_bytes'] / gib:.1f} GiB of {ev['total_bytes'] / gib:.1f})", markup=False, highlight=False)
+                _event_log(out, {"type": "stand-down", "worker": where, "gpu": ev["gpu"], "fit": ev["fit"],
+                                 "run_bytes": ev["run_bytes"], "total_bytes": ev["total_bytes"]})
             elif ev["type"] == "memory-wait":
                 prog.console.print(f"{rid}: CUDA out of memory on GPU {ev['gpu']}; it resumes once the GPU has memory "
                                    "free", markup=False, highlight=False)
