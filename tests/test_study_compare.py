@@ -81,6 +81,19 @@ def test_the_command_prints_the_table_and_refuses_bad_input_with_exit_2(tmp_path
     assert doc["metrics"]["oos_sharpe"]["a_minus_b"]["mean"] == pytest.approx(-0.05)
     r = CliRunner().invoke(app, ["study-compare", f"{a}:rb", f"{b}:nope"])
     assert r.exit_code == 2 and "no variant 'nope'" in r.output and "Traceback" not in r.output
+    # differences [0.1, 0, −0.1, −0.2]: sd √(0.05 / 3) = 0.129099; (t₀.₉₇₅,₃ 3.1824 + t₀.₈,₃ 0.9785) · sd / √4 = 0.269
+    # resolvable; +0.1 takes 16 units: at 15, (2.1448 + 0.8681) · sd / √15 = 0.1004 > 0.1, at 16 (2.1314 + 0.8662)
+    # · sd / 4 = 0.0967
+    r = CliRunner().invoke(app, ["study-compare", f"{a}:rb", f"{b}:off", "--n-boot", "500", "--detect", "0.1"])
+    assert r.exit_code == 0, r.output
+    assert "| **-0.050 [" in r.output and "| 1 of 4 | 0.269 |" in r.output
+    assert "Units to resolve a difference of +0.1 at 80 % power, at these units' spread: OOS per-trade Sharpe " \
+           "(val-selected) 16;" in r.output
+    r = CliRunner().invoke(app, ["study-compare", f"{a}:rb", f"{b}:off", "--detect", "0", "--json"])
+    assert r.exit_code == 2 and "--detect must be a finite difference other than 0, got 0.0" in r.output
+    doc = json.loads(CliRunner().invoke(app, ["study-compare", f"{a}:rb", f"{b}:off", "--json", "--n-boot", "500",
+                                              "--detect", "-0.1"]).output)
+    assert doc["detect"] == -0.1 and doc["metrics"]["oos_sharpe"]["a_minus_b"]["units_for_detect"] == 16
 
 
 def test_a_replication_pools_its_units_with_the_first_pairs(tmp_path):

@@ -13,8 +13,8 @@ from services.trainer.train import TrainConfig
 from shared.metrics import dsr
 from tradeloop.study.spec import (StudyError, StudySpec, apply_settings, parse_value, parse_variants, resolve_key,
                                   synthetic_bars_for, variants_from_toml)
-from tradeloop.study.stats import (aggregate, bootstrap_ci, expanded_tail, gap_ci, paired, select_epoch,
-                                   t_quantile)
+from tradeloop.study.stats import (aggregate, bootstrap_ci, detectable, expanded_tail, gap_ci, paired, power_cells,
+                                   select_epoch, t_quantile, units_to_detect)
 
 
 # --- selection on validation only ---------------------------------------------------------------------------
@@ -98,6 +98,31 @@ def test_paired_difference_on_shared_units_by_hand():
     d = paired(a, b, n_boot=20_000, seed=0)
     # differences [1, 0, 2]: mean 1; resampled sums 0 and 6 each have P = 1/27 = 3.7 % > 2.5 % → CI [0, 2]
     assert (d["mean"], d["lo"], d["hi"], d["n"], d["wins"]) == (1.0, 0.0, 2.0, 3, 2)
+
+
+def test_what_a_paired_comparison_can_resolve_by_hand():
+    """Differences [0.1, −0.1, 0.2, 0.0, 0.3]: mean 0.1, sd √(0.1 / 4) = 0.158114. With t₀.₉₇₅,₄ = 2.7764 and
+    t₀.₈,₄ = 0.9410 (tables) the smallest difference 5 units resolve at 80 % power is 3.7174 · 0.158114 / √5 =
+    0.26286; the observed 0.1 needs 22 units: at 21, (t₀.₉₇₅,₂₀ 2.0860 + t₀.₈,₂₀ 0.8600) · sd / √21 = 0.1016 > 0.1, at
+    22, (2.0796 + 0.8591) · sd / √22 = 0.0991."""
+    a = {(0, f): x for f, x in enumerate([0.6, 0.4, 0.7, 0.5, 0.8])}
+    b = {(0, f): 0.5 for f in range(5)}
+    d = paired(a, b, n_boot=2000)
+    sd = (0.1 / 4) ** 0.5
+    assert d["mean"] == pytest.approx(0.1) and d["sd"] == pytest.approx(sd)
+    assert d["detectable"] == pytest.approx((2.7764 + 0.9410) * sd / 5 ** 0.5, abs=2e-4)
+    assert d["units_to_detect"] == 22
+    at_21 = detectable(sd, 21)
+    assert at_21 == pytest.approx((2.0860 + 0.8600) * sd / 21 ** 0.5, abs=2e-4) and at_21 > 0.1
+    assert units_to_detect(-0.1, sd) == 22                     # a loss is resolved as a gain is
+    assert units_to_detect(0.0, sd) is None and units_to_detect(1e-4, sd) is None     # beyond MOST_UNITS
+    assert units_to_detect(0.5, 0.0) == 2
+    assert power_cells(d) == "0.263 | 22"
+    one = paired({(0, 0): 1.0}, {(0, 0): 0.5})
+    assert one["sd"] is None and one["detectable"] is None and power_cells(one) == "n/a | n/a"
+    assert power_cells({**d, "units_to_detect": None}) == "0.263 | > 100 000"
+    with pytest.raises(ValueError, match="n >= 2"):
+        detectable(sd, 1)
 
 
 def test_gap_is_the_gap_of_the_means_and_undefined_when_validation_is_not_positive():

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import math
 from pathlib import Path
 from typing import Any, Optional
 
@@ -309,6 +310,9 @@ def study_compare(
                                     "checkpoint chosen among its own epochs); the table says how many each side had."),
     any_settings: bool = typer.Option(False, "--any-settings", help="Pair studies that differ in their base settings "
                                       "(--set) too: the same units trained otherwise; the table says each side's."),
+    detect: Optional[float] = typer.Option(None, "--detect", help="A difference to plan for: the units it would take "
+                                           "to resolve it at 80 % power (a paired t-test at 5 %), given the spread "
+                                           "of these units' differences."),
 ) -> None:
     """A variant of one finished study against a variant of another on the same seeds, folds and data, paired by
     (seed, fold): OOS and val per-trade Sharpe of the val-selected checkpoints and last-epoch val. Several pairs
@@ -326,8 +330,10 @@ def study_compare(
             raise StudyError(f"give DIR:VARIANT in pairs (A B [A2 B2 …]); got {len(sides)}: {' '.join(sides)}")
         loaded = [load_side(x) for x in sides]
         pairs = [(ra, va, rb, vb) for (ra, va, _), (rb, vb, _) in zip(loaded[::2], loaded[1::2])]
+        if detect is not None and not (math.isfinite(detect) and detect != 0.0):
+            raise StudyError(f"--detect must be a finite difference other than 0, got {detect}")
         c = compare_pooled(pairs, n_boot=n_boot, seed=ci_seed, any_epochs=any_epochs,
-                           any_settings=any_settings)
+                           any_settings=any_settings, detect=detect)
     except StudyError as exc:
         err.print(f"error: {exc}", markup=False, highlight=False)
         raise typer.Exit(2) from None

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from tradeloop.study.spec import StudyError, StudySpec
-from tradeloop.study.stats import bootstrap_ci, describe, paired
+from tradeloop.study.stats import MOST_UNITS, bootstrap_ci, describe, paired, power_cells, units_to_detect
 
 SAME_UNITS = {"dataset": None, "seeds": None, "folds": None, "epochs": None, "preset": None, "settings": None,
               "bars": None, "data_seed": None, "seeds_per_market": 1}
@@ -95,12 +95,13 @@ def compare(a: dict, va: str, b: dict, vb: str, *, n_boot: int = 10_000, seed: i
 
 
 def compare_pooled(pairs: list[tuple[dict, str, dict, str]], *, n_boot: int = 10_000, seed: int = 0,
-                   any_epochs: bool = False, any_settings: bool = False) -> dict:
+                   any_epochs: bool = False, any_settings: bool = False, detect: float | None = None) -> dict:
     """`compare` over several pairs of studies at once (a replication: the same two variants run again in another
     study), their units pooled: each pair's studies must pair with each other (`SAME_UNITS`; not in epochs with
     `any_epochs`, and then `epochs` lists each pair's (a, b) epochs; not in base settings with `any_settings`, and
     then `settings` lists each pair's), a unit is (pair, seed, fold), and one bootstrap runs over all of them; the
-    per-seed count is over (pair, seed)."""
+    per-seed count is over (pair, seed). `detect`: a difference to plan for; each metric's `a_minus_b` then says in
+    `units_for_detect` the units it would take to resolve it (`units_to_detect`; None below 2 units)."""
     xs: dict[str, tuple[dict, dict]] = {key: ({}, {}) for key, _ in COMPARED}
     free = {k for k, on in (("epochs", any_epochs), ("settings", any_settings)) if on}
     sides: dict[str, list[tuple]] = {"epochs": [], "settings": []}
@@ -135,6 +136,11 @@ def compare_pooled(pairs: list[tuple[dict, str, dict, str]], *, n_boot: int = 10
                                "b": bootstrap_ci([xb[u] for u in units], n_boot=n_boot, seed=seed),
                                "a_minus_b": paired({u: xa[u] for u in units}, {u: xb[u] for u in units},
                                                    n_boot=n_boot, seed=seed)}
+        d = out["metrics"][key]["a_minus_b"]
+        if detect is not None:
+            d["units_for_detect"] = None if d["sd"] is None else units_to_detect(detect, d["sd"])
+    if detect is not None:
+        out["detect"] = detect
     first = first_epoch(pairs, xs["oos_sharpe"])
     if first is not None:
         out["first_val"] = paired(*first, n_boot=n_boot, seed=seed)
@@ -167,13 +173,22 @@ def settings_text(settings) -> str:
 
 def markdown(c: dict, la: str, lb: str) -> str:
     over = f"{c['units']} units" + (f" of {c['pairs']} pairs of studies, pooled" if c.get("pairs", 1) > 1 else "")
-    lines = [f"{la} − {lb}, paired by (seed, fold) over {over} (mean [95 % CI]; expanded percentile bootstrap):",
-             "", f"| metric | {la} | {lb} | difference | {la} higher |", "|---|---|---|---|---|"]
+    lines = [f"{la} − {lb}, paired by (seed, fold) over {over} (mean [95 % CI]; expanded percentile bootstrap; "
+             "resolvable: the smallest difference these units tell from 0 with 80 % power, a paired t-test at 5 %, "
+             "and the units it would take to tell the observed one so):",
+             "", f"| metric | {la} | {lb} | difference | {la} higher | resolvable | units for the observed |",
+             "|---|---|---|---|---|---:|---:|"]
     for key, label in COMPARED:
         m = c["metrics"][key]
         d = m["a_minus_b"]
         lines.append(f"| {label} | {describe(m['a'])} | {describe(m['b'])} | **{describe(d)}** | "
-                     f"{d['wins']} of {d['n']} |")
+                     f"{d['wins']} of {d['n']} | {power_cells(d)} |")
+    if c.get("detect") is not None:
+        more = f"more than {MOST_UNITS:,}".replace(",", " ")
+        need = [f"{label} {more if d.get('units_for_detect') is None else d['units_for_detect']}"
+                for key, label in COMPARED for d in [c["metrics"][key]["a_minus_b"]]]
+        lines += ["", f"Units to resolve a difference of {c['detect']:+g} at 80 % power, at these units' spread: "
+                      + "; ".join(need) + "."]
     s = c["last_val_seeds"]
     apart = " (a seed of each pair counted apart)" if c.get("pairs", 1) > 1 else ""
     lines += ["", f"Last-epoch validation (mean over folds) of {la} ≥ {lb} in {s['a_at_least_b']} of {s['seeds']} "

@@ -14,7 +14,7 @@ import numpy as np
 from tradeloop.study.loop import PARTS, write_json_atomic
 from tradeloop.study.mps import held_to
 from tradeloop.study.spec import StudySpec
-from tradeloop.study.stats import DSR_BAR, KNOBS, aggregate, describe, first_then_later
+from tradeloop.study.stats import DSR_BAR, KNOBS, aggregate, describe, first_then_later, power_cells
 
 
 def load_summaries(spec: StudySpec, out: Path) -> list[dict]:
@@ -204,11 +204,15 @@ def markdown(res: dict) -> str:
                   + " are over populations — the mean of the runs of one market and fold — not over runs."]
     if res["paired"]:
         lines += ["", f"Paired differences, variant − {res['reference']}, on the same seed and fold "
-                      "(mean [95 % CI]; wins: units where the variant is higher):", "",
-                  "| variant | Δ OOS per-trade Sharpe | wins | Δ val per-trade Sharpe | Δ last-epoch val | Δ DSR |",
-                  "|---|---|---:|---|---|---|"]
+                      "(mean [95 % CI]; wins: units where the variant is higher; resolvable: the smallest Δ OOS these "
+                      "units tell from 0 with 80 % power, a paired t-test at 5 %, and the units it would take to tell "
+                      "the observed Δ OOS so):", "",
+                  "| variant | Δ OOS per-trade Sharpe | wins | resolvable Δ OOS | units for the observed Δ OOS "
+                  "| Δ val per-trade Sharpe | Δ last-epoch val | Δ DSR |",
+                  "|---|---|---:|---:|---:|---|---|---|"]
         for name, d in res["paired"].items():
-            lines.append(f"| {name} | {describe(d['oos_sharpe'])} | {d['oos_sharpe']['wins']}/{d['oos_sharpe']['n']} "
+            o = d["oos_sharpe"]
+            lines.append(f"| {name} | {describe(o)} | {o['wins']}/{o['n']} | {power_cells(o)} "
                          f"| {describe(d['val_sharpe'])} | {describe(d['last_val_sharpe'])} "
                          f"({d['last_val_sharpe']['wins']}/{d['last_val_sharpe']['n']} higher) | {describe(d['dsr'], '+.3f')} |")
     bar = [f"{n} {describe(d['oos_bar_sharpe'])}" for n, d in res["variants"].items() if d.get("oos_bar_sharpe")]

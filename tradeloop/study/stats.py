@@ -12,7 +12,10 @@ deflated by every trial of the study, and the results table. Pure numpy over the
   and 97.5 % quantiles are too narrow at a study's few units (the resampled mean's spread is √((n − 1) / n) of the
   mean's, and its tails those of a normal, not a t); the expansion turns n = 6 into the 0.24 % and 99.76 %
   quantiles, n = 15 into 1.3 % and 98.7 %, and tends to the plain ones as n grows.
-- Paired differences (`paired`): variant − reference on the units both ran, the bootstrap CI of their mean.
+- Paired differences (`paired`): variant − reference on the units both ran, the bootstrap CI of their mean, and
+  what the comparison can resolve (`detectable`, `units_to_detect`): the smallest true mean difference a paired
+  two-sided t-test at the 5 % level over those n units finds with 80 % power, (t₀.₉₇₅,ₙ₋₁ + t₀.₈,ₙ₋₁) · s / √n with
+  s the differences' standard deviation, and the units it would take to resolve the observed mean difference so.
 - The val/OOS gap of a variant is the gap of its means, 1 − mean OOS / mean val (a per-run gap explodes where val is
   near 0), with its CI from the same resamples (those whose mean val > 0; "n/a" when fewer than 95 % are).
 - DSR (`shared.metrics.dsr`): a selected checkpoint's validation trades against the expected maximum Sharpe of N
@@ -35,6 +38,10 @@ from shared.metrics import dsr
 DSR_BAR = 0.95
 CI_LEVEL = 0.95
 GAP_VALID = 0.95
+POWER = 0.8
+"""The power at which a paired comparison states the difference it can resolve (`detectable`)."""
+MOST_UNITS = 100_000
+"""`units_to_detect` says None beyond this many units."""
 
 
 def select_epoch(val_sharpes: Sequence[float], val_trades: Sequence[int], min_trades: int) -> tuple[int, bool]:
@@ -123,13 +130,48 @@ def gap_ci(val: Sequence[float], oos: Sequence[float], *, n_boot: int = 10_000, 
 
 
 def paired(a: dict, b: dict, *, n_boot: int = 10_000, seed: int = 0) -> dict:
-    """a − b on the units both have (dicts unit → value): {"mean", "lo", "hi", "n", "wins"} (wins: units with
-    a > b)."""
+    """a − b on the units both have (dicts unit → value): {"mean", "lo", "hi", "n", "wins", "sd", "detectable",
+    "units_to_detect"} (wins: units with a > b; sd: the differences' standard deviation; `detectable` over these
+    units, and `units_to_detect` the observed mean: None below 2 units)."""
     units = sorted(set(a) & set(b))
     d = [a[u] - b[u] for u in units]
     out = bootstrap_ci(d, n_boot=n_boot, seed=seed)
     out["wins"] = int(sum(x > 0 for x in d))
+    sd = float(np.std(d, ddof=1)) if len(d) >= 2 else None
+    out["sd"] = sd
+    out["detectable"] = None if sd is None else detectable(sd, len(d))
+    out["units_to_detect"] = None if sd is None else units_to_detect(out["mean"], sd)
     return out
+
+
+@functools.lru_cache(maxsize=None)
+def _t_sum(n: int, power: float, level: float) -> float:
+    return t_quantile((1.0 + level) / 2.0, n - 1) + t_quantile(power, n - 1)
+
+
+def detectable(sd: float, n: int, power: float = POWER, level: float = CI_LEVEL) -> float:
+    """The smallest true mean difference a paired comparison of n ≥ 2 units, whose differences have standard
+    deviation `sd`, tells from 0 with probability `power` (two-sided t-test at 1 − level): (t_{(1 + level) / 2, n − 1}
+    + t_{power, n − 1}) · sd / √n."""
+    if n < 2:
+        raise ValueError(f"detectable needs n >= 2 units (got {n})")
+    return _t_sum(n, power, level) * sd / math.sqrt(n)
+
+
+def units_to_detect(delta: float, sd: float, power: float = POWER, level: float = CI_LEVEL) -> int | None:
+    """The fewest units (≥ 2) whose `detectable` difference is at most |delta|, for differences of standard deviation
+    `sd`; None where delta is 0 or more than `MOST_UNITS` would be needed."""
+    if delta == 0.0:
+        return None
+    z = NormalDist().inv_cdf((1.0 + level) / 2.0) + NormalDist().inv_cdf(power)
+    n = max(2, math.ceil((z * sd / abs(delta)) ** 2))          # the normal's answer: the t's is never fewer
+    if n > MOST_UNITS:
+        return None
+    while detectable(sd, n, power, level) > abs(delta):
+        n += 1
+        if n > MOST_UNITS:
+            return None
+    return n
 
 
 def study_trials(summaries: Sequence[dict]) -> tuple[int, float | None]:
@@ -151,6 +193,15 @@ def describe(ci: dict, spec: str = "+.3f") -> str:
     if ci.get("lo") is None:
         return f"{f(ci['mean'])} [n/a]"
     return f"{f(ci['mean'])} [{f(ci['lo'])}, {f(ci['hi'])}]"
+
+
+def power_cells(d: dict) -> str:
+    """A paired difference's "resolvable | units for the observed" cells (`paired`: n/a where the results
+    predate them or the units are too few)."""
+    det, units = d.get("detectable"), d.get("units_to_detect")
+    more = f"> {MOST_UNITS:,}".replace(",", " ")
+    return (f"{'n/a' if det is None else format(det, '.3f')} | "
+            f"{('n/a' if d.get('sd') is None else more) if units is None else units}")
 
 
 def ruined(max_drawdown: float) -> bool:
