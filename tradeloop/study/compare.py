@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from tradeloop.study.spec import StudyError, StudySpec
-from tradeloop.study.stats import MOST_UNITS, bootstrap_ci, describe, paired, power_cells, units_to_detect
+from tradeloop.study.stats import bootstrap_ci, describe, paired, power_cells, units_text, units_to_detect
 
 SAME_UNITS = {"dataset": None, "seeds": None, "folds": None, "epochs": None, "preset": None, "settings": None,
               "bars": None, "data_seed": None, "seeds_per_market": 1}
@@ -184,8 +184,7 @@ def markdown(c: dict, la: str, lb: str) -> str:
         lines.append(f"| {label} | {describe(m['a'])} | {describe(m['b'])} | **{describe(d)}** | "
                      f"{d['wins']} of {d['n']} | {power_cells(d)} |")
     if c.get("detect") is not None:
-        more = f"more than {MOST_UNITS:,}".replace(",", " ")
-        need = [f"{label} {more if d.get('units_for_detect') is None else d['units_for_detect']}"
+        need = [f"{label} {'n/a' if d['sd'] is None else units_text(d.get('units_for_detect'))}"
                 for key, label in COMPARED for d in [c["metrics"][key]["a_minus_b"]]]
         lines += ["", f"Units to resolve a difference of {c['detect']:+g} at 80 % power, at these units' spread: "
                       + "; ".join(need) + "."]

@@ -198,10 +198,14 @@ def describe(ci: dict, spec: str = "+.3f") -> str:
 def power_cells(d: dict) -> str:
     """A paired difference's "resolvable | units for the observed" cells (`paired`: n/a where the results
     predate them or the units are too few)."""
-    det, units = d.get("detectable"), d.get("units_to_detect")
-    more = f"> {MOST_UNITS:,}".replace(",", " ")
+    det = d.get("detectable")
     return (f"{'n/a' if det is None else format(det, '.3f')} | "
-            f"{('n/a' if d.get('sd') is None else more) if units is None else units}")
+            f"{'n/a' if d.get('sd') is None else units_text(d.get('units_to_detect'))}")
+
+
+def units_text(units: int | None) -> str:
+    """`units_to_detect`'s answer as text: the count, or "> 100 000" where it said None (beyond `MOST_UNITS`)."""
+    return f"> {MOST_UNITS:,}".replace(",", " ") if units is None else str(units)
 
 
 def ruined(max_drawdown: float) -> bool:
