@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -16,7 +17,7 @@ import pytest
 from polling import poll_until
 from test_e2e import TINY
 
-from tradeloop.up.runs import RUN_FILE, RunError, new_run_id, plan_run, resumed_settings
+from tradeloop.up.runs import RUN_FILE, RunError, claim_run, new_run_id, plan_run, resumed_settings
 
 pytestmark = [pytest.mark.e2e, pytest.mark.redis]
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,8 +47,11 @@ def _finish(proc: subprocess.Popen, timeout_s: float = 200) -> str:
 
 
 def test_run_ids_are_unique_and_a_resume_keeps_what_the_run_fixed(tmp_path, monkeypatch):
-    ids = {new_run_id() for _ in range(200)}
-    assert len(ids) == 200 and all(i.startswith("run-") for i in ids)
+    ids = [new_run_id() for _ in range(200)]
+    assert all(re.fullmatch(r"run-\d{8}-\d{6}-[0-9a-f]{6}", i) for i in ids), ids[:3]
+    # 24 random bits: two of 200 ids drawn in one second collide with p ≈ 0.1 %, three or more with p < 1e-6;
+    # claim_run draws again on a collision (the test below), so a collision never shares a directory
+    assert len(set(ids)) >= 198
     monkeypatch.setenv("TL_RUN_ID", "from-env")
     assert plan_run(None, tmp_path, None) == ("from-env", tmp_path / "from-env", False)
     assert plan_run("flag", tmp_path, None)[0] == "flag"                       # --run-id wins over TL_RUN_ID
@@ -68,6 +72,19 @@ def test_run_ids_are_unique_and_a_resume_keeps_what_the_run_fixed(tmp_path, monk
     assert (got["epochs"], got["dataset"], got["iterations"], got["config"]) == (4, "synthetic", 6, "small")
     with pytest.raises(RunError, match="keeps --dataset synthetic"):
         resumed_settings(rec, {"dataset": "sp500"})
+
+
+def test_a_generated_id_that_collides_is_drawn_again_and_a_chosen_one_is_refused(tmp_path):
+    taken = tmp_path / "run-20261206-120000-abcdef"
+    taken.mkdir()
+    run_id, path, lock = claim_run(taken.name, taken, generated=True)
+    try:
+        assert run_id != taken.name and path == tmp_path / run_id and path.is_dir()
+        assert not any(taken.iterdir())                                  # the other run's directory untouched
+    finally:
+        lock.release()
+    with pytest.raises(RunError, match="created by another process just now"):
+        claim_run(taken.name, taken, generated=False)
 
 
 def test_four_launchers_started_together_all_complete_in_their_own_runs(tmp_path):
