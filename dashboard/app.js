@@ -9,8 +9,8 @@
  * - Sharpe ratios and DSR are un-annualized, per closed trade (shared/metrics.py). Dates are UTC.
  *
  * Test-set discipline: per epoch the page shows validation only. OOS (the test split) is shown for the checkpoint
- * validation selects (highest validation per-trade Sharpe: the evaluator's `selected_by_validation`), and for
- * every epoch only after the reader ticks the OOS toggle, which says what that risks.
+ * validation selects (the server's `selected_by_validation`: shared.metrics.select_best's rule), and for every
+ * epoch only after the reader ticks the OOS toggle, which says what that risks.
  *
  * URL: #run=ID&epoch=N&oos=1&compare=ID,ID (deep links; the page keeps it current).
  */
@@ -399,7 +399,7 @@
     }).join("");
     if (sel.dataset.opts !== opts) { sel.innerHTML = opts || "<option>no evaluated checkpoint yet</option>"; sel.dataset.opts = opts; }
     $("selection-note").textContent = chosen !== null
-      ? `validation selects epoch ${chosen} (highest validation per-trade Sharpe)` : "";
+      ? `validation selects epoch ${chosen} (highest validation per-trade Sharpe among epochs with enough trades)` : "";
     return want ?? null;
   }
 

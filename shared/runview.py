@@ -3,7 +3,8 @@ API (the live run, from Redis) and the dashboard's run browser (runs on disk, `s
 run looks the same in both.
 
 - `report_summary` / `report_rows`: the `/reports` rows, one per report, the checkpoint validation selects flagged
-  (`selected_epoch`: the highest validation per-trade Sharpe; the earliest on a tie).
+  (`selected_epoch`: `shared.metrics.select_best`'s rule, the one `tradeloop up`'s summary, `tradeloop evaluate
+  --checkpoint best`, the feedback's rollback and a study select by).
 - `equity_view`: a backtest's equity with its drawdown, dates and the buy-and-hold benchmark, min-max decimated
   (`decimate`) and, on request, packed (base64 of float64: a 10^6-bar window ships in a few tens of kB).
 - `trades_page`: a page of the trade ledger, one object per trade, with entry and exit dates.
@@ -110,14 +111,18 @@ def bundle_summary(run_id: str, epoch: int, doc: Mapping[str, Any]) -> dict:
 
 
 def selected_epoch(rows: list[Mapping[str, Any]]) -> int | None:
-    """The checkpoint validation selects: the epoch with the highest validation per-trade Sharpe (the earliest on a
-    tie; epochs without one are skipped). Never the OOS result: that stays a test of the selection."""
-    best, best_s = None, None
-    for r in sorted(rows, key=lambda r: r["epoch"]):
-        s = r.get("val_per_trade_sharpe")
-        if s is not None and (best_s is None or s > best_s):
-            best, best_s = int(r["epoch"]), float(s)
-    return best
+    """The checkpoint validation selects, by the rule every selection in tradeloop uses (`shared.metrics.select_best`:
+    the highest validation per-trade Sharpe among the epochs with at least `MIN_SELECTION_TRADES` validation trades,
+    the earliest on a tie; epochs without a Sharpe are skipped). Never the OOS result: that stays a test of the
+    selection."""
+    from shared.metrics import select_best
+
+    rows = sorted((r for r in rows if r.get("val_per_trade_sharpe") is not None), key=lambda r: r["epoch"])
+    if not rows:
+        return None
+    i, _ = select_best([float(r["val_per_trade_sharpe"]) for r in rows],
+                       [int(r.get("val_n_trades") or 0) for r in rows])
+    return int(rows[i]["epoch"])
 
 
 def report_rows(summaries: list[dict]) -> list[dict]:

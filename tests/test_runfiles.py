@@ -18,6 +18,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from shared.metrics import MIN_SELECTION_TRADES
 from shared.report import TradeTable, pack
 from shared.runfiles import RunFiles, atomic_write, find_runs
 from shared import runview
@@ -115,12 +116,16 @@ def test_the_store_writes_every_document_to_the_run_directory(redis_url, run_id,
 
 # ------------------------------------------------------------------------------------------------ views
 def test_the_checkpoint_validation_selects():
-    rows = [{"epoch": 1, "val_per_trade_sharpe": 0.2}, {"epoch": 2, "val_per_trade_sharpe": None},
-            {"epoch": 3, "val_per_trade_sharpe": 0.5, "oos_per_trade_sharpe": -9},
-            {"epoch": 4, "val_per_trade_sharpe": 0.5, "oos_per_trade_sharpe": 9}]
-    assert runview.selected_epoch(rows) == 3                                # the earliest of the best; OOS ignored
-    assert [r["selected_by_validation"] for r in runview.report_rows(rows[::-1])] == [False, False, True, False]
+    rows = [{"epoch": 1, "val_per_trade_sharpe": 0.2, "val_n_trades": 40}, {"epoch": 2, "val_per_trade_sharpe": None},
+            {"epoch": 3, "val_per_trade_sharpe": 0.5, "val_n_trades": 40, "oos_per_trade_sharpe": -9},
+            {"epoch": 4, "val_per_trade_sharpe": 0.5, "val_n_trades": 40, "oos_per_trade_sharpe": 9},
+            {"epoch": 5, "val_per_trade_sharpe": 2.0, "val_n_trades": MIN_SELECTION_TRADES - 1}]
+    assert runview.selected_epoch(rows) == 3            # the earliest of the best with enough trades; OOS ignored
+    assert [r["selected_by_validation"] for r in runview.report_rows(rows[::-1])] == [False, False, True, False, False]
     assert runview.selected_epoch([{"epoch": 1, "val_per_trade_sharpe": None}]) is None
+    few = [{"epoch": 1, "val_per_trade_sharpe": 0.1, "val_n_trades": 2}, {"epoch": 2, "val_per_trade_sharpe": 0.3,
+                                                                         "val_n_trades": 3}]
+    assert runview.selected_epoch(few) == 2                                 # none has enough: the best of all
 
 
 def test_monthly_returns_match_pandas():

@@ -178,7 +178,9 @@ def run_up(*, epochs: int, dataset: str, device: str, summary: Path | None, eval
             say(f"to continue this run: {resume_hint(run_id, run_path.parent)}")
         if best is not None:
             say(f"best checkpoint: epoch {best['epoch']} (val per-trade Sharpe {fmt(best['val_per_trade_sharpe'])} "
-                f"over {best['val_n_trades']} trades, {best['rule']}); evaluate it: {best['command']}")
+                f"over {best['val_n_trades']} trades, {best['rule']}); its OOS per-trade Sharpe "
+                f"{fmt(best['oos_per_trade_sharpe'])} over {fmt(best['oos_n_trades'])} trades; evaluate it: "
+                f"{best['command']}")
         services_file.unlink(missing_ok=True)
         close_listeners(listeners)
         if server is not None:

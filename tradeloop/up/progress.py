@@ -1,6 +1,8 @@
 """The loop's state while a run is up and after it: `Progress` polls the services' REST endpoints and shows
-epoch, loss, val / OOS per-trade Sharpe (un-annualized), the latest signals, stream lag and service health with rich
-(a live table on a terminal, one line per event otherwise); `loop_done` and `collect_summary` read Redis.
+epoch, loss, the validation per-trade Sharpe (un-annualized), trades and DSR, the latest signals, stream lag and service
+health with rich (a live table on a terminal, one line per event otherwise). OOS is shown for the checkpoint validation
+selects alone, as on the dashboard: a per-epoch OOS column invites choosing an epoch by its test result.
+`loop_done` and `collect_summary` read Redis.
 """
 from __future__ import annotations
 
@@ -135,8 +137,8 @@ class Progress:
         for r in s["reports"]:
             if ("r", r["epoch"]) not in self.seen_epochs:
                 self.seen_epochs.add(("r", r["epoch"]))
-                print(f"epoch {r['epoch']} evaluated: val per-trade Sharpe {fmt(r.get('val_per_trade_sharpe'))}, "
-                      f"OOS {fmt(r.get('oos_per_trade_sharpe'))}, DSR {fmt(r.get('val_dsr'))}", flush=True)
+                print(f"epoch {r['epoch']} evaluated: val per-trade Sharpe {fmt(r.get('val_per_trade_sharpe'))} "
+                      f"over {fmt(r.get('val_n_trades'))} trades, DSR {fmt(r.get('val_dsr'))}", flush=True)
         for b in s["signals"]:
             if ("b", b["epoch"]) not in self.seen_epochs:
                 self.seen_epochs.add(("b", b["epoch"]))
@@ -163,8 +165,8 @@ class Progress:
                 cells.append(f"[green]{name}: up[/green]{extra}" + (f" lag {lag}" if lag is not None else ""))
         svc.add_row(*cells) if cells else None
         t = Table(title=f"tradeloop — {len(s.get('history', []))}/{self.epochs} epochs", expand=False)
-        for col in ("epoch", "loss", "val S/trade", "OOS S/trade", "DSR", "ε next", "γ next", "q_bias next",
-                    "bundle applied"):
+        for col in ("epoch", "loss", "val S/trade", "val trades", "DSR", "OOS S/trade (selected)", "ε next", "γ next",
+                    "q_bias next", "bundle applied"):
             t.add_column(col, justify="right")
         reports = {r["epoch"]: r for r in s.get("reports", [])}
         bundles = {b["epoch"]: b for b in s.get("signals", [])}
@@ -173,14 +175,17 @@ class Progress:
             r, b = reports.get(e, {}), bundles.get(e, {})
             k = b.get("knobs") or {}
             applied = next((x["epoch"] for x in s.get("history", []) if x.get("bundle_epoch") == e), None)
-            t.add_row(str(e), fmt(h.get("loss")), fmt(r.get("val_per_trade_sharpe")),
-                      fmt(r.get("oos_per_trade_sharpe")), fmt(r.get("val_dsr")), fmt(k.get("epsilon")),
+            oos = fmt(r.get("oos_per_trade_sharpe")) if r.get("selected_by_validation") else ""
+            t.add_row(str(e), fmt(h.get("loss")), fmt(r.get("val_per_trade_sharpe")), fmt(r.get("val_n_trades")),
+                      fmt(r.get("val_dsr")), oos, fmt(k.get("epsilon")),
                       fmt(k.get("gamma")), fmt(k.get("q_bias")),
                       "-" if applied is None else f"epoch {applied}")
         return Group(svc, t)
 
 
 def fmt(x: Any) -> str:
-    """A number in 4 significant digits, "-" for None."""
-    return "-" if x is None else (f"{x:.4g}" if isinstance(x, (int, float)) else str(x))
+    """A float in 4 significant digits, an integer (a count) whole, "-" for None."""
+    if x is None:
+        return "-"
+    return f"{x:.4g}" if isinstance(x, float) else str(x)
 
