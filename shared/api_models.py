@@ -253,8 +253,8 @@ class ReportRow(_Closed):
     oos_per_trade_sharpe: float | None
     val_dsr: float | None
     val_psr: float | None
-    val_n_trades: float | None
-    oos_n_trades: float | None
+    val_n_trades: int | None
+    oos_n_trades: int | None
     val_total_return: float | None
     oos_total_return: float | None
     val_oos_gap: float | None
@@ -414,8 +414,8 @@ class SelectedRow(_Closed):
     val_per_trade_sharpe: float | None
     val_dsr: float | None
     oos_per_trade_sharpe: float | None
-    val_n_trades: float | None
-    oos_n_trades: float | None
+    val_n_trades: int | None
+    oos_n_trades: int | None
     val_total_return: float | None
     val_oos_gap: float | None
 

@@ -84,10 +84,14 @@ def report_summary(epoch: int, doc: Mapping[str, Any]) -> dict:
     def m(split: str, key: str):
         return ((doc.get(split) or {}).get("metrics") or {}).get(key)
 
+    def count(split: str):                      # stored among the float metrics; a count is served whole
+        n = m(split, "n_trades")
+        return None if n is None else int(n)
+
     return {"epoch": epoch, "checkpoint_sha256": doc.get("checkpoint_sha256"), "n_trials": doc.get("n_trials"),
             "val_per_trade_sharpe": m("val", "per_trade_sharpe"), "oos_per_trade_sharpe": m("oos", "per_trade_sharpe"),
-            "val_dsr": m("val", "dsr"), "val_psr": m("val", "psr"), "val_n_trades": m("val", "n_trades"),
-            "oos_n_trades": m("oos", "n_trades"), "val_total_return": m("val", "total_return"),
+            "val_dsr": m("val", "dsr"), "val_psr": m("val", "psr"), "val_n_trades": count("val"),
+            "oos_n_trades": count("oos"), "val_total_return": m("val", "total_return"),
             "oos_total_return": m("oos", "total_return"), "val_oos_gap": doc.get("val_oos_gap"),
             "created_at": doc.get("created_at"),
             "metrics": {w: dict((doc.get(w) or {}).get("metrics") or {}) for w in SUMMARY_SPLITS}}

@@ -4,20 +4,29 @@ from __future__ import annotations
 
 from rich.console import Console
 
-from shared.runview import report_rows
+from shared.report import OFF_NAMES
+from shared.runview import report_rows, report_summary
 from tradeloop.up.progress import Progress
 
 
+def _report(val_sharpe: float, val_trades: float, dsr: float, oos_sharpe: float) -> dict:
+    """A stored report's headline: its metrics as the evaluator stores them (floats, the trade count too)."""
+    return {"val": {"metrics": {"per_trade_sharpe": val_sharpe, "n_trades": val_trades, "dsr": dsr}},
+            "oos": {"metrics": {"per_trade_sharpe": oos_sharpe, "n_trades": 77.0}}}
+
+
 def _snapshot() -> dict:
-    reports = report_rows([
-        {"epoch": 1, "val_per_trade_sharpe": 0.20, "val_n_trades": 40, "val_dsr": 0.6, "oos_per_trade_sharpe": 0.7771},
-        {"epoch": 2, "val_per_trade_sharpe": 0.90, "val_n_trades": 4, "val_dsr": 0.7, "oos_per_trade_sharpe": 0.7772},
-        {"epoch": 3, "val_per_trade_sharpe": 0.35, "val_n_trades": 12345, "val_dsr": 0.9,
-         "oos_per_trade_sharpe": 0.7773},
-    ])
+    docs = {1: _report(0.20, 40.0, 0.6, 0.7771), 2: _report(0.90, 4.0, 0.7, 0.7772),
+            3: _report(0.35, 12345.0, 0.9, 0.7773)}
+    reports = report_rows([report_summary(e, d) for e, d in docs.items()])       # the evaluator's /reports rows
     history = [{"epoch": e, "loss": 1.0 / e, "epsilon": 0.3, "gamma": 0.98, "bundle_epoch": e - 1 or None}
                for e in (1, 2, 3)]
-    return {"history": history, "reports": reports, "signals": []}
+    signals = [{"epoch": 1, "enabled": True, "off": list(OFF_NAMES),           # the default: every act off
+                "knobs": {"epsilon": 0.265, "gamma": 0.98, "q_bias": 0.0}},
+               {"epoch": 2, "enabled": True, "off": ["E1"], "rollback": True,
+                "knobs": {"epsilon": 0.45, "gamma": 0.98, "q_bias": 0.0}},
+               {"epoch": 3, "enabled": False, "off": [], "knobs": {"epsilon": 0.2, "gamma": 0.98, "q_bias": 0.0}}]
+    return {"history": history, "reports": reports, "signals": signals}
 
 
 def test_a_line_per_epoch_says_validation_and_never_the_test_result(capsys):
@@ -29,6 +38,9 @@ def test_a_line_per_epoch_says_validation_and_never_the_test_result(capsys):
         p.client.close()
     out = capsys.readouterr().out
     assert "epoch 3 evaluated: val per-trade Sharpe 0.35 over 12345 trades, DSR 0.9" in out
+    fixed = "feedback (every signal and the rollback off: the fixed schedule)"
+    assert f"epoch 1 {fixed}: ε 0.265, γ 0.98" in out and f"epoch 3 {fixed}: ε 0.2" in out
+    assert "epoch 2 feedback: ε 0.45, γ 0.98, q_bias 0 ROLLBACK" in out
     assert "OOS" not in out and "0.7771" not in out and "0.7773" not in out
 
 

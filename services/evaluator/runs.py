@@ -135,7 +135,9 @@ def loop_trials(run: RunDir, epoch: int) -> tuple[int, list[float], str] | None:
     prior = [r.val_sharpe for e, r in reports.items() if e < epoch]
     own = reports.get(epoch)
     n = own.n_trials if own is not None and own.n_trials else len(prior) + 1
-    return n, prior[:max(0, n - 1)], f"{n} checkpoints, the trials' variance from the loop's reports ({run.summary})"
+    note = (f"{n} checkpoint{'' if n == 1 else 's'} (those the loop had reported by then), the trials' variance "
+            f"from the loop's reports ({run.summary})")
+    return n, prior[:max(0, n - 1)], note
 
 
 @dataclass

@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from shared.report import OFF_NAMES
+
 
 def get_json(client, url: str) -> Any:
     try:
@@ -143,7 +145,9 @@ class Progress:
             if ("b", b["epoch"]) not in self.seen_epochs:
                 self.seen_epochs.add(("b", b["epoch"]))
                 k = b.get("knobs") or {}
-                print(f"epoch {b['epoch']} feedback: ε {fmt(k.get('epsilon'))}, γ {fmt(k.get('gamma'))}, "
+                fixed = b.get("enabled") is False or set(OFF_NAMES) <= set(b.get("off") or ())
+                how = " (every signal and the rollback off: the fixed schedule)" if fixed else ""
+                print(f"epoch {b['epoch']} feedback{how}: ε {fmt(k.get('epsilon'))}, γ {fmt(k.get('gamma'))}, "
                       f"q_bias {fmt(k.get('q_bias'))}{' ROLLBACK' if b.get('rollback') else ''}", flush=True)
 
     def render(self):
