@@ -47,6 +47,21 @@ def check_device(device: str, name: str = "device") -> str:
     return device
 
 
+def check_cuda(device: str, name: str = "--device") -> None:
+    """ValueError naming `name` when `device` asks for CUDA (cuda, cuda:N) and this machine has no such device, so a
+    command refuses at once rather than its trainer failing once started. Imports torch only for a CUDA device."""
+    if not device.startswith("cuda"):
+        return
+    import torch
+
+    index = int(device.split(":", 1)[1]) if ":" in device else 0
+    if not torch.cuda.is_available():
+        build = "a CPU-only build of torch" if torch.version.cuda is None else f"torch built for CUDA {torch.version.cuda}"
+        raise ValueError(f"{name} {device} but no CUDA device is available here ({build}); use {name} cpu")
+    if index >= torch.cuda.device_count():
+        raise ValueError(f"{name} {device} but this machine has {torch.cuda.device_count()} CUDA device(s)")
+
+
 class ConfigError(ValueError):
     """Settings that do not validate; the message lists `TL_<FIELD>: problem` lines."""
 

@@ -121,6 +121,9 @@ def test_what_a_paired_comparison_can_resolve_by_hand():
     one = paired({(0, 0): 1.0}, {(0, 0): 0.5})
     assert one["sd"] is None and one["detectable"] is None and power_cells(one) == "n/a | n/a"
     assert power_cells({**d, "units_to_detect": None}) == "0.263 | > 100 000"
+    same = paired(b, b)                                         # identical variants: no difference to resolve
+    assert (same["mean"], same["sd"], same["units_to_detect"]) == (0.0, 0.0, None)
+    assert power_cells(same) == "0.000 | n/a (Δ = 0)"
     with pytest.raises(ValueError, match="n >= 2"):
         detectable(sd, 1)
 

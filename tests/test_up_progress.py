@@ -38,7 +38,7 @@ def test_a_line_per_epoch_says_validation_and_never_the_test_result(capsys):
         p.client.close()
     out = capsys.readouterr().out
     assert "epoch 3 evaluated: val per-trade Sharpe 0.35 over 12345 trades, DSR 0.9" in out
-    fixed = "feedback (every signal and the rollback off: the fixed schedule)"
+    fixed = "feedback (all off: the fixed schedule)"
     assert f"epoch 1 {fixed}: ε 0.265, γ 0.98" in out and f"epoch 3 {fixed}: ε 0.2" in out
     assert "epoch 2 feedback: ε 0.45, γ 0.98, q_bias 0 ROLLBACK" in out
     assert "OOS" not in out and "0.7771" not in out and "0.7773" not in out

@@ -87,6 +87,21 @@ def test_a_generated_id_that_collides_is_drawn_again_and_a_chosen_one_is_refused
         claim_run(taken.name, taken, generated=False)
 
 
+def test_a_trainer_that_fails_ends_the_run_at_once_saying_why(tmp_path):
+    runs = tmp_path / "runs"
+    env = _env(runs)
+    first = _up(env, "--run-id", "broken", "--epochs", "1", "--iterations", "4")
+    assert first.wait(timeout=200) == 0, _finish(first)
+    (runs / "broken" / "trainer" / "run.json").write_text("{")          # the run's settings, now unreadable
+    # the loop cannot go on: the launcher stops at once (long before its --timeout), naming the trainer's error
+    proc = _up(env, "--timeout", "900", "--resume", "broken", "--epochs", "2")      # the last --timeout counts
+    out = _finish(proc, timeout_s=150)
+    assert proc.returncode == 1, out
+    assert f"the trainer failed: ValueError: {runs / 'broken' / 'trainer' / 'run.json'}: not valid JSON" in out, out
+    assert "stopping (failed)" in out and "tradeloop up --resume broken" in out, out
+    assert json.loads((runs / "broken" / "summary.json").read_text())["status"] == "failed"
+
+
 def test_four_launchers_started_together_all_complete_in_their_own_runs(tmp_path):
     runs = tmp_path / "runs"
     env = _env(runs)                       # TL_RUN_DIR: the launcher honours it; no run id: each draws its own

@@ -31,14 +31,16 @@ def parse_seeds(value: Any, where: str = "--seeds") -> list[int]:
     try:
         if isinstance(value, list):
             return [int(x) for x in value]
-        if isinstance(value, int) and not isinstance(value, bool):
-            return list(range(value))
         text = str(value).strip()
         if "," in text:
             return [int(x) for x in text.split(",") if x.strip()]
-        return list(range(int(text)))
+        n = value if isinstance(value, int) and not isinstance(value, bool) else int(text)
     except (TypeError, ValueError):
         raise StudyError(f"{where}: expected a count N (seeds 0 … N−1) or a list like 0,3,7; got {value!r}") from None
+    if n < 1:
+        raise StudyError(f"{where}: a count N (seeds 0 … N−1) must be ≥ 1, got {n}"
+                         + (" (seed 0 alone is the list '0,')" if n == 0 else ""))
+    return list(range(n))
 
 
 def build_spec(cli: dict[str, Any]):
@@ -114,12 +116,16 @@ def check_runnable(spec, local: bool = True) -> None:
     its folds."""
     import torch
 
+    from shared.config import check_cuda
     from shared.graphs import resolve_accel
     from shared.market import DataError
     from tradeloop.study.spec import StudyError, load_study_bars, study_folds
 
-    if local and spec.device.startswith("cuda") and not torch.cuda.is_available():
-        raise StudyError("--device cuda but no CUDA device is available here")
+    if local:
+        try:
+            check_cuda(spec.device)
+        except ValueError as exc:
+            raise StudyError(str(exc)) from None
     try:
         resolve_accel(spec.accel, torch.device(spec.device))
     except ValueError as exc:

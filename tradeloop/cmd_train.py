@@ -55,6 +55,7 @@ def train(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     from shared.checkpoints import CheckpointError
+    from shared.config import check_cuda
     from shared.graphs import compile_cache_dir, resolve_accel
 
     err = Console(stderr=True, soft_wrap=True)
@@ -67,8 +68,10 @@ def train(
     if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
         err.print(f"error: --device must be cpu or cuda, got {device!r}")
         raise typer.Exit(2)
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        err.print("error: --device cuda but no CUDA device is available here")
+    try:
+        check_cuda(device)
+    except ValueError as exc:
+        err.print(f"error: {exc}")
         raise typer.Exit(2)
     try:
         mode = resolve_accel(accel, torch.device(device))

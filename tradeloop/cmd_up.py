@@ -65,7 +65,7 @@ def _check_dataset(dataset: str) -> None:
 
 def check_settings(cfg: dict, feedback_timeout: float, timeout: float) -> list[str]:
     """What is wrong with a run's settings, one message per option (none: runnable)."""
-    from shared.config import check_accel
+    from shared.config import check_accel, check_cuda
 
     problems = []
     if cfg["epochs"] < 1:
@@ -73,7 +73,7 @@ def check_settings(cfg: dict, feedback_timeout: float, timeout: float) -> list[s
     if not 1 <= cfg["evaluators"] <= 32:
         problems.append(f"--evaluators must be in 1..32, got {cfg['evaluators']}")
     try:
-        check_device(cfg["device"], "--device")
+        check_cuda(check_device(cfg["device"], "--device"))
     except ValueError as exc:
         problems.append(str(exc))
     if cfg["config"] not in ("small", "full"):

@@ -16,6 +16,36 @@ from shared.agent import AgentConfig
 from shared.knobs import FixedSchedule, unlisted_at_neutral
 from services.trainer.env import RewardConfig
 
+RANGES: dict[str, tuple[type, float, bool, float, bool]] = {
+    **{k: (int, 1, True, math.inf, False) for k in (
+        "n_envs", "env_steps_per_iter", "updates_per_iter", "iterations", "batch_size", "replay_capacity",
+        "iqn_quantiles", "emb_refresh", "cosine_period", "maturity_updates")},
+    **{k: (int, 0, True, math.inf, False) for k in ("learning_starts", "lr_warmup", "encoder_batch", "iqn_batch")},
+    **{k: (float, 0.0, False, math.inf, False) for k in ("grad_clip", "support_margin")},
+    **{k: (float, 0.0, True, math.inf, False) for k in (
+        "lr", "weight_decay", "iqn_coef", "expectile_coef", "q_centre_coef", "q_gap_coef", "hindsight_coef",
+        "costs_bps", "entropy_init", "entropy_rate")},
+    **{k: (float, 0.0, False, 1.0, True) for k in ("ensemble_mask_p", "support_quantile")},
+    **{k: (float, 0.0, True, 1.0, True) for k in ("tau", "cosine_floor", "q_gap_frac", "entropy_target")},
+    "expectile": (float, 0.0, False, 1.0, False),
+}
+"""The numeric `TrainConfig` fields' ranges: (type, low, low included, high, high included); `TrainConfig` refuses a
+value outside, naming the field, so a bad `--set` or study variant is refused before a run starts. A learning rate
+or a target-network rate of 0 is allowed: a frozen learner, or a target that never moves."""
+
+
+def check_range(name: str, value: object) -> None:
+    """ValueError naming `name` when `value` is not of its `RANGES` type or lies outside its range."""
+    kind, lo, lo_in, hi, hi_in = RANGES[name]
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not number or (kind is int and not isinstance(value, int)) or not math.isfinite(value) \
+            or not (lo <= value if lo_in else lo < value) or not (value <= hi if hi_in else value < hi):
+        what = "a whole number" if kind is int else "a number"
+        span = (f"≥ {lo:g}" if lo_in else f"> {lo:g}") if hi == math.inf else \
+            f"in {'[' if lo_in else '('}{lo:g}, {hi:g}{']' if hi_in else ')'}"
+        raise ValueError(f"train config: {name} must be {what} {span}, got {value!r}")
+
+
 MIN_HOLD_SMALL = 96  # small preset: bars a trade is held before a signal exit (regimes last ~200 bars)
 CHURN_SMALL = 1e-3  # small preset: reward cost per opened trade (return units, ~10× the 1 bp fill cost)
 
@@ -281,6 +311,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         self.schedule = FixedSchedule.coerce(self.schedule, "TrainConfig.schedule")
+        self.check_ranges()
         if isinstance(self.policy_ema, bool) or not isinstance(self.policy_ema, (int, float)) \
                 or not 0.0 <= self.policy_ema < 1.0:
             raise ValueError(f"train config: policy_ema must be a number in [0, 1), got {self.policy_ema!r}")
@@ -368,4 +399,10 @@ class TrainConfig:
                 raise ValueError(f"--set {item!r}: expected FIELD=VALUE with a field of TrainConfig or agent.FIELD")
             cur = getattr(obj, name)
             setattr(obj, name, text.lower() in ("1", "true", "yes") if isinstance(cur, bool) else type(cur)(text))
+        self.check_ranges()
         return self
+
+    def check_ranges(self) -> None:
+        """ValueError naming the first numeric field outside its `RANGES` range."""
+        for name in RANGES:
+            check_range(name, getattr(self, name))

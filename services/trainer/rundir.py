@@ -36,9 +36,17 @@ def epoch_of(path: Path) -> int:
 
 
 def read_run_json(run_dir: Path) -> dict | None:
-    """DIR/run.json, None when there is none."""
+    """DIR/run.json, None when there is none; ValueError naming the file when it is not a JSON object."""
     p = Path(run_dir) / RUN_JSON
-    return json.loads(p.read_text()) if p.exists() else None
+    if not p.exists():
+        return None
+    try:
+        meta = json.loads(p.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{p}: not valid JSON ({exc}); the run's settings cannot be read") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"{p}: expected a JSON object of the run's settings, got {type(meta).__name__}")
+    return meta
 
 
 def write_run_json(run_dir: Path, meta: dict) -> None:

@@ -175,7 +175,8 @@ def apply_settings(cfg: TrainConfig, fb: FeedbackConfig, settings: list[tuple[st
         TrainConfig.from_dict(cfg.to_dict())
         fb = dataclasses.replace(fb, **fb_over, schedule=cfg.schedule)
     except (TypeError, ValueError) as exc:
-        raise StudyError(f"settings {settings}: {exc}") from None
+        given = ", ".join(f"{k}={v}" for k, v in settings) or "none"
+        raise StudyError(f"settings ({given}): {exc}") from None
     return cfg, fb
 
 
@@ -378,7 +379,10 @@ class StudySpec:
         """The TrainConfig and FeedbackConfig of a variant: the preset, the base settings, the variant's."""
         cfg = TrainConfig.preset(self.preset, n_features)
         # every variant starts from the feedback the product ships (`DEFAULT_OFF` switched off)
-        return apply_settings(cfg, FeedbackConfig(off=DEFAULT_OFF), [*self.settings, *variant.settings])
+        try:
+            return apply_settings(cfg, FeedbackConfig(off=DEFAULT_OFF), [*self.settings, *variant.settings])
+        except StudyError as exc:
+            raise StudyError(f"variant {variant.name!r}: {exc}") from None
 
     def runs(self) -> list["RunSpec"]:
         """Every run, fold by fold: within a fold seed by seed, the variants of one seed together (a population's runs

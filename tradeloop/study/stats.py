@@ -200,12 +200,15 @@ def power_cells(d: dict) -> str:
     predate them or the units are too few)."""
     det = d.get("detectable")
     return (f"{'n/a' if det is None else format(det, '.3f')} | "
-            f"{'n/a' if d.get('sd') is None else units_text(d.get('units_to_detect'))}")
+            f"{'n/a' if d.get('sd') is None else units_text(d.get('units_to_detect'), d['mean'])}")
 
 
-def units_text(units: int | None) -> str:
-    """`units_to_detect`'s answer as text: the count, or "> 100 000" where it said None (beyond `MOST_UNITS`)."""
-    return f"> {MOST_UNITS:,}".replace(",", " ") if units is None else str(units)
+def units_text(units: int | None, delta: float) -> str:
+    """`units_to_detect(delta, …)`'s answer as text: the count; where it said None, "n/a (Δ = 0)" for a difference of
+    0 (no number of units tells it from 0), else "> 100 000" (beyond `MOST_UNITS`)."""
+    if units is not None:
+        return str(units)
+    return "n/a (Δ = 0)" if delta == 0.0 else f"> {MOST_UNITS:,}".replace(",", " ")
 
 
 def ruined(max_drawdown: float) -> bool:

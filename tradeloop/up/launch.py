@@ -17,13 +17,13 @@ from pathlib import Path
 
 from tradeloop.up.endpoints import (HOST, PortTaken, api_token, bind_listeners, close_listeners, port_holder,
                                     start_redis, wanted_ports, write_services_file)
-from tradeloop.up.progress import Progress, collect_summary, fmt, loop_done
+from tradeloop.up.progress import Progress, collect_summary, fmt, loop_done, trainer_failure
 from tradeloop.up.runs import (RunError, claim_run, default_run_dir, lock_resumed, plan_run, resume_hint,
                                write_run_file)
 from tradeloop.up.stopping import interrupted_note, stopping_note
 from tradeloop.up.supervisor import GRACE_S, TRAINER_GRACE_S, Supervisor, service_procs
 
-EXIT_CODES = {"completed": 0, "timeout": 1, "interrupted": 130}
+EXIT_CODES = {"completed": 0, "timeout": 1, "failed": 1, "interrupted": 130}
 
 
 def err(msg: str) -> None:
@@ -148,6 +148,11 @@ def run_up(*, epochs: int, dataset: str, device: str, summary: Path | None, eval
                 if now - last >= 1.0:
                     last = now
                     prog.refresh()
+                    failure = trainer_failure(prog.snapshot.get("trainer"))
+                    if failure is not None:
+                        prog.note(f"the trainer failed: {failure} (its log: {run_path / 'logs' / 'trainer.log'})")
+                        status = "failed"
+                        break
                     if loop_done(redis_url, run_id, epochs):
                         prog.refresh()
                         break

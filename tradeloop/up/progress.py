@@ -81,6 +81,13 @@ def loop_done(redis_url: str, run_id: str, epochs: int) -> bool:
         r.close()
 
 
+def trainer_failure(status: Any) -> str | None:
+    """The error of a trainer whose /status says it failed (its loop has ended: the run cannot go on), else None."""
+    if not isinstance(status, dict) or status.get("phase") != "failed":
+        return None
+    return status.get("last_error") or "no error recorded"
+
+
 class Progress:
     """Polls the services' REST endpoints and renders the loop's state (rich)."""
 
@@ -146,7 +153,7 @@ class Progress:
                 self.seen_epochs.add(("b", b["epoch"]))
                 k = b.get("knobs") or {}
                 fixed = b.get("enabled") is False or set(OFF_NAMES) <= set(b.get("off") or ())
-                how = " (every signal and the rollback off: the fixed schedule)" if fixed else ""
+                how = " (all off: the fixed schedule)" if fixed else ""
                 print(f"epoch {b['epoch']} feedback{how}: ε {fmt(k.get('epsilon'))}, γ {fmt(k.get('gamma'))}, "
                       f"q_bias {fmt(k.get('q_bias'))}{' ROLLBACK' if b.get('rollback') else ''}", flush=True)
 
