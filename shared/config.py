@@ -56,7 +56,8 @@ def check_cuda(device: str, name: str = "--device") -> None:
 
     index = int(device.split(":", 1)[1]) if ":" in device else 0
     if not torch.cuda.is_available():
-        build = "a CPU-only build of torch" if torch.version.cuda is None else f"torch built for CUDA {torch.version.cuda}"
+        build = ("a CPU-only build of torch" if torch.version.cuda is None
+                 else f"torch built for CUDA {torch.version.cuda}")
         raise ValueError(f"{name} {device} but no CUDA device is available here ({build}); use {name} cpu")
     if index >= torch.cuda.device_count():
         raise ValueError(f"{name} {device} but this machine has {torch.cuda.device_count()} CUDA device(s)")

@@ -191,8 +191,9 @@ def test_the_shipped_study_files_build(path: Path, tmp_path: Path):
 def test_seeds_are_a_count_of_at_least_one_or_a_list():
     from tradeloop.cmd_study import parse_seeds
 
-    assert parse_seeds("3") == parse_seeds(3) == [0, 1, 2] and parse_seeds("0,") == [0] and parse_seeds([4, 2]) == [4, 2]
-    with pytest.raises(StudyError, match=r"--seeds: a count N \(seeds 0 … N−1\) must be ≥ 1, got 0 \(seed 0 alone"):
+    assert parse_seeds("3") == parse_seeds(3) == [0, 1, 2]
+    assert parse_seeds("0,") == [0] and parse_seeds([4, 2]) == [4, 2]
+    with pytest.raises(StudyError, match=r"--seeds: a count N \(seeds 0 … N−1\) must be ≥ 1, got 0 \(seed 0"):
         parse_seeds("0")
     with pytest.raises(StudyError, match="must be ≥ 1, got -2$"):
         parse_seeds(-2)

@@ -99,7 +99,8 @@ def test_a_trainer_that_fails_ends_the_run_at_once_saying_why(tmp_path):
     assert proc.returncode == 1, out
     assert f"the trainer failed: ValueError: {runs / 'broken' / 'trainer' / 'run.json'}: not valid JSON" in out, out
     assert "stopping (failed)" in out and "tradeloop up --resume broken" in out, out
-    assert json.loads((runs / "broken" / "summary.json").read_text())["status"] == "failed"
+    summary = json.loads((runs / "broken" / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["trainer_error"].startswith("ValueError: "), summary
 
 
 def test_four_launchers_started_together_all_complete_in_their_own_runs(tmp_path):

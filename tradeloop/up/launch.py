@@ -133,7 +133,7 @@ def run_up(*, epochs: int, dataset: str, device: str, summary: Path | None, eval
     if "dashboard" in urls:
         say(f"dashboard {urls['dashboard']}/ ; API token in {run_path / 'api_token'}")
     t0 = time.monotonic()
-    status = "completed"
+    status, failure = "completed", None
     try:
         sup.start_all(abort=lambda: bool(stop["why"]))
         with Progress(urls, epochs, live) as prog:
@@ -177,6 +177,8 @@ def run_up(*, epochs: int, dataset: str, device: str, summary: Path | None, eval
                "redis": "embedded" if server else "external", "evaluators": evaluators,
                "wall_seconds": round(time.monotonic() - t0, 1), "resumed": resuming, "stopped": ended,
                "restarts": {p.name: p.restarts for p in procs}}
+        if failure is not None:
+            doc["trainer_error"] = failure
         best = write_summary(doc, redis_url, run_path, summary)
         say(f"summary written to {summary}")
         if status != "completed":
