@@ -2,11 +2,12 @@
 selects (the dashboard's test-set discipline), by the selection rule of `shared.metrics.select_best`."""
 from __future__ import annotations
 
+import pytest
 from rich.console import Console
 
 from shared.report import OFF_NAMES
 from shared.runview import report_rows, report_summary
-from tradeloop.up.progress import Progress
+from tradeloop.up.progress import Progress, dead_letter_line, new_dead_letters
 
 
 def _report(val_sharpe: float, val_trades: float, dsr: float, oos_sharpe: float) -> dict:
@@ -56,3 +57,30 @@ def test_the_live_table_shows_oos_for_the_selected_checkpoint_alone():
     # epoch 2 validates highest but on 4 trades: epoch 3 is selected (≥ 10 trades), and its OOS alone is shown
     assert "0.7773" in text and "0.7771" not in text and "0.7772" not in text, text
     assert "12345" in text and "OOS S/trade (selected)" in text
+
+
+@pytest.mark.redis
+def test_dead_letters_are_read_in_order_after_the_last_seen_and_said_in_words(redis_url, run_id):
+    import redis
+
+    from shared.events import DeadLetter, encode_event, stream_name
+
+    r = redis.Redis.from_url(redis_url)
+    try:
+        ids = [r.xadd(stream_name(run_id, "dead"), encode_event(DeadLetter(
+                   run_id=run_id, epoch=e, original_stream=stream_name(run_id, "checkpoints"), entry_id=f"{e}-0",
+                   group="evaluators", consumer="evaluator-1", reason=f"CheckpointError: epoch {e} sha256 mismatch",
+                   deliveries=5))).decode() for e in (2, 3)]
+        r.xadd(stream_name(run_id, "dead"), {"data": "{not json"})
+    finally:
+        r.close()
+    got = new_dead_letters(redis_url, run_id)
+    assert [i for i, _ in got][:2] == ids and len(got) == 3
+    assert dead_letter_line(got[0][1]) == ("dead letter: the checkpoints message of epoch 2 given up by "
+                                          "evaluators/evaluator-1 after 5 deliveries: CheckpointError: epoch 2 "
+                                          "sha256 mismatch")
+    assert "an unknown epoch" in dead_letter_line(got[2][1]) and "undecodable" in got[2][1]["reason"]
+    after = new_dead_letters(redis_url, run_id, ids[0])                   # only those stored after the last seen
+    assert [i for i, _ in after] == [i for i, _ in got[1:]]
+    assert new_dead_letters(redis_url, run_id, got[-1][0]) == []
+    assert new_dead_letters(redis_url, "another-run") == []

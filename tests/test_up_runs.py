@@ -100,7 +100,34 @@ def test_a_trainer_that_fails_ends_the_run_at_once_saying_why(tmp_path):
     assert f"the trainer failed: ValueError: {runs / 'broken' / 'trainer' / 'run.json'}: not valid JSON" in out, out
     assert "stopping (failed)" in out and "tradeloop up --resume broken" in out, out
     summary = json.loads((runs / "broken" / "summary.json").read_text())
-    assert summary["status"] == "failed" and summary["trainer_error"].startswith("ValueError: "), summary
+    assert summary["status"] == "failed", summary
+    assert summary["loop_error"].startswith("the trainer failed: ValueError: "), summary
+
+
+def test_a_last_epoch_message_given_up_ends_the_run_at_once_saying_why(tmp_path):
+    import redis
+
+    from shared.events import DeadLetter, encode_event, stream_name
+
+    runs = tmp_path / "runs"
+    proc = _up(_env(runs), "--run-id", "lost", "--epochs", "2", "--iterations", "4", "--timeout", "900")
+    run = runs / "lost"
+    svc = poll_until(lambda: (run / "services.json").exists() and json.loads((run / "services.json").read_text()),
+                     "the run to start", timeout_s=60, alive=lambda: proc.poll() is None)
+    password = (run / "redis" / "password").read_text().strip()
+    r = redis.Redis(unix_socket_path=svc["redis_socket"], password=password)
+    try:           # what a consumer writes when it gives up on a message: here the last epoch's checkpoint
+        r.xadd(stream_name("lost", "dead"), encode_event(DeadLetter(
+            run_id="lost", epoch=2, original_stream=stream_name("lost", "checkpoints"), entry_id="1-0",
+            group="evaluators", consumer="evaluator-1", reason="CheckpointError: sha256 mismatch", deliveries=5)))
+    finally:
+        r.close()
+    out = _finish(proc, timeout_s=150)
+    assert proc.returncode == 1, out
+    assert ("dead letter: the checkpoints message of epoch 2 given up by evaluators/evaluator-1 after 5 deliveries: "
+            "CheckpointError: sha256 mismatch") in out, out
+    assert "the loop cannot finish: the last epoch's message was given up" in out and "stopping (failed)" in out, out
+    assert json.loads((run / "summary.json").read_text())["status"] == "failed"
 
 
 def test_four_launchers_started_together_all_complete_in_their_own_runs(tmp_path):

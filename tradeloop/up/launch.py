@@ -17,7 +17,8 @@ from pathlib import Path
 
 from tradeloop.up.endpoints import (HOST, PortTaken, api_token, bind_listeners, close_listeners, port_holder,
                                     start_redis, wanted_ports, write_services_file)
-from tradeloop.up.progress import Progress, collect_summary, fmt, loop_done, trainer_failure
+from tradeloop.up.progress import (Progress, collect_summary, dead_letter_line, fmt, loop_done, new_dead_letters,
+                                   trainer_failure)
 from tradeloop.up.runs import (RunError, claim_run, default_run_dir, lock_resumed, plan_run, resume_hint,
                                write_run_file)
 from tradeloop.up.stopping import interrupted_note, stopping_note
@@ -133,7 +134,7 @@ def run_up(*, epochs: int, dataset: str, device: str, summary: Path | None, eval
     if "dashboard" in urls:
         say(f"dashboard {urls['dashboard']}/ ; API token in {run_path / 'api_token'}")
     t0 = time.monotonic()
-    status, failure = "completed", None
+    status, failure, dead_after = "completed", None, "0"
     try:
         sup.start_all(abort=lambda: bool(stop["why"]))
         with Progress(urls, epochs, live) as prog:
@@ -151,6 +152,14 @@ def run_up(*, epochs: int, dataset: str, device: str, summary: Path | None, eval
                     failure = trainer_failure(prog.snapshot.get("trainer"))
                     if failure is not None:
                         prog.note(f"the trainer failed: {failure} (its log: {run_path / 'logs' / 'trainer.log'})")
+                        failure, status = f"the trainer failed: {failure}", "failed"
+                        break
+                    for dead_after, dl in new_dead_letters(redis_url, run_id, dead_after):
+                        prog.note(dead_letter_line(dl))
+                        if dl.get("epoch") == epochs:        # the last epoch's step is lost: the loop cannot finish
+                            failure = f"the last epoch's message was given up ({dl.get('reason')})"
+                    if failure is not None:
+                        prog.note(f"the loop cannot finish: {failure} (the services' logs: {run_path / 'logs'})")
                         status = "failed"
                         break
                     if loop_done(redis_url, run_id, epochs):
@@ -178,7 +187,7 @@ def run_up(*, epochs: int, dataset: str, device: str, summary: Path | None, eval
                "wall_seconds": round(time.monotonic() - t0, 1), "resumed": resuming, "stopped": ended,
                "restarts": {p.name: p.restarts for p in procs}}
         if failure is not None:
-            doc["trainer_error"] = failure
+            doc["loop_error"] = failure
         best = write_summary(doc, redis_url, run_path, summary)
         say(f"summary written to {summary}")
         if status != "completed":

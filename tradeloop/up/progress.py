@@ -2,7 +2,8 @@
 epoch, loss, the validation per-trade Sharpe (un-annualized), trades and DSR, the latest signals, stream lag and service
 health with rich (a live table on a terminal, one line per event otherwise). OOS is shown for the checkpoint validation
 selects alone, as on the dashboard: a per-epoch OOS column invites choosing an epoch by its test result.
-`loop_done` and `collect_summary` read Redis.
+`loop_done`, `collect_summary` and `new_dead_letters` read Redis; `trainer_failure` reads the trainer's /status: the
+launcher ends a run that cannot finish (a failed trainer, a last epoch's message given up) at once.
 """
 from __future__ import annotations
 
@@ -79,6 +80,38 @@ def loop_done(redis_url: str, run_id: str, epochs: int) -> bool:
         return False
     finally:
         r.close()
+
+
+def new_dead_letters(redis_url: str, run_id: str, after: str = "0") -> list[tuple[str, dict]]:
+    """The run's dead letters stored after entry id `after` (oldest first): (entry id, the `DeadLetter` as a dict).
+    A dead letter is a message a service gave up on (the reason inside); its epoch's step of the loop never happens."""
+    import redis
+
+    from shared.events import decode_event, stream_name
+
+    r = redis.Redis.from_url(redis_url, socket_timeout=5)
+    try:
+        rows = r.xrange(stream_name(run_id, "dead"), min=f"({after}" if after != "0" else "-")
+    except redis.RedisError:  # Redis restarting: read them on the next poll
+        return []
+    finally:
+        r.close()
+    out = []
+    for entry_id, fields in rows:
+        try:
+            out.append((entry_id.decode(), decode_event(fields).model_dump()))
+        except Exception as exc:  # noqa: BLE001 — a dead letter that does not decode is still reported
+            out.append((entry_id.decode(), {"epoch": -1, "original_stream": "?", "reason": f"undecodable: {exc}"}))
+    return out
+
+
+def dead_letter_line(dl: dict) -> str:
+    """A dead letter in words: what was given up, by whom, after how many deliveries, and why."""
+    stream = str(dl.get("original_stream", "?")).rsplit(":", 1)[-1]
+    epoch = dl.get("epoch", -1)
+    who = "/".join(x for x in (dl.get("group"), dl.get("consumer")) if x) or "a consumer"
+    return (f"dead letter: the {stream} message of {f'epoch {epoch}' if epoch >= 0 else 'an unknown epoch'} given up "
+            f"by {who} after {dl.get('deliveries', '?')} deliveries: {dl.get('reason')}")
 
 
 def trainer_failure(status: Any) -> str | None:
