@@ -225,6 +225,18 @@ def print_table(rows: list[dict], argv) -> None:
         print(f"- {r['P']} × {r.get('lockstep', 1)} ({'MPS' if r['mps'] else 'no MPS'}): {n}")
 
 
+def case_list(args) -> list[tuple[int, str, int, int, int]]:
+    """The cases to run, (P, mps, SM share, iteration SMs, runs in lockstep), a run alone first (it compiles, the
+    others find the cache warm). MPS is CUDA's: a CPU study gets its "off" cases alone."""
+    cases = []
+    for P in args.parallel:
+        for mps in (["off"] if P == 1 or not args.device.startswith("cuda") else args.mps):
+            for share in (args.mps_share if mps != "off" else [100]):
+                for isms in (args.iteration_sms if P > 1 else [0]):
+                    cases += [(P, mps, share, isms, k) for k in args.lockstep]
+    return sorted(cases, key=lambda c: c[0] * c[4] != 1)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--parallel", type=int, nargs="+", default=[1, 10])
@@ -256,15 +268,8 @@ def main(argv=None) -> None:
     cache = args.out / "cache"
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache / "inductor"))
     os.environ.setdefault("TRITON_CACHE_DIR", str(cache / "triton"))
-    cases = []
-    for P in args.parallel:
-        for mps in (["off"] if P == 1 else args.mps):
-            for share in (args.mps_share if mps != "off" else [100]):
-                for isms in (args.iteration_sms if P > 1 else [0]):
-                    cases += [(P, mps, share, isms, k) for k in args.lockstep]
-    cases.sort(key=lambda c: c[0] * c[4] != 1)  # a run alone first: it compiles, the others find the cache warm
     rows = []
-    for P, mps, share, isms, k in cases:
+    for P, mps, share, isms, k in case_list(args):
         out = args.out / (f"p{P}-mps-{mps}-sm{share}" + (f"-it{isms}" if isms else "") + (f"-ls{k}" if k > 1 else ""))
         if out.exists():
             shutil.rmtree(out)

@@ -103,3 +103,14 @@ def test_a_cases_notes_say_what_its_study_logged_beside_the_epochs(tmp_path, cap
     assert notes == ["- 2 × 8 (MPS): off-s3-f0 failed: RuntimeError: CUDA error: misaligned address",
                      "- 2 × 8 (MPS): worker 1 stood down: 1 at once fit GPU 0 (one holds 40.0 GiB of 80.0)",
                      "- 2 × 8 (MPS): worker 0: 2 runs in lockstep, 5 epochs together, 2 rounds alone"]
+
+
+def test_mps_cases_are_run_on_cuda_alone():
+    from types import SimpleNamespace
+
+    def cases(device):
+        return bench.case_list(SimpleNamespace(parallel=[2, 1], mps=["off", "on"], mps_share=[100, 50],
+                                               iteration_sms=[0], lockstep=[1], device=device))
+
+    assert cases("cpu") == [(1, "off", 100, 0, 1), (2, "off", 100, 0, 1)]
+    assert cases("cuda") == [(1, "off", 100, 0, 1), (2, "off", 100, 0, 1), (2, "on", 100, 0, 1), (2, "on", 50, 0, 1)]

@@ -57,9 +57,27 @@ def test_workers_sharing_a_gpu_start_spread_apart_after_the_warm_compile_and_on_
                                                                                    (0.0, 5.0, 0.0)]
 
 
-def test_parallel_auto_is_one_on_a_cpu_and_a_worker_per_core_per_gpu_on_cuda(monkeypatch):
-    assert parse_parallel("auto", "cpu") == 1
-    assert parse_parallel(" AUTO ", "cpu") == 1
+def test_parallel_auto_is_a_worker_per_core_on_a_cpu_and_a_worker_per_core_per_gpu_on_cuda(monkeypatch):
+    import builtins
+    import io
+
+    real_open = builtins.open
+
+    def meminfo(gib):
+        def fake(path, *a, **k):
+            if path == "/proc/meminfo":
+                return io.StringIO(f"MemTotal: 99999999 kB\nMemAvailable: {gib * 1024 * 1024} kB\n")
+            return real_open(path, *a, **k)
+        return fake
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    monkeypatch.setattr(builtins, "open", meminfo(64))
+    assert parse_parallel("auto", "cpu") == 8 and parse_parallel(" AUTO ", "cpu") == 8   # a worker per core
+    monkeypatch.setattr(builtins, "open", meminfo(3))
+    assert parse_parallel("auto", "cpu") == 3                             # as many as memory holds at 1 GiB each
+    monkeypatch.setattr(builtins, "open", meminfo(0))
+    assert parse_parallel("auto", "cpu") == 1                             # one at least
+    monkeypatch.setattr(builtins, "open", real_open)
     assert parse_parallel(6, "cuda") == 6 and parse_parallel("0", "cuda") == 0
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
     monkeypatch.setattr(os, "cpu_count", lambda: 128)

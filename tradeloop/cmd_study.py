@@ -165,7 +165,7 @@ def study(
     device: Optional[str] = typer.Option(None, "--device", help="cpu or cuda (every visible GPU is used)."),
     parallel: Optional[str] = typer.Option(None, "--parallel", help="Runs at once (worker processes): N or auto "
                                            "(default: on CUDA as many as fit each GPU's memory, at most one per "
-                                           "core; on a CPU 1)."),
+                                           "core; on a CPU one per core)."),
     out: Optional[Path] = typer.Option(None, "--out", help="The study's directory (a study there is resumed)."),
     config: Optional[Path] = typer.Option(None, "--config", help="A study file (TOML) with the same keys."),
     preset: Optional[str] = typer.Option(None, "--preset", help="Trainer preset: small (CPU) or full (GPU)."),

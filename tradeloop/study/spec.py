@@ -261,12 +261,30 @@ AUTO_RUNS_PER_GPU = 16
 many as its memory holds (`tradeloop.study.worker.runs_that_fit`: ten `full` runs on one H200)."""
 
 
+CPU_RUN_BYTES = 1 << 30
+"""`--parallel auto` on a CPU: the host memory given to each worker (a `small`-preset worker held 0.55 GB RSS on the
+project's 2-core VM; bench/README.md 2026-12-06 · the study's CPU workers)."""
+
+
+def cpu_workers() -> int:
+    """`--parallel auto` on a CPU: a worker per core this process may use (each with one torch thread: on the 2-core
+    VM two workers trained 1.7–2.3× the epochs a second of one worker on both cores), at most as many as the
+    available memory holds at `CPU_RUN_BYTES` each."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        with open("/proc/meminfo") as f:
+            avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        avail = None
+    return max(1, min(cores, cores if avail is None else avail // CPU_RUN_BYTES))
+
+
 def parse_parallel(value: Any, device: str, where: str = "--parallel") -> int:
-    """Runs at once here: an integer ≥ 0 as given, or auto — one on a CPU; on CUDA one worker per core, at most
-    `AUTO_RUNS_PER_GPU` per visible GPU."""
+    """Runs at once here: an integer ≥ 0 as given, or auto — on a CPU `cpu_workers()`; on CUDA one worker per core,
+    at most `AUTO_RUNS_PER_GPU` per visible GPU."""
     if isinstance(value, str) and value.strip().lower() == "auto":
         if not str(device).startswith("cuda"):
-            return 1
+            return cpu_workers()
         from tradeloop.study.worker import visible_gpus
 
         return max(1, min(os.cpu_count() or 1, AUTO_RUNS_PER_GPU * max(len(visible_gpus()), 1)))
