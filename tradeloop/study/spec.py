@@ -268,7 +268,7 @@ project's 2-core VM; bench/README.md 2026-12-06 · the study's CPU workers)."""
 
 def cpu_workers() -> int:
     """`--parallel auto` on a CPU: a worker per core this process may use (each with one torch thread: on the 2-core
-    VM two workers trained 1.7–2.3× the epochs a second of one worker on both cores), at most as many as the
+    VM two workers trained 1.3–2.3× the epochs a second of one worker on both cores), at most as many as the
     available memory holds at `CPU_RUN_BYTES` each."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     try:
