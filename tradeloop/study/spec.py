@@ -263,7 +263,7 @@ many as its memory holds (`tradeloop.study.worker.runs_that_fit`: ten `full` run
 
 CPU_RUN_BYTES = 1 << 30
 """`--parallel auto` on a CPU: the host memory given to each worker (a `small`-preset worker held 0.55 GB RSS on the
-project's 2-core VM; bench/README.md 2026-12-06 · the study's CPU workers)."""
+project's 2-core VM; bench/README.md 2026-12-06 · d4d0c3a)."""
 
 
 def cpu_workers() -> int:
