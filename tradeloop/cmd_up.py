@@ -31,7 +31,8 @@
    checkpoint by validation and the command that evaluates it, the embedded Redis is stopped (its AOF
    fsynced), and an unfinished run prints the command that resumes it.
 
-Exit codes: 0 done, 1 the loop did not finish (timeout, or the trainer failed), 2 bad input, 130 interrupted.
+Exit codes: 0 done, 1 the loop did not finish (timeout, a failed trainer, a last epoch's message given up), 2 bad
+input, 130 interrupted.
 
 This module parses and checks the options; the launcher itself is `tradeloop.up` (`launch.run_up`).
 """

@@ -20,13 +20,15 @@ RANGES: dict[str, tuple[type, float, bool, float, bool]] = {
     **{k: (int, 1, True, math.inf, False) for k in (
         "n_envs", "env_steps_per_iter", "updates_per_iter", "iterations", "batch_size", "replay_capacity",
         "iqn_quantiles", "emb_refresh", "cosine_period", "maturity_updates")},
-    **{k: (int, 0, True, math.inf, False) for k in ("learning_starts", "lr_warmup", "encoder_batch", "iqn_batch")},
+    **{k: (int, 0, True, math.inf, False) for k in (
+        "learning_starts", "lr_warmup", "encoder_batch", "iqn_batch", "policy_swa", "restart_every")},
     **{k: (float, 0.0, False, math.inf, False) for k in ("grad_clip", "support_margin")},
     **{k: (float, 0.0, True, math.inf, False) for k in (
         "lr", "weight_decay", "iqn_coef", "expectile_coef", "q_centre_coef", "q_gap_coef", "hindsight_coef",
         "costs_bps", "entropy_init", "entropy_rate")},
     **{k: (float, 0.0, False, 1.0, True) for k in ("ensemble_mask_p", "support_quantile")},
     **{k: (float, 0.0, True, 1.0, True) for k in ("tau", "cosine_floor", "q_gap_frac", "entropy_target")},
+    **{k: (float, 0.0, True, 1.0, False) for k in ("policy_ema", "dropout")},
     "expectile": (float, 0.0, False, 1.0, False),
 }
 """The numeric `TrainConfig` fields' ranges: (type, low, low included, high, high included); `TrainConfig` refuses a
@@ -312,19 +314,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         self.schedule = FixedSchedule.coerce(self.schedule, "TrainConfig.schedule")
         self.check_ranges()
-        if isinstance(self.policy_ema, bool) or not isinstance(self.policy_ema, (int, float)) \
-                or not 0.0 <= self.policy_ema < 1.0:
-            raise ValueError(f"train config: policy_ema must be a number in [0, 1), got {self.policy_ema!r}")
-        if isinstance(self.policy_swa, bool) or not isinstance(self.policy_swa, int) or self.policy_swa < 0:
-            raise ValueError(f"train config: policy_swa must be a whole number ≥ 0 (the first epoch averaged), "
-                             f"got {self.policy_swa!r}")
         if self.policy_swa and self.policy_ema:
             raise ValueError("train config: policy_swa and policy_ema both set: a checkpoint holds one average")
-        if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) \
-                or not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"train config: dropout must be a number in [0, 1), got {self.dropout!r}")
-        if isinstance(self.restart_every, bool) or not isinstance(self.restart_every, int) or self.restart_every < 0:
-            raise ValueError(f"train config: restart_every must be a whole number ≥ 0, got {self.restart_every!r}")
         if isinstance(self.shrink_perturb, bool) or not isinstance(self.shrink_perturb, (int, float)) \
                 or not 0.0 <= self.shrink_perturb <= 1.0:
             raise ValueError(f"train config: shrink_perturb must be a share in [0, 1], got {self.shrink_perturb!r}")

@@ -184,7 +184,7 @@ def markdown(c: dict, la: str, lb: str) -> str:
         lines.append(f"| {label} | {describe(m['a'])} | {describe(m['b'])} | **{describe(d)}** | "
                      f"{d['wins']} of {d['n']} | {power_cells(d)} |")
     if c.get("detect") is not None:
-        need = [f"{label} {'n/a' if d['sd'] is None else units_text(d.get('units_for_detect'), c['detect'])}"
+        need = [f"{label} {units_text(d.get('units_for_detect'), c['detect'], d['sd'])}"
                 for key, label in COMPARED for d in [c["metrics"][key]["a_minus_b"]]]
         lines += ["", f"Units to resolve a difference of {c['detect']:+g} at 80 % power, at these units' spread: "
                       + "; ".join(need) + "."]

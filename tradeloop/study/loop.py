@@ -276,8 +276,7 @@ def run_closed_loop(bars: Bars, dataset: str, run_dir: Path, epochs: int, *, con
     if done < epochs:
         train_run(bars, dataset, run_dir, epochs, config=config, seed=seed, device=device, accel=accel,
                   knobs_fn=knobs_for, on_epoch=after_epoch, on_saved=after_saved, progress=progress, split=split,
-                  features=feats,
-                  rollback_fn=rollback_for, pinned_fn=pinned, train_fn=train_fn)
+                  features=feats, rollback_fn=rollback_for, pinned_fn=pinned, train_fn=train_fn)
     return [records[e] for e in range(1, epochs + 1)]
 
 

@@ -199,13 +199,16 @@ def power_cells(d: dict) -> str:
     """A paired difference's "resolvable | units for the observed" cells (`paired`: n/a where the results
     predate them or the units are too few)."""
     det = d.get("detectable")
-    return (f"{'n/a' if det is None else format(det, '.3f')} | "
-            f"{'n/a' if d.get('sd') is None else units_text(d.get('units_to_detect'), d['mean'])}")
+    units = units_text(d.get("units_to_detect"), d["mean"], d.get("sd"))
+    return f"{'n/a' if det is None else format(det, '.3f')} | {units}"
 
 
-def units_text(units: int | None, delta: float) -> str:
-    """`units_to_detect(delta, …)`'s answer as text: the count; where it said None, "n/a (Δ = 0)" for a difference of
-    0 (no number of units tells it from 0), else "> 100 000" (beyond `MOST_UNITS`)."""
+def units_text(units: int | None, delta: float, sd: float | None) -> str:
+    """`units_to_detect(delta, sd)`'s answer as text: "n/a" without a spread (`sd` None: too few units, or results
+    that predate it); the count; where it said None, "n/a (Δ = 0)" for a difference of 0 (no number of units tells it
+    from 0), else "> 100 000" (beyond `MOST_UNITS`)."""
+    if sd is None:
+        return "n/a"
     if units is not None:
         return str(units)
     return "n/a (Δ = 0)" if delta == 0.0 else f"> {MOST_UNITS:,}".replace(",", " ")
