@@ -422,11 +422,11 @@ def test_auto_bars_give_walk_forward_windows_of_the_asked_trades():
 
 
 def _markdown_of_on_off(res: dict) -> str:
-    """The report of an `aggregate` of variants on and off over seeds 0, 1 × 1 fold × 2 epochs (a tiny study)."""
+    """The report of an `aggregate` of on, off and any other variant, over seeds 0, 1 × 1 fold × 2 epochs."""
     from tradeloop.study.report import markdown
 
     res["study"] = {"dataset": "synthetic",
-                    "variants": [{"name": "on", "settings": []}, {"name": "off", "settings": []}],
+                    "variants": [{"name": n, "settings": []} for n in dict.fromkeys(["on", "off", *res["variants"]])],
                     "seeds": [0, 1], "folds": 1, "epochs": 2, "preset": "tiny", "settings": [], "device": "cpu",
                     "accel": "auto", "deterministic": False, "bars": None, "min_val_trades": 20, "n_boot": 2000,
                     "ci_seed": 0}

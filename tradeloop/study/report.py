@@ -212,9 +212,17 @@ def markdown(res: dict) -> str:
                   "|---|---|---:|---:|---:|---|---|---|"]
         for name, d in res["paired"].items():
             o = d["oos_sharpe"]
-            lines.append(f"| {name} | {describe(o)} | {o['wins']}/{o['n']} | {power_cells(o)} "
+            fw = o.get("family")
+            cell = describe(o) + (f"; of {fw['m']}: [{fw['lo']:+.3f}, {fw['hi']:+.3f}]" if fw else "")
+            lines.append(f"| {name} | {cell} | {o['wins']}/{o['n']} | {power_cells(o)} "
                          f"| {describe(d['val_sharpe'])} | {describe(d['last_val_sharpe'])} "
                          f"({d['last_val_sharpe']['wins']}/{d['last_val_sharpe']['n']} higher) | {describe(d['dsr'], '+.3f')} |")
+        fam = next((o["family"] for o in (d["oos_sharpe"] for d in res["paired"].values()) if "family" in o), None)
+        if fam:
+            lines += ["", f"{fam['m']} variants are compared with {res['reference']}: beside each Δ OOS CI, \"of "
+                          f"{fam['m']}\" gives its Bonferroni interval at {100 * fam['level']:.4g} %, and the "
+                          f"{fam['m']} of them hold their true differences together with probability ≥ 95 %. A variant "
+                          "whose own CI clears 0 and whose family-wise one does not may be the one that chance lifted."]
     bar = [f"{n} {describe(d['oos_bar_sharpe'])}" for n, d in res["variants"].items() if d.get("oos_bar_sharpe")]
     if bar:
         pairs = paired_list(res, "oos_bar_sharpe")

@@ -16,6 +16,9 @@ deflated by every trial of the study, and the results table. Pure numpy over the
   what the comparison can resolve (`detectable`, `units_to_detect`): the smallest true mean difference a paired
   two-sided t-test at the 5 % level over those n units finds with 80 % power, (t₀.₉₇₅,ₙ₋₁ + t₀.₈,ₙ₋₁) · s / √n with
   s the differences' standard deviation, and the units it would take to resolve the observed mean difference so.
+  With m > 1 variants against the reference, each Δ OOS also has its interval at the Bonferroni level 1 − 0.05 / m
+  (`family_level`): the m intervals hold their true differences together with probability ≥ 95 %, so a variant
+  whose own CI clears 0 and whose family-wise one does not may be the one of m that chance lifted.
 - The val/OOS gap of a variant is the gap of its means, 1 − mean OOS / mean val (a per-run gap explodes where val is
   near 0), with its CI from the same resamples (those whose mean val > 0; "n/a" when fewer than 95 % are).
 - DSR (`shared.metrics.dsr`): a selected checkpoint's validation trades against the expected maximum Sharpe of N
@@ -129,13 +132,23 @@ def gap_ci(val: Sequence[float], oos: Sequence[float], *, n_boot: int = 10_000, 
     return out
 
 
-def paired(a: dict, b: dict, *, n_boot: int = 10_000, seed: int = 0) -> dict:
+def family_level(m: int, level: float = CI_LEVEL) -> float:
+    """The level of each of `m` intervals that cover their m differences together with probability ≥ `level`
+    (Bonferroni): 1 − (1 − level) / m."""
+    return 1.0 - (1.0 - level) / max(1, m)
+
+
+def paired(a: dict, b: dict, *, n_boot: int = 10_000, seed: int = 0, family: int = 1) -> dict:
     """a − b on the units both have (dicts unit → value): {"mean", "lo", "hi", "n", "wins", "sd", "detectable",
     "units_to_detect"} (wins: units with a > b; sd: the differences' standard deviation; `detectable` over these
-    units, and `units_to_detect` the observed mean: None below 2 units)."""
+    units, and `units_to_detect` the observed mean: None below 2 units). `family` m > 1: one of m comparisons made
+    together; "family" adds {"m", "level", "lo", "hi"}, the interval at `family_level(m)` from the same resamples."""
     units = sorted(set(a) & set(b))
     d = [a[u] - b[u] for u in units]
     out = bootstrap_ci(d, n_boot=n_boot, seed=seed)
+    if family > 1 and len(d) >= 2:
+        fw = bootstrap_ci(d, n_boot=n_boot, seed=seed, level=family_level(family))
+        out["family"] = {"m": family, "level": family_level(family), "lo": fw["lo"], "hi": fw["hi"]}
     out["wins"] = int(sum(x > 0 for x in d))
     sd = float(np.std(d, ddof=1)) if len(d) >= 2 else None
     out["sd"] = sd
@@ -321,18 +334,21 @@ def aggregate(summaries: Sequence[dict], baselines: Sequence[dict], variants: Se
         out_b[name] = d
     out_p = {}
     by = lambda name, k: {(r["seed"], r["fold"]): r[k] for r in rows if r["variant"] == name}  # noqa: E731
+    # the variants compared with the reference: their Δ OOS intervals are made together (`paired`'s `family`)
+    m = sum(n != reference and n in out_v for n in variants) if reference in out_v else 0
     for name in variants:
         if name == reference or name not in out_v or reference not in out_v:
             continue
         over = name if name in pops else reference
 
-        def pair(k: str, a: str = name, b: str = reference) -> dict:
+        def pair(k: str, a: str = name, b: str = reference, family: int = 1) -> dict:
             xa, xb = by(a, k), by(b, k)
             both = set(xa) & set(xb)
             return paired(pooled(over, {u: xa[u] for u in both}), pooled(over, {u: xb[u] for u in both}),
-                          n_boot=n_boot, seed=seed)
+                          n_boot=n_boot, seed=seed, family=family)
 
-        out_p[name] = {k: pair(k) for k in ("oos_sharpe", "val_sharpe", "last_val_sharpe", "dsr")}
+        out_p[name] = {k: pair(k, family=m if k == "oos_sharpe" else 1)
+                       for k in ("oos_sharpe", "val_sharpe", "last_val_sharpe", "dsr")}
         if "epochs_val" in out_v[name] and "epochs_val" in out_v[reference]:
             out_p[name]["val_epochs_mean"] = pair("val_epochs_mean")
         if all(r["val_later_mean"] is not None for r in rows if r["variant"] in (name, reference)):

@@ -1,0 +1,73 @@
+"""Several variants against one reference: each Δ OOS beside its Bonferroni interval (`stats.paired`'s `family`),
+by hand from the documented recipe — the resamples `resample_indices` draws, the quantiles `expanded_tail` gives at
+the level 1 − 0.05 / m."""
+import numpy as np
+import pytest
+
+from tests.test_study_stats import _markdown_of_on_off, _summary
+from tradeloop.study.stats import aggregate, expanded_tail, family_level, paired, resample_indices
+
+DIFFS = [0.12, 0.05, 0.20, -0.08, 0.09, 0.15, -0.01, 0.10, -0.05, 0.08]
+"""Ten units' differences whose 95 % interval clears 0 and whose interval at 99 % (one of five) does not."""
+
+
+def _by_hand(d: list[float], level: float, n_boot: int = 2000, seed: int = 0) -> tuple[float, float]:
+    x = np.asarray(d)
+    means = x[resample_indices(x.size, n_boot, seed)].mean(axis=1)
+    a = expanded_tail(x.size, level)
+    lo, hi = np.quantile(means, [a, 1 - a])
+    return float(lo), float(hi)
+
+
+def test_the_level_of_each_of_m_intervals():
+    assert family_level(1) == pytest.approx(0.95) and family_level(2) == pytest.approx(0.975)
+    assert family_level(5) == pytest.approx(0.99) and family_level(0) == pytest.approx(0.95)
+
+
+def test_a_difference_clear_of_zero_alone_but_not_as_one_of_five_by_hand():
+    a = {(s, 0): d for s, d in enumerate(DIFFS)}
+    b = {(s, 0): 0.0 for s in range(len(DIFFS))}
+    alone = paired(a, b, n_boot=2000, seed=0)
+    assert "family" not in alone
+    assert (alone["lo"], alone["hi"]) == pytest.approx(_by_hand(DIFFS, 0.95))
+    assert alone["lo"] > 0
+    five = paired(a, b, n_boot=2000, seed=0, family=5)
+    fw = five["family"]
+    assert (fw["m"], fw["level"]) == (5, pytest.approx(0.99))
+    assert (fw["lo"], fw["hi"]) == pytest.approx(_by_hand(DIFFS, 0.99))
+    assert fw["lo"] < 0 < five["lo"] and fw["hi"] > five["hi"]         # wider, from the same resamples
+    assert (five["mean"], five["lo"], five["hi"]) == (alone["mean"], alone["lo"], alone["hi"])
+    one_unit = paired({(0, 0): 0.1}, {(0, 0): 0.0}, family=5)
+    assert "family" not in one_unit                                    # no interval at one unit
+
+
+def _three_variants() -> list[dict]:
+    """on, alt and off on seeds 0–2 of fold 0: OOS on − off = +0.2, +0.3, +0.1; alt − off = −0.1, 0, +0.1."""
+    runs = []
+    for s, (on, alt, off) in enumerate([(0.3, 0.0, 0.1), (0.5, 0.2, 0.2), (0.4, 0.4, 0.3)]):
+        runs += [_summary("on", s, 0, [0.1, 0.4], 2, on), _summary("alt", s, 0, [0.2, 0.3], 2, alt),
+                 _summary("off", s, 0, [0.1, 0.2], 2, off)]
+    return runs
+
+
+def test_a_study_of_two_variants_against_the_reference_gives_each_its_family_interval():
+    res = aggregate(_three_variants(), [], ["on", "alt", "off"], "off", n_boot=2000, seed=0)
+    for name, d in (("on", [0.2, 0.3, 0.1]), ("alt", [-0.1, 0.0, 0.1])):
+        p = res["paired"][name]["oos_sharpe"]
+        assert p["mean"] == pytest.approx(np.mean(d))
+        assert (p["family"]["m"], p["family"]["level"]) == (2, pytest.approx(0.975))
+        assert (p["family"]["lo"], p["family"]["hi"]) == pytest.approx(_by_hand(d, 0.975))
+        assert "family" not in res["paired"][name]["val_sharpe"]     # the primary endpoint only
+    md = _markdown_of_on_off(res)
+    row = next(x for x in md.splitlines() if x.startswith("| on | "))
+    fw = res["paired"]["on"]["oos_sharpe"]["family"]
+    assert f"; of 2: [{fw['lo']:+.3f}, {fw['hi']:+.3f}]" in row
+    assert "2 variants are compared with off" in md and "at 97.5 %" in md
+
+
+def test_one_variant_against_the_reference_has_no_family():
+    runs = [m for m in _three_variants() if m["variant"] != "alt"]
+    res = aggregate(runs, [], ["on", "off"], "off", n_boot=2000, seed=0)
+    assert "family" not in res["paired"]["on"]["oos_sharpe"]
+    md = _markdown_of_on_off(res)
+    assert "variants are compared with" not in md and "; of " not in md
