@@ -71,3 +71,27 @@ def test_one_variant_against_the_reference_has_no_family():
     assert "family" not in res["paired"]["on"]["oos_sharpe"]
     md = _markdown_of_on_off(res)
     assert "variants are compared with" not in md and "; of " not in md
+
+
+def test_the_figure_draws_each_family_interval(tmp_path, monkeypatch):
+    """report.png's paired panel: beside each Δ OOS CI its family interval (a second, wider bar), named in the
+    panel's title."""
+    import matplotlib.axes
+
+    from tradeloop.study.report import plot
+
+    res = aggregate(_three_variants(), [], ["on", "alt", "off"], "off", n_boot=2000, seed=0)
+    _markdown_of_on_off(res)                                         # the study keys the figure reads
+    bars, titles = [], []
+    errorbar, set_ = matplotlib.axes.Axes.errorbar, matplotlib.axes.Axes.set
+    monkeypatch.setattr(matplotlib.axes.Axes, "errorbar",
+                        lambda self, x, y, yerr=None, **kw: bars.append((x[0], y[0], yerr)) or
+                        errorbar(self, x, y, yerr=yerr, **kw))
+    monkeypatch.setattr(matplotlib.axes.Axes, "set",
+                        lambda self, **kw: titles.append(kw.get("title", "")) or set_(self, **kw))
+    plot(res, tmp_path / "report.png")
+    assert (tmp_path / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    fw = res["paired"]["on"]["oos_sharpe"]["family"]
+    mean = res["paired"]["on"]["oos_sharpe"]["mean"]
+    assert any(x == 0.2 and y == mean and yerr == [[mean - fw["lo"]], [fw["hi"] - mean]] for x, y, yerr in bars)
+    assert any("grey: as one of 2, Bonferroni" in t for t in titles)

@@ -313,12 +313,17 @@ def plot(res: dict, path: Path) -> None:
              if r["variant"] == n and (ref, r["seed"], r["fold"]) in by_run]
         ax.scatter(i + rng.uniform(-0.12, 0.12, len(d)), d, color=colors[n], alpha=0.5, s=14)
         ci = res["paired"][n]["oos_sharpe"]
+        if fw := ci.get("family"):                      # the Bonferroni interval of one of m, thin and wider
+            ax.errorbar([i + 0.2], [ci["mean"]], yerr=[[ci["mean"] - fw["lo"]], [fw["hi"] - ci["mean"]]], fmt="none",
+                        color="dimgrey", capsize=3, lw=1)
         ax.errorbar([i], [ci["mean"]], yerr=[[ci["mean"] - ci["lo"]], [ci["hi"] - ci["mean"]]], fmt="D",
                     color="black", capsize=6, ms=6)
     ax.axhline(0, color="grey", lw=0.8)
     ax.set_xticks(range(len(pnames)), pnames, rotation=30, ha="right")
     ax.set_xlim(-0.6, max(len(pnames), 1) - 0.4)
-    ax.set(ylabel=f"Δ OOS per-trade Sharpe vs {ref}", title=f"Paired: variant − {ref} (same seed, fold; 95 % CI)")
+    m = len(pnames)
+    ax.set(ylabel=f"Δ OOS per-trade Sharpe vs {ref}", title=f"Paired: variant − {ref} (same seed, fold; 95 % CI"
+           + (f"; grey: as one of {m}, Bonferroni)" if m > 1 else ")"))
     ax = axes[2]
     rows = [(n, res["variants"][n]["oos_sharpe"], colors[n]) for n in names] + \
            [(f"{n}\n(baseline)", d["oos_sharpe"], "lightgrey") for n, d in res["baselines"].items()]
