@@ -27,13 +27,16 @@ RANGES: dict[str, tuple[type, float, bool, float, bool]] = {
         "lr", "weight_decay", "iqn_coef", "expectile_coef", "q_centre_coef", "q_gap_coef", "hindsight_coef",
         "costs_bps", "entropy_init", "entropy_rate")},
     **{k: (float, 0.0, False, 1.0, True) for k in ("ensemble_mask_p", "support_quantile")},
-    **{k: (float, 0.0, True, 1.0, True) for k in ("tau", "cosine_floor", "q_gap_frac", "entropy_target")},
+    **{k: (float, 0.0, True, 1.0, True) for k in (
+        "tau", "cosine_floor", "q_gap_frac", "entropy_target", "shrink_perturb")},
     **{k: (float, 0.0, True, 1.0, False) for k in ("policy_ema", "dropout")},
     "expectile": (float, 0.0, False, 1.0, False),
 }
 """The numeric `TrainConfig` fields' ranges: (type, low, low included, high, high included); `TrainConfig` refuses a
 value outside, naming the field, so a bad `--set` or study variant is refused before a run starts. A learning rate
 or a target-network rate of 0 is allowed: a frozen learner, or a target that never moves."""
+NOUNS = {"shrink_perturb": "a share"}
+"""What a field's value is called in `check_range`'s message where "a number" would say less."""
 
 
 def check_range(name: str, value: object) -> None:
@@ -42,7 +45,7 @@ def check_range(name: str, value: object) -> None:
     number = isinstance(value, (int, float)) and not isinstance(value, bool)
     if not number or (kind is int and not isinstance(value, int)) or not math.isfinite(value) \
             or not (lo <= value if lo_in else lo < value) or not (value <= hi if hi_in else value < hi):
-        what = "a whole number" if kind is int else "a number"
+        what = NOUNS.get(name) or ("a whole number" if kind is int else "a number")
         span = (f"≥ {lo:g}" if lo_in else f"> {lo:g}") if hi == math.inf else \
             f"in {'[' if lo_in else '('}{lo:g}, {hi:g}{']' if hi_in else ')'}"
         raise ValueError(f"train config: {name} must be {what} {span}, got {value!r}")
@@ -316,9 +319,6 @@ class TrainConfig:
         self.check_ranges()
         if self.policy_swa and self.policy_ema:
             raise ValueError("train config: policy_swa and policy_ema both set: a checkpoint holds one average")
-        if isinstance(self.shrink_perturb, bool) or not isinstance(self.shrink_perturb, (int, float)) \
-                or not 0.0 <= self.shrink_perturb <= 1.0:
-            raise ValueError(f"train config: shrink_perturb must be a share in [0, 1], got {self.shrink_perturb!r}")
         if not isinstance(self.restart_replay, bool):
             raise ValueError(f"train config: restart_replay must be true or false, got {self.restart_replay!r}")
         if not isinstance(self.support_at_start, bool):
