@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tradeloop.study.runner import prepare
-from tradeloop.study.spec import AUTO_RUNS_PER_GPU, StudyError, StudySpec, Variant, parse_parallel
+from tradeloop.study.spec import AUTO_RUNS_PER_GPU, StudyError, StudySpec, Variant, parse_parallel, usable_cores
 from tradeloop.study.worker import (MEMORY_HEADROOM, RUN_MEMORY_FILE, SPREAD_S, WARM_FILE, gpu_slots,
                                     runs_that_fit, start_plan, start_workers)
 
@@ -80,10 +80,12 @@ def test_parallel_auto_is_a_worker_per_core_on_a_cpu_and_a_worker_per_core_per_g
     monkeypatch.setattr(builtins, "open", real_open)
     assert parse_parallel(6, "cuda") == 6 and parse_parallel("0", "cuda") == 0
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
-    monkeypatch.setattr(os, "cpu_count", lambda: 128)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(128)), raising=False)
     assert parse_parallel("auto", "cuda") == 2 * AUTO_RUNS_PER_GPU
-    monkeypatch.setattr(os, "cpu_count", lambda: 12)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(12)), raising=False)
     assert parse_parallel("auto", "cuda") == 12
+    monkeypatch.setattr(os, "cpu_count", lambda: 128)                    # a host of 128 cores, this process on 12
+    assert parse_parallel("auto", "cuda") == 12 and usable_cores() == 12
     for bad in ("x", "-1", "1.5", True):
         with pytest.raises(StudyError, match=r"--parallel must be an integer ≥ 1 or auto"):
             parse_parallel(bad, "cuda")

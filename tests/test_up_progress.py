@@ -84,3 +84,34 @@ def test_dead_letters_are_read_in_order_after_the_last_seen_and_said_in_words(re
     assert [i for i, _ in after] == [i for i, _ in got[1:]]
     assert new_dead_letters(redis_url, run_id, got[-1][0]) == []
     assert new_dead_letters(redis_url, "another-run") == []
+
+
+@pytest.mark.redis
+def test_the_launchers_poll_reads_both_checks_through_one_connection(redis_url, run_id):
+    import json
+
+    import redis
+
+    from shared.api import trainer_history_key
+    from shared.store import run_key
+    from tradeloop.up.progress import loop_done, redis_client
+
+    admin = redis.Redis.from_url(redis_url)
+    accepted = lambda: admin.info("stats")["total_connections_received"]   # noqa: E731
+    try:
+        n0 = accepted()
+        with redis_client(redis_url) as watch:
+            polls = [(loop_done(watch, run_id, 2), new_dead_letters(watch, run_id)) for _ in range(5)]
+            assert polls == [(False, [])] * 5
+            assert accepted() - n0 == 1                             # five seconds of the poll: one connection
+            admin.hset(trainer_history_key(run_id), "2", json.dumps({"epoch": 2}))
+            admin.set(run_key(run_id, "report", 2), "{}")
+            assert not loop_done(watch, run_id, 2)                  # the bundle is still missing
+            admin.set(run_key(run_id, "bundle", 2), "{}")
+            assert loop_done(watch, run_id, 2)
+            assert watch.ping()                                     # the caller's client is left open
+        n1 = accepted()
+        assert loop_done(redis_url, run_id, 2) and new_dead_letters(redis_url, run_id) == []
+        assert accepted() - n1 == 2                                 # by URL: a connection a check
+    finally:
+        admin.close()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import threading
 from pathlib import Path
 
@@ -13,7 +12,7 @@ import numpy as np
 
 from tradeloop.study.loop import PARTS, write_json_atomic
 from tradeloop.study.mps import held_to
-from tradeloop.study.spec import StudySpec
+from tradeloop.study.spec import StudySpec, usable_cores
 from tradeloop.study.stats import DSR_BAR, KNOBS, aggregate, describe, first_then_later, power_cells
 
 
@@ -28,7 +27,7 @@ def write_results(spec: StudySpec, out: Path, timing: dict) -> dict:
     epoch_s = [e["train_s"] + e["eval_s"] for m in summaries for e in m["epochs"] if e["train_s"] is not None]
     timing = {**timing, "mean_epoch_s": float(np.mean(epoch_s)) if epoch_s else None,
               **compile_times(summaries), "epoch_parts_s": part_medians([m["epochs"] for m in summaries])}
-    res = aggregate(summaries, baselines(spec, out, min(os.cpu_count() or 1, 8)), [v.name for v in spec.variants],
+    res = aggregate(summaries, baselines(spec, out, min(usable_cores(), 8)), [v.name for v in spec.variants],
                     spec.reference_name, n_boot=spec.n_boot, seed=spec.ci_seed, populations=spec.populations(),
                     cluster_of=spec.cluster_of)
     res = {"study": spec.to_dict(), "timing": timing, **res}

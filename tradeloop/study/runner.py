@@ -30,7 +30,7 @@ from typing import Any
 
 from tradeloop.study.loop import write_json_atomic
 from tradeloop.study.report import baselines_in_background, write_results
-from tradeloop.study.spec import StudyError, StudySpec, parse_parallel
+from tradeloop.study.spec import StudyError, StudySpec, parse_parallel, usable_cores
 from tradeloop.study.worker import WARM_FILE, start_workers, visible_gpus
 
 
@@ -224,11 +224,11 @@ def run_study(spec: StudySpec, out: Path, console=None, redis_url: str | None = 
     gpus = visible_gpus() if spec.device != "cpu" and P else []
     if spec.device != "cpu" and P and not gpus:
         raise StudyError("--device cuda but no CUDA device is visible here")
-    threads = spec.threads or max(1, (os.cpu_count() or 1) // max(P, 1))
+    threads = spec.threads or max(1, usable_cores() // max(P, 1))
     sampler = GpuSampler(gpus) if gpus else None
     # the baselines' processes take the cores the workers leave (a long synthetic series' ruined buy-and-hold
     # replays bar by bar for tens of seconds a window)
-    spare = (os.cpu_count() or 1) - (P * threads if pending else 0)
+    spare = usable_cores() - (P * threads if pending else 0)
     baseline_thread = baselines_in_background(spec, out, max(1, min(spare, 8)))
     t_start = time.time()
     failed: dict[str, str] = {}
@@ -478,7 +478,7 @@ def work_for(url: str, sid: str, out: Path, parallel: int | str, threads: int | 
     gpus = visible_gpus() if spec.device != "cpu" else []
     if spec.device != "cpu" and not gpus:
         raise StudyError("the study runs on cuda but no CUDA device is visible here")
-    threads = threads or spec.threads or max(1, (os.cpu_count() or 1) // parallel)
+    threads = threads or spec.threads or max(1, usable_cores() // parallel)
     before = done_runs(spec, out)
     console.print(f"study {sid}: {n_runs} runs of {spec.epochs} epochs; {parallel} worker(s) here in {out}",
                   markup=False, highlight=False)

@@ -266,11 +266,18 @@ CPU_RUN_BYTES = 1 << 30
 project's 2-core VM; bench/README.md 2026-12-06 · d4d0c3a)."""
 
 
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask where the OS has one, else every core): the one count
+    behind the study's worker and thread counts, so a study under `taskset` or a container's cpuset sizes itself
+    to the cores it has, not to the host's."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def cpu_workers() -> int:
     """`--parallel auto` on a CPU: a worker per core this process may use (each with one torch thread: on the 2-core
     VM two workers trained 1.3–2.3× the epochs a second of one worker on both cores), at most as many as the
     available memory holds at `CPU_RUN_BYTES` each."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = usable_cores()
     try:
         with open("/proc/meminfo") as f:
             avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
@@ -287,7 +294,7 @@ def parse_parallel(value: Any, device: str, where: str = "--parallel") -> int:
             return cpu_workers()
         from tradeloop.study.worker import visible_gpus
 
-        return max(1, min(os.cpu_count() or 1, AUTO_RUNS_PER_GPU * max(len(visible_gpus()), 1)))
+        return max(1, min(usable_cores(), AUTO_RUNS_PER_GPU * max(len(visible_gpus()), 1)))
     try:
         n = int(str(value).strip()) if not isinstance(value, bool) else -1
     except (TypeError, ValueError):

@@ -18,7 +18,7 @@ from pathlib import Path
 from tradeloop.up.endpoints import (HOST, PortTaken, api_token, bind_listeners, close_listeners, port_holder,
                                     start_redis, wanted_ports, write_services_file)
 from tradeloop.up.progress import (Progress, collect_summary, dead_letter_line, fmt, loop_done, new_dead_letters,
-                                   trainer_failure)
+                                   redis_client, trainer_failure)
 from tradeloop.up.runs import (RunError, claim_run, default_run_dir, lock_resumed, plan_run, resume_hint,
                                write_run_file)
 from tradeloop.up.stopping import interrupted_note, stopping_note
@@ -137,7 +137,7 @@ def run_up(*, epochs: int, dataset: str, device: str, summary: Path | None, eval
     status, failure, dead_after = "completed", None, "0"
     try:
         sup.start_all(abort=lambda: bool(stop["why"]))
-        with Progress(urls, epochs, live) as prog:
+        with Progress(urls, epochs, live) as prog, redis_client(redis_url) as watch:   # one connection for the poll
             last = 0.0
             while True:
                 if stop["why"]:
@@ -154,7 +154,7 @@ def run_up(*, epochs: int, dataset: str, device: str, summary: Path | None, eval
                         prog.note(f"the trainer failed: {failure} (its log: {run_path / 'logs' / 'trainer.log'})")
                         failure, status = f"the trainer failed: {failure}", "failed"
                         break
-                    for dead_after, dl in new_dead_letters(redis_url, run_id, dead_after):
+                    for dead_after, dl in new_dead_letters(watch, run_id, dead_after):
                         prog.note(dead_letter_line(dl))
                         if dl.get("epoch") == epochs:        # the last epoch's step is lost: the loop cannot finish
                             failure = f"the last epoch's message was given up ({dl.get('reason')})"
@@ -162,7 +162,7 @@ def run_up(*, epochs: int, dataset: str, device: str, summary: Path | None, eval
                         prog.note(f"the loop cannot finish: {failure} (the services' logs: {run_path / 'logs'})")
                         status = "failed"
                         break
-                    if loop_done(redis_url, run_id, epochs):
+                    if loop_done(watch, run_id, epochs):
                         prog.refresh()
                         break
                     if now - t0 > timeout:

@@ -8,7 +8,8 @@ launcher ends a run that cannot finish (a failed trainer, a last epoch's message
 from __future__ import annotations
 
 import json
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 from shared.report import OFF_NAMES
 
@@ -65,37 +66,50 @@ def collect_summary(redis_url: str, run_id: str) -> dict:
         r.close()
 
 
-def loop_done(redis_url: str, run_id: str, epochs: int) -> bool:
-    """True when epoch N's checkpoint, report and bundle are all stored."""
-    import redis
+@contextmanager
+def redis_client(redis: Any) -> Iterator[Any]:
+    """A Redis client for `redis`: a URL (a connection opened here and closed after) or a client, used as it is (the
+    launcher's poll keeps one for the run)."""
+    if not isinstance(redis, str):
+        yield redis
+        return
+    import redis as redis_py
+
+    r = redis_py.Redis.from_url(redis, socket_timeout=5)
+    try:
+        yield r
+    finally:
+        r.close()
+
+
+def loop_done(redis: Any, run_id: str, epochs: int) -> bool:
+    """True when epoch N's checkpoint, report and bundle are all stored (`redis`: a URL or a client)."""
+    from redis import RedisError
 
     from shared.api import trainer_history_key
     from shared.store import run_key
 
-    r = redis.Redis.from_url(redis_url, socket_timeout=5)
-    try:
-        return bool(r.hexists(trainer_history_key(run_id), str(epochs))
-                    and r.exists(run_key(run_id, "report", epochs)) and r.exists(run_key(run_id, "bundle", epochs)))
-    except redis.RedisError:  # Redis restarting: the services reconnect by themselves; so does this check
-        return False
-    finally:
-        r.close()
+    with redis_client(redis) as r:
+        try:
+            return bool(r.hexists(trainer_history_key(run_id), str(epochs)) and r.exists(run_key(run_id, "report", epochs))
+                        and r.exists(run_key(run_id, "bundle", epochs)))
+        except RedisError:  # Redis restarting: the services reconnect by themselves; so does this check
+            return False
 
 
-def new_dead_letters(redis_url: str, run_id: str, after: str = "0") -> list[tuple[str, dict]]:
+def new_dead_letters(redis: Any, run_id: str, after: str = "0") -> list[tuple[str, dict]]:
     """The run's dead letters stored after entry id `after` (oldest first): (entry id, the `DeadLetter` as a dict).
-    A dead letter is a message a service gave up on (the reason inside); its epoch's step of the loop never happens."""
-    import redis
+    A dead letter is a message a service gave up on (the reason inside); its epoch's step of the loop never happens.
+    `redis`: a URL or a client."""
+    from redis import RedisError
 
     from shared.events import decode_event, stream_name
 
-    r = redis.Redis.from_url(redis_url, socket_timeout=5)
-    try:
-        rows = r.xrange(stream_name(run_id, "dead"), min=f"({after}" if after != "0" else "-")
-    except redis.RedisError:  # Redis restarting: read them on the next poll
-        return []
-    finally:
-        r.close()
+    with redis_client(redis) as r:
+        try:
+            rows = r.xrange(stream_name(run_id, "dead"), min=f"({after}" if after != "0" else "-")
+        except RedisError:  # Redis restarting: read them on the next poll
+            return []
     out = []
     for entry_id, fields in rows:
         try:
