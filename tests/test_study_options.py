@@ -181,6 +181,14 @@ def test_the_shipped_study_files_build(path: Path, tmp_path: Path):
                                                                     "on-recent": 500_000}
         assert not offs["recent"].enabled and offs["on-recent"].enabled and set(offs["on-recent"].off) == signals
         assert spec.reference == "recent" and spec.seeds == [5, 6, 7, 8, 9]
+    elif path.name == "gamma-confirm.toml":   # the fixed γ 0.98 against 0.99 on seeds no γ study used
+        cfgs = {v.name: spec.configs(v, 14)[0] for v in spec.variants}
+        assert {n: c.schedule.gamma for n, c in cfgs.items()} == {"off": 0.98, "gamma99": 0.99}
+        assert {n: fb.schedule.gamma for n, fb in offs.items()} == {"off": 0.98, "gamma99": 0.99}
+        assert not any(fb.enabled for fb in offs.values()) and spec.reference == "off"
+        gamma = json.loads((path.parents[1] / "docs/study-h200-gamma/results.json").read_text())["study"]
+        assert (spec.folds, spec.bars, spec.epochs) == (gamma["folds"], gamma["bars"], gamma["epochs"])
+        assert not set(spec.seeds) & set(gamma["seeds"]) and len(spec.seeds) == 5      # new units, as many
     else:                                    # rollback-settings.toml: the rollback's z, learning-rate decay, blend
         want = {"on": (2.0, 1.0, 0.0), "z1": (1.0, 1.0, 0.0), "anneal": (2.0, 0.5, 0.0), "keep": (2.0, 1.0, 0.5)}
         assert {n: (fb.rollback_z, fb.rollback_lr_factor, fb.rollback_keep)
