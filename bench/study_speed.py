@@ -219,10 +219,23 @@ def print_table(rows: list[dict], argv) -> None:
               f"{r.get('iteration_sms') or 'all'} | "
               + " | ".join(cells) + " |")
     notes = [(r, n) for r in rows for n in r.get("notes") or ()]
+    notes += [(r, n) for r in rows if (n := ceiling_note(r, base))]
     if notes:
         print()
     for r, n in notes:
         print(f"- {r['P']} × {r.get('lockstep', 1)} ({'MPS' if r['mps'] else 'no MPS'}): {n}")
+
+
+def ceiling_note(row: dict, base: float | None) -> str | None:
+    """For one worker of K runs in lockstep, against the lone run's steady rate `base`: the most its epochs/s could
+    be with the set-ups, evaluations and writes wholly hidden under the iterations (K epochs in the median seconds
+    the K runs' batched iterations take an epoch), and the seconds 3× one run leaves for those K epochs."""
+    K, train = row.get("lockstep", 1), row.get("train_s")
+    if row["P"] != 1 or K < 2 or not base or not train or "error" in row:
+        return None
+    return (f"the {K} runs' iterations alone take {train:.2f} s an epoch: with every other part hidden at most "
+            f"{K / train:.3f} epochs/s, {K / train / base:.2f}× one run; 3× one run leaves {K / (3 * base):.2f} s "
+            f"for their {K} epochs")
 
 
 def case_list(args) -> list[tuple[int, str, int, int, int]]:

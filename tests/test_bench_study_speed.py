@@ -60,6 +60,10 @@ def test_from_reads_the_cases_back(tmp_path, capsys):
     assert "| 2 | 1 | on | 100 | 40 | 0.400 | 2 | 2.00 | 5.0 |" in out
     assert "| 1 | 1 | off | 100 | all | 0.200 | 1 | 1.00 | 5.0 | n/a | 0.12 | 2.00 | 0.50 | 0.25 | 50 | 99 |" in out
     assert "| 1 | 4 | off | 100 | all | 0.400 | 4 | 2.00 | 10.0 |" in out
+    # the lockstep group's ceiling: 4 epochs in its iterations' 2 s, 10× the lone run's 0.2; 3× leaves 4/0.6 s
+    assert ("- 1 × 4 (no MPS): the 4 runs' iterations alone take 2.00 s an epoch: with every other part hidden at "
+            "most 2.000 epochs/s, 10.00× one run; 3× one run leaves 6.67 s for their 4 epochs") in out
+    assert out.count("iterations alone take") == 1                 # none for a run alone or for processes
 
 
 def test_from_a_directory_without_cases_says_so(tmp_path):
