@@ -91,8 +91,8 @@ def loop_done(redis: Any, run_id: str, epochs: int) -> bool:
 
     with redis_client(redis) as r:
         try:
-            return bool(r.hexists(trainer_history_key(run_id), str(epochs)) and r.exists(run_key(run_id, "report", epochs))
-                        and r.exists(run_key(run_id, "bundle", epochs)))
+            return bool(r.hexists(trainer_history_key(run_id), str(epochs))
+                        and r.exists(run_key(run_id, "report", epochs)) and r.exists(run_key(run_id, "bundle", epochs)))
         except RedisError:  # Redis restarting: the services reconnect by themselves; so does this check
             return False
 
