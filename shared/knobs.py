@@ -118,7 +118,10 @@ class FixedSchedule:
     trade at `full`. Against 0.99, on the H200 (synthetic, `full`, 5 seeds × 3 folds × 8 epochs, side by side in one
     study, docs/study-h200-gamma/): OOS of the checkpoint chosen on validation +0.098 [+0.015, +0.195] (higher in
     12 of 15), validation +0.077 [+0.012, +0.133]; on a CPU at `small` +0.043 [+0.003, +0.084] (docs/study-cpu-gamma/).
-    E3's γ from the holding time settled near it (0.980–0.985) and scored below it (−0.036 [−0.105, +0.029])."""
+    E3's γ from the holding time settled near it (0.980–0.985) and scored below it (−0.036 [−0.105, +0.029]).
+    Set against 0.99 again on seeds no γ study had used (one H100, docs/study-h100-gamma-confirm/): OOS +0.037
+    [−0.072, +0.133] (11 of 15), validation +0.072 [+0.008, +0.137]; both studies pooled, 30 units: OOS +0.068
+    [−0.001, +0.136] (23 of 30), validation +0.074 [+0.029, +0.117]."""
     lr_epoch_factor: float = 1.0
     """Every learning rate of epoch e + 1 is this times epoch e's: epoch e trains at `lr_epoch_factor`^(e − 1) of
     the preset's rates (the warm-up and the branches' cosine cycle inside an epoch unchanged); 1: the same rates in
