@@ -20,7 +20,8 @@ CUDA), on the same synthetic training split, seeds 0…K−1, after a warm-up ep
                  host bookkeeping, which the graph modes keep off the device's path)
   --timeline     for each `one graph K` row, torch.profiler's kernel spans over 5 replays: kernels a replay, µs a
                  kernel, the share of the replay with a kernel running, and how many run at once while any does
-  wide K         one state whose batch and environments are K × the preset's, alone: the work of K runs in one
+  wide K         one state whose batch and environments are K × the preset's (and the samples its update encodes
+                 with gradient, the IQN head's and the bars it refreshes: `widen`), alone: the work of K runs in one
                  graph with K× wider kernels — the ceiling of K runs' steps batched into one (its iterations/s
                  counted K times, as K runs' worth)
   ×1             that over the rate of one run alone (threads 1)
@@ -49,6 +50,18 @@ from shared.knobs import Knobs
 from bench.train_speed import synthetic_dataset
 
 
+def widen(cfg: TrainConfig, k: int) -> TrainConfig:
+    """cfg doing K runs' work an iteration: K× the batch and environments, and K× every part of an update that reads
+    a subset of the batch or of the bars — the samples encoded with gradient (`encoder_batch`) and trained by the IQN
+    head (`iqn_batch`; 0, the whole batch, scales with it) and the bars the rolling refresh re-encodes
+    (`emb_refresh` / K updates a full pass). What K runs have and one wider run has not: K sets of weights and
+    optimizer moments, K replays and K full refreshes an epoch."""
+    cfg.batch_size, cfg.n_envs = cfg.batch_size * k, cfg.n_envs * k
+    cfg.encoder_batch, cfg.iqn_batch = cfg.encoder_batch * k, cfg.iqn_batch * k
+    cfg.emb_refresh = max(1, cfg.emb_refresh // k)
+    return cfg
+
+
 def make_states(args, seeds: list[int], wide: int = 1, accel: str = "auto",
                 configure: Callable[[TrainConfig], None] = lambda cfg: None) -> list:
     """A state of the preset (`--set` applied, then `configure(cfg)`) for each seed on the synthetic split, after a
@@ -63,7 +76,7 @@ def make_states(args, seeds: list[int], wide: int = 1, accel: str = "auto",
     for seed in seeds:
         cfg = TrainConfig.preset(args.preset, feats.shape[1])
         cfg.override(args.set or [])
-        cfg.batch_size, cfg.n_envs = cfg.batch_size * wide, cfg.n_envs * wide
+        widen(cfg, wide)
         configure(cfg)
         st = build_state(cfg, bars, split, seed, args.device, features=feats, accel=accel)
         cfg.iterations, cfg.learning_starts = args.warmup, 0

@@ -47,3 +47,14 @@ def test_one_graph_rows_need_cuda(capsys):
     with pytest.raises(SystemExit):
         run_streams.main(["--device", "cpu", "--joint", "2", "--runs", "--wide", "--processes"])
     assert "--joint" in capsys.readouterr().err
+
+
+def test_a_wide_run_does_k_runs_work_in_every_part_of_its_update():
+    from services.trainer.config import TrainConfig
+    one = TrainConfig.preset("full", 12)
+    wide = run_streams.widen(TrainConfig.preset("full", 12), 8)
+    assert (wide.batch_size, wide.n_envs) == (8 * one.batch_size, 8 * one.n_envs)
+    assert (wide.encoder_batch, wide.iqn_batch) == (8 * one.encoder_batch, 8 * one.iqn_batch) == (2048, 4096)
+    assert wide.emb_refresh == one.emb_refresh // 8                  # 8× the bars re-encoded an update
+    whole = run_streams.widen(TrainConfig.preset("small", 12), 4)  # 0: the whole batch, which scaled already
+    assert (whole.encoder_batch, whole.iqn_batch) == (0, 0) and whole.batch_size == 4 * 128
