@@ -28,10 +28,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from bench import run_streams
 from bench.update_flops import CPU_ATTENTION
+from bench.vmap_update import reference_paths
 from services.trainer.lockstep_step import BatchedIteration
-
-REFERENCE_PATHS = ("attention=sdpa", "fused_c51=False", "fused_targets=False")
-"""The preset's Triton kernels off: their reference paths run on the CPU with the same products."""
 
 
 def iteration_flops(states: list) -> float:
@@ -50,12 +48,13 @@ def iteration_flops(states: list) -> float:
 
 def count(preset: str, runs: int, bars: int, warmup: int, settings: list[str]) -> list[dict]:
     """Rows: one run, `runs` runs in lockstep, one run widened `runs` times."""
-    args = argparse.Namespace(bars=bars, preset=preset, set=[*REFERENCE_PATHS, *settings], device="cpu",
+    args = argparse.Namespace(bars=bars, preset=preset, set=settings, device="cpu",
                               warmup=warmup, iterations=warmup)
     rows = []
     for how, seeds, wide in (("one run", 1, 1), (f"lockstep {runs}", runs, 1), (f"wide {runs}", 1, runs)):
         t0 = time.perf_counter()
-        flops = iteration_flops(run_streams.make_states(args, list(range(seeds)), wide=wide, accel="eager"))
+        states = run_streams.make_states(args, list(range(seeds)), wide=wide, accel="eager", configure=reference_paths)
+        flops = iteration_flops(states)
         rows.append({"how": how, "runs": max(seeds, wide), "flops": flops, "s": time.perf_counter() - t0})
         print(f"  {how}: {flops / 1e9:.2f} GFLOP ({rows[-1]['s']:.0f} s)", file=sys.stderr, flush=True)
     return rows

@@ -77,11 +77,14 @@ from services.trainer.train import TrainConfig
 from shared.graphs import capture, resolve_accel
 
 
+def reference_paths(cfg: TrainConfig) -> None:
+    """The preset's Triton kernels off: their reference paths (on any device, the same products)."""
+    cfg.attention, cfg.fused_c51, cfg.fused_targets = "sdpa", False, False
+
+
 def make_states(args, R: int) -> list:
     """R eager states (seeds 0…R−1), with the reference paths of the Triton kernels under `--kernels reference`
     (`run_streams`'s)."""
-    def reference_paths(cfg: TrainConfig) -> None:
-        cfg.attention, cfg.fused_c51, cfg.fused_targets = "sdpa", False, False
     configure = reference_paths if args.kernels == "reference" else (lambda cfg: None)
     return run_streams.make_states(args, list(range(R)), accel="eager", configure=configure)
 
