@@ -1,6 +1,6 @@
 """`tradeloop study` end to end on the CPU: a tiny study (2 variants × 2 seeds × 2 folds) as a subprocess with two
 worker processes; the same study killed with SIGKILL mid-run and resumed (no run done twice, the same results);
-bad input refused with exit 2."""
+stopped by SIGTERM as Ctrl-C stops it; bad input refused with exit 2."""
 from __future__ import annotations
 
 import json
@@ -224,6 +224,30 @@ def test_killed_study_resumes_without_doing_a_run_twice(tiny, reference):
         a, b = sums[r], ref[r]
         assert (a["selected_epoch"], a["val_sharpe"], a["oos_sharpe"]) == \
                (b["selected_epoch"], b["val_sharpe"], b["oos_sharpe"]), r
+
+
+def test_sigterm_stops_the_study_as_ctrl_c_does(tiny):
+    """`kill`, `timeout`, `docker stop` and batch systems stop a process with SIGTERM: the study stops its workers,
+    marks itself interrupted and says how to resume, as on Ctrl-C — not a process gone mid-write with its workers
+    and queues left to the kernel."""
+    out = tiny.parent / "terminated"
+    proc = subprocess.Popen(_cmd(tiny, out), cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        poll_until(lambda: list((out / "runs").glob("*/loop/epoch-0001.json")), "a run's first epoch",
+                   timeout_s=150, alive=lambda: proc.poll() is None)
+        workers = _pids(out)
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, (proc.returncode, stderr[-2000:])
+    said = " ".join(stderr.split())
+    assert "error: stopped by SIGTERM: run the same command again to resume" in said, said
+    assert "Traceback" not in stderr and "leaked semaphore" not in stderr, stderr[-2000:]
+    assert json.loads((out / "status.json").read_text())["state"] == "interrupted"
+    assert workers and not any(Path(f"/proc/{pid}").exists() and "zombie" not in _state(pid) for pid in workers)
 
 
 def _state(pid: int) -> str:

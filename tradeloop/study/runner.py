@@ -18,10 +18,12 @@ and `tradeloop study-worker` processes on other hosts take them too (`work_for`)
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
 import shutil
+import signal
 import subprocess
 import threading
 import time
@@ -258,14 +260,16 @@ def run_study(spec: StudySpec, out: Path, console=None, redis_url: str | None = 
             source = ("local", tasks, events)
         workers = start_workers(ctx, spec, out, source, P, worker_gpus, threads, extra_env)
         try:
-            epochs_here = _follow(spec, out, runs, workers, events, status, failed, r, sid, P, before, len(done),
-                                  t_start, console)
-        except KeyboardInterrupt:
+            with sigterm_interrupts():
+                epochs_here = _follow(spec, out, runs, workers, events, status, failed, r, sid, P, before,
+                                      len(done), t_start, console)
+        except KeyboardInterrupt as exc:
             for p in workers:
                 p.terminate()
             join_workers(workers, 30.0)
             status.update(force=True, state="interrupted")
-            raise StudyError("interrupted: run the same command again to resume (done runs are kept, a run half "
+            how = "stopped by SIGTERM" if isinstance(exc, Terminated) else "interrupted"
+            raise StudyError(f"{how}: run the same command again to resume (done runs are kept, a run half "
                              "done resumes from its last epoch)") from None
         finally:
             if daemon is not None:
@@ -313,6 +317,29 @@ def lockstep_groups(spec: StudySpec, run_ids: list[str]) -> list[str | list[str]
             out.append(g if len(g) > 1 else g[0])
     order = {rid: i for i, rid in enumerate(run_ids)}
     return sorted(out, key=lambda g: order[g[0] if isinstance(g, list) else g])
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the study process where it is when the signal comes, as Ctrl-C raises KeyboardInterrupt."""
+
+
+@contextlib.contextmanager
+def sigterm_interrupts():
+    """Within: SIGTERM (`kill`, `timeout`, `docker stop`, a batch system's preemption) stops the study as Ctrl-C does
+    — workers stopped, the MPS daemon quit, status "interrupted", a line saying how to resume — instead of ending
+    the process where it stands. Python runs signal handlers in the main thread only; elsewhere this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_term(signum, frame):
+        raise Terminated()
+
+    old = signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
 
 
 def join_workers(workers: list, timeout_s: float, clock=time.monotonic) -> list:
