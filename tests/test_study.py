@@ -234,9 +234,8 @@ def test_sigterm_stops_the_study_as_ctrl_c_does(tiny):
     proc = subprocess.Popen(_cmd(tiny, out), cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     try:
-        poll_until(lambda: list((out / "runs").glob("*/loop/epoch-0001.json")), "a run's first epoch",
-                   timeout_s=150, alive=lambda: proc.poll() is None)
-        workers = _pids(out)
+        workers = poll_until(lambda: _pids(out), "the workers' first runs", timeout_s=150,
+                             alive=lambda: proc.poll() is None)
         proc.send_signal(signal.SIGTERM)
         stdout, stderr = proc.communicate(timeout=60)
     finally:

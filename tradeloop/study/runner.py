@@ -258,9 +258,9 @@ def run_study(spec: StudySpec, out: Path, console=None, redis_url: str | None = 
             for _ in range(P):
                 tasks.put(None)
             source = ("local", tasks, events)
-        workers = start_workers(ctx, spec, out, source, P, worker_gpus, threads, extra_env)
         try:
             with sigterm_interrupts():
+                workers = start_workers(ctx, spec, out, source, P, worker_gpus, threads, extra_env)
                 epochs_here = _follow(spec, out, runs, workers, events, status, failed, r, sid, P, before,
                                       len(done), t_start, console)
         except KeyboardInterrupt as exc:
