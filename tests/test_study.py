@@ -1,6 +1,6 @@
 """`tradeloop study` end to end on the CPU: a tiny study (2 variants × 2 seeds × 2 folds) as a subprocess with two
 worker processes; the same study killed with SIGKILL mid-run and resumed (no run done twice, the same results);
-stopped by SIGTERM as Ctrl-C stops it; bad input refused with exit 2."""
+stopped by SIGTERM as Ctrl-C stops it, and a host's study worker too; bad input refused with exit 2."""
 from __future__ import annotations
 
 import json
@@ -367,6 +367,42 @@ def test_study_through_redis_with_workers_on_two_hosts(tiny, reference, redis_ur
                (ref[rid]["selected_epoch"], ref[rid]["oos_sharpe"]), rid
     assert json.loads((out / "results.json").read_text())["paired"]["on"]["oos_sharpe"] == \
         json.loads((reference[0] / "results.json").read_text())["paired"]["on"]["oos_sharpe"]
+
+
+@pytest.mark.redis
+def test_sigterm_stops_a_hosts_study_worker_and_says_where_its_runs_go(tiny, redis_url):
+    """A `study-worker` host stopped by SIGTERM terminates its worker processes and says that the runs it held go
+    back to the study; exit 1, no traceback."""
+    out, host = tiny.parent / "coord-term", tiny.parent / "host-term"
+    cmd = [*_cmd(tiny, out)[:-1], "0", "--redis", redis_url, "--seeds", "1"]   # a study of its own in Redis
+    coord = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    worker = None
+    try:
+        import redis as redis_py
+
+        from tradeloop.study.remote import study_id
+
+        r = redis_py.Redis.from_url(redis_url, decode_responses=True)
+        specs = poll_until(lambda: r.keys("tl:study:*:spec"), "the study in Redis", timeout_s=120,
+                           alive=lambda: coord.poll() is None)
+        sid = specs[0].split(":")[2]
+        assert sid == study_id(json.loads((out / "study.json").read_text())["identity"])
+        worker = subprocess.Popen([sys.executable, "-m", "tradeloop.cli", "study-worker", "--redis", redis_url,
+                                   "--study", sid, "--out", str(host), "--parallel", "2"], cwd=ROOT, env=_env(),
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        pids = poll_until(lambda: _pids(host), "the host's workers' runs", timeout_s=150,
+                          alive=lambda: worker.poll() is None)
+        worker.send_signal(signal.SIGTERM)
+        _, stderr = worker.communicate(timeout=60)
+    finally:
+        for p in (coord, worker):
+            if p is not None and p.poll() is None:
+                p.kill()
+    assert worker.returncode == 1, stderr[-2000:]
+    said = " ".join(stderr.split())
+    assert "error: stopped by SIGTERM: the runs this host held go back to the study 180 s after" in said, said
+    assert "Traceback" not in stderr
+    assert not any(Path(f"/proc/{pid}").exists() and "zombie" not in _state(pid) for pid in pids)
 
 
 def test_report_only_aggregates_a_finished_study_again(tmp_path, reference):

@@ -294,7 +294,7 @@ def study_worker(
 
     from shared.redis_server import RedisServerError
     from tradeloop.study.runner import work_for
-    from tradeloop.study.spec import StudyError, parse_parallel
+    from tradeloop.study.spec import StudyError, StudyInterrupted, parse_parallel
 
     err = Console(stderr=True, soft_wrap=True)
     try:
@@ -303,7 +303,7 @@ def study_worker(
         work_for(redis, study_id, out, parallel, threads, Console(soft_wrap=True))
     except (StudyError, RedisServerError) as exc:
         err.print(f"error: {exc}", markup=False, highlight=False)
-        raise typer.Exit(2) from None
+        raise typer.Exit(1 if isinstance(exc, StudyInterrupted) else 2) from None
 
 
 def study_compare(

@@ -32,7 +32,7 @@ from typing import Any
 
 from tradeloop.study.loop import write_json_atomic
 from tradeloop.study.report import baselines_in_background, write_results
-from tradeloop.study.spec import StudyError, StudySpec, parse_parallel, usable_cores
+from tradeloop.study.spec import StudyError, StudyInterrupted, StudySpec, parse_parallel, usable_cores
 from tradeloop.study.worker import WARM_FILE, start_workers, visible_gpus
 
 
@@ -269,7 +269,7 @@ def run_study(spec: StudySpec, out: Path, console=None, redis_url: str | None = 
             join_workers(workers, 30.0)
             status.update(force=True, state="interrupted")
             how = "stopped by SIGTERM" if isinstance(exc, Terminated) else "interrupted"
-            raise StudyError(f"{how}: run the same command again to resume (done runs are kept, a run half "
+            raise StudyInterrupted(f"{how}: run the same command again to resume (done runs are kept, a run half "
                              "done resumes from its last epoch)") from None
         finally:
             if daemon is not None:
@@ -491,7 +491,7 @@ def work_for(url: str, sid: str, out: Path, parallel: int | str, threads: int | 
     host did."""
     import multiprocessing as mp
 
-    from tradeloop.study.remote import accounted, client, fetch_spec
+    from tradeloop.study.remote import CLAIM_IDLE_S, accounted, client, fetch_spec
 
     doc = fetch_spec(url, sid)
     spec = StudySpec.from_dict(doc["spec"])
@@ -510,11 +510,21 @@ def work_for(url: str, sid: str, out: Path, parallel: int | str, threads: int | 
     console.print(f"study {sid}: {n_runs} runs of {spec.epochs} epochs; {parallel} worker(s) here in {out}",
                   markup=False, highlight=False)
     daemon, worker_gpus, extra_env = share_gpus(spec, parallel, gpus, console)
+    workers: list = []
     try:
-        workers = start_workers(mp.get_context("spawn"), spec, out, ("redis", url, sid, n_runs), parallel,
-                                worker_gpus, threads, extra_env)
+        with sigterm_interrupts():
+            workers = start_workers(mp.get_context("spawn"), spec, out, ("redis", url, sid, n_runs), parallel,
+                                    worker_gpus, threads, extra_env)
+            for p in workers:
+                p.join()
+    except KeyboardInterrupt as exc:
         for p in workers:
-            p.join()
+            p.terminate()
+        join_workers(workers, 30.0)
+        how = "stopped by SIGTERM" if isinstance(exc, Terminated) else "interrupted"
+        raise StudyInterrupted(f"{how}: the runs this host held go back to the study {CLAIM_IDLE_S:.0f} s after their "
+                         "last heartbeat, for any worker to take (this command run again resumes them from their "
+                         "last epoch on this disk)") from None
     finally:
         if daemon is not None:
             daemon.stop()

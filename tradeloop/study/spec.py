@@ -53,6 +53,10 @@ class StudyError(ValueError):
     """A study that cannot run as asked; the message names the option or file and what is wrong."""
 
 
+class StudyInterrupted(StudyError):
+    """A study (or a host's study worker) stopped by Ctrl-C or SIGTERM; the message says how its runs go on."""
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Settings: KEY=VALUE on a config dataclass, parsed by the field's type
 # ---------------------------------------------------------------------------------------------------------
