@@ -68,7 +68,7 @@ def _split_report(name: str, window: tuple[int, int], window_hash: str, seed: in
                        losers=ap.losing_with_hindsight(trades) if name == "insample" else [])
 
 
-def _documents(run_id: str) -> tuple[dict, dict, dict]:
+def _documents(run_id: str) -> tuple[dict, dict, dict]:  # noqa: F811 — the fixtures imported above
     """(report, bundle, epoch record) of epoch EPOCH, as the evaluator, feedback and trainer store them."""
     from services.feedback.signals import compute_bundle
     from shared.knobs import Knobs
@@ -90,7 +90,7 @@ def _documents(run_id: str) -> tuple[dict, dict, dict]:
 
 
 @pytest.fixture(scope="module")
-def live(redis_url, run_id, tmp_path_factory):
+def live(redis_url, run_id, tmp_path_factory):  # noqa: F811 — the fixtures imported above
     """The four services of one run over the session's Redis, with epoch EPOCH's documents stored (also as the run
     directory's files, so the dashboard's run browser serves the run from disk too)."""
     from services.dashboard.app import create_app as dash_app
@@ -182,7 +182,7 @@ BUSY = {("trainer", "/ready")}
 
 
 @pytest.mark.parametrize("service", list(REQUESTS))
-def test_every_route_answers_json_of_its_schema(live, run_id, service):
+def test_every_route_answers_json_of_its_schema(live, run_id, service):  # noqa: F811 — the fixtures imported above
     url = live[service].url
     doc = _openapi(url)
     assert _paths(url) - NOT_JSON == set(REQUESTS[service]) | {p for s, p in BUSY if s == service}
@@ -203,7 +203,8 @@ def test_every_route_answers_json_of_its_schema(live, run_id, service):
                 jsonschema.validate(r.json(), _schema_of(doc, template, "503"))
 
 
-def test_the_documents_are_served_as_stored_and_the_views_carry_their_fields(live, run_id):
+def test_the_documents_are_served_as_stored_and_the_views_carry_their_fields(
+        live, run_id):  # noqa: F811 — the fixtures imported above
     report, bundle, record = _documents(run_id)
     ev, fb, dash = live["evaluator"].url, live["feedback"].url, live["dashboard"].url
     with httpx.Client(timeout=30) as c:
