@@ -264,11 +264,8 @@ def run_study(spec: StudySpec, out: Path, console=None, redis_url: str | None = 
                 epochs_here = _follow(spec, out, runs, workers, events, status, failed, r, sid, P, before,
                                       len(done), t_start, console)
         except KeyboardInterrupt as exc:
-            for p in workers:
-                p.terminate()
-            join_workers(workers, 30.0)
+            how = stop_workers(workers, stopped_by=exc)
             status.update(force=True, state="interrupted")
-            how = "stopped by SIGTERM" if isinstance(exc, Terminated) else "interrupted"
             raise StudyInterrupted(f"{how}: run the same command again to resume (done runs are kept, a run half "
                              "done resumes from its last epoch)") from None
         finally:
@@ -340,6 +337,15 @@ def sigterm_interrupts():
         yield
     finally:
         signal.signal(signal.SIGTERM, old)
+
+
+def stop_workers(workers: list, stopped_by: KeyboardInterrupt) -> str:
+    """Terminate the worker processes (30 s for them all to exit) on Ctrl-C or SIGTERM; returns how the study was
+    stopped, for its last line."""
+    for p in workers:
+        p.terminate()
+    join_workers(workers, 30.0)
+    return "stopped by SIGTERM" if isinstance(stopped_by, Terminated) else "interrupted"
 
 
 def join_workers(workers: list, timeout_s: float, clock=time.monotonic) -> list:
@@ -518,10 +524,7 @@ def work_for(url: str, sid: str, out: Path, parallel: int | str, threads: int | 
             for p in workers:
                 p.join()
     except KeyboardInterrupt as exc:
-        for p in workers:
-            p.terminate()
-        join_workers(workers, 30.0)
-        how = "stopped by SIGTERM" if isinstance(exc, Terminated) else "interrupted"
+        how = stop_workers(workers, stopped_by=exc)
         raise StudyInterrupted(f"{how}: the runs this host held go back to the study {CLAIM_IDLE_S:.0f} s after their "
                          "last heartbeat, for any worker to take (this command run again resumes them from their "
                          "last epoch on this disk)") from None
