@@ -16,15 +16,14 @@ chunk)` once untimed, then `--repeats` times timed:
                a run's share of the GPU (`tradeloop.study.worker.record_run_memory`)
   Δ emb        the largest |Δ| of the embeddings from the first row's, relative to their largest |value| (the same
                numbers up to the kernels' rounding: chunking changes no result)
-On a CPU, `peak GiB` is the rise of the process's peak resident set over one call, each chunk size in a process of
-its own (`--child`: the peak of a process never falls, so rows in one process would hide each other), and
-`reserved GiB` is empty (no caching allocator).
+On a CPU, `peak GiB` is the rise of the process's peak resident set over one call (Linux: the peak reset just before
+it), each chunk size in a process of its own (`--child`: memory an earlier row freed and the process kept would hold
+a later row's tensors unseen), and `reserved GiB` is empty (no caching allocator).
 """
 from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
 import subprocess
 import sys
@@ -54,6 +53,24 @@ def setup(preset: str, bars: int, device: torch.device) -> tuple[Agent, torch.Te
     return agent, market.windows
 
 
+def proc_status_kib(field: str) -> int:
+    """A memory line of /proc/self/status (VmRSS: resident now, VmHWM: its peak), in KiB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+def reset_peak_rss() -> int | None:
+    """Set this process's resident-set peak (VmHWM) to its resident set now (Linux: "5" to /proc/self/clear_refs),
+    so that the next peak is a call's own; returns the resident set in KiB, or None where there is no such file."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return proc_status_kib("VmRSS")
+    except (OSError, KeyError):
+        return None
+
+
 def measure(agent: Agent, windows: torch.Tensor, chunks: list[int], repeats: int) -> list[dict]:
     """One row a chunk size, in this process (on a CPU, peak GiB is right for the first row only: see `main`)."""
     cuda = windows.device.type == "cuda"
@@ -64,13 +81,13 @@ def measure(agent: Agent, windows: torch.Tensor, chunks: list[int], repeats: int
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(windows.device)
             base = torch.cuda.memory_allocated(windows.device)
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss          # KiB on Linux
+        rss = None if cuda else reset_peak_rss()
         emb, view = market_view(agent, windows, chunk)                    # untimed: cuBLAS and allocator warm-up
         sync()
         if cuda:
             peak = (torch.cuda.max_memory_allocated(windows.device) - base) / GIB
         else:
-            peak = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss) * 1024 / GIB
+            peak = None if rss is None else (proc_status_kib("VmHWM") - rss) * 1024 / GIB
         del emb, view
         times = []
         for _ in range(repeats):
