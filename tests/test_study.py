@@ -234,8 +234,12 @@ def test_sigterm_stops_the_study_as_ctrl_c_does(tiny):
     proc = subprocess.Popen(_cmd(tiny, out), cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     try:
-        workers = poll_until(lambda: _pids(out), "the workers' first runs", timeout_s=150,
-                             alive=lambda: proc.poll() is None)
+        def running() -> dict:
+            return (out / "status.json").exists() and json.loads((out / "status.json").read_text())["running"]
+
+        poll_until(lambda: running() and _pids(out), "the workers' first runs in status.json", timeout_s=150,
+                   alive=lambda: proc.poll() is None)
+        workers = _pids(out)
         proc.send_signal(signal.SIGTERM)
         stdout, stderr = proc.communicate(timeout=60)
     finally:
@@ -245,7 +249,10 @@ def test_sigterm_stops_the_study_as_ctrl_c_does(tiny):
     said = " ".join(stderr.split())
     assert "error: stopped by SIGTERM: run the same command again to resume" in said, said
     assert "Traceback" not in stderr and "leaked semaphore" not in stderr, stderr[-2000:]
-    assert json.loads((out / "status.json").read_text())["state"] == "interrupted"
+    status = json.loads((out / "status.json").read_text())
+    assert status["state"] == "interrupted" and status["running"] == {}
+    assert status["stopped"] and set(status["stopped"]) <= set(RUNS)     # the runs it stopped, with their epochs
+    assert all(0 <= e < EPOCHS for e in status["stopped"].values())
     assert workers and not any(Path(f"/proc/{pid}").exists() and "zombie" not in _state(pid) for pid in workers)
 
 

@@ -265,7 +265,8 @@ def run_study(spec: StudySpec, out: Path, console=None, redis_url: str | None = 
                                       len(done), t_start, console)
         except KeyboardInterrupt as exc:
             how = stop_workers(workers, stopped_by=exc)
-            status.update(force=True, state="interrupted")
+            stopped = {rid: epochs_done(out, rid) for rid in status.doc["running"]}
+            status.update(force=True, state="interrupted", running={}, stopped=stopped)
             raise StudyInterrupted(f"{how}: run the same command again to resume (done runs are kept, a run half "
                              "done resumes from its last epoch)") from None
         finally:
