@@ -132,8 +132,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if any(c < 1 for c in args.chunks) or args.repeats < 1 or args.bars < 1:
         ap.error("--chunks, --repeats and --bars must be ≥ 1")
     device = torch.device(args.device)
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
     if device.type == "cpu" and not args.child:
         rows = [cpu_row(args, c) for c in args.chunks]
     else:

@@ -268,7 +268,7 @@ def run_study(spec: StudySpec, out: Path, console=None, redis_url: str | None = 
             stopped = {rid: epochs_done(out, rid) for rid in status.doc["running"]}
             status.update(force=True, state="interrupted", running={}, stopped=stopped)
             raise StudyInterrupted(f"{how}: run the same command again to resume (done runs are kept, a run half "
-                             "done resumes from its last epoch)") from None
+                                   "done resumes from its last epoch)") from None
         finally:
             if daemon is not None:
                 join_workers(workers, 60.0)     # their CUDA contexts closed before the daemon quits
@@ -526,9 +526,9 @@ def work_for(url: str, sid: str, out: Path, parallel: int | str, threads: int | 
                 p.join()
     except KeyboardInterrupt as exc:
         how = stop_workers(workers, stopped_by=exc)
-        raise StudyInterrupted(f"{how}: the runs this host held go back to the study {CLAIM_IDLE_S:.0f} s after their "
-                         "last heartbeat, for any worker to take (this command run again resumes them from their "
-                         "last epoch on this disk)") from None
+        raise StudyInterrupted(f"{how}: the runs this host held go back to the study {CLAIM_IDLE_S:.0f} s after "
+                               "their last heartbeat, for any worker to take (this command run again resumes them "
+                               "from their last epoch on this disk)") from None
     finally:
         if daemon is not None:
             daemon.stop()
