@@ -144,11 +144,13 @@ def tf32_matmuls(device):
 def market_view(agent: Agent, windows: torch.Tensor, chunk: int | None = None,
                 bf16_encoder: bool = False) -> tuple[torch.Tensor, MarketView]:
     """The batched part of a pass: every bar's embedding (T × D) and `MarketView`, in chunks of `chunk` windows
-    (default 4 096 on a CPU, 32 768 on CUDA: fewer, larger kernels; TF32 matmuls on CUDA). `bf16_encoder` (CUDA):
-    the encoder under bf16 autocast, as the trainer's `bf16` runs it; the heads stay float32/TF32."""
+    (default 4 096 on a CPU, 8 192 on CUDA — at `full` on an H100 2 % slower than 32 768 and a quarter of its 10
+    GiB peak, which decides how many study runs fit a GPU: `bench.encode_memory`; TF32 matmuls on CUDA).
+    `bf16_encoder` (CUDA): the encoder under bf16 autocast, as the trainer's `bf16` runs it; the heads stay
+    float32/TF32."""
     cuda = windows.device.type == "cuda"
     if chunk is None:
-        chunk = 32768 if cuda else 4096
+        chunk = 8192 if cuda else 4096
     with tf32_matmuls(windows.device):
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda and bf16_encoder):
             emb = torch.cat([agent.encode(windows[i:i + chunk]).float()
