@@ -70,6 +70,8 @@ from shared.costs import EXIT_REASONS, CostModel, held_return  # noqa: F401  (th
 
 MAX_POSITION = 1.0
 """Targets are signed fractions of equity in [−MAX_POSITION, MAX_POSITION] (clamped there)."""
+RUIN_CHECK_EVERY = 64
+"""`run_positions` stops stepping once every account is `Simulator.ruined`, looking every this many bars."""
 _SIGNAL, _FLIP, _STOP, _TARGET, _END = (EXIT_REASONS.index(r) for r in ("signal", "flip", "stop", "target", "end"))
 LEDGER_COLUMNS = ("account", "entry_t", "exit_t", "side", "size", "entry_price", "exit_price",
                   "net_return", "bars", "exit_reason")
@@ -211,6 +213,12 @@ class Simulator:
     def done(self) -> torch.Tensor:
         """Accounts at the last bar: stepping them further leaves them unchanged."""
         return self.t >= self.T - 1
+
+    @property
+    def ruined(self) -> torch.Tensor:
+        """Accounts flat with no equity (no units, cash ≤ 0): the ruin rule of `step` refuses their every open, so
+        every later step leaves them unchanged, with a bar return of 0 and nothing in the ledger."""
+        return (self.units == 0) & (self.cash <= 0)
 
     @property
     def trade_return_open(self) -> torch.Tensor:
@@ -382,7 +390,8 @@ def run_positions(prices: Prices, targets, costs: CostModel = CostModel(), *, ta
 
     Without target/stop levels, fixed fee or borrow cost the whole path is known in advance, and `fast=True`
     takes the vectorised form of the same rules (`shared.vector_replay`, pinned to `Simulator.step` by
-    equivalence tests); otherwise the step simulator runs bar by bar.
+    equivalence tests); otherwise the step simulator runs bar by bar, until every account is ruined
+    (`Simulator.ruined`: from there on the path is constant).
     """
     tg = torch.as_tensor(targets, dtype=prices.dtype, device=prices.device)
     if tg.dim() == 1:
@@ -414,4 +423,7 @@ def run_positions(prices: Prices, targets, costs: CostModel = CostModel(), *, ta
     for t in range(T - 1):
         r = sim.step(tg[:, t], per_bar(take_profit, t), per_bar(stop_loss, t))
         eq[:, t + 1], br[:, t + 1], pos[:, t + 1] = sim.equity, r.bar_return, r.position
+        if t % RUIN_CHECK_EVERY == 0 and bool(sim.ruined.all()):     # the rest of the path is constant
+            eq[:, t + 2:] = sim.equity.unsqueeze(1)
+            break
     return BacktestResult(sim.ledger(), eq.cpu().numpy(), br.cpu().numpy(), pos.cpu().numpy())

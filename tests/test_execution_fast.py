@@ -169,3 +169,37 @@ def test_ruined_accounts_match_the_step_simulator():
         later = np.arange(T) > trades["exit_t"].iloc[0]
         after = res.equity[acct, later]
         assert (after <= 0).all() and (after == after[0]).all() and (res.positions[acct, later] == 0.0).all()
+
+
+def test_the_step_simulator_stops_once_every_account_is_ruined(monkeypatch):
+    """Once every account is flat with no equity (`Simulator.ruined`), `run_positions` stops stepping and fills the
+    rest of the path as the steps would have: the same ledger, equity, bar returns and positions as stepping every
+    bar, in fewer steps; one account still solvent keeps every step."""
+    import shared.execution as ex
+
+    T = 400
+    close = np.r_[np.full(10, 100.0), 100.0 * np.geomspace(1.0, 1e-4, 30), np.full(T - 40, 0.01)]
+    close[200:] = np.linspace(0.01, 5.0, T - 200)                         # a recovery that no ruined account sees
+    p = Prices.from_arrays(close, close * 1.001, close * 0.999, close)
+    tg = np.zeros((3, T))
+    tg[0, :] = 1.0                                                        # held through the collapse
+    tg[1, 3:], tg[1, 1] = 1.0, 0.5                                        # a trade first, then held
+    tg[2, 50:] = 1.0                                                      # opens after the collapse: solvent
+    steps = []
+    step = ex.Simulator.step
+    monkeypatch.setattr(ex.Simulator, "step", lambda self, *a: steps.append(1) or step(self, *a))
+
+    def run(targets, every):
+        steps.clear()
+        monkeypatch.setattr(ex, "RUIN_CHECK_EVERY", every)
+        return run_positions(p, targets, COSTS, fast=False), len(steps)
+
+    for targets, stops in ((tg[:2], True), (tg, False)):
+        early, n_early = run(targets, 4)
+        full, n_full = run(targets, 10 ** 9)
+        assert n_full == T - 1 and (n_early < 60 if stops else n_early == T - 1), (n_early, n_full)
+        assert_same(early, full)
+        for a in ("bar_returns", "positions"):
+            np.testing.assert_array_equal(getattr(early, a), getattr(full, a), err_msg=a)
+    last = early.ledger.groupby("account").tail(1).set_index("account")["exit_reason"]
+    assert list(last) == ["stop", "stop", "end"]                          # the two liquidated; the third held
