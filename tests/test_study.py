@@ -444,6 +444,18 @@ def test_report_only_aggregates_a_finished_study_again(tmp_path, reference):
     (out / "baselines.json").write_text(json.dumps(doc))
     rows = baselines(spec, out)
     assert rows[0]["oos_sharpe"] == 123.0 and [r for r in rows if (r["seed"], r["fold"]) == (1, 1)] == before
+    # in the background, one process at a time until widened to two: the same rows, the cached units kept as read
+    from tradeloop.study.report import BackgroundBaselines
+
+    doc = json.loads((out / "baselines.json").read_text())
+    kept = {u: doc["units"].pop(u) for u in ("0-1", "1-0")}
+    (out / "baselines.json").write_text(json.dumps(doc))
+    job = BackgroundBaselines(spec, out, now=0, most=2)
+    assert job.now == 1
+    job.widen()
+    job.join()
+    assert job.now == 2 and baselines(spec, out) == rows
+    assert {u: json.loads((out / "baselines.json").read_text())["units"][u] for u in kept} == kept
     (out / "runs" / "on-s1-f1" / "summary.json").unlink()
     r = runner.invoke(app, ["study", "--out", str(out), "--report-only"])
     assert r.exit_code == 2 and "1 of 8 runs are not done (on-s1-f1)" in r.output

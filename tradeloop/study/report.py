@@ -381,10 +381,11 @@ def _cached_units(spec: StudySpec, path: Path) -> dict[str, list[dict]]:
     return units
 
 
-def baselines(spec: StudySpec, out: Path, processes: int = 1) -> list[dict]:
+def baselines(spec: StudySpec, out: Path, processes: int = 1, slots: threading.Semaphore | None = None) -> list[dict]:
     """The baseline policies on every (seed, fold)'s validation and test windows, cached unit by unit in
     baselines.json (a stopped study keeps the units it finished); missing units run in `processes` worker
-    processes (1: here)."""
+    processes (1 and no `slots`: here), each unit kept as it finishes. `slots`: a unit starts only once it takes one
+    (released when it ends), so that a caller can widen the pool's use while it works (`BackgroundBaselines`)."""
     path = out / "baselines.json"
     units = _cached_units(spec, path)
     keys = [(seed, k) for seed in spec.seeds for k in range(spec.folds)]
@@ -394,33 +395,60 @@ def baselines(spec: StudySpec, out: Path, processes: int = 1) -> list[dict]:
         units[f"{s}-{k}"] = rows
         write_json_atomic(path, {"identity": spec.identity(), "units": units})
 
-    if todo and processes > 1:
+    if todo and (processes > 1 or slots is not None):
         import multiprocessing as mp
-        from concurrent.futures import ProcessPoolExecutor
+        from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
+        def kept(done: set) -> None:
+            for fut in done:
+                keep(*futures.pop(fut), fut.result())
+
+        futures: dict = {}
         with ProcessPoolExecutor(min(processes, len(todo)), mp_context=mp.get_context("spawn")) as pool:
-            futures = {pool.submit(_baseline_unit, spec.to_dict(), s, k): (s, k) for s, k in todo}
-            for fut, (s, k) in futures.items():
-                keep(s, k, fut.result())
+            for s, k in todo:
+                while slots is not None and not slots.acquire(timeout=0.5):
+                    kept(wait(futures, timeout=0, return_when=FIRST_COMPLETED).done)
+                fut = pool.submit(_baseline_unit, spec.to_dict(), s, k)
+                if slots is not None:
+                    fut.add_done_callback(lambda _: slots.release())
+                futures[fut] = (s, k)
+                kept({f for f in futures if f.done()})
+            while futures:
+                kept(wait(futures, return_when=FIRST_COMPLETED).done)
     else:
         for s, k in todo:
             keep(s, k, _baseline_unit(spec.to_dict(), s, k))
     return [row for s, k in keys for row in units[f"{s}-{k}"]]
 
 
-def baselines_in_background(spec: StudySpec, out: Path, processes: int = 1) -> threading.Thread:
-    """Compute the baselines while the runs run: a daemon thread that hands the units to `processes` worker
-    processes (`baselines`); a failure is left to `write_results`, which computes what is missing again (and
-    raises)."""
-    def compute() -> None:
+class BackgroundBaselines:
+    """The baselines computed while the runs run: a daemon thread hands the units to a pool of up to `most`
+    processes, `now` of them at work while the runs take the rest of the cores; `widen()` (the runs done) lets all
+    `most` work, so that the report does not wait on units queued behind a few processes (a long synthetic series'
+    ruined buy-and-hold replays bar by bar for tens of seconds a window). A failure is left to `write_results`,
+    which computes what is missing again (and raises)."""
+
+    def __init__(self, spec: StudySpec, out: Path, now: int, most: int):
+        self.now, self.most = max(1, min(now, most)), max(1, most)
+        self._slots = threading.Semaphore(self.now)
+        self._thread = threading.Thread(target=self._compute, args=(spec, out), daemon=True)
+        self._thread.start()
+
+    def _compute(self, spec: StudySpec, out: Path) -> None:
         try:
-            baselines(spec, out, processes)
+            baselines(spec, out, self.most, self._slots)
         except Exception:  # noqa: BLE001 — written again (and raised) when the results are made
             pass
 
-    t = threading.Thread(target=compute, daemon=True)
-    t.start()
-    return t
+    def widen(self) -> None:
+        """Let every process of the pool take units (once: later calls do nothing)."""
+        if self.now < self.most:
+            self._slots.release(self.most - self.now)
+            self.now = self.most
+
+    def join(self) -> None:
+        self.widen()
+        self._thread.join()
 
 
 def fmt_timing(t: dict) -> str:

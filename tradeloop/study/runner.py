@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from tradeloop.study.loop import write_json_atomic
-from tradeloop.study.report import baselines_in_background, write_results
+from tradeloop.study.report import BackgroundBaselines, write_results
 from tradeloop.study.spec import StudyError, StudyInterrupted, StudySpec, parse_parallel, usable_cores
 from tradeloop.study.worker import WARM_FILE, start_workers, visible_gpus
 
@@ -228,10 +228,9 @@ def run_study(spec: StudySpec, out: Path, console=None, redis_url: str | None = 
         raise StudyError("--device cuda but no CUDA device is visible here")
     threads = spec.threads or max(1, usable_cores() // max(P, 1))
     sampler = GpuSampler(gpus) if gpus else None
-    # the baselines' processes take the cores the workers leave (a long synthetic series' ruined buy-and-hold
-    # replays bar by bar for tens of seconds a window)
+    # the baselines' processes take the cores the workers leave, and up to 8 once the runs are done
     spare = usable_cores() - (P * threads if pending else 0)
-    baseline_thread = baselines_in_background(spec, out, max(1, min(spare, 8)))
+    baseline_job = BackgroundBaselines(spec, out, now=spare, most=min(usable_cores(), 8))
     t_start = time.time()
     failed: dict[str, str] = {}
     epochs_here = 0
@@ -276,7 +275,7 @@ def run_study(spec: StudySpec, out: Path, console=None, redis_url: str | None = 
                 status.update(force=True, mps_dir=None)
     wall = time.time() - t_start
     busy = sampler.stop() if sampler else {}
-    baseline_thread.join()
+    baseline_job.join()
     if r is not None:
         _copy_remote_summaries(r, sid, out)
     if failed:
