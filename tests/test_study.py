@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -461,6 +462,29 @@ def test_report_only_aggregates_a_finished_study_again(tmp_path, reference):
     assert r.exit_code == 2 and "1 of 8 runs are not done (on-s1-f1)" in r.output
     r = runner.invoke(app, ["study", "--out", str(tmp_path), "--report-only"])
     assert r.exit_code == 2 and "holds no study.json" in r.output and "Traceback" not in r.output
+
+
+def test_background_baselines_stop_at_once_and_leave_no_process(tmp_path, reference):
+    """An interrupted study stops its baselines' pool at once: `stop()` ends the thread within seconds, terminating
+    the pool's processes mid-unit (the units done stay in baselines.json); no process of it is left running."""
+    import multiprocessing as mp
+
+    from tradeloop.study.report import BackgroundBaselines
+    from tradeloop.study.spec import StudySpec
+
+    spec = StudySpec.from_dict(json.loads((reference[0] / "study.json").read_text())["spec"])
+    before = set(mp.active_children())
+    job = BackgroundBaselines(spec, tmp_path, now=2, most=2)
+    deadline = time.monotonic() + 30
+    while set(mp.active_children()) == before and time.monotonic() < deadline:
+        job._thread.join(0.05)                                          # the pool's processes spawned
+    t0 = time.monotonic()
+    job.stop()
+    assert time.monotonic() - t0 < 5 and not job._thread.is_alive()
+    assert set(mp.active_children()) <= before
+    left = json.loads((tmp_path / "baselines.json").read_text())["units"] if (tmp_path / "baselines.json").exists() \
+        else {}
+    assert len(left) < spec.folds * len(spec.seeds)
 
 
 def test_a_study_carried_as_its_summaries_runs_only_the_runs_not_done(tmp_path, tiny, reference):

@@ -381,11 +381,17 @@ def _cached_units(spec: StudySpec, path: Path) -> dict[str, list[dict]]:
     return units
 
 
-def baselines(spec: StudySpec, out: Path, processes: int = 1, slots: threading.Semaphore | None = None) -> list[dict]:
+class BaselinesStopped(Exception):
+    """`baselines` was asked to stop (`stop` set): the units it finished are kept in baselines.json."""
+
+
+def baselines(spec: StudySpec, out: Path, processes: int = 1, slots: threading.Semaphore | None = None,
+              stop: threading.Event | None = None) -> list[dict]:
     """The baseline policies on every (seed, fold)'s validation and test windows, cached unit by unit in
     baselines.json (a stopped study keeps the units it finished); missing units run in `processes` worker
     processes (1 and no `slots`: here), each unit kept as it finishes. `slots`: a unit starts only once it takes one
-    (released when it ends), so that a caller can widen the pool's use while it works (`BackgroundBaselines`)."""
+    (released when it ends), so that a caller can widen the pool's use while it works; `stop` set: the pool's
+    processes are terminated at once and BaselinesStopped raised (`BackgroundBaselines`)."""
     path = out / "baselines.json"
     units = _cached_units(spec, path)
     keys = [(seed, k) for seed in spec.seeds for k in range(spec.folds)]
@@ -397,24 +403,30 @@ def baselines(spec: StudySpec, out: Path, processes: int = 1, slots: threading.S
 
     if todo and (processes > 1 or slots is not None):
         import multiprocessing as mp
-        from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
-        def kept(done: set) -> None:
-            for fut in done:
-                keep(*futures.pop(fut), fut.result())
+        running: dict = {}
 
-        futures: dict = {}
-        with ProcessPoolExecutor(min(processes, len(todo)), mp_context=mp.get_context("spawn")) as pool:
-            for s, k in todo:
-                while slots is not None and not slots.acquire(timeout=0.5):
-                    kept(wait(futures, timeout=0, return_when=FIRST_COMPLETED).done)
-                fut = pool.submit(_baseline_unit, spec.to_dict(), s, k)
+        def kept() -> None:
+            if stop is not None and stop.is_set():
+                raise BaselinesStopped()
+            for unit in [u for u, res in running.items() if res.ready()]:
+                keep(*unit, running.pop(unit).get())
                 if slots is not None:
-                    fut.add_done_callback(lambda _: slots.release())
-                futures[fut] = (s, k)
-                kept({f for f in futures if f.done()})
-            while futures:
-                kept(wait(futures, return_when=FIRST_COMPLETED).done)
+                    slots.release()
+
+        pool = mp.get_context("spawn").Pool(min(processes, len(todo)))
+        try:
+            for s, k in todo:
+                while slots is not None and not slots.acquire(timeout=0.2):
+                    kept()
+                running[(s, k)] = pool.apply_async(_baseline_unit, (spec.to_dict(), s, k))
+                kept()
+            while running:
+                next(iter(running.values())).wait(0.2)
+                kept()
+        finally:
+            pool.terminate()                # no unit left running (they are all kept, or stopped)
+            pool.join()
     else:
         for s, k in todo:
             keep(s, k, _baseline_unit(spec.to_dict(), s, k))
@@ -425,18 +437,19 @@ class BackgroundBaselines:
     """The baselines computed while the runs run: a daemon thread hands the units to a pool of up to `most`
     processes, `now` of them at work while the runs take the rest of the cores; `widen()` (the runs done) lets all
     `most` work, so that the report does not wait on units queued behind a few processes (a long synthetic series'
-    ruined buy-and-hold replays bar by bar for tens of seconds a window). A failure is left to `write_results`,
-    which computes what is missing again (and raises)."""
+    ruined buy-and-hold replays bar by bar for tens of seconds a window); `stop()` (the study interrupted)
+    terminates them, keeping the units done. A failure is left to `write_results`, which computes what is missing
+    again (and raises)."""
 
     def __init__(self, spec: StudySpec, out: Path, now: int, most: int):
         self.now, self.most = max(1, min(now, most)), max(1, most)
-        self._slots = threading.Semaphore(self.now)
+        self._slots, self._stop = threading.Semaphore(self.now), threading.Event()
         self._thread = threading.Thread(target=self._compute, args=(spec, out), daemon=True)
         self._thread.start()
 
     def _compute(self, spec: StudySpec, out: Path) -> None:
         try:
-            baselines(spec, out, self.most, self._slots)
+            baselines(spec, out, self.most, self._slots, self._stop)
         except Exception:  # noqa: BLE001 — written again (and raised) when the results are made
             pass
 
@@ -447,8 +460,15 @@ class BackgroundBaselines:
             self.now = self.most
 
     def join(self) -> None:
+        """Widen, then wait for every unit (in short waits: Ctrl-C and SIGTERM are taken at once meanwhile)."""
         self.widen()
-        self._thread.join()
+        while self._thread.is_alive():
+            self._thread.join(0.2)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Terminate the pool's processes and wait (up to `timeout` s) for the thread to end."""
+        self._stop.set()
+        self._thread.join(timeout)
 
 
 def fmt_timing(t: dict) -> str:

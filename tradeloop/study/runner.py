@@ -264,6 +264,7 @@ def run_study(spec: StudySpec, out: Path, console=None, redis_url: str | None = 
                                       len(done), t_start, console)
         except KeyboardInterrupt as exc:
             how = stop_workers(workers, stopped_by=exc)
+            baseline_job.stop()
             stopped = {rid: epochs_done(out, rid) for rid in status.doc["running"]}
             status.update(force=True, state="interrupted", running={}, stopped=stopped)
             raise StudyInterrupted(f"{how}: run the same command again to resume (done runs are kept, a run half "
@@ -275,6 +276,26 @@ def run_study(spec: StudySpec, out: Path, console=None, redis_url: str | None = 
                 status.update(force=True, mps_dir=None)
     wall = time.time() - t_start
     busy = sampler.stop() if sampler else {}
+    try:
+        with sigterm_interrupts():
+            return _results(spec, out, status, baseline_job, workers, failed, r, sid, {
+                "wall_s": wall, "runs_at_once": status.doc.get("peak_running") or P, "epochs_trained": epochs_here,
+                "epochs_per_s": epochs_here / wall if wall > 0 and epochs_here else None,
+                "gpu_busy_pct": busy, "gpus": gpus, "threads_per_worker": threads, "mps": daemon is not None,
+                "mps_share": spec.mps_share if daemon is not None else None,
+                "iteration_sms": spec.iteration_sms or None, "lockstep": spec.lockstep if spec.lockstep > 1 else None,
+                **_all_starts(status.doc["earlier_starts"], wall, epochs_here)})
+    except KeyboardInterrupt as exc:
+        baseline_job.stop()
+        status.update(force=True, state="interrupted", running={}, stopped={})
+        how = "stopped by SIGTERM" if isinstance(exc, Terminated) else "interrupted"
+        raise StudyInterrupted(f"{how} while writing the results (the runs are done and kept): run the same command "
+                               "again to write them") from None
+
+
+def _results(spec: StudySpec, out: Path, status: Status, baseline_job: BackgroundBaselines, workers: list,
+             failed: dict, r, sid, timing: dict) -> dict:
+    """The runs done: the baselines waited for, the results written (or StudyError naming the runs that failed)."""
     baseline_job.join()
     if r is not None:
         _copy_remote_summaries(r, sid, out)
@@ -283,12 +304,6 @@ def run_study(spec: StudySpec, out: Path, console=None, redis_url: str | None = 
         join_workers(workers, 30.0)
         raise StudyError(f"{len(failed)} run(s) failed: {', '.join(sorted(failed))} (first: "
                          f"{next(iter(failed.values()))}); run the same command again to retry them")
-    timing = {"wall_s": wall, "runs_at_once": status.doc.get("peak_running") or P, "epochs_trained": epochs_here,
-              "epochs_per_s": epochs_here / wall if wall > 0 and epochs_here else None,
-              "gpu_busy_pct": busy, "gpus": gpus, "threads_per_worker": threads, "mps": daemon is not None,
-              "mps_share": spec.mps_share if daemon is not None else None,
-              "iteration_sms": spec.iteration_sms or None, "lockstep": spec.lockstep if spec.lockstep > 1 else None,
-              **_all_starts(status.doc["earlier_starts"], wall, epochs_here)}
     results = write_results(spec, out, timing)
     status.update(force=True, state="done")
     join_workers(workers, 30.0)             # they have said "exit": only their interpreters' teardown is left
