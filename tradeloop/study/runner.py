@@ -276,21 +276,20 @@ def run_study(spec: StudySpec, out: Path, console=None, redis_url: str | None = 
                 status.update(force=True, mps_dir=None)
     wall = time.time() - t_start
     busy = sampler.stop() if sampler else {}
+    timing = {"wall_s": wall, "runs_at_once": status.doc.get("peak_running") or P, "epochs_trained": epochs_here,
+              "epochs_per_s": epochs_here / wall if wall > 0 and epochs_here else None,
+              "gpu_busy_pct": busy, "gpus": gpus, "threads_per_worker": threads, "mps": daemon is not None,
+              "mps_share": spec.mps_share if daemon is not None else None,
+              "iteration_sms": spec.iteration_sms or None, "lockstep": spec.lockstep if spec.lockstep > 1 else None,
+              **_all_starts(status.doc["earlier_starts"], wall, epochs_here)}
     try:
         with sigterm_interrupts():
-            return _results(spec, out, status, baseline_job, workers, failed, r, sid, {
-                "wall_s": wall, "runs_at_once": status.doc.get("peak_running") or P, "epochs_trained": epochs_here,
-                "epochs_per_s": epochs_here / wall if wall > 0 and epochs_here else None,
-                "gpu_busy_pct": busy, "gpus": gpus, "threads_per_worker": threads, "mps": daemon is not None,
-                "mps_share": spec.mps_share if daemon is not None else None,
-                "iteration_sms": spec.iteration_sms or None, "lockstep": spec.lockstep if spec.lockstep > 1 else None,
-                **_all_starts(status.doc["earlier_starts"], wall, epochs_here)})
+            return _results(spec, out, status, baseline_job, workers, failed, r, sid, timing)
     except KeyboardInterrupt as exc:
         baseline_job.stop()
         status.update(force=True, state="interrupted", running={}, stopped={})
-        how = "stopped by SIGTERM" if isinstance(exc, Terminated) else "interrupted"
-        raise StudyInterrupted(f"{how} while writing the results (the runs are done and kept): run the same command "
-                               "again to write them") from None
+        raise StudyInterrupted(f"{stopped_how(exc)} while writing the results (the runs are done and kept): run the "
+                               "same command again to write them") from None
 
 
 def _results(spec: StudySpec, out: Path, status: Status, baseline_job: BackgroundBaselines, workers: list,
@@ -360,7 +359,12 @@ def stop_workers(workers: list, stopped_by: KeyboardInterrupt) -> str:
     for p in workers:
         p.terminate()
     join_workers(workers, 30.0)
-    return "stopped by SIGTERM" if isinstance(stopped_by, Terminated) else "interrupted"
+    return stopped_how(stopped_by)
+
+
+def stopped_how(exc: KeyboardInterrupt) -> str:
+    """How the study was stopped, for its last line: "stopped by SIGTERM" or "interrupted" (Ctrl-C)."""
+    return "stopped by SIGTERM" if isinstance(exc, Terminated) else "interrupted"
 
 
 def join_workers(workers: list, timeout_s: float, clock=time.monotonic) -> list:
