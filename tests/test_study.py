@@ -487,6 +487,69 @@ def test_background_baselines_stop_at_once_and_leave_no_process(tmp_path, refere
     assert len(left) < spec.folds * len(spec.seeds)
 
 
+GROUP_KILL = """
+import json, multiprocessing as mp, os, signal, sys, time
+from pathlib import Path
+from tradeloop.study.report import BackgroundBaselines
+from tradeloop.study.spec import StudySpec
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, lambda *_: None)         # the study process takes its SIGTERM itself
+    spec = StudySpec.from_dict(json.loads(Path(sys.argv[1]).read_text())["spec"])
+    out = Path(sys.argv[2])
+    job = BackgroundBaselines(spec, out, now=1, most=2)    # a unit at a time: one process at work, one waiting
+    deadline = time.monotonic() + 60
+    while not (out / "baselines.json").exists() and time.monotonic() < deadline:
+        job._thread.join(0.02)                             # the first unit kept: the pool is in its task loop
+    pool = [p.pid for p in mp.active_children()]
+    groups = [os.getpgid(pid) for pid in pool]
+    os.killpg(0, signal.SIGTERM)                           # as `timeout` signals the study's whole group
+    t0 = time.monotonic()
+    job.stop()
+    print(json.dumps({"pool": pool, "groups": groups, "mine": os.getpgid(0), "stop_s": time.monotonic() - t0,
+                      "stopped": not job._thread.is_alive()}), flush=True)
+"""
+
+
+def test_a_signal_to_the_studys_whole_group_leaves_the_baselines_pool_to_the_study(tmp_path, reference):
+    """`timeout` and batch systems signal a study's whole process group. The baselines' pool keeps out of it: a pool
+    process killed while it waits for a unit holds the pool's task-queue lock, and the study's stop and its exit
+    then wait on that lock for ever. Here the group gets SIGTERM once the pool has kept its first unit, one process
+    at work and the other waiting for the next: the study stops the pool at once."""
+    p = subprocess.run([sys.executable, "-c", GROUP_KILL, str(reference[0] / "study.json"), str(tmp_path)], cwd=ROOT,
+                       env=_env(), capture_output=True, text=True, timeout=90, start_new_session=True)
+    assert p.returncode == 0, p.stderr[-3000:]
+    said = json.loads(p.stdout.strip().splitlines()[-1])
+    assert len(said["pool"]) == 2 and said["mine"] not in said["groups"]
+    assert said["stopped"] and said["stop_s"] < 5, said       # not waiting on a lock a killed process held
+    assert not any(Path(f"/proc/{pid}").exists() and "zombie" not in _state(pid) for pid in said["pool"])
+    assert "leaked semaphore" not in p.stderr, p.stderr[-2000:]
+
+
+def test_only_the_first_sigterm_stops_the_study_and_a_teardown_holds_it():
+    """`timeout` sends SIGTERM twice (the process, then its group): the first raises where the study stands, every
+    later one is ignored while it stops; one that comes during a teardown that must finish is raised after it."""
+    from tradeloop.study.interrupt import Terminated, TermSignal
+
+    term = TermSignal()
+    with pytest.raises(Terminated):
+        term(signal.SIGTERM, None)
+    term(signal.SIGTERM, None)                 # the second: ignored
+    term.raise_held()                          # nothing held
+    held = TermSignal()
+    with held.held():
+        held(signal.SIGTERM, None)
+        held(signal.SIGTERM, None)
+    with pytest.raises(Terminated):
+        held.raise_held()
+    held.raise_held()                          # raised once
+    held(signal.SIGTERM, None)
+    ctrl_c = TermSignal()
+    ctrl_c.stopping()                          # stopping on Ctrl-C: a SIGTERM meanwhile changes nothing
+    ctrl_c(signal.SIGTERM, None)
+    ctrl_c.raise_held()
+
+
 def test_a_study_carried_as_its_summaries_runs_only_the_runs_not_done(tmp_path, tiny, reference):
     """A study moved to another host (or a fresh GPU machine) as study.json and its done runs' summary.json alone —
     no checkpoints, no loop records — runs only the runs whose summary is missing and reports the carried ones as

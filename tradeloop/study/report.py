@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
 import threading
 from pathlib import Path
 
 import numpy as np
 
+from shared.redis_server import die_with_parent
 from tradeloop.study.loop import PARTS, write_json_atomic
 from tradeloop.study.mps import held_to
 from tradeloop.study.spec import StudySpec, usable_cores
@@ -414,7 +417,7 @@ def baselines(spec: StudySpec, out: Path, processes: int = 1, slots: threading.S
                 if slots is not None:
                     slots.release()
 
-        pool = mp.get_context("spawn").Pool(min(processes, len(todo)))
+        pool = mp.get_context("spawn").Pool(min(processes, len(todo)), initializer=_apart_from_the_study)
         try:
             for s, k in todo:
                 while slots is not None and not slots.acquire(timeout=0.2):
@@ -431,6 +434,15 @@ def baselines(spec: StudySpec, out: Path, processes: int = 1, slots: threading.S
         for s, k in todo:
             keep(s, k, _baseline_unit(spec.to_dict(), s, k))
     return [row for s, k in keys for row in units[f"{s}-{k}"]]
+
+
+def _apart_from_the_study() -> None:
+    """A baselines' pool process: in a process group of its own, and killed when the study process dies. A signal to
+    the study's whole group (`timeout`, `kill -- -PGID`, a batch system's preemption) would otherwise end it where it
+    stands, perhaps waiting for a unit with the pool's task-queue lock held, and the pool's terminate — the study's
+    own stop, then its exit — would wait on that lock for ever. The study stops the pool itself."""
+    os.setpgid(0, 0)
+    die_with_parent(signal.SIGKILL)
 
 
 class BackgroundBaselines:

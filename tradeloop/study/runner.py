@@ -18,18 +18,17 @@ and `tradeloop study-worker` processes on other hosts take them too (`work_for`)
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import queue
 import shutil
-import signal
 import subprocess
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
+from tradeloop.study.interrupt import sigterm_interrupts, stopped_how
 from tradeloop.study.loop import write_json_atomic
 from tradeloop.study.report import BackgroundBaselines, write_results
 from tradeloop.study.spec import StudyError, StudyInterrupted, StudySpec, parse_parallel, usable_cores
@@ -257,39 +256,44 @@ def run_study(spec: StudySpec, out: Path, console=None, redis_url: str | None = 
             for _ in range(P):
                 tasks.put(None)
             source = ("local", tasks, events)
-        try:
-            with sigterm_interrupts():
+    with sigterm_interrupts() as term:
+        if pending:
+            try:
                 workers = start_workers(ctx, spec, out, source, P, worker_gpus, threads, extra_env)
                 epochs_here = _follow(spec, out, runs, workers, events, status, failed, r, sid, P, before,
                                       len(done), t_start, console)
-        except KeyboardInterrupt as exc:
-            how = stop_workers(workers, stopped_by=exc)
-            baseline_job.stop()
-            stopped = {rid: epochs_done(out, rid) for rid in status.doc["running"]}
-            status.update(force=True, state="interrupted", running={}, stopped=stopped)
-            raise StudyInterrupted(f"{how}: run the same command again to resume (done runs are kept, a run half "
-                                   "done resumes from its last epoch)") from None
-        finally:
-            if daemon is not None:
-                join_workers(workers, 60.0)     # their CUDA contexts closed before the daemon quits
-                daemon.stop()
-                status.update(force=True, mps_dir=None)
-    wall = time.time() - t_start
-    busy = sampler.stop() if sampler else {}
-    timing = {"wall_s": wall, "runs_at_once": status.doc.get("peak_running") or P, "epochs_trained": epochs_here,
-              "epochs_per_s": epochs_here / wall if wall > 0 and epochs_here else None,
-              "gpu_busy_pct": busy, "gpus": gpus, "threads_per_worker": threads, "mps": daemon is not None,
-              "mps_share": spec.mps_share if daemon is not None else None,
-              "iteration_sms": spec.iteration_sms or None, "lockstep": spec.lockstep if spec.lockstep > 1 else None,
-              **_all_starts(status.doc["earlier_starts"], wall, epochs_here)}
-    try:
-        with sigterm_interrupts():
+            except KeyboardInterrupt as exc:
+                term.stopping()
+                how = stop_workers(workers, stopped_by=exc)
+                baseline_job.stop()
+                stopped = {rid: epochs_done(out, rid) for rid in status.doc["running"]}
+                status.update(force=True, state="interrupted", running={}, stopped=stopped)
+                raise StudyInterrupted(f"{how}: run the same command again to resume (done runs are kept, a run "
+                                       "half done resumes from its last epoch)") from None
+            finally:
+                if daemon is not None:
+                    with term.held():                 # a SIGTERM meanwhile stops the results instead
+                        join_workers(workers, 60.0)   # their CUDA contexts closed before the daemon quits
+                        daemon.stop()
+                        status.update(force=True, mps_dir=None)
+        wall = time.time() - t_start
+        busy = sampler.stop() if sampler else {}
+        timing = {"wall_s": wall, "runs_at_once": status.doc.get("peak_running") or P, "epochs_trained": epochs_here,
+                  "epochs_per_s": epochs_here / wall if wall > 0 and epochs_here else None,
+                  "gpu_busy_pct": busy, "gpus": gpus, "threads_per_worker": threads, "mps": daemon is not None,
+                  "mps_share": spec.mps_share if daemon is not None else None,
+                  "iteration_sms": spec.iteration_sms or None,
+                  "lockstep": spec.lockstep if spec.lockstep > 1 else None,
+                  **_all_starts(status.doc["earlier_starts"], wall, epochs_here)}
+        try:
+            term.raise_held()
             return _results(spec, out, status, baseline_job, workers, failed, r, sid, timing)
-    except KeyboardInterrupt as exc:
-        baseline_job.stop()
-        status.update(force=True, state="interrupted", running={}, stopped={})
-        raise StudyInterrupted(f"{stopped_how(exc)} while writing the results (the runs are done and kept): run the "
-                               "same command again to write them") from None
+        except KeyboardInterrupt as exc:
+            term.stopping()
+            baseline_job.stop()
+            status.update(force=True, state="interrupted", running={}, stopped={})
+            raise StudyInterrupted(f"{stopped_how(exc)} while writing the results (the runs are done and kept): run "
+                                   "the same command again to write them") from None
 
 
 def _results(spec: StudySpec, out: Path, status: Status, baseline_job: BackgroundBaselines, workers: list,
@@ -330,29 +334,6 @@ def lockstep_groups(spec: StudySpec, run_ids: list[str]) -> list[str | list[str]
     return sorted(out, key=lambda g: order[g[0] if isinstance(g, list) else g])
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised in the study process where it is when the signal comes, as Ctrl-C raises KeyboardInterrupt."""
-
-
-@contextlib.contextmanager
-def sigterm_interrupts():
-    """Within: SIGTERM (`kill`, `timeout`, `docker stop`, a batch system's preemption) stops the study as Ctrl-C does
-    — workers stopped, the MPS daemon quit, status "interrupted", a line saying how to resume — instead of ending
-    the process where it stands. Python runs signal handlers in the main thread only; elsewhere this does nothing."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def on_term(signum, frame):
-        raise Terminated()
-
-    old = signal.signal(signal.SIGTERM, on_term)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, old)
-
-
 def stop_workers(workers: list, stopped_by: KeyboardInterrupt) -> str:
     """Terminate the worker processes (30 s for them all to exit) on Ctrl-C or SIGTERM; returns how the study was
     stopped, for its last line."""
@@ -360,11 +341,6 @@ def stop_workers(workers: list, stopped_by: KeyboardInterrupt) -> str:
         p.terminate()
     join_workers(workers, 30.0)
     return stopped_how(stopped_by)
-
-
-def stopped_how(exc: KeyboardInterrupt) -> str:
-    """How the study was stopped, for its last line: "stopped by SIGTERM" or "interrupted" (Ctrl-C)."""
-    return "stopped by SIGTERM" if isinstance(exc, Terminated) else "interrupted"
 
 
 def join_workers(workers: list, timeout_s: float, clock=time.monotonic) -> list:
@@ -536,20 +512,22 @@ def work_for(url: str, sid: str, out: Path, parallel: int | str, threads: int | 
                   markup=False, highlight=False)
     daemon, worker_gpus, extra_env = share_gpus(spec, parallel, gpus, console)
     workers: list = []
-    try:
-        with sigterm_interrupts():
+    with sigterm_interrupts() as term:
+        try:
             workers = start_workers(mp.get_context("spawn"), spec, out, ("redis", url, sid, n_runs), parallel,
                                     worker_gpus, threads, extra_env)
             for p in workers:
                 p.join()
-    except KeyboardInterrupt as exc:
-        how = stop_workers(workers, stopped_by=exc)
-        raise StudyInterrupted(f"{how}: the runs this host held go back to the study {CLAIM_IDLE_S:.0f} s after "
-                               "their last heartbeat, for any worker to take (this command run again resumes them "
-                               "from their last epoch on this disk)") from None
-    finally:
-        if daemon is not None:
-            daemon.stop()
+        except KeyboardInterrupt as exc:
+            term.stopping()
+            how = stop_workers(workers, stopped_by=exc)
+            raise StudyInterrupted(f"{how}: the runs this host held go back to the study {CLAIM_IDLE_S:.0f} s "
+                                   "after their last heartbeat, for any worker to take (this command run again "
+                                   "resumes them from their last epoch on this disk)") from None
+        finally:
+            if daemon is not None:
+                with term.held():
+                    daemon.stop()
     ok, bad = accounted(client(url), sid)
     mine = done_runs(spec, out) - before
     console.print(f"done here: {len(mine)} run(s); the study: {len(ok)} of {n_runs} runs done, {len(bad)} failed",
