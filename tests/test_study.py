@@ -495,13 +495,17 @@ from tradeloop.study.spec import StudySpec
 
 if __name__ == "__main__":
     signal.signal(signal.SIGTERM, lambda *_: None)         # the study process takes its SIGTERM itself
-    spec = StudySpec.from_dict(json.loads(Path(sys.argv[1]).read_text())["spec"])
+    doc = json.loads(Path(sys.argv[1]).read_text())["spec"]
+    spec = StudySpec.from_dict({**doc, "seeds": list(range(100))})  # 200 units of ~0.1 s: the pool outlives the test
     out = Path(sys.argv[2])
     job = BackgroundBaselines(spec, out, now=1, most=2)    # a unit at a time: one process at work, one waiting
-    deadline = time.monotonic() + 60
-    while not (out / "baselines.json").exists() and time.monotonic() < deadline:
-        job._thread.join(0.02)                             # the first unit kept: the pool is in its task loop
-    pool = [p.pid for p in mp.active_children()]
+    deadline = time.monotonic() + 30
+    pool = []
+    while len(pool) < 2 and time.monotonic() < deadline:
+        job._thread.join(0.02)
+        pool = [p.pid for p in mp.active_children()]
+    while any(os.getpgid(pid) == os.getpgid(0) for pid in pool) and time.monotonic() < deadline:
+        job._thread.join(0.02)                             # each in its task loop once out of the study's group
     groups = [os.getpgid(pid) for pid in pool]
     os.killpg(0, signal.SIGTERM)                           # as `timeout` signals the study's whole group
     t0 = time.monotonic()
@@ -514,8 +518,8 @@ if __name__ == "__main__":
 def test_a_signal_to_the_studys_whole_group_leaves_the_baselines_pool_to_the_study(tmp_path, reference):
     """`timeout` and batch systems signal a study's whole process group. The baselines' pool keeps out of it: a pool
     process killed while it waits for a unit holds the pool's task-queue lock, and the study's stop and its exit
-    then wait on that lock for ever. Here the group gets SIGTERM once the pool has kept its first unit, one process
-    at work and the other waiting for the next: the study stops the pool at once."""
+    then wait on that lock for ever. Here the group gets SIGTERM while one pool process is at work and the other
+    waits for a unit: the study stops the pool at once."""
     p = subprocess.run([sys.executable, "-c", GROUP_KILL, str(reference[0] / "study.json"), str(tmp_path)], cwd=ROOT,
                        env=_env(), capture_output=True, text=True, timeout=90, start_new_session=True)
     assert p.returncode == 0, p.stderr[-3000:]
