@@ -440,8 +440,10 @@ def _apart_from_the_study() -> None:
     """A baselines' pool process: in a process group of its own, and killed when the study process dies. A signal to
     the study's whole group (`timeout`, `kill -- -PGID`, a batch system's preemption) would otherwise end it where it
     stands, perhaps waiting for a unit with the pool's task-queue lock held, and the pool's terminate — the study's
-    own stop, then its exit — would wait on that lock for ever. The study stops the pool itself."""
-    os.setpgid(0, 0)
+    own stop, then its exit — would wait on that lock for ever. The study stops the pool itself. (POSIX; elsewhere
+    the group is left as it is.)"""
+    if hasattr(os, "setpgid"):
+        os.setpgid(0, 0)
     die_with_parent(signal.SIGKILL)
 
 
