@@ -10,8 +10,8 @@ import pytest
 
 from tradeloop.study.runner import prepare
 from tradeloop.study.spec import AUTO_RUNS_PER_GPU, StudyError, StudySpec, Variant, parse_parallel, usable_cores
-from tradeloop.study.worker import (MEMORY_HEADROOM, RUN_MEMORY_FILE, SPREAD_S, WARM_FILE, gpu_slots,
-                                    runs_that_fit, start_plan, start_workers)
+from tradeloop.study.worker import (MEMORY_HEADROOM, RUN_MEMORY_FILE, SPREAD_S, WARM_FILE, first_fills_cache,
+                                    gpu_slots, runs_that_fit, start_plan, start_workers)
 
 GIB = 2 ** 30
 
@@ -55,6 +55,23 @@ def test_workers_sharing_a_gpu_start_spread_apart_after_the_warm_compile_and_on_
     assert start_plan(_spec(device="cpu"), tmp_path, 2, []) == [(0.0, 0.0, 0.0)] * 2
     assert start_plan(_spec(device="cuda", stagger="2.5"), tmp_path, 3, ["0"]) == [(0.0, 0.0, 0.0), (0.0, 2.5, 0.0),
                                                                                    (0.0, 5.0, 0.0)]
+
+
+def test_the_study_says_so_when_its_first_worker_runs_alone(tmp_path: Path):
+    """The workers after the first wait exactly when the study says so: on a GPU or with a compiled accel, under
+    `--stagger auto`, until a run of the directory has finished an epoch; the line names the GPU memory on a GPU."""
+    from tradeloop.study.runner import first_alone_line
+
+    gpu = _spec(device="cuda")
+    assert first_fills_cache(gpu, tmp_path, ["0"])
+    assert not first_fills_cache(_spec(device="cpu"), tmp_path, [])
+    assert not first_fills_cache(_spec(device="cuda", stagger="2.5"), tmp_path, ["0"])
+    assert "worker 0 starts alone" in first_alone_line(["0"]) and "GPU memory" in first_alone_line(["0"])
+    assert "GPU memory" not in first_alone_line([])
+    (tmp_path / WARM_FILE).parent.mkdir(parents=True)
+    (tmp_path / WARM_FILE).write_text("measured\n")
+    assert not first_fills_cache(gpu, tmp_path, ["0"])
+    assert all(w == 0.0 for w, _, _ in start_plan(gpu, tmp_path, 3, ["0"]))
 
 
 def test_parallel_auto_is_a_worker_per_core_on_a_cpu_and_a_worker_per_core_per_gpu_on_cuda(monkeypatch):

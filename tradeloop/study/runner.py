@@ -32,7 +32,7 @@ from tradeloop.study.interrupt import sigterm_interrupts, stopped_how
 from tradeloop.study.loop import write_json_atomic
 from tradeloop.study.report import BackgroundBaselines, write_results
 from tradeloop.study.spec import StudyError, StudyInterrupted, StudySpec, parse_parallel, usable_cores
-from tradeloop.study.worker import WARM_FILE, start_workers, visible_gpus
+from tradeloop.study.worker import WARM_FILE, first_fills_cache, start_workers, visible_gpus
 
 
 class GpuSampler:
@@ -256,6 +256,8 @@ def run_study(spec: StudySpec, out: Path, console=None, redis_url: str | None = 
             for _ in range(P):
                 tasks.put(None)
             source = ("local", tasks, events)
+        if P > 1 and first_fills_cache(spec, out, gpus):
+            console.print(first_alone_line(gpus), markup=False, highlight=False)
     with sigterm_interrupts() as term:
         if pending:
             try:
@@ -294,6 +296,15 @@ def run_study(spec: StudySpec, out: Path, console=None, redis_url: str | None = 
             status.update(force=True, state="interrupted", running={}, stopped={})
             raise StudyInterrupted(f"{stopped_how(exc)} while writing the results (the runs are done and kept): run "
                                    "the same command again to write them") from None
+
+
+def first_alone_line(gpus: list[str]) -> str:
+    """What the study says while its first worker runs alone (`first_fills_cache`): the idle minute or two of a
+    machine that has never compiled the configuration (77–88 s on an H100 or H200, bench/README.md 2026-12-07 ·
+    483ccf8) is expected, and a later study skips it."""
+    memory = " and measures the GPU memory a run holds" if gpus else ""
+    return (f"worker 0 starts alone: its first epoch fills the shared compile cache{memory}, then the others start "
+            "(compiling takes a minute or two where this configuration was never compiled; a later study loads it)")
 
 
 def _results(spec: StudySpec, out: Path, status: Status, baseline_job: BackgroundBaselines, workers: list,

@@ -418,6 +418,12 @@ def visible_gpus() -> list[str]:
     return [str(i) for i in range(torch.cuda.device_count())]
 
 
+def first_fills_cache(spec: StudySpec, out: Path, gpus: list[str]) -> bool:
+    """Whether the workers after the first wait for its first epoch (`start_plan`): `--stagger auto`, a compiled
+    accel or a GPU, and no run of this out directory has finished an epoch yet (`WARM_FILE`)."""
+    return spec.stagger == "auto" and (spec.compiled() or bool(gpus)) and not (out / WARM_FILE).exists()
+
+
 def start_plan(spec: StudySpec, out: Path, P: int, gpus: list[str]) -> list[tuple[float, float, float]]:
     """Per worker (wait for the warm cache ≤ s, delay s, spread s): `--stagger auto` — with a compiled accel or on a
     GPU, the workers after the first wait (≤ 10 min) for the first epoch of any run, so that its compile fills the
@@ -425,15 +431,10 @@ def start_plan(spec: StudySpec, out: Path, P: int, gpus: list[str]) -> list[tupl
     later (a resumed study's too). `--stagger SECONDS`: worker i starts i × SECONDS after the first, nothing else."""
     auto = spec.stagger == "auto"
     fixed = 0.0 if auto else float(spec.stagger)
-    compiled, warm = spec.compiled(), (out / WARM_FILE).exists()
-    plan = []
-    for i in range(P):
-        gpu = gpus[i % len(gpus)] if gpus else None
-        first = auto and (compiled or gpu is not None) and not warm
-        shared = gpu is not None and P > len(gpus)
-        plan.append((600.0 if first and i > 0 else 0.0, i * fixed,
-                     (i // len(gpus)) * SPREAD_S if auto and shared else 0.0))
-    return plan
+    first = first_fills_cache(spec, out, gpus)
+    shared = bool(gpus) and P > len(gpus)
+    return [(600.0 if first and i > 0 else 0.0, i * fixed, (i // len(gpus)) * SPREAD_S if auto and shared else 0.0)
+            for i in range(P)]
 
 
 def start_workers(ctx, spec: StudySpec, out: Path, source: tuple, P: int, gpus: list[str], threads: int,
