@@ -306,7 +306,9 @@ class ConsumerWorker:
             lag_task.cancel()
 
     async def _lag_loop(self) -> None:
-        while True:
+        from shared.bus import cancel_requested
+
+        while not cancel_requested():
             try:
                 self.state.stream_lag = await self.consumer.lag()
                 st = self.consumer.stats
@@ -327,7 +329,9 @@ def consumer_lifespan(worker: ConsumerWorker, name: str):
     state, bus = worker.state, worker.bus
 
     async def run_worker() -> None:
-        while True:
+        from shared.bus import cancel_requested
+
+        while not cancel_requested():
             try:
                 await worker.run()
                 return

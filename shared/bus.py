@@ -73,6 +73,15 @@ return false
 """
 
 
+def cancel_requested() -> bool:
+    """Whether the running task has been asked to stop. redis-py's asyncio client can finish a command that a cancel
+    interrupted and return normally, the CancelledError swallowed (`tests/test_bus.py` cancels such a loop mid-command),
+    so a loop that awaits Redis checks this each turn instead of trusting the error to arrive: a service whose
+    background loop outlives its cancel never completes its shutdown."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
 class Backoff:
     """Exponential backoff with full jitter: delay_k = U(0.5, 1) · min(cap, base · 2^k)."""
 
@@ -252,7 +261,7 @@ class Consumer:
         """Consume until `stop()`: never raises for Redis errors or bad entries (they are counted)."""
         self._stop.clear()
         ready = False
-        while not self._stop.is_set():
+        while not self._stop.is_set() and not cancel_requested():
             try:
                 if not ready:
                     await self._recover()

@@ -275,3 +275,33 @@ async def test_redis_password_with_url_reserved_characters(tmp_path, run_id, mon
             load_settings(FeedbackSettings)
     finally:
         server.stop()
+
+
+async def test_a_loop_polling_redis_ends_on_cancel_though_a_command_swallows_it(redis_url, run_id):
+    """redis-py's asyncio client can finish a command that a cancel interrupted and return normally, the
+    CancelledError gone: a service loop written `while True` then outlives its cancel, and the service's shutdown,
+    which waits for it, never completes (a trainer that failed kept its process for good). The services' loops turn
+    on `cancel_requested()`; cancelled at random moments while their commands are in flight, every one ends."""
+    import random
+
+    import redis.asyncio as aredis
+
+    from shared.bus import cancel_requested
+
+    r = aredis.Redis.from_url(redis_url, socket_timeout=0.05)
+    await r.xadd(f"{run_id}:s", {"a": 1})
+
+    async def poll() -> None:
+        while not cancel_requested():
+            await r.xinfo_stream(f"{run_id}:s")
+
+    rng = random.Random(0)
+    try:
+        for _ in range(30):
+            task = asyncio.create_task(poll())
+            await asyncio.sleep(rng.random() * 0.003)
+            task.cancel()
+            done, _ = await asyncio.wait({task}, timeout=2.0)
+            assert done, "the loop went on after its cancel"
+    finally:
+        await r.aclose()

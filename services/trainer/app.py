@@ -22,7 +22,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from services.trainer.worker import TrainerServiceSettings, TrainerWorker, read_history
 from shared.api import TOKEN_ERRORS, create_service_app, require_token, service_plumbing
 from shared.api_models import EpochRecord, Paused, Stopping, TrainerStatus, errors
-from shared.bus import REDIS_DOWN, Backoff
+from shared.bus import REDIS_DOWN, Backoff, cancel_requested
 from shared.config import TRAINER_STOP_WAIT_S as STOP_WAIT_S
 from shared.config import load_settings
 
@@ -37,7 +37,7 @@ def create_app(settings: TrainerServiceSettings | None = None) -> FastAPI:
 
     async def run_worker() -> None:
         backoff = Backoff()
-        while True:
+        while not cancel_requested():
             try:
                 await bus.connect()
                 await worker.run()
@@ -60,7 +60,7 @@ def create_app(settings: TrainerServiceSettings | None = None) -> FastAPI:
                 return
 
     async def refresh_lag() -> None:
-        while True:
+        while not cancel_requested():
             try:
                 state.stream_lag = await worker.lag()
                 state.gauges["dead_letters"] = await bus.redis.xlen(bus.stream("dead"))
