@@ -399,6 +399,7 @@ def baselines(spec: StudySpec, out: Path, processes: int = 1, slots: threading.S
     units = _cached_units(spec, path)
     keys = [(seed, k) for seed in spec.seeds for k in range(spec.folds)]
     todo = [(s, k) for s, k in keys if f"{s}-{k}" not in units]
+    doc = spec.to_dict()
 
     def keep(s: int, k: int, rows: list[dict]) -> None:
         units[f"{s}-{k}"] = rows
@@ -422,7 +423,7 @@ def baselines(spec: StudySpec, out: Path, processes: int = 1, slots: threading.S
             for s, k in todo:
                 while slots is not None and not slots.acquire(timeout=0.2):
                     kept()
-                running[(s, k)] = pool.apply_async(_baseline_unit, (spec.to_dict(), s, k))
+                running[(s, k)] = pool.apply_async(_baseline_unit, (doc, s, k))
                 kept()
             while running:
                 next(iter(running.values())).wait(0.2)
@@ -432,7 +433,7 @@ def baselines(spec: StudySpec, out: Path, processes: int = 1, slots: threading.S
             pool.join()
     else:
         for s, k in todo:
-            keep(s, k, _baseline_unit(spec.to_dict(), s, k))
+            keep(s, k, _baseline_unit(doc, s, k))
     return [row for s, k in keys for row in units[f"{s}-{k}"]]
 
 
