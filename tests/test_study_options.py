@@ -207,3 +207,28 @@ def test_seeds_are_a_count_of_at_least_one_or_a_list():
         parse_seeds(-2)
     with pytest.raises(StudyError, match="expected a count N"):
         parse_seeds("three")
+
+
+def _cli(**given):
+    return {**{k: None for k in TOML_KEYS}, "config": None, "dataset": "synthetic", "epochs": 1, "out": "o", **given}
+
+
+@pytest.mark.parametrize("given, message", [
+    (dict(bars="auto", window_trades=0), r"^--window-trades must be an integer ≥ 1, got 0$"),
+    (dict(bars="auto", window_trades="many"), r"^--window-trades must be an integer ≥ 1, got 'many'$"),
+    (dict(bars=5000, window_trades=300), r"^--window-trades sizes the data with --bars auto only"),
+    (dict(window_trades=300), r"^--window-trades sizes the data with --bars auto only"),
+    (dict(seeds="-1"), r"^--seeds: a count N"),
+    (dict(parallel="zero"), r"^--parallel must be"),
+])
+def test_a_bad_option_on_the_command_line_is_named_as_given(given, message):
+    """Without --config, a bad value is named by its option alone (no '--config:' before it), and --window-trades,
+    which sizes --bars auto, is neither ignored beside a number of bars nor taken below 1."""
+    with pytest.raises(StudyError, match=message):
+        build_spec(_cli(**given))
+
+
+def test_window_trades_sizes_bars_auto():
+    small, _ = build_spec(_cli(bars="auto", window_trades=50, folds=2))
+    large, _ = build_spec(_cli(bars="auto", window_trades=400, folds=2))
+    assert small.bars < large.bars

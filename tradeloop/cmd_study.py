@@ -77,10 +77,19 @@ def build_spec(cli: dict[str, Any]):
             settings.append(parse_setting(k, v, "--set"))
     folds = int(pick("folds", 3))
     bars = pick("bars")
+    window_trades = pick("window_trades")
     if bars is not None and str(bars).strip().lower() == "auto":
         if str(dataset).strip().lower() != "synthetic":
             raise StudyError("--bars auto sizes the synthetic market only; give a number for a file")
-        bars = synthetic_bars_for(int(pick("window_trades", 200)), folds)
+        try:
+            window_trades = int(200 if window_trades is None else window_trades)
+        except (TypeError, ValueError):
+            raise StudyError(f"--window-trades must be an integer ≥ 1, got {window_trades!r}") from None
+        if window_trades < 1:
+            raise StudyError(f"--window-trades must be an integer ≥ 1, got {window_trades}")
+        bars = synthetic_bars_for(window_trades, folds)
+    elif window_trades is not None:
+        raise StudyError("--window-trades sizes the data with --bars auto only; give --bars auto, or drop it")
     elif bars is not None:
         try:
             bars = int(bars)
@@ -107,7 +116,7 @@ def build_spec(cli: dict[str, Any]):
             mps_share=int(pick("mps_share", 100)), iteration_sms=int(pick("iteration_sms", 0)),
             lockstep=int(pick("lockstep", 1)))
     except (TypeError, ValueError) as exc:
-        raise StudyError(f"{where}: {exc}") from None
+        raise StudyError(str(exc) if cli.get("config") is None else f"{where}: {exc}") from None
     return spec.validate(), Path(out)
 
 

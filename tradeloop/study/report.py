@@ -169,8 +169,9 @@ def markdown(res: dict) -> str:
     if first:
         lines += ["", "The first epoch against the later ones (paired, val per-trade Sharpe; a variant that changes "
                   "training only after epoch 1 trains epoch 1 as the reference does, so its difference there is the "
-                  f"pairing's noise): epoch 1 {', '.join(first)}; the mean of epochs 2–{s['epochs']} "
-                  f"{', '.join(later)}."]
+                  f"pairing's noise): epoch 1 {', '.join(first)}; "
+                  + (f"the mean of epochs 2–{s['epochs']} " if s['epochs'] > 2 else "epoch 2 ")
+                  + f"{', '.join(later)}."]
     fit = []
     for name, ins in res.get("curves_insample", {}).items():
         a, v = first_then_later(ins), first_then_later({u: res["curves"][name][u] for u in ins})
