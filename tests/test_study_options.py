@@ -189,6 +189,11 @@ def test_the_shipped_study_files_build(path: Path, tmp_path: Path):
         gamma = json.loads((path.parents[1] / "docs/study-h200-gamma/results.json").read_text())["study"]
         assert (spec.folds, spec.bars, spec.epochs) == (gamma["folds"], gamma["bars"], gamma["epochs"])
         assert not set(spec.seeds) & set(gamma["seeds"]) and len(spec.seeds) == 5      # new units, as many
+    elif path.name == "real-series.toml":   # the fixed schedule and the rollback alone on a bundled real series
+        cfgs = {v.name: spec.configs(v, 14)[0] for v in spec.variants}
+        assert spec.dataset == "sp500" and spec.bars is None and len(spec.seeds) >= 5 and spec.folds >= 3
+        assert not offs["off"].enabled and offs["rollback"].enabled and set(offs["rollback"].off) == signals
+        assert cfgs["off"] == cfgs["rollback"] and spec.reference == "off"
     else:                                    # rollback-settings.toml: the rollback's z, learning-rate decay, blend
         want = {"on": (2.0, 1.0, 0.0), "z1": (1.0, 1.0, 0.0), "anneal": (2.0, 0.5, 0.0), "keep": (2.0, 1.0, 0.5)}
         assert {n: (fb.rollback_z, fb.rollback_lr_factor, fb.rollback_keep)
