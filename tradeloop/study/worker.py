@@ -20,6 +20,7 @@ import gc
 import hashlib
 import itertools
 import json
+import multiprocessing.util
 import os
 import signal
 import time
@@ -240,6 +241,20 @@ class LocalSource:
         pass
 
 
+def exit_on_sigterm(signum, frame) -> None:
+    """A worker's SIGTERM (the study stopping it, or a signal to the study's whole group): end as multiprocessing
+    ends a child that returns — its finalizers run, among them torch.compile's, which shuts its pool of compile
+    processes down and frees the semaphores the pool holds (a worker ended where it stood left them to the resource
+    tracker's "leaked semaphore" warning) — then exit. Not by raising: a SystemExit raised inside a `__del__` is
+    printed and swallowed, and the worker would train on. Only the first is taken; a worker whose finalizers hang is
+    killed with the study (`die_with_parent`)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        multiprocessing.util._exit_function()
+    finally:
+        os._exit(128 + signum)
+
+
 def worker_main(index: int, gpu: str | None, out: str, source: tuple, threads: int, wait_warm: float,
                 delay: float, parent_pid: int, extra_env: dict[str, str] | None = None, slot: int = 0,
                 spread: float = 0.0) -> None:
@@ -251,6 +266,7 @@ def worker_main(index: int, gpu: str | None, out: str, source: tuple, threads: i
     if os.getppid() != parent_pid:
         return
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the study process's to handle: it stops the workers
+    signal.signal(signal.SIGTERM, exit_on_sigterm)
     out_p = Path(out)
     spec = StudySpec.from_dict(json.loads((out_p / "study.json").read_text())["spec"])
     for k, v in worker_env(out_p, gpu, spec.deterministic, spec.iteration_sms, slot).items():
