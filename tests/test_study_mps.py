@@ -138,6 +138,9 @@ def test_the_timing_line_gives_an_epochs_parts_after_each_runs_first():
                        "gpu_busy_pct": {}, "epoch_parts_s": p})
     assert ("an epoch's parts (median after each run's first epoch): set-up 0.25 s, training 2.00 s, evaluation "
             "0.50 s, writing 0.75 s, restoring a rollback's learner 0.75 s (2 epochs began from one)") in line
+    one = fmt_timing({"wall_s": 10.0, "runs_at_once": 1, "epochs_trained": 3, "epochs_per_s": 0.3,
+                      "gpu_busy_pct": {}, "epoch_parts_s": part_medians(runs[:1])})
+    assert "restoring a rollback's learner 0.50 s (1 epoch began from one)" in one
     old = part_medians([[{"train_s": 5.0, "eval_s": 1.0}, {"train_s": 1.0, "eval_s": 0.5}]])
     assert old["setup"] is None and old["rollback"] is None and old["rollbacks"] == 0
     assert fmt_timing({"wall_s": 1.0, "runs_at_once": 1, "epochs_trained": 2, "epochs_per_s": 2.0,

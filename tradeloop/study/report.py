@@ -509,7 +509,9 @@ def _fmt_parts(p: dict) -> str:
     names = {"setup": "set-up", "train": "training", "eval": "evaluation", "save": "writing"}
     cells = [f"{name} {p[k]:.2f} s" for k, name in names.items() if p.get(k) is not None]
     if p.get("rollback") is not None:
-        cells.append(f"restoring a rollback's learner {p['rollback']:.2f} s ({p['rollbacks']} epoch{'s' if p['rollbacks'] != 1 else ''} began from one)")
+        n = p["rollbacks"]
+        cells.append(f"restoring a rollback's learner {p['rollback']:.2f} s ({n} epoch{'s' if n != 1 else ''} began "
+                     "from one)")
     return f"; an epoch's parts (median after each run's first epoch): {', '.join(cells)}" if cells else ""
 
 
