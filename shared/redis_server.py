@@ -85,7 +85,10 @@ def check_redis_version(info: dict, where: str = "Redis") -> str:
 
 def check_redis_url(url: str, timeout_s: float = 5.0) -> str:
     """Connect to `url`, PING, check the version; return it. Raise RedisServerError with the reason."""
-    client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+    try:
+        client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+    except ValueError as exc:        # not a Redis URL: redis-py names the schemes it takes
+        raise RedisServerError(f"{redact_url(url)}: not a Redis URL ({exc})") from None
     try:
         client.ping()
         return check_redis_version(client.info("server"), where=redact_url(url))

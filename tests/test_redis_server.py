@@ -99,6 +99,12 @@ def test_a_socket_path_with_spaces_round_trips_through_the_url(tmp_path):
         c.close()
 
 
+@pytest.mark.parametrize("url", ["notaurl", "http://127.0.0.1:6379", "redis://:pw@"])
+def test_a_string_that_is_no_redis_url_is_a_clear_error(url):
+    with pytest.raises(RedisServerError, match=r"not a Redis URL|cannot use Redis"):
+        check_redis_url(url, timeout_s=1)
+
+
 def test_unreachable_url_is_a_clear_error(tmp_path):
     with EmbeddedRedis(tmp_path / "r", tcp=True) as server:
         bad = server.url.replace(server.password, "wrong")

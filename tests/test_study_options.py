@@ -237,3 +237,39 @@ def test_window_trades_sizes_bars_auto():
     small, _ = build_spec(_cli(bars="auto", window_trades=50, folds=2))
     large, _ = build_spec(_cli(bars="auto", window_trades=400, folds=2))
     assert small.bars < large.bars
+
+
+@pytest.mark.parametrize("body, message", [
+    ('folds = "x"', r"--config .*s\.toml: folds must be an integer, got 'x'$"),
+    ("folds = true", r"--config .*s\.toml: folds must be an integer, got True$"),
+    ("epochs = 2.9", r"--config .*s\.toml: epochs must be an integer, got 2\.9$"),
+    ('deterministic = "false"', r"--config .*s\.toml: deterministic must be true or false, got 'false'$"),
+    ("lockstep = 1.5", r"--config .*s\.toml: lockstep must be an integer, got 1\.5$"),
+    ("set = 3", r"--config .*s\.toml: set must be a list of \"KEY=VALUE\" strings or a table, got 3$"),
+])
+def test_a_study_file_value_of_the_wrong_type_is_refused_not_turned_into_another(tmp_path: Path, body, message):
+    """int() and bool() would take these (folds 1, epochs 2, deterministic True): the file's key is named instead."""
+    keys = {"dataset": '"synthetic"', "out": '"o"', "epochs": "1"}
+    key, value = body.split(" = ", 1)
+    keys[key] = value
+    f = tmp_path / "s.toml"
+    f.write_text("".join(f"{k} = {v}\n" for k, v in keys.items()))
+    with pytest.raises(StudyError, match=message):
+        build_spec({**{k: None for k in TOML_KEYS}, "config": f})
+
+
+def test_a_study_file_takes_a_lone_setting_and_integers_as_strings(tmp_path: Path):
+    f = tmp_path / "s.toml"
+    f.write_text('dataset = "synthetic"\nout = "o"\nepochs = "2"\nfolds = 2\nset = "iterations=30"\n'
+                 "deterministic = true\n")
+    spec, _ = build_spec({**{k: None for k in TOML_KEYS}, "config": f})
+    assert (spec.epochs, spec.folds, spec.deterministic) == (2, 2, True)
+    assert spec.settings == [("train.iterations", 30)]
+    cli, _ = build_spec({**{k: None for k in TOML_KEYS}, "config": f, "epochs": 3})   # the command line wins
+    assert cli.epochs == 3
+
+
+def test_the_banner_counts_in_the_singular():
+    from tradeloop.cmd_study import counted
+
+    assert (counted(1, "run"), counted(2, "run"), counted(0, "seed")) == ("1 run", "2 runs", "0 seeds")

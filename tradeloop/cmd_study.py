@@ -43,6 +43,11 @@ def parse_seeds(value: Any, where: str = "--seeds") -> list[int]:
     return list(range(n))
 
 
+def counted(n: int, noun: str) -> str:
+    """'1 run', '3 runs'."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def build_spec(cli: dict[str, Any]):
     """The StudySpec and out directory from the command line's values (None: not given) merged over --config."""
     from tradeloop.study.spec import (StudyError, StudySpec, parse_parallel, parse_setting, parse_variants, read_toml,
@@ -58,6 +63,27 @@ def build_spec(cli: dict[str, Any]):
         if unknown:
             raise StudyError(f"{where}: unknown keys {', '.join(unknown)} (known: {', '.join(TOML_KEYS)})")
     pick = lambda k, default=None: cli[k] if cli.get(k) is not None else conf.get(k, default)  # noqa: E731
+
+    def named(k: str) -> str:
+        """How an error names key `k`: by its option where the command line gave it, else as the study file's key."""
+        flag = "--" + k.replace("_", "-")
+        return flag if cli.get(k) is not None or k not in conf else f"{where}: {k}"
+
+    def integer(k: str, default: Any = None) -> Any:
+        """Key `k` as an int (None where neither gives it): an integer, or a string of one; never a bool or a
+        float, which int() would turn into another number."""
+        v = pick(k, default)
+        if v is None or (isinstance(v, int) and not isinstance(v, bool)):
+            return v
+        if isinstance(v, str) and v.strip().lstrip("+-").isdigit():
+            return int(v)
+        raise StudyError(f"{named(k)} must be an integer, got {v!r}")
+
+    def boolean(k: str, default: bool) -> bool:
+        v = pick(k, default)
+        if not isinstance(v, bool):
+            raise StudyError(f"{named(k)} must be true or false, got {v!r}")
+        return v
     dataset = pick("dataset")
     if not dataset:
         raise StudyError("--dataset is required (synthetic, sp500, eurusd or a CSV/Parquet file)")
@@ -67,6 +93,10 @@ def build_spec(cli: dict[str, Any]):
         variants = variants_from_toml(conf.get("variants", "on,off"), where)
     settings = []
     raw_set = cli["set"] if cli.get("set") else conf.get("set", [])
+    if isinstance(raw_set, str):                  # one KEY=VALUE
+        raw_set = [raw_set]
+    elif not isinstance(raw_set, (list, dict)):
+        raise StudyError(f"{named('set')} must be a list of \"KEY=VALUE\" strings or a table, got {raw_set!r}")
     if isinstance(raw_set, dict):
         from tradeloop.study.spec import _flatten
 
@@ -75,27 +105,28 @@ def build_spec(cli: dict[str, Any]):
         for item in raw_set:
             k, v = split_assignment(str(item), "--set")
             settings.append(parse_setting(k, v, "--set"))
-    folds = int(pick("folds", 3))
+    folds = integer("folds", 3)
     bars = pick("bars")
     window_trades = pick("window_trades")
     if bars is not None and str(bars).strip().lower() == "auto":
         if str(dataset).strip().lower() != "synthetic":
-            raise StudyError("--bars auto sizes the synthetic market only; give a number for a file")
+            raise StudyError(f"--bars auto sizes the synthetic market only; with {dataset} give a number of bars, "
+                             "or leave --bars out for all of them")
         try:
-            window_trades = int(200 if window_trades is None else window_trades)
-        except (TypeError, ValueError):
-            raise StudyError(f"--window-trades must be an integer ≥ 1, got {window_trades!r}") from None
+            window_trades = integer("window_trades", 200)
+        except StudyError:
+            raise StudyError(f"{named('window_trades')} must be an integer ≥ 1, got {window_trades!r}") from None
         if window_trades < 1:
-            raise StudyError(f"--window-trades must be an integer ≥ 1, got {window_trades}")
+            raise StudyError(f"{named('window_trades')} must be an integer ≥ 1, got {window_trades}")
         bars = synthetic_bars_for(window_trades, folds)
     elif window_trades is not None:
         raise StudyError("--window-trades sizes the data with --bars auto only; give --bars auto, or drop it")
     elif bars is not None:
         try:
-            bars = int(bars)
-        except (TypeError, ValueError):
-            raise StudyError(f"--bars must be a number of bars or auto, got {bars!r}") from None
-    epochs = pick("epochs")
+            bars = integer("bars")
+        except StudyError:
+            raise StudyError(f"{named('bars')} must be a number of bars or auto, got {bars!r}") from None
+    epochs = integer("epochs")
     if epochs is None:
         raise StudyError("--epochs is required")
     out = pick("out")
@@ -104,17 +135,19 @@ def build_spec(cli: dict[str, Any]):
     try:
         spec = StudySpec(
             dataset=str(dataset), variants=variants, seeds=parse_seeds(pick("seeds", 3)), folds=folds,
-            epochs=int(epochs), preset=str(pick("preset", "small")), settings=settings, bars=bars,
-            data_seed=None if pick("data_seed") is None else int(pick("data_seed")),
-            seeds_per_market=int(pick("seeds_per_market", 1)),
+            epochs=epochs, preset=str(pick("preset", "small")), settings=settings, bars=bars,
+            data_seed=integer("data_seed"),
+            seeds_per_market=integer("seeds_per_market", 1),
             device=str(pick("device", "cpu")), accel=str(pick("accel", "auto")),
-            deterministic=bool(pick("deterministic", False)), min_val_trades=int(pick("min_val_trades", 20)),
-            reference=pick("reference"), n_boot=int(pick("n_boot", 10_000)), ci_seed=int(pick("ci_seed", 0)),
+            deterministic=boolean("deterministic", False), min_val_trades=integer("min_val_trades", 20),
+            reference=pick("reference"), n_boot=integer("n_boot", 10_000), ci_seed=integer("ci_seed", 0),
             parallel=parse_parallel(pick("parallel", "auto"), str(pick("device", "cpu"))),
-            threads=None if pick("threads") is None else int(pick("threads")),
+            threads=integer("threads"),
             stagger=str(pick("stagger", "auto")), mps=str(pick("mps", "auto")).strip().lower(),
-            mps_share=int(pick("mps_share", 100)), iteration_sms=int(pick("iteration_sms", 0)),
-            lockstep=int(pick("lockstep", 1)))
+            mps_share=integer("mps_share", 100), iteration_sms=integer("iteration_sms", 0),
+            lockstep=integer("lockstep", 1))
+    except StudyError:
+        raise
     except (TypeError, ValueError) as exc:
         raise StudyError(str(exc) if cli.get("config") is None else f"{where}: {exc}") from None
     return spec.validate(), Path(out)
@@ -246,14 +279,17 @@ def study(
         err.print(f"error: {exc}", markup=False, highlight=False)
         raise typer.Exit(2) from None
     console = Console(soft_wrap=True)
-    console.print(f"study: {len(spec.variants)} variants × {len(spec.seeds)} seeds × {spec.folds} folds = "
-                  f"{len(spec.runs())} runs of {spec.epochs} epochs, {spec.parallel} at once"
-                  f"{' at most (those that fit each GPU)' if spec.device != 'cpu' else ''}, in {out_dir}",
-                  markup=False, highlight=False)
+    n_runs = len(spec.runs())
+    here = (f"{min(spec.parallel, n_runs)} at once" + (" at most (those that fit each GPU)" if spec.device != "cpu"
+                                                         else "") if spec.parallel > 0 else "none here")
+    console.print(f"study: {counted(len(spec.variants), 'variant')} × {counted(len(spec.seeds), 'seed')} × "
+                  f"{counted(spec.folds, 'fold')} = {counted(n_runs, 'run')} of {counted(spec.epochs, 'epoch')}, "
+                  f"{here}, in {out_dir}", markup=False, highlight=False)
     for name in spec.acting_on_nothing():
-        console.print(f"note: variant {name!r} switches every signal and the rollback off (the product's default): "
-                      "it trains as the fixed schedule does; a variant switches one on by leaving it out of `off` "
-                      "(e.g. 'rollback:off=E1+E2+E3+E4+E5+E6+E7+E8+E9')", markup=False, highlight=False)
+        console.print(f"note: variant {name!r} switches every signal and the rollback off (the product's default), "
+                      "so its feedback changes nothing: it trains as the fixed schedule would under its settings; a "
+                      "variant switches one on by leaving it out of `off` (e.g. "
+                      "'rollback:off=E1+E2+E3+E4+E5+E6+E7+E8+E9')", markup=False, highlight=False)
     try:
         res = run_study(spec, out_dir, console, redis_url=redis)
     except (StudyError, RedisServerError) as exc:

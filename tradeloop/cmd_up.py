@@ -38,6 +38,7 @@ This module parses and checks the options; the launcher itself is `tradeloop.up`
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import typer
@@ -62,6 +63,21 @@ def _check_dataset(dataset: str) -> None:
     except DataError as exc:
         err(f"--dataset {dataset}: {exc}")
         raise typer.Exit(2)
+
+
+def file_problem(path: Path, option: str) -> str | None:
+    """Why `path` cannot be written as a file (None: it can be, its missing folders made): it is a directory, or
+    the nearest existing folder above it is a file or not writable."""
+    if path.is_dir():
+        return f"{option} {path}: is a directory; give the path of a file"
+    above = path.absolute().parent
+    while not above.exists() and above != above.parent:
+        above = above.parent
+    if not above.is_dir():
+        return f"{option} {path}: {above} is a file, not a folder"
+    if not os.access(above, os.W_OK | os.X_OK):
+        return f"{option} {path}: {above} is not writable"
+    return None
 
 
 def check_settings(cfg: dict, feedback_timeout: float, timeout: float) -> list[str]:
@@ -140,6 +156,8 @@ def register(app: typer.Typer) -> None:
         else:
             cfg = {k: given[k] if given[k] is not None else DEFAULTS[k] for k in DEFAULTS}
         problems = check_settings(cfg, feedback_timeout, timeout)
+        if summary is not None and file_problem(summary, "--summary"):
+            problems.append(file_problem(summary, "--summary"))
         if problems:
             for p in problems:
                 err(p)

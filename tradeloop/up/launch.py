@@ -188,8 +188,10 @@ def run_up(*, epochs: int, dataset: str, device: str, summary: Path | None, eval
                "restarts": {p.name: p.restarts for p in procs}}
         if failure is not None:
             doc["loop_error"] = failure
-        best = write_summary(doc, redis_url, run_path, summary)
-        say(f"summary written to {summary}")
+        best, unwritten = write_summary(doc, redis_url, run_path, summary)
+        say(f"summary written to {run_path / 'summary.json' if unwritten else summary}")
+        if unwritten:
+            say(f"--summary {summary}: not written ({unwritten}); the run's summary above holds the same")
         if status != "completed":
             say(f"to continue this run: {resume_hint(run_id, run_path.parent)}")
         if best is not None:
@@ -207,9 +209,11 @@ def run_up(*, epochs: int, dataset: str, device: str, summary: Path | None, eval
     return EXIT_CODES[status]
 
 
-def write_summary(head: dict, redis_url: str, run_path: Path, summary: Path) -> dict | None:
+def write_summary(head: dict, redis_url: str, run_path: Path, summary: Path) -> tuple[dict | None, str | None]:
     """Write the run's summary (`head`, then the epochs read from Redis, then the best checkpoint by validation) to
-    `<run>/summary.json`, which `tradeloop evaluate` reads, and to `summary`; returns the best checkpoint or None."""
+    `<run>/summary.json`, which `tradeloop evaluate` reads, then to `summary`. Returns (the best checkpoint or None,
+    why `summary` could not be written or None): the run's own file is written first, so a bad `summary` loses
+    nothing."""
     from services.evaluator.runs import best_of_summary
 
     try:
@@ -219,7 +223,13 @@ def write_summary(head: dict, redis_url: str, run_path: Path, summary: Path) -> 
     doc = {**head, **rows}
     doc["epochs_completed"] = len(rows["epochs"])
     doc["best_checkpoint"] = best = best_of_summary(doc["epochs"], run_path)
-    for path in dict.fromkeys((summary, run_path / "summary.json")):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(doc, indent=2))
-    return best
+    text = json.dumps(doc, indent=2)
+    (run_path / "summary.json").write_text(text)
+    if summary.resolve() == (run_path / "summary.json").resolve():
+        return best, None
+    try:
+        summary.parent.mkdir(parents=True, exist_ok=True)
+        summary.write_text(text)
+    except OSError as exc:
+        return best, exc.strerror or str(exc)
+    return best, None

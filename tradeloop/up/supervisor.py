@@ -123,7 +123,8 @@ class Supervisor:
                  hurry: Callable[[], bool] = lambda: False) -> dict[str, str]:
         """SIGTERM every child (trainer first) and wait for each up to its grace — the trainer's covers the
         iteration in hand and the save of its state — then SIGKILL what is left; everything at once when `hurry()`
-        turns True (a second Ctrl-C). Returns name → how it ended ("exited 0", "killed after 150 s", ...)."""
+        turns True (a second Ctrl-C). Returns name → how it ended ("exited 0", "stopped by SIGTERM", "killed after
+        150 s", ...)."""
         self.stopping = True
         order = sorted(self.procs, key=lambda p: {"trainer": 0, "dashboard": 1}.get(p.service, 2))
         for p in order:
@@ -138,8 +139,8 @@ class Supervisor:
             for p in list(waiting):
                 code = p.proc.poll()
                 grace = trainer_grace_s if p.service == "trainer" else grace_s
-                if code is not None:
-                    ended[p.name] = f"exited {code}"
+                if code is not None:       # -SIGTERM: ended by the signal sent above, as asked
+                    ended[p.name] = "stopped by SIGTERM" if code == -signal.SIGTERM else f"exited {code}"
                 elif rushed or now - t0 > grace:
                     p.proc.kill()
                     p.proc.wait()

@@ -1,0 +1,63 @@
+"""`tradeloop up --summary FILE`: a path that cannot be written is refused before anything starts, and the run's
+own summary is written before the copy, so a copy that fails at the end loses nothing."""
+import json
+
+from typer.testing import CliRunner
+
+from tradeloop.cli import app
+from tradeloop.up.launch import write_summary
+
+
+def test_a_summary_path_that_cannot_be_a_file_is_refused_before_the_run_starts(tmp_path):
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    a_file = tmp_path / "bars.csv"
+    a_file.write_text("x\n")
+    for given, message in [(tmp_path, "is a directory; give the path of a file"),
+                           (a_file / "s.json", f"{a_file} is a file, not a folder"),
+                           (a_file / "deeper" / "s.json", f"{a_file} is a file, not a folder")]:
+        r = CliRunner().invoke(app, ["up", "--epochs", "1", "--run-dir", str(runs), "--summary", str(given),
+                                     "--no-dashboard"])
+        assert r.exit_code == 2 and f"--summary {given}: {message}" in r.stderr, r.output
+        assert "Traceback" not in r.output
+    assert not any(runs.iterdir())                      # nothing started, no run directory left
+
+
+def test_the_runs_summary_is_written_when_the_copy_cannot_be(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    blocker = tmp_path / "blocker"
+    blocker.write_text("")
+    head = {"run_id": "r", "status": "completed"}
+    best, unwritten = write_summary(head, "unix:///nonexistent/redis.sock", run, blocker / "s.json")
+    assert best is None and unwritten                   # the reason, not a traceback
+    doc = json.loads((run / "summary.json").read_text())
+    assert doc["run_id"] == "r" and doc["epochs_completed"] == 0 and "error" in doc
+    best, unwritten = write_summary(head, "unix:///nonexistent/redis.sock", run, tmp_path / "new" / "s.json")
+    assert unwritten is None and json.loads((tmp_path / "new" / "s.json").read_text())["run_id"] == "r"
+
+
+def test_a_service_ended_by_the_launchers_sigterm_is_said_to_be_stopped_not_to_have_failed():
+    import subprocess
+    import sys
+
+    from tradeloop.up.supervisor import Supervisor
+
+    class Child:                                        # a real process in the supervisor's view of a service
+        def __init__(self, name: str, code: str):
+            self.name = self.service = name
+            self.proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+
+        @property
+        def alive(self) -> bool:
+            return self.proc.poll() is None
+
+    plain = Child("feedback", "import sys, time; print('up', flush=True); time.sleep(60)")
+    handled = Child("evaluator", "import signal, sys, time\n"
+                    "signal.signal(signal.SIGTERM, lambda *a: sys.exit(0)); print('up', flush=True); time.sleep(60)")
+    failing = Child("dashboard", "import signal, sys, time\n"
+                    "signal.signal(signal.SIGTERM, lambda *a: sys.exit(3)); print('up', flush=True); time.sleep(60)")
+    for c in (plain, handled, failing):                 # each has installed its handler
+        assert c.proc.stdout.readline().strip() == b"up"
+    ended = Supervisor([plain, handled, failing]).stop_all(grace_s=30)
+    assert ended == {"feedback": "stopped by SIGTERM", "evaluator": "exited 0", "dashboard": "exited 3"}
