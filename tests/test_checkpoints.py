@@ -206,3 +206,16 @@ def test_a_checkpoint_of_the_earlier_agent_is_refused_with_a_clear_error(tmp_pat
         restore_agent(path, expected_sha256=None)
     with pytest.raises(ValueError, match=r"missing \['code.bias'"):
         agent_from_checkpoint(old, {"agent_config": cfg.to_dict()})
+
+
+def test_evaluate_on_a_checkpoint_without_its_sidecar_says_what_is_missing(tmp_path):
+    """The message names the sidecar file the trainer writes, and no option that does not exist."""
+    from services.evaluator.cli_eval import EvaluateInputError, report_for_cli
+
+    path = tmp_path / "c.safetensors"
+    save_checkpoint(path, sample_tensors(), META)
+    sidecar_path(path).unlink()
+    with pytest.raises(EvaluateInputError, match=r"no sha256 to verify against \(c\.safetensors\.sha256, which the "
+                                                 r"trainer writes beside every checkpoint, is missing\)") as info:
+        report_for_cli(path)
+    assert "--sha256" not in str(info.value)

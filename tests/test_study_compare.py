@@ -190,3 +190,25 @@ def test_the_first_epochs_validation_is_paired_from_the_curves_as_the_studies_sh
     assert c["first_val"]["mean"] == pytest.approx((0.1 + 0.3 - 0.2) / 3)
     assert c["metrics"]["oos_sharpe"]["a_minus_b"]["mean"] == pytest.approx(0.1)   # the table is unchanged
     assert "Epoch-1 validation, x − y: +0.067" in markdown(c, "x", "y")
+
+
+def test_two_variants_of_one_study_are_not_said_to_be_two_studies(tmp_path):
+    a = study(tmp_path, "a", "rb", dict(zip(UNITS, [0.5] * 4)), dict(zip(UNITS, [0.3] * 4)))
+    doc = json.loads((a / "results.json").read_text())
+    doc["curves"] = {"rb": {f"{s}/{f}": [0.5, 0.1] for s, f in UNITS},
+                     "other": {f"{s}/{f}": [0.4, 0.1] for s, f in UNITS}}
+    doc["runs"] += [{"variant": "other", "seed": s, "fold": f, "oos_sharpe": 0.2, "val_sharpe": 0.1,
+                     "last_val_sharpe": 0.1} for s, f in UNITS[1:]]
+    (a / "results.json").write_text(json.dumps(doc))
+    b = study(tmp_path, "b", "rb", dict(zip(UNITS, [0.5] * 4)), dict(zip(UNITS, [0.3] * 4)))
+    (b / "results.json").write_text(json.dumps(doc))               # the same study's results, in another place
+    (ra, va, _), (ro, vo, _) = load_side(f"{a}:rb"), load_side(f"{a}:other")
+    one = markdown(compare(ra, va, ro, vo, n_boot=200), "rb", "other")
+    assert "the noise between runs of one study that train alike" in one and "two studies" not in one
+    rc, vc, _ = load_side(f"{b}:other")
+    two = compare(ra, va, rc, vc, n_boot=200)
+    assert two["one_study"] and "noise between runs of one study" in markdown(two, "rb", "other")
+    (b / "results.json").write_text(json.dumps({**doc, "runs": doc["runs"][:-1]}))   # another study: a run differs
+    rc, vc, _ = load_side(f"{b}:other")
+    other = markdown(compare(ra, va, rc, vc, n_boot=200), "rb", "other")
+    assert "a shift between the two studies" in other

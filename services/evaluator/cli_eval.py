@@ -142,8 +142,9 @@ def _cli_inputs(checkpoint: str | os.PathLike, *, data: str | None, expected_sha
     if expected is None:
         side = sidecar_path(path)
         if not side.is_file():
-            raise EvaluateInputError(f"checkpoint {path}: no sha256 to verify against (no --sha256 and no "
-                                     f"{side.name})")
+            raise EvaluateInputError(f"checkpoint {path}: no sha256 to verify against ({side.name}, which the "
+                                     "trainer writes beside every checkpoint, is missing): a checkpoint is loaded "
+                                     "only once its sha256 is checked")
         expected = (side.read_text(errors="replace").split() or [""])[0]
     try:
         meta = load_checkpoint(blob, expected)[1]

@@ -123,7 +123,8 @@ def compare_pooled(pairs: list[tuple[dict, str, dict, str]], *, n_boot: int = 10
             for g, us in groups.items():        # a population: the mean over the (seed, fold) units both sides hold
                 xs[key][0][(i, *g)] = float(np.mean([ra[u] for u in us]))
                 xs[key][1][(i, *g)] = float(np.mean([rb[u] for u in us]))
-    out: dict = {"metrics": {}, "pairs": len(pairs)}
+    out: dict = {"metrics": {}, "pairs": len(pairs),
+                 "one_study": all(json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True) for a, _, b, _ in pairs)}
     for k, both in sides.items():
         if any(json.dumps(x) != json.dumps(y) for x, y in both):
             out[k] = both
@@ -194,8 +195,10 @@ def markdown(c: dict, la: str, lb: str) -> str:
               f"seeds{apart}."]
     if c.get("first_val"):
         lines.append(f"Epoch-1 validation, {la} − {lb}: {describe(c['first_val'])} ({c['first_val']['wins']} of "
-                     f"{c['first_val']['n']} higher). Where both variants train their first epoch alike, this is a "
-                     "shift between the two studies, not between the variants, and every row above carries it too.")
+                     f"{c['first_val']['n']} higher). Where both variants train their first epoch alike, this is "
+                     + ("the noise between runs of one study that train alike (a GPU's), not a difference of the "
+                        "variants" if c.get("one_study") else "a shift between the two studies, not between the "
+                        "variants") + ", and every row above carries it too.")
     if c.get("epochs"):
         lines.append(f"The sides differ in epochs ({', '.join(f'{ea} against {eb}' for ea, eb in c['epochs'])}): each "
                      "run's checkpoint was chosen on validation among its own, and the last epoch is each side's.")
