@@ -462,7 +462,9 @@ def _follow(spec: StudySpec, out: Path, runs: list, workers: list, events, statu
                 s = ev["summary"]
                 prog.console.print(
                     f"{rid}: epoch {s['selected_epoch']} selected on validation (val {s['val_sharpe']:+.3f}, "
-                    f"{s['val_trades']} trades) → OOS {s['oos_sharpe']:+.3f} ({s['oos_trades']} trades), "
+                    f"{s['val_trades']} trades"
+                    + ("" if s.get("selectable", True) else f"; no epoch had {spec.min_val_trades}: the best of all")
+                    + f") → OOS {s['oos_sharpe']:+.3f} ({s['oos_trades']} trades), "
                     f"run DSR {s['run_dsr']:.2f}, {s['wall_s']:.0f} s [{where}]"
                     + (f"; exploited {', '.join(s['exploited'])}" if s.get("exploited") else ""))
                 prog.update(task, runs=f"runs {status.doc['runs_done']}/{len(runs)}")

@@ -349,8 +349,9 @@ def run_task(spec: StudySpec, out: Path, run_id: str, data: DataCache, src, inde
                                  "again to resume the run, with a smaller --lockstep or --parallel") from None
         src.done(run_id, s)
         src.emit({"type": "done", "worker": index, "run": run_id, "t": time.time(),
-                  "summary": {**{k: s[k] for k in ("selected_epoch", "val_sharpe", "val_trades", "oos_sharpe",
-                                                   "oos_trades", "run_dsr", "wall_s", "epochs_trained_here")},
+                  "summary": {**{k: s[k] for k in ("selected_epoch", "selectable", "val_sharpe", "val_trades",
+                                                   "oos_sharpe", "oos_trades", "run_dsr", "wall_s",
+                                                   "epochs_trained_here")},
                               "exploited": [f"{x['run']} e{x['epoch']}" for e in s["epochs"][:-1]
                                             if (x := e.get("exploit"))]}})
     except Exception as exc:  # noqa: BLE001 — reported to the study process, which decides
