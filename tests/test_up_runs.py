@@ -70,7 +70,8 @@ def test_run_ids_are_unique_and_a_resume_keeps_what_the_run_fixed(tmp_path, monk
     rec = {"dataset": "synthetic", "iterations": 6, "epochs": 2, "device": "cpu"}
     got = resumed_settings(rec, {"epochs": 4, "dataset": None, "iterations": 6})
     assert (got["epochs"], got["dataset"], got["iterations"], got["config"]) == (4, "synthetic", 6, "small")
-    with pytest.raises(RunError, match="keeps --dataset synthetic"):
+    with pytest.raises(RunError, match=r"keeps --dataset synthetic \(it was started so; given --dataset sp500\); "
+                                       "drop --dataset or start a new run"):
         resumed_settings(rec, {"dataset": "sp500"})
 
 

@@ -62,6 +62,10 @@ NEUTRAL_UNLISTED = {"policy_ema": 0.0, "policy_swa": 0, "restart_every": 0, "res
 stored before the field existed still match."""
 
 
+PRESETS = ("small", "full")
+"""The names `TrainConfig.preset` takes: `small` (CPU) and `full` (GPU)."""
+
+
 @dataclass
 class TrainConfig:
     """Everything a training run needs besides the data, the seed and the knobs."""
@@ -374,7 +378,7 @@ class TrainConfig:
                        n_envs=256, env_steps_per_iter=2, updates_per_iter=1, iterations=2000, batch_size=1024,
                        replay_capacity=2_000_000, learning_starts=20_000, encoder_batch=256, bf16=True,
                        emb_refresh=2000, horizon_sample=True, iqn_batch=512)
-        raise ValueError(f"unknown config preset {name!r}: use 'small' or 'full'")
+        raise ValueError(f"unknown config preset {name!r}: use {' or '.join(map(repr, PRESETS))}")
 
     def override(self, items: list[str]) -> "TrainConfig":
         """Set fields from FIELD=VALUE strings (`agent.FIELD` for the network's, `schedule.FIELD` or the bare name for

@@ -254,10 +254,16 @@ def open_run(run_dir: Path, bars: Bars, dataset: str, *, seed: int, new_config: 
     written (the one writer of run.json: `tradeloop train` and the trainer service)."""
     meta = read_run_json(run_dir)
     if meta is not None:
-        cfg, run_split, seed = TrainConfig.from_dict(meta["config"]), Split.from_dict(meta["split"]), int(meta["seed"])
+        try:
+            cfg, run_split = TrainConfig.from_dict(meta["config"]), Split.from_dict(meta["split"])
+            seed = int(meta["seed"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{run_dir / 'run.json'}: the run's settings cannot be read ({type(exc).__name__}: "
+                             f"{exc}); use another {where}") from None
         if meta.get("bars_fingerprint") != bars.fingerprint():
-            raise ValueError(f"{run_dir} holds a run on other data (dataset {meta.get('dataset')!r}); "
-                             f"use another {where}")
+            raise ValueError(f"{run_dir} holds a run on other data: its bars (dataset {meta.get('dataset')!r}, "
+                             f"{meta.get('n_bars')} bars) differ from those given (dataset "
+                             f"{dataset!r}, {len(bars)} bars); use another {where}")
         if split is not None and split != run_split:
             raise ValueError(f"{run_dir} holds a run on another split ({meta['split']}); use another {where}")
         return meta, cfg, run_split, seed
@@ -300,7 +306,8 @@ def train_run(bars: Bars, dataset: str, run_dir: Path, epochs: int, *, config: s
     feats = compute_features(bars) if features is None else features
     meta, cfg, split, seed = open_run(run_dir, bars, dataset, seed=seed, split=split, where="--out directory",
                                       new_config=lambda: config if isinstance(config, TrainConfig)
-                                      else TrainConfig.preset(config, feats.shape[1]))
+                                      else TrainConfig.preset(config, feats.shape[1]),
+                                      extra=None if isinstance(config, TrainConfig) else {"config_preset": config})
     state = build_state(cfg, bars, split, seed, device, features=feats, accel=accel)
     state.runner.on_compile = on_compile
     done = latest_epoch(run_dir)

@@ -31,13 +31,13 @@ from pathlib import Path
 from typing import Any
 
 from services.feedback.signals import FeedbackConfig
+from services.trainer.config import PRESETS
 from services.trainer.env import RewardConfig
 from services.trainer.train import TrainConfig
 from shared.agent import AgentConfig
 from shared.knobs import FixedSchedule
 from shared.report import DEFAULT_OFF, OFF_NAMES
 
-PRESETS = ("small", "full")
 BUILTIN = {"on": (), "off": (("feedback.enabled", False),)}
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")

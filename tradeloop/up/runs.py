@@ -208,12 +208,21 @@ def write_run_file(run_path: Path, run_id: str, settings: dict, resuming: bool) 
     (run_path / RUN_FILE).write_text(json.dumps(record, indent=2))
 
 
+def refuse_changed(recorded: dict, given: dict, keys: tuple[str, ...], *, run: str = "a resumed run",
+                   instead: str = "start a new run") -> None:
+    """RunError, naming each flag with the run's value and the given one, when `given` sets a setting the run keeps
+    for good (one of `keys`) to another value than `recorded`, what it was started with; a setting not given (None)
+    or not recorded passes. The one rule of a resume: `tradeloop up --resume` and `tradeloop train` on its --out."""
+    clash = [k for k in keys if given.get(k) is not None and k in recorded and given[k] != recorded[k]]
+    if clash:
+        flags = {k: "--" + k.replace("_", "-") for k in clash}
+        raise RunError(f"{run} keeps " + ", ".join(f"{flags[k]} {recorded[k]}" for k in clash)
+                       + " (it was started so; given " + ", ".join(f"{flags[k]} {given[k]}" for k in clash)
+                       + "); drop " + ", ".join(flags.values()) + f" or {instead}")
+
+
 def resumed_settings(recorded: dict, given: dict) -> dict:
     """A resumed run's settings: those given, else those it was started with, else the defaults. A setting the run
-    keeps for good (`FIXED`) given with another value is a RunError."""
-    clash = [k for k in FIXED if given.get(k) is not None and k in recorded and given[k] != recorded[k]]
-    if clash:
-        raise RunError("a resumed run keeps " + ", ".join(f"--{k.replace('_', '-')} {recorded[k]}" for k in clash)
-                       + " (it was started so); drop " + ", ".join(f"--{k.replace('_', '-')}" for k in clash)
-                       + " or start a new run")
+    keeps for good (`FIXED`) given with another value is a RunError (`refuse_changed`)."""
+    refuse_changed(recorded, given, FIXED)
     return {k: given[k] if given.get(k) is not None else recorded.get(k, DEFAULTS[k]) for k in DEFAULTS}
