@@ -228,7 +228,10 @@ def _print_table(result: dict, data_name: str, max_trades: int) -> None:
 
 def backtest(
     data: Annotated[str, typer.Option("--data", help="Dataset name (synthetic, sp500, eurusd) or a CSV/Parquet file.")],
-    positions: Annotated[Path, typer.Option("--positions", help="CSV with columns timestamp,position.")],
+    positions: Annotated[Path, typer.Option("--positions", help="CSV with columns timestamp,position: each row "
+                                            "the target (a fraction of equity in [-1, 1]) from its bar on, held "
+                                            "until the next row; after the last row to the end of the data (a "
+                                            "row of 0 ends it flat); flat before the first.")],
     cost_bps: Annotated[float, typer.Option("--cost-bps", help="Cost per fill, bps of the traded notional.")] = 1.0,
     slippage_bps: Annotated[float, typer.Option("--slippage-bps", help="Extra slippage per fill, bps of the traded "
                                                                        "notional.")] = 0.0,
