@@ -373,6 +373,7 @@ def test_variants_parse_builtins_and_changed_loops():
     ("on:lr=1", "built-in"),
     ("bad/name:lr=1", "variant name"),
     ("x:train.nope=1", "TrainConfig has no field 'nope'"),
+    ("x:iteratons=9", r"no field of that name .* \(did you mean iterations\?\)"),
 ])
 def test_bad_variants_are_refused_naming_the_problem(text, message):
     with pytest.raises(StudyError, match=message):
