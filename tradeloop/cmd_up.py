@@ -80,6 +80,14 @@ def file_problem(path: Path, option: str) -> str | None:
     return None
 
 
+def epochs_trained(run_path: Path) -> int:
+    """The last epoch an `up` run's trainer recorded in its history (0: none), read without touching the run."""
+    from services.trainer.rundir import HISTORY
+    from shared.runfiles import TRAINER_DIR, read_history
+
+    return max(read_history(run_path / TRAINER_DIR / HISTORY), default=0)
+
+
 def check_settings(cfg: dict, feedback_timeout: float, timeout: float) -> list[str]:
     """What is wrong with a run's settings, one message per option (none: runnable)."""
     from shared.config import check_accel, check_cuda
@@ -150,6 +158,10 @@ def register(app: typer.Typer) -> None:
             try:
                 _, path, _ = plan_run(run_id, base, resume)
                 cfg = resumed_settings(read_run_file(path), given)
+                trained = epochs_trained(path)
+                if epochs is not None and epochs < trained:
+                    raise RunError(f"--epochs {epochs}: the run has trained {trained} epochs; a resume's --epochs "
+                                   f"may raise its target or leave it (drop --epochs), not go below them")
             except RunError as exc:
                 err(str(exc))
                 raise typer.Exit(2)

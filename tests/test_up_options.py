@@ -1,5 +1,7 @@
-"""`tradeloop up --summary FILE`: a path that cannot be written is refused before anything starts, and the run's
-own summary is written before the copy, so a copy that fails at the end loses nothing."""
+"""`tradeloop up`'s options and what it reports: a `--summary FILE` that cannot be written is refused before anything
+starts, and the run's own summary is written before the copy, so a copy that fails at the end loses nothing; a
+resume's --epochs may not go below the epochs trained; a service ended by the launcher's SIGTERM is said to be
+stopped, not to have failed."""
 import json
 
 from typer.testing import CliRunner
@@ -61,3 +63,24 @@ def test_a_service_ended_by_the_launchers_sigterm_is_said_to_be_stopped_not_to_h
         assert c.proc.stdout.readline().strip() == b"up"
     ended = Supervisor([plain, handled, failing]).stop_all(grace_s=30)
     assert ended == {"feedback": "stopped by SIGTERM", "evaluator": "exited 0", "dashboard": "exited 3"}
+
+
+def test_a_resume_may_not_lower_epochs_below_those_trained(tmp_path):
+    from services.trainer.rundir import append_history
+    from shared.runfiles import TRAINER_DIR
+    from tradeloop.up.runs import DEFAULTS, claim_run, write_run_file
+
+    runs = tmp_path / "runs"
+    run_id, path, lock = claim_run("r1", runs / "r1", generated=False)
+    try:
+        write_run_file(path, run_id, {**DEFAULTS, "epochs": 3}, resuming=False)
+        (path / TRAINER_DIR).mkdir()
+        for e in (1, 2, 3):
+            append_history(path / TRAINER_DIR, {"epoch": e})
+    finally:
+        lock.release()
+    before = sorted((p, p.stat().st_mtime_ns) for p in path.rglob("*"))
+    r = CliRunner().invoke(app, ["up", "--resume", "r1", "--run-dir", str(runs), "--epochs", "2", "--no-dashboard"])
+    assert r.exit_code == 2, r.output
+    assert "--epochs 2: the run has trained 3 epochs; a resume's --epochs may raise its target" in r.stderr
+    assert sorted((p, p.stat().st_mtime_ns) for p in path.rglob("*")) == before      # nothing touched
