@@ -16,6 +16,13 @@ Layout of a run directory (`TL_RUN_DIR/TL_RUN_ID`, `CommonSettings.run_path`):
     market/oos.parquet            buy_and_hold (the equity of holding one unit long through the simulator,
                                   1.0 at the window's first bar) — written once per window by the evaluator
 
+A study's run (`tradeloop study`: `<out>/runs/<run-id>/`, `tradeloop/study/loop.py`) keeps each epoch's report and
+bundle in one record instead, `loop/epoch-NNNN.json` (`read_records`; beside run.json, history.jsonl, checkpoints/,
+loop/split_definition.json, and summary.json once the run is done: the study's selected epoch and its OOS
+metrics). `RunFiles.read` gives a study run's "report" and "bundle" of an epoch from its record (`report_of_record`,
+`bundle_of_record`): the validation and in-sample metrics, the selected checkpoint's OOS metrics, the knobs, the
+bundle's signals, knobs and rollback — no trade ledger and no equity curve, which a record does not keep.
+
 Every file is written atomically (a temporary file in the same directory, fsynced, then `os.replace`): a reader
 sees the previous version or the new one, never half a file. A directory of runs is any directory tree holding
 run directories (`find_runs`), e.g. the `runs/` of `tradeloop up` or the seeds of a study.
@@ -36,6 +43,11 @@ KINDS = {"report": "reports", "bundle": "bundles", "epoch": "epochs"}
 TRAINER_DIR = "trainer"
 """Sub-directory of a service run's directory with the trainer's files (run.json, checkpoints/, history.jsonl);
 `tradeloop train --out DIR` writes them in DIR itself."""
+LOOP_DIR = "loop"
+"""Sub-directory of a study's run directory with its epoch records (`record_path`)."""
+RECORD_KINDS = ("report", "bundle")
+"""Document kinds a study run's records hold."""
+SUMMARY = "summary.json"
 MARKET_SPLITS = ("val", "oos")
 MARKET_COLUMNS = ("bar", "timestamp", "close", "buy_and_hold")
 _EPOCH_FILE = re.compile(r"^epoch-(\d{4,})\.json$")
@@ -76,6 +88,85 @@ def read_history(path: str | os.PathLike) -> dict[int, dict]:
     return recs
 
 
+def record_path(run_dir: str | os.PathLike, epoch: int) -> Path:
+    """A study run's record of `epoch`: `<run>/loop/epoch-NNNN.json`."""
+    return Path(run_dir) / LOOP_DIR / f"epoch-{int(epoch):04d}.json"
+
+
+def record_epochs(run_dir: str | os.PathLike) -> list[int]:
+    """Epochs with a record in a study's run directory, ascending."""
+    d = Path(run_dir) / LOOP_DIR
+    if not d.is_dir():
+        return []
+    return sorted(int(m.group(1)) for p in d.iterdir() if (m := _EPOCH_FILE.match(p.name)))
+
+
+def read_record(run_dir: str | os.PathLike, epoch: int) -> dict | None:
+    """The record of `epoch` of a study's run directory, or None; ValueError naming the file when it is not JSON."""
+    p = record_path(run_dir, epoch)
+    try:
+        return json.loads(p.read_text())
+    except FileNotFoundError:
+        return None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{p}: not JSON ({exc})") from None
+
+
+def read_records(run_dir: str | os.PathLike) -> dict[int, dict]:
+    """The epoch records of a study's run directory (epoch → record): the one reader of them (the study's loop, its
+    resume and population, the dashboard's run browser)."""
+    out = {}
+    for e in record_epochs(run_dir):
+        rec = read_record(run_dir, e)
+        if rec is not None:
+            out[int(rec["epoch"])] = rec
+    return out
+
+
+def _iso(t: Any) -> str:
+    import datetime as dt
+
+    return "" if t is None else dt.datetime.fromtimestamp(float(t), dt.timezone.utc).isoformat()
+
+
+def report_of_record(rec: dict, run_id: str, split: dict | None = None, summary: dict | None = None,
+                     dataset: str = "") -> dict:
+    """A study record as a stored report's JSON shape (what `shared.runview` reads): the validation and in-sample
+    metrics of the epoch's checkpoint, the knobs it trained under, its DSR trials (the loop's: the epoch), the
+    windows of `split` (loop/split_definition.json), and the OOS metrics where `summary` (the run's summary.json)
+    selected this checkpoint. No trades and no equity: a record does not keep them."""
+    from shared.metrics import val_oos_gap
+
+    e, split = int(rec["epoch"]), split or {}
+    doc = {"run_id": run_id, "epoch": e, "checkpoint_sha256": rec.get("checkpoint_sha256", ""), "dataset": dataset,
+           "n_trials": e, "knobs": rec.get("knobs"), "created_at": _iso(rec.get("finished_at")),
+           "val": {"split": "val", "window": split.get("val"), "metrics": dict(rec.get("val") or {})},
+           "insample": None if not rec.get("insample") else {"split": "insample", "window": None,
+                                                             "metrics": dict(rec["insample"])},
+           "oos": None, "val_oos_gap": None}
+    chosen = (summary or {}).get("epochs") or []
+    if ((summary or {}).get("selected_epoch") == e and summary.get("oos_metrics") and len(chosen) >= e
+            and chosen[e - 1].get("checkpoint_sha256") == doc["checkpoint_sha256"]):
+        doc["oos"] = {"split": "oos", "window": split.get("test"), "metrics": dict(summary["oos_metrics"])}
+        sharpe = lambda part: float(part["metrics"].get("per_trade_sharpe") or 0.0)  # noqa: E731
+        doc["val_oos_gap"] = val_oos_gap(sharpe(doc["val"]), sharpe(doc["oos"]))
+    return doc
+
+
+_BUNDLE_KEYS = ("enabled", "rollback", "rollback_to_epoch", "rollback_checkpoint_sha256", "rollback_keep",
+                "rollback_restart", "best_epoch", "reason")
+
+
+def bundle_of_record(rec: dict, run_id: str) -> dict:
+    """A study record's bundle as a stored `FeedbackBundle`'s JSON shape: the rollback and reason it recorded (a
+    population's exploit is in the reason), its signals (id, knob, value, reason; none in the records of a study
+    run before they were kept) and the knobs of the next epoch."""
+    e, b = int(rec["epoch"]), rec.get("bundle") or {}
+    return {**{k: b[k] for k in _BUNDLE_KEYS if k in b}, "run_id": run_id, "epoch": e, "for_epoch": e + 1,
+            "off": b.get("off") or [], "signals": b.get("signals") or {}, "knobs": rec.get("next_knobs") or {},
+            "report_checkpoint_sha256": rec.get("checkpoint_sha256", ""), "created_at": _iso(rec.get("finished_at"))}
+
+
 class RunFiles:
     """The files of one run directory (`root`); see the module docstring for the layout."""
 
@@ -109,7 +200,16 @@ class RunFiles:
             return None
 
     def read(self, kind: str, epoch: int) -> dict | None:
-        """The parsed document, or None; ValueError naming the file when it is not JSON."""
+        """The parsed document, or None; ValueError naming the file when it is not JSON. A study run's report or
+        bundle: from the epoch's record (`report_of_record`, `bundle_of_record`)."""
+        if kind in RECORD_KINDS and self.has_records():
+            rec = read_record(self.root, epoch)
+            if rec is None:
+                return None
+            if kind == "bundle":
+                return bundle_of_record(rec, self.root.name)
+            return report_of_record(rec, self.root.name, self._json(self.root / LOOP_DIR / "split_definition.json"),
+                                    self._json(self.root / SUMMARY), (self.run_json() or {}).get("dataset") or "")
         raw = self.read_bytes(kind, epoch)
         if raw is None:
             return None
@@ -119,11 +219,38 @@ class RunFiles:
             raise ValueError(f"{self.path(kind, epoch)}: not JSON ({exc})") from None
 
     def epochs(self, kind: str) -> list[int]:
-        """Epochs with a document of `kind` on disk, ascending."""
+        """Epochs with a document of `kind` on disk (a study run's report or bundle: with a record), ascending."""
+        if kind in RECORD_KINDS and self.has_records():
+            return record_epochs(self.root)
         d = self.root / KINDS[kind]
         if not d.is_dir():
             return []
         return sorted(int(m.group(1)) for p in d.iterdir() if (m := _EPOCH_FILE.match(p.name)))
+
+    def has_records(self) -> bool:
+        """A study's run: its reports and bundles are in its epoch records (`LOOP_DIR`), not files of their own."""
+        return (self.root / LOOP_DIR).is_dir() and not (self.root / KINDS["report"]).is_dir()
+
+    def sources(self, kind: str, epoch: int) -> tuple[Path, ...]:
+        """The files `read(kind, epoch)` reads, the document's own first: its file (`path`), or a study run's record
+        of the epoch and the run's summary.json (the OOS metrics of the checkpoint the study selected)."""
+        if kind in RECORD_KINDS and self.has_records():
+            return record_path(self.root, epoch), self.root / SUMMARY
+        return (self.path(kind, epoch),)
+
+    def selected_epoch(self) -> int | None:
+        """The epoch the run itself selected on validation, where it says: a study run's summary.json (by the
+        study's `--min-val-trades`); None otherwise."""
+        e = (self._json(self.root / SUMMARY) or {}).get("selected_epoch") if self.has_records() else None
+        return e if isinstance(e, int) else None
+
+    @staticmethod
+    def _json(p: Path) -> dict | None:
+        try:
+            d = json.loads(p.read_text())
+        except (OSError, ValueError):
+            return None
+        return d if isinstance(d, dict) else None
 
     # -- the trainer's files ----------------------------------------------------------------------------------
     def run_json(self) -> dict | None:
@@ -213,7 +340,8 @@ class RunFiles:
     def modified(self) -> float:
         """Latest modification time of the run's documents (0 when none)."""
         t = 0.0
-        for d in [*(self.root / k for k in KINDS.values()), self.root / TRAINER_DIR, self.root]:
+        for d in [*(self.root / k for k in KINDS.values()), self.root / TRAINER_DIR, self.root / LOOP_DIR,
+                  self.root]:
             try:
                 t = max(t, d.stat().st_mtime)
             except OSError:

@@ -129,10 +129,11 @@ def selected_epoch(rows: list[Mapping[str, Any]]) -> int | None:
     return int(rows[i]["epoch"])
 
 
-def report_rows(summaries: list[dict]) -> list[dict]:
-    """The /reports list: the summary rows by epoch, `selected_by_validation` true on the `selected_epoch` row."""
+def report_rows(summaries: list[dict], selected: int | None = None) -> list[dict]:
+    """The /reports list: the summary rows by epoch, `selected_by_validation` true on the `selected_epoch` row, or
+    on epoch `selected` where the run made its own selection (a study's, by its `--min-val-trades`)."""
     rows = sorted(summaries, key=lambda r: r["epoch"])
-    sel = selected_epoch(rows)
+    sel = selected_epoch(rows) if selected is None else selected
     return [{**r, "selected_by_validation": r["epoch"] == sel} for r in rows]
 
 

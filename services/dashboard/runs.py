@@ -10,7 +10,9 @@ page reads a finished run exactly as it reads the live one — no Redis needed.
 
 `{run}` is the run directory's path relative to the served directory ("seed-0", "study/seed-1"); only directories
 the catalog found are served (nothing else on disk is reachable). Parsed reports are cached by file (mtime, size).
-The views come from `shared.runview`, as the evaluator's do.
+The views come from `shared.runview`, as the evaluator's do. A study's run (`tradeloop study`) is read from its epoch
+records (`RunFiles.read`): its reports hold metrics and knobs but no trades and no equity curve, and the checkpoint
+flagged is the one the study selected (its summary.json), whose report alone has an OOS backtest.
 """
 from __future__ import annotations
 
@@ -28,8 +30,8 @@ from shared.api_models import (BundleRow, EpochRecord, EquityView, ReportRow, Ru
                                TradesPage, errors)
 from shared.report import EvalReport, FeedbackBundle
 from shared.runfiles import RunFiles, find_runs
-from shared.runview import (DocCache, bundle_summary, equity_view, prepare, report_rows, report_summary,
-                            selected_epoch, tearsheet, trades_page)
+from shared.runview import (DocCache, bundle_summary, equity_view, prepare, report_rows, report_summary, tearsheet,
+                            trades_page)
 
 EpochPath = Annotated[int, PathParam(ge=0, le=1_000_000, description="training epoch")]
 SplitQuery = Annotated[Literal["val", "oos", "insample"], Query(description="which backtest")]
@@ -73,6 +75,17 @@ def _version(p: Path):
     return st.st_mtime_ns, st.st_size
 
 
+def _versions(paths: tuple[Path, ...]):
+    """The version of a document read from `paths` (`RunFiles.sources`): theirs, None when its own file (the first)
+    is missing."""
+    vs = tuple(map(_version, paths))
+    return None if vs[0] is None else vs
+
+
+def _selected(rows: list[dict]) -> int | None:
+    return next((r["epoch"] for r in rows if r["selected_by_validation"]), None)
+
+
 def warm_parquet() -> None:
     """Read a small Parquet table once: the first read in a process costs ~0.3 s of CPU whatever the file's size
     (pyarrow's lazy set-up), which would otherwise land on the first tearsheet's request."""
@@ -112,14 +125,14 @@ def create_router(catalog: RunCatalog) -> APIRouter:
     markets = DocCache(size=8)
 
     async def doc(files: RunFiles, kind: str, epoch: int) -> dict:
-        p = files.path(kind, epoch)
-        v = _version(p)
+        src = files.sources(kind, epoch)
+        v = _versions(src)
         if v is None:
             raise HTTPException(404, f"no {kind} of epoch {epoch} in {files.root}")
         try:
-            return await docs.aget((str(p),), v,
+            return await docs.aget((str(src[0]), kind), v,
                                    lambda: _load_report(files, epoch) if kind == "report" else files.read(kind, epoch),
-                                   weight=v[1])
+                                   weight=v[0][1])
         except ValueError as exc:
             raise HTTPException(422, str(exc)) from None
 
@@ -127,15 +140,15 @@ def create_router(catalog: RunCatalog) -> APIRouter:
         """The /reports rows of a run, each computed once per report file."""
         out = []
         for e in await asyncio.to_thread(files.epochs, "report"):
-            p = files.path("report", e)
-            v = _version(p)
+            src = files.sources("report", e)
+            v = _versions(src)
             if v is None:
                 continue
-            row = rows.lookup(str(p), v)
+            row = rows.lookup(str(src[0]), v)
             if row is DocCache.MISS:
-                row = rows.put(str(p), v, report_summary(e, await doc(files, "report", e)))
+                row = rows.put(str(src[0]), v, report_summary(e, await doc(files, "report", e)))
             out.append(row)
-        return report_rows(out)
+        return report_rows(out, await asyncio.to_thread(files.selected_epoch))
 
     background: set[asyncio.Task] = set()
 
@@ -170,7 +183,7 @@ def create_router(catalog: RunCatalog) -> APIRouter:
             files = RunFiles(path)
             meta = files.run_json() or {}
             reps = await summaries(files)
-            sel = selected_epoch(reps)
+            sel = _selected(reps)
             srow = next((r for r in reps if r["epoch"] == sel), None)
             hist = await asyncio.to_thread(files.history)
             bundles = await asyncio.to_thread(files.epochs, "bundle")
@@ -207,7 +220,7 @@ def create_router(catalog: RunCatalog) -> APIRouter:
     async def reports(run: str) -> list[ReportRow]:
         files = catalog.files(run)
         out = await summaries(files)
-        sel = selected_epoch(out)
+        sel = _selected(out)
         # the page opens the selected checkpoint next: its report and the windows' dates, read now
         prefetch(market(files, "val"), market(files, "oos"), *([doc(files, "report", sel)] if sel is not None else []))
         return out

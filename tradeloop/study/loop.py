@@ -15,12 +15,13 @@
 
 What the services keep in Redis is kept here in the run directory, one JSON file per epoch written atomically after
 the epoch's bundle, once both its checkpoint files are complete (`loop/epoch-NNNN.json`: the knobs it trained under,
-the next epoch's knobs, the validation metrics and trade returns, the in-sample window's metrics, the history entry
-the feedback service would keep, timings). A loop killed at any point resumes where it stopped: an epoch whose
-checkpoint is complete but whose record does not exist is evaluated again (evaluation and feedback are pure
-functions of the checkpoint and the earlier records), then `train_run` resumes from the latest complete checkpoint
-(one whose trainer state a kill cut short is trained again). Only the latest epoch's trainer state (optimizer,
-replay, RNG: what resuming needs, hundreds of MB at the `full` preset) is kept.
+the next epoch's knobs, the bundle's rollback and signals, the validation metrics and trade returns, the in-sample
+window's metrics, the history entry the feedback service would keep, timings; `shared.runfiles.read_records` reads
+them, for the loop and for the dashboard's run browser). A loop killed at any point resumes where it stopped: an
+epoch whose checkpoint is complete but whose record does not exist is evaluated again (evaluation and feedback are
+pure functions of the checkpoint and the earlier records), then `train_run` resumes from the latest complete
+checkpoint (one whose trainer state a kill cut short is trained again). Only the latest epoch's trainer state
+(optimizer, replay, RNG: what resuming needs, hundreds of MB at the `full` preset) is kept.
 
 Sharpes are un-annualized, per trade.
 """
@@ -47,14 +48,13 @@ from shared.knobs import Knobs
 from shared.market import Bars, Split, compute_features
 from shared.metrics import sharpe_se
 from shared.report import SplitDefinition
-from shared.runfiles import atomic_write
+from shared.runfiles import LOOP_DIR, atomic_write, read_records, record_path
 
 PARTS = ("rollback", "setup", "train", "eval", "save")
 """The timed parts of an epoch in its record's `seconds` (beside `feedback`), in the order they run: restoring a
 rollback's learner, the set-up (fresh episodes, the embedding cache's full refresh), the iterations, the evaluation,
 writing the weights and trainer state."""
 
-LOOP_DIR = "loop"
 PEER_DIR = "peer"
 """Where a run keeps the peer epoch an exploit restores (`link_peer_epoch`) until the epoch that starts from it is saved."""
 
@@ -73,19 +73,6 @@ def checkpoint_path(run_dir: Path, epoch: int, state: bool = False) -> Path:
 def first_knobs(cfg: TrainConfig) -> Knobs:
     """The knobs of epoch 1: the trainer config's fixed schedule (the same for feedback on and off)."""
     return cfg.schedule.knobs(1)
-
-
-def record_path(run_dir: Path, epoch: int) -> Path:
-    return Path(run_dir) / LOOP_DIR / f"epoch-{epoch:04d}.json"
-
-
-def read_records(run_dir: Path) -> dict[int, dict]:
-    """The epoch records of a run directory (epoch → record)."""
-    out = {}
-    for p in sorted((Path(run_dir) / LOOP_DIR).glob("epoch-[0-9]*.json")):
-        rec = json.loads(p.read_text())
-        out[int(rec["epoch"])] = rec
-    return out
 
 
 def point_of(record: dict) -> HistoryPoint:
@@ -197,7 +184,9 @@ def run_closed_loop(bars: Bars, dataset: str, run_dir: Path, epochs: int, *, con
                           "rollback_to_epoch": bundle.rollback_to_epoch,
                           "rollback_checkpoint_sha256": bundle.rollback_checkpoint_sha256,
                           "rollback_keep": bundle.rollback_keep, "rollback_restart": bundle.rollback_restart,
-                          "best_epoch": bundle.best_epoch, "exploit": exploit},
+                          "best_epoch": bundle.best_epoch, "exploit": exploit, "off": list(bundle.off),
+                          "signals": {k: s.model_dump(mode="json", include={"id", "knob", "value", "reason", "clamped"})
+                                      for k, s in bundle.signals.items()}},
                "val": {k: v for k, v in vm.items()},
                # the same greedy policy on the training split's last bars (as many as validation's): what it learned
                # on the data it trains on, beside what holds out of it
