@@ -60,7 +60,9 @@ def parse_off(value: str | Sequence[str]) -> tuple[str, ...]:
     norm = {x: x.upper() if x.upper() in SIGNAL_IDS else x.lower() for x in items if x}
     bad = [x for x, n in norm.items() if n not in OFF_NAMES]
     if bad:
-        raise ValueError(f"off names {bad}, not among {', '.join(OFF_NAMES)}")
+        joined = any("," in x or "+" in x for x in bad)
+        raise ValueError(f"off names {bad}, not among {', '.join(OFF_NAMES)}"
+                         + (" (several names: a list, or in a study setting joined by +, e.g. E6+E7)" if joined else ""))
     return tuple(dict.fromkeys(norm.values()))
 SplitName = Literal["insample", "val", "oos"]
 

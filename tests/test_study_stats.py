@@ -380,6 +380,16 @@ def test_bad_variants_are_refused_naming_the_problem(text, message):
         parse_variants(text)
 
 
+def test_signals_switched_off_are_named_apart_and_a_joined_name_says_how():
+    from shared.report import parse_off
+
+    assert parse_off("e6, E7") == parse_off(["E6", "e7"]) == ("E6", "E7")
+    with pytest.raises(ValueError, match=r"off names \['E6,E7'\], not among .* joined by \+, e\.g\. E6\+E7\)"):
+        parse_off(["E6,E7"])
+    with pytest.raises(ValueError, match=r"off names \['E10'\], not among E1, .*rollback$"):
+        parse_off("E10")
+
+
 def test_tuple_fields_parse_generically_from_their_declared_type():
     @dataclass(frozen=True)
     class Signals:
