@@ -210,6 +210,7 @@ def test_the_run_browser_serves_runs_on_disk(tmp_path):
     assert client.get("/runs/nope/evaluator/reports").status_code == 404
     assert client.get("/runs/study/evaluator/reports").status_code == 404   # not a run: nothing read there
     assert client.get("/api/trainer/status").status_code == 404             # runs only: no live services
+    assert "no live service behind this dashboard" in client.get("/api/trainer/status").json()["detail"]
     assert client.get("/vendor/uPlot.iife.min.js").status_code == 200
     assert client.get("/vendor/LICENSE-uPlot").status_code == 404           # only the page's files are served
 

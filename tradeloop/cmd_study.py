@@ -198,19 +198,24 @@ def _options(values: dict[str, Any]) -> dict[str, Any]:
 
 
 def study(
-    dataset: Optional[str] = typer.Option(None, "--dataset", help="synthetic, sp500, eurusd, or a CSV/Parquet file."),
+    dataset: Optional[str] = typer.Option(None, "--dataset", help="synthetic, sp500, eurusd, or a CSV/Parquet file "
+                                          "(required, here or in --config)."),
     variants: Optional[str] = typer.Option(None, "--variants",
                                            help="on,off[,NAME:KEY=VALUE;KEY=VALUE,...] (default on,off)."),
     seeds: Optional[str] = typer.Option(None, "--seeds", help="N (seeds 0…N−1) or a list 0,3,7 (default 3)."),
     folds: Optional[int] = typer.Option(None, "--folds", help="Rolling walk-forward folds (default 3)."),
-    epochs: Optional[int] = typer.Option(None, "--epochs", help="Epochs of every run."),
-    device: Optional[str] = typer.Option(None, "--device", help="cpu or cuda (every visible GPU is used)."),
+    epochs: Optional[int] = typer.Option(None, "--epochs", help="Epochs of every run (required, here or in "
+                                         "--config)."),
+    device: Optional[str] = typer.Option(None, "--device", help="cpu (default) or cuda (every visible GPU is "
+                                         "used)."),
     parallel: Optional[str] = typer.Option(None, "--parallel", help="Runs at once (worker processes): N or auto "
                                            "(default: on CUDA as many as fit each GPU's memory, at most one per "
                                            "core; on a CPU one per core)."),
-    out: Optional[Path] = typer.Option(None, "--out", help="The study's directory (a study there is resumed)."),
+    out: Optional[Path] = typer.Option(None, "--out", help="The study's directory (a study there is resumed; "
+                                       "required, here or in --config)."),
     config: Optional[Path] = typer.Option(None, "--config", help="A study file (TOML) with the same keys."),
-    preset: Optional[str] = typer.Option(None, "--preset", help="Trainer preset: small (CPU) or full (GPU)."),
+    preset: Optional[str] = typer.Option(None, "--preset", help="Trainer preset: small (CPU; default) or full "
+                                         "(GPU)."),
     set_: Optional[list[str]] = typer.Option(None, "--set", help="KEY=VALUE for every variant (repeatable), "
                                              "e.g. iterations=1000 or agent.d_model=64."),
     bars: Optional[str] = typer.Option(None, "--bars", help="Bars of the data: N, or auto (synthetic: val and test "

@@ -99,7 +99,9 @@ def create_app(settings: DashboardSettings, *, static_dir: Path | None = None,
         """GET `/api/<service>/<path>?<query>` forwarded to the service, the body streamed through."""
         base = upstreams.get(service) if live else None
         if base is None:
-            raise HTTPException(404, f"no service {service!r} behind the dashboard (one of {', '.join(PROXIED)})")
+            raise HTTPException(404, f"no service {service!r} behind the dashboard (one of {', '.join(PROXIED)})"
+                                if live else "no live service behind this dashboard: it shows runs on disk "
+                                "(`/runs`)")
         client: httpx.AsyncClient = request.app.state.client
         url = httpx.URL(f"{base}/{path}", query=request.url.query.encode())
         upstream_request = client.build_request("GET", url,
