@@ -2,6 +2,8 @@
 selects (the dashboard's test-set discipline), by the selection rule of `shared.metrics.select_best`."""
 from __future__ import annotations
 
+import re
+
 import pytest
 from rich.console import Console
 
@@ -43,6 +45,9 @@ def test_a_line_per_epoch_says_validation_and_never_the_test_result(capsys):
     assert f"epoch 1 {fixed}: ε 0.265, γ 0.98" in out and f"epoch 3 {fixed}: ε 0.2" in out
     assert "epoch 2 feedback: ε 0.45, γ 0.98, q_bias 0 ROLLBACK" in out
     assert "OOS" not in out and "0.7771" not in out and "0.7773" not in out
+    # the epochs that come at once (a resumed run's earlier ones) in epoch order: trained, evaluated, feedback
+    order = [re.match(r"epoch (\d+)(?:/3)? (\w+)", line).groups() for line in out.splitlines()]
+    assert order == [(str(e), part) for e in (1, 2, 3) for part in ("trained", "evaluated", "feedback")]
 
 
 def test_the_live_table_shows_oos_for_the_selected_checkpoint_alone():

@@ -183,26 +183,32 @@ class Progress:
             self._print_events()
 
     def _print_events(self) -> None:
-        s = self.snapshot
+        """A line for each epoch trained, evaluated and given its feedback since the last poll, in epoch order (a
+        resumed run's earlier epochs come at once from the three services)."""
+        s, lines = self.snapshot, []
         for h in s["history"]:
             if ("t", h["epoch"]) not in self.seen_epochs:
                 self.seen_epochs.add(("t", h["epoch"]))
-                print(f"epoch {h['epoch']}/{self.epochs} trained: loss {fmt(h.get('loss'))}, "
-                      f"ε {fmt(h.get('epsilon'))}, γ {fmt(h.get('gamma'))}, under bundle {h.get('bundle_epoch')}"
-                      f"{' (feedback TIMED OUT)' if h.get('feedback_timed_out') else ''}", flush=True)
+                lines.append((h["epoch"], 0, f"epoch {h['epoch']}/{self.epochs} trained: loss {fmt(h.get('loss'))}, "
+                              f"ε {fmt(h.get('epsilon'))}, γ {fmt(h.get('gamma'))}, under bundle "
+                              f"{h.get('bundle_epoch')}{' (feedback TIMED OUT)' if h.get('feedback_timed_out') else ''}"))
         for r in s["reports"]:
             if ("r", r["epoch"]) not in self.seen_epochs:
                 self.seen_epochs.add(("r", r["epoch"]))
-                print(f"epoch {r['epoch']} evaluated: val per-trade Sharpe {fmt(r.get('val_per_trade_sharpe'))} "
-                      f"over {fmt(r.get('val_n_trades'))} trades, DSR {fmt(r.get('val_dsr'))}", flush=True)
+                lines.append((r["epoch"], 1, f"epoch {r['epoch']} evaluated: val per-trade Sharpe "
+                              f"{fmt(r.get('val_per_trade_sharpe'))} over {fmt(r.get('val_n_trades'))} trades, DSR "
+                              f"{fmt(r.get('val_dsr'))}"))
         for b in s["signals"]:
             if ("b", b["epoch"]) not in self.seen_epochs:
                 self.seen_epochs.add(("b", b["epoch"]))
                 k = b.get("knobs") or {}
                 fixed = b.get("enabled") is False or set(OFF_NAMES) <= set(b.get("off") or ())
                 how = " (all off: the fixed schedule)" if fixed else ""
-                print(f"epoch {b['epoch']} feedback{how}: ε {fmt(k.get('epsilon'))}, γ {fmt(k.get('gamma'))}, "
-                      f"q_bias {fmt(k.get('q_bias'))}{' ROLLBACK' if b.get('rollback') else ''}", flush=True)
+                lines.append((b["epoch"], 2, f"epoch {b['epoch']} feedback{how}: ε {fmt(k.get('epsilon'))}, γ "
+                              f"{fmt(k.get('gamma'))}, q_bias {fmt(k.get('q_bias'))}"
+                              f"{' ROLLBACK' if b.get('rollback') else ''}"))
+        for _, _, line in sorted(lines, key=lambda x: x[:2]):
+            print(line, flush=True)
 
     def render(self):
         from rich.console import Group
