@@ -61,8 +61,8 @@ def parse_off(value: str | Sequence[str]) -> tuple[str, ...]:
     bad = [x for x, n in norm.items() if n not in OFF_NAMES]
     if bad:
         joined = any("," in x or "+" in x for x in bad)
-        raise ValueError(f"off names {bad}, not among {', '.join(OFF_NAMES)}"
-                         + (" (several names: a list, or in a study setting joined by +, e.g. E6+E7)" if joined else ""))
+        hint = " (several names: a list, or in a study setting joined by +, e.g. E6+E7)" if joined else ""
+        raise ValueError(f"off names {bad}, not among {', '.join(OFF_NAMES)}{hint}")
     return tuple(dict.fromkeys(norm.values()))
 SplitName = Literal["insample", "val", "oos"]
 

@@ -140,9 +140,9 @@ def test_tiny_study_end_to_end(reference):
 
 def test_a_run_line_says_when_no_epoch_had_the_trades_to_be_selected(tiny, tmp_path):
     out = tmp_path / "few"
-    p = subprocess.run([*_cmd(tiny, out)[:-1], "1", "--variants", "off", "--seeds", "1", "--folds", "1", "--epochs", "1",
-                        "--min-val-trades", "1000000"], cwd=ROOT, env=_env(), capture_output=True, text=True,
-                       timeout=300)
+    p = subprocess.run([*_cmd(tiny, out)[:-1], "1", "--variants", "off", "--seeds", "1", "--folds", "1",
+                        "--epochs", "1", "--min-val-trades", "1000000"], cwd=ROOT, env=_env(), capture_output=True,
+                       text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert not json.loads((out / "runs" / "off-s0-f0" / "summary.json").read_text())["selectable"]
     line = next(x for x in p.stdout.splitlines() if x.startswith("off-s0-f0: epoch 1 selected on validation"))

@@ -14,48 +14,26 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from test_study import TINY
 
 ROOT = Path(__file__).resolve().parents[1]
 EPOCHS = 3
 RUN = "runs/signals-s0-f0"
-STUDY = f"""
-dataset = "synthetic"
-seeds = 1
-folds = 1
-epochs = {EPOCHS}
-bars = 3000
-preset = "small"
-min_val_trades = 5
-n_boot = 200
-threads = 1
 
-[variants.signals]
-"feedback.off" = ["E6", "E7"]
 
-[set]
-iterations = 14
-n_envs = 4
-env_steps_per_iter = 2
-batch_size = 16
-replay_capacity = 400
-learning_starts = 40
-horizons = [1, 2, 4]
-iqn_quantiles = 4
-lr_warmup = 5
-cosine_period = 7
-emb_refresh = 5
-reward = {{ episode_bars = 60, grace_bars = 10 }}
+def _study_file() -> str:
+    """The end-to-end study's tiny settings (tests/test_study.py), one seed and fold, three epochs, and one variant
+    with its signals on."""
+    text = TINY
+    for old, new in (("seeds = 2\nfolds = 2\nepochs = 2\n", f"seeds = 1\nfolds = 1\nepochs = {EPOCHS}\n"),
+                     ("n_boot = 2000", "n_boot = 200"),
+                     ("[variants.on]\n[variants.off]\n", '[variants.signals]\n"feedback.off" = ["E6", "E7"]\n')):
+        assert old in text, old
+        text = text.replace(old, new)
+    return text
 
-[set.agent]
-window = 8
-d_model = 16
-n_heads = 2
-hidden = 24
-n_atoms = 11
-ensemble = 2
-iqn_embed = 8
-iqn_quantiles_act = 8
-"""
+
+STUDY = _study_file()
 
 
 def _env() -> dict:

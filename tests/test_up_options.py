@@ -54,11 +54,11 @@ def test_a_service_ended_by_the_launchers_sigterm_is_said_to_be_stopped_not_to_h
         def alive(self) -> bool:
             return self.proc.poll() is None
 
-    plain = Child("feedback", "import sys, time; print('up', flush=True); time.sleep(60)")
-    handled = Child("evaluator", "import signal, sys, time\n"
-                    "signal.signal(signal.SIGTERM, lambda *a: sys.exit(0)); print('up', flush=True); time.sleep(60)")
-    failing = Child("dashboard", "import signal, sys, time\n"
-                    "signal.signal(signal.SIGTERM, lambda *a: sys.exit(3)); print('up', flush=True); time.sleep(60)")
+    plain = Child("feedback", "import signal; print('up', flush=True); signal.pause()")
+    handled = Child("evaluator", "import signal, sys\n"
+                    "signal.signal(signal.SIGTERM, lambda *a: sys.exit(0)); print('up', flush=True); signal.pause()")
+    failing = Child("dashboard", "import signal, sys\n"
+                    "signal.signal(signal.SIGTERM, lambda *a: sys.exit(3)); print('up', flush=True); signal.pause()")
     for c in (plain, handled, failing):                 # each has installed its handler
         assert c.proc.stdout.readline().strip() == b"up"
     ended = Supervisor([plain, handled, failing]).stop_all(grace_s=30)

@@ -123,8 +123,8 @@ def compare_pooled(pairs: list[tuple[dict, str, dict, str]], *, n_boot: int = 10
             for g, us in groups.items():        # a population: the mean over the (seed, fold) units both sides hold
                 xs[key][0][(i, *g)] = float(np.mean([ra[u] for u in us]))
                 xs[key][1][(i, *g)] = float(np.mean([rb[u] for u in us]))
-    out: dict = {"metrics": {}, "pairs": len(pairs),
-                 "one_study": all(json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True) for a, _, b, _ in pairs)}
+    same = lambda a, b: json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)  # noqa: E731
+    out: dict = {"metrics": {}, "pairs": len(pairs), "one_study": all(same(a, b) for a, _, b, _ in pairs)}
     for k, both in sides.items():
         if any(json.dumps(x) != json.dumps(y) for x, y in both):
             out[k] = both

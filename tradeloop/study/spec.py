@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
 import hashlib
 import json
 import math
@@ -136,13 +137,10 @@ def resolve_key(key: str) -> tuple[str, str]:
         return "schedule", FixedSchedule.field_of(key)
     found = [t for t, cls in _TARGETS.items() if key in {f.name for f in fields(cls)} and key not in _PARTS]
     if not found:
-        import difflib
-
-        known = {f.name for cls in _TARGETS.values() for f in fields(cls)} - set(_PARTS)
-        near = difflib.get_close_matches(key, sorted(known | set(FixedSchedule.ALIASES)), n=3)
+        known = {f.name for cls in _TARGETS.values() for f in fields(cls)} - set(_PARTS) | set(FixedSchedule.ALIASES)
+        near = " or ".join(difflib.get_close_matches(key, sorted(known), n=3))
         raise StudyError(f"setting {key!r}: no field of that name in TrainConfig, AgentConfig, RewardConfig, "
-                         "FeedbackConfig or the fixed schedule" + (f" (did you mean {' or '.join(near)}?)" if near
-                                                                    else ""))
+                         f"FeedbackConfig or the fixed schedule{f' (did you mean {near}?)' if near else ''}")
     if len(found) > 1:
         raise StudyError(f"setting {key!r} is a field of {' and '.join(_TARGETS[t].__name__ for t in found)}: write "
                          f"{' or '.join(f'{t}.{key}' for t in found)}")

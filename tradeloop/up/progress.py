@@ -189,9 +189,10 @@ class Progress:
         for h in s["history"]:
             if ("t", h["epoch"]) not in self.seen_epochs:
                 self.seen_epochs.add(("t", h["epoch"]))
+                late = " (feedback TIMED OUT)" if h.get("feedback_timed_out") else ""
                 lines.append((h["epoch"], 0, f"epoch {h['epoch']}/{self.epochs} trained: loss {fmt(h.get('loss'))}, "
                               f"ε {fmt(h.get('epsilon'))}, γ {fmt(h.get('gamma'))}, under bundle "
-                              f"{h.get('bundle_epoch')}{' (feedback TIMED OUT)' if h.get('feedback_timed_out') else ''}"))
+                              f"{h.get('bundle_epoch')}{late}"))
         for r in s["reports"]:
             if ("r", r["epoch"]) not in self.seen_epochs:
                 self.seen_epochs.add(("r", r["epoch"]))
