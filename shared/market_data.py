@@ -389,13 +389,16 @@ def _check_rows(ts: pd.DatetimeIndex, px: dict[str, np.ndarray], col: _Collector
         for i in np.flatnonzero(px[name] <= 0):
             col.add(int(i), name, "non_positive_price", f"{name} must be > 0 (got {name}={_fmt(px[name][i])})")
     o, h, l, c = px["open"], px["high"], px["low"], px["close"]
-    with np.errstate(invalid="ignore"):
-        for i in np.flatnonzero(h < np.maximum(o, c)):
+    with np.errstate(invalid="ignore"):    # fmax/fmin: a missing open or close hides none of these rules
+        top, bottom = np.fmax(o, c), np.fmin(o, c)
+        for i in np.flatnonzero(h < top):
             col.add(int(i), "high", "high_below_open_close",
                     f"high below max(open, close) (high={_fmt(h[i])}, open={_fmt(o[i])}, close={_fmt(c[i])})")
-        for i in np.flatnonzero(l > np.minimum(o, c)):
+        for i in np.flatnonzero(l > bottom):
             col.add(int(i), "low", "low_above_open_close",
                     f"low above min(open, close) (low={_fmt(l[i])}, open={_fmt(o[i])}, close={_fmt(c[i])})")
+        for i in np.flatnonzero((h < l) & np.isnan(top)):   # with an open or a close, one of the two above holds it
+            col.add(int(i), "high", "high_below_low", f"high below low (high={_fmt(h[i])}, low={_fmt(l[i])})")
         if "volume" in px:
             v = px["volume"]
             for i in np.flatnonzero(v < 0):

@@ -69,6 +69,20 @@ def test_bad_rows_exit_2_naming_line_and_rule(tmp_path, name, text, line, rule):
     assert "Traceback" not in res.output and res.stdout == ""
 
 
+def test_a_row_missing_its_close_or_open_has_its_other_price_rules_checked_too(tmp_path):
+    p = tmp_path / "gaps.csv"
+    p.write_text(_rows((0, "2021-01-04,100,101,99,,10"), (1, "2021-01-05,100.5,99,100,abc,12"),
+                       (2, "2021-01-06,,99,100,,9")))
+    res = _check(p)
+    assert res.exit_code == 2, res.output
+    lines = res.stderr.splitlines()
+    assert any(f"{p}:2:" in x and "[nan]" in x for x in lines)                        # row 2: only its close
+    assert not any(f"{p}:2:" in x and "[nan]" not in x for x in lines)
+    assert any(f"{p}:3:" in x and "high below max(open, close) (high=99, open=100.5" in x for x in lines)
+    assert any(f"{p}:4:" in x and "high below low (high=99, low=100) [high_below_low]" in x for x in lines)
+    assert "Traceback" not in res.output
+
+
 @pytest.mark.parametrize("name,text,rule,phrase", FILE_LEVEL, ids=[c[0] for c in FILE_LEVEL])
 def test_file_level_problems_exit_2(tmp_path, name, text, rule, phrase):
     p = tmp_path / f"{name}.csv"
