@@ -231,3 +231,28 @@ def test_ctrl_c_mid_epoch_saves_it_and_a_resume_finishes_it_there(tmp_path):
         meta = json.loads(json.loads(f.read(meta_len))["__metadata__"]["tradeloop"])
     assert rec["updates"] == meta["update_step"] > 0
     assert not (run / "trainer" / "checkpoints" / "interrupted.safetensors").exists()
+
+
+def test_a_stop_through_the_api_ends_the_run_once_its_last_epoch_is_evaluated(tmp_path):
+    """POST /control/stop during epoch 1 of 3: the trainer finishes and publishes epoch 1, the loop evaluates it and
+    gives its feedback, and `up` ends there with status "stopped" (exit 0) instead of waiting for --timeout."""
+    runs = tmp_path / "runs"
+    run = runs / "st"
+    proc = _up(_env(runs), "--run-id", "st", "--epochs", "3", "--iterations", "60")
+    poll_until(lambda: (run / "services.json").exists(), "the run to start", timeout_s=60,
+               alive=lambda: proc.poll() is None or pytest.fail(_finish(proc)))
+    token = (run / "api_token").read_text().strip()
+    with httpx.Client() as c:
+        poll_until(lambda: (s := _status(c, run / "services.json")) and s.get("phase") == "training" and s,
+                   "the trainer in epoch 1", timeout_s=120, interval_s=0.05,
+                   alive=lambda: proc.poll() is None or pytest.fail(_finish(proc)))
+        url = json.loads((run / "services.json").read_text())["urls"]["trainer"]
+        r = c.post(f"{url}/control/stop", headers={"Authorization": f"Bearer {token}"}, timeout=10)
+        assert r.status_code == 200, r.text
+    out = _finish(proc)
+    assert proc.returncode == 0, out
+    assert "the trainer was stopped (POST /control/stop) after epoch 1 of 3" in out and "stopping (stopped)" in out
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "stopped" and summary["epochs_completed"] == 1, summary
+    assert summary["epochs"][0]["report_id"] and summary["epochs"][0]["bundle_id"], summary["epochs"][0]
+    assert "tradeloop up --resume st" in out and "Traceback" not in out

@@ -118,9 +118,10 @@ class TrainerWorker:
         self.state.extra["paused"] = False
 
     def stop(self) -> None:
-        """Stop after the current epoch (it is checkpointed and published)."""
+        """Stop after the current epoch (it is checkpointed and published); a pause in force ends with it."""
         self._stop.set()
         self._resume.set()
+        self.state.extra["paused"] = False
 
     def interrupt(self) -> None:
         """Stop at the next iteration boundary (shutdown): an epoch in training saves its state there

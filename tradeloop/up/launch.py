@@ -24,7 +24,9 @@ from tradeloop.up.runs import (RunError, claim_run, default_run_dir, lock_resume
 from tradeloop.up.stopping import interrupted_note, stopping_note
 from tradeloop.up.supervisor import GRACE_S, TRAINER_GRACE_S, Supervisor, service_procs
 
-EXIT_CODES = {"completed": 0, "timeout": 1, "failed": 1, "interrupted": 130}
+EXIT_CODES = {"completed": 0, "stopped": 0, "timeout": 1, "failed": 1, "interrupted": 130}
+"""How `tradeloop up` exits: "stopped" is a stop asked through the trainer's `POST /control/stop` (its last epoch
+evaluated and given its feedback; a resume trains on)."""
 
 
 def err(msg: str) -> None:
@@ -165,6 +167,11 @@ def run_up(*, epochs: int, dataset: str, device: str, summary: Path | None, eval
                     if loop_done(watch, run_id, epochs):
                         prog.refresh()
                         break
+                    after = stopped_after(prog.snapshot)
+                    if after is not None and (after == 0 or loop_done(watch, run_id, after)):
+                        prog.note(f"the trainer was stopped (POST /control/stop) after epoch {after} of {epochs}")
+                        status = "stopped"
+                        break
                     if now - t0 > timeout:
                         prog.note(f"the loop did not finish within --timeout {timeout:.0f}s; stopping")
                         status = "timeout"
@@ -207,6 +214,15 @@ def run_up(*, epochs: int, dataset: str, device: str, summary: Path | None, eval
         for s, h in old.items():
             signal.signal(s, h)
     return EXIT_CODES[status]
+
+
+def stopped_after(snapshot: dict) -> int | None:
+    """The last epoch the trainer trained when its /status says a `POST /control/stop` ended its loop before the
+    run's epochs (phase "stopped"), else None."""
+    trainer = snapshot.get("trainer")
+    if not isinstance(trainer, dict) or trainer.get("phase") != "stopped":
+        return None
+    return max((int(h["epoch"]) for h in snapshot.get("history") or []), default=0)
 
 
 def write_summary(head: dict, redis_url: str, run_path: Path, summary: Path) -> tuple[dict | None, str | None]:
