@@ -2,7 +2,8 @@
 
 `create_service_app(name, settings, state, lifespan=...)` returns a FastAPI app with:
   GET /health   200 {"status": "ok"} while the process serves HTTP (liveness)
-  GET /ready    200 when `state.ready` (Redis reached, worker started), else 503 (readiness)
+  GET /ready    200 when `state.ready` (Redis reached, worker started) and Redis answers the worker's probes,
+                else 503 (readiness)
   GET /status   JSON: service, pid, uptime_s, run_id, epoch, stream_lag, last_error, + `state.extra`
   GET /metrics  Prometheus text format 0.0.4 (prometheus-client), read from `state` on each scrape
   GET /docs     OpenAPI (FastAPI's own), with every route's response models (`shared.api_models`)
@@ -50,6 +51,10 @@ class ServiceState:
     run_id: str
     started_at: float = field(default_factory=time.time)
     ready: bool = False
+    """The worker has started (Redis reached, its groups made)."""
+    redis_answers: bool = True
+    """The last of the worker's probes of Redis (its stream lag, each second) was answered: /ready says 503 while
+    it is not."""
     epoch: int = 0
     """Last epoch this service finished (trainer: trained; evaluator: evaluated; feedback: bundled)."""
     stream_lag: int | None = None
@@ -81,7 +86,7 @@ class ServiceState:
     def status(self) -> dict[str, Any]:
         """The /status document."""
         return {"service": self.service, "pid": os.getpid(), "uptime_s": round(time.time() - self.started_at, 3),
-                "run_id": self.run_id, "ready": self.ready, "epoch": self.epoch, "stream_lag": self.stream_lag,
+                "run_id": self.run_id, "ready": self.ready and self.redis_answers, "epoch": self.epoch, "stream_lag": self.stream_lag,
                 "last_error": self.last_error or None, "last_error_at": self.last_error_at,
                 "counters": dict(self.counters), **self.extra}
 
@@ -178,6 +183,10 @@ def token_checker(settings: CommonSettings) -> Callable[..., None]:
     return check
 
 
+REDIS_503 = errors(503)
+"""What a route that reads Redis may answer while Redis is unreachable (`create_service_app`'s handler)."""
+
+
 def create_service_app(name: str, settings: CommonSettings, state: ServiceState, *,
                        lifespan: Callable[[FastAPI], Any] | None = None, description: str = "",
                        status_model: type[ServiceStatus] = ServiceStatus) -> FastAPI:
@@ -206,6 +215,14 @@ def create_service_app(name: str, settings: CommonSettings, state: ServiceState,
     app.add_middleware(CORSMiddleware, allow_origins=[settings.dashboard_origin], allow_credentials=False,
                        allow_methods=["GET", "POST"], allow_headers=["Authorization", "Content-Type"])
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    from redis.exceptions import ConnectionError as RedisConnectionError, TimeoutError as RedisTimeoutError
+
+    @app.exception_handler(RedisConnectionError)
+    @app.exception_handler(RedisTimeoutError)
+    async def redis_down(request: Request, exc: Exception) -> JSONResponse:
+        """Redis restarting or unreachable: a clear 503 (declared as `REDIS_503` on the routes that read it), not a
+        500 with a traceback."""
+        return JSONResponse({"detail": f"Redis unreachable: {exc}"}, status_code=503)
 
     @app.get("/health", tags=["ops"], summary="Liveness: the process serves HTTP")
     def health() -> Health:
@@ -215,7 +232,7 @@ def create_service_app(name: str, settings: CommonSettings, state: ServiceState,
              responses={503: {"model": Ready, "description": "not ready (yet): Redis not reached or the worker "
                                                             "stopped (/status says why)"}})
     def ready() -> JSONResponse:
-        ok = state.ready
+        ok = state.ready and state.redis_answers
         return JSONResponse(Ready(ready=ok, service=name).model_dump(), status_code=200 if ok else 503)
 
     @app.get("/status", tags=["ops"], summary="pid, uptime, run id, epoch, stream lag, last error",
@@ -306,11 +323,12 @@ class ConsumerWorker:
             lag_task.cancel()
 
     async def _lag_loop(self) -> None:
-        from shared.bus import cancel_requested
+        from shared.bus import REDIS_DOWN, cancel_requested
 
         while not cancel_requested():
             try:
                 self.state.stream_lag = await self.consumer.lag()
+                self.state.redis_answers = True
                 st = self.consumer.stats
                 self.state.counters["dead_lettered"] = st.dead      # entries this consumer sent to the dead stream
                 self.state.gauges["dead_letters"] = await self.bus.redis.xlen(self.bus.stream("dead"))
@@ -318,6 +336,7 @@ class ConsumerWorker:
                     self.state.last_error, self.state.last_error_at = st.last_error, st.last_error_at
                 self.state.extra["consumer_stats"] = self.consumer.status()
             except Exception as exc:  # noqa: BLE001
+                self.state.redis_answers = self.state.redis_answers and not isinstance(exc, REDIS_DOWN)
                 self.state.error(f"lag: {type(exc).__name__}: {exc}")
             await asyncio.sleep(1.0)
 

@@ -223,3 +223,38 @@ def test_equity_decimation_keeps_the_ends_and_every_bucket_extreme():
     assert len(idx) <= 400 and idx[0] == 0 and idx[-1] == len(curve) - 1 and (np.diff(idx) > 0).all()
     assert int(np.argmin(curve)) in idx and int(np.argmax(curve)) in idx      # the drawdown's trough survives
     assert decimate(curve[:300], 400).tolist() == list(range(300))           # short curves are kept whole
+
+
+def test_a_redis_that_goes_away_is_a_503_and_not_ready_not_a_500(monkeypatch, tmp_path):
+    """The evaluator's and feedback's routes that read Redis answer a JSON 503 naming it, and /ready turns 503 within
+    the workers' next probes, when their Redis stops answering (its own server here, stopped mid-test)."""
+    from services.evaluator.app import create_app as ev_app
+    from services.feedback.app import create_app as fb_app
+    from shared.redis_server import EmbeddedRedis
+
+    server = EmbeddedRedis(tmp_path / "redis").start()
+    _env(monkeypatch, server.url, "gone", tmp_path)
+    monkeypatch.setenv("TL_REDIS_SOCKET_TIMEOUT_S", "2")
+    apps = {"evaluator": (Server(ev_app(), free_port()), "/reports", "/reports/1"),
+            "feedback": (Server(fb_app(), free_port()), "/signals", "/signals/1")}
+    try:
+        with httpx.Client(timeout=30) as c:
+            for name, (s, rows, one) in apps.items():
+                s.start()
+                poll_until(lambda: c.get(f"{s.url}/ready").status_code == 200, f"{name} ready")
+                assert c.get(f"{s.url}{rows}").json() == [] and c.get(f"{s.url}{one}").status_code == 404
+            server.stop()
+            for name, (s, rows, one) in apps.items():
+                for path in (rows, one):
+                    r = c.get(f"{s.url}{path}")
+                    assert r.status_code == 503 and r.json()["detail"].startswith("Redis unreachable"), (path, r.text)
+                    assert 503 in [int(k) for k in c.get(f"{s.url}/openapi.json").json()["paths"][
+                        path.replace("/1", "/{epoch}")]["get"]["responses"]]
+                poll_until(lambda: c.get(f"{s.url}/ready").status_code == 503, f"{name} not ready without Redis",
+                           timeout_s=30)
+                assert c.get(f"{s.url}/status").json()["ready"] is False
+    finally:
+        for s, _, _ in apps.values():
+            if s.thread.is_alive():
+                s.stop()
+        server.stop()

@@ -25,7 +25,7 @@ from fastapi import FastAPI, HTTPException, Path, Query
 from fastapi.responses import JSONResponse
 
 from services.evaluator.worker import EvaluatorServiceSettings, EvaluatorWorker
-from shared.api import consumer_service_app
+from shared.api import REDIS_503, consumer_service_app
 from shared.api_models import EquityView, EvaluatorStatus, ReportRow, Tearsheet, TradesPage, errors
 from shared.config import load_settings
 from shared.report import EvalReport
@@ -43,7 +43,7 @@ def create_app(settings: EvaluatorServiceSettings | None = None) -> FastAPI:
     settings = settings or load_settings(EvaluatorServiceSettings)
     app, bus = consumer_service_app("evaluator", settings, EvaluatorWorker, status_model=EvaluatorStatus,
                                     description="Backtests each checkpoint on validation and OOS data.")
-    missing = errors(404, 422)
+    missing = {**errors(404, 422), **REDIS_503}
 
     docs = DocCache(size=4)     # a report is stored once (first wins): parsed once, served from here after
 
@@ -80,7 +80,7 @@ def create_app(settings: EvaluatorServiceSettings | None = None) -> FastAPI:
     # the dashboard polls this list, and a report is tens to hundreds of MB
     summaries: dict[int, dict] = {}
 
-    @app.get("/reports", tags=["reports"], summary="One summary row per stored report")
+    @app.get("/reports", tags=["reports"], summary="One summary row per stored report", responses=REDIS_503)
     async def reports() -> list[ReportRow]:
         out = []
         for e in await bus.store.json_epochs("report"):

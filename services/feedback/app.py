@@ -12,7 +12,7 @@ from fastapi import FastAPI, HTTPException, Path
 from fastapi.responses import JSONResponse
 
 from services.feedback.worker import FeedbackWorker
-from shared.api import consumer_service_app
+from shared.api import REDIS_503, consumer_service_app
 from shared.api_models import BundleRow, FeedbackStatus, errors
 from shared.config import FeedbackSettings, load_settings
 from shared.report import FeedbackBundle
@@ -29,7 +29,7 @@ def create_app(settings: FeedbackSettings | None = None) -> FastAPI:
     app, bus = consumer_service_app("feedback", settings, FeedbackWorker, status_model=FeedbackStatus,
                                     description="Turns each report into the E1–E9 signals of the next epoch.")
 
-    @app.get("/signals", tags=["signals"], summary="E1–E9 and knobs per epoch")
+    @app.get("/signals", tags=["signals"], summary="E1–E9 and knobs per epoch", responses=REDIS_503)
     async def signals() -> list[BundleRow]:
         out = []
         for e in await bus.store.json_epochs("bundle"):
@@ -39,7 +39,7 @@ def create_app(settings: FeedbackSettings | None = None) -> FastAPI:
         return out
 
     @app.get("/signals/{epoch}", tags=["signals"], summary="The full bundle computed from an epoch's report",
-             response_model=FeedbackBundle, responses=errors(404, 422))
+             response_model=FeedbackBundle, responses={**errors(404, 422), **REDIS_503})
     async def signals_of(epoch: EpochPath) -> JSONResponse:
         doc = await bus.store.get_bundle(epoch)
         if doc is None:

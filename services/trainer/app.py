@@ -15,13 +15,10 @@ import logging
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
-from fastapi.responses import JSONResponse
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from services.trainer.worker import TrainerServiceSettings, TrainerWorker, read_history
-from shared.api import TOKEN_ERRORS, create_service_app, require_token, service_plumbing
-from shared.api_models import EpochRecord, Paused, Stopping, TrainerStatus, errors
+from shared.api import REDIS_503, TOKEN_ERRORS, create_service_app, require_token, service_plumbing
+from shared.api_models import EpochRecord, Paused, Stopping, TrainerStatus
 from shared.bus import REDIS_DOWN, Backoff, cancel_requested
 from shared.config import TRAINER_STOP_WAIT_S as STOP_WAIT_S
 from shared.config import load_settings
@@ -63,8 +60,10 @@ def create_app(settings: TrainerServiceSettings | None = None) -> FastAPI:
         while not cancel_requested():
             try:
                 state.stream_lag = await worker.lag()
+                state.redis_answers = True
                 state.gauges["dead_letters"] = await bus.redis.xlen(bus.stream("dead"))
             except Exception as exc:  # noqa: BLE001
+                state.redis_answers = state.redis_answers and not isinstance(exc, REDIS_DOWN)
                 state.error(f"lag: {type(exc).__name__}: {exc}")
             await asyncio.sleep(1.0)
 
@@ -96,12 +95,7 @@ def create_app(settings: TrainerServiceSettings | None = None) -> FastAPI:
                              status_model=TrainerStatus)
     token = require_token(app)
 
-    @app.exception_handler(RedisConnectionError)
-    @app.exception_handler(RedisTimeoutError)
-    async def redis_down(request, exc):  # Redis restarting: a clear 503, not a 500 with a traceback
-        return JSONResponse({"detail": f"Redis unreachable: {exc}"}, status_code=503)
-
-    @app.get("/api/history", tags=["trainer"], summary="Epoch records of the run", responses=errors(503),
+    @app.get("/api/history", tags=["trainer"], summary="Epoch records of the run", responses=REDIS_503,
              response_model_exclude_unset=True)     # each record as stored
     async def history() -> list[EpochRecord]:
         return await read_history(bus)
