@@ -179,12 +179,26 @@ def _split(doc: Mapping[str, Any], split: str) -> Mapping[str, Any]:
     return part
 
 
+def _kept_bars(eq: np.ndarray, bench: np.ndarray | None, max_points: int) -> np.ndarray:
+    """At most `max_points` bars that keep the equity's shape (`decimate`) and, beside it, the benchmark's: each
+    curve's min-max points within its share of the budget (the two ends shared), or the equity's alone where the
+    budget is too small to share."""
+    def kept(curve: np.ndarray, m: int) -> np.ndarray:
+        return derived(curve, ("decimate", m), lambda a: decimate(a, m))
+
+    if bench is None:
+        return kept(eq, max_points)
+    mine = max(4, max_points // 2 + 1)
+    x = np.union1d(kept(eq, mine), kept(bench, max(4, max_points - mine + 2)))
+    return x if len(x) <= max_points else kept(eq, max_points)
+
+
 def equity_view(doc: Mapping[str, Any], split: str, market: Mapping[str, np.ndarray] | None = None, *,
                 max_points: int | None = None, packed: bool = False) -> dict:
     """One backtest's curves at the same decimated bars: "x" (bar offsets into the window), "equity", "drawdown",
     and with `market` "t" (unix seconds), "benchmark" (buy-and-hold equity) and "benchmark_drawdown" (else None).
-    Drawdowns are computed on every bar before decimating; the kept bars are the union of the equity's and the
-    benchmark's min-max points. `packed`: each array as base64 of float64 (`shared.report.pack`)."""
+    Drawdowns are computed on every bar before decimating; the kept bars are at most `max_points` (`_kept_bars`).
+    `packed`: each array as base64 of float64 (`shared.report.pack`)."""
     part = _split(doc, split)
     eq = equity_of(part)
     window = part.get("window")
@@ -193,9 +207,7 @@ def equity_view(doc: Mapping[str, Any], split: str, market: Mapping[str, np.ndar
     if max_points is None:
         x = np.arange(len(eq))
     else:
-        x = derived(eq, ("decimate", max_points), lambda a: decimate(a, max_points))
-        if bench is not None:
-            x = np.union1d(x, derived(bench, ("decimate", max_points), lambda a: decimate(a, max_points)))
+        x = _kept_bars(eq, bench, max_points)
     cols: dict[str, np.ndarray | None] = {
         "x": x.astype(np.float64), "equity": eq[x], "drawdown": derived(eq, "drawdown", drawdown)[x],
         "t": None if mk is None else mk["timestamp"][x].astype(np.float64) / 1e9,

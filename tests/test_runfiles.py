@@ -142,6 +142,20 @@ def test_monthly_returns_match_pandas():
         np.testing.assert_allclose([g["return"] for g in got], ref.to_numpy(), rtol=1e-12)
 
 
+def test_equity_view_keeps_at_most_max_points_with_a_benchmark_beside_it():
+    n = 5000
+    doc = report_doc(1, 0.3, window=(100, 100 + n), n_bars=n, seed=3)
+    eq = np.frombuffer(__import__("base64").b64decode(doc["val"]["equity"]), "<f8")
+    bench = np.cumprod(1 + np.random.default_rng(4).normal(0, 0.01, n))
+    market = {"bar": np.arange(100, 100 + n), "timestamp": np.arange(n, dtype=np.int64) * 10**9, "buy_and_hold": bench}
+    for m in (4, 5, 6, 10, 11, 200, 4999):
+        view = runview.equity_view(doc, "val", market, max_points=m)
+        assert view["n_points"] <= m and view["x"][0] == 0 and view["x"][-1] == n - 1, m
+        assert int(np.argmin(eq)) in view["x"] and int(np.argmax(eq)) in view["x"], m
+        if m >= 6:                                                           # room for both curves' extremes
+            assert int(np.argmin(bench)) in view["x"] and int(np.argmax(bench)) in view["x"], m
+
+
 def test_equity_view_drawdown_dates_benchmark_and_packing():
     n = 5000
     doc = report_doc(1, 0.3, window=(100, 100 + n), n_bars=n, seed=3)
