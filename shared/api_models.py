@@ -448,11 +448,12 @@ class RunList(_Closed):
 
 
 class RunOnDiskStatus(_Closed):
-    """A finished run's trainer status (read from disk)."""
+    """A run's trainer status read from disk: "finished", or "unfinished" (a `tradeloop up` run with no summary
+    yet: its launcher is live, or was killed)."""
 
     service: Literal["trainer"]
     run_id: str
-    phase: Literal["finished"]
+    phase: Literal["finished", "unfinished"]
     epoch: int
     epochs: int
     on_disk: bool

@@ -43,6 +43,8 @@ KINDS = {"report": "reports", "bundle": "bundles", "epoch": "epochs"}
 TRAINER_DIR = "trainer"
 """Sub-directory of a service run's directory with the trainer's files (run.json, checkpoints/, history.jsonl);
 `tradeloop train --out DIR` writes them in DIR itself."""
+UP_FILE = "up.json"
+"""What `tradeloop up` started a run with (`tradeloop.up.runs`: its epochs, dataset, config, ...)."""
 LOOP_DIR = "loop"
 """Sub-directory of a study's run directory with its epoch records (`record_path`)."""
 RECORD_KINDS = ("report", "bundle")

@@ -229,6 +229,31 @@ def test_the_run_browser_serves_runs_on_disk(tmp_path):
     assert client.get("/vendor/LICENSE-uPlot").status_code == 404           # only the page's files are served
 
 
+def test_an_up_run_without_its_summary_is_unfinished_with_the_epochs_it_was_started_for(tmp_path):
+    """A `tradeloop up` run on disk mid-way (its launcher live, or killed before the summary): its up.json gives the
+    epochs asked, and its status is not "finished"; once summary.json is there it is."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from fastapi.testclient import TestClient
+
+    from services.dashboard.app import create_app
+    from shared.config import DashboardSettings
+    from shared.runfiles import UP_FILE
+
+    f = RunFiles(tmp_path / "r1")
+    f.write("report", 1, json.dumps(report_doc(1, 0.2)))
+    f.write("epoch", 1, json.dumps({"epoch": 1, "loss": 1.0}))
+    (tmp_path / "r1" / UP_FILE).write_text(json.dumps({"run_id": "r1", "epochs": 30, "dataset": "synthetic"}))
+    client = TestClient(create_app(DashboardSettings(run_id="unused"), runs_dir=tmp_path))
+    (row,) = client.get("/runs").json()["runs"]
+    assert row["epochs_requested"] == 30
+    st = client.get("/runs/r1/trainer/status").json()
+    assert (st["phase"], st["epoch"], st["epochs"]) == ("unfinished", 1, 30)
+    (tmp_path / "r1" / "summary.json").write_text(json.dumps({"run_id": "r1", "epochs_requested": 30,
+                                                              "status": "interrupted"}))
+    assert client.get("/runs/r1/trainer/status").json()["phase"] == "finished"
+
+
 def test_serve_and_show_refuse_a_missing_directory(tmp_path):
     for args in (["serve", "dashboard", "--runs", str(tmp_path / "nope")], ["show", str(tmp_path / "nope")],
                  ["show", str(tmp_path)], ["serve", "trainer", "--runs", str(tmp_path)]):

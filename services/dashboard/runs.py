@@ -2,7 +2,8 @@
 page reads a finished run exactly as it reads the live one — no Redis needed.
 
     GET /runs                                          {"live": live run id or null, "root": ..., "runs": [row, ...]}
-    GET /runs/{run}/trainer/status                     a finished run's status (phase "finished", epochs)
+    GET /runs/{run}/trainer/status                     a run's status on disk (phase "finished", or "unfinished" for
+                                                       an up run with no summary yet: live, or its launcher killed)
     GET /runs/{run}/trainer/api/history                the epoch records
     GET /runs/{run}/evaluator/reports                  as the evaluator's /reports (the selected checkpoint flagged)
     GET /runs/{run}/evaluator/reports/{epoch}[/trades|/equity|/tearsheet]    as the evaluator's
@@ -29,7 +30,7 @@ from fastapi.responses import JSONResponse
 from shared.api_models import (BundleRow, EpochRecord, EquityView, ReportRow, RunList, RunOnDiskStatus, Tearsheet,
                                TradesPage, errors)
 from shared.report import EvalReport, FeedbackBundle
-from shared.runfiles import RunFiles, find_runs
+from shared.runfiles import UP_FILE, RunFiles, find_runs
 from shared.runview import (DocCache, bundle_summary, equity_view, prepare, report_rows, report_summary, tearsheet,
                             trades_page)
 
@@ -203,12 +204,13 @@ def create_router(catalog: RunCatalog) -> APIRouter:
         out.sort(key=lambda r: (not r["live"], r["id"]))
         return {"live": catalog.live, "root": str(catalog.root), "runs": out}
 
-    @router.get("/{run:path}/trainer/status", summary="A run's status (on disk: finished)")
+    @router.get("/{run:path}/trainer/status", summary="A run's status on disk (finished or unfinished)")
     async def status(run: str) -> RunOnDiskStatus:
         files = catalog.files(run)
         hist = await asyncio.to_thread(files.history)
         done = hist[-1]["epoch"] if hist else 0
-        return RunOnDiskStatus(service="trainer", run_id=run, phase="finished", epoch=done,
+        ended = (files.root / "summary.json").exists() or not (files.root / UP_FILE).exists()
+        return RunOnDiskStatus(service="trainer", run_id=run, phase="finished" if ended else "unfinished", epoch=done,
                                epochs=_epochs_requested(files) or done, on_disk=True)
 
     @router.get("/{run:path}/trainer/api/history", summary="A run's epoch records",
@@ -279,9 +281,11 @@ def create_router(catalog: RunCatalog) -> APIRouter:
 
 
 def _epochs_requested(files: RunFiles) -> int | None:
-    """The epochs the run was started for (`tradeloop up`'s summary.json), when it says."""
-    p = files.root / "summary.json"
-    try:
-        return int(json.loads(p.read_text()).get("epochs_requested"))
-    except (OSError, ValueError, TypeError, AttributeError):
-        return None
+    """The epochs the run was started for, when it says: `tradeloop up`'s summary.json once the run has ended, its
+    up.json while it runs (or after a launcher killed before its summary)."""
+    for name, key in (("summary.json", "epochs_requested"), (UP_FILE, "epochs")):
+        try:
+            return int(json.loads((files.root / name).read_text()).get(key))
+        except (OSError, ValueError, TypeError, AttributeError):
+            continue
+    return None

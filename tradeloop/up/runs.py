@@ -17,8 +17,9 @@ import sys
 import time
 from pathlib import Path
 
+from shared.runfiles import UP_FILE as RUN_FILE
+
 LOCK_FILE = "up.lock"
-RUN_FILE = "up.json"
 FIXED = ("dataset", "config", "data_bars", "iterations")
 """Settings a run keeps for good (its trainer's run.json fixes them): a resume may not change them."""
 DEFAULTS = {"epochs": 5, "dataset": "synthetic", "device": "cpu", "config": "small", "evaluators": 1,
