@@ -26,11 +26,11 @@ PROMETHEUS_TEXT = "text/plain; version=0.0.4"
 
 
 class _Closed(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)   # a field's docstring in OpenAPI
 
 
 class _Open(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", use_attribute_docstrings=True)
 
 
 # --- errors -------------------------------------------------------------------------------------------------------
@@ -319,7 +319,7 @@ class Benchmark(_Closed):
 class MonthRow(_Closed):
     """One calendar month (UTC): the strategy's and buy-and-hold's returns."""
 
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, use_attribute_docstrings=True)
 
     month: str
     """YYYY-MM"""

@@ -31,7 +31,7 @@ TAUS: tuple[float, ...] = (0.05, 0.25, 0.5, 0.75, 0.95)
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(allow_inf_nan=False, extra="forbid", frozen=False)
+    model_config = ConfigDict(allow_inf_nan=False, extra="forbid", frozen=False, use_attribute_docstrings=True)
 
 
 def _finite_or_none(x: Any) -> float | None:
