@@ -148,6 +148,7 @@
 
   async function loadRun(run) {
     const d = runData(run);
+    d.modified = (state.runs.find((r) => r.id === run) || {}).modified;   // the list's time of the run's last change
     const keep = (f) => f.catch(() => null);   // a service that does not answer keeps its last data
     const jobs = [
       keep(api("trainer", "/api/history", run).then((h) => { d.history = h; })),
@@ -499,7 +500,13 @@
         return;
       }
       let eq;
-      try { eq = await entry.equity; } catch (e) { return; }
+      try { eq = await entry.equity; } catch (e) {
+        if (token === sheetToken) {                       // not the last checkpoint's curves under this one's name
+          charts[`equity_${s}`].setData([], {});
+          charts[`drawdown_${s}`].setData([], {});
+        }
+        return;
+      }
       if (token !== sheetToken) return;                   // another checkpoint was picked meanwhile
       const [eqS, ddS] = equitySeries(eq);
       const name = s === "val" ? "Validation" : "OOS";
@@ -525,6 +532,9 @@
       if (entries.oos) sheets.oos = {sheet: await entries.oos.sheet.catch(() => null)};
       if (sheets.oos && !sheets.oos.sheet) sheets.oos = null;
     } catch (e) {
+      if (token !== sheetToken) return;
+      for (const id of ["headline", "monthly", "knobs", "trades"]) $(id).innerHTML = "";   // none of another epoch's
+      $("trades-range").textContent = "";
       $("headline-note").textContent = `cannot load the report of epoch ${epoch}: ${e.message}`;
       await Promise.all(drawn);
       return;
@@ -722,7 +732,15 @@
           await renderTearsheet(state.live, d, epoch);
         }
       }
-      if (++polls % 5 === 0) await loadRuns();
+      if (++polls % 5 === 0) {
+        await loadRuns();
+        const open = state.run && state.run !== state.live && state.view === "run" ? runData(state.run) : null;
+        const row = open && state.runs.find((r) => r.id === state.run);
+        if (open && open.loaded && row && row.modified !== open.modified) {   // a run on disk still being written
+          await loadRun(state.run);
+          await renderView();
+        }
+      }
       renderRunList();
       $("last-poll").textContent = `updated ${new Date().toLocaleTimeString()}`;
     } catch (e) {

@@ -437,6 +437,8 @@ class RunRow(_Closed):
     selected: SelectedRow | None
     modified: float
     """Unix time of the run's last change."""
+    unreadable: list[str] = []
+    """The run's files that could not be read (each named with its problem), left out of the counts above."""
 
 
 class RunList(_Closed):

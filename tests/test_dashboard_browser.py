@@ -19,6 +19,7 @@ dashboard-compare.png).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -165,25 +166,31 @@ def write_big_run(root: Path, n_bars: int = 1_000_000) -> None:
     files.write_market("val", np.arange(*w), ts, close, res.equity[1])
 
 
-@pytest.fixture(scope="module")
-def disk_dashboard(study):
-    """`tradeloop serve dashboard --runs <root>` (no Redis: none is running) on a socket bound here. Yields (url,
-    root)."""
+@contextlib.contextmanager
+def serve_runs(root: Path):
+    """`tradeloop serve dashboard --runs <root>` (no Redis) on a socket bound here; yields its URL."""
     listener = bind_listeners("127.0.0.1", {"dashboard": 0})["dashboard"]
     port = listener.getsockname()[1]
     fd = listener.fileno()
-    log = study / "dashboard.log"
-    proc = subprocess.Popen([tradeloop_exe(), "serve", "dashboard", "--runs", str(study), "--log-level", "warning"],
-                            env=clean_env(TL_LISTEN_FD=str(fd), TL_DASHBOARD_PORT=str(port), TL_RUN_DIR=str(study)),
+    log = root / "dashboard.log"
+    proc = subprocess.Popen([tradeloop_exe(), "serve", "dashboard", "--runs", str(root), "--log-level", "warning"],
+                            env=clean_env(TL_LISTEN_FD=str(fd), TL_DASHBOARD_PORT=str(port), TL_RUN_DIR=str(root)),
                             pass_fds=(fd,), stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
     listener.close()
     url = f"http://127.0.0.1:{port}"
     try:
         wait_for("the dashboard", lambda: get_json(url + "/ready")["status"] == "ready", 60, {"dashboard": proc})
-        yield url, study
+        yield url
     finally:
         stop([proc])
         print(log.read_text(errors="replace")[-2000:])
+
+
+@pytest.fixture(scope="module")
+def disk_dashboard(study):
+    """The runs of `study` served on disk. Yields (url, root)."""
+    with serve_runs(study) as url:
+        yield url, study
 
 
 @pytest.fixture(scope="module")
@@ -333,6 +340,27 @@ def test_the_tearsheet_equals_evaluate_report(disk_dashboard, page):
     want = TradeTable.of(cli["val"]["trades"]).net_return[:25]
     shown = page.eval_on_selector_all("#trades td.num[data-value]", "es => es.map(e => +e.dataset.value)")
     np.testing.assert_allclose(shown, want, rtol=1e-12)
+
+
+def test_an_open_run_still_being_written_shows_its_new_epochs(study, page, tmp_path):
+    """A run on disk whose files grow while the page shows it (`tradeloop show` beside a running loop): the page
+    reloads it once the run list says it changed, without a click or a reload."""
+    from shared.runfiles import KINDS
+
+    run = STUDY[0]
+    shutil.copytree(study / run, tmp_path / run, ignore=shutil.ignore_patterns("redis", "logs", "*.lock"))
+    held = {k: tmp_path / run / d / f"epoch-{EPOCHS:04d}.json" for k, d in KINDS.items()}
+    later = {k: p.read_bytes() for k, p in held.items() if p.exists()}
+    for p in held.values():
+        p.unlink(missing_ok=True)
+    with serve_runs(tmp_path) as url:
+        open_page(page, f"{url}/?poll=250#run={run}")
+        options = "() => document.querySelectorAll('#epoch-select option').length"
+        assert page.evaluate(options) == EPOCHS - 1
+        for k, data in later.items():                       # the last epoch arrives
+            held[k].write_bytes(data)
+        page.wait_for_function(f"{options[6:]} === {EPOCHS}", timeout=20_000)
+        assert charts(page)["chart-sharpe"]["points"] == EPOCHS
 
 
 def test_two_runs_overlaid(disk_dashboard, page):

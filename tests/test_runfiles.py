@@ -254,6 +254,31 @@ def test_an_up_run_without_its_summary_is_unfinished_with_the_epochs_it_was_star
     assert client.get("/runs/r1/trainer/status").json()["phase"] == "finished"
 
 
+def test_one_unreadable_report_hides_nothing_else_in_the_run_list(tmp_path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from fastapi.testclient import TestClient
+
+    from services.dashboard.app import create_app
+    from shared.config import DashboardSettings
+
+    for run in ("a", "b"):
+        f = RunFiles(tmp_path / run)
+        for e in (1, 2):
+            f.write("report", e, json.dumps(report_doc(e, 0.1 * e)))
+            f.write("epoch", e, json.dumps({"epoch": e, "loss": 1.0}))
+    bad = RunFiles(tmp_path / "a").path("report", 2)
+    bad.write_text("{not json")
+    client = TestClient(create_app(DashboardSettings(run_id="unused"), runs_dir=tmp_path))
+    r = client.get("/runs")
+    assert r.status_code == 200, r.text
+    rows = {x["id"]: x for x in r.json()["runs"]}
+    assert (rows["a"]["n_reports"], rows["b"]["n_reports"]) == (1, 2) and rows["b"]["unreadable"] == []
+    (why,) = rows["a"]["unreadable"]
+    assert str(bad) in why and "not JSON" in why
+    assert client.get("/runs/a/evaluator/reports").status_code == 422     # the run's own rows still name it
+
+
 def test_serve_and_show_refuse_a_missing_directory(tmp_path):
     for args in (["serve", "dashboard", "--runs", str(tmp_path / "nope")], ["show", str(tmp_path / "nope")],
                  ["show", str(tmp_path)], ["serve", "trainer", "--runs", str(tmp_path)]):

@@ -137,8 +137,10 @@ def create_router(catalog: RunCatalog) -> APIRouter:
         except ValueError as exc:
             raise HTTPException(422, str(exc)) from None
 
-    async def summaries(files: RunFiles) -> list[dict]:
-        """The /reports rows of a run, each computed once per report file."""
+    async def summaries(files: RunFiles, unreadable: list[str] | None = None) -> list[dict]:
+        """The /reports rows of a run, each computed once per report file. A report that cannot be read is a 422
+        naming it, or, given `unreadable`, left out and its problem added there (the run list: one bad file
+        hides nothing else)."""
         out = []
         for e in await asyncio.to_thread(files.epochs, "report"):
             src = files.sources("report", e)
@@ -147,7 +149,13 @@ def create_router(catalog: RunCatalog) -> APIRouter:
                 continue
             row = rows.lookup(str(src[0]), v)
             if row is DocCache.MISS:
-                row = rows.put(str(src[0]), v, report_summary(e, await doc(files, "report", e)))
+                try:
+                    row = rows.put(str(src[0]), v, report_summary(e, await doc(files, "report", e)))
+                except HTTPException as exc:
+                    if unreadable is None:
+                        raise
+                    unreadable.append(str(exc.detail))
+                    continue
             out.append(row)
         return report_rows(out, await asyncio.to_thread(files.selected_epoch))
 
@@ -183,7 +191,8 @@ def create_router(catalog: RunCatalog) -> APIRouter:
         for run_id, path in catalog.runs().items():
             files = RunFiles(path)
             meta = files.run_json() or {}
-            reps = await summaries(files)
+            unreadable: list[str] = []
+            reps = await summaries(files, unreadable)
             sel = _selected(reps)
             srow = next((r for r in reps if r["epoch"] == sel), None)
             hist = await asyncio.to_thread(files.history)
@@ -197,7 +206,7 @@ def create_router(catalog: RunCatalog) -> APIRouter:
                             k: srow.get(k) for k in ("val_per_trade_sharpe", "val_dsr", "oos_per_trade_sharpe",
                                                      "val_n_trades", "oos_n_trades", "val_total_return",
                                                      "val_oos_gap")},
-                        "modified": files.modified()})
+                        "modified": files.modified(), "unreadable": unreadable})
         if catalog.live is not None and catalog.live not in catalog.runs():
             out.append({"id": catalog.live, "path": None, "live": True, "n_epochs": 0, "n_reports": 0,
                         "n_bundles": 0, "selected_epoch": None, "selected": None, "modified": time.time()})
