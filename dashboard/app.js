@@ -149,7 +149,9 @@
   async function loadRun(run) {
     const d = runData(run);
     d.modified = (state.runs.find((r) => r.id === run) || {}).modified;   // the list's time of the run's last change
-    const keep = (f) => f.catch(() => null);   // a service that does not answer keeps its last data
+    let answers = 0;
+    const keep = (f) => f.then((v) => { answers++; return v; })
+      .catch(() => null);                      // a service that does not answer keeps its last data
     const jobs = [
       keep(api("trainer", "/api/history", run).then((h) => { d.history = h; })),
       keep(api("evaluator", "/reports", run).then((r) => { d.reports = r; })),
@@ -159,6 +161,7 @@
     else jobs.push(keep(api("trainer", "/status", run).then((s) => { d.status.trainer = s; })));
     await Promise.all(jobs);
     d.loaded = true;
+    d.answered = answers > 0;                  // false: nothing answered (the run's services or server are gone)
     return d;
   }
 
@@ -400,7 +403,8 @@
     }).join("");
     if (sel.dataset.opts !== opts) { sel.innerHTML = opts || "<option>no evaluated checkpoint yet</option>"; sel.dataset.opts = opts; }
     $("selection-note").textContent = chosen !== null
-      ? `validation selects epoch ${chosen} (highest validation per-trade Sharpe among epochs with enough trades)` : "";
+      ? `validation selects epoch ${chosen} (highest validation per-trade Sharpe among epochs with enough trades; ` +
+        "where none has enough, the highest of all)" : "";
     return want ?? null;
   }
 
@@ -742,7 +746,11 @@
         }
       }
       renderRunList();
-      $("last-poll").textContent = `updated ${new Date().toLocaleTimeString()}`;
+      const open = state.run ? runData(state.run) : null;
+      if (!open || open.answered !== false) $("last-poll").textContent = `updated ${new Date().toLocaleTimeString()}`;
+      else if (!$("last-poll").textContent.startsWith("no answer")) {
+        $("last-poll").textContent = `no answer since ${new Date().toLocaleTimeString()}: the data shown is the last received`;
+      }
     } catch (e) {
       console.error("dashboard poll failed", e);  // a bug in a reader must not stop the loop
     } finally {
