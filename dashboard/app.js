@@ -419,9 +419,11 @@
     const bench = (s, k) => sheets[s] && sheets[s].sheet.benchmark ? sheets[s].sheet.benchmark[k] : null;
     h += `<tr class="bench"><th>buy-and-hold total return</th>${splits.map((s) => cell("benchmark_total_return", s, bench(s, "total_return"), "pct")).join("")}</tr>`;
     h += `<tr class="bench"><th>buy-and-hold max drawdown</th>${splits.map((s) => cell("benchmark_max_drawdown", s, bench(s, "max_drawdown"), "pct")).join("")}</tr>`;
-    if (vis) {
-      const gap = sheets.val.sheet.val_oos_gap;
-      h += `<tr class="gap"><th title="1 − OOS per-trade Sharpe / validation per-trade Sharpe">val/OOS gap</th><td></td>${cell("val_oos_gap", "oos", gap, "pct")}</tr>`;
+    if (vis) {                // 1 − OOS / val says how much of validation's edge held: with val ≤ 0 there is none
+      const val = sheets.val.sheet.metrics.per_trade_sharpe;
+      const gap = isNum(val) && val > 0 ? cell("val_oos_gap", "oos", sheets.val.sheet.val_oos_gap, "pct")
+        : `<td data-key="val_oos_gap" data-split="oos" class="muted">n/a (validation ≤ 0)</td>`;
+      h += `<tr class="gap"><th title="1 − OOS per-trade Sharpe / validation per-trade Sharpe">val/OOS gap</th><td></td>${gap}</tr>`;
     }
     const sv = sheets.val.sheet;
     h += `<tr><th>DSR trials (checkpoints evaluated)</th>${cell("n_trials", "val", sv.n_trials, "int")}${vis ? "<td></td>" : ""}</tr>`;
@@ -550,6 +552,7 @@
     $("headline-note").textContent = (epoch === sel
       ? `Epoch ${epoch} is the checkpoint validation selects: its OOS result is the test of that choice. `
       : (withOos ? `Epoch ${epoch} is not the checkpoint validation selects; its OOS is shown because the OOS toggle is on. `
+                 : !hasOos ? `Epoch ${epoch} is not the checkpoint validation selects (epoch ${sel}); its report holds no OOS backtest. `
                  : `OOS hidden: epoch ${epoch} is not the checkpoint validation selects (epoch ${sel}); the OOS toggle above shows it. `))
       + `Sharpe ratios un-annualized, per trade. Checkpoint sha256 ${(sheets.val.sheet.checkpoint_sha256 ?? "").slice(0, 12)}.`;
     $("monthly").innerHTML = `<div class="label small">validation</div>${monthlyTable(sheets.val.sheet)}` +
