@@ -256,3 +256,5 @@ def test_a_stop_through_the_api_ends_the_run_once_its_last_epoch_is_evaluated(tm
     assert summary["status"] == "stopped" and summary["epochs_completed"] == 1, summary
     assert summary["epochs"][0]["report_id"] and summary["epochs"][0]["bundle_id"], summary["epochs"][0]
     assert "tradeloop up --resume st" in out and "Traceback" not in out
+    # with --no-dashboard the services' URLs and where the token is are said
+    assert "services trainer http://127.0.0.1:" in out and f"; API token in {run / 'api_token'}" in out, out

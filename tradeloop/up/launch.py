@@ -133,8 +133,11 @@ def run_up(*, epochs: int, dataset: str, device: str, summary: Path | None, eval
     say(f"run {run_id} in {run_path}{' (resumed)' if resuming else ''} — Redis "
         f"{'embedded on ' + str(server.socket_path) if server else 'external'}, {evaluators} evaluator(s), "
         f"dataset {dataset}, device {device}")
+    where_token = f"API token in {token_file}" if token_file else "API token: TL_API_TOKEN"
     if "dashboard" in urls:
-        say(f"dashboard {urls['dashboard']}/ ; API token in {run_path / 'api_token'}")
+        say(f"dashboard {urls['dashboard']}/ ; {where_token}")
+    else:
+        say("services " + ", ".join(f"{name} {url}" for name, url in urls.items()) + f" ; {where_token}")
     t0 = time.monotonic()
     status, failure, dead_after = "completed", None, "0"
     try:
