@@ -278,7 +278,9 @@ def tearsheet(doc: Mapping[str, Any], split: str, market: Mapping[str, np.ndarra
     eq = equity_of(part)
     window = part.get("window")
     mk = market_for(market, window, len(eq))
-    out = {"epoch": doc.get("epoch"), "split": split, "window": window, "n_bars": len(eq),
+    # a study's record keeps no curve: its window's bars
+    n_bars = len(eq) or ((int(window[1]) - int(window[0])) if window else 0)
+    out = {"epoch": doc.get("epoch"), "split": split, "window": window, "n_bars": n_bars,
            "metrics": dict(part.get("metrics") or {}), "val_oos_gap": doc.get("val_oos_gap"),
            "n_trials": doc.get("n_trials"), "checkpoint_sha256": doc.get("checkpoint_sha256"),
            "dataset": doc.get("dataset"), "knobs": doc.get("knobs"), "created_at": doc.get("created_at"),

@@ -112,6 +112,7 @@ def test_a_study_run_shows_its_records_reports_selection_and_signals(shown):
     sheet = get(f"{base}/evaluator/reports/{sel}/tearsheet")
     assert sheet["metrics"] == recs[sel]["val"] and sheet["knobs"] == recs[sel]["knobs"]
     assert sheet["window"] == summary["split"]["val"] and sheet["n_trials"] == sel
+    assert sheet["n_bars"] == summary["split"]["val"][1] - summary["split"]["val"][0] > 0   # the window's, not 0
     assert get(f"{base}/evaluator/reports/{sel}/tearsheet?split=oos")["metrics"] == summary["oos_metrics"]
     other = next(e for e in recs if e != sel)
     assert get(f"{base}/evaluator/reports/{other}/tearsheet?split=oos") == 404
