@@ -583,7 +583,11 @@
       return;
     }
     const n = page.n_trades, rows = page.trades;
-    $("trades-range").textContent = n ? `trades ${offset + 1}–${offset + rows.length} of ${n}` : "no trades";
+    const row = runData(run).reports.find((r) => r.epoch === epoch);
+    const counted = row ? row[`${split}_n_trades`] : null;           // the metrics' count, where the ledger is not kept
+    $("trades-range").textContent = n ? `trades ${offset + 1}–${offset + rows.length} of ${n}`
+      : (isNum(counted) && counted > 0 ? `${counted} trades; their list is not kept (a study run keeps its metrics)`
+                                       : "no trades");
     $("trades-prev").disabled = offset <= 0;
     $("trades-next").disabled = offset + rows.length >= n;
     const dated = rows.length && rows[0].entry_time;
