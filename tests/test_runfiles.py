@@ -227,6 +227,7 @@ def test_the_run_browser_serves_runs_on_disk(tmp_path):
     assert "no live service behind this dashboard" in client.get("/api/trainer/status").json()["detail"]
     assert client.get("/vendor/uPlot.iife.min.js").status_code == 200
     assert client.get("/vendor/LICENSE-uPlot").status_code == 404           # only the page's files are served
+    assert client.get("/favicon.ico").status_code == 204                    # no icon, and no 404 for one
 
 
 def test_an_up_run_without_its_summary_is_unfinished_with_the_epochs_it_was_started_for(tmp_path):

@@ -22,7 +22,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 import httpx
-from fastapi import FastAPI, HTTPException, Request
+from fastapi import FastAPI, HTTPException, Request, Response
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, StreamingResponse
 from starlette.background import BackgroundTask
 
@@ -83,6 +83,11 @@ def create_app(settings: DashboardSettings, *, static_dir: Path | None = None,
         missing = [str(p) for p in allowed.values() if not p.is_file()]
         doc = DashboardReady(status="not ready" if missing else "ready", missing=missing).model_dump()
         return JSONResponse(doc, status_code=503 if missing else 200)
+
+    @app.get("/favicon.ico", include_in_schema=False, status_code=204)
+    def favicon() -> Response:
+        """No icon: an empty answer, so that a browser's request for one is no 404 in its console."""
+        return Response(status_code=204)
 
     @app.get("/config.json", tags=["page"], response_model=PageConfig)
     def config_json() -> JSONResponse:
