@@ -552,7 +552,8 @@
     $("headline-note").textContent = (epoch === sel
       ? `Epoch ${epoch} is the checkpoint validation selects: its OOS result is the test of that choice. `
       : (withOos ? `Epoch ${epoch} is not the checkpoint validation selects; its OOS is shown because the OOS toggle is on. `
-                 : !hasOos ? `Epoch ${epoch} is not the checkpoint validation selects (epoch ${sel}); its report holds no OOS backtest. `
+                 : !hasOos
+                   ? `Epoch ${epoch} is not the checkpoint validation selects (epoch ${sel}); its report holds no OOS backtest. `
                  : `OOS hidden: epoch ${epoch} is not the checkpoint validation selects (epoch ${sel}); the OOS toggle above shows it. `))
       + `Sharpe ratios un-annualized, per trade. Checkpoint sha256 ${(sheets.val.sheet.checkpoint_sha256 ?? "").slice(0, 12)}.`;
     $("monthly").innerHTML = `<div class="label small">validation</div>${monthlyTable(sheets.val.sheet)}` +
@@ -756,7 +757,8 @@
       const open = state.run ? runData(state.run) : null;
       if (!open || open.answered !== false) $("last-poll").textContent = `updated ${new Date().toLocaleTimeString()}`;
       else if (!$("last-poll").textContent.startsWith("no answer")) {
-        $("last-poll").textContent = `no answer since ${new Date().toLocaleTimeString()}: the data shown is the last received`;
+        const since = new Date().toLocaleTimeString();
+        $("last-poll").textContent = `no answer since ${since}: the data shown is the last received`;
       }
     } catch (e) {
       console.error("dashboard poll failed", e);  // a bug in a reader must not stop the loop

@@ -86,7 +86,8 @@ class ServiceState:
     def status(self) -> dict[str, Any]:
         """The /status document."""
         return {"service": self.service, "pid": os.getpid(), "uptime_s": round(time.time() - self.started_at, 3),
-                "run_id": self.run_id, "ready": self.ready and self.redis_answers, "epoch": self.epoch, "stream_lag": self.stream_lag,
+                "run_id": self.run_id, "ready": self.ready and self.redis_answers, "epoch": self.epoch,
+                "stream_lag": self.stream_lag,
                 "last_error": self.last_error or None, "last_error_at": self.last_error_at,
                 "counters": dict(self.counters), **self.extra}
 
