@@ -90,6 +90,22 @@ def read_history(path: str | os.PathLike) -> dict[int, dict]:
     return recs
 
 
+def read_json(path: str | os.PathLike) -> dict | None:
+    """A JSON object file's content, or None where it is missing, unreadable or not an object."""
+    try:
+        d = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    return d if isinstance(d, dict) else None
+
+
+def _epochs_in(d: Path) -> list[int]:
+    """Epochs with an `epoch-NNNN.json` file in directory `d`, ascending (none where `d` is missing)."""
+    if not d.is_dir():
+        return []
+    return sorted(int(m.group(1)) for p in d.iterdir() if (m := _EPOCH_FILE.match(p.name)))
+
+
 def record_path(run_dir: str | os.PathLike, epoch: int) -> Path:
     """A study run's record of `epoch`: `<run>/loop/epoch-NNNN.json`."""
     return Path(run_dir) / LOOP_DIR / f"epoch-{int(epoch):04d}.json"
@@ -97,10 +113,7 @@ def record_path(run_dir: str | os.PathLike, epoch: int) -> Path:
 
 def record_epochs(run_dir: str | os.PathLike) -> list[int]:
     """Epochs with a record in a study's run directory, ascending."""
-    d = Path(run_dir) / LOOP_DIR
-    if not d.is_dir():
-        return []
-    return sorted(int(m.group(1)) for p in d.iterdir() if (m := _EPOCH_FILE.match(p.name)))
+    return _epochs_in(Path(run_dir) / LOOP_DIR)
 
 
 def read_record(run_dir: str | os.PathLike, epoch: int) -> dict | None:
@@ -210,8 +223,8 @@ class RunFiles:
                 return None
             if kind == "bundle":
                 return bundle_of_record(rec, self.root.name)
-            return report_of_record(rec, self.root.name, self._json(self.root / LOOP_DIR / "split_definition.json"),
-                                    self._json(self.root / SUMMARY), (self.run_json() or {}).get("dataset") or "")
+            return report_of_record(rec, self.root.name, read_json(self.root / LOOP_DIR / "split_definition.json"),
+                                    read_json(self.root / SUMMARY), (self.run_json() or {}).get("dataset") or "")
         raw = self.read_bytes(kind, epoch)
         if raw is None:
             return None
@@ -224,10 +237,7 @@ class RunFiles:
         """Epochs with a document of `kind` on disk (a study run's report or bundle: with a record), ascending."""
         if kind in RECORD_KINDS and self.has_records():
             return record_epochs(self.root)
-        d = self.root / KINDS[kind]
-        if not d.is_dir():
-            return []
-        return sorted(int(m.group(1)) for p in d.iterdir() if (m := _EPOCH_FILE.match(p.name)))
+        return _epochs_in(self.root / KINDS[kind])
 
     def has_records(self) -> bool:
         """A study's run: its reports and bundles are in its epoch records (`LOOP_DIR`), not files of their own."""
@@ -243,26 +253,15 @@ class RunFiles:
     def selected_epoch(self) -> int | None:
         """The epoch the run itself selected on validation, where it says: a study run's summary.json (by the
         study's `--min-val-trades`); None otherwise."""
-        e = (self._json(self.root / SUMMARY) or {}).get("selected_epoch") if self.has_records() else None
+        e = (read_json(self.root / SUMMARY) or {}).get("selected_epoch") if self.has_records() else None
         return e if isinstance(e, int) else None
-
-    @staticmethod
-    def _json(p: Path) -> dict | None:
-        try:
-            d = json.loads(p.read_text())
-        except (OSError, ValueError):
-            return None
-        return d if isinstance(d, dict) else None
 
     # -- the trainer's files ----------------------------------------------------------------------------------
     def run_json(self) -> dict | None:
         """The run's metadata: `trainer/run.json` (a service run) or `run.json` (`tradeloop train --out`)."""
         for p in (self.root / TRAINER_DIR / "run.json", self.root / "run.json"):
             if p.is_file():
-                try:
-                    return json.loads(p.read_text())
-                except (json.JSONDecodeError, OSError):
-                    return None
+                return read_json(p)
         return None
 
     def history(self) -> list[dict]:

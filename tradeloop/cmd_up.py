@@ -168,8 +168,8 @@ def register(app: typer.Typer) -> None:
         else:
             cfg = {k: given[k] if given[k] is not None else DEFAULTS[k] for k in DEFAULTS}
         problems = check_settings(cfg, feedback_timeout, timeout)
-        if summary is not None and file_problem(summary, "--summary"):
-            problems.append(file_problem(summary, "--summary"))
+        if summary is not None and (unwritable := file_problem(summary, "--summary")):
+            problems.append(unwritable)
         if problems:
             for p in problems:
                 err(p)

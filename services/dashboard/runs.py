@@ -18,7 +18,6 @@ flagged is the one the study selected (its summary.json), whose report alone has
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from pathlib import Path
 from typing import Annotated, Literal
@@ -30,7 +29,7 @@ from fastapi.responses import JSONResponse
 from shared.api_models import (BundleRow, EpochRecord, EquityView, ReportRow, RunList, RunOnDiskStatus, Tearsheet,
                                TradesPage, errors)
 from shared.report import EvalReport, FeedbackBundle
-from shared.runfiles import UP_FILE, RunFiles, find_runs
+from shared.runfiles import SUMMARY, UP_FILE, RunFiles, find_runs, read_json
 from shared.runview import (DocCache, bundle_summary, equity_view, prepare, report_rows, report_summary, tearsheet,
                             trades_page)
 
@@ -218,7 +217,7 @@ def create_router(catalog: RunCatalog) -> APIRouter:
         files = catalog.files(run)
         hist = await asyncio.to_thread(files.history)
         done = hist[-1]["epoch"] if hist else 0
-        ended = (files.root / "summary.json").exists() or not (files.root / UP_FILE).exists()
+        ended = (files.root / SUMMARY).exists() or not (files.root / UP_FILE).exists()
         return RunOnDiskStatus(service="trainer", run_id=run, phase="finished" if ended else "unfinished", epoch=done,
                                epochs=_epochs_requested(files) or done, on_disk=True)
 
@@ -292,9 +291,8 @@ def create_router(catalog: RunCatalog) -> APIRouter:
 def _epochs_requested(files: RunFiles) -> int | None:
     """The epochs the run was started for, when it says: `tradeloop up`'s summary.json once the run has ended, its
     up.json while it runs (or after a launcher killed before its summary)."""
-    for name, key in (("summary.json", "epochs_requested"), (UP_FILE, "epochs")):
-        try:
-            return int(json.loads((files.root / name).read_text()).get(key))
-        except (OSError, ValueError, TypeError, AttributeError):
-            continue
+    for name, key in ((SUMMARY, "epochs_requested"), (UP_FILE, "epochs")):
+        value = (read_json(files.root / name) or {}).get(key)
+        if isinstance(value, int):
+            return value
     return None
