@@ -244,7 +244,7 @@ def test_window_trades_sizes_bars_auto():
     ("folds = true", r"--config .*s\.toml: folds must be an integer, got True$"),
     ("epochs = 2.9", r"--config .*s\.toml: epochs must be an integer, got 2\.9$"),
     ('deterministic = "false"', r"--config .*s\.toml: deterministic must be true or false, got 'false'$"),
-    ("lockstep = 1.5", r"--config .*s\.toml: lockstep must be an integer, got 1\.5$"),
+    ("lockstep = 1.5", r"--config .*s\.toml: lockstep must be a count of runs from 1 to 64 or auto, got 1\.5$"),
     ("set = 3", r"--config .*s\.toml: set must be a list of \"KEY=VALUE\" strings or a table, got 3$"),
 ])
 def test_a_study_file_value_of_the_wrong_type_is_refused_not_turned_into_another(tmp_path: Path, body, message):
@@ -273,3 +273,23 @@ def test_the_banner_counts_in_the_singular():
     from tradeloop.cmd_study import counted
 
     assert (counted(1, "run"), counted(2, "run"), counted(0, "seed")) == ("1 run", "2 runs", "0 seeds")
+
+
+def test_lockstep_auto_pairs_runs_on_cuda_only_where_a_local_worker_trains_them():
+    """`--lockstep auto` (the default): two runs of one market a worker on CUDA, with `--parallel auto` still counting
+    runs at once (half as many workers); one on a CPU and where the runs go through Redis; a count as given."""
+    from tradeloop.study.spec import AUTO_LOCKSTEP_CUDA, parse_parallel
+
+    runs = parse_parallel("auto", "cuda")
+    cuda, _ = build_spec(_cli(device="cuda"))
+    assert (cuda.lockstep, cuda.parallel) == (AUTO_LOCKSTEP_CUDA, -(-runs // AUTO_LOCKSTEP_CUDA)) == (2, -(-runs // 2))
+    remote, _ = build_spec(_cli(device="cuda"), remote=True)
+    assert (remote.lockstep, remote.parallel) == (1, runs)
+    cpu, _ = build_spec(_cli())
+    assert (cpu.lockstep, cpu.parallel) == (1, parse_parallel("auto", "cpu"))
+    given, _ = build_spec(_cli(device="cuda", lockstep="1", parallel="3"))
+    assert (given.lockstep, given.parallel) == (1, 3)
+    workers, _ = build_spec(_cli(device="cuda", lockstep="4", parallel="3"))   # a count of workers, as given
+    assert (workers.lockstep, workers.parallel) == (4, 3)
+    with pytest.raises(StudyError, match=r"^--lockstep must be a count of runs from 1 to 64 or auto, got 0$"):
+        build_spec(_cli(lockstep="0"))

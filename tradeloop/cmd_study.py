@@ -48,10 +48,12 @@ def counted(n: int, noun: str) -> str:
     return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
-def build_spec(cli: dict[str, Any]):
-    """The StudySpec and out directory from the command line's values (None: not given) merged over --config."""
-    from tradeloop.study.spec import (StudyError, StudySpec, parse_parallel, parse_setting, parse_variants, read_toml,
-                                      split_assignment, synthetic_bars_for, variants_from_toml)
+def build_spec(cli: dict[str, Any], remote: bool = False):
+    """The StudySpec and out directory from the command line's values (None: not given) merged over --config.
+    `remote`: the runs go through Redis (`--redis`), where `--lockstep auto` is 1."""
+    from tradeloop.study.spec import (StudyError, StudySpec, parse_lockstep, parse_parallel, parse_setting,
+                                      parse_variants, read_toml, split_assignment, synthetic_bars_for,
+                                      variants_from_toml)
 
     conf: dict[str, Any] = {}
     where = "--config"
@@ -132,20 +134,24 @@ def build_spec(cli: dict[str, Any]):
     out = pick("out")
     if out is None:
         raise StudyError("--out is required (the study's directory; a study there is resumed)")
+    device = str(pick("device", "cpu"))
+    lockstep = parse_lockstep(pick("lockstep", "auto"), device, remote=remote, where=named("lockstep"))
+    parallel = parse_parallel(pick("parallel", "auto"), device)
+    if str(pick("parallel", "auto")).strip().lower() == "auto" and device.startswith("cuda"):
+        parallel = -(-parallel // lockstep)          # auto counts runs at once: a worker holds `lockstep` of them
     try:
         spec = StudySpec(
             dataset=str(dataset), variants=variants, seeds=parse_seeds(pick("seeds", 3)), folds=folds,
             epochs=epochs, preset=str(pick("preset", "small")), settings=settings, bars=bars,
             data_seed=integer("data_seed"),
             seeds_per_market=integer("seeds_per_market", 1),
-            device=str(pick("device", "cpu")), accel=str(pick("accel", "auto")),
+            device=device, accel=str(pick("accel", "auto")),
             deterministic=boolean("deterministic", False), min_val_trades=integer("min_val_trades", 20),
             reference=pick("reference"), n_boot=integer("n_boot", 10_000), ci_seed=integer("ci_seed", 0),
-            parallel=parse_parallel(pick("parallel", "auto"), str(pick("device", "cpu"))),
+            parallel=parallel, lockstep=lockstep,
             threads=integer("threads"),
             stagger=str(pick("stagger", "auto")), mps=str(pick("mps", "auto")).strip().lower(),
-            mps_share=integer("mps_share", 100), iteration_sms=integer("iteration_sms", 0),
-            lockstep=integer("lockstep", 1))
+            mps_share=integer("mps_share", 100), iteration_sms=integer("iteration_sms", 0))
     except StudyError:
         raise
     except (TypeError, ValueError) as exc:
@@ -248,8 +254,9 @@ def study(
     iteration_sms: Optional[int] = typer.Option(None, "--iteration-sms", help="SMs each run's training "
                                                 "iterations may use where runs share a GPU (a CUDA green context "
                                                 "a run, disjoint where they fit; default 0: no limit)."),
-    lockstep: Optional[int] = typer.Option(None, "--lockstep", help="Runs a worker trains as one batched "
-                                           "computation: up to K runs of one market and trainer config (default 1)."),
+    lockstep: Optional[str] = typer.Option(None, "--lockstep", help="Runs a worker trains as one batched "
+                                           "computation: up to K runs of one market and trainer config, or auto "
+                                           "(default: 2 on CUDA, 1 on a CPU or with --redis)."),
     redis: Optional[str] = typer.Option(None, "--redis", help="Redis URL: runs go through its stream, where "
                                         "`tradeloop study-worker` on other hosts take them too (--parallel 0: "
                                         "none here)."),
@@ -271,7 +278,7 @@ def study(
         _report_only(out, err)
         return
     try:
-        spec, out_dir = build_spec(cli)
+        spec, out_dir = build_spec(cli, remote=redis is not None)
         check_runnable(spec, local=spec.parallel > 0)
         if redis is None and spec.parallel < 1:
             raise StudyError("--parallel 0 (no local worker) needs --redis: workers elsewhere take the runs")
@@ -285,8 +292,10 @@ def study(
         raise typer.Exit(2) from None
     console = Console(soft_wrap=True)
     n_runs = len(spec.runs())
-    here = (f"{min(spec.parallel, n_runs)} at once" + (" at most (those that fit each GPU)" if spec.device != "cpu"
-                                                         else "") if spec.parallel > 0 else "none here")
+    pairs = f", {spec.lockstep} a worker in lockstep" if spec.lockstep > 1 else ""
+    here = (f"{min(spec.parallel * spec.lockstep, n_runs)} at once" + (f" at most (those that fit each GPU{pairs})"
+                                                                       if spec.device != "cpu" else pairs)
+            if spec.parallel > 0 else "none here")
     console.print(f"study: {counted(len(spec.variants), 'variant')} × {counted(len(spec.seeds), 'seed')} × "
                   f"{counted(spec.folds, 'fold')} = {counted(n_runs, 'run')} of {counted(spec.epochs, 'epoch')}, "
                   f"{here}, in {out_dir}", markup=False, highlight=False)

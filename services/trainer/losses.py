@@ -360,4 +360,5 @@ def atom_utilisation(logits: torch.Tensor, threshold: float = UTIL_THRESHOLD) ->
 def adapt_entropy_coef(coef: torch.Tensor, utilisation: torch.Tensor, target: float, rate: float,
                        lo: float = 1e-5, hi: float = 1e-1) -> None:
     """In place: β ← clamp(β · exp(rate · (target − utilisation)), lo, hi). Raises β while atoms go unused."""
-    coef.mul_(torch.exp(rate * (target - utilisation))).clamp_(lo, hi)
+    # out of place, then copied: vmap (runs in lockstep) has a batching rule for clamp, not for clamp_
+    coef.copy_((coef * torch.exp(rate * (target - utilisation))).clamp(lo, hi))

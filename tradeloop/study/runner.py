@@ -477,8 +477,10 @@ def _follow(spec: StudySpec, out: Path, runs: list, workers: list, events, statu
                 _event_log(out, {"type": "error", "run": rid, "error": ev["error"], "traceback": ev["traceback"]})
             elif ev["type"] == "stand-down":
                 gib = 2.0 ** 30
+                what = ("workers", f"a worker of up to {spec.lockstep} runs in lockstep") if spec.lockstep > 1 else \
+                    ("runs", "a run")
                 prog.console.print(
-                    f"{where} stands down: {ev['fit']} runs at once fit GPU {ev['gpu']} (a run holds "
+                    f"{where} stands down: {ev['fit']} {what[0]} at once fit GPU {ev['gpu']} ({what[1]} holds "
                     f"{ev['run_bytes'] / gib:.1f} GiB of {ev['total_bytes'] / gib:.1f})", markup=False, highlight=False)
                 _event_log(out, {"type": "stand-down", "worker": where, "gpu": ev["gpu"], "fit": ev["fit"],
                                  "run_bytes": ev["run_bytes"], "total_bytes": ev["total_bytes"]})

@@ -293,6 +293,26 @@ def cpu_workers() -> int:
     return max(1, min(cores, cores if avail is None else avail // CPU_RUN_BYTES))
 
 
+AUTO_LOCKSTEP_CUDA = 2
+"""`--lockstep auto` on CUDA: runs of one market and trainer config a local worker trains as one batched computation
+(an on/off study's `on` and `off` of each seed and fold). On one H100, fourteen `full` runs at once read 1.88× one
+run's epochs/s as seven such pairs and 1.64× as fourteen processes, the same warm machine (bench/README.md 2026-12-07
+· 7a4839e)."""
+
+
+def parse_lockstep(value: Any, device: str, remote: bool = False, where: str = "--lockstep") -> int:
+    """Runs a local worker trains in lockstep: an integer 1–64 as given, or auto — `AUTO_LOCKSTEP_CUDA` on CUDA, 1 on
+    a CPU (a worker per core trains more there) and where the runs go through Redis (`remote`: a Redis worker takes
+    one run at a time)."""
+    if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
+        return AUTO_LOCKSTEP_CUDA if str(device).startswith("cuda") and not remote else 1
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 64:
+        raise StudyError(f"{where} must be a count of runs from 1 to 64 or auto, got {value!r}")
+    return value
+
+
 def parse_parallel(value: Any, device: str, where: str = "--parallel") -> int:
     """Runs at once here: an integer ≥ 0 as given, or auto — on a CPU `cpu_workers()`; on CUDA one worker per core,
     at most `AUTO_RUNS_PER_GPU` per visible GPU."""
@@ -358,7 +378,8 @@ class StudySpec:
     lockstep: int = 1
     """Runs a worker trains as one computation (`services.trainer.lockstep`): up to this many runs of one market and
     one trainer config (the variants and seeds that share them) per worker, their iterations batched; 1: a run a
-    worker. Local workers only (a Redis worker takes one run at a time)."""
+    worker. Local workers only (a Redis worker takes one run at a time). `tradeloop study` resolves `--lockstep auto`
+    (its default) with `parse_lockstep`."""
 
     IDENTITY = ("dataset", "variants", "seeds", "folds", "epochs", "preset", "settings", "bars", "data_seed",
                 "seeds_per_market", "device", "accel", "deterministic")
