@@ -172,7 +172,7 @@ def test_after_exploit_measures_the_next_epoch_against_the_exploited_epoch_and_a
     runs = [{"run_id": "pop-s1-f0", "exploited": [[1, "pop-s0-f0", 2, 0.8], [2, "pop-s0-f0", 2, 0.8]]},
             {"run_id": "pop-s0-f0", "exploited": []}]
     table = after_exploit({"study": {"epochs": 3}, "runs": runs, "curves": curves})
-    assert table[2] == "| an exploit (the peer epoch's val) | 2 | -0.200 [-0.300, -0.100] | 0.00 |"
+    assert table[2] == "| an exploit (the peer epoch's val) | 2 | -0.200 [-1.471, +1.071] | 0.00 |"   # −0.2 ± 12.706 · 0.1
     assert table[3].startswith("| a running best of pop | 4 | +0.150 [") and table[3].endswith("| 0.75 |")
     log = tmp_path / "console.txt"
     log.write_text("pop-s1-f0: epoch 3 selected on validation (val +0.700, 50 trades) → OOS +0.1 (40 trades), run DSR "

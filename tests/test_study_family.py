@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from tests.test_study_stats import _markdown_of_on_off, _summary
-from tradeloop.study.stats import aggregate, expanded_tail, family_level, paired, resample_indices
+from tradeloop.study.stats import aggregate, expanded_tail, family_level, paired, resample_indices, t_interval
 
 DIFFS = [0.12, 0.05, 0.20, -0.08, 0.09, 0.15, -0.01, 0.10, -0.05, 0.08]
 """Ten units' differences whose 95 % interval clears 0 and whose interval at 99 % (one of five) does not."""
@@ -16,7 +16,8 @@ def _by_hand(d: list[float], level: float, n_boot: int = 2000, seed: int = 0) ->
     means = x[resample_indices(x.size, n_boot, seed)].mean(axis=1)
     a = expanded_tail(x.size, level)
     lo, hi = np.quantile(means, [a, 1 - a])
-    return float(lo), float(hi)
+    half = t_interval(x, level)[1] - x.mean()          # each side widened to the t interval where that is wider
+    return min(float(lo), x.mean() - half), max(float(hi), x.mean() + half)
 
 
 def test_the_level_of_each_of_m_intervals():

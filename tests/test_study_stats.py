@@ -13,8 +13,8 @@ from services.trainer.train import TrainConfig
 from shared.metrics import dsr
 from tradeloop.study.spec import (StudyError, StudySpec, apply_settings, parse_value, parse_variants, resolve_key,
                                   synthetic_bars_for, variants_from_toml)
-from tradeloop.study.stats import (aggregate, bootstrap_ci, detectable, expanded_tail, gap_ci, paired, power_cells,
-                                   select_epoch, t_quantile, units_to_detect)
+from tradeloop.study.stats import (aggregate, bootstrap_ci, detectable, expanded_tail, gap_ci, paired, percentile_ci,
+                                   power_cells, select_epoch, t_quantile, units_to_detect)
 
 
 # --- selection on validation only ---------------------------------------------------------------------------
@@ -34,18 +34,37 @@ def test_selection_takes_the_best_validation_sharpe_with_enough_trades_not_what_
 
 
 # --- bootstrap CIs: exact distributions of the resampled mean -------------------------------------------------
-def test_bootstrap_ci_of_two_values_spans_both():
-    # resampled mean of [0, 1] ∈ {0, ½, 1} with P = ¼, ½, ¼: its 2.5 % and 97.5 % quantiles are 0 and 1
+def test_the_percentile_interval_of_two_values_spans_both_and_the_t_interval_widens_it():
+    # resampled mean of [0, 1] ∈ {0, ½, 1} with P = ¼, ½, ¼: its 2.5 % and 97.5 % quantiles are 0 and 1; the t interval,
+    # ½ ± t₀.₉₇₅,₁ · s / √2 = ½ ± 12.706205 · ½, reaches further on both sides
+    assert percentile_ci([0.0, 1.0], n_boot=20_000, seed=0) == (0.0, 1.0)
     ci = bootstrap_ci([0.0, 1.0], n_boot=20_000, seed=0)
-    assert (ci["mean"], ci["lo"], ci["hi"], ci["n"]) == (0.5, 0.0, 1.0, 2)
+    assert (ci["mean"], ci["n"]) == (0.5, 2)
+    assert (ci["lo"], ci["hi"]) == pytest.approx((0.5 - 6.3531025, 0.5 + 6.3531025), abs=1e-6)
 
 
-def test_bootstrap_ci_of_a_skewed_sample_matches_the_binomial_quantiles():
+def test_the_percentile_interval_of_a_skewed_sample_matches_the_binomial_quantiles():
     # mean of 4 draws from [0, 0, 0, 1] = K/4, K ~ Binomial(4, ¼). At n = 4 the expanded tail is
     # α′/2 = 1 − Φ(√(4/3) · t₀.₉₇₅,₃) = 1 − Φ(1.1547 · 3.1824) = 1.2e-4: P(K = 0) = 0.316 > α′/2 → lo = 0;
     # P(K = 4) = 1/256 = 0.0039 > α′/2 → hi = 1 (the plain 97.5 % quantile would stop at 3/4: P(K ≤ 3) = 0.996)
+    assert percentile_ci([0.0, 0.0, 0.0, 1.0], n_boot=20_000, seed=7) == (0.0, 1.0)
+    # s = ½, s / √4 = ¼: the t interval ¼ ± 3.182446 · ¼ is the wider on both sides
     ci = bootstrap_ci([0.0, 0.0, 0.0, 1.0], n_boot=20_000, seed=7)
-    assert (ci["mean"], ci["lo"], ci["hi"]) == (0.25, 0.0, 1.0)
+    assert ci["mean"] == 0.25 and (ci["lo"], ci["hi"]) == pytest.approx((0.25 - 0.7956115, 0.25 + 0.7956115), abs=1e-6)
+
+
+def test_the_interval_covers_a_normal_mean_at_three_units_where_the_percentile_one_does_not():
+    # 600 samples of 3 units from N(0, 1): a percentile interval cannot reach past the sample's extremes, which hold
+    # the mean 0 with probability 1 − 2 · ½³ = 0.75; widened to the t interval it holds it about 95 % of the time
+    rng = np.random.default_rng(5)
+    hit = perc = 0
+    for k in range(600):
+        x = rng.normal(size=3)
+        ci = bootstrap_ci(x, n_boot=500, seed=k)
+        lo, hi = percentile_ci(x, n_boot=500, seed=k)
+        hit += ci["lo"] <= 0.0 <= ci["hi"]
+        perc += lo <= 0.0 <= hi
+    assert hit / 600 >= 0.93 and perc / 600 <= 0.80
 
 
 def test_t_quantiles_and_the_expanded_tails_match_the_tables():
@@ -79,14 +98,18 @@ def test_bootstrap_ci_is_fixed_by_its_seed_and_equals_the_documented_procedure()
     x = np.array([0.3, -0.1, 0.8, 0.05, 0.4, -0.6, 1.1])
     a, b = bootstrap_ci(x, n_boot=5000, seed=3), bootstrap_ci(x, n_boot=5000, seed=3)
     assert a == b
-    assert bootstrap_ci(x, n_boot=5000, seed=4) != a
+    assert percentile_ci(x, n_boot=5000, seed=4) != percentile_ci(x, n_boot=5000, seed=3)
     # the procedure written out: one integers(0, n, size=(B, n)) draw, the mean per row, numpy's quantiles at the
     # expanded tail of n = 7: 1 − Φ(√(7/6) · t₀.₉₇₅,₆) = 1 − Φ(1.0801 · 2.446912) = 0.004109
     rng = np.random.default_rng(3)
     idx = rng.integers(0, len(x), size=(5000, len(x)))
     means = [x[row].mean() for row in idx]
     lo, hi = np.quantile(means, [0.004109, 1 - 0.004109])
-    assert a["lo"] == pytest.approx(lo, abs=1e-12) and a["hi"] == pytest.approx(hi, abs=1e-12)
+    assert percentile_ci(x, n_boot=5000, seed=3) == pytest.approx((lo, hi), abs=1e-12)
+    # each side widened to the t interval where that reaches further: mean ± t₀.₉₇₅,₆ · s / √7, t₀.₉₇₅,₆ = 2.446912
+    half = 2.446912 * x.std(ddof=1) / np.sqrt(7)
+    lo, hi = min(lo, x.mean() - half), max(hi, x.mean() + half)
+    assert a["lo"] == pytest.approx(lo, abs=1e-6) and a["hi"] == pytest.approx(hi, abs=1e-6)
     assert a["mean"] == pytest.approx(x.mean())
     assert bootstrap_ci([2.5])["lo"] == bootstrap_ci([2.5])["hi"] == 2.5
     assert bootstrap_ci([])["mean"] is None
@@ -96,8 +119,10 @@ def test_paired_difference_on_shared_units_by_hand():
     a = {(0, 0): 1.0, (0, 1): 2.0, (1, 0): 3.0}
     b = {(0, 0): 0.0, (0, 1): 2.0, (1, 0): 1.0, (1, 1): 9.0}   # (1, 1) has no partner: left out
     d = paired(a, b, n_boot=20_000, seed=0)
-    # differences [1, 0, 2]: mean 1; resampled sums 0 and 6 each have P = 1/27 = 3.7 % > 2.5 % → CI [0, 2]
-    assert (d["mean"], d["lo"], d["hi"], d["n"], d["wins"]) == (1.0, 0.0, 2.0, 3, 2)
+    # differences [1, 0, 2]: mean 1; resampled sums 0 and 6 each have P = 1/27 = 3.7 % > 2.5 % → percentile [0, 2],
+    # within the t interval 1 ± t₀.₉₇₅,₂ · 1 / √3 = 1 ± 4.302653 · 0.577350
+    assert (d["mean"], d["n"], d["wins"]) == (1.0, 3, 2)
+    assert (d["lo"], d["hi"]) == pytest.approx((1 - 2.4841377, 1 + 2.4841377), abs=1e-6)
 
 
 def test_what_a_paired_comparison_can_resolve_by_hand():
@@ -195,6 +220,13 @@ def test_pairing_follows_the_epochs_a_group_still_trained_alike():
     assert "val spread within a group: epoch 2: mean 0.3000, max 0.3000 (1 of 2 groups)." in " ".join(markdown(res).split())
 
 
+def _ci2(a: float, b: float) -> str:
+    """The 95 % CI of the mean of two units as the report prints it: the t interval (a + b) / 2 ± t₀.₉₇₅,₁ · s / √2,
+    s / √2 = |a − b| / 2, t₀.₉₇₅,₁ = 12.706205 — wider than any percentile interval of two values."""
+    m, h = (a + b) / 2, 12.706205 * abs(a - b) / 2
+    return f"[{m - h:+.3f}, {m + h:+.3f}]"
+
+
 def test_what_a_rollback_led_to_is_the_next_epochs_validation_against_the_epoch_it_restored():
     from tradeloop.study.report import markdown
 
@@ -212,7 +244,8 @@ def test_what_a_rollback_led_to_is_the_next_epochs_validation_against_the_epoch_
     assert steps["on-s2-f0"] == [] and steps["off-s0-f0"] == []
     after = res["variants"]["on"]["after_rollback"]                  # over runs, each run's mean: −0.05 and −0.10
     assert after["mean"] == pytest.approx(-0.075) and (after["rollbacks"], after["higher"]) == (3, 1)
-    assert after["lo"] == pytest.approx(-0.10) and after["hi"] == pytest.approx(-0.05)
+    # two runs: the t interval −0.075 ± t₀.₉₇₅,₁ · 0.025 = −0.075 ± 12.706205 · 0.025 (the percentile one: [−0.10, −0.05])
+    assert (after["lo"], after["hi"]) == pytest.approx((-0.075 - 0.3176551, -0.075 + 0.3176551), abs=1e-6)
     assert "after_rollback" not in res["variants"]["off"]
     res["study"] = {"dataset": "synthetic", "variants": [{"name": n, "settings": []} for n in ("on", "off")],
                     "seeds": [0, 1, 2], "folds": 1, "epochs": 4, "preset": "small", "settings": [], "device": "cpu",
@@ -220,7 +253,7 @@ def test_what_a_rollback_led_to_is_the_next_epochs_validation_against_the_epoch_
                     "ci_seed": 0}
     res["timing"] = {"wall_s": 10.0, "runs_at_once": 1, "epochs_trained": 16, "epochs_per_s": 1.6}
     assert "minus that of the epoch it restored" in markdown(res)
-    assert "on -0.075 [-0.100, -0.050] (1 of 3 higher)." in " ".join(markdown(res).split())
+    assert f"on -0.075 {_ci2(-0.05, -0.10)} (1 of 3 higher)." in " ".join(markdown(res).split())
     for m in runs:                                      # a summary written before `rollback_to` was kept: none
         for e in m["epochs"]:
             del e["rollback_to"]
@@ -250,7 +283,7 @@ def test_rollbacks_count_the_epochs_that_began_from_one_not_the_last_epochs_bund
     assert [r["val_step"] for r in res["runs"]] == pytest.approx([0.35, 0.15, 0.1, 0.1])
     assert res["variants"]["on"]["val_step"]["mean"] == pytest.approx(0.25)
     assert ("epoch to the next (mean |Δ val per-trade Sharpe| between a run's consecutive epochs; mean [95 % CI] over "
-            "units): on +0.250 [+0.150, +0.350]; off +0.100 [+0.100, +0.100].") in " ".join(markdown(res).split())
+            "units): on +0.250 [-1.021, +1.521]; off +0.100 [+0.100, +0.100].")   # 0.25 ± 12.706205 · 0.1 in " ".join(markdown(res).split())
     # the typical epoch: on [0.5, 0.1, 0.4] → mean 1/3, deviations 1/6, −7/30, 1/15 → var 0.26/9 (ddof 0);
     # [0.5, 0.4, 0.6] → 0.5, var 0.02/3; off [0.2, 0.1, 0.2] → 1/6, [0.2, 0.3, 0.2] → 7/30, var 0.02/9 each
     assert [r["val_epochs_mean"] for r in res["runs"]] == pytest.approx([1 / 3, 0.5, 1 / 6, 7 / 30])
@@ -259,19 +292,20 @@ def test_rollbacks_count_the_epochs_that_began_from_one_not_the_last_epochs_bund
     assert res["variants"]["on"]["epochs_val"]["mean"]["mean"] == pytest.approx(5 / 12)
     typical = res["paired"]["on"]["val_epochs_mean"]                 # on − off: 1/3 − 1/6 and 0.5 − 7/30, both won
     assert typical["mean"] == pytest.approx((1 / 6 + 4 / 15) / 2) and typical["wins"] == 2
+    sd = [(0.26 / 9) ** 0.5, (0.02 / 3) ** 0.5]
     assert ("The typical epoch beside the selected one (a run's mean val per-trade Sharpe over its epochs, and their "
             "standard deviation within the run; mean [95 % CI] over units — the choice on validation keeps the best "
-            "draw, so the spread counts as much as the mean): on +0.417 [+0.333, +0.500], sd +0.126 [+0.082, +0.170]; "
-            "off +0.200 [+0.167, +0.233], sd +0.047 [+0.047, +0.047]; paired on − off +0.217 [+0.167, +0.267] (2/2)."
-            ) in " ".join(markdown(res).split())
+            f"draw, so the spread counts as much as the mean): on +0.417 {_ci2(1 / 3, 0.5)}, sd +0.126 {_ci2(*sd)}; "
+            "off +0.200 " + _ci2(1 / 6, 7 / 30) + ", sd +0.047 [+0.047, +0.047]; paired on − off +0.217 "
+            f"{_ci2(1 / 6, 4 / 15)} (2/2).") in " ".join(markdown(res).split())
     # the first epoch against the later ones: on 0.5 | mean(0.1, 0.4) = 0.25 and 0.5 | 0.5; off 0.2 | 0.15 and
     # 0.2 | 0.25 → paired epoch 1 +0.3 twice, later +0.1 and +0.25
     assert [x for r in res["runs"] for x in (r["val_epoch1"], r["val_later_mean"])] == pytest.approx(
         [0.5, 0.25, 0.5, 0.5, 0.2, 0.15, 0.2, 0.25])
     later = res["paired"]["on"]["val_later_mean"]
-    assert later["mean"] == pytest.approx(0.175) and (later["lo"], later["hi"]) == pytest.approx((0.1, 0.25))
+    assert later["mean"] == pytest.approx(0.175) and f"[{later['lo']:+.3f}, {later['hi']:+.3f}]" == _ci2(0.1, 0.25)
     assert ("so its difference there is the pairing's noise): epoch 1 on − off +0.300 [+0.300, +0.300] (2/2); the "
-            "mean of epochs 2–3 on − off +0.175 [+0.100, +0.250] (2/2).") in " ".join(markdown(res).split())
+            f"mean of epochs 2–3 on − off +0.175 {_ci2(0.1, 0.25)} (2/2).") in " ".join(markdown(res).split())
     # in sample beside validation: on's runs carry it at every epoch, off's not (summaries written before it was kept)
     for m, ins in zip(runs[:2], ([0.6, 0.8, 1.0], [0.6, 0.7, 0.9])):
         for e, x in zip(m["epochs"], ins):
@@ -283,11 +317,12 @@ def test_rollbacks_count_the_epochs_that_began_from_one_not_the_last_epochs_bund
     assert [r["gap_widening"] for r in res3["runs"][:2]] == pytest.approx([0.55, 0.2])
     assert all(r["gap_widening"] is None for r in res3["runs"][2:]) and "gap_widening" not in res3["variants"]["off"]
     wide = res3["variants"]["on"]["gap_widening"]
-    assert (wide["mean"], wide["lo"], wide["hi"], wide["widened"]) == pytest.approx((0.375, 0.2, 0.55, 2))
+    assert (wide["mean"], wide["widened"]) == pytest.approx((0.375, 2))
+    assert f"[{wide['lo']:+.3f}, {wide['hi']:+.3f}]" == _ci2(0.2, 0.55)
     assert ("epoch 1 → the mean of epochs 2–E — in sample rising while validation falls is overfitting the training "
             "split; the widening of the gap, in sample − validation, mean [95 % CI] over units and how many widened): "
-            "on in sample +0.600 → +0.850, validation +0.500 → +0.375, the gap between them widening +0.375 [+0.200, "
-            "+0.550] (2/2).") in " ".join(markdown(res3).split())
+            "on in sample +0.600 → +0.850, validation +0.500 → +0.375, the gap between them widening +0.375 "
+            f"{_ci2(0.2, 0.55)} (2/2).") in " ".join(markdown(res3).split())
     assert "In sample beside validation" not in markdown(res)
     assert "gap_widening" not in res3["paired"]["on"]                            # off has no in-sample record
     # off's runs with one too: in sample at validation's level at every epoch (0.2 0.1 0.2 and 0.2 0.3 0.2), so their
@@ -299,15 +334,15 @@ def test_rollbacks_count_the_epochs_that_began_from_one_not_the_last_epochs_bund
     off_wide = res4["variants"]["off"]["gap_widening"]
     assert (off_wide["mean"], off_wide["widened"]) == (0, 0)
     pw = res4["paired"]["on"]["gap_widening"]
-    assert (pw["mean"], pw["lo"], pw["hi"], pw["wins"]) == pytest.approx((0.375, 0.2, 0.55, 2))
-    assert ("widening +0.000 [+0.000, +0.000] (0/2); paired widening on − off +0.375 [+0.200, +0.550] (2/2)."
+    assert (pw["mean"], pw["wins"]) == pytest.approx((0.375, 2))
+    assert (f"widening +0.000 [+0.000, +0.000] (0/2); paired widening on − off +0.375 {_ci2(0.2, 0.55)} (2/2)."
             in " ".join(markdown(res4).split()))
     runs[2]["epochs"] = runs[2]["epochs"][:1]                 # a run of one epoch: none for its variant, no pairing
     res2 = {**res, **aggregate(runs, [], ["on", "off"], "off", n_boot=200, seed=0)}
     assert res2["runs"][2]["val_epochs_sd"] is None and "epochs_val" not in res2["variants"]["off"]
     assert "val_epochs_mean" not in res2["paired"]["on"] and "val_later_mean" not in res2["paired"]["on"]
     assert res2["runs"][2]["val_epoch1"] is None and "The first epoch against" not in markdown(res2)
-    assert "so the spread counts as much as the mean): on +0.417 [+0.333, +0.500], sd +0.126 [+0.082, +0.170]." in (
+    assert f"so the spread counts as much as the mean): on +0.417 {_ci2(1 / 3, 0.5)}, sd +0.126 {_ci2(*sd)}." in (
         " ".join(markdown(res2).split()))
     runs[2]["epochs"] = _summary("off", 0, 0, [0.2, 0.1, 0.2], 1, 0.2)["epochs"]
     # an exploit of a peer's epoch takes the place of the rollback its bundle also asked for
