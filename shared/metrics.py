@@ -260,13 +260,28 @@ def select_best(val_sharpes: Sequence[float], val_trades: Sequence[int],
     return max(pool, key=lambda i: (val_sharpes[i], -i)), bool(ok)
 
 
-def selection_dsr(best_trade_returns: Any, val_sharpes: Sequence[float]) -> float:
+def trials_variance(sharpes: Sequence[float], trades: Sequence[int] | None = None,
+                    min_trades: int = MIN_SELECTION_TRADES) -> float | None:
+    """V of a DSR's trials: the variance (ddof 1) of the per-trade Sharpes of the trials selection could have chosen,
+    those with ≥ `min_trades` trades (`trades` given); of all of them where fewer than two could, or `trades` is None;
+    None below two. A Sharpe of a few trades is mostly its own sampling noise (variance about 1 / (n − 1)), and one
+    such outlier can set V: one checkpoint at −4.9 among the 240 of docs/study-h100-real-eurusd took it from 0.059 to
+    0.154. N stays every trial."""
+    x = np.asarray(sharpes, dtype=np.float64)
+    if trades is not None:
+        ok = np.asarray(trades) >= min_trades
+        if ok.sum() >= 2:
+            x = x[ok]
+    return float(np.var(x, ddof=1)) if x.size >= 2 else None
+
+
+def selection_dsr(best_trade_returns: Any, val_sharpes: Sequence[float], val_trades: Sequence[int] | None = None,
+                  min_trades: int = MIN_SELECTION_TRADES) -> float:
     """DSR of the selected checkpoint's validation trades, deflated over every checkpoint considered: N = the
-    number of `val_sharpes` (per trade, un-annualized, one per checkpoint), V = their variance (ddof 1; the null
+    number of `val_sharpes` (per trade, un-annualized, one per checkpoint), V = `trials_variance` (the null
     1/(n − 1) with one checkpoint). Picking the best epoch by validation is a multiple test."""
-    n = len(val_sharpes)
-    return dsr(best_trade_returns, n_trials=max(1, n),
-               sharpe_var_trials=float(np.var(np.asarray(val_sharpes, dtype=np.float64), ddof=1)) if n >= 2 else None)
+    return dsr(best_trade_returns, n_trials=max(1, len(val_sharpes)),
+               sharpe_var_trials=trials_variance(val_sharpes, val_trades, min_trades))
 
 
 def val_oos_gap(val_sharpe: float, oos_sharpe: float) -> float:

@@ -211,6 +211,27 @@ def test_the_best_checkpoint_is_the_highest_val_sharpe_with_enough_trades():
     assert selection_dsr(r, sharpes) < selection_dsr(r, [0.4])          # selecting among more costs confidence
 
 
+def test_the_trials_variance_is_of_the_checkpoints_selection_could_choose_and_n_of_every_one():
+    """A checkpoint of 3 validation trades at −4.9 beside four of ≥ 40: its Sharpe is mostly sampling noise, and it
+    would have dominated V (and so the expected maximum Sharpe every selected checkpoint is deflated by)."""
+    import numpy as np
+
+    from shared.metrics import dsr, selection_dsr, trials_variance
+    from tradeloop.study.stats import study_trials
+
+    sharpes, trades = [0.1, 0.3, 0.5, 0.2, -4.9], [40, 60, 50, 45, 3]
+    assert trials_variance(sharpes, trades, 20) == pytest.approx(np.var([0.1, 0.3, 0.5, 0.2], ddof=1))
+    assert trials_variance(sharpes) == pytest.approx(np.var(sharpes, ddof=1))          # no counts: every one
+    assert trials_variance([0.1, -4.9], [40, 3], 20) == pytest.approx(np.var([0.1, -4.9], ddof=1))   # < 2 could
+    assert trials_variance([0.1]) is None
+    r = np.random.default_rng(0).normal(0.01, 0.02, 40)
+    v = float(np.var([0.1, 0.3, 0.5, 0.2], ddof=1))
+    assert selection_dsr(r, sharpes, trades, 20) == dsr(r, 5, v) > selection_dsr(r, sharpes)
+    runs = [{"epochs": [{"val_sharpe": x, "val_trades": n} for x, n in zip(sharpes[:3], trades[:3])]},
+            {"epochs": [{"val_sharpe": x, "val_trades": n} for x, n in zip(sharpes[3:], trades[3:])]}]
+    assert study_trials(runs, 20) == (5, pytest.approx(v))
+
+
 def test_up_summary_names_the_best_checkpoint_on_disk_and_its_command(tmp_path):
     from services.evaluator.runs import best_of_summary
 

@@ -129,7 +129,9 @@ def evaluate_agent(policy: str, *, which: str | None, split: str, dataset: str |
                        f"{choice.min_trades} val trades", "enough_val_trades": choice.enough_trades,
                "considered": [{"epoch": c.epoch, "val_per_trade_sharpe": c.val_sharpe, "val_n_trades": c.val_trades,
                                "source": c.source, "on_disk": c.path is not None} for c in choice.candidates],
-               "dsr_deflated_over_considered": selection_dsr(rep.val.trades.net_return, sharpes)}
+               "dsr_deflated_over_considered": selection_dsr(rep.val.trades.net_return, sharpes,
+                                                             [c.val_trades for c in choice.candidates],
+                                                             choice.min_trades)}
     doc = {"checkpoint": {"epoch": ev.epoch, "path": str(ev.path), "sha256": ev.sha256, "how": choice.how},
            "dataset": ev.dataset, "knobs": _knobs_used(ev.knobs), "knobs_source": ev.knobs_source,
            "costs_bps": ev.costs.cost_bps + ev.costs.slippage_bps,

@@ -32,7 +32,7 @@ def write_results(spec: StudySpec, out: Path, timing: dict) -> dict:
               **compile_times(summaries), "epoch_parts_s": part_medians([m["epochs"] for m in summaries])}
     res = aggregate(summaries, baselines(spec, out, min(usable_cores(), 8)), [v.name for v in spec.variants],
                     spec.reference_name, n_boot=spec.n_boot, seed=spec.ci_seed, populations=spec.populations(),
-                    cluster_of=spec.cluster_of)
+                    cluster_of=spec.cluster_of, min_trades=spec.min_val_trades)
     res = {"study": spec.to_dict(), "timing": timing, **res}
     write_json_atomic(out / "results.json", res)
     (out / "report.md").write_text(markdown(res))

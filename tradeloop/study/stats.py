@@ -26,7 +26,8 @@ deflated by every trial of the study, and the results table. Pure numpy over the
   near 0), with its CI from the same resamples (those whose mean val > 0; "n/a" when fewer than 95 % are).
 - DSR (`shared.metrics.dsr`): a selected checkpoint's validation trades against the expected maximum Sharpe of N
   trials, N = every checkpoint of every variant of the study (variants × seeds × folds × epochs), with the
-  variance of all their validation Sharpes. Verdict per variant: "validated edge" only when the mean of its runs'
+  variance of the validation Sharpes of those selection could choose (≥ `min_val_trades` trades:
+  `shared.metrics.trials_variance`; a Sharpe of a few trades is mostly its own noise). Verdict per variant: "validated edge" only when the mean of its runs'
   DSRs reaches 0.95, else "no validated edge".
 Sharpes are un-annualized, per trade.
 """
@@ -39,7 +40,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from shared.metrics import dsr
+from shared.metrics import dsr, trials_variance
 
 DSR_BAR = 0.95
 CI_LEVEL = 0.95
@@ -210,10 +211,12 @@ def units_to_detect(delta: float, sd: float, power: float = POWER, level: float 
     return n
 
 
-def study_trials(summaries: Sequence[dict]) -> tuple[int, float | None]:
-    """(N, V): every checkpoint's validation Sharpe of every run of the study — their number and variance."""
+def study_trials(summaries: Sequence[dict], min_trades: int = 20) -> tuple[int, float | None]:
+    """(N, V): N every checkpoint of every run of the study, V the variance of the validation Sharpes of those with
+    ≥ `min_trades` validation trades, the checkpoints selection could choose (`shared.metrics.trials_variance`)."""
     s = [float(r["val_sharpe"]) for m in summaries for r in m["epochs"]]
-    return len(s), (float(np.var(s, ddof=1)) if len(s) >= 2 else None)
+    n = [int(r.get("val_trades", min_trades)) for m in summaries for r in m["epochs"]]
+    return len(s), trials_variance(s, n, min_trades)
 
 
 def study_dsr(val_trade_returns: Sequence[float], n_trials: int, sharpe_var: float | None) -> float:
@@ -264,14 +267,14 @@ METRICS = (("oos_sharpe", "OOS per-trade Sharpe"), ("val_sharpe", "val per-trade
 
 def aggregate(summaries: Sequence[dict], baselines: Sequence[dict], variants: Sequence[str], reference: str, *,
               n_boot: int = 10_000, seed: int = 0, populations: Sequence[str] = (),
-              cluster_of: Callable[[int, int], Any] | None = None) -> dict:
+              cluster_of: Callable[[int, int], Any] | None = None, min_trades: int = 20) -> dict:
     """The study's results from its runs' summaries (and the baselines' rows): per variant and baseline the mean and
     CI of each metric, the gap, the verdict; paired differences against `reference`; validation curves.
 
     `populations`: variants whose runs exploit one another, so that the runs of one population are not independent:
     their means, CIs and paired differences are over populations — the mean of each `cluster_of(seed, fold)` group of
     (seed, fold) units — rather than over units (a paired difference is so whenever either side is one)."""
-    n_trials, var = study_trials(summaries)
+    n_trials, var = study_trials(summaries, min_trades)
     rows = []
     for m in summaries:
         rows.append({**{k: m[k] for k in ("run_id", "variant", "seed", "fold", "selected_epoch", "selectable",

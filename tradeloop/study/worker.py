@@ -118,9 +118,7 @@ def execute_run(spec: StudySpec, out: Path, rs: RunSpec, data: DataCache,
                 on_epoch: Callable[[dict], None] | None = None, train_fn: Callable | None = None) -> dict:
     """Run (or resume) one run of the study to its end; returns its summary (also written to summary.json).
     `train_fn`: how its epochs train (a lockstep group's member; None: alone)."""
-    import numpy as np
-
-    from shared.metrics import dsr
+    from shared.metrics import selection_dsr
     from tradeloop.study.loop import evaluate_selected, first_knobs, prune_checkpoints, run_closed_loop
     from tradeloop.study.stats import select_epoch
 
@@ -169,8 +167,7 @@ def execute_run(spec: StudySpec, out: Path, rs: RunSpec, data: DataCache,
         "val_sharpe_unshaped": vals[sel - 1] if plain is None else sharpe(plain["val"]),
         "oos_sharpe_unshaped": sharpe(om if plain is None else plain["oos"]),
         "selected_val_trade_returns": val_tr,
-        "run_dsr": dsr(val_tr, n_trials=len(vals), sharpe_var_trials=float(np.var(vals, ddof=1))
-                       if len(vals) >= 2 else None),
+        "run_dsr": selection_dsr(val_tr, vals, trades, spec.min_val_trades),
         "first_epoch_key": first_epoch_key(cfg, first_knobs(cfg)), "config_hash": cfg.hash(),
         "feedback": fb.to_dict(),
         "epochs_trained_here": spec.epochs - trained_before, "wall_s": time.perf_counter() - t0,
