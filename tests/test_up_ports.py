@@ -55,6 +55,20 @@ def test_bind_listeners_refuses_a_taken_port_and_releases_what_it_bound():
             again.bind(("127.0.0.1", free))
 
 
+def test_a_second_launchers_listeners_are_refused_a_port_the_first_holds_not_shared():
+    """Two launchers started at the same moment: the first's listener holds the port, so the second's bind is
+    refused up front (two SO_REUSEADDR sockets that bound without listening both took it, and the two runs'
+    services then fought over the port)."""
+    first = bind_listeners("127.0.0.1", {"trainer": 0})
+    try:
+        port = first["trainer"].getsockname()[1]
+        with pytest.raises(ValueError, match=f"the trainer cannot listen on 127.0.0.1:{port}"):
+            bind_listeners("127.0.0.1", {"trainer": port})
+    finally:
+        for s in first.values():
+            s.close()
+
+
 def test_up_refuses_a_taken_port_before_starting_anything(tmp_path):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

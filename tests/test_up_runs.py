@@ -258,3 +258,25 @@ def test_a_stop_through_the_api_ends_the_run_once_its_last_epoch_is_evaluated(tm
     assert "tradeloop up --resume st" in out and "Traceback" not in out
     # with --no-dashboard the services' URLs and where the token is are said
     assert "services trainer http://127.0.0.1:" in out and f"; API token in {run / 'api_token'}" in out, out
+
+
+def test_a_closed_terminal_stops_the_run_and_writes_its_summary(tmp_path):
+    """SIGHUP (the terminal closed, an ssh session dropped) with the output's reader gone: `up` stops its services
+    and writes summary.json. It used to die of the signal, or of a BrokenPipeError at the first line it wrote while
+    stopping, leaving no summary (or the last start's) and services.json behind."""
+    runs = tmp_path / "runs"
+    run = runs / "hup"
+    proc = _up(_env(runs), "--run-id", "hup", "--epochs", "1", "--iterations", "300")
+    poll_until(lambda: (run / "services.json").exists(), "the run to start", timeout_s=60,
+               alive=lambda: proc.poll() is None)
+    proc.stdout.close()                           # nobody reads the output any more: its next line breaks the pipe
+    os.kill(proc.pid, signal.SIGHUP)
+    try:
+        proc.wait(timeout=150)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail("tradeloop up did not stop within 150 s of SIGHUP")
+    assert proc.returncode == 130
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["run_id"] == "hup"
+    assert not (run / "services.json").exists()

@@ -19,6 +19,8 @@ from tradeloop.up.runs import pid_alive
 
 HOST = LOOPBACK  # embedded mode serves on loopback only
 SERVICES_FILE = "services.json"
+LISTEN_BACKLOG = 2048
+"""The launcher's listen backlog for each service's socket (uvicorn's own default backlog)."""
 TOKEN_FILE = "api_token"
 
 
@@ -53,14 +55,18 @@ class PortTaken(ValueError):
 
 
 def bind_listeners(host: str, wanted: dict[str, int]) -> dict[str, socket.socket]:
-    """One bound TCP socket per service (port 0: a free one), for the children to serve on (`TL_LISTEN_FD`).
-    A port that cannot be bound closes what was bound and raises PortTaken naming the service and port."""
+    """One listening TCP socket per service (port 0: a free one), for the children to serve on (`TL_LISTEN_FD`;
+    a connection made before its service serves waits in the backlog). A port that cannot be bound closes what was
+    bound and raises PortTaken naming the service and port. The socket listens at once: two SO_REUSEADDR sockets
+    that only bind share a port on Linux, so two launchers started together would both take it and their
+    services would fight over it."""
     held: dict[str, socket.socket] = {}
     for name, port in wanted.items():
         s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
+            s.listen(LISTEN_BACKLOG)
         except (OSError, OverflowError) as exc:
             s.close()
             close_listeners(held)

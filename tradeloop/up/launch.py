@@ -18,7 +18,7 @@ from pathlib import Path
 from tradeloop.up.endpoints import (HOST, PortTaken, api_token, bind_listeners, close_listeners, port_holder,
                                     start_redis, wanted_ports, write_services_file)
 from tradeloop.up.progress import (Progress, collect_summary, dead_letter_line, fmt, loop_done, new_dead_letters,
-                                   redis_client, trainer_failure)
+                                   redis_client, trainer_failure, write_line)
 from tradeloop.up.runs import (RunError, claim_run, default_run_dir, lock_resumed, plan_run, resume_hint,
                                write_run_file)
 from tradeloop.up.stopping import interrupted_note, stopping_note
@@ -31,11 +31,11 @@ evaluated and given its feedback; a resume trains on)."""
 
 def err(msg: str) -> None:
     """A launcher error line on stderr."""
-    print(f"tradeloop up: {msg}", file=sys.stderr)
+    write_line(f"tradeloop up: {msg}", "stderr")
 
 
 def say(msg: str) -> None:
-    print(f"tradeloop up: {msg}", flush=True)
+    write_line(f"tradeloop up: {msg}")
 
 
 def run_up(*, epochs: int, dataset: str, device: str, summary: Path | None, evaluators: int, run_id: str | None,
@@ -127,7 +127,8 @@ def run_up(*, epochs: int, dataset: str, device: str, summary: Path | None, eval
         stop["why"] = "interrupted"
         stop["signals"] += 1
 
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    # SIGHUP: the terminal closed (an ssh session dropped) — stop as on Ctrl-C, the summary written
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     sup = Supervisor(procs)
     live = sys.stdout.isatty() if live is None else live
     say(f"run {run_id} in {run_path}{' (resumed)' if resuming else ''} — Redis "

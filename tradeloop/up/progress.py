@@ -8,10 +8,22 @@ launcher ends a run that cannot finish (a failed trainer, a last epoch's message
 from __future__ import annotations
 
 import json
+import os
+import sys
 from contextlib import contextmanager
 from typing import Any, Iterator
 
 from shared.report import OFF_NAMES
+
+
+def write_line(line: str, stream: str = "stdout") -> None:
+    """Print a line to sys.stdout or sys.stderr; where that stream is gone (its terminal closed, the pipe's reader
+    ended: `| head`, `| tee` stopped by the same Ctrl-C) it is swapped for /dev/null, so the launcher goes on
+    stopping its services and writing the run's summary instead of dying on a BrokenPipeError."""
+    try:
+        print(line, file=getattr(sys, stream), flush=True)
+    except OSError:
+        setattr(sys, stream, open(os.devnull, "w"))
 
 
 def get_json(client, url: str) -> Any:
@@ -166,7 +178,13 @@ class Progress:
 
     def note(self, msg: str) -> None:
         """A message above the live table (or a plain line)."""
-        self.console.print(f"[yellow]{msg}[/yellow]" if self.live_mode else msg, highlight=False, soft_wrap=True)
+        if not self.live_mode:
+            write_line(msg)
+            return
+        try:
+            self.console.print(f"[yellow]{msg}[/yellow]", highlight=False, soft_wrap=True)
+        except OSError:                      # the terminal is gone: as `write_line`
+            self.console.file = open(os.devnull, "w")
 
     def refresh(self) -> None:
         c, u = self.client, self.urls
@@ -209,7 +227,7 @@ class Progress:
                               f"{fmt(k.get('gamma'))}, q_bias {fmt(k.get('q_bias'))}"
                               f"{' ROLLBACK' if b.get('rollback') else ''}"))
         for _, _, line in sorted(lines, key=lambda x: x[:2]):
-            print(line, flush=True)
+            write_line(line)
 
     def render(self):
         from rich.console import Group
