@@ -106,6 +106,11 @@ def test_tiny_study_end_to_end(reference):
     assert res["pairing"]["groups"] == 4 and res["pairing"]["identical_checkpoints"] == 4
     assert res["n_trials"] == len(RUNS) * EPOCHS
     assert set(res["baselines"]) == {"random", "flat", "buy-and-hold", "oracle"}
+    # one trade (buy-and-hold) or none (flat) has no per-trade Sharpe: n/a, not a measured 0 [0, 0]; the equity
+    # curve's per-bar Sharpe stands beside it
+    bh = res["baselines"]["buy-and-hold"]
+    assert bh["oos_sharpe"]["mean"] is None and bh["oos_trades"]["mean"] == 1
+    assert bh["oos_bar_sharpe"]["mean"] is not None and res["baselines"]["flat"]["oos_sharpe"]["mean"] is None
     assert res["variants"]["on"]["verdict"] in ("validated edge", "no validated edge")
     status = json.loads((out / "status.json").read_text())
     assert status["state"] == "done" and status["runs_done"] == 8 and status["epochs_done"] == 16
@@ -113,6 +118,8 @@ def test_tiny_study_end_to_end(reference):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
     md = (out / "report.md").read_text()
     assert "Paired differences, variant − off" in md and "| oracle (baseline) |" in md
+    assert "| buy-and-hold (baseline) | 4 | n/a | n/a | n/a | — | 1 [1, 1] | 1 [1, 1] | — |" in md
+    assert "buy-and-hold (baseline) " in md.split("The account beside its trades")[1].split("\n")[0]
     assert res["choice"]["units"] == 4 and "Choosing among the variants by validation (2 on each of 4" in md
     # the account's OOS per-bar Sharpe beside the per-trade one: each run's, per variant and paired
     bars = {rid: s["oos_metrics"]["per_bar_sharpe"] for rid, s in sums.items()}
@@ -502,7 +509,7 @@ GROUP_KILL = """
 import json, multiprocessing as mp, os, signal, sys, time
 from pathlib import Path
 from tradeloop.study.report import BackgroundBaselines
-from tradeloop.study.spec import StudySpec
+from tradeloop.study.spec import StudySpec, parse_variants
 
 if __name__ == "__main__":
     signal.signal(signal.SIGTERM, lambda *_: None)         # the study process takes its SIGTERM itself
@@ -589,3 +596,21 @@ def test_a_study_carried_as_its_summaries_runs_only_the_runs_not_done(tmp_path, 
         assert got[r]["oos_sharpe"] == ref[r]["oos_sharpe"] and got[r]["selected_epoch"] == ref[r]["selected_epoch"]
     for r in ran:                                        # run again from the same seed and data on a CPU: the same
         assert got[r]["oos_sharpe"] == pytest.approx(ref[r]["oos_sharpe"], abs=1e-9)
+
+
+def test_the_baselines_trade_at_the_reference_variants_costs():
+    """The agents are backtested at the costs they trained under (`train.costs_bps`); the baselines beside them at
+    the reference variant's, not at the default 1 bp."""
+    from tradeloop.study.report import _baseline_unit
+    from tradeloop.study.spec import StudySpec, parse_variants
+
+    def unit(cost: float) -> dict:
+        spec = StudySpec(dataset="synthetic", variants=parse_variants("on,off"), seeds=[0], folds=1, epochs=1,
+                         bars=3000, settings=[("train.costs_bps", cost)])
+        return {r["policy"]: r for r in _baseline_unit(spec.to_dict(), 0, 0)}
+
+    cheap, dear = unit(1.0), unit(25.0)
+    assert cheap["random"]["costs_bps"] == 1.0 and dear["random"]["costs_bps"] == 25.0
+    assert dear["random"]["oos_bar_sharpe"] < cheap["random"]["oos_bar_sharpe"]
+    assert dear["buy-and-hold"]["oos_sharpe"] is None
+

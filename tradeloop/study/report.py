@@ -227,6 +227,8 @@ def markdown(res: dict) -> str:
                           f"{fam['m']} of them hold their true differences together with probability ≥ 95 %. A variant "
                           "whose own CI clears 0 and whose family-wise one does not may be the one that chance lifted."]
     bar = [f"{n} {describe(d['oos_bar_sharpe'])}" for n, d in res["variants"].items() if d.get("oos_bar_sharpe")]
+    bar += [f"{n} (baseline) {describe(d['oos_bar_sharpe'])}" for n, d in res["baselines"].items()
+            if bar and d.get("oos_bar_sharpe")]
     if bar:
         pairs = paired_list(res, "oos_bar_sharpe")
         lines += ["", "The account beside its trades: OOS per-bar Sharpe of the selected checkpoints (the equity "
@@ -359,14 +361,23 @@ def _baseline_unit(spec_doc: dict, seed: int, fold: int) -> list[dict]:
     bars = load_study_bars(spec, ds)
     split = study_folds(spec, len(bars))[fold]
     policies = ["random", "flat", "buy-and-hold"] + (["oracle"] if spec.dataset.strip().lower() == "synthetic" else [])
+    # the reference variant's costs (the agents are backtested at the costs they trained under)
+    cost = spec.configs(spec.variant(spec.reference_name), 14)[0].costs_bps
     rows = []
     for pol in policies:
-        m = {w: policy_metrics(pol, spec.dataset, bars, split, w, seed=ds if pol == "oracle" else seed)
-             for w in ("val", "test")}
-        rows.append({"policy": pol, "seed": seed, "fold": fold,
-                     "val_sharpe": float(m["val"]["per_trade_sharpe"]), "val_trades": int(m["val"]["n_trades"]),
-                     "oos_sharpe": float(m["test"]["per_trade_sharpe"]), "oos_trades": int(m["test"]["n_trades"])})
+        m = {w: policy_metrics(pol, spec.dataset, bars, split, w, seed=ds if pol == "oracle" else seed,
+                               cost_bps=cost) for w in ("val", "test")}
+        rows.append({"policy": pol, "seed": seed, "fold": fold, "costs_bps": cost,
+                     "val_sharpe": trade_sharpe(m["val"]), "val_trades": int(m["val"]["n_trades"]),
+                     "oos_sharpe": trade_sharpe(m["test"]), "oos_trades": int(m["test"]["n_trades"]),
+                     "oos_bar_sharpe": float(m["test"]["per_bar_sharpe"])})
     return rows
+
+
+def trade_sharpe(metrics: dict) -> float | None:
+    """A window's per-trade Sharpe, None where it is undefined: fewer than two trades (flat holds none, buy-and-hold
+    one; `shared.metrics` books those as 0.0)."""
+    return float(metrics["per_trade_sharpe"]) if int(metrics["n_trades"]) >= 2 else None
 
 
 def _cached_units(spec: StudySpec, path: Path) -> dict[str, list[dict]]:
@@ -376,6 +387,9 @@ def _cached_units(spec: StudySpec, path: Path) -> dict[str, list[dict]]:
     except (OSError, ValueError):
         return {}
     if doc.get("identity") != json.loads(json.dumps(spec.identity())):
+        return {}
+    rows = [r for u in (doc.get("units") or {}).values() for r in u] + list(doc.get("rows", []))
+    if any("costs_bps" not in r for r in rows):   # written before the rows held their costs and per-bar Sharpe
         return {}
     if "units" in doc:
         return doc["units"]

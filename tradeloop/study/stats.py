@@ -354,8 +354,11 @@ def aggregate(summaries: Sequence[dict], baselines: Sequence[dict], variants: Se
     out_b = {}
     for name in dict.fromkeys(b["policy"] for b in baselines):
         bs = sorted((b for b in baselines if b["policy"] == name), key=lambda b: (b["seed"], b["fold"]))
-        d = {k: ci([b[k] for b in bs]) for k in ("oos_sharpe", "val_sharpe", "val_trades", "oos_trades")}
-        d["gap"] = gap_ci([b["val_sharpe"] for b in bs], [b["oos_sharpe"] for b in bs], n_boot=n_boot, seed=seed)
+        # a per-trade Sharpe of < 2 trades is undefined (None): left out, "n/a" where no unit has one
+        d = {k: ci([b[k] for b in bs if b.get(k) is not None])
+             for k in ("oos_sharpe", "val_sharpe", "val_trades", "oos_trades", "oos_bar_sharpe")}
+        both = [b for b in bs if b["val_sharpe"] is not None and b["oos_sharpe"] is not None]
+        d["gap"] = gap_ci([b["val_sharpe"] for b in both], [b["oos_sharpe"] for b in both], n_boot=n_boot, seed=seed)
         d["n_runs"] = len(bs)
         out_b[name] = d
     out_p = {}
