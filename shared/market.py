@@ -31,8 +31,11 @@ from shared.market_data import (BUNDLED, DATA_DIR, DATASET_NAMES, MAX_REPORTED_P
 
 @dataclass(frozen=True)
 class Split:
-    """Half-open bar ranges train | embargo | val | embargo | test (the embargo gaps keep feature windows and
-    multi-bar targets of one part from overlapping the next)."""
+    """Half-open bar ranges train | embargo | val | embargo | test. The embargo gaps keep one part's trades and
+    multi-bar targets from reaching into the next: training's prices and rewards stop at its own end. They do not
+    keep a later part's feature windows off the bars before it (the default embargo, 20 bars or 1 %, is shorter than
+    the window and its 60-bar lookbacks): a validation decision reads causal features of training's last bars, past
+    data, which is no look-ahead."""
 
     train: tuple[int, int]
     val: tuple[int, int]
