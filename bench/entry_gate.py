@@ -96,7 +96,8 @@ def gate_levels(run_dir: Path, s: dict, spec, levels: list[float], cache: dict) 
 
 def main(argv: list[str] | None = None) -> None:
     from tradeloop.study.spec import StudySpec
-    from tradeloop.study.stats import bootstrap_ci, describe
+    from tradeloop.study.stats import describe
+    from tradeloop.study.intervals import bootstrap_ci
 
     ap = argparse.ArgumentParser(prog="python3 -m bench.entry_gate", description=__doc__.split("\n\n")[0])
     ap.add_argument("studies", nargs="+", type=Path, help="finished study directories (their runs/ kept)")

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 from bench.headroom import load, study_name
-from tradeloop.study.stats import paired
+from tradeloop.study.intervals import paired
 
 
 def family_rows(res: dict) -> list[dict]:

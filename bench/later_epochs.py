@@ -22,7 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from tradeloop.study.stats import bootstrap_ci, describe, first_and_later_of, first_then_later
+from tradeloop.study.stats import describe, first_and_later_of, first_then_later
+from tradeloop.study.intervals import bootstrap_ci
 
 
 def kept(curves: dict[str, list[float]]) -> list[tuple[float, float]]:

@@ -56,7 +56,8 @@ def groups(results: dict, variant: str | None = None) -> dict[tuple, list[tuple[
 def by_variant(results: dict) -> list[str]:
     """Markdown: per variant, the groups' mean OOS and the OOS of their best-validated run, and both paired against
     the reference variant by group (`tradeloop.study.stats.paired`: mean [95 % CI], wins)."""
-    from tradeloop.study.stats import best_validated, bootstrap_ci, describe, paired
+    from tradeloop.study.stats import best_validated, describe
+    from tradeloop.study.intervals import bootstrap_ci, paired
 
     study = results["study"]
     names = [v["name"] for v in study["variants"]]
@@ -112,7 +113,8 @@ def exploits_of(results: dict, log: Path | None = None) -> list[tuple[str, int, 
 
 def after_exploit(results: dict, log: Path | None = None) -> list[str]:
     """Markdown: the next epoch's val − the exploited epoch's val, and the next − a run's own running best."""
-    from tradeloop.study.stats import bootstrap_ci, describe
+    from tradeloop.study.stats import describe
+    from tradeloop.study.intervals import bootstrap_ci
 
     curves = {f"{v}-s{k.replace('/', '-f')}": c for v, cs in results["curves"].items() for k, c in cs.items()}
     steps = [curves[run][e] - val for run, e, val in exploits_of(results, log)]

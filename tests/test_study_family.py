@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from tests.test_study_stats import _markdown_of_on_off, _summary
-from tradeloop.study.stats import aggregate, expanded_tail, family_level, paired, resample_indices, t_interval
+from tradeloop.study.stats import aggregate
+from tradeloop.study.intervals import expanded_tail, family_level, paired, resample_indices, t_interval
 
 DIFFS = [0.12, 0.05, 0.20, -0.08, 0.09, 0.15, -0.01, 0.10, -0.05, 0.08]
 """Ten units' differences whose 95 % interval clears 0 and whose interval at 99 % (one of five) does not."""

@@ -13,8 +13,8 @@ from services.trainer.train import TrainConfig
 from shared.metrics import dsr
 from tradeloop.study.spec import (StudyError, StudySpec, apply_settings, parse_value, parse_variants, resolve_key,
                                   synthetic_bars_for, variants_from_toml)
-from tradeloop.study.stats import (aggregate, bootstrap_ci, detectable, expanded_tail, gap_ci, paired, percentile_ci,
-                                   power_cells, select_epoch, t_quantile, units_to_detect)
+from tradeloop.study.stats import aggregate, power_cells, select_epoch
+from tradeloop.study.intervals import bootstrap_ci, detectable, expanded_tail, gap_ci, paired, percentile_ci, t_quantile, units_to_detect
 
 
 # --- selection on validation only ---------------------------------------------------------------------------

@@ -24,7 +24,8 @@ from pathlib import Path
 import numpy as np
 
 from tradeloop.study.spec import StudyError, StudySpec
-from tradeloop.study.stats import bootstrap_ci, describe, paired, power_cells, units_text, units_to_detect
+from tradeloop.study.stats import describe, power_cells, units_text
+from tradeloop.study.intervals import bootstrap_ci, paired, units_to_detect
 
 SAME_UNITS = {"dataset": None, "seeds": None, "folds": None, "epochs": None, "preset": None, "settings": None,
               "bars": None, "data_seed": None, "seeds_per_market": 1}
