@@ -97,3 +97,25 @@ def test_the_figure_draws_each_family_interval(tmp_path, monkeypatch):
     mean = res["paired"]["on"]["oos_sharpe"]["mean"]
     assert any(x == 0.2 and y == mean and yerr == [[mean - fw["lo"]], [fw["hi"] - mean]] for x, y, yerr in bars)
     assert any("grey: as one of 2, Bonferroni" in t for t in titles)
+
+
+def test_units_that_share_a_test_period_are_also_read_over_the_periods():
+    """A real series: every seed of a fold trades the same test bars, so 2 seeds × 3 folds are 6 units but 3 periods.
+    OOS on (seed 0, 1): fold 0 0.2, 0.4 → 0.3; fold 1 0.1, 0.1 → 0.1; fold 2 0.6, 0.2 → 0.4; off 0.1 on every unit: the
+    periods' means 0.3, 0.1, 0.4 and on − off 0.2, 0.0, 0.3, each CI over those 3 (with its t interval at 2 df)."""
+    oos = {(0, 0): 0.2, (1, 0): 0.4, (0, 1): 0.1, (1, 1): 0.1, (0, 2): 0.6, (1, 2): 0.2}
+    runs = [_summary("on", s, f, [0.1, 0.2], 2, x) for (s, f), x in oos.items()] + \
+           [_summary("off", s, f, [0.1, 0.2], 2, 0.1) for (s, f) in oos]
+    res = aggregate(runs, [], ["on", "off"], "off", n_boot=2000, seed=0, cluster_of=lambda s, f: (None, f))
+    per = res["periods"]
+    assert (per["periods"], per["units"]) == (3, 6)
+    assert per["variants"]["on"]["mean"] == pytest.approx(0.8 / 3) and per["variants"]["on"]["n"] == 3
+    lo, hi = t_interval([0.3, 0.1, 0.4])
+    assert per["variants"]["on"]["lo"] <= lo and per["variants"]["on"]["hi"] >= hi
+    d = per["paired"]["on"]
+    assert (d["n"], d["wins"]) == (3, 2) and d["mean"] == pytest.approx(0.5 / 3)
+    assert (d["lo"], d["hi"]) == pytest.approx(t_interval([0.2, 0.0, 0.3]))   # wider than the percentile one here
+    md = _markdown_of_on_off(res)
+    assert "the 6 (seed, fold) units share 3 test periods" in md and "paired on − off +0.167 [" in md
+    own = aggregate(runs, [], ["on", "off"], "off", n_boot=2000, seed=0)            # a market each: no such reading
+    assert "periods" not in own and "test periods" not in _markdown_of_on_off(own)

@@ -226,6 +226,15 @@ def markdown(res: dict) -> str:
                           f"{fam['m']}\" gives its Bonferroni interval at {100 * fam['level']:.4g} %, and the "
                           f"{fam['m']} of them hold their true differences together with probability ≥ 95 %. A variant "
                           "whose own CI clears 0 and whose family-wise one does not may be the one that chance lifted."]
+    per = res.get("periods")
+    if per:
+        lines += ["", f"Test periods: the {per['units']} (seed, fold) units share {per['periods']} test periods (the "
+                  "seeds of a fold trade one market's same bars), so what holds for another period rests on "
+                  f"{per['periods']}, not {per['units']}. OOS per-trade Sharpe over the periods (each period's mean "
+                  "over its units; mean [95 % CI] over periods): "
+                  + "; ".join(f"{n} {describe(d)}" for n, d in per["variants"].items())
+                  + "".join(f"; paired {n} − {res['reference']} {describe(p)} ({p['wins']}/{p['n']})"
+                            for n, p in per["paired"].items()) + "."]
     bar = [f"{n} {describe(d['oos_bar_sharpe'])}" for n, d in res["variants"].items() if d.get("oos_bar_sharpe")]
     bar += [f"{n} (baseline) {describe(d['oos_bar_sharpe'])}" for n, d in res["baselines"].items()
             if bar and d.get("oos_bar_sharpe")]

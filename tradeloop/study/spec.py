@@ -472,8 +472,9 @@ class StudySpec:
         return seed // self.seeds_per_market if self.data_seed is None else self.data_seed
 
     def cluster_of(self, seed: int, fold: int) -> tuple:
-        """The runs a population variant's statistics count as one unit: those on the same data and fold (a
-        synthetic market, or the one real series)."""
+        """The runs on the same data and fold (a synthetic market, or the one real series): one test period. A
+        population variant's statistics count them as one unit, and every study where several units share one also
+        reads OOS over the periods (`tradeloop.study.stats.over_periods`)."""
         return (self.data_seed_of(seed) if self.dataset == "synthetic" else None, fold)
 
     def acting_on_nothing(self) -> list[str]:

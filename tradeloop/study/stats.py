@@ -238,15 +238,49 @@ def aggregate(summaries: Sequence[dict], baselines: Sequence[dict], variants: Se
             out_p[name]["oos_sharpe_unshaped"] = pair("oos_sharpe_unshaped")
         if "oos_bar_sharpe" in out_v[name] and "oos_bar_sharpe" in out_v[reference]:
             out_p[name]["oos_bar_sharpe"] = pair("oos_bar_sharpe")
+    periods = over_periods(rows, variants, reference, cluster, pops, n_boot=n_boot, seed=seed)
     curves = {name: {str(m["seed"]) + "/" + str(m["fold"]): [e["val_sharpe"] for e in m["epochs"]]
                      for m in summaries if m["variant"] == name} for name in variants}
-    return {"n_trials": n_trials, "trial_sharpe_var": var, "reference": reference, "variants": out_v,
+    return {"n_trials": n_trials, **({"periods": periods} if periods else {}), "trial_sharpe_var": var, "reference": reference, "variants": out_v,
             "baselines": out_b, "paired": out_p, "runs": rows, "curves": curves,
             "curves_insample": insample_curves(summaries, variants), "knob_paths": knob_paths(summaries, variants),
             "pairing": pairing_check(summaries),
             # a population's units are not independent: no unit-by-unit choice where one is among the variants
             "choice": choice_by_validation(rows, reference, n_boot=n_boot, seed=seed)
             if len(out_v) > 1 and not pops & set(out_v) else None}
+
+
+def over_periods(rows: Sequence[dict], variants: Sequence[str], reference: str, cluster: Callable[[int, int], Any],
+                 populations: set, *, n_boot: int, seed: int) -> dict | None:
+    """Where (seed, fold) units share a test period (`cluster`: one market and fold — every seed of a fold on a real
+    series, or `--seeds-per-market` > 1), OOS per-trade Sharpe over the periods instead of the units: each period's
+    mean over its units, then the CI over the periods, per variant and paired against `reference`. A claim about
+    another period rests on this many, not on the units; None where every unit has its own period (or a population
+    variant, already over its populations, is in the study)."""
+    units = {(r["seed"], r["fold"]) for r in rows}
+    n = len({cluster(*u) for u in units})
+    if n == len(units) or populations & set(variants):
+        return None
+
+    def means(name: str, only: set | None = None) -> dict:
+        groups: dict = {}
+        for r in rows:
+            u = (r["seed"], r["fold"])
+            if r["variant"] == name and (only is None or u in only):
+                groups.setdefault(cluster(*u), []).append(r["oos_sharpe"])
+        return {c: float(np.mean(v)) for c, v in groups.items()}
+
+    out: dict = {"periods": n, "units": len(units), "variants": {}, "paired": {}}
+    for name in variants:
+        m = means(name)
+        if m:
+            out["variants"][name] = bootstrap_ci(list(m.values()), n_boot=n_boot, seed=seed)
+    ref_units = {(r["seed"], r["fold"]) for r in rows if r["variant"] == reference}
+    for name in variants:
+        both = ref_units & {(r["seed"], r["fold"]) for r in rows if r["variant"] == name}
+        if name != reference and both:
+            out["paired"][name] = paired(means(name, both), means(reference, both), n_boot=n_boot, seed=seed)
+    return out
 
 
 KNOBS = (("epsilon", "ε", ".3f"), ("gamma", "γ", ".4f"), ("lr_decay", "learning rates' decay", ".3f"))
