@@ -1,12 +1,20 @@
 """Several variants against one reference: each Δ OOS beside its Bonferroni interval (`stats.paired`'s `family`),
 by hand from the documented recipe — the resamples `resample_indices` draws, the quantiles `expanded_tail` gives at
 the level 1 − 0.05 / m."""
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 from tests.test_study_stats import _markdown_of_on_off, _summary
+from tradeloop.study.intervals import (
+    expanded_tail,
+    family_level,
+    paired,
+    resample_indices,
+    t_interval,
+)
 from tradeloop.study.stats import aggregate
-from tradeloop.study.intervals import expanded_tail, family_level, paired, resample_indices, t_interval
 
 DIFFS = [0.12, 0.05, 0.20, -0.08, 0.09, 0.15, -0.01, 0.10, -0.05, 0.08]
 """Ten units' differences whose 95 % interval clears 0 and whose interval at 99 % (one of five) does not."""
@@ -119,3 +127,14 @@ def test_units_that_share_a_test_period_are_also_read_over_the_periods():
     assert "the 6 (seed, fold) units share 3 test periods" in md and "paired on − off +0.167 [" in md
     own = aggregate(runs, [], ["on", "off"], "off", n_boot=2000, seed=0)            # a market each: no such reading
     assert "periods" not in own and "test periods" not in _markdown_of_on_off(own)
+
+
+def test_bench_periods_reads_a_stored_study_over_its_test_periods(capsys):
+    """bench/periods.py on the stored S&P 500 study (5 seeds × 3 folds of one series) and on a synthetic one."""
+    from bench import periods
+
+    root = Path(__file__).resolve().parents[1] / "docs"
+    periods.main([str(root / "study-h100-real-sp500"), str(root / "study-h100-onoff-default")])
+    sp, syn = capsys.readouterr().out.splitlines()
+    assert "3 test periods of 15 units; off +0.060 [" in sp and "paired rollback − off -0.013 [" in sp
+    assert syn.endswith("every (seed, fold) unit has a test period of its own")
