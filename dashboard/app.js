@@ -645,7 +645,10 @@
       const meta = state.runs.find((x) => x.id === id) || {};
       rows += `<tr data-run="${esc(id)}"><th><span class="swatch" style="background:${color}"></span>${esc(id)}</th><td>${esc(meta.dataset || "?")}</td>` +
               `<td>${H.length}</td><td>${sel ?? "–"}</td><td data-key="val_per_trade_sharpe" data-value="${r.val_per_trade_sharpe ?? ""}">${fmt(r.val_per_trade_sharpe)}</td>` +
-              `<td>${fmt(r.val_dsr)}</td><td>${fmt(r.val_n_trades, "int")}</td><td>${fmt(r.oos_per_trade_sharpe)}</td><td>${fmt(r.val_oos_gap, "pct")}</td></tr>`;
+              `<td>${fmt(r.val_dsr)}</td><td>${fmt(r.val_n_trades, "int")}</td><td>${fmt(r.oos_per_trade_sharpe)}</td>` +
+              // 1 − OOS / val: with val ≤ 0 there was no edge to hold (−87 % would read as OOS beating validation)
+              (isNum(r.val_per_trade_sharpe) && r.val_per_trade_sharpe > 0 ? `<td>${fmt(r.val_oos_gap, "pct")}</td>`
+                : `<td class="muted" data-key="val_oos_gap">n/a</td>`) + `</tr>`;
     });
     $("compare-table").innerHTML = rows;
     charts.compare_sharpe.setData(sharpe, {});

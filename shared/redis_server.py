@@ -110,6 +110,14 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def _write_private(path: Path, text: str) -> None:
+    """Write `text` to `path`, readable by its owner alone (0600, also where the file was there before)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+
+
 class EmbeddedRedis:
     """A `redis-server` child process with AOF and a password, data in `data_dir`, reached through a Unix socket
     (default) or on 127.0.0.1 (`tcp=True`)."""
@@ -143,12 +151,16 @@ class EmbeddedRedis:
             if pw_file.exists():
                 self._password = pw_file.read_text().strip()
             else:
-                self.data_dir.mkdir(parents=True, exist_ok=True)
+                self._private_dir()
                 self._password = secrets.token_hex(16)
-                fd = os.open(pw_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-                with os.fdopen(fd, "w") as f:
-                    f.write(self._password + "\n")
+                _write_private(pw_file, self._password + "\n")
         return self._password
+
+    def _private_dir(self) -> None:
+        """data_dir made and held to its owner (0700): it holds the password, the config that repeats it, and the
+        append-only file with every value the run stored (its checkpoints' bytes among them)."""
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.data_dir, 0o700)
 
     @property
     def url(self) -> str:
@@ -195,7 +207,7 @@ class EmbeddedRedis:
         conf = self.data_dir / "redis.conf"
         listen = ([f"bind {self.host}", f"port {self.port}"] if self.tcp else
                   ["port 0", f"unixsocket {_conf_str(self.socket_path)}", "unixsocketperm 700"])
-        conf.write_text("\n".join([
+        _write_private(conf, "\n".join([
             *listen,
             "protected-mode yes",
             "daemonize no",
@@ -221,7 +233,7 @@ class EmbeddedRedis:
         """Start the server (same dir and address as before on a restart); wait for PING; check the version."""
         if self.running:
             return self
-        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self._private_dir()
         if self.tcp and self.port is None:
             self.port = free_port(self.host)
         if not self.tcp:

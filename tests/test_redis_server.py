@@ -66,6 +66,10 @@ def test_unix_socket_server_has_no_tcp_listener_and_survives_a_kill(tmp_path):
         cfg = client.config_get("*")
         assert (cfg["port"], cfg["unixsocket"], cfg["unixsocketperm"]) == ("0", str(server.socket_path), "700")
         assert oct(server.socket_path.stat().st_mode & 0o777) == "0o700"
+        # the password, the config that repeats it and the AOF (every stored value) are the owner's alone
+        assert oct(data.stat().st_mode & 0o777) == "0o700"
+        assert {f.name: oct(f.stat().st_mode & 0o077) for f in (data / "password", data / "redis.conf")} == \
+            {"password": "0o0", "redis.conf": "0o0"}
         anon = redis.Redis(unix_socket_path=str(server.socket_path), socket_timeout=5, retry=Retry(NoBackoff(), 0))
         with pytest.raises(redis.AuthenticationError):
             anon.ping()

@@ -84,3 +84,23 @@ def test_a_resume_may_not_lower_epochs_below_those_trained(tmp_path):
     assert r.exit_code == 2, r.output
     assert "--epochs 2: the run has trained 3 epochs; a resume's --epochs may raise its target" in r.stderr
     assert sorted((p, p.stat().st_mtime_ns) for p in path.rglob("*")) == before      # nothing touched
+
+
+def test_a_dataset_file_too_short_for_a_run_is_refused_before_anything_starts(tmp_path):
+    """100 bars trained a run on 12-bar validation and test windows of one trade each; `--data-bars` below the same
+    minimum was already refused."""
+    import pandas as pd
+
+    from tradeloop.cmd_up import MIN_DATA_BARS
+
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    short = tmp_path / "short.csv"
+    t = pd.date_range("2024-01-01", periods=100, freq="h")
+    pd.DataFrame({"timestamp": t, "open": 100.0, "high": 101.0, "low": 99.0, "close": 100.5,
+                  "volume": 1.0}).to_csv(short, index=False)
+    r = CliRunner().invoke(app, ["up", "--epochs", "1", "--run-dir", str(runs), "--dataset", str(short),
+                                 "--no-dashboard"])
+    assert r.exit_code == 2 and f"--dataset {short}: 100 bars, fewer than the {MIN_DATA_BARS} a run needs" in r.stderr, \
+        r.output
+    assert "Traceback" not in r.output and not any(runs.iterdir())

@@ -48,6 +48,8 @@ from tradeloop.up.launch import err, run_up
 from tradeloop.up.runs import DEFAULTS, RunError, default_run_dir, plan_run, read_run_file, resumed_settings
 
 BUNDLED = ("synthetic", "sp500", "eurusd")
+MIN_DATA_BARS = 500
+"""The fewest bars a run trains on: `--data-bars` below it and a dataset file shorter than it are refused."""
 
 
 def _check_dataset(dataset: str) -> None:
@@ -59,9 +61,13 @@ def _check_dataset(dataset: str) -> None:
         err(f"--dataset {dataset!r}: not a bundled dataset ({', '.join(BUNDLED)}) and no such file")
         raise typer.Exit(2)
     try:
-        load_bars(dataset)
+        n = len(load_bars(dataset))
     except DataError as exc:
         err(f"--dataset {dataset}: {exc}")
+        raise typer.Exit(2)
+    if n < MIN_DATA_BARS:
+        err(f"--dataset {dataset}: {n} bars, fewer than the {MIN_DATA_BARS} a run needs (its training, validation and "
+            "test windows with embargoes between them)")
         raise typer.Exit(2)
 
 
@@ -107,8 +113,8 @@ def check_settings(cfg: dict, feedback_timeout: float, timeout: float) -> list[s
         problems.append(f"--feedback-mode must be sync or overlap, got {cfg['feedback_mode']!r}")
     if feedback_timeout <= 0 or timeout <= 0:
         problems.append("--feedback-timeout and --timeout must be > 0")
-    if cfg["data_bars"] is not None and cfg["data_bars"] < 500:
-        problems.append(f"--data-bars must be >= 500, got {cfg['data_bars']}")
+    if cfg["data_bars"] is not None and cfg["data_bars"] < MIN_DATA_BARS:
+        problems.append(f"--data-bars must be >= {MIN_DATA_BARS}, got {cfg['data_bars']}")
     if cfg["iterations"] is not None and cfg["iterations"] < 1:
         problems.append(f"--iterations must be >= 1, got {cfg['iterations']}")
     try:
