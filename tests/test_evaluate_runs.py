@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -111,8 +112,8 @@ def test_evaluate_of_a_loop_checkpoint_equals_the_loops_report(tmp_path, redis_u
     out = _cli("evaluate", "--policy", str(run), "--checkpoint", "best", "--split", "test")
     assert out.exit_code == 0, out.output
     assert f"checkpoint: epoch {best['epoch']} (best) {best['path']} sha256 {best['sha256']}" in out.stdout
-    assert f"of {EPOCHS} checkpoints ({EPOCHS} on disk; loop report) with ≥ 10 val trades" in out.stdout \
-        or "NONE has ≥ 10 val trades" in out.stdout
+    assert re.search(rf"among the [1-9]\d* with ≥ 10 val trades of {EPOCHS} checkpoints \({EPOCHS} on disk; loop "
+                     r"report\)", out.stdout) or "NONE has ≥ 10 val trades" in out.stdout, out.stdout
     got = json.loads(_cli("evaluate", "--policy", str(run), "--checkpoint", "best", "--json").stdout)
     assert got["checkpoint"]["epoch"] == best["epoch"]
     sel = got["selection"]
@@ -121,6 +122,15 @@ def test_evaluate_of_a_loop_checkpoint_equals_the_loops_report(tmp_path, redis_u
     out = _cli("evaluate", "--policy", str(run / "trainer"), "--checkpoint", "latest")
     assert out.exit_code == 0, out.output
     assert f"checkpoint: epoch {EPOCHS} (latest) {run / 'trainer' / 'checkpoints'}" in out.stdout
+
+    # epoch 1's file replaced by another valid checkpoint with its own sidecar: evaluated, and said to be another file
+    ck = run / "trainer" / "checkpoints"
+    for suffix in ("", ".sha256"):
+        (ck / f"epoch-0001.safetensors{suffix}").write_bytes((ck / f"epoch-0002.safetensors{suffix}").read_bytes())
+    got = json.loads(_cli("evaluate", "--policy", str(run), "--checkpoint", "best", "--json").stdout)
+    first = got["selection"]["considered"][0]
+    assert first["epoch"] == 1 and first["source"].startswith("evaluated here — epoch 1's file is not the one the loop "
+                                                              f"reported (sha256 {rows[1]['checkpoint_sha256'][:12]}")
 
 
 @pytest.fixture(scope="module")

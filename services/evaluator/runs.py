@@ -175,9 +175,11 @@ class Choice:
         if self.how == "best":
             on_disk = sum(c.path is not None for c in self.candidates)
             sources = sorted({c.source for c in self.candidates})
-            line += (f"; highest val per-trade Sharpe of {len(self.candidates)} checkpoints ({on_disk} on disk; "
-                     f"{' and '.join(sources)})" +
-                     (f" with ≥ {self.min_trades} val trades" if self.enough_trades else
+            enough = sum(c.path is not None and c.val_trades >= self.min_trades for c in self.candidates)
+            line += ("; highest val per-trade Sharpe among " +
+                     (f"the {enough} with ≥ {self.min_trades} val trades of " if self.enough_trades else "") +
+                     f"{len(self.candidates)} checkpoints ({on_disk} on disk; {' and '.join(sources)})" +
+                     ("" if self.enough_trades else
                       f" — NONE has ≥ {self.min_trades} val trades: the best of all, on few trades"))
         return line
 
@@ -213,7 +215,11 @@ def choose(run: RunDir, which: str, *, min_trades: int = MIN_SELECTION_TRADES,
             if val_of is None:
                 raise RunDirError(f"{path}: no loop report of this checkpoint and nothing to evaluate it with")
             sr, n = val_of(path)
-            cands.append(Candidate(e, path, sha, float(sr), int(n), "evaluated here"))
+            # a file whose own sidecar matches but whose bytes are not those the loop trained and reported (copied
+            # over, rewritten): evaluated, and said so
+            src = "evaluated here" if rep is None else (f"evaluated here — epoch {e}'s file is not the one the loop "
+                                                        f"reported (sha256 {rep.sha256[:12]}…)")
+            cands.append(Candidate(e, path, sha, float(sr), int(n), src))
     selectable = [c for c in cands if c.path is not None]
     i, enough = select_best([c.val_sharpe for c in selectable], [c.val_trades for c in selectable], min_trades)
     best = selectable[i]
