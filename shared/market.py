@@ -92,8 +92,10 @@ def walk_forward_folds(n_bars: int, *, n_folds: int, train_bars: int | None = No
                        test_bars: int | None = None, embargo: int | None = None, step: int | None = None) -> list[Split]:
     """Rolling walk-forward folds: fold k is train | embargo | val | embargo | test starting at bar k·step.
 
-    Defaults: step = test_bars; sizes not given share what is left in the ratio train:val:test = 3:1:1 so
-    that the last fold ends at (or just before) n_bars. Raises ValueError on arguments that do not fit."""
+    Defaults: step = test_bars, and test_bars = step where only `step` is given (the folds' test windows abut and
+    never overlap: each fold's OOS is its own bars); sizes not given share what is left in the ratio
+    train:val:test = 3:1:1 so that the last fold ends at (or just before) n_bars. Raises ValueError on arguments
+    that do not fit."""
     if not (isinstance(n_folds, (int, np.integer)) and n_folds >= 1):
         raise ValueError(f"walk_forward_folds: n_folds must be an integer ≥ 1, got {n_folds!r}")
     if not (isinstance(n_bars, (int, np.integer)) and n_bars > 0):
@@ -104,6 +106,8 @@ def walk_forward_folds(n_bars: int, *, n_folds: int, train_bars: int | None = No
             raise ValueError(f"walk_forward_folds: {nm} must be ≥ 1, got {v}")
     if emb < 0:
         raise ValueError(f"walk_forward_folds: embargo must be ≥ 0, got {embargo}")
+    if step is not None and test_bars is None:
+        test_bars = int(step)
     if train_bars is None or val_bars is None or test_bars is None:
         # n_bars − 2·emb = train + val + test + (n_folds − 1)·step, with step = test unless given
         weights = {"train": 3, "val": 1, "test": 1}

@@ -273,6 +273,11 @@ def test_walk_forward_folds():
     assert all(a.test[1] == b.test[0] for a, b in zip(folds, folds[1:]))
     explicit = walk_forward_folds(500, n_folds=3, train_bars=200, val_bars=50, test_bars=50, embargo=10, step=25)
     assert explicit[2] == Split((50, 250), (260, 310), (320, 370), 10)
+    # `step` alone: the test windows take its length, so they abut (10 007 bars, step 100 gave windows of 1 921 bars
+    # that overlapped by 95 %)
+    stepped = walk_forward_folds(10_007, n_folds=3, step=100)
+    assert all(f.test[1] - f.test[0] == 100 for f in stepped)
+    assert all(a.test[1] <= b.test[0] for a, b in zip(stepped, stepped[1:]))
     with pytest.raises(ValueError, match="need 1040 bars, but there are only 1000"):
         walk_forward_folds(1000, n_folds=3, train_bars=600, val_bars=100, test_bars=100)
     with pytest.raises(ValueError, match="n_folds"):
