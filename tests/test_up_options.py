@@ -104,3 +104,15 @@ def test_a_dataset_file_too_short_for_a_run_is_refused_before_anything_starts(tm
     assert r.exit_code == 2 and f"--dataset {short}: 100 bars, fewer than the {MIN_DATA_BARS} a run needs" in r.stderr, \
         r.output
     assert "Traceback" not in r.output and not any(runs.iterdir())
+
+
+def test_a_run_directory_that_is_a_file_or_cannot_be_made_is_named_as_such(tmp_path):
+    a_file = tmp_path / "afile"
+    a_file.write_text("")
+    for given, words in [(a_file, f"the run directory {a_file} (--run-dir, TL_RUN_DIR) is a file, not a folder"),
+                         (a_file / "below", f"the run directory {a_file / 'below'} (--run-dir, TL_RUN_DIR) cannot be "
+                                            "made: ")]:
+        r = CliRunner().invoke(app, ["up", "--epochs", "1", "--run-dir", str(given), "--no-dashboard",
+                                     "--free-ports"])
+        assert r.exit_code == 2 and words in r.stderr, r.output
+        assert "Errno" not in r.stderr and "Traceback" not in r.output

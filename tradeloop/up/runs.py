@@ -162,12 +162,21 @@ def claim_run(run_id: str, run_path: Path, generated: bool) -> tuple[str, Path, 
     """Create a new run's directory — exclusively: when two launchers name the same run, one gets it and the other
     is refused (a generated id is drawn again) — and lock it."""
     run_dir = run_path.parent
-    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise RunError(f"the run directory {run_dir} (--run-dir, TL_RUN_DIR) is a file, not a folder") from None
+    except OSError as exc:
+        raise RunError(f"the run directory {run_dir} (--run-dir, TL_RUN_DIR) cannot be made: "
+                       f"{exc.strerror or exc}") from None
     for _ in range(5):
         path = run_dir / run_id
         try:
             path.mkdir()
-        except FileExistsError:
+        except OSError as exc:
+            if not isinstance(exc, FileExistsError):
+                raise RunError(f"the run directory {run_dir} (--run-dir, TL_RUN_DIR) cannot hold the run "
+                               f"{path.name}: {exc.strerror or exc}") from None
             if not generated:
                 raise RunError(f"{path} was created by another process just now; resume it with "
                                f"{resume_hint(run_id, run_dir)} once it is free, or choose another run id") from None
