@@ -231,6 +231,11 @@ def test_ctrl_c_mid_epoch_saves_it_and_a_resume_finishes_it_there(tmp_path):
         meta = json.loads(json.loads(f.read(meta_len))["__metadata__"]["tradeloop"])
     assert rec["updates"] == meta["update_step"] > 0
     assert not (run / "trainer" / "checkpoints" / "interrupted.safetensors").exists()
+    # a resume of the complete run has nothing to do: it says so and starts nothing, its summary untouched
+    done = subprocess.run([sys.executable, "-m", "tradeloop.cli", "up", "--resume", "cc", "--free-ports",
+                           "--no-dashboard"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "run cc is complete: 1 of 1 epochs trained" in done.stdout, done.stdout + done.stderr
+    assert json.loads((run / "summary.json").read_text()) == summary
 
 
 def test_a_stop_through_the_api_ends_the_run_once_its_last_epoch_is_evaluated(tmp_path):

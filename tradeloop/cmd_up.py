@@ -44,7 +44,8 @@ from pathlib import Path
 import typer
 
 from shared.config import check_device
-from tradeloop.up.launch import err, run_up
+from shared.runfiles import SUMMARY, read_json
+from tradeloop.up.launch import err, run_up, say
 from tradeloop.up.runs import DEFAULTS, RunError, default_run_dir, plan_run, read_run_file, resumed_settings
 
 BUNDLED = ("synthetic", "sp500", "eurusd")
@@ -92,6 +93,12 @@ def epochs_trained(run_path: Path) -> int:
     from shared.runfiles import TRAINER_DIR, read_history
 
     return max(read_history(run_path / TRAINER_DIR / HISTORY), default=0)
+
+
+def finished(run_path: Path, epochs: int) -> bool:
+    """Whether an `up` run's summary says it completed with at least `epochs` epochs (a resume has nothing to do)."""
+    doc = read_json(run_path / SUMMARY) or {}
+    return doc.get("status") == "completed" and int(doc.get("epochs_completed") or 0) >= epochs
 
 
 def check_settings(cfg: dict, feedback_timeout: float, timeout: float) -> list[str]:
@@ -171,6 +178,11 @@ def register(app: typer.Typer) -> None:
             except RunError as exc:
                 err(str(exc))
                 raise typer.Exit(2)
+            if finished(path, cfg["epochs"]):
+                n = cfg["epochs"]
+                say(f"run {path.name} is complete: {n} of {n} epochs trained, evaluated and given their feedback "
+                    f"({path / SUMMARY}); nothing to resume — --epochs N above {n} trains it on")
+                raise typer.Exit(0)
         else:
             cfg = {k: given[k] if given[k] is not None else DEFAULTS[k] for k in DEFAULTS}
         problems = check_settings(cfg, feedback_timeout, timeout)
