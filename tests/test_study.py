@@ -354,6 +354,13 @@ def test_lockstep_groups_share_a_market_and_a_config_and_split_evenly():
                                   epochs=1, lockstep=4)
     assert sorted(map(sorted, lockstep_groups(one_market_a_seed, [r.run_id for r in one_market_a_seed.runs()]))) == [
         ["off-s0-f0", "on-s0-f0"], ["off-s1-f0", "on-s1-f0"]]
+    # the policy's moving average is not batched: its runs are never grouped (they would train each alone in one
+    # worker's threads); the others still are
+    ema = StudySpec(dataset="synthetic", variants=parse_variants("ema:train.policy_ema=0.999,off"), seeds=[0, 1],
+                    folds=1, epochs=1, lockstep=2, data_seed=7)
+    groups = lockstep_groups(ema, [r.run_id for r in ema.runs()])
+    assert sorted((g,) if isinstance(g, str) else tuple(sorted(g)) for g in groups) == [
+        ("ema-s0-f0",), ("ema-s1-f0",), ("off-s0-f0", "off-s1-f0")]
 
 
 @pytest.mark.redis

@@ -334,7 +334,9 @@ def lockstep_groups(spec: StudySpec, run_ids: list[str]) -> list[str | list[str]
     for rid in run_ids:
         rs = spec.run(rid)
         cfg = spec.configs(spec.variant(rs.variant), 14)[0]     # equal configs hash equal at any feature count
-        by.setdefault((*spec.cluster_of(rs.seed, rs.fold), cfg.hash()), []).append(rid)
+        # a config the batched step cannot train (`LockstepEngine.refusal`: the policy's moving average) runs alone
+        key = (rid,) if cfg.policy_ema > 0 else (*spec.cluster_of(rs.seed, rs.fold), cfg.hash())
+        by.setdefault(key, []).append(rid)
     out: list[str | list[str]] = []
     for ids in by.values():
         n = -(-len(ids) // spec.lockstep)                         # groups, then as even as they split
