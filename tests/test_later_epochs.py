@@ -43,6 +43,6 @@ def test_each_epochs_change_by_hand(tmp_path, capsys):
     later_epochs.main([str(study / "results.json"), "--steps"])
     out = capsys.readouterr().out
     assert "| study-y | off | 2 | 1 | +0.400 | — |" in out
-    assert "| study-y | off | 2 | 3 | +0.400 | +0.300 [+0.300, +0.300] |" in out
+    assert "| study-y | off | 2 | 3 | +0.400 | +0.300 [one unit: no interval] |" in out
     assert "| study-y | off | 2 | 2 | +0.150 | -0.250 [" in out
 

@@ -138,3 +138,18 @@ def test_bench_periods_reads_a_stored_study_over_its_test_periods(capsys):
     sp, syn = capsys.readouterr().out.splitlines()
     assert "3 test periods of 15 units; off +0.060 [" in sp and "paired rollback − off -0.013 [" in sp
     assert syn.endswith("every (seed, fold) unit has a test period of its own")
+
+
+def test_an_interval_stays_within_what_its_quantity_can_be():
+    """The t widening knows no bounds: over two units a DSR's interval ran to [−3.3, 3.9] and a trade count's below 0."""
+    from tradeloop.study.intervals import bootstrap_ci
+
+    free = bootstrap_ci([0.05, 0.9], n_boot=500)
+    held = bootstrap_ci([0.05, 0.9], n_boot=500, bounds=(0.0, 1.0))
+    assert free["lo"] < 0 and free["hi"] > 1 and (held["lo"], held["hi"]) == (0.0, 1.0)
+    runs = [_summary("on", s, 0, [0.1, 0.2], 2, 0.3, trades=n) for s, n in ((0, 30), (1, 300))] + \
+           [_summary("off", s, 0, [0.1, 0.2], 2, 0.1, trades=n) for s, n in ((0, 40), (1, 35))]
+    res = aggregate(runs, [], ["on", "off"], "off", n_boot=500, seed=0)
+    on = res["variants"]["on"]
+    assert 0.0 <= on["dsr"]["lo"] <= on["dsr"]["hi"] <= 1.0 and on["val_trades"]["lo"] == 0.0
+    assert -1.0 <= res["paired"]["on"]["dsr"]["lo"] and res["paired"]["on"]["dsr"]["hi"] <= 1.0

@@ -220,11 +220,12 @@ def test_pairing_follows_the_epochs_a_group_still_trained_alike():
     assert "val spread within a group: epoch 2: mean 0.3000, max 0.3000 (1 of 2 groups)." in " ".join(markdown(res).split())
 
 
-def _ci2(a: float, b: float) -> str:
+def _ci2(a: float, b: float, floor: float | None = None) -> str:
     """The 95 % CI of the mean of two units as the report prints it: the t interval (a + b) / 2 ± t₀.₉₇₅,₁ · s / √2,
-    s / √2 = |a − b| / 2, t₀.₉₇₅,₁ = 12.706205 — wider than any percentile interval of two values."""
+    s / √2 = |a − b| / 2, t₀.₉₇₅,₁ = 12.706205 — wider than any percentile interval of two values — held at `floor`
+    (a standard deviation's 0)."""
     m, h = (a + b) / 2, 12.706205 * abs(a - b) / 2
-    return f"[{m - h:+.3f}, {m + h:+.3f}]"
+    return f"[{m - h if floor is None else max(m - h, floor):+.3f}, {m + h:+.3f}]"
 
 
 def test_what_a_rollback_led_to_is_the_next_epochs_validation_against_the_epoch_it_restored():
@@ -295,7 +296,7 @@ def test_rollbacks_count_the_epochs_that_began_from_one_not_the_last_epochs_bund
     sd = [(0.26 / 9) ** 0.5, (0.02 / 3) ** 0.5]
     assert ("The typical epoch beside the selected one (a run's mean val per-trade Sharpe over its epochs, and their "
             "standard deviation within the run; mean [95 % CI] over units — the choice on validation keeps the best "
-            f"draw, so the spread counts as much as the mean): on +0.417 {_ci2(1 / 3, 0.5)}, sd +0.126 {_ci2(*sd)}; "
+            f"draw, so the spread counts as much as the mean): on +0.417 {_ci2(1 / 3, 0.5)}, sd +0.126 {_ci2(*sd, 0.0)}; "
             "off +0.200 " + _ci2(1 / 6, 7 / 30) + ", sd +0.047 [+0.047, +0.047]; paired on − off +0.217 "
             f"{_ci2(1 / 6, 4 / 15)} (2/2).") in " ".join(markdown(res).split())
     # the first epoch against the later ones: on 0.5 | mean(0.1, 0.4) = 0.25 and 0.5 | 0.5; off 0.2 | 0.15 and
@@ -342,7 +343,7 @@ def test_rollbacks_count_the_epochs_that_began_from_one_not_the_last_epochs_bund
     assert res2["runs"][2]["val_epochs_sd"] is None and "epochs_val" not in res2["variants"]["off"]
     assert "val_epochs_mean" not in res2["paired"]["on"] and "val_later_mean" not in res2["paired"]["on"]
     assert res2["runs"][2]["val_epoch1"] is None and "The first epoch against" not in markdown(res2)
-    assert f"so the spread counts as much as the mean): on +0.417 {_ci2(1 / 3, 0.5)}, sd +0.126 {_ci2(*sd)}." in (
+    assert f"so the spread counts as much as the mean): on +0.417 {_ci2(1 / 3, 0.5)}, sd +0.126 {_ci2(*sd, 0.0)}." in (
         " ".join(markdown(res2).split()))
     runs[2]["epochs"] = _summary("off", 0, 0, [0.2, 0.1, 0.2], 1, 0.2)["epochs"]
     # an exploit of a peer's epoch takes the place of the rollback its bundle also asked for

@@ -77,10 +77,11 @@ def percentile_ci(values: Sequence[float], *, n_boot: int = 10_000, seed: int = 
 
 
 def bootstrap_ci(values: Sequence[float], *, n_boot: int = 10_000, seed: int = 0,
-                 level: float = CI_LEVEL) -> dict:
+                 level: float = CI_LEVEL, bounds: tuple[float | None, float | None] = (None, None)) -> dict:
     """Mean of `values` and its CI (module docstring): the expanded percentile-bootstrap interval, widened on either
-    side to Student's t interval (`t_interval`) where that reaches further. {"mean", "lo", "hi", "n"} (lo = hi =
-    mean for n = 1; all None for n = 0)."""
+    side to Student's t interval (`t_interval`) where that reaches further, and held within `bounds` (the values
+    the quantity can take: (0, 1) for a DSR, (0, None) for a count). {"mean", "lo", "hi", "n"} (lo = hi = mean for
+    n = 1, which `describe` prints as one unit's, no interval; all None for n = 0)."""
     x = np.asarray(values, dtype=np.float64)
     if x.size == 0:
         return {"mean": None, "lo": None, "hi": None, "n": 0}
@@ -88,7 +89,10 @@ def bootstrap_ci(values: Sequence[float], *, n_boot: int = 10_000, seed: int = 0
         return {"mean": float(x[0]), "lo": float(x[0]), "hi": float(x[0]), "n": 1}
     lo, hi = percentile_ci(x, n_boot=n_boot, seed=seed, level=level)
     t_lo, t_hi = t_interval(x, level)
-    return {"mean": float(x.mean()), "lo": min(lo, t_lo), "hi": max(hi, t_hi), "n": int(x.size)}
+    lo, hi = min(lo, t_lo), max(hi, t_hi)
+    floor, ceil = bounds            # the t interval knows no bounds: a DSR stays in [0, 1], a count ≥ 0
+    lo, hi = (lo if floor is None else max(lo, floor)), (hi if ceil is None else min(hi, ceil))
+    return {"mean": float(x.mean()), "lo": lo, "hi": hi, "n": int(x.size)}
 
 
 def gap_ci(val: Sequence[float], oos: Sequence[float], *, n_boot: int = 10_000, seed: int = 0) -> dict:
@@ -116,16 +120,17 @@ def family_level(m: int, level: float = CI_LEVEL) -> float:
     return 1.0 - (1.0 - level) / max(1, m)
 
 
-def paired(a: dict, b: dict, *, n_boot: int = 10_000, seed: int = 0, family: int = 1) -> dict:
+def paired(a: dict, b: dict, *, n_boot: int = 10_000, seed: int = 0, family: int = 1,
+           bounds: tuple[float | None, float | None] = (None, None)) -> dict:
     """a − b on the units both have (dicts unit → value): {"mean", "lo", "hi", "n", "wins", "sd", "detectable",
     "units_to_detect"} (wins: units with a > b; sd: the differences' standard deviation; `detectable` over these
     units, and `units_to_detect` the observed mean: None below 2 units). `family` m > 1: one of m comparisons made
     together; "family" adds {"m", "level", "lo", "hi"}, the interval at `family_level(m)` from the same resamples."""
     units = sorted(set(a) & set(b))
     d = [a[u] - b[u] for u in units]
-    out = bootstrap_ci(d, n_boot=n_boot, seed=seed)
+    out = bootstrap_ci(d, n_boot=n_boot, seed=seed, bounds=bounds)
     if family > 1 and len(d) >= 2:
-        fw = bootstrap_ci(d, n_boot=n_boot, seed=seed, level=family_level(family))
+        fw = bootstrap_ci(d, n_boot=n_boot, seed=seed, level=family_level(family), bounds=bounds)
         out["family"] = {"m": family, "level": family_level(family), "lo": fw["lo"], "hi": fw["hi"]}
     out["wins"] = int(sum(x > 0 for x in d))
     sd = float(np.std(d, ddof=1)) if len(d) >= 2 else None

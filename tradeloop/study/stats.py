@@ -28,8 +28,8 @@ deflated by every trial of the study, and the results table. Pure numpy over the
 - DSR (`shared.metrics.dsr`): a selected checkpoint's validation trades against the expected maximum Sharpe of N
   trials, N = every checkpoint of every variant of the study (variants × seeds × folds × epochs), with the
   variance of the validation Sharpes of those selection could choose (≥ `min_val_trades` trades:
-  `shared.metrics.trials_variance`; a Sharpe of a few trades is mostly its own noise). Verdict per variant: "validated edge" only when the mean of its runs'
-  DSRs reaches 0.95, else "no validated edge".
+  `shared.metrics.trials_variance`; a Sharpe of a few trades is mostly its own noise). Verdict per variant:
+  "validated edge" only when the mean of its runs' DSRs reaches 0.95, else "no validated edge".
 Sharpes are un-annualized, per trade.
 """
 from __future__ import annotations
@@ -77,6 +77,8 @@ def describe(ci: dict, spec: str = "+.3f") -> str:
         return "n/a"
     if ci.get("lo") is None:
         return f"{f(ci['mean'])} [n/a]"
+    if ci.get("n") == 1:
+        return f"{f(ci['mean'])} [one unit: no interval]"
     return f"{f(ci['mean'])} [{f(ci['lo'])}, {f(ci['hi'])}]"
 
 
@@ -105,6 +107,11 @@ def ruined(max_drawdown: float) -> bool:
     missing from its per-trade Sharpe rather than counted as losses."""
     return max_drawdown >= 1.0 - 1e-9
 
+
+BOUNDS = {"dsr": (0.0, 1.0), "val_trades": (0.0, None), "oos_trades": (0.0, None), "val_step": (0.0, None),
+          "val_epochs_sd": (0.0, None), "oos_max_drawdown": (0.0, 1.0)}
+"""The values a mean's CI may take, where a quantity has bounds (`bootstrap_ci`'s `bounds`); a paired difference of
+DSRs lies in [−1, 1]."""
 
 METRICS = (("oos_sharpe", "OOS per-trade Sharpe"), ("val_sharpe", "val per-trade Sharpe"),
            ("dsr", "DSR (study)"), ("val_trades", "val trades"), ("oos_trades", "OOS trades"),
@@ -137,7 +144,8 @@ def aggregate(summaries: Sequence[dict], baselines: Sequence[dict], variants: Se
                      "exploits": len(exploited(m)),
                      "exploited": exploited(m), "val_step": val_step(m), **typical_epoch(m),
                      **first_and_later(m), "gap_widening": gap_widening(m)})
-    ci = lambda xs: bootstrap_ci(xs, n_boot=n_boot, seed=seed)  # noqa: E731
+    def ci(xs, key: str = "") -> dict:
+        return bootstrap_ci(xs, n_boot=n_boot, seed=seed, bounds=BOUNDS.get(key, (None, None)))
     cluster = cluster_of or (lambda s, f: (s, f))
     pops = set(populations)
 
@@ -155,7 +163,7 @@ def aggregate(summaries: Sequence[dict], baselines: Sequence[dict], variants: Se
         rs = sorted((r for r in rows if r["variant"] == name), key=lambda r: (r["seed"], r["fold"]))
         if not rs:
             continue
-        d = {k: ci(list(pooled(name, {(r["seed"], r["fold"]): r[k] for r in rs}).values())) for k, _ in METRICS}
+        d = {k: ci(list(pooled(name, {(r["seed"], r["fold"]): r[k] for r in rs}).values()), k) for k, _ in METRICS}
         if name in pops:
             d["populations"] = len({cluster(r["seed"], r["fold"]) for r in rs})
         d["gap"] = gap_ci([r["val_sharpe"] for r in rs], [r["oos_sharpe"] for r in rs], n_boot=n_boot, seed=seed)
@@ -172,10 +180,12 @@ def aggregate(summaries: Sequence[dict], baselines: Sequence[dict], variants: Se
             d["after_rollback"] = {**ci(list(pooled(name, steps).values())), "rollbacks": len(flat),
                                    "higher": sum(x > 0 for x in flat)}
         if all(r["val_step"] is not None for r in rs):
-            d["val_step"] = ci(list(pooled(name, {(r["seed"], r["fold"]): r["val_step"] for r in rs}).values()))
+            d["val_step"] = ci(list(pooled(name, {(r["seed"], r["fold"]): r["val_step"] for r in rs}).values()),
+                               "val_step")
         if all(r["val_epochs_sd"] is not None for r in rs):
             d["epochs_val"] = {k: ci(list(pooled(name, {(r["seed"], r["fold"]): r[f"val_epochs_{k}"]
-                                                        for r in rs}).values())) for k in ("mean", "sd")}
+                                                        for r in rs}).values()), f"val_epochs_{k}")
+                               for k in ("mean", "sd")}
         if all(r["gap_widening"] is not None for r in rs):
             wide = pooled(name, {(r["seed"], r["fold"]): r["gap_widening"] for r in rs})
             d["gap_widening"] = {**ci(list(wide.values())), "widened": sum(x > 0 for x in wide.values())}
@@ -184,7 +194,7 @@ def aggregate(summaries: Sequence[dict], baselines: Sequence[dict], variants: Se
             d["oos_bar_sharpe"] = ci(list(bars.values()))
         if all(r["oos_max_drawdown"] is not None for r in rs):
             dds = pooled(name, {(r["seed"], r["fold"]): r["oos_max_drawdown"] for r in rs})
-            d["oos_max_drawdown"] = ci(list(dds.values()))
+            d["oos_max_drawdown"] = ci(list(dds.values()), "oos_max_drawdown")
             d["oos_ruined"] = [r["run_id"] for r in rs if ruined(r["oos_max_drawdown"])]
         if all(r["oos_sharpe_unshaped"] is not None for r in rs):
             d["unshaped"] = {"shaped_runs": sum(bool(r["shaped"]) for r in rs),
@@ -201,7 +211,7 @@ def aggregate(summaries: Sequence[dict], baselines: Sequence[dict], variants: Se
     for name in dict.fromkeys(b["policy"] for b in baselines):
         bs = sorted((b for b in baselines if b["policy"] == name), key=lambda b: (b["seed"], b["fold"]))
         # a per-trade Sharpe of < 2 trades is undefined (None): left out, "n/a" where no unit has one
-        d = {k: ci([b[k] for b in bs if b.get(k) is not None])
+        d = {k: ci([b[k] for b in bs if b.get(k) is not None], k)
              for k in ("oos_sharpe", "val_sharpe", "val_trades", "oos_trades", "oos_bar_sharpe")}
         both = [b for b in bs if b["val_sharpe"] is not None and b["oos_sharpe"] is not None]
         d["gap"] = gap_ci([b["val_sharpe"] for b in both], [b["oos_sharpe"] for b in both], n_boot=n_boot, seed=seed)
@@ -220,7 +230,7 @@ def aggregate(summaries: Sequence[dict], baselines: Sequence[dict], variants: Se
             xa, xb = by(a, k), by(b, k)
             both = set(xa) & set(xb)
             return paired(pooled(over, {u: xa[u] for u in both}), pooled(over, {u: xb[u] for u in both}),
-                          n_boot=n_boot, seed=seed, family=family)
+                          n_boot=n_boot, seed=seed, family=family, bounds=(-1.0, 1.0) if k == "dsr" else (None, None))
 
         out_p[name] = {k: pair(k, family=m if k == "oos_sharpe" else 1)
                        for k in ("oos_sharpe", "val_sharpe", "last_val_sharpe", "dsr")}
@@ -241,7 +251,8 @@ def aggregate(summaries: Sequence[dict], baselines: Sequence[dict], variants: Se
     periods = over_periods(rows, variants, reference, cluster, pops, n_boot=n_boot, seed=seed)
     curves = {name: {str(m["seed"]) + "/" + str(m["fold"]): [e["val_sharpe"] for e in m["epochs"]]
                      for m in summaries if m["variant"] == name} for name in variants}
-    return {"n_trials": n_trials, **({"periods": periods} if periods else {}), "trial_sharpe_var": var, "reference": reference, "variants": out_v,
+    return {"n_trials": n_trials, **({"periods": periods} if periods else {}), "trial_sharpe_var": var,
+            "reference": reference, "variants": out_v,
             "baselines": out_b, "paired": out_p, "runs": rows, "curves": curves,
             "curves_insample": insample_curves(summaries, variants), "knob_paths": knob_paths(summaries, variants),
             "pairing": pairing_check(summaries),
