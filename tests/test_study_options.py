@@ -293,3 +293,12 @@ def test_lockstep_auto_pairs_runs_on_cuda_only_where_a_local_worker_trains_them(
     assert (workers.lockstep, workers.parallel) == (4, 3)
     with pytest.raises(StudyError, match=r"^--lockstep must be a count of runs from 1 to 64 or auto, got 0$"):
         build_spec(_cli(lockstep="0"))
+
+
+def test_the_command_lines_set_wins_over_the_files_key_by_key_not_list_by_list(tmp_path: Path):
+    """`--set iterations=30` beside a study file's `set` dropped every other setting of the file, and so turned its
+    study into another (studies/fewer-updates.toml lost updates_per_iter, gamma and its variant's rollback)."""
+    f = tmp_path / "s.toml"
+    f.write_text('dataset = "synthetic"\nout = "o"\nepochs = 1\nset = ["iterations=1000", "updates_per_iter=2"]\n')
+    spec, _ = build_spec({**{k: None for k in TOML_KEYS}, "config": f, "set": ["iterations=30", "gamma=0.95"]})
+    assert spec.settings == [("train.iterations", 30), ("train.updates_per_iter", 2), ("schedule.gamma", 0.95)]

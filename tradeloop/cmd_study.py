@@ -6,7 +6,8 @@ intervals.
                     [--accel auto|eager|compile|graph|compile+graph] [--deterministic] [--config study.toml]
 
 Options given on the command line win over the same keys of `--config FILE.toml` (keys: the long option names with
-'_' for '-'; `variants` a table of `[variants.NAME]` tables; `set` a list of "KEY=VALUE" or a table). The run
+'_' for '-'; `variants` a table of `[variants.NAME]` tables; `set` a list of "KEY=VALUE" or a table, merged with
+`--set` setting by setting). The run
 logic is `tradeloop.study`; this module parses, checks and prints.
 """
 from __future__ import annotations
@@ -93,20 +94,23 @@ def build_spec(cli: dict[str, Any], remote: bool = False):
         variants = parse_variants(cli["variants"])
     else:
         variants = variants_from_toml(conf.get("variants", "on,off"), where)
-    settings = []
-    raw_set = cli["set"] if cli.get("set") else conf.get("set", [])
-    if isinstance(raw_set, str):                  # one KEY=VALUE
-        raw_set = [raw_set]
-    elif not isinstance(raw_set, (list, dict)):
-        raise StudyError(f"{named('set')} must be a list of \"KEY=VALUE\" strings or a table, got {raw_set!r}")
-    if isinstance(raw_set, dict):
-        from tradeloop.study.spec import _flatten
+    def read_set(raw: Any, from_file: bool) -> list:
+        """(key, value) settings of a `set`: a "KEY=VALUE" string, a list of them, or (in the file) a table."""
+        where_set = f"{where}: set" if from_file else "--set"
+        if isinstance(raw, str):                  # one KEY=VALUE
+            raw = [raw]
+        elif not isinstance(raw, (list, dict)):
+            raise StudyError(f"{where_set} must be a list of \"KEY=VALUE\" strings or a table, got {raw!r}")
+        if isinstance(raw, dict):
+            from tradeloop.study.spec import _flatten
 
-        settings = [parse_setting(k, v, f"{where} set") for k, v in _flatten(raw_set)]
-    else:
-        for item in raw_set:
-            k, v = split_assignment(str(item), "--set")
-            settings.append(parse_setting(k, v, "--set"))
+            return [parse_setting(k, v, f"{where} set") for k, v in _flatten(raw)]
+        return [parse_setting(*split_assignment(str(item), where_set), where_set) for item in raw]
+
+    # the file's settings, then the command line's: one wins over the other key by key, not list by list
+    merged = dict(read_set(conf.get("set", []), True))
+    merged.update(read_set(cli["set"], False) if cli.get("set") else [])
+    settings = list(merged.items())
     folds = integer("folds", 3)
     bars = pick("bars")
     window_trades = pick("window_trades")
