@@ -302,3 +302,18 @@ def test_the_command_lines_set_wins_over_the_files_key_by_key_not_list_by_list(t
     f.write_text('dataset = "synthetic"\nout = "o"\nepochs = 1\nset = ["iterations=1000", "updates_per_iter=2"]\n')
     spec, _ = build_spec({**{k: None for k in TOML_KEYS}, "config": f, "set": ["iterations=30", "gamma=0.95"]})
     assert spec.settings == [("train.iterations", 30), ("train.updates_per_iter", 2), ("schedule.gamma", 0.95)]
+
+
+def test_an_out_directory_that_cannot_be_written_is_one_line_naming_it(tmp_path: Path):
+    """--out under a regular file: an OSError's traceback before; one line naming --out, the file and the reason."""
+    from typer.testing import CliRunner
+
+    from tradeloop.cli import app
+
+    a_file = tmp_path / "afile"
+    a_file.write_text("")
+    out = a_file / "study"
+    r = CliRunner().invoke(app, ["study", "--dataset", "synthetic", "--epochs", "1", "--seeds", "1", "--folds", "1",
+                                 "--out", str(out)])
+    assert r.exit_code == 2 and f"error: --out {out}: cannot write the study's files" in r.stderr, r.output
+    assert "Traceback" not in r.output

@@ -294,6 +294,9 @@ def study(
     except (StudyError, RedisServerError) as exc:
         err.print(f"error: {exc}", markup=False, highlight=False)
         raise typer.Exit(2) from None
+    except OSError as exc:
+        err.print(f"error: {unwritable(cli.get('out'), exc)}", markup=False, highlight=False)
+        raise typer.Exit(2) from None
     console = Console(soft_wrap=True)
     n_runs = len(spec.runs())
     pairs = f", {spec.lockstep} a worker in lockstep" if spec.lockstep > 1 else ""
@@ -313,6 +316,10 @@ def study(
     except (StudyError, RedisServerError) as exc:
         err.print(f"error: {exc}", markup=False, highlight=False)
         raise typer.Exit(1) from None
+    except OSError as exc:
+        err.print(f"error: {unwritable(out_dir, exc)}; run the same command again to resume once it can be written",
+                  markup=False, highlight=False)
+        raise typer.Exit(1) from None
     console.print(markdown(res).split("\n| run |")[0], markup=False, highlight=False, soft_wrap=True)
     console.print(f"results: {out_dir / 'report.md'}, {out_dir / 'results.json'}, {out_dir / 'report.png'}",
                   markup=False, highlight=False)
@@ -320,6 +327,12 @@ def study(
 
 TOML_KEYS = tuple(k for k in map(_key, inspect.signature(study).parameters) if k not in CLI_ONLY)
 """The keys of a study file: the options of `tradeloop study` but `CLI_ONLY`."""
+
+
+def unwritable(out, exc: OSError) -> str:
+    """What an OSError met while writing a study's files says: the folder, the file and the system's reason."""
+    where = f" ({exc.filename})" if getattr(exc, "filename", None) else ""
+    return f"--out {out}: cannot write the study's files{where}: {exc.strerror or exc}"
 
 
 def _report_only(out, err) -> None:
@@ -337,6 +350,9 @@ def _report_only(out, err) -> None:
         res = report_only(Path(out))
     except StudyError as exc:
         err.print(f"error: {exc}", markup=False, highlight=False)
+        raise typer.Exit(2) from None
+    except OSError as exc:
+        err.print(f"error: {unwritable(out, exc)}", markup=False, highlight=False)
         raise typer.Exit(2) from None
     console = Console(soft_wrap=True)
     console.print(markdown(res).split("\n| run |")[0], markup=False, highlight=False, soft_wrap=True)
