@@ -57,3 +57,16 @@ def test_a_bench_set_and_a_study_variant_are_refused_before_anything_runs(tmp_pa
     with pytest.raises(StudyError, match=says):
         build_spec(_options(values))                        # what `tradeloop study` reads before it makes its out dir
     assert not (tmp_path / "o").exists()
+
+
+def test_an_encoder_width_its_heads_do_not_divide_is_refused_before_a_study_starts():
+    """agent.d_model=33 with 4 heads passed the study's checks, trained the other variant, and failed its own run at
+    the first forward pass ("run the same command again to retry" could not help)."""
+    from tradeloop.cmd_study import TOML_KEYS, build_spec
+    from tradeloop.study.spec import StudyError
+
+    cli = {**{k: None for k in TOML_KEYS}, "config": None, "dataset": "synthetic", "epochs": 1, "out": "o",
+           "variants": "off,dm:agent.d_model=33"}
+    with pytest.raises(StudyError, match=r"variant 'dm': .*agent.d_model \(33\) must be a positive multiple of "
+                                         r"agent.n_heads \(4\)"):
+        build_spec(cli)

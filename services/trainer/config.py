@@ -398,6 +398,11 @@ class TrainConfig:
         return self
 
     def check_ranges(self) -> None:
-        """ValueError naming the first numeric field outside its `RANGES` range."""
+        """ValueError naming the first numeric field outside its `RANGES` range, or an encoder whose width its
+        heads do not divide (the attention splits d_model into n_heads equal parts)."""
         for name in RANGES:
             check_range(name, getattr(self, name))
+        a = self.agent
+        if a.n_heads < 1 or a.d_model < 1 or a.d_model % a.n_heads:
+            raise ValueError(f"train config: agent.d_model ({a.d_model}) must be a positive multiple of agent.n_heads "
+                             f"({a.n_heads})")
