@@ -150,7 +150,7 @@ class Status:
         d["epochs_per_s"] = d["epochs_this_start"] / d["wall_s"] if d["wall_s"] > 0 else 0.0
         d["wall_total_s"] = d["wall_s"] + sum(e["wall_s"] for e in d["earlier_starts"])
         d["epochs_trained_total"] = d["epochs_this_start"] + sum(e["epochs"] for e in d["earlier_starts"])
-        left = d["epochs_total"] - d["epochs_done"]
+        left = max(0, d["epochs_total"] - d["epochs_done"])
         d["eta_s"] = left / d["epochs_per_s"] if d["epochs_per_s"] > 0 else None
         if force or now - self.t_last >= 1.0:
             write_json_atomic(self.path, d)
@@ -404,6 +404,7 @@ def _follow(spec: StudySpec, out: Path, runs: list, workers: list, events, statu
 
     epochs_here = 0
     current: dict[tuple, set[str]] = {}             # (consumer through Redis or None, worker) → its runs
+    reached: dict[str, int] = {}                    # run → the furthest epoch its events have reported
     cols = (TextColumn("[bold]study"), BarColumn(), MofNCompleteColumn(), TextColumn("epochs"),
             TextColumn("{task.fields[runs]}"), TimeElapsedColumn(), TextColumn("{task.fields[rate]}"))
     with Progress(*cols, console=console, transient=False) as prog:
@@ -449,9 +450,12 @@ def _follow(spec: StudySpec, out: Path, runs: list, workers: list, events, statu
             if ev["type"] == "start":
                 current.setdefault(who, set()).add(rid)
                 status.doc["running"][rid] = {"worker": where, "gpu": ev["gpu"], "epoch": epochs_done(out, rid)}
+                reached.setdefault(rid, epochs_done(out, rid))
             elif ev["type"] == "epoch":
                 epochs_here += 1
-                status.doc["epochs_done"] += 1
+                # a run taken over from a lost worker trains its epochs again: each epoch of the study counts once
+                status.doc["epochs_done"] += max(0, ev["epoch"] - reached.get(rid, 0))
+                reached[rid] = max(reached.get(rid, 0), ev["epoch"])
                 status.doc["epochs_this_start"] = epochs_here
                 if rid in status.doc["running"]:
                     status.doc["running"][rid]["epoch"] = ev["epoch"]
