@@ -244,6 +244,9 @@ def test_window_trades_sizes_bars_auto():
     ("folds = true", r"--config .*s\.toml: folds must be an integer, got True$"),
     ("epochs = 2.9", r"--config .*s\.toml: epochs must be an integer, got 2\.9$"),
     ('deterministic = "false"', r"--config .*s\.toml: deterministic must be true or false, got 'false'$"),
+    ("seeds = 2.5", r"--config .*s\.toml: seeds: expected a count N \(seeds 0 … N−1\) or a list like 0,3,7; got 2\.5$"),
+    ('variants = { g = { "schedule.gama" = 0.9 } }', r"--config .*s\.toml g: setting 'schedule\.gama': FixedSchedule "
+                                                    r"has no field 'gama' \(did you mean schedule\.gamma\?\)$"),
     ("lockstep = 1.5", r"--config .*s\.toml: lockstep must be a count of runs from 1 to 64 or auto, got 1\.5$"),
     ("set = 3", r"--config .*s\.toml: set must be a list of \"KEY=VALUE\" strings or a table, got 3$"),
 ])

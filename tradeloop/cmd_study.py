@@ -145,7 +145,7 @@ def build_spec(cli: dict[str, Any], remote: bool = False):
         parallel = -(-parallel // lockstep)          # auto counts runs at once: a worker holds `lockstep` of them
     try:
         spec = StudySpec(
-            dataset=str(dataset), variants=variants, seeds=parse_seeds(pick("seeds", 3)), folds=folds,
+            dataset=str(dataset), variants=variants, seeds=parse_seeds(pick("seeds", 3), named("seeds")), folds=folds,
             epochs=epochs, preset=str(pick("preset", "small")), settings=settings, bars=bars,
             data_seed=integer("data_seed"),
             seeds_per_market=integer("seeds_per_market", 1),

@@ -130,8 +130,12 @@ def resolve_key(key: str) -> tuple[str, str]:
             raise StudyError(f"setting {key!r}: the prefix must be one of {', '.join(_TARGETS)}")
         if target in ("train", "schedule", "feedback") and FixedSchedule.field_of(name):
             return "schedule", FixedSchedule.field_of(name)
-        if name not in {f.name for f in fields(_TARGETS[target])} or name in _PARTS:
-            raise StudyError(f"setting {key!r}: {_TARGETS[target].__name__} has no field {name!r}")
+        names = {f.name for f in fields(_TARGETS[target])} - set(_PARTS)
+        if name not in names:
+            near = " or ".join(f"{target}.{n}" for n in difflib.get_close_matches(name, sorted(
+                names | (set(FixedSchedule.ALIASES) if target in ("train", "schedule", "feedback") else set())), n=3))
+            raise StudyError(f"setting {key!r}: {_TARGETS[target].__name__} has no field {name!r}"
+                             f"{f' (did you mean {near}?)' if near else ''}")
         return target, name
     if FixedSchedule.field_of(key):
         return "schedule", FixedSchedule.field_of(key)
@@ -148,8 +152,12 @@ def resolve_key(key: str) -> tuple[str, str]:
 
 
 def parse_setting(key: str, value: Any, where: str) -> tuple[str, Any]:
-    """A setting as (canonical key `target.field`, typed value)."""
-    target, name = resolve_key(key)
+    """A setting as (canonical key `target.field`, typed value); a key that names no field is refused naming
+    `where` (the option, or the study file and variant)."""
+    try:
+        target, name = resolve_key(key)
+    except StudyError as exc:
+        raise StudyError(f"{where}: {exc}") from None
     if (target, name) == ("feedback", "enabled") and isinstance(value, str) and value.strip().lower() in ("on", "off"):
         value = value.strip().lower() == "on"
     return f"{target}.{name}", parse_value(value, _hints(_TARGETS[target])[name], f"{where}: {key}")
