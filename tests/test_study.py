@@ -402,6 +402,29 @@ def test_study_through_redis_with_workers_on_two_hosts(tiny, reference, redis_ur
         json.loads((reference[0] / "results.json").read_text())["paired"]["on"]["oos_sharpe"]
 
 
+def test_a_study_whose_redis_goes_away_stops_saying_so(tiny, tmp_path):
+    """The study's own Redis stopped under it: one line naming it and how to go on, status.json interrupted (a
+    redis-py traceback before, status.json left "running")."""
+    from shared.redis_server import EmbeddedRedis
+
+    out = tmp_path / "coord"
+    server = EmbeddedRedis(tmp_path / "redis", tcp=True).start()
+    coord = subprocess.Popen([*_cmd(tiny, out)[:-1], "0", "--redis", server.url], cwd=ROOT, env=_env(),
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        poll_until(lambda: (out / "status.json").exists(), "the study to start", timeout_s=120,
+                   alive=lambda: coord.poll() is None)
+        server.stop()
+        text = coord.communicate(timeout=120)[0]
+    finally:
+        if coord.poll() is None:
+            coord.kill()
+        server.stop()
+    assert coord.returncode == 1 and "error: lost the study's Redis" in text, text[-3000:]
+    assert "run the same command again once it answers" in text and "Traceback" not in text
+    assert json.loads((out / "status.json").read_text())["state"] == "interrupted"
+
+
 @pytest.mark.redis
 def test_sigterm_stops_a_hosts_study_worker_and_says_where_its_runs_go(tiny, redis_url):
     """A `study-worker` host stopped by SIGTERM terminates its worker processes and says that the runs it held go

@@ -22,6 +22,8 @@ import os
 import socket
 import threading
 
+from redis.exceptions import RedisError
+
 GROUP = "workers"
 HEARTBEAT_S = 10.0
 CLAIM_IDLE_S = 180.0
@@ -138,8 +140,14 @@ class RedisSource:
         self._finish()
 
     def emit(self, event: dict) -> None:
-        self.r.xadd(key(self.sid, "events"), {"data": json.dumps({**event, "consumer": self.consumer}, default=str)},
-                    maxlen=EVENTS_MAXLEN, approximate=True)
+        """Progress for the study process: best effort, as the heartbeat is (a Redis away for a moment loses a line
+        of progress, not the run in hand; `done` and `failed` carry the results)."""
+        try:
+            self.r.xadd(key(self.sid, "events"), {"data": json.dumps({**event, "consumer": self.consumer},
+                                                                     default=str)},
+                        maxlen=EVENTS_MAXLEN, approximate=True)
+        except RedisError:
+            pass
 
     def close(self) -> None:
         self._stop.set()

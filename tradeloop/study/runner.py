@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from redis.exceptions import RedisError
+
 from tradeloop.study.interrupt import sigterm_interrupts, stopped_how
 from tradeloop.study.loop import write_json_atomic
 from tradeloop.study.report import BackgroundBaselines, write_results
@@ -264,6 +266,15 @@ def run_study(spec: StudySpec, out: Path, console=None, redis_url: str | None = 
                 workers = start_workers(ctx, spec, out, source, P, worker_gpus, threads, extra_env)
                 epochs_here = _follow(spec, out, runs, workers, events, status, failed, r, sid, P, before,
                                       len(done), t_start, console)
+            except RedisError as exc:          # the study's Redis went away (`--redis`): stop, keep what is done
+                for p in workers:
+                    p.terminate()
+                join_workers(workers, 30.0)
+                baseline_job.stop()
+                stopped = {rid: epochs_done(out, rid) for rid in status.doc["running"]}
+                status.update(force=True, state="interrupted", running={}, stopped=stopped)
+                raise StudyInterrupted(f"lost the study's Redis ({str(exc).splitlines()[0]}): run the same command "
+                                       "again once it answers (done runs are kept)") from None
             except KeyboardInterrupt as exc:
                 term.stopping()
                 how = stop_workers(workers, stopped_by=exc)
