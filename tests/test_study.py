@@ -354,13 +354,6 @@ def test_lockstep_groups_share_a_market_and_a_config_and_split_evenly():
                                   epochs=1, lockstep=4)
     assert sorted(map(sorted, lockstep_groups(one_market_a_seed, [r.run_id for r in one_market_a_seed.runs()]))) == [
         ["off-s0-f0", "on-s0-f0"], ["off-s1-f0", "on-s1-f0"]]
-    # the policy's moving average is not batched: its runs are never grouped (they would train each alone in one
-    # worker's threads); the others still are
-    ema = StudySpec(dataset="synthetic", variants=parse_variants("ema:train.policy_ema=0.999,off"), seeds=[0, 1],
-                    folds=1, epochs=1, lockstep=2, data_seed=7)
-    groups = lockstep_groups(ema, [r.run_id for r in ema.runs()])
-    assert sorted((g,) if isinstance(g, str) else tuple(sorted(g)) for g in groups) == [
-        ("ema-s0-f0",), ("ema-s1-f0",), ("off-s0-f0", "off-s1-f0")]
 
 
 @pytest.mark.redis
@@ -400,29 +393,6 @@ def test_study_through_redis_with_workers_on_two_hosts(tiny, reference, redis_ur
                (ref[rid]["selected_epoch"], ref[rid]["oos_sharpe"]), rid
     assert json.loads((out / "results.json").read_text())["paired"]["on"]["oos_sharpe"] == \
         json.loads((reference[0] / "results.json").read_text())["paired"]["on"]["oos_sharpe"]
-
-
-def test_a_study_whose_redis_goes_away_stops_saying_so(tiny, tmp_path):
-    """The study's own Redis stopped under it: one line naming it and how to go on, status.json interrupted (a
-    redis-py traceback before, status.json left "running")."""
-    from shared.redis_server import EmbeddedRedis
-
-    out = tmp_path / "coord"
-    server = EmbeddedRedis(tmp_path / "redis", tcp=True).start()
-    coord = subprocess.Popen([*_cmd(tiny, out)[:-1], "0", "--redis", server.url], cwd=ROOT, env=_env(),
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        poll_until(lambda: (out / "status.json").exists(), "the study to start", timeout_s=120,
-                   alive=lambda: coord.poll() is None)
-        server.stop()
-        text = coord.communicate(timeout=120)[0]
-    finally:
-        if coord.poll() is None:
-            coord.kill()
-        server.stop()
-    assert coord.returncode == 1 and "error: lost the study's Redis" in text, text[-3000:]
-    assert "run the same command again once it answers" in text and "Traceback" not in text
-    assert json.loads((out / "status.json").read_text())["state"] == "interrupted"
 
 
 @pytest.mark.redis
@@ -626,21 +596,3 @@ def test_a_study_carried_as_its_summaries_runs_only_the_runs_not_done(tmp_path, 
         assert got[r]["oos_sharpe"] == ref[r]["oos_sharpe"] and got[r]["selected_epoch"] == ref[r]["selected_epoch"]
     for r in ran:                                        # run again from the same seed and data on a CPU: the same
         assert got[r]["oos_sharpe"] == pytest.approx(ref[r]["oos_sharpe"], abs=1e-9)
-
-
-def test_the_baselines_trade_at_the_reference_variants_costs():
-    """The agents are backtested at the costs they trained under (`train.costs_bps`); the baselines beside them at
-    the reference variant's, not at the default 1 bp."""
-    from tradeloop.study.report import _baseline_unit
-    from tradeloop.study.spec import StudySpec, parse_variants
-
-    def unit(cost: float) -> dict:
-        spec = StudySpec(dataset="synthetic", variants=parse_variants("on,off"), seeds=[0], folds=1, epochs=1,
-                         bars=3000, settings=[("train.costs_bps", cost)])
-        return {r["policy"]: r for r in _baseline_unit(spec.to_dict(), 0, 0)}
-
-    cheap, dear = unit(1.0), unit(25.0)
-    assert cheap["random"]["costs_bps"] == 1.0 and dear["random"]["costs_bps"] == 25.0
-    assert dear["random"]["oos_bar_sharpe"] < cheap["random"]["oos_bar_sharpe"]
-    assert dear["buy-and-hold"]["oos_sharpe"] is None
-

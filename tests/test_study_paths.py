@@ -1,0 +1,64 @@
+"""`tradeloop study`'s paths beside its runs: the baselines it reports, the runs it groups in lockstep, and a study
+whose Redis goes away."""
+from __future__ import annotations
+
+import json
+import subprocess
+
+from tests.polling import poll_until
+from tests.test_study import ROOT, TINY, _cmd, _env
+
+
+def test_the_baselines_trade_at_the_reference_variants_costs():
+    """The agents are backtested at the costs they trained under (`train.costs_bps`); the baselines beside them at
+    the reference variant's, not at the default 1 bp."""
+    from tradeloop.study.report import _baseline_unit
+    from tradeloop.study.spec import StudySpec, parse_variants
+
+    def unit(cost: float) -> dict:
+        spec = StudySpec(dataset="synthetic", variants=parse_variants("on,off"), seeds=[0], folds=1, epochs=1,
+                         bars=3000, settings=[("train.costs_bps", cost)])
+        return {r["policy"]: r for r in _baseline_unit(spec.to_dict(), 0, 0)}
+
+    cheap, dear = unit(1.0), unit(25.0)
+    assert cheap["random"]["costs_bps"] == 1.0 and dear["random"]["costs_bps"] == 25.0
+    assert dear["random"]["oos_bar_sharpe"] < cheap["random"]["oos_bar_sharpe"]
+    assert dear["buy-and-hold"]["oos_sharpe"] is None
+
+
+def test_a_study_whose_redis_goes_away_stops_saying_so(tmp_path):
+    """The study's own Redis stopped under it: one line naming it and how to go on, status.json interrupted (a
+    redis-py traceback before, status.json left "running")."""
+    from shared.redis_server import EmbeddedRedis
+
+    tiny = tmp_path / "tiny.toml"
+    tiny.write_text(TINY)
+    out = tmp_path / "coord"
+    server = EmbeddedRedis(tmp_path / "redis", tcp=True).start()
+    coord = subprocess.Popen([*_cmd(tiny, out)[:-1], "0", "--redis", server.url], cwd=ROOT, env=_env(),
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        poll_until(lambda: (out / "status.json").exists(), "the study to start", timeout_s=120,
+                   alive=lambda: coord.poll() is None)
+        server.stop()
+        text = coord.communicate(timeout=120)[0]
+    finally:
+        if coord.poll() is None:
+            coord.kill()
+        server.stop()
+    assert coord.returncode == 1 and "error: lost the study's Redis" in text, text[-3000:]
+    assert "run the same command again once it answers" in text and "Traceback" not in text
+    assert json.loads((out / "status.json").read_text())["state"] == "interrupted"
+
+
+def test_runs_of_the_policys_moving_average_are_never_grouped_in_lockstep():
+    """The moving average's update is not batched (`LockstepEngine.refusal`): grouped, its runs would train each
+    alone in one worker's threads; the other runs of a market still pair."""
+    from tradeloop.study.runner import lockstep_groups
+    from tradeloop.study.spec import StudySpec, parse_variants
+
+    ema = StudySpec(dataset="synthetic", variants=parse_variants("ema:train.policy_ema=0.999,off"), seeds=[0, 1],
+                    folds=1, epochs=1, lockstep=2, data_seed=7)
+    groups = lockstep_groups(ema, [r.run_id for r in ema.runs()])
+    assert sorted((g,) if isinstance(g, str) else tuple(sorted(g)) for g in groups) == [
+        ("ema-s0-f0",), ("ema-s1-f0",), ("off-s0-f0", "off-s1-f0")]
