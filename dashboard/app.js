@@ -628,7 +628,7 @@
     await Promise.all(ids.map((id) => (runData(id).loaded ? null : loadRun(id))));
     const sharpe = [], loss = [], equity = [];
     let rows = `<tr><th>run</th><th>dataset</th><th>epochs</th><th>selected epoch</th><th>val per-trade Sharpe</th>` +
-               `<th>val DSR</th><th>val trades</th><th>OOS per-trade Sharpe (selected)</th><th>val/OOS gap</th></tr>`;
+               `<th title="deflated over the checkpoints evaluated by that epoch (a study's run DSR deflates over all of its epochs)">val DSR by its epoch</th><th>val trades</th><th>OOS per-trade Sharpe (selected)</th><th>val/OOS gap</th></tr>`;
     let allTime = true;
     const curves = await Promise.all(ids.map(async (id) => {
       const d = runData(id), sel = selectedEpoch(d);
