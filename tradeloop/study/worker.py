@@ -118,6 +118,8 @@ def execute_run(spec: StudySpec, out: Path, rs: RunSpec, data: DataCache,
                 on_epoch: Callable[[dict], None] | None = None, train_fn: Callable | None = None) -> dict:
     """Run (or resume) one run of the study to its end; returns its summary (also written to summary.json).
     `train_fn`: how its epochs train (a lockstep group's member; None: alone)."""
+    import torch
+
     from shared.metrics import selection_dsr
     from tradeloop.study.loop import evaluate_selected, first_knobs, prune_checkpoints, run_closed_loop
     from tradeloop.study.stats import select_epoch
@@ -173,6 +175,10 @@ def execute_run(spec: StudySpec, out: Path, rs: RunSpec, data: DataCache,
         "epochs_trained_here": spec.epochs - trained_before, "wall_s": time.perf_counter() - t0,
         "device": spec.device, "gpu": os.environ.get("CUDA_VISIBLE_DEVICES") if spec.device != "cpu" else None,
         "pid": os.getpid(),
+        # torch's threads in this run: on a CPU a run's numbers depend on them (a float sum's order), so a study
+        # resumed or shared across hosts with another --parallel or --threads pairs runs trained alike only where
+        # these agree
+        "threads": torch.get_num_threads(),
     }
     write_json_atomic(run_dir / "summary.json", summary)
     prune_checkpoints(run_dir, {sel}, keep_state=bool(peers))   # a population's later runs may exploit it
