@@ -273,7 +273,7 @@ def test_a_study_file_takes_a_lone_setting_and_integers_as_strings(tmp_path: Pat
 
 
 def test_the_banner_counts_in_the_singular():
-    from tradeloop.cmd_study import counted
+    from tradeloop.study.report import counted
 
     assert (counted(1, "run"), counted(2, "run"), counted(0, "seed")) == ("1 run", "2 runs", "0 seeds")
 

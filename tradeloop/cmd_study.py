@@ -44,11 +44,6 @@ def parse_seeds(value: Any, where: str = "--seeds") -> list[int]:
     return list(range(n))
 
 
-def counted(n: int, noun: str) -> str:
-    """'1 run', '3 runs'."""
-    return f"{n} {noun}{'' if n == 1 else 's'}"
-
-
 def build_spec(cli: dict[str, Any], remote: bool = False):
     """The StudySpec and out directory from the command line's values (None: not given) merged over --config.
     `remote`: the runs go through Redis (`--redis`), where `--lockstep auto` is 1."""
@@ -272,8 +267,8 @@ def study(
     cli = _options(locals())
     from rich.console import Console
 
-    from tradeloop.study.report import markdown
     from shared.redis_server import RedisServerError
+    from tradeloop.study.report import counted, markdown
     from tradeloop.study.runner import prepare, run_study
     from tradeloop.study.spec import StudyError
 

@@ -103,8 +103,8 @@ def choice_lines(c: dict) -> list[str]:
 def markdown(res: dict) -> str:
     s, t = res["study"], res["timing"]
     units = len(s["seeds"]) * s["folds"]
-    lines = [f"# Study: {s['dataset']} — {len(s['variants'])} variants × {len(s['seeds'])} seeds × {s['folds']} folds "
-             f"× {s['epochs']} epochs",
+    lines = [f"# Study: {s['dataset']} — {counted(len(s['variants']), 'variant')} × {counted(len(s['seeds']), 'seed')} "
+             f"× {counted(s['folds'], 'fold')} × {counted(s['epochs'], 'epoch')}",
              "",
              f"Preset `{s['preset']}`{', settings ' + '; '.join(f'`{k}={v}`' for k, v in s['settings']) if s['settings'] else ''}"
              f", device {s['device']}, accel {s['accel']}{', deterministic' if s['deterministic'] else ''}; "
@@ -124,7 +124,7 @@ def markdown(res: dict) -> str:
              "|---|---:|---|---|---|---|---|---|---|"]
     for name, d in res["variants"].items():
         variant = next(v for v in s["variants"] if v["name"] == name)
-        what = "; ".join(f"{k}={v}" for k, v in variant["settings"]) or "as shipped"
+        what = "; ".join(f"{k}={setting_text(v)}" for k, v in variant["settings"]) or "as shipped"
         lines.append(f"| **{name}** ({what}) | {d['n_runs']} | {describe(d['oos_sharpe'])} | {describe(d['val_sharpe'])} "
                      f"| {describe(d['gap'], '+.1%')} | {describe(d['dsr'], '.3f')} | {describe(d['val_trades'], '.0f')} "
                      f"| {describe(d['oos_trades'], '.0f')} | {d['verdict']} ({d['dsr_at_bar']}/{d['n_runs']} runs "
@@ -510,6 +510,16 @@ class BackgroundBaselines:
         self._thread.join(timeout)
 
 
+def counted(n: int, noun: str) -> str:
+    """'1 run', '3 runs'."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def setting_text(value) -> str:
+    """A setting's value as a study's variants are written: a list of names joined by '+' (feedback.off)."""
+    return "+".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
+
+
 def fmt_timing(t: dict) -> str:
     busy = ", ".join(f"GPU {g}: {v:.0f} %" for g, v in t.get("gpu_busy_pct", {}).items() if v is not None)
     eps = t.get("epochs_per_s")
@@ -520,8 +530,8 @@ def fmt_timing(t: dict) -> str:
     mps = f" (sharing the GPU through CUDA MPS{held_to(t.get('mps_share'))})" if t.get("mps") else ""
     if t.get("lockstep"):
         mps += f", up to {t['lockstep']} a worker in lockstep"
-    return (total + f"wall {wall} s, {t['runs_at_once']} runs at once{mps}, {t.get('epochs_trained') or 0} epochs "
-            f"trained, aggregate {'n/a' if eps is None else f'{eps:.3f}'} epochs/s" + (f" ({t['from']})" if t.get("from") else "")
+    return (total + f"wall {wall} s, {counted(t['runs_at_once'], 'run')} at once{mps}, "
+            f"{counted(t.get('epochs_trained') or 0, 'epoch')} trained, aggregate {'n/a' if eps is None else f'{eps:.3f}'} epochs/s" + (f" ({t['from']})" if t.get("from") else "")
             + (f"; busy {busy}" if busy else "")
             + (f"; mean epoch {t['mean_epoch_s']:.1f} s a run (train + evaluation)"
                if t.get("mean_epoch_s") is not None and math.isfinite(t["mean_epoch_s"]) else "")
