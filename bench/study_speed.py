@@ -151,8 +151,9 @@ def run_case(out: Path, P: int, mps: str, args, share: int = 100, isms: int = 0,
         cmd += ["--mps-share", str(share)]
     if isms:
         cmd += ["--iteration-sms", str(isms)]
+    cmd += ["--lockstep", str(lockstep)]          # always given: the study's own default pairs runs on CUDA
     if lockstep > 1:
-        cmd += ["--lockstep", str(lockstep), "--seeds-per-market", str(seeds)]
+        cmd += ["--seeds-per-market", str(seeds)]
     t0 = time.time()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
