@@ -213,9 +213,9 @@ def study(
                                          "--config)."),
     device: Optional[str] = typer.Option(None, "--device", help="cpu (default) or cuda (every visible GPU is "
                                          "used)."),
-    parallel: Optional[str] = typer.Option(None, "--parallel", help="Runs at once (worker processes): N or auto "
-                                           "(default: on CUDA as many as fit each GPU's memory, at most one per "
-                                           "core; on a CPU one per core)."),
+    parallel: Optional[str] = typer.Option(None, "--parallel", help="Worker processes (each trains a run, or a "
+                                           "--lockstep group): N or auto (default: on CUDA a run per core, at most "
+                                           "16 a GPU, as many as fit its memory; on a CPU a worker per core)."),
     out: Optional[Path] = typer.Option(None, "--out", help="The study's directory (a study there is resumed; "
                                        "required, here or in --config)."),
     config: Optional[Path] = typer.Option(None, "--config", help="A study file (TOML) with the same keys."),

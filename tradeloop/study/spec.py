@@ -272,8 +272,9 @@ def _check_variants(vs: list[Variant], where: str) -> list[Variant]:
 
 
 AUTO_RUNS_PER_GPU = 16
-"""`--parallel auto` on CUDA: at most this many workers per visible GPU (and one per core); each GPU then keeps as
-many as its memory holds (`tradeloop.study.worker.runs_that_fit`: ten `full` runs on one H200)."""
+"""`--parallel auto` on CUDA: at most this many runs at once per visible GPU (and one per core; a worker each, or a
+worker per `--lockstep` group); each GPU then keeps as many workers as its memory holds
+(`tradeloop.study.worker.runs_that_fit`)."""
 
 
 CPU_RUN_BYTES = 1 << 30
