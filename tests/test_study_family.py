@@ -153,3 +153,16 @@ def test_an_interval_stays_within_what_its_quantity_can_be():
     on = res["variants"]["on"]
     assert 0.0 <= on["dsr"]["lo"] <= on["dsr"]["hi"] <= 1.0 and on["val_trades"]["lo"] == 0.0
     assert -1.0 <= res["paired"]["on"]["dsr"]["lo"] and res["paired"]["on"]["dsr"]["hi"] <= 1.0
+
+
+def test_an_epoch_of_fewer_than_two_validation_trades_has_no_sharpe_to_average():
+    """Its per-trade Sharpe is booked 0.0 (undefined): the last-epoch figure and how far the policy moves leave it out
+    instead of averaging a zero that was never measured."""
+    runs = [_summary("on", s, 0, [0.4, 0.2, 0.6], 1, 0.3) for s in (0, 1)] + \
+           [_summary("off", s, 0, [0.1, 0.3, 0.0], 2, 0.1) for s in (0, 1)]
+    runs[3]["epochs"][-1]["val_trades"] = 1                   # off-s1-f0's last epoch: one trade, no Sharpe
+    res = aggregate(runs, [], ["on", "off"], "off", n_boot=500, seed=0)
+    rows = {r["run_id"]: r for r in res["runs"]}
+    assert rows["off-s1-f0"]["last_val_sharpe"] is None and rows["off-s0-f0"]["last_val_sharpe"] == 0.0
+    assert rows["off-s1-f0"]["val_step"] == pytest.approx(0.2)          # |0.3 − 0.1| alone, not also |0 − 0.3|
+    assert res["variants"]["off"]["last_val_sharpe"]["n"] == 1 and res["paired"]["on"]["last_val_sharpe"]["n"] == 1

@@ -132,7 +132,7 @@ def aggregate(summaries: Sequence[dict], baselines: Sequence[dict], variants: Se
     for m in summaries:
         rows.append({**{k: m[k] for k in ("run_id", "variant", "seed", "fold", "selected_epoch", "selectable",
                                           "val_sharpe", "oos_sharpe", "val_trades", "oos_trades")},
-                     "last_val_sharpe": m["epochs"][-1]["val_sharpe"],
+                     "last_val_sharpe": last if np.isfinite(last := epoch_sharpes(m)[-1]) else None,
                      # the policy as learned (no E5/E9 shaping); None in a summary written without it
                      "shaped": m.get("shaped"), "oos_sharpe_unshaped": m.get("oos_sharpe_unshaped"),
                      "val_sharpe_unshaped": m.get("val_sharpe_unshaped"),
@@ -144,8 +144,9 @@ def aggregate(summaries: Sequence[dict], baselines: Sequence[dict], variants: Se
                      "exploits": len(exploited(m)),
                      "exploited": exploited(m), "val_step": val_step(m), **typical_epoch(m),
                      **first_and_later(m), "gap_widening": gap_widening(m)})
-    def ci(xs, key: str = "") -> dict:
-        return bootstrap_ci(xs, n_boot=n_boot, seed=seed, bounds=BOUNDS.get(key, (None, None)))
+    def ci(xs, key: str = "") -> dict:               # an undefined value (None) is left out
+        return bootstrap_ci([x for x in xs if x is not None], n_boot=n_boot, seed=seed,
+                            bounds=BOUNDS.get(key, (None, None)))
     cluster = cluster_of or (lambda s, f: (s, f))
     pops = set(populations)
 
@@ -156,7 +157,8 @@ def aggregate(summaries: Sequence[dict], baselines: Sequence[dict], variants: Se
         groups: dict = {}
         for u, v in values.items():
             groups.setdefault(cluster(*u), []).append(v)
-        return {c: float(np.mean(vs)) for c, vs in groups.items()}
+        return {c: float(np.mean(d)) if (d := [x for x in vs if x is not None]) else None   # None: undefined
+                for c, vs in groups.items()}
 
     out_v, best_by = {}, {}
     for name in variants:
@@ -228,7 +230,7 @@ def aggregate(summaries: Sequence[dict], baselines: Sequence[dict], variants: Se
 
         def pair(k: str, a: str = name, b: str = reference, family: int = 1) -> dict:
             xa, xb = by(a, k), by(b, k)
-            both = set(xa) & set(xb)
+            both = {u for u in set(xa) & set(xb) if xa[u] is not None and xb[u] is not None}
             return paired(pooled(over, {u: xa[u] for u in both}), pooled(over, {u: xb[u] for u in both}),
                           n_boot=n_boot, seed=seed, family=family, bounds=(-1.0, 1.0) if k == "dsr" else (None, None))
 
@@ -424,10 +426,16 @@ def choice_by_validation(rows: Sequence[dict], reference: str, *, n_boot: int = 
             "chosen_by_val": dict(sorted(picks.items(), key=lambda kv: (-kv[1], kv[0])))}
 
 
+def epoch_sharpes(summary: dict) -> list[float]:
+    """A run's validation per-trade Sharpe by epoch, NaN where the epoch had fewer than 2 validation trades: a
+    Sharpe of one trade or none is undefined (the metrics book it 0.0, which read as a measured zero)."""
+    return [float(e["val_sharpe"]) if int(e.get("val_trades", 2)) >= 2 else math.nan for e in summary["epochs"]]
+
+
 def val_step(summary: dict) -> float | None:
     """How far a run's policy moves from one epoch to the next: the mean |Δ| of its consecutive epochs' validation
-    per-trade Sharpes (None for a single epoch)."""
-    v = [float(e["val_sharpe"]) for e in summary["epochs"]]
+    per-trade Sharpes, epochs without one left out (None where fewer than 2 have one)."""
+    v = [x for x in epoch_sharpes(summary) if np.isfinite(x)]
     return float(np.mean(np.abs(np.diff(v)))) if len(v) > 1 else None
 
 
@@ -436,7 +444,7 @@ def typical_epoch(summary: dict) -> dict:
     (`val_epochs_mean`) and their standard deviation over the epochs (`val_epochs_sd`, ddof 0), epochs without a
     Sharpe left out; None where fewer than 2 epochs have one. The choice on validation keeps the best of the draws,
     so a higher typical epoch with a narrower spread can select no higher (bench/README.md 2026-12-03 · 3d56890)."""
-    v = [x for x in (float(e["val_sharpe"]) for e in summary["epochs"]) if np.isfinite(x)]
+    v = [x for x in epoch_sharpes(summary) if np.isfinite(x)]
     if len(v) < 2:
         return {"val_epochs_mean": None, "val_epochs_sd": None}
     return {"val_epochs_mean": float(np.mean(v)), "val_epochs_sd": float(np.std(v))}
@@ -447,7 +455,7 @@ def first_and_later(summary: dict) -> dict:
     (`val_later_mean`), epochs without a Sharpe left out; both None unless the first and at least one later epoch
     have one. A variant that changes training only after epoch 1 trains epoch 1 as the reference does: its paired
     difference there is the pairing's noise (on a GPU, training's nondeterminism), the yardstick for the later one."""
-    fl = first_and_later_of([float(e["val_sharpe"]) for e in summary["epochs"]])
+    fl = first_and_later_of(epoch_sharpes(summary))
     return {"val_epoch1": fl and fl[0], "val_later_mean": fl and fl[1]}
 
 
@@ -456,8 +464,8 @@ def gap_widening(summary: dict) -> float | None:
     Sharpe of epoch e (`insample_sharpe`, the greedy policy on the training split's last bars), the mean of g over
     epochs 2–E minus g_1 (`first_and_later_of`). Above 0: the later epochs fit the training split better than they
     carry to validation; None without the in-sample record at epoch 1 and a later epoch."""
-    g = [None if e.get("insample_sharpe") is None else float(e["insample_sharpe"]) - float(e["val_sharpe"])
-         for e in summary["epochs"]]
+    g = [None if e.get("insample_sharpe") is None else float(e["insample_sharpe"]) - v
+         for e, v in zip(summary["epochs"], epoch_sharpes(summary))]
     fl = first_and_later_of(g)
     return None if fl is None else fl[1] - fl[0]
 
