@@ -493,14 +493,17 @@ def load_bars(path: str | Path, *, name: str | None = None, fast: bool = True) -
                 name=name or path.name.split(".")[0], source=str(path))
 
 
-def load_dataset(name_or_path: str, *, seed: int = 0) -> Bars:
-    """A dataset by name — "synthetic" (seeded generator, `shared/synthetic.py`), "sp500", "eurusd" (bundled,
-    see `shared/data/SOURCES.md`) — or else a CSV/Parquet file path. Raises `DataError`."""
+def load_dataset(name_or_path: str, *, seed: int = 0, n_bars: int | None = None) -> Bars:
+    """A dataset by name — "synthetic" (seeded generator, `shared/synthetic.py`; `n_bars` of them, 6 000 by default:
+    a market of its own for each length, hourly up to 2·10^6 bars, by the minute beyond), "sp500", "eurusd"
+    (bundled, see `shared/data/SOURCES.md`) — or else a CSV/Parquet file path. Raises `DataError`."""
     key = str(name_or_path).strip()
     if key.lower() == "synthetic":
         from shared.synthetic import generate  # local import: synthetic builds on this module
 
-        return generate(seed=seed).bars
+        if n_bars is None:
+            return generate(seed=seed).bars
+        return generate(n_bars, seed=seed, freq="h" if n_bars < 2_000_000 else "min").bars
     if key.lower() in BUNDLED:
         return load_bars(BUNDLED[key.lower()], name=key.lower())
     return load_bars(key)

@@ -62,3 +62,25 @@ def test_runs_of_the_policys_moving_average_are_never_grouped_in_lockstep():
     groups = lockstep_groups(ema, [r.run_id for r in ema.runs()])
     assert sorted((g,) if isinstance(g, str) else tuple(sorted(g)) for g in groups) == [
         ("ema-s0-f0",), ("ema-s1-f0",), ("off-s0-f0", "off-s1-f0")]
+
+
+def test_a_study_runs_checkpoint_evaluates_on_the_market_the_study_generated(tmp_path):
+    """A study with `--bars N` generates a synthetic market of N bars; `tradeloop evaluate` on one of its runs
+    regenerated the default 6 000 and refused ("train window sha256 mismatch"). It finds the run's own market now
+    (the train window's hash says which) and reproduces the study's OOS for the selected checkpoint."""
+    tiny = tmp_path / "tiny.toml"
+    tiny.write_text(TINY.replace("seeds = 2", "seeds = 1").replace("folds = 2", "folds = 1")
+                    .replace("epochs = 2", "epochs = 1").replace("[variants.on]\n", ""))
+    out = tmp_path / "one"
+    p = subprocess.run(_cmd(tiny, out), cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    run = out / "runs" / "off-s0-f0"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["n_bars"] == 3000
+    r = subprocess.run([*_cmd(tiny, out)[:3], "evaluate", "--policy", str(run), "--checkpoint",
+                        str(summary["selected_epoch"]), "--split", "test", "--json"], cwd=ROOT, env=_env(),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    got = json.loads(r.stdout)["metrics"]
+    assert got["n_trades"] == summary["oos_metrics"]["n_trades"]
+    assert got["per_trade_sharpe"] == summary["oos_metrics"]["per_trade_sharpe"]

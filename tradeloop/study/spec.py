@@ -590,10 +590,7 @@ def load_study_bars(spec: StudySpec, data_seed: int):
     from shared.market import load_dataset
 
     if spec.dataset.strip().lower() == "synthetic":
-        from shared.synthetic import generate
-
-        n = spec.bars or SYNTHETIC_DEFAULT_BARS
-        return generate(n, seed=data_seed, freq="h" if n < 2_000_000 else "min").bars
+        return load_dataset("synthetic", seed=data_seed, n_bars=spec.bars or SYNTHETIC_DEFAULT_BARS)
     bars = load_dataset(spec.dataset)
     if spec.bars is not None:
         if spec.bars > len(bars):
