@@ -84,3 +84,14 @@ def test_a_study_runs_checkpoint_evaluates_on_the_market_the_study_generated(tmp
     got = json.loads(r.stdout)["metrics"]
     assert got["n_trades"] == summary["oos_metrics"]["n_trades"]
     assert got["per_trade_sharpe"] == summary["oos_metrics"]["per_trade_sharpe"]
+
+
+def test_show_on_a_study_whose_runs_went_through_redis_says_where_they_are(tmp_path):
+    """A `--redis` study's own directory keeps only its runs' summaries; the runs are in the workers' --out."""
+    (tmp_path / "study.json").write_text("{}")
+    (tmp_path / "runs" / "off-s0-f0").mkdir(parents=True)
+    (tmp_path / "runs" / "off-s0-f0" / "summary.json").write_text("{}")
+    r = subprocess.run([*_cmd(tmp_path, tmp_path)[:3], "show", str(tmp_path)], cwd=ROOT, env=_env(),
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "no run directory here" in r.stderr, r.stderr
+    assert "keeps them in its workers' --out directories" in r.stderr and "Traceback" not in r.stderr

@@ -38,8 +38,10 @@ def register(app: typer.Typer) -> None:
             print(f"tradeloop show: {run}: no such directory", file=sys.stderr)
             raise typer.Exit(2)
         if not find_runs(run):
-            print(f"tradeloop show: {run}: no run directory here (a run directory holds reports/, epochs/ or "
-                  "trainer/run.json)", file=sys.stderr)
+            where = (" — a study whose runs went through Redis keeps them in its workers' --out directories: show "
+                     "one of those" if (run / "study.json").is_file() else "")
+            print(f"tradeloop show: {run}: no run directory here (a run directory holds reports/, epochs/, run.json or "
+                  f"trainer/run.json){where}", file=sys.stderr)
             raise typer.Exit(2)
         if not 0 <= port <= 65535:
             print(f"tradeloop show: --port must be in 0..65535, got {port}", file=sys.stderr)
