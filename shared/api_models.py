@@ -155,6 +155,8 @@ class TrainerStatus(ServiceStatus):
     """Iterations of `training_epoch` done, of `iterations`."""
     iterations: int | None = None
     paused: bool = False
+    stopping: bool = False
+    """A stop was asked (`POST /control/stop`): the run ends once the epoch in hand is trained and published."""
     updates_per_s: float | None = None
     env_steps_per_s: float | None = None
     """Account-steps per second of the epoch in hand."""

@@ -254,6 +254,8 @@ def test_a_stop_through_the_api_ends_the_run_once_its_last_epoch_is_evaluated(tm
         url = json.loads((run / "services.json").read_text())["urls"]["trainer"]
         r = c.post(f"{url}/control/stop", headers={"Authorization": f"Bearer {token}"}, timeout=10)
         assert r.status_code == 200, r.text
+        st = c.get(f"{url}/status", timeout=10).json()        # the stop asked, shown until the run ends
+        assert st["stopping"] is True and st["paused"] is False, st
     out = _finish(proc)
     assert proc.returncode == 0, out
     assert "the trainer was stopped (POST /control/stop) after epoch 1 of 3" in out and "stopping (stopped)" in out

@@ -122,6 +122,7 @@ class TrainerWorker:
         self._stop.set()
         self._resume.set()
         self.state.extra["paused"] = False
+        self.state.extra["stopping"] = True
 
     def interrupt(self) -> None:
         """Stop at the next iteration boundary (shutdown): an epoch in training saves its state there
