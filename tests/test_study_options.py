@@ -294,6 +294,9 @@ def test_lockstep_auto_pairs_runs_on_cuda_only_where_a_local_worker_trains_them(
     assert (given.lockstep, given.parallel) == (1, 3)
     workers, _ = build_spec(_cli(device="cuda", lockstep="4", parallel="3"))   # a count of workers, as given
     assert (workers.lockstep, workers.parallel) == (4, 3)
+    # runs that pair with none (another trainer config on each market) take a worker each: as many runs at once
+    apart, _ = build_spec(_cli(device="cuda", variants="off,wd:train.weight_decay=0.1"))
+    assert (apart.lockstep, apart.parallel) == (2, runs)
     with pytest.raises(StudyError, match=r"^--lockstep must be a count of runs from 1 to 64 or auto, got 0$"):
         build_spec(_cli(lockstep="0"))
 

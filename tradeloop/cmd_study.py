@@ -136,8 +136,7 @@ def build_spec(cli: dict[str, Any], remote: bool = False):
     device = str(pick("device", "cpu"))
     lockstep = parse_lockstep(pick("lockstep", "auto"), device, remote=remote, where=named("lockstep"))
     parallel = parse_parallel(pick("parallel", "auto"), device)
-    if str(pick("parallel", "auto")).strip().lower() == "auto" and device.startswith("cuda"):
-        parallel = -(-parallel // lockstep)          # auto counts runs at once: a worker holds `lockstep` of them
+    runs_at_once = str(pick("parallel", "auto")).strip().lower() == "auto" and device.startswith("cuda")
     try:
         spec = StudySpec(
             dataset=str(dataset), variants=variants, seeds=parse_seeds(pick("seeds", 3), named("seeds")), folds=folds,
@@ -155,7 +154,16 @@ def build_spec(cli: dict[str, Any], remote: bool = False):
         raise
     except (TypeError, ValueError) as exc:
         raise StudyError(str(exc) if cli.get("config") is None else f"{where}: {exc}") from None
-    return spec.validate(), Path(out)
+    spec = spec.validate()
+    if runs_at_once and spec.lockstep > 1:
+        # auto counts runs at once: a worker holds a lockstep group, as many runs as the study's groups hold on
+        # average (runs that pair with none — another trainer config on each market — take a worker each)
+        from tradeloop.study.runner import lockstep_groups
+
+        ids = [r.run_id for r in spec.runs()]
+        per_worker = len(ids) / max(1, len(lockstep_groups(spec, ids)))
+        spec.parallel = max(1, math.ceil(parallel / per_worker))
+    return spec, Path(out)
 
 
 def check_runnable(spec, local: bool = True) -> None:
