@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from tradeloop.study.runner import prepare
-from tradeloop.study.spec import AUTO_RUNS_PER_GPU, StudyError, StudySpec, Variant, parse_parallel, usable_cores
+from tradeloop.study.capacity import AUTO_RUNS_PER_GPU, parse_parallel, usable_cores
+from tradeloop.study.spec import StudyError, StudySpec, Variant
 from tradeloop.study.worker import (MEMORY_HEADROOM, RUN_MEMORY_FILE, SPREAD_S, WARM_FILE, first_fills_cache,
                                     gpu_slots, runs_that_fit, start_plan, start_workers)
 

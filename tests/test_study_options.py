@@ -281,7 +281,7 @@ def test_the_banner_counts_in_the_singular():
 def test_lockstep_auto_pairs_runs_on_cuda_only_where_a_local_worker_trains_them():
     """`--lockstep auto` (the default): two runs of one market a worker on CUDA, with `--parallel auto` still counting
     runs at once (half as many workers); one on a CPU and where the runs go through Redis; a count as given."""
-    from tradeloop.study.spec import AUTO_LOCKSTEP_CUDA, parse_parallel
+    from tradeloop.study.capacity import AUTO_LOCKSTEP_CUDA, parse_parallel
 
     runs = parse_parallel("auto", "cuda")
     cuda, _ = build_spec(_cli(device="cuda"))

@@ -47,9 +47,9 @@ def parse_seeds(value: Any, where: str = "--seeds") -> list[int]:
 def build_spec(cli: dict[str, Any], remote: bool = False):
     """The StudySpec and out directory from the command line's values (None: not given) merged over --config.
     `remote`: the runs go through Redis (`--redis`), where `--lockstep auto` is 1."""
-    from tradeloop.study.spec import (StudyError, StudySpec, parse_lockstep, parse_parallel, parse_setting,
-                                      parse_variants, read_toml, split_assignment, synthetic_bars_for,
-                                      variants_from_toml)
+    from tradeloop.study.capacity import parse_lockstep, parse_parallel
+    from tradeloop.study.spec import (StudyError, StudySpec, parse_setting, parse_variants, read_toml, split_assignment,
+                                      synthetic_bars_for, variants_from_toml)
 
     conf: dict[str, Any] = {}
     where = "--config"
@@ -376,7 +376,8 @@ def study_worker(
 
     from shared.redis_server import RedisServerError
     from tradeloop.study.runner import work_for
-    from tradeloop.study.spec import StudyError, StudyInterrupted, parse_parallel
+    from tradeloop.study.capacity import parse_parallel
+    from tradeloop.study.spec import StudyError, StudyInterrupted
 
     err = Console(stderr=True, soft_wrap=True)
     try:

@@ -15,7 +15,8 @@ import numpy as np
 from shared.redis_server import die_with_parent
 from tradeloop.study.loop import PARTS, write_json_atomic
 from tradeloop.study.mps import held_to
-from tradeloop.study.spec import StudySpec, usable_cores
+from tradeloop.study.capacity import usable_cores
+from tradeloop.study.spec import StudySpec
 from tradeloop.study.stats import DSR_BAR, KNOBS, aggregate, describe, first_then_later, power_cells
 
 

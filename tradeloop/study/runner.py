@@ -33,7 +33,8 @@ from redis.exceptions import RedisError
 from tradeloop.study.interrupt import sigterm_interrupts, stopped_how
 from tradeloop.study.loop import write_json_atomic
 from tradeloop.study.report import BackgroundBaselines, write_results
-from tradeloop.study.spec import StudyError, StudyInterrupted, StudySpec, parse_parallel, usable_cores
+from tradeloop.study.capacity import parse_parallel, usable_cores
+from tradeloop.study.spec import StudyError, StudyInterrupted, StudySpec
 from tradeloop.study.worker import WARM_FILE, first_fills_cache, start_workers, visible_gpus
 
 
