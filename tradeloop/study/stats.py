@@ -152,13 +152,7 @@ def aggregate(summaries: Sequence[dict], baselines: Sequence[dict], variants: Se
 
     def pooled(name: str, values: dict) -> dict:
         """unit → value, as the units a CI of `name` resamples: its populations' means for a population variant."""
-        if name not in pops:
-            return values
-        groups: dict = {}
-        for u, v in values.items():
-            groups.setdefault(cluster(*u), []).append(v)
-        return {c: float(np.mean(d)) if (d := [x for x in vs if x is not None]) else None   # None: undefined
-                for c, vs in groups.items()}
+        return by_cluster(values, cluster) if name in pops else values
 
     out_v, best_by = {}, {}
     for name in variants:
@@ -263,6 +257,15 @@ def aggregate(summaries: Sequence[dict], baselines: Sequence[dict], variants: Se
             if len(out_v) > 1 and not pops & set(out_v) else None}
 
 
+def by_cluster(values: dict, cluster: Callable[[int, int], Any]) -> dict:
+    """(seed, fold) unit → value, as each `cluster(seed, fold)` group's mean (None values left out; a group of none
+    defined is None)."""
+    groups: dict = {}
+    for u, v in values.items():
+        groups.setdefault(cluster(*u), []).append(v)
+    return {c: float(np.mean(d)) if (d := [x for x in vs if x is not None]) else None for c, vs in groups.items()}
+
+
 def over_periods(rows: Sequence[dict], variants: Sequence[str], reference: str, cluster: Callable[[int, int], Any],
                  populations: set, *, n_boot: int, seed: int) -> dict | None:
     """Where (seed, fold) units share a test period (`cluster`: one market and fold — every seed of a fold on a real
@@ -276,12 +279,8 @@ def over_periods(rows: Sequence[dict], variants: Sequence[str], reference: str, 
         return None
 
     def means(name: str, only: set | None = None) -> dict:
-        groups: dict = {}
-        for r in rows:
-            u = (r["seed"], r["fold"])
-            if r["variant"] == name and (only is None or u in only):
-                groups.setdefault(cluster(*u), []).append(r["oos_sharpe"])
-        return {c: float(np.mean(v)) for c, v in groups.items()}
+        return by_cluster({(r["seed"], r["fold"]): r["oos_sharpe"] for r in rows if r["variant"] == name
+                           and (only is None or (r["seed"], r["fold"]) in only)}, cluster)
 
     out: dict = {"periods": n, "units": len(units), "variants": {}, "paired": {}}
     for name in variants:
