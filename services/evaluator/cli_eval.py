@@ -176,18 +176,22 @@ def _cli_inputs(checkpoint: str | os.PathLike, *, data: str | None, expected_sha
         raise EvaluateInputError(f"dataset {name}: {exc}") from None
     if same_data:
         hashes = meta.get("split_hashes") or run_meta.get("split_hashes") or {}
+
+        def differs(b: Bars) -> bool:                   # not the bars the checkpoint trained on
+            return split.test[1] > len(b) or bool(hashes.get("train")) and hashes["train"] != split.window_hash(
+                b, "train")
+
         n_run = run_meta.get("n_bars")
-        if (str(name).strip().lower() == "synthetic" and n_run and n_run != len(bars) and hashes.get("train")
-                and (split.test[1] > len(bars) or hashes["train"] != split.window_hash(bars, "train"))):
+        if str(name).strip().lower() == "synthetic" and n_run and n_run != len(bars) and differs(bars):
             # a study generates a synthetic market of its own length (`--bars`); `up --data-bars` cuts the default
             # one: the train window's hash tells which, so nothing is evaluated on bars it did not train on
             try:
                 own = load_dataset(name, seed=data_seed, n_bars=int(n_run))
             except (DataError, ValueError):
                 own = None
-            if own is not None and split.test[1] <= len(own) and hashes["train"] == split.window_hash(own, "train"):
+            if own is not None and not differs(own):
                 bars, key = own, (str(name), int(data_seed), int(n_run))
-        if split.test[1] > len(bars) or (hashes.get("train") and hashes["train"] != split.window_hash(bars, "train")):
+        if differs(bars):
             raise EvaluateInputError(f"dataset {name} (seed {data_seed}): these bars differ from those checkpoint "
                                      f"{path} trained on (train window sha256 mismatch)")
     epoch = int(meta.get("epoch") or 0)
