@@ -584,13 +584,11 @@
       return;
     }
     const n = page.n_trades, rows = page.trades;
-    const row = runData(run).reports.find((r) => r.epoch === epoch);
-    const counted = row ? row[`${split}_n_trades`] : null;           // the metrics' count, where the ledger is not kept
-    $("trades-range").textContent = n ? `trades ${offset + 1}–${offset + rows.length} of ${n}`
-      : (isNum(counted) && counted > 0 ? `${counted} trades; their list is not kept (a study run keeps its metrics)`
-                                       : "no trades");
+    $("trades-range").textContent = page.listed === false
+      ? (n ? `${n} trades; their list is not kept (a study run keeps its metrics)` : "no trades")
+      : (n ? `trades ${offset + 1}–${offset + rows.length} of ${n}` : "no trades");
     $("trades-prev").disabled = offset <= 0;
-    $("trades-next").disabled = offset + rows.length >= n;
+    $("trades-next").disabled = page.listed === false || offset + rows.length >= n;
     const dated = rows.length && rows[0].entry_time;
     let h = `<tr><th>#</th><th>side</th><th>${dated ? "entry (UTC)" : "entry bar"}</th><th>${dated ? "exit (UTC)" : "exit bar"}</th><th>bars</th>` +
             `<th>entry price</th><th>exit price</th><th>net return</th><th>exit</th><th>regime</th><th>predicted Q</th></tr>`;

@@ -286,6 +286,9 @@ class TradesPage(_Closed):
     n_trades: int
     offset: int
     trades: list[TradeRow]
+    listed: bool = True
+    """False where the backtest keeps no trade list (a study run's epoch record): `n_trades` is then its metrics'
+    count and `trades` is empty."""
 
 
 class EquityView(_Closed):

@@ -228,8 +228,14 @@ def _iso(ns: np.ndarray) -> list[str]:
 def trades_page(doc: Mapping[str, Any], split: str, market: Mapping[str, np.ndarray] | None = None, *,
                 offset: int = 0, limit: int | None = None) -> dict:
     """Trades [offset, offset + limit) of one backtest as objects (`TradeRecord` fields), with "entry_time" and
-    "exit_time" (ISO 8601, UTC) when `market` covers the window."""
+    "exit_time" (ISO 8601, UTC) when `market` covers the window. A backtest that keeps no trade list (a study run's
+    record: `shared.runfiles.report_of_record`) gives no rows, "listed" false and its metrics' count as "n_trades"."""
     part = _split(doc, split)
+    if "trades" not in part:
+        n = (part.get("metrics") or {}).get("n_trades")
+        return {"epoch": doc.get("epoch"), "split": split, "window": part.get("window"),
+                "n_trades": int(n) if isinstance(n, (int, float)) else 0, "offset": offset, "trades": [],
+                "listed": False}
     table = TradeTable.of(part.get("trades") or [])
     stop = None if limit is None else offset + limit
     rows = table.records(offset, stop)
@@ -243,7 +249,7 @@ def trades_page(doc: Mapping[str, Any], split: str, market: Mapping[str, np.ndar
         for r, a, b in zip(rows, _iso(mk["timestamp"][ent]), _iso(mk["timestamp"][ext])):
             r["entry_time"], r["exit_time"] = a, b
     return {"epoch": doc.get("epoch"), "split": split, "window": window, "n_trades": len(table), "offset": offset,
-            "trades": rows}
+            "trades": rows, "listed": True}
 
 
 def month_ends(timestamps_ns: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

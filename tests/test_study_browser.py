@@ -114,6 +114,9 @@ def test_a_study_run_shows_its_records_reports_selection_and_signals(shown):
     assert sheet["window"] == summary["split"]["val"] and sheet["n_trials"] == sel
     assert sheet["n_bars"] == summary["split"]["val"][1] - summary["split"]["val"][0] > 0   # the window's, not 0
     assert get(f"{base}/evaluator/reports/{sel}/tearsheet?split=oos")["metrics"] == summary["oos_metrics"]
+    # a record keeps no trade list: the page says so and counts the trades the metrics count, not 0
+    page = get(f"{base}/evaluator/reports/{sel}/trades")
+    assert (page["listed"], page["trades"], page["n_trades"]) == (False, [], int(recs[sel]["val"]["n_trades"]))
     other = next(e for e in recs if e != sel)
     assert get(f"{base}/evaluator/reports/{other}/tearsheet?split=oos") == 404
     assert get(f"{base}/evaluator/reports/{EPOCHS + 1}") == 404
