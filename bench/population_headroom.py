@@ -117,13 +117,14 @@ def after_exploit(results: dict, log: Path | None = None) -> list[str]:
     from tradeloop.study.intervals import bootstrap_ci
 
     curves = {f"{v}-s{k.replace('/', '-f')}": c for v, cs in results["curves"].items() for k, c in cs.items()}
-    steps = [curves[run][e] - val for run, e, val in exploits_of(results, log)]
+    steps = [curves[run][e] - val for run, e, val in exploits_of(results, log) if curves[run][e] is not None]
     lines = ["| after | n | next epoch's val − its start's val | share higher |", "|---|---:|---|---:|"]
     if steps:
         lines.append(f"| an exploit (the peer epoch's val) | {len(steps)} | {describe(bootstrap_ci(steps))} | "
                      f"{np.mean([x > 0 for x in steps]):.2f} |")
     for name, cs in results["curves"].items():
-        d = [c[i + 1] - c[i] for c in cs.values() for i in range(len(c) - 1) if c[i] >= max(c[:i + 1])]
+        d = [c[i + 1] - c[i] for c in cs.values() for i in range(len(c) - 1)      # None: an epoch with < 2 trades
+             if None not in c[:i + 2] and c[i] >= max(c[:i + 1])]
         if d:
             lines.append(f"| a running best of {name} | {len(d)} | {describe(bootstrap_ci(d))} | "
                          f"{np.mean([x > 0 for x in d]):.2f} |")

@@ -166,3 +166,5 @@ def test_an_epoch_of_fewer_than_two_validation_trades_has_no_sharpe_to_average()
     assert rows["off-s1-f0"]["last_val_sharpe"] is None and rows["off-s0-f0"]["last_val_sharpe"] == 0.0
     assert rows["off-s1-f0"]["val_step"] == pytest.approx(0.2)          # |0.3 − 0.1| alone, not also |0 − 0.3|
     assert res["variants"]["off"]["last_val_sharpe"]["n"] == 1 and res["paired"]["on"]["last_val_sharpe"]["n"] == 1
+    # the validation curves (report.png, results.json) hold no Sharpe there either: None, not a drawn 0.0
+    assert res["curves"]["off"] == {"0/0": [0.1, 0.3, 0.0], "1/0": [0.1, 0.3, None]}

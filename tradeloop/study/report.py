@@ -8,6 +8,7 @@ import math
 import os
 import signal
 import threading
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -305,10 +306,12 @@ def plot(res: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(17, 5.2), gridspec_kw={"width_ratios": [1.4, 1, 1]})
     ax = axes[0]
     for n in names:
-        curves = list(res["curves"][n].values())
+        curves = [np.array(c, dtype=float) for c in res["curves"][n].values()]   # NaN: an epoch with < 2 trades
         for c in curves:
             ax.plot(range(1, len(c) + 1), c, color=colors[n], alpha=0.2, lw=0.8)
-        m = np.mean(np.array(curves, dtype=float), axis=0)
+        with np.errstate(invalid="ignore"), warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)       # an epoch no run has a Sharpe at stays NaN
+            m = np.nanmean(np.array(curves, dtype=float), axis=0)
         ax.plot(range(1, len(m) + 1), m, color=colors[n], lw=2.4, marker="o", ms=4, label=f"{n} (mean of {len(curves)})")
         if ins := res.get("curves_insample", {}).get(n):
             mi = np.mean(np.array(list(ins.values()), dtype=float), axis=0)

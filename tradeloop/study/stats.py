@@ -245,8 +245,8 @@ def aggregate(summaries: Sequence[dict], baselines: Sequence[dict], variants: Se
         if "oos_bar_sharpe" in out_v[name] and "oos_bar_sharpe" in out_v[reference]:
             out_p[name]["oos_bar_sharpe"] = pair("oos_bar_sharpe")
     periods = over_periods(rows, variants, reference, cluster, pops, n_boot=n_boot, seed=seed)
-    curves = {name: {str(m["seed"]) + "/" + str(m["fold"]): [e["val_sharpe"] for e in m["epochs"]]
-                     for m in summaries if m["variant"] == name} for name in variants}
+    curves = {name: {str(m["seed"]) + "/" + str(m["fold"]): [x if np.isfinite(x) else None for x in epoch_sharpes(m)]
+                     for m in summaries if m["variant"] == name} for name in variants}   # None: < 2 val trades
     return {"n_trials": n_trials, **({"periods": periods} if periods else {}), "trial_sharpe_var": var,
             "reference": reference, "variants": out_v,
             "baselines": out_b, "paired": out_p, "runs": rows, "curves": curves,
