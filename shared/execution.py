@@ -88,12 +88,15 @@ class Prices:
 
     @classmethod
     def from_bars(cls, bars, device=None, dtype=torch.float64) -> "Prices":
-        t = lambda a: torch.as_tensor(np.asarray(a, dtype=np.float64), dtype=dtype, device=device)  # noqa: E731
-        return cls(t(bars.open), t(bars.high), t(bars.low), t(bars.close))
+        return cls.from_arrays(bars.open, bars.high, bars.low, bars.close, device=device, dtype=dtype)
 
     @classmethod
     def from_arrays(cls, open, high, low, close, device=None, dtype=torch.float64) -> "Prices":
-        t = lambda a: torch.as_tensor(np.asarray(a, dtype=np.float64), dtype=dtype, device=device)  # noqa: E731
+        def t(a) -> torch.Tensor:
+            a = np.asarray(a, dtype=np.float64)
+            # a read-only array (bars loaded from a file) is copied: torch warns on a tensor over one
+            return torch.as_tensor(a if a.flags.writeable else a.copy(), dtype=dtype, device=device)
+
         return cls(t(open), t(high), t(low), t(close))
 
     def __len__(self) -> int:

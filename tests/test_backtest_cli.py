@@ -133,7 +133,7 @@ def test_table_output(app, bars_csv, tmp_path):
     ("time,pos\n2024-03-01T09:00:00,1\n", ["line 1", "timestamp"]),
     (f"timestamp,position\n{TIMES[0]},1\n{TIMES[1]},abc\n", ["line 3", "position", "abc"]),
     (f"timestamp,position\n{TIMES[0]},1.5\n", ["line 2", "position", "[-1, 1]"]),
-    (f"timestamp,position\n{TIMES[0]},nan\n", ["line 2", "position"]),
+    (f"timestamp,position\n{TIMES[0]},nan\n", ["line 2", "position", "not a finite number"]),
     ("timestamp,position\nyesterday,1\n", ["line 2", "timestamp", "yesterday"]),
     (f"timestamp,position\n{TIMES[2]},1\n{TIMES[1]},0\n", ["line 3", "earlier than line 2"]),
     (f"timestamp,position\n{TIMES[1]},1\n{TIMES[1]},0\n", ["line 3", "duplicates line 2"]),
@@ -161,6 +161,9 @@ def test_bad_data_and_missing_files_exit_2(app, bars_csv, tmp_path):
     assert res.exit_code == 2 and "badbars.csv" in res.stderr and "Traceback" not in res.output
     res = invoke(app, "--data", bars_csv, "--positions", pos, "--cost-bps", -1)
     assert res.exit_code == 2 and "--cost-bps" in res.stderr
+    for option in ("--max-trades", "--seed"):
+        res = invoke(app, "--data", bars_csv, "--positions", pos, option, -1)
+        assert res.exit_code == 2 and option in res.output and "Traceback" not in res.output
 
 
 def test_real_cli_entry_point(bars_csv, tmp_path):
@@ -172,6 +175,7 @@ def test_real_cli_entry_point(bars_csv, tmp_path):
                                     capture_output=True, text=True, timeout=120)
     ok = run("--data", daily, "--positions", pos, "--cost-bps", 0, "--json")
     assert ok.returncode == 0, ok.stderr
+    assert "Warning" not in ok.stderr                # bars read from a file are read-only arrays: torch is not told
     (t,) = json.loads(ok.stdout)["trades"]
     assert (t["entry_time"], t["exit_time"], t["exit_reason"]) == ("2020-01-03", "2020-01-06", "end")
     assert t["net_return"] == pytest.approx(12 / 10 - 1)

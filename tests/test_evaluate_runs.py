@@ -200,6 +200,14 @@ def test_best_of_a_train_run_is_evaluated_on_validation_and_bad_choices_are_refu
         out = _cli("evaluate", *args)
         assert out.exit_code == 2 and words in out.stderr, (args, out.output)
         assert "Traceback" not in out.output
+    out = _cli("evaluate", "--policy", str(run), "--seed", "-1")
+    assert out.exit_code == 2 and "--seed" in out.output, out.output
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the refusal of a machine without CUDA")
+def test_evaluate_on_cuda_without_a_gpu_is_refused_by_name(knobbed_run):
+    out = _cli("evaluate", "--policy", str(knobbed_run[0]), "--device", "cuda")
+    assert out.exit_code == 2 and "--device cuda but no CUDA device is available here" in out.stderr, out.output
 
 
 def test_the_best_checkpoint_is_the_highest_val_sharpe_with_enough_trades():

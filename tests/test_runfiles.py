@@ -281,10 +281,15 @@ def test_one_unreadable_report_hides_nothing_else_in_the_run_list(tmp_path):
 
 
 def test_serve_and_show_refuse_a_missing_directory(tmp_path):
-    for args in (["serve", "dashboard", "--runs", str(tmp_path / "nope")], ["show", str(tmp_path / "nope")],
-                 ["show", str(tmp_path)], ["serve", "trainer", "--runs", str(tmp_path)]):
+    (tmp_path / "file").write_text("x")
+    for args, words in ((["serve", "dashboard", "--runs", str(tmp_path / "nope")], "no such directory"),
+                        (["show", str(tmp_path / "nope")], "no such directory"),
+                        (["show", str(tmp_path / "file")], "not a directory"), (["show", str(tmp_path)], "no run"),
+                        (["show", str(tmp_path), "--log-level", "loud"], "--log-level 'loud' is not one of"),
+                        (["serve", "trainer", "--runs", str(tmp_path)], "--runs")):
         r = subprocess.run([sys.executable, "-m", "tradeloop.cli", *args], capture_output=True, text=True, timeout=60)
         assert r.returncode == 2 and r.stderr.startswith("tradeloop ") and "Traceback" not in r.stderr, (args, r.stderr)
+        assert words in r.stderr, (args, r.stderr)
 
 
 # ------------------------------------------------------------------------------------------------ metrics

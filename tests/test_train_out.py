@@ -112,3 +112,14 @@ def test_a_new_train_run_needs_a_dataset(tmp_path):
     r = _train("--out", str(tmp_path / "new"))
     assert r.exit_code == 2 and f"--dataset is needed: --out {tmp_path / 'new'} holds no run" in r.stderr, r.output
     assert not (tmp_path / "new").exists()
+
+
+def test_bad_options_and_an_out_that_cannot_be_written_are_one_line_errors(tmp_path, tiny_presets):
+    """A negative --seed is refused as an option; an --out under a file (as an unwritable directory would) names the
+    path, exit 2, no traceback."""
+    r = _train("--dataset", "synthetic", "--seed", "-1", "--out", str(tmp_path / "s"))
+    assert r.exit_code == 2 and "--seed" in r.output and not (tmp_path / "s").exists()
+    (tmp_path / "file").write_text("x")
+    r = _train("--dataset", "synthetic", "--out", str(tmp_path / "file" / "run"))
+    assert r.exit_code == 2 and f"cannot write {tmp_path / 'file'}" in r.stderr, r.output
+    assert isinstance(r.exception, SystemExit), r.exception           # typer.Exit(2), not the OSError

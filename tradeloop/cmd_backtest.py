@@ -103,7 +103,10 @@ def read_positions(path: Path) -> list[PositionRow]:
         except ValueError:
             problems.append(f"{where}, column position: {ptext!r} is not a number")
             continue
-        if not math.isfinite(pos) or not -1.0 <= pos <= 1.0:
+        if not math.isfinite(pos):
+            problems.append(f"{where}, column position: {ptext!r} is not a finite number")
+            continue
+        if not -1.0 <= pos <= 1.0:
             problems.append(f"{where}, column position: {ptext} is outside [-1, 1]")
             continue
         if out and ts <= out[-1].timestamp:
@@ -242,10 +245,10 @@ def backtest(
     n_bars_per_year: Annotated[float | None, typer.Option("--bars-per-year", help="Bars a year for --borrow-bps "
                                                           "(default: the data's bar count over the years it spans)."
                                                           )] = None,
-    seed: Annotated[int, typer.Option("--seed", help="Seed of the synthetic dataset.")] = 0,
+    seed: Annotated[int, typer.Option("--seed", min=0, help="Seed of the synthetic dataset.")] = 0,
     n_trials: Annotated[int, typer.Option("--n-trials", help="Trials the DSR deflates by.")] = 1,
     as_json: Annotated[bool, typer.Option("--json", help='Print {"trades": [...], "metrics": {...}} as JSON.')] = False,
-    max_trades: Annotated[int, typer.Option("--max-trades", help="Trades shown in the table.")] = 20,
+    max_trades: Annotated[int, typer.Option("--max-trades", min=0, help="Trades shown in the table.")] = 20,
 ) -> None:
     """Replay a target-position series (POS.csv: timestamp,position) through the simulator."""
     if not (math.isfinite(cost_bps) and cost_bps >= 0):

@@ -41,7 +41,7 @@ def summary_line(bars) -> str:
 @data_app.command("check")
 def check(
     source: str = typer.Argument(..., help="A CSV or Parquet file, or a dataset name: synthetic, sp500, eurusd."),
-    seed: int = typer.Option(0, help="Seed of the synthetic dataset."),
+    seed: int = typer.Option(0, min=0, help="Seed of the synthetic dataset."),
 ) -> None:
     """Validate a data file (or dataset) and print a one-line summary; exit 2 listing every problem."""
     from shared.market import DataError, load_dataset

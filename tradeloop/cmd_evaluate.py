@@ -255,7 +255,7 @@ def register(app) -> None:
         dataset: str = typer.Option(None, "--dataset", help="Dataset name (synthetic, sp500, eurusd) or file; "
                                     "default: the agent's training data (synthetic for a baseline)."),
         split: str = typer.Option("val", "--split", help="val or test (OOS)."),
-        seed: int = typer.Option(None, "--seed", help="Seed of the synthetic data (default: the run's) and of the "
+        seed: int = typer.Option(None, "--seed", min=0, help="Seed of the synthetic data (default: the run's) and of the "
                                  "random policy (default 0)."),
         device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
         as_json: bool = typer.Option(False, "--json", help="Print the metrics as one JSON object."),
@@ -270,6 +270,7 @@ def register(app) -> None:
     ) -> None:
         """Run a policy over the validation or test split and print its metrics (Sharpes un-annualized)."""
         from shared.checkpoints import CheckpointError
+        from shared.config import check_cuda
         from shared.market import DataError, chronological_split, load_dataset
 
         def fail(msg: str) -> None:
@@ -280,6 +281,10 @@ def register(app) -> None:
             fail(f"--split must be val or test, got {split!r}")
         if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
             fail(f"--device must be cpu or cuda, got {device!r}")
+        try:
+            check_cuda(device)
+        except ValueError as exc:
+            fail(str(exc))
         if min_val_trades < 0:
             fail(f"--min-val-trades must be >= 0, got {min_val_trades}")
         if policy in BASELINES:

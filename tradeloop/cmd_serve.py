@@ -22,6 +22,8 @@ from pathlib import Path
 import typer
 
 SERVICES = ("trainer", "evaluator", "feedback", "dashboard")
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+"""uvicorn's and logging's levels: what `--log-level` takes (serve, show)."""
 
 
 def _factory(service: str) -> tuple[type, Callable]:
@@ -96,8 +98,8 @@ def register(app: typer.Typer) -> None:
             print(f"tradeloop serve: unknown service {service!r}; choose one of {', '.join(SERVICES)}",
                   file=sys.stderr)
             raise typer.Exit(2)
-        if log_level.lower() not in ("critical", "error", "warning", "info", "debug"):
-            print(f"tradeloop serve: --log-level {log_level!r} is not one of critical, error, warning, info, debug",
+        if log_level.lower() not in LOG_LEVELS:
+            print(f"tradeloop serve: --log-level {log_level!r} is not one of {', '.join(LOG_LEVELS)}",
                   file=sys.stderr)
             raise typer.Exit(2)
         if service == "dashboard":

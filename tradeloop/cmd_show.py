@@ -34,8 +34,14 @@ def register(app: typer.Typer) -> None:
         from shared.config import LOOPBACK, DashboardSettings
         from shared.runfiles import find_runs
 
+        from tradeloop.cmd_serve import LOG_LEVELS
+
+        if log_level.lower() not in LOG_LEVELS:
+            print(f"tradeloop show: --log-level {log_level!r} is not one of {', '.join(LOG_LEVELS)}", file=sys.stderr)
+            raise typer.Exit(2)
         if not run.is_dir():
-            print(f"tradeloop show: {run}: no such directory", file=sys.stderr)
+            print(f"tradeloop show: {run}: {'not a directory' if run.exists() else 'no such directory'}",
+                  file=sys.stderr)
             raise typer.Exit(2)
         if not find_runs(run):
             where = (" — a study whose runs went through Redis keeps them in its workers' --out directories: show "
@@ -57,5 +63,5 @@ def register(app: typer.Typer) -> None:
         url = f"http://{LOOPBACK}:{sock.getsockname()[1]}/"
         app_ = create_app(DashboardSettings(run_id="show", embedded=True, host=LOOPBACK), runs_dir=run.resolve())
         print(f"tradeloop show: {run.resolve()} at {url} (Ctrl-C stops)", flush=True)
-        server = uvicorn.Server(uvicorn.Config(app_, log_level=log_level, access_log=False))
+        server = uvicorn.Server(uvicorn.Config(app_, log_level=log_level.lower(), access_log=False))
         server.run(sockets=[sock])

@@ -166,7 +166,7 @@ def train(
     device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
     config: str = typer.Option(None, "--config", help="Preset: small (CPU; the default) or full (GPU) (a resumed "
                                                       "run: its own)."),
-    seed: int = typer.Option(None, "--seed", help="Seed of the run and of the synthetic data (default 0; a resumed "
+    seed: int = typer.Option(None, "--seed", min=0, help="Seed of the run and of the synthetic data (default 0; a resumed "
                                                   "run: its own)."),
     accel: str = typer.Option("auto", "--accel",
                               help="auto (compile+graph on a GPU, eager on CPU), eager, compile, graph or "
@@ -237,6 +237,9 @@ def train(
                                  on_epoch=on_epoch, progress=progress, on_compile=on_compile)
         except (CheckpointError, ValueError) as exc:             # DataError among them
             err.print(f"error: {exc}", markup=False)
+            raise typer.Exit(2) from None
+        except OSError as exc:                                  # --out not writable, a full disk
+            err.print(f"error: cannot write {exc.filename or out}: {exc.strerror or exc}", markup=False)
             raise typer.Exit(2) from None
     console.print(f"done: {state.epoch} epochs in {out} (checkpoints in {out / 'checkpoints'})")
 
