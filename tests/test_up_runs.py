@@ -105,6 +105,21 @@ def test_a_trainer_that_fails_ends_the_run_at_once_saying_why(tmp_path):
     assert summary["loop_error"].startswith("the trainer failed: ValueError: "), summary
 
 
+def test_a_service_that_refuses_its_settings_is_not_restarted_and_the_run_stops_naming_the_variable(tmp_path):
+    """A TL_* value out of range makes `tradeloop serve` exit 2 each time it starts: the launcher does not restart it
+    until --timeout but stops the run at once, printing the variable and the rule."""
+    runs = tmp_path / "runs"
+    proc = _up(_env(runs, TL_KEEP_CHECKPOINTS="0"), "--timeout", "900", "--run-id", "bad", "--epochs", "1",
+               "--iterations", "4")
+    out = _finish(proc, timeout_s=150)
+    assert proc.returncode == 1, out
+    assert "refused its settings (exit 2)" in out and "TL_KEEP_CHECKPOINTS: Input should be greater than" in out, out
+    assert "restarting in" not in out and "stopping (failed)" in out, out
+    summary = json.loads((runs / "bad" / "summary.json").read_text())
+    assert summary["status"] == "failed" and "TL_KEEP_CHECKPOINTS" in summary["loop_error"], summary
+    assert set(summary["restarts"].values()) == {0}, summary
+
+
 def test_a_last_epoch_message_given_up_ends_the_run_at_once_saying_why(tmp_path):
     import redis
 

@@ -151,6 +151,9 @@ def run_up(*, epochs: int, dataset: str, device: str, summary: Path | None, eval
                     break
                 for msg in sup.poll():
                     prog.note(msg)
+                if sup.refused is not None:        # the same settings fail again: stop, saying which
+                    failure, status = f"a service refused its settings: {sup.refused}", "failed"
+                    break
                 now = time.monotonic()
                 if now - last >= 1.0:
                     last = now

@@ -19,6 +19,9 @@ import httpx
 from shared.config import TRAINER_STOP_WAIT_S
 from shared.redis_server import die_with_parent
 
+REFUSED_EXIT = 2
+"""`tradeloop serve`'s exit code for settings or input it refuses (a TL_* variable out of range, say): the same
+settings fail again, so the service is not restarted and the run stops, saying why."""
 GRACE_S = 20.0
 """How long the evaluator, feedback and dashboard get to stop (the message in hand) before SIGKILL."""
 TRAINER_GRACE_S = TRAINER_STOP_WAIT_S + 30.0
@@ -43,6 +46,7 @@ class ServiceProc:
     exits: list[int] = field(default_factory=list)
     listener: socket.socket | None = None  # the service's bound port, held by the launcher across restarts
     keep_fds: tuple[int, ...] = ()         # descriptors the child holds too (the run's lock)
+    refused: str | None = None             # why it exited REFUSED_EXIT (its log's last words): not restarted
 
     def start(self) -> None:
         """Start (or restart) the process, appending to its log; it serves on the launcher's bound socket."""
@@ -91,6 +95,8 @@ class Supervisor:
                 waiting = still
                 if waiting:
                     time.sleep(0.2)
+        if any(p.proc is not None and p.proc.poll() == REFUSED_EXIT for p in first):
+            return                                  # a consumer refused its settings: the run stops (`poll`)
         for p in self.procs:
             if p.service == "trainer" and not abort():
                 p.start()
@@ -106,6 +112,13 @@ class Supervisor:
                 if now - p.started_at > 60:
                     p.backoff_s = 1.0  # ran long enough: a later crash starts the backoff afresh
                 continue
+            if p.refused is not None:
+                continue
+            if code == REFUSED_EXIT:
+                p.exits.append(code)
+                p.refused = last_words(p.log_path)
+                msgs.append(f"{p.name} refused its settings (exit {code}): {p.refused} (log: {p.log_path})")
+                continue
             if p.next_start == 0.0:
                 p.exits.append(code)
                 p.next_start = now + p.backoff_s
@@ -118,6 +131,11 @@ class Supervisor:
                 p.start()
                 msgs.append(f"{p.name} restarted (restart #{p.restarts})")
         return msgs
+
+    @property
+    def refused(self) -> str | None:
+        """Why the first service that refused its settings did (None: none did)."""
+        return next((f"{p.name}: {p.refused}" for p in self.procs if p.refused is not None), None)
 
     def stop_all(self, grace_s: float = GRACE_S, trainer_grace_s: float = TRAINER_GRACE_S,
                  hurry: Callable[[], bool] = lambda: False) -> dict[str, str]:
@@ -171,3 +189,15 @@ def service_procs(env: dict[str, str], url: dict[str, str], listeners: dict[str,
         procs.append(ServiceProc("dashboard", "dashboard", env, logs / "dashboard.log", url["dashboard"],
                                  listener=listeners["dashboard"], keep_fds=keep_fds))
     return procs
+
+
+def last_words(log_path: Path, max_chars: int = 600) -> str:
+    """What a service that refused to start said last: its log's last lines from the last `tradeloop serve` line on
+    (where `tradeloop serve` prints the variables at fault), joined on one line; the last line where none says."""
+    try:
+        lines = [ln.strip() for ln in log_path.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return "its log cannot be read"
+    start = max((i for i, ln in enumerate(lines) if ln.startswith("tradeloop serve")), default=len(lines) - 1)
+    text = " ".join(lines[max(start, 0):])
+    return (text[:max_chars] + " …") if len(text) > max_chars else text or "nothing in its log"
