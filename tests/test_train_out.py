@@ -123,3 +123,20 @@ def test_bad_options_and_an_out_that_cannot_be_written_are_one_line_errors(tmp_p
     r = _train("--dataset", "synthetic", "--out", str(tmp_path / "file" / "run"))
     assert r.exit_code == 2 and f"cannot write {tmp_path / 'file'}" in r.stderr, r.output
     assert isinstance(r.exception, SystemExit), r.exception           # typer.Exit(2), not the OSError
+
+
+def test_a_changed_checkpoint_is_refused_on_resume_touching_nothing(tmp_path, tiny_presets):
+    """A state file that does not match its sha256 sidecar was changed after it was written (no kill does that):
+    the resume refuses it by name instead of training again from scratch over the run's checkpoints."""
+    out = tmp_path / "run"
+    r = _train("--dataset", "synthetic", "--out", str(out))
+    assert r.exit_code == 0, r.output
+    state = out / "checkpoints" / "epoch-0001.state.safetensors"
+    raw = bytearray(state.read_bytes())
+    raw[-1] ^= 0xFF
+    state.write_bytes(bytes(raw))
+    before = _tree(tmp_path)
+    r = CliRunner().invoke(app, ["train", "--epochs", "2", "--out", str(out)])
+    msg = " ".join(r.stderr.split())
+    assert r.exit_code == 2 and f"checkpoint {state}: sha256 " in msg and "differs from its sidecar" in msg, r.output
+    assert _tree(tmp_path) == before

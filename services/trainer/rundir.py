@@ -73,7 +73,9 @@ def latest_epoch(run_dir: Path) -> int:
 
     `save_checkpoint` writes a file atomically and then its sidecar; a trainer killed inside `save_epoch` can leave
     the weights of epoch e without its state, or a file without its sidecar: such an epoch is incomplete and is
-    trained again, never loaded. Temp files of a killed write are removed (only the trainer writes here)."""
+    trained again, never loaded. A file whose sidecar it does not match was changed after it was written, which no
+    kill does: CheckpointError naming it, nothing touched (training again would overwrite the run's checkpoints).
+    Temp files of a killed write are removed (only the trainer writes here)."""
     from shared.checkpoints import CheckpointError, _read_sidecar, checkpoint_sha256
 
     ck = Path(run_dir) / CHECKPOINTS
@@ -85,9 +87,15 @@ def latest_epoch(run_dir: Path) -> int:
                 want = _read_sidecar(p) if p.exists() else None
             except CheckpointError:
                 want = None
-            if want is None or checkpoint_sha256(p.read_bytes()) != want:
-                log.warning("%s is incomplete (kill during the checkpoint write?): resuming from an earlier epoch", p)
+            if want is None:
+                log.warning("%s is incomplete (no sha256 sidecar: a kill during the checkpoint write?): epoch %d "
+                            "is trained again from the latest complete epoch before it", p, e)
                 break
+            got = checkpoint_sha256(p.read_bytes())
+            if got != want:
+                raise CheckpointError(str(p), f"sha256 {got[:16]}… differs from its sidecar's {want[:16]}…: the "
+                                      "file was changed after it was written; restore it (or its run) from a copy, "
+                                      "or train into a new directory — nothing was touched")
         else:
             return e
     return 0
