@@ -123,10 +123,19 @@ def test_evaluate_of_a_loop_checkpoint_equals_the_loops_report(tmp_path, redis_u
     assert out.exit_code == 0, out.output
     assert f"checkpoint: epoch {EPOCHS} (latest) {run / 'trainer' / 'checkpoints'}" in out.stdout
 
-    # epoch 1's file replaced by another valid checkpoint with its own sidecar: evaluated, and said to be another file
+    # epoch 1's file replaced by epoch 2's (its sidecar too): refused by name — its metadata says epoch 2
+    from shared.checkpoints import load_checkpoint, save_checkpoint
+
     ck = run / "trainer" / "checkpoints"
+    tensors, meta = load_checkpoint(ck / "epoch-0001.safetensors")
     for suffix in ("", ".sha256"):
         (ck / f"epoch-0001.safetensors{suffix}").write_bytes((ck / f"epoch-0002.safetensors{suffix}").read_bytes())
+    out = _cli("evaluate", "--policy", str(run), "--checkpoint", "best", "--json")
+    assert out.exit_code == 2 and "its metadata says epoch 2, its name epoch 1" in out.stderr, out.output
+    # epoch 1's file rewritten as another valid checkpoint of the run (its own metadata, other weights, a new
+    # sidecar): evaluated, and said to be another file than the loop reported
+    name = next(k for k, v in tensors.items() if v.is_floating_point())
+    save_checkpoint(ck / "epoch-0001.safetensors", {**tensors, name: tensors[name] * 0.5}, meta)
     got = json.loads(_cli("evaluate", "--policy", str(run), "--checkpoint", "best", "--json").stdout)
     first = got["selection"]["considered"][0]
     assert first["epoch"] == 1 and first["source"].startswith("evaluated here — epoch 1's file is not the one the loop "
@@ -202,6 +211,27 @@ def test_best_of_a_train_run_is_evaluated_on_validation_and_bad_choices_are_refu
         assert "Traceback" not in out.output
     out = _cli("evaluate", "--policy", str(run), "--seed", "-1")
     assert out.exit_code == 2 and "--seed" in out.output, out.output
+
+
+def test_a_checkpoint_of_another_run_in_a_runs_directory_is_refused_naming_the_field(knobbed_run, tmp_path):
+    """A checkpoint copied in from a run of another config or split (its own sidecar beside it) would be evaluated,
+    and chosen as `best`, under this run's name: refused, naming run.json and the field that differs."""
+    import shutil
+
+    from shared.checkpoints import load_checkpoint, save_checkpoint
+
+    run = tmp_path / "run"
+    shutil.copytree(knobbed_run[0], run)
+    path = run / "checkpoints" / "epoch-0002.safetensors"
+    tensors, meta = load_checkpoint(path)
+    for key, value in (("config_hash", "0" * 64), ("split_hashes", {**meta["split_hashes"], "val": "0" * 64})):
+        save_checkpoint(path, tensors, {**meta, key: value})
+        for which in ("best", "latest", "2"):
+            out = _cli("evaluate", "--policy", str(run), "--checkpoint", which, "--min-val-trades", "0")
+            assert out.exit_code == 2, (key, which, out.output)
+            assert f"checkpoint {path}: its {key} differs from {run / 'run.json'}'s" in " ".join(out.stderr.split())
+    save_checkpoint(path, tensors, meta)                                  # its own again: evaluated
+    assert _cli("evaluate", "--policy", str(run), "--checkpoint", "2").exit_code == 0
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the refusal of a machine without CUDA")

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
+from services.evaluator.runs import CHECKPOINT_NAME
 from services.evaluator.runner import (eval_controls, evaluate_checkpoint, restore_agent, run_windows_many,
                                        split_reports)
 from shared.checkpoints import CheckpointError, checkpoint_sha256, load_checkpoint, sidecar_path
@@ -29,6 +30,22 @@ class EvaluateInputError(ValueError):
 def _run_dir_of(checkpoint: Path) -> Path | None:
     d = checkpoint.resolve().parent.parent
     return d if (d / "run.json").exists() else None
+
+
+def refuse_foreign(path: Path, meta: dict, run_meta: dict, run_json: Path) -> None:
+    """EvaluateInputError unless checkpoint `path` (its metadata `meta`) is of the run it sits in: the epoch its name
+    gives, and the run's config and split (run.json's `config_hash` and `split_hashes`, where both say) — a file
+    copied in from another run would be evaluated, and chosen as `best`, under this run's name."""
+    named = CHECKPOINT_NAME.match(path.name)
+    if named and meta.get("epoch") is not None and int(meta["epoch"]) != int(named.group(1)):
+        raise EvaluateInputError(f"checkpoint {path}: its metadata says epoch {meta['epoch']}, its name epoch "
+                                 f"{int(named.group(1))}: not this run's file of that epoch")
+    for key in ("config_hash", "split_hashes"):
+        mine, run = meta.get(key), run_meta.get(key)
+        if mine and run and mine != run:
+            raise EvaluateInputError(f"checkpoint {path}: its {key} differs from {run_json}'s: a checkpoint of "
+                                     "another run (another config, data or split); evaluate it as a file outside "
+                                     "this run's checkpoints/, or from its own run")
 
 
 def _knobs_from_history(run_dir: Path, epoch: int) -> dict | None:
@@ -153,6 +170,8 @@ def _cli_inputs(checkpoint: str | os.PathLike, *, data: str | None, expected_sha
     sha = checkpoint_sha256(blob)
     run_dir = _run_dir_of(path)
     run_meta = json.loads((run_dir / "run.json").read_text()) if run_dir else {}
+    if run_dir is not None:
+        refuse_foreign(path, meta, run_meta, run_dir / "run.json")
     trained_on = meta.get("dataset") or run_meta.get("dataset")
     name = data or trained_on
     if not name:
