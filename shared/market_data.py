@@ -158,7 +158,11 @@ _TIME_NAMES = ("timestamp", "datetime", "date time", "date", "time", "gmt time",
 _NAN_TOKENS = {"", "nan", "na", "n/a", "null", "none", "-", "#n/a"}
 _INF_RE = re.compile(r"^[+-]?(inf|infinity)$", re.IGNORECASE)
 _TZ_RE = re.compile(r"\d{2}:\d{2}(?::\d{2}(?:\.\d+)?)?\s*(?:z|utc|[+-]\d{2}:?\d{2})$", re.IGNORECASE)
-_EPOCH_RE = re.compile(r"^\d{9,19}(\.\d+)?$")
+_EPOCH_DIGITS = (9, 19)   # a timestamp column is epoch numbers when every cell has 9–19 integer digits (`_epoch_cells`)
+_EPOCH_RE = re.compile(rf"^\d{{{_EPOCH_DIGITS[0]},{_EPOCH_DIGITS[1]}}}(\.\d+)?$")
+_NS_RANGE = (pd.Timestamp.min, pd.Timestamp.max)   # what a nanosecond DatetimeIndex (a `Bars`) holds
+_BOMS = ((b"\xff\xfe\x00\x00", "utf-32"), (b"\x00\x00\xfe\xff", "utf-32"), (b"\xff\xfe", "utf-16"),
+         (b"\xfe\xff", "utf-16"))
 _DATE_FORMATS = (
     "%m/%d/%Y", "%m/%d/%Y %H:%M", "%m/%d/%Y %H:%M:%S",
     "%d/%m/%Y", "%d/%m/%Y %H:%M", "%d/%m/%Y %H:%M:%S",
@@ -184,12 +188,15 @@ class _Collector:
         return DataError(self.problems)
 
 
-def _csv_line_numbers(path: Path, n_rows: int) -> np.ndarray:
+def _csv_line_numbers(path: Path, n_rows: int, encoding: str = "utf-8") -> np.ndarray:
     """1-based line numbers of the data rows as an editor shows them (blank lines skipped like pandas)."""
     try:
         with open(path, "rb") as f:
-            lines = [i + 1 for i, line in enumerate(f.read().split(b"\n")) if line.strip()]
-    except OSError:
+            raw = f.read()
+        if encoding.startswith(("utf-16", "utf-32")):
+            raw = raw.decode(encoding).encode("utf-8")
+        lines = [i + 1 for i, line in enumerate(raw.split(b"\n")) if line.strip()]
+    except (OSError, UnicodeDecodeError):
         lines = []
     data_lines = np.asarray(lines[1:], dtype=np.int64)
     if len(data_lines) != n_rows:  # quoted newlines or a compressed file: fall back to "header + i"
@@ -212,6 +219,30 @@ def _check_field_counts(path: Path, encoding: str) -> list[DataProblem]:
                 problems.append(DataProblem(str(path), reader.line_num, None, "wrong_field_count",
                                             f"{len(fields)} fields, but the header has {n_header}"))
     return problems
+
+
+def _text_encoding(raw: bytes, f: str) -> str:
+    """The encoding of an uncompressed CSV's bytes: UTF-16/UTF-32 by their byte-order mark, else UTF-8, else Latin-1
+    (so that a bad byte is reported in its cell). NUL bytes without a byte-order mark are refused by name."""
+    for bom, enc in _BOMS:
+        if raw.startswith(bom):
+            try:
+                raw.decode(enc)
+            except UnicodeDecodeError as exc:
+                raise DataError([DataProblem(f, None, None, "unreadable_file", f"starts with a {enc.upper()} "
+                                             f"byte-order mark but is not {enc.upper()} text ({exc.reason} at byte "
+                                             f"{exc.start}); save it as UTF-8 CSV")]) from None
+            return enc
+    if b"\x00" in raw:
+        line = raw.count(b"\n", 0, raw.index(b"\x00")) + 1
+        raise DataError([DataProblem(f, line, None, "unsupported_encoding",
+                                     "contains NUL bytes (UTF-16 or UTF-32 text without a byte-order mark, or not a "
+                                     "text file); save it as UTF-8 CSV")])
+    try:
+        raw.decode("utf-8")
+        return "utf-8-sig"
+    except UnicodeDecodeError:
+        return "latin-1"
 
 
 def _read_table(path: Path) -> tuple[pd.DataFrame, np.ndarray, str]:
@@ -237,16 +268,21 @@ def _read_table(path: Path) -> tuple[pd.DataFrame, np.ndarray, str]:
     try:
         with open(path, "rb") as fb:
             raw = fb.read()
-        try:
-            raw.decode("utf-8")
-            encoding = "utf-8-sig"
-        except UnicodeDecodeError:  # not UTF-8: read bytes as Latin-1 so bad cells are reported as such
-            encoding = "latin-1"
         compressed = suffixes and suffixes[-1] in (".gz", ".bz2", ".zip", ".xz", ".zst")
+        if compressed:
+            try:
+                raw.decode("utf-8")
+                encoding = "utf-8-sig"
+            except UnicodeDecodeError:
+                encoding = "latin-1"
+        else:
+            encoding = _text_encoding(raw, f)
         ragged = [] if compressed else _check_field_counts(path, encoding)
         if not ragged:
             df = pd.read_csv(path, dtype=str, keep_default_na=False, skipinitialspace=True, encoding=encoding,
                              index_col=False)
+    except DataError:
+        raise
     except pd.errors.EmptyDataError:
         raise DataError([DataProblem(f, None, None, "empty_file", "the file is empty (no header, no rows)")]) from None
     except (pd.errors.ParserError, UnicodeDecodeError, OSError, ValueError) as exc:
@@ -256,7 +292,7 @@ def _read_table(path: Path) -> tuple[pd.DataFrame, np.ndarray, str]:
         raise DataError([DataProblem(f, row, None, "unreadable_file", f"cannot parse as CSV: {msg}")]) from None
     if ragged:
         raise DataError(ragged)
-    return df, _csv_line_numbers(path, len(df)), "line"
+    return df, _csv_line_numbers(path, len(df), encoding), "line"
 
 
 def _normalise_columns(df: pd.DataFrame, col: _Collector) -> dict[str, str]:
@@ -324,35 +360,63 @@ def _parse_numbers(s: pd.Series, name: str, col: _Collector) -> np.ndarray:
 
 def _parse_timestamps(s: pd.Series, name: str, col: _Collector) -> pd.DatetimeIndex:
     """Parse a timestamp column (datetime dtype, epoch numbers, ISO strings or a common date format).
-    Timezone-aware input is converted to UTC; naive input stays naive. Unparsed cells become NaT."""
+    Timezone-aware input is converted to UTC; naive input stays naive. Cells that do not parse, or fall outside the
+    nanosecond range (`_NS_RANGE`), are problems and become NaT; the result is in ns, as a `Bars` holds it."""
     if isinstance(s.dtype, pd.DatetimeTZDtype):
         out = pd.DatetimeIndex(s).tz_convert("UTC")
     elif pd.api.types.is_datetime64_dtype(s):
         out = pd.DatetimeIndex(s)
-    elif pd.api.types.is_numeric_dtype(s) and not pd.api.types.is_bool_dtype(s):
-        out = _epoch(s.to_numpy(dtype=np.float64, na_value=np.nan))
-    else:
+    elif (epoch := _epoch_cells(s)) is not None:
+        out = epoch
+    else:   # text, or numbers that are not epoch stamps (20200101 is a %Y%m%d date)
         text = s.astype(object).where(s.notna(), "").astype(str).str.strip()
         text = text.str.replace(r"\s*(?:UTC|GMT)$", "Z", regex=True, case=False)  # "10:00 UTC" → "10:00Z"
         nonempty = text[text != ""]
-        if len(nonempty) and nonempty.str.match(_EPOCH_RE).all():
-            out = _epoch(pd.to_numeric(text, errors="coerce").to_numpy(dtype=np.float64))
-        else:
-            aware = bool(len(nonempty)) and nonempty.str.contains(_TZ_RE).mean() > 0.5
-            best = pd.DatetimeIndex(pd.to_datetime(text, format="ISO8601", errors="coerce", utc=True))
-            if best.isna().any():
-                for fmt in _DATE_FORMATS:
-                    cand = pd.DatetimeIndex(pd.to_datetime(text, format=fmt, errors="coerce", utc=True))
-                    if cand.notna().sum() > best.notna().sum():
-                        best = cand
-            out = best if aware else best.tz_localize(None)
+        aware = bool(len(nonempty)) and nonempty.str.contains(_TZ_RE).mean() > 0.5
+        best = pd.DatetimeIndex(pd.to_datetime(text, format="ISO8601", errors="coerce", utc=True))
+        if best.isna().any():
+            for fmt in _DATE_FORMATS:
+                cand = pd.DatetimeIndex(pd.to_datetime(text, format=fmt, errors="coerce", utc=True))
+                if cand.notna().sum() > best.notna().sum():
+                    best = cand
+        out = best if aware else best.tz_localize(None)
     out = pd.DatetimeIndex(out)
     for i in np.flatnonzero(out.isna()):
         cell = s.iat[i]
         col.add(int(i), name, "unparseable_timestamp", f"cannot parse timestamp {str(cell)!r}"
                 if not (isinstance(cell, str) and cell.strip() == "") and not pd.isna(cell)
                 else "missing timestamp")
-    return out
+    outside = _out_of_range(out)
+    for i in np.flatnonzero(outside):
+        cell, read = str(s.iat[i]).strip(), str(out[i])
+        col.add(int(i), name, "timestamp_out_of_range",
+                f"timestamp {cell!r}{'' if read.startswith(cell) else f' ({read})'} is outside "
+                f"{_NS_RANGE[0].ceil('s')} … {_NS_RANGE[1].floor('s')}, the range of nanosecond timestamps")
+    return out.where(~outside).as_unit("ns")
+
+
+def _out_of_range(ts: pd.DatetimeIndex) -> np.ndarray:
+    """True where a parsed timestamp lies outside what a nanosecond `DatetimeIndex` (a `Bars`) can hold."""
+    per = {"s": 10**9, "ms": 10**6, "us": 10**3, "ns": 1}[ts.unit]
+    v = ts.asi8
+    return ~np.asarray(ts.isna()) & ((v < -(-_NS_RANGE[0].value // per)) | (v > _NS_RANGE[1].value // per))
+
+
+def _epoch_cells(s: pd.Series) -> pd.DatetimeIndex | None:
+    """The epoch rule, the one both readers apply: a column is Unix epoch numbers when every non-empty cell is a
+    non-negative number with `_EPOCH_DIGITS` integer digits (as text: `_EPOCH_RE`); None when it is not."""
+    if pd.api.types.is_bool_dtype(s) or not (pd.api.types.is_numeric_dtype(s) or pd.api.types.is_object_dtype(s)
+                                              or pd.api.types.is_string_dtype(s)):
+        return None
+    if pd.api.types.is_numeric_dtype(s):    # Parquet numbers: the same rule on their value
+        x = s.to_numpy(dtype=np.float64, na_value=np.nan)
+        ok = np.isnan(x) | ((x >= 10.0 ** (_EPOCH_DIGITS[0] - 1)) & (x < 10.0 ** _EPOCH_DIGITS[1]))
+        return _epoch(x) if ok.all() and not np.isnan(x).all() else None
+    text = s.fillna("").astype(str).str.strip()
+    empty = np.asarray(text == "")
+    if empty.all() or not text[~empty].str.match(_EPOCH_RE).all():
+        return None
+    return _epoch(text.mask(empty).astype(np.float64).to_numpy(dtype=np.float64, na_value=np.nan))
 
 
 def _epoch(x: np.ndarray) -> pd.DatetimeIndex:
@@ -412,11 +476,11 @@ def _read_csv_fast(path: Path, name: str | None) -> Bars | None:
     Bit-identical to the validating reader on what it accepts (tests/test_market.py); 5·10^6 rows: ~70 s → ~s."""
     if path.suffix.lower() != ".csv" or not path.is_file():
         return None
+    opts = dict(skipinitialspace=True, index_col=False, encoding="utf-8-sig", engine="c")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", pd.errors.ParserWarning)   # a row longer than the header
-            df = pd.read_csv(path, skipinitialspace=True, index_col=False, encoding="utf-8-sig", engine="c",
-                             low_memory=False)
+            df = pd.read_csv(path, low_memory=False, **opts)
     except Exception:  # noqa: BLE001 — any trouble: the validating reader says what it is
         return None
     if bool(df.isna().to_numpy().any()):    # an empty or NaN cell, or a row shorter than the header
@@ -439,10 +503,19 @@ def _read_csv_fast(path: Path, name: str | None) -> Bars | None:
                 return None
     t = df[mapping["timestamp"]]
     if pd.api.types.is_numeric_dtype(t) and not pd.api.types.is_bool_dtype(t):
-        ts = _epoch(t.to_numpy(dtype=np.float64, na_value=np.nan))
-    elif pd.api.types.is_object_dtype(t) or pd.api.types.is_string_dtype(t):
-        if t.isna().any() or not isinstance(t.iat[0], str) or _EPOCH_RE.match(t.iat[0].strip()):
-            return None                     # epoch numbers as text, or not text: the validating reader decides
+        try:   # the cells as text: the epoch rule is about them ("1.6e9", "+1600000000" and 20200101 are not epochs)
+            t = pd.read_csv(path, usecols=[mapping["timestamp"]], dtype=str, **opts).iloc[:, 0]
+        except Exception:  # noqa: BLE001
+            return None
+        if len(t) != len(df):
+            return None
+    if not (pd.api.types.is_object_dtype(t) or pd.api.types.is_string_dtype(t)) or not isinstance(t.iat[0], str):
+        return None
+    if _EPOCH_RE.match(t.iat[0].strip()):
+        ts = _epoch_cells(t)                # None unless every cell is an epoch number: the validating reader decides
+        if ts is None:
+            return None
+    else:
         aware = bool(_TZ_RE.search(t.iat[0]))
         if aware and not t.str.contains(_TZ_RE).all():
             return None                     # naive and zoned stamps mixed: the validating reader's rule decides
@@ -452,9 +525,7 @@ def _read_csv_fast(path: Path, name: str | None) -> Bars | None:
             return None
         if (ts.tz is not None) != aware:
             return None
-    else:
-        return None
-    if ts.isna().any():
+    if ts.isna().any() or _out_of_range(ts).any():
         return None
     _check_rows(ts, px, col, str(mapping["timestamp"]) or "timestamp")
     if col.problems:

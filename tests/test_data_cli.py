@@ -38,6 +38,8 @@ BAD_CSV = [
     ("non_numeric", _rows((2, "2021-01-06,101,103,abc,102,9")), 4, "non_numeric"),
     ("bad_timestamp", _rows((1, "2021-13-45,100.5,102,100,101,12")), 3, "unparseable_timestamp"),
     ("negative_volume", _rows((2, "2021-01-06,101,103,100.5,102,-9")), 4, "negative_volume"),
+    ("far_future", _rows((2, "9999-12-31,101,103,100.5,102,9")), 4, "timestamp_out_of_range"),
+    ("before_1677", _rows((0, "1600-01-04,100,101,99,100.5,10")), 2, "timestamp_out_of_range"),
 ]
 FILE_LEVEL = [
     ("missing_column", "timestamp,open,high,close\n2021-01-04,1,2,1.5\n", "missing_column", "missing column 'low'"),
@@ -151,3 +153,41 @@ def test_real_subprocess_exit_code_and_no_traceback(tmp_path):
     assert proc.returncode == 2
     assert f"{p}:3:" in proc.stderr and "[high_below_open_close]" in proc.stderr
     assert "Traceback" not in proc.stderr + proc.stdout
+
+
+def test_yyyymmdd_dates_are_dates_and_tiny_integers_are_refused(tmp_path):
+    p = tmp_path / "ymd.csv"
+    p.write_text("date,open,high,low,close\n20200101,1,2,0.5,1\n20200102,1,2,0.5,1\n20200103,1,2,0.5,1\n")
+    res = _check(p)
+    assert res.exit_code == 0 and res.stdout.startswith("ymd: 3 bars, 2020-01-01 → 2020-01-03, interval 1 day"), \
+        res.output
+    p = tmp_path / "tiny.csv"
+    p.write_text("timestamp,open,high,low,close\n1,1,2,0.5,1\n2,1,2,0.5,1\n")
+    res = _check(p)
+    assert res.exit_code == 2 and f"{p}:2: column 'timestamp': cannot parse timestamp '1' [unparseable_timestamp]" \
+        in res.stderr and "Traceback" not in res.output
+
+
+def test_out_of_range_parquet_timestamp_exit_2(tmp_path):
+    df = pd.DataFrame({"Date": pd.Series(["2021-01-04", "9999-01-01"], dtype="datetime64[s]"),
+                       "Open": [1.0, 2.0], "High": [2.0, 3.0], "Low": [0.5, 1.0], "Close": [1.5, 2.5]})
+    p = tmp_path / "far.parquet"
+    df.to_parquet(p)
+    res = _check(p)
+    assert res.exit_code == 2 and "Traceback" not in res.output
+    assert f"{p}: row 1: column 'Date': timestamp '9999-01-01 00:00:00' is outside" in res.stderr
+    assert "[timestamp_out_of_range]" in res.stderr
+
+
+def test_utf16_csv_is_read_and_utf16_without_bom_is_named(tmp_path):
+    p = tmp_path / "u16.csv"
+    p.write_bytes(_rows((2, "2021-01-06,101,103,100.5,102,oops")).replace("\n", "\r\n").encode("utf-16"))
+    res = _check(p)
+    assert res.exit_code == 2 and f"{p}:4: column 'volume': non-numeric value 'oops' [non_numeric]" in res.stderr
+    p.write_bytes(_rows().encode("utf-16"))
+    res = _check(p)
+    assert res.exit_code == 0 and res.stdout.startswith("u16: 3 bars, 2021-01-04 → 2021-01-06"), res.output
+    p.write_bytes(_rows().encode("utf-16-le"))
+    res = _check(p)
+    assert res.exit_code == 2 and f"{p}:1: contains NUL bytes" in res.stderr and "[unsupported_encoding]" in res.stderr
+    assert "Traceback" not in res.output

@@ -329,3 +329,107 @@ def test_fast_csv_reader_leaves_every_problem_to_the_validating_reader(tmp_path)
         assert _read_csv_fast(p, None) is None
         with pytest.raises(DataError, match=where):
             load_bars(p)
+
+
+def _fast_agrees_with_reference(p):
+    """The fast reader's property: it accepts only what the validating reader accepts, with the same bars."""
+    from shared.market import _read_csv_fast
+
+    fast = _read_csv_fast(p, None)
+    try:
+        ref = load_bars(p, fast=False)
+    except DataError as exc:
+        assert fast is None, f"the fast reader accepted what the validating reader refuses: {exc}"
+        return None
+    assert fast is None or _same_bars(fast, ref)
+    return ref
+
+
+@pytest.mark.parametrize("cells,expected", [
+    (("20200101", "20200102"), pd.Timestamp("2020-01-01")),                  # %Y%m%d dates, not epoch seconds
+    (("1583049600.5", "1583053200.5"), pd.Timestamp("2020-03-01 08:00:00.5", tz="UTC")),
+    (("0001583049600", "0001583053200"), pd.Timestamp("2020-03-01 08:00", tz="UTC")),   # 13 digits: epoch
+    (("1", "2"), None),                             # too few digits for the epoch rule, and no date: refused
+    (("1.5830496e9", "1.5830532e9"), None),         # numbers, but not as the epoch rule writes them
+    (("+1583049600", "+1583053200"), None),
+])
+def test_numeric_timestamps_follow_the_epoch_rule_in_both_readers(tmp_path, cells, expected):
+    p = _write(tmp_path, f"date,open,high,low,close\n{cells[0]},1,2,0.5,1.5\n{cells[1]},1.5,2,1,1.2\n")
+    ref = _fast_agrees_with_reference(p)
+    if expected is None:
+        assert ref is None
+        with pytest.raises(DataError, match=r"bars.csv:2: column 'date': cannot parse timestamp .*unparseable"):
+            load_bars(p)
+    else:
+        assert load_bars(p).timestamps[0] == ref.timestamps[0] == expected
+
+
+def test_parquet_numbers_follow_the_same_epoch_rule(tmp_path):
+    df = pd.DataFrame({"date": [20200101, 20200102], "open": [1.0, 1], "high": [2.0, 2], "low": [0.5, 0.5],
+                       "close": [1.0, 1]})
+    df.to_parquet(tmp_path / "ymd.parquet")
+    assert load_bars(tmp_path / "ymd.parquet").timestamps[0] == pd.Timestamp("2020-01-01")
+    df.assign(date=[1583049600, 1583053200]).to_parquet(tmp_path / "epoch.parquet")
+    assert load_bars(tmp_path / "epoch.parquet").timestamps[0] == pd.Timestamp("2020-03-01 08:00", tz="UTC")
+    df.assign(date=[1, 2]).to_parquet(tmp_path / "tiny.parquet")
+    with pytest.raises(DataError, match=r"row 0: column 'date': cannot parse timestamp '1' \[unparseable_timestamp\]"):
+        load_bars(tmp_path / "tiny.parquet")
+
+
+@pytest.mark.parametrize("cell,shown", [
+    ("9999-12-31", "'9999-12-31'"),
+    ("1600-01-01 10:00", "'1600-01-01 10:00'"),
+    ("2262-04-12T00:00:00Z", "'2262-04-12T00:00:00Z'"),
+])
+@pytest.mark.parametrize("fast", [True, False])
+def test_timestamp_outside_the_nanosecond_range_is_a_data_problem(tmp_path, cell, shown, fast):
+    rows = ["2020-01-01T00:00:00Z", "2020-01-02T00:00:00Z"] if cell.endswith("Z") else ["2020-01-01", "2020-01-02"]
+    rows = [rows[0], cell, rows[1]] if cell < "2020" else [*rows, cell]
+    line = rows.index(cell) + 2
+    p = _write(tmp_path, "timestamp,open,high,low,close\n" + "".join(f"{r},1,2,0.5,1\n" for r in rows))
+    with pytest.raises(DataError) as ei:
+        load_bars(p, fast=fast)
+    probs = [x for x in ei.value.problems if x.rule == "timestamp_out_of_range"]
+    assert [(x.row, x.column) for x in probs] == [(line, "timestamp")], str(ei.value)
+    assert f"timestamp {shown}" in str(probs[0]) and "1677-09-21 00:12:44 … 2262-04-11 23:47:16" in str(probs[0])
+
+
+def test_epoch_and_parquet_timestamps_out_of_range(tmp_path):
+    p = _write(tmp_path, "timestamp,open,high,low,close\n1583049600,1,2,0.5,1\n99999999999,1,2,0.5,1\n")
+    for fast in (True, False):
+        with pytest.raises(DataError, match=r"bars.csv:3: column 'timestamp': timestamp '99999999999' "
+                                            r"\(5138-11-16 09:46:39\+00:00\) is outside .*timestamp_out_of_range"):
+            load_bars(p, fast=fast)
+    df = pd.DataFrame({"date": np.array(["2020-01-01", "9999-01-01"], dtype="datetime64[s]"), "open": [1.0, 1],
+                       "high": [2.0, 2], "low": [0.5, 0.5], "close": [1.0, 1]})
+    df.to_parquet(tmp_path / "far.parquet")
+    with pytest.raises(DataError, match=r"row 1: column 'date': timestamp '9999-01-01 00:00:00' is outside"):
+        load_bars(tmp_path / "far.parquet")
+    df["date"] = np.array(["2020-01-01", "2020-01-02"], dtype="datetime64[s]")    # in range: read, in ns
+    df.to_parquet(tmp_path / "ok.parquet")
+    assert load_bars(tmp_path / "ok.parquet").timestamps.unit == "ns"
+
+
+@pytest.mark.parametrize("encoding,bom", [("utf-16-le", b"\xff\xfe"), ("utf-16-be", b"\xfe\xff"),
+                                          ("utf-32-le", b"\xff\xfe\x00\x00"), ("utf-32-be", b"\x00\x00\xfe\xff")])
+def test_utf16_and_utf32_with_a_byte_order_mark_are_decoded(tmp_path, encoding, bom):
+    text = "Date,Open,High,Low,Close\r\n2020-01-01,1,2,0.5,1.5\r\n2020-01-02,1.5,2,1,1.2\r\n"
+    good = load_bars(_write(tmp_path, text.replace("\r\n", "\n"), "u8.csv"))
+    p = tmp_path / "u.csv"
+    p.write_bytes(bom + text.encode(encoding))
+    assert _same_bars(load_bars(p), good)
+    p.write_bytes(bom + (text + "\r\n2020-01-03,1.2,2,1,abc\r\n").encode(encoding))   # a blank line, then a bad cell
+    with pytest.raises(DataError, match=r"u.csv:5: column 'close': non-numeric value 'abc' \[non_numeric\]"):
+        load_bars(p)
+
+
+def test_nul_bytes_without_a_byte_order_mark_are_named(tmp_path):
+    p = tmp_path / "u.csv"
+    p.write_bytes("Date,Open,High,Low,Close\n2020-01-01,1,2,0.5,1.5\n".encode("utf-16-le"))
+    with pytest.raises(DataError) as ei:
+        load_bars(p)
+    (prob,) = ei.value.problems
+    assert (prob.rule, prob.row) == ("unsupported_encoding", 1) and "save it as UTF-8" in prob.message
+    p.write_bytes(b"\xff\xfe" + "Date,Open\n".encode("utf-16-le") + b"\x00\xd8")   # a BOM, then not UTF-16
+    with pytest.raises(DataError, match=r"starts with a UTF-16 byte-order mark but is not UTF-16 text"):
+        load_bars(p)
