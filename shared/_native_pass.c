@@ -282,7 +282,8 @@ static void run_account(const Pass *p, int64_t b, float *work) {
         const double eq_fill = csh + u * o;
         const double ret1 = closes ? eq_fill / entry_equity - 1.0 : 0.0;
         const int flip = new_side != 0;                /* the reason a close records: a flip was asked for */
-        if (!(eq_fill > 0.0) && (opens || resize)) {   /* ruin: no equity left at the open opens nothing */
+        /* ruin: no equity at the open to pay for the fill and its close at that price opens nothing */
+        if (!(eq_fill * (1.0 - 2.0 * rate) > 2.0 * fee) && (opens || resize)) {
             tgt = resize ? pos : 0.0;
             opens = resize = 0;
             new_side = sgn(tgt);

@@ -275,9 +275,11 @@ class Simulator:
             reason = torch.where(new_side == 0, _SIGNAL, _FLIP)
             self.ledger_buf.add(closes, self.entry_t, t1, old_side, self.entry_size, self.entry_price, o,
                                 closed_ret1, reason)
-        # ruin: an account with no equity left at the open opens and resizes nothing (a resize keeps its units,
-        # which the liquidation below then closes at this open)
-        solvent = eq_fill > 0.0
+        # ruin: an account whose equity at the open could not pay for the fill and for closing it again at that
+        # price (costs at most 2·(rate·equity + fee): no fill trades more than the equity) opens and resizes
+        # nothing (a resize keeps its units, which the liquidation below then closes at this open). A fixed fee so
+        # never takes an account below 0; only a gap past the liquidation price leaves a debt
+        solvent = eq_fill * (1.0 - 2.0 * self.rate) > 2.0 * self.fee
         refused = (opens | resize) & ~solvent
         target = torch.where(refused, torch.where(resize, pos, zero), target)
         opens, resize = opens & solvent, resize & solvent

@@ -179,6 +179,21 @@ def test_an_open_gapped_past_the_liquidation_price_fills_there_and_leaves_a_debt
     np.testing.assert_array_equal(res.bar_returns[0, 3:], 0.0)
 
 
+def test_a_fixed_fee_opens_nothing_it_cannot_pay_for_and_never_leaves_a_debt():
+    """An account opens a trade only where its equity pays for the fill and for closing it again at that price: a
+    fee above the equity opens nothing, and fees wearing an account down on gapless bars stop it above 0."""
+    p = prices([100.0] * 6)
+    res = run_positions(p, [1, 1, 0, 0, 0, 0], CostModel(cost_bps=0, fee=5.0))
+    assert len(res.ledger) == 0 and (res.equity == 1.0).all()
+    rng = np.random.default_rng(0)
+    T = 400
+    walk = 100 * np.exp(np.cumsum(rng.normal(0, 0.002, T)))
+    p = prices(walk, h=walk * 1.001, l=walk * 0.999, c=walk)          # every open at the last close: no gap
+    res = run_positions(p, rng.choice([-1.0, 0.0, 1.0], size=(8, T)), CostModel(cost_bps=10, fee=0.01))
+    assert (res.equity >= 0).all() and (res.ledger.net_return >= -1.0).all()
+    assert (res.equity[:, -1] < 0.05).all() and len(res.ledger) > 100     # worn down to what a round trip costs
+
+
 def test_position_open_at_the_end_is_closed_at_the_last_close():
     p = prices([100, 101, 102, 103])
     res = run_positions(p, [0, 1, 1, 1], CostModel(cost_bps=10))

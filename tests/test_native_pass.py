@@ -175,6 +175,25 @@ def test_native_pass_equals_eager_with_fixed_fees_and_borrow():
 
 
 @NATIVE
+def test_native_pass_equals_eager_where_fixed_fees_exhaust_the_accounts():
+    """A fee of 6 % of the starting equity a fill wears the accounts down to where a fill and its close no longer
+    fit the equity left: from there they open nothing (`Simulator.step`'s ruin rule), in the loop as in the
+    simulator, and no account's equity goes below 0."""
+    from shared.execution import CostModel
+    from shared.rollout import greedy_pass
+
+    costs = CostModel(cost_bps=5.0, fee=0.06)
+    agent, market, view, controls = make(700, 3)
+    st = torch.tensor([10, 200, 321])
+    eager = greedy_pass(agent, market, view, st, 360, controls, costs, accel="eager")
+    torch.set_num_threads(2)
+    nat = greedy_pass(agent, market, view, st, 360, controls, costs, accel="native")
+    check_same(nat, eager)
+    assert len(eager.ledger) > 8 and (eager.equity >= 0).all(), eager.equity.min()
+    assert (eager.equity[-1] < 4 * costs.fee).any()          # some account ran out of what a round trip costs
+
+
+@NATIVE
 @pytest.mark.parametrize("cvar_alpha", [0.2, 0.01])          # M_α = 6 tail quantiles; none (CVaR = 0)
 def test_native_pass_other_sizes(cvar_alpha):
     """No fixed limits in the loop: a 9-member ensemble (vectorised sums in torch), 5 size levels, 4 exit plans,
