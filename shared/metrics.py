@@ -12,8 +12,9 @@ Conventions (read these before comparing numbers with another library):
 - `profit_factor` = gross profit / gross loss of closed trades, capped at `PROFIT_FACTOR_CAP` (so JSON never
   holds inf): no losing trade and at least one winner gives the cap; no trade (or no winner and no loser)
   gives 0.0.
-- `exposure` = fraction of bars with a non-zero position; `turnover` = mean |Δposition| per bar, starting
-  flat: (|p_0| + Σ_t |p_t − p_{t−1}|) / T.
+- `exposure` = fraction of bars that close with a non-zero position (the position at each bar's close, after
+  its fills and exits: a trade opened and closed within one bar is not counted); `turnover` = mean |Δposition|
+  per bar of those positions, starting flat: (|p_0| + Σ_t |p_t − p_{t−1}|) / T.
 - `sortino` = mean bar return / downside deviation, target 0, where the downside deviation is
   sqrt(mean(min(r, 0)²)) over all T bars (not only the losing ones — as in Sortino & Price 1994).
 - PSR (Bailey & López de Prado 2012) uses the per-trade Sharpe SR, the number of trades n and the
@@ -296,7 +297,8 @@ def compute_metrics(trade_returns: Any, bar_returns: Any, positions: Any, trade_
     """Every metric of one account (keys `METRIC_KEYS`), all finite python floats.
 
     trade_returns [K]: net returns of closed trades; trade_bars [K]: their durations in bars;
-    bar_returns [T]: the account's equity return per bar; positions [T]: position held over each bar.
+    bar_returns [T]: the account's equity return per bar; positions [T]: the position at each bar's close (after
+    that bar's fills and exits: `BacktestResult.positions`).
     `n_trials`, `sharpe_var_trials`: see `dsr`.
     """
     tr = _as_1d(trade_returns, "trade_returns")
