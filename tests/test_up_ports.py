@@ -35,6 +35,15 @@ def test_wanted_ports_fixed_free_and_replicas(monkeypatch):
     monkeypatch.setenv("TL_TRAINER_PORT", "80x1")
     with pytest.raises(ValueError, match="TL_TRAINER_PORT='80x1'"):
         wanted_ports(1, False, False)
+    # two of the run's own services on one port: named, before anything binds (not blamed on another process)
+    monkeypatch.setenv("TL_TRAINER_PORT", "18100")
+    monkeypatch.setenv("TL_FEEDBACK_PORT", "18100")
+    with pytest.raises(ValueError, match=r"trainer and feedback would both listen on port 18100 \(TL_TRAINER_PORT"):
+        wanted_ports(1, False, False)
+    monkeypatch.setenv("TL_FEEDBACK_PORT", "9110")                   # evaluator replica 2's (9100 + 10)
+    with pytest.raises(ValueError, match="feedback and evaluator-2 would both listen on port 9110"):
+        wanted_ports(2, False, False)
+    assert wanted_ports(1, False, False)["feedback"] == 9110          # one replica: no clash
 
 
 def test_bind_listeners_refuses_a_taken_port_and_releases_what_it_bound():

@@ -43,6 +43,13 @@ def wanted_ports(evaluators: int, free_ports: bool, dashboard: bool) -> dict[str
         wanted[f"evaluator-{i + 1}"] = 0 if free_ports else base["evaluator"] + 10 * i
     if dashboard:
         wanted["dashboard"] = base["dashboard"]
+    seen: dict[int, str] = {}
+    for name, port in wanted.items():
+        if port and port in seen:
+            var = lambda n: f"TL_{n.split('-')[0].upper()}_PORT"  # noqa: E731 — a replica's: the evaluator's
+            raise ValueError(f"{seen[port]} and {name} would both listen on port {port} ({var(seen[port])}, "
+                             f"{var(name)}; evaluator replica i takes TL_EVALUATOR_PORT + 10·i): give each its own")
+        seen[port] = name
     return wanted
 
 
