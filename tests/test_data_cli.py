@@ -142,6 +142,12 @@ def test_good_inputs_print_one_summary_line(tmp_path):
                                   "4 columns ok (no volume)")
     res = runner.invoke(app, ["data", "check", "synthetic", "--seed", "3"])
     assert res.exit_code == 0 and res.stdout.startswith("synthetic: 6000 bars, ") and "interval 1 hour" in res.stdout
+    ms = tmp_path / "ticks.csv"
+    ms.write_text("timestamp,open,high,low,close\n" + "\n".join(
+        f"2021-02-01 00:00:0{i // 2}.{5 * (i % 2)},1,2,0.5,1.5" for i in range(6)) + "\n")
+    res = _check(ms)
+    assert res.exit_code == 0 and "interval 500 ms (median)" in res.stdout, res.stdout
+    assert runner.invoke(app, ["data", "check", "synthetic", "--seed", "-1"]).exit_code == 2
 
 
 def test_real_subprocess_exit_code_and_no_traceback(tmp_path):

@@ -19,6 +19,8 @@ def _human_interval(td: pd.Timedelta) -> str:
         if secs >= size and secs % size == 0:
             n = int(secs // size)
             return f"{n} {unit}{'s' if n != 1 else ''}"
+    if 0 < secs < 1:
+        return f"{secs * 1000:g} ms"
     return str(td)
 
 
