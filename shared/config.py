@@ -7,7 +7,9 @@ Conventions:
   configure all processes of `tradeloop up` without clashes.
 - Every field has a description: the README renders a table from `settings_table()`.
 - Secrets are `SecretStr`. The default API token "dev-token" is accepted only in embedded mode
-  (`TL_EMBEDDED=true`, loopback only); anywhere else the settings refuse to load.
+  (`TL_EMBEDDED=true`, loopback only); anywhere else the settings refuse to load. A placeholder secret
+  (`is_placeholder`: "change-me…", the form of .env.example's examples) is refused as API token and as Redis
+  password everywhere.
 - `load_settings(cls)` raises `ConfigError` whose message names each bad variable; command-line code
   prints it and exits 2 instead of showing a traceback.
 - The Redis URL is read from `TL_REDIS_URL`, else `REDIS_URL` (redis://, rediss:// or unix://); unset means
@@ -37,6 +39,13 @@ LOOPBACK = "127.0.0.1"
 DEFAULT_PORTS = {"dashboard": 8000, "trainer": 8001, "evaluator": 8002, "feedback": 8003}
 """Each service's HTTP port unless `TL_<SERVICE>_PORT` says otherwise."""
 _DEVICE_RE = re.compile(r"^(cpu|auto|cuda(:\d+)?)$")
+_PLACEHOLDER_RE = re.compile(r"^\s*change[-_ ]?me", re.IGNORECASE)
+
+
+def is_placeholder(secret: str) -> bool:
+    """True for a secret that is a placeholder to replace ("change-me…", "changeme…", any case): the one rule by
+    which the settings refuse a placeholder TL_API_TOKEN or TL_REDIS_PASSWORD."""
+    return bool(_PLACEHOLDER_RE.match(secret))
 
 
 def check_device(device: str, name: str = "device") -> str:
@@ -58,7 +67,8 @@ def check_cuda(device: str, name: str = "--device") -> None:
     if not torch.cuda.is_available():
         build = ("a CPU-only build of torch" if torch.version.cuda is None
                  else f"torch built for CUDA {torch.version.cuda}")
-        raise ValueError(f"{name} {device} but no CUDA device is available here ({build}); use {name} cpu")
+        use = f"{name}=cpu" if name.startswith(ENV_PREFIX) else f"{name} cpu"
+        raise ValueError(f"{name} {device} but no CUDA device is available here ({build}); use {use}")
     if index >= torch.cuda.device_count():
         raise ValueError(f"{name} {device} but this machine has {torch.cuda.device_count()} CUDA device(s)")
 
@@ -147,6 +157,12 @@ class CommonSettings(BaseSettings):
         token = self.api_token.get_secret_value()
         if not token:
             raise ValueError("TL_API_TOKEN is empty; set a secret token")
+        secrets = (("TL_API_TOKEN", token),
+                   ("TL_REDIS_PASSWORD", self.redis_password.get_secret_value() if self.redis_password else ""))
+        for name, secret in secrets:
+            if is_placeholder(secret):
+                raise ValueError(f"{name} is a placeholder ('change-me…'); set a secret of your own "
+                                 "(e.g. `openssl rand -hex 24`)")
         if not self.embedded and token == DEFAULT_API_TOKEN:
             raise ValueError(f"TL_API_TOKEN is the default {DEFAULT_API_TOKEN!r}, which is allowed only in embedded "
                              "mode (TL_EMBEDDED=true); set TL_API_TOKEN to a secret")

@@ -10,6 +10,7 @@
 - In embedded mode a service process listens on 127.0.0.1 only (read from /proc/net/tcp of the real process).
 - A Redis older than 6.2 is refused at connect (`Bus.connect`, `check_redis_url`, `tradeloop up` with REDIS_URL).
 - The bearer token is compared in constant time (`hmac.compare_digest` is what decides).
+- A placeholder API token or Redis password ("change-me…") is refused in every mode, naming the variable.
 """
 from __future__ import annotations
 
@@ -277,3 +278,35 @@ def test_token_is_compared_in_constant_time(monkeypatch):
         assert exc.value.status_code == code
     # every well-formed attempt went through compare_digest (never ==), with the expected token as one side
     assert [c[1] for c in calls] == [b"s3cret"] * 3 and [c[0] for c in calls] == [b"s3cret", b"s3cre", b"s3cretX"]
+
+
+@pytest.mark.parametrize("var", ["TL_API_TOKEN", "TL_REDIS_PASSWORD"])
+@pytest.mark.parametrize("value", ["change-me-api-token", "change-me-redis-password", "CHANGE-ME", "changeme123",
+                                   "change_me"])
+@pytest.mark.parametrize("embedded", [False, True])
+def test_placeholder_secrets_are_refused(monkeypatch, var, value, embedded):
+    """A placeholder secret ("change-me…", the form of an example file's values) is refused as API token and as
+    Redis password, in every mode, with one line naming the variable and not echoing the value."""
+    from shared.config import ConfigError, TrainerSettings, is_placeholder, load_settings
+
+    for k in list(os.environ):
+        if k.startswith("TL_") or k == "REDIS_URL":
+            monkeypatch.delenv(k)
+    env = {"TL_EMBEDDED": str(embedded).lower(), "TL_HOST": "127.0.0.1" if embedded else "0.0.0.0",
+           "TL_API_TOKEN": "a-real-secret", "TL_REDIS_URL": "redis://redis:6379/0", "TL_REDIS_PASSWORD": "pw-9$x",
+           var: value}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert is_placeholder(value)
+    with pytest.raises(ConfigError) as exc:
+        load_settings(TrainerSettings)
+    reason = str(exc.value).splitlines()[-1].strip()
+    assert reason.startswith(f"{var} is a placeholder") and value not in str(exc.value), str(exc.value)
+
+
+def test_real_secrets_are_not_placeholders(monkeypatch):
+    from shared.config import CommonSettings, is_placeholder
+
+    for secret in ("s3cret", "my-change-me", "e2e/pa@ss+w0rd=", "changing-me", ""):
+        assert not is_placeholder(secret), secret
+    assert CommonSettings(api_token="not-change-me", redis_password="x change-me", embedded=False, host="0.0.0.0")

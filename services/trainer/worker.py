@@ -47,7 +47,7 @@ from pydantic import Field
 
 from shared.api import ServiceState, bundle_id, checkpoint_id, knob_gauges, trainer_history_key
 from shared.bus import REDIS_DOWN, Backoff, Bus
-from shared.config import TrainerSettings
+from shared.config import TrainerSettings, check_cuda
 from shared.events import CheckpointPublished, EventError, FeedbackReady, decode_event
 from shared.knobs import FixedSchedule, Knobs
 from shared import runfiles
@@ -90,6 +90,7 @@ class TrainerWorker:
         import services.trainer.train  # noqa: F401 — torch loads here, not in a thread beside live requests
 
         settings.check_data()
+        check_cuda(settings.device, "TL_DEVICE")    # no CUDA here (a CPU image): refused at once, not mid-loop
         self.settings, self.bus, self.state = settings, bus, state
         self.run_dir = settings.check_run_dir(runfiles.TRAINER_DIR)
         self._resume = asyncio.Event()
