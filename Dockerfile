@@ -5,7 +5,9 @@
 #   CI passes one it built from the host's apt sources (scripts/docker-ci.sh).
 # torch: CPU by default. TORCH_WHEEL names a wheel file under docker/wheels/ to install (CI: the host's CPU wheel);
 #   without it torch comes from TORCH_INDEX_URL (the GPU override points it at a CUDA wheel index).
-# The image runs as the unprivileged user `tradeloop`, which owns /data/runs (the checkpoints volume).
+# The image runs as the unprivileged user `tradeloop`, which owns /data/runs: docker-compose.yml mounts its named run
+# volume there (a new named volume takes that ownership). No VOLUME line: it would give every container started
+# without a mount an anonymous volume, left behind by `docker compose down`.
 ARG BASE_IMAGE=python:3.11-slim
 FROM ${BASE_IMAGE}
 
@@ -59,6 +61,5 @@ RUN pip install --no-deps --no-build-isolation -e /app
 
 LABEL org.opencontainers.image.title="tradeloop"
 USER tradeloop
-VOLUME ["/data/runs"]
 EXPOSE 8000 8001 8002 8003
 CMD ["tradeloop", "--help"]

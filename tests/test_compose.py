@@ -5,8 +5,12 @@ in; PyYAML is not a dependency) and checked against the entry points (`tradeloop
 settings models of shared/config.py: every TL_* variable is a real setting of that service, the values
 validate, container ports and healthcheck URLs are the ports the settings make the service bind, the
 dashboard's proxy reaches each service by its compose name and container port, and every ${VAR} (and every
-variable passed through without a value) is documented in .env.example. tests/test_compose_e2e.py runs the
-files on a Docker engine.
+variable passed through without a value) is documented in .env.example. The secrets of .env.example are empty
+(compose refuses to start until they are set) and the services refuse a placeholder; only the dashboard's port
+follows DASHBOARD_ADDRESS (the service APIs stay on loopback); every service reads and writes the run directory on
+the one named volume, and the Dockerfile declares no VOLUME (no anonymous volume piles up); the trainer service
+refuses TL_DEVICE=cuda where torch sees no CUDA device. tests/test_compose_e2e.py runs the files on a Docker
+engine.
 """
 from __future__ import annotations
 
@@ -152,6 +156,21 @@ def gpu() -> dict:
 
 
 @pytest.fixture(scope="module")
+def data_override() -> dict:
+    return parse_yaml((ROOT / "docker-compose.data.yml").read_text())
+
+
+SECRETS = {"REDIS_PASSWORD": "r3dis/pa@ss+w0rd=", "TL_API_TOKEN": "a-secret-token-of-the-user"}
+"""What the user puts in .env for the two secrets .env.example leaves empty."""
+
+
+@pytest.fixture(scope="module")
+def compose_env(env_example) -> dict[str, str]:
+    """.env.example with its secrets set, as a user's .env."""
+    return {**env_example, **SECRETS}
+
+
+@pytest.fixture(scope="module")
 def env_example() -> dict[str, str]:
     out = {}
     for no, line in enumerate((ROOT / ".env.example").read_text().splitlines(), 1):
@@ -236,7 +255,8 @@ def test_services_and_entry_points(compose):
 
 
 @pytest.mark.parametrize("name", TL_SERVICES)
-def test_environment_is_the_settings_model(compose, env_example, monkeypatch, name):
+def test_environment_is_the_settings_model(compose, compose_env, monkeypatch, name):
+    env_example = compose_env
     svc = compose["services"][name]
     cls = settings_class(name)
     env = service_env(svc, env_example)
@@ -252,7 +272,8 @@ def test_environment_is_the_settings_model(compose, env_example, monkeypatch, na
 
     # the port the service binds == the container port compose publishes == the healthcheck's port, on /ready
     (host_ports, container_port), = [port_of(p, env_example) for p in svc["ports"]]
-    assert substitute(svc["ports"][0], env_example).startswith(env_example["PUBLISH_ADDRESS"] + ":")
+    address = "DASHBOARD_ADDRESS" if name == "dashboard" else "SERVICES_ADDRESS"
+    assert svc["ports"][0].startswith(f"${{{address}:-127.0.0.1}}:"), f"{name}: published on {svc['ports'][0]}"
     assert settings.port == container_port, f"{name}: binds {settings.port}, compose publishes {container_port}"
     test = " ".join(svc["healthcheck"]["test"])
     assert f"http://127.0.0.1:{settings.port}/ready" in test, f"{name}: healthcheck {test!r}"
@@ -261,8 +282,11 @@ def test_environment_is_the_settings_model(compose, env_example, monkeypatch, na
         assert settings.redis_url == "redis://redis:6379/0", f"{name}: {settings.redis_url}"
         assert settings.redis_password.get_secret_value() == env_example["REDIS_PASSWORD"]
         assert svc["depends_on"]["redis"]["condition"] == "service_healthy"
+    # one run directory for the run: the named volume holds TL_RUN_DIR in every service (the dashboard reads it)
+    assert str(settings.run_dir) == "/data/runs", f"{name}: TL_RUN_DIR {settings.run_dir}"
+    mount = "checkpoints:/data/runs" + (":ro" if name == "dashboard" else "")
+    assert svc.get("volumes") == [mount], f"{name}: volumes {svc.get('volumes')}, expected [{mount!r}]"
     if name == "trainer":
-        assert ("checkpoints:" + str(settings.run_dir)) in svc["volumes"], "checkpoints volume must hold TL_RUN_DIR"
         assert settings.device == "cpu"
         # as `tradeloop up` does: the trainer starts once the consumers are ready
         assert {k: v["condition"] for k, v in svc["depends_on"].items()} == {
@@ -281,16 +305,88 @@ def test_evaluator_scales(compose, env_example):
     assert hi and int(hi) - int(lo) >= 3, f"evaluator host port {host!r}: a fixed port breaks --scale evaluator=N"
 
 
-def test_dashboard_proxies_to_the_compose_services(compose, env_example, monkeypatch):
+def test_secrets_are_required_and_placeholders_refused(compose, env_example, monkeypatch):
+    """.env.example leaves both secrets empty, so `cp .env.example .env && docker compose up` stops at compose's
+    ${VAR:?} guard naming the variable; a placeholder ("change-me…") that gets past compose is refused by every
+    service's settings, naming the variable."""
+    for secret in SECRETS:
+        assert env_example[secret] == "", f".env.example must not give {secret} a usable value"
+    for name in TL_SERVICES:
+        with pytest.raises(AssertionError, match=r"TL_API_TOKEN\} is required"):
+            service_env(compose["services"][name], env_example)
+    with pytest.raises(AssertionError, match=r"REDIS_PASSWORD\} is required"):
+        service_env(compose["services"]["redis"], env_example)
+    for secret, var in (("TL_API_TOKEN", "TL_API_TOKEN"), ("REDIS_PASSWORD", "TL_REDIS_PASSWORD")):
+        env = {**env_example, **SECRETS, secret: f"change-me-{secret.lower()}"}
+        for name in TL_SERVICES:
+            svc = compose["services"][name]
+            if var == "TL_REDIS_PASSWORD" and name == "dashboard":
+                continue    # the dashboard has no Redis
+            with pytest.raises(cfg.ConfigError, match=f"{var} is a placeholder") as info:
+                settings_from(monkeypatch, settings_class(name), service_env(svc, env))
+            assert "change-me-" + secret.lower() not in str(info.value), "the message does not echo the secret"
+
+
+def test_only_the_dashboard_follows_its_address(compose, compose_env):
+    """DASHBOARD_ADDRESS=0.0.0.0 (a browser on another machine) publishes the dashboard there and leaves the
+    trainer's control API, the evaluator and feedback on loopback; SERVICES_ADDRESS alone opens those."""
+    def addresses(env: dict[str, str]) -> dict[str, str]:
+        return {name: substitute(compose["services"][name]["ports"][0], env).split(":")[0] for name in TL_SERVICES}
+
+    assert addresses(compose_env) == dict.fromkeys(TL_SERVICES, "127.0.0.1")
+    remote = addresses({**compose_env, "DASHBOARD_ADDRESS": "0.0.0.0"})
+    assert remote == {"dashboard": "0.0.0.0", "trainer": "127.0.0.1", "evaluator": "127.0.0.1",
+                      "feedback": "127.0.0.1"}, remote
+    assert addresses({**compose_env, "SERVICES_ADDRESS": "0.0.0.0"})["dashboard"] == "127.0.0.1"
+
+
+def test_no_anonymous_volumes():
+    """A VOLUME in the image gives each container without a mount there an anonymous volume, which `docker compose
+    down` leaves behind; the run directory lives on the compose file's named volume instead."""
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert not re.search(r"^\s*VOLUME\b", dockerfile, re.M | re.I), "the Dockerfile declares a VOLUME"
+
+
+def test_data_override_mounts_the_bars_into_trainer_and_evaluator(data_override, compose_env):
+    """docker-compose.data.yml: DATA_DIR read-only at /data/in in both services that read TL_DATA, required."""
+    assert set(data_override["services"]) == {"trainer", "evaluator"}
+    for name, svc in data_override["services"].items():
+        mount, = svc["volumes"]
+        assert mount.startswith("${DATA_DIR:?") and mount.endswith("}:/data/in:ro"), (name, mount)
+        assert substitute(mount, {**compose_env, "DATA_DIR": "/srv/bars"}) == "/srv/bars:/data/in:ro"
+        with pytest.raises(AssertionError, match=r"DATA_DIR\} is required"):
+            substitute(mount, compose_env)
+
+
+def test_trainer_service_refuses_cuda_without_a_device(monkeypatch, tmp_path):
+    """TL_DEVICE=cuda on the CPU image (the GPU override left out): `tradeloop serve trainer` exits 2 with one line
+    naming TL_DEVICE, before any run file is written, instead of a torch traceback in a container never ready."""
+    import torch
+    from typer.testing import CliRunner
+
+    from tradeloop.cli import app
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    env = {"TL_DEVICE": "cuda", "TL_REDIS_URL": "redis://redis.invalid:6379/0", "TL_RUN_DIR": str(tmp_path),
+           "TL_RUN_ID": "cuda1"}
+    settings_from(monkeypatch, settings_class("trainer"), env)   # the settings themselves are valid
+    result = CliRunner().invoke(app, ["serve", "trainer"])
+    assert result.exit_code == 2, result.output
+    assert "tradeloop serve trainer: TL_DEVICE cuda but no CUDA device is available here" in result.output
+    assert "use TL_DEVICE=cpu" in result.output and "Traceback" not in result.output, result.output
+    assert not any(tmp_path.iterdir()), "nothing written before the refusal"
+
+
+def test_dashboard_proxies_to_the_compose_services(compose, compose_env, monkeypatch):
     """The page calls only the dashboard (relative paths); its proxy reaches each service by its compose name on
     the port that service binds, so any published port, or none, works for the page."""
     from services.dashboard.app import page_config
 
     settings = settings_from(monkeypatch, settings_class("dashboard"),
-                             service_env(compose["services"]["dashboard"], env_example))
+                             service_env(compose["services"]["dashboard"], compose_env))
     page = page_config(settings)
     for name in ("trainer", "evaluator", "feedback"):
-        _, container_port = port_of(compose["services"][name]["ports"][0], env_example)
+        _, container_port = port_of(compose["services"][name]["ports"][0], compose_env)
         assert settings.upstream(name) == f"http://{name}:{container_port}", name
         assert page[name] == f"api/{name}", f"the page would poll {page[name]} for {name}"
     assert "depends_on" not in compose["services"]["dashboard"], "the page shows services down until they are up"
@@ -313,7 +409,8 @@ def test_redis_service(compose):
 
 
 def test_env_example_documents_every_variable(compose, env_example):
-    text = (ROOT / "docker-compose.yml").read_text() + (ROOT / "docker-compose.gpu.yml").read_text()
+    text = "".join((ROOT / f).read_text() for f in ("docker-compose.yml", "docker-compose.gpu.yml",
+                                                     "docker-compose.data.yml"))
     used = {m.group(1) for m in _VAR.finditer(text)}
     assert used == set(env_example), (f"in compose, not in .env.example: {sorted(used - set(env_example))}; "
                                       f"in .env.example, unused: {sorted(set(env_example) - used)}")
@@ -322,10 +419,11 @@ def test_env_example_documents_every_variable(compose, env_example):
     assert passed == documented, f"passed through: {sorted(passed)}; documented in .env.example: {sorted(documented)}"
     for secret in ("REDIS_PASSWORD", "TL_API_TOKEN"):
         assert f"${{{secret}:?" in text, f"{secret} must be required (no default) in docker-compose.yml"
-        assert env_example[secret] != cfg.DEFAULT_API_TOKEN
+        assert env_example[secret] == "", f"{secret}: .env.example leaves it to the user"
 
 
-def test_gpu_override(gpu, env_example, compose, monkeypatch):
+def test_gpu_override(gpu, compose_env, compose, monkeypatch):
+    env_example = compose_env
     assert set(gpu["services"]) == {"trainer"}
     trainer = gpu["services"]["trainer"]
     device, = trainer["deploy"]["resources"]["reservations"]["devices"]
@@ -338,8 +436,9 @@ def test_gpu_override(gpu, env_example, compose, monkeypatch):
     assert "ARG TORCH_INDEX_URL" in dockerfile and "ARG TORCH_WHEEL" in dockerfile
 
 
-def test_services_agree_on_the_run(compose, env_example, monkeypatch):
+def test_services_agree_on_the_run(compose, compose_env, monkeypatch):
     """Trainer and evaluator must read the same data (same bars, same seed) of the same run on the same Redis."""
+    env_example = compose_env
     loaded = {name: settings_from(monkeypatch, settings_class(name), service_env(compose["services"][name], env_example))
               for name in TL_SERVICES}
     assert len({s.run_id for s in loaded.values()}) == 1

@@ -12,10 +12,14 @@
    proxy /api/<service>/..., compared with the services' own answers) are read through the published ports.
 4. The run ends with one checkpoint (a file on the volume and in Redis), one report and one bundle per epoch;
    each checkpoint evaluated once (the killed replica's by the other), one event per epoch on each stream,
-   nothing dead-lettered or pending; bundle e applied in epoch e + 1.
-5. The image's trainer on a checkpoints directory its user cannot write exits 2 naming TL_RUN_DIR and the fix.
-   `docker compose down -v` leaves no container and no volume.
-The GPU override is checked with `docker compose config` (no GPU, no daemon needed).
+   nothing dead-lettered or pending; bundle e applied in epoch e + 1. The run's reports and bundles, written by
+   both replicas and feedback, are files of one run directory on the named volume, which the dashboard's run
+   browser lists; no container has an anonymous volume.
+5. The image's trainer on a checkpoints directory its user cannot write exits 2 naming TL_RUN_DIR and the fix; with
+   TL_DEVICE=cuda on the CPU image it exits 2 naming TL_DEVICE. `docker compose down -v` leaves no container and no
+   volume.
+`docker compose config` (no GPU, no daemon needed) checks the GPU and data overrides, that .env.example as it is
+(its secrets empty) is refused naming them, and that DASHBOARD_ADDRESS publishes the dashboard alone.
 
 Images: BASE_IMAGE, REDIS_IMAGE and TORCH_WHEEL from the environment when set (`scripts/docker-ci.sh start`
 prints them; .ci/run exports them), else the Dockerfile's and the compose file's official images. Skipped where no
@@ -58,7 +62,8 @@ SETTINGS = {
     "TL_TRAIN_BATCH_SIZE": "32", "TL_TRAIN_N_ENVS": "4", "TL_FEEDBACK_TIMEOUT_S": "300",
     # a dead replica's checkpoint is claimed by the other after 15 s (longer than any evaluation of this run)
     "TL_CLAIM_IDLE_MS": "15000",
-    "PUBLISH_ADDRESS": "127.0.0.1", "TRAINER_PORT": "0", "EVALUATOR_PORTS": "0", "FEEDBACK_PORT": "0",
+    "DASHBOARD_ADDRESS": "127.0.0.1", "SERVICES_ADDRESS": "127.0.0.1",
+    "TRAINER_PORT": "0", "EVALUATOR_PORTS": "0", "FEEDBACK_PORT": "0",
     "DASHBOARD_PORT": "0",
 }
 
@@ -77,7 +82,9 @@ try:
 except (redis.ResponseError, StopIteration):
     consumers, group = {}, None
 ck = Path(os.environ["TL_RUN_DIR"], run, "trainer", "checkpoints")
+run_dir = Path(os.environ["TL_RUN_DIR"], run)
 print(json.dumps({
+    "run_files": {k: sorted(p.name for p in (run_dir / k).glob("epoch-*.json")) for k in ("reports", "bundles")},
     "index": {k: sorted(int(x) for x in r.zrange(run_key(run, k, "index"), 0, -1)) for k in ("ckpt", "report", "bundle")},
     "evaluations": r.hgetall(run_key(run, "evaluations")), "evaluated_by": r.hgetall(run_key(run, "evaluated_by")),
     "streams": {s: [json.loads(f["data"])["epoch"] for _, f in r.xrange(stream_name(run, s))]
@@ -306,6 +313,14 @@ def test_compose_up_runs_the_loop_and_survives_a_killed_evaluator(tmp_path):
             direct = client.get(f"{evaluators[survivor]}/reports/{EPOCHS}", timeout=30)
             proxied = client.get(f"{dashboard}/{config['evaluator']}/reports/{EPOCHS}", timeout=30)
             assert proxied.status_code == direct.status_code == 200 and proxied.content == direct.content
+            # the run directory on the one named volume: every replica's reports and feedback's bundles in it, and
+            # the dashboard's run browser lists the run and serves its documents from there
+            files = [f"epoch-{e:04d}.json" for e in epochs]
+            assert probe["run_files"] == {"reports": files, "bundles": files}, probe["run_files"]
+            listed = get_json(client, f"{dashboard}/runs")
+            assert listed["root"] == "/data/runs" and SETTINGS["TL_RUN_ID"] in [r["id"] for r in listed["runs"]], listed
+            on_disk = get_json(client, f"{dashboard}/runs/{SETTINGS['TL_RUN_ID']}/evaluator/reports")
+            assert [r["epoch"] for r in on_disk] == epochs, on_disk
             assert client.get(f"{dashboard}/api/redis/info", timeout=5).status_code == 404
             assert client.post(f"{dashboard}/{config['trainer']}/control/stop", timeout=5).status_code == 405
 
@@ -320,6 +335,21 @@ def test_compose_up_runs_the_loop_and_survives_a_killed_evaluator(tmp_path):
                             image, "tradeloop", "serve", "trainer"], capture_output=True, text=True, timeout=300)
         assert r.returncode == 2 and "TL_RUN_DIR=/data/runs: cannot write" in r.stderr, (r.returncode, r.stderr)
         assert "uid 10001" in r.stderr and "Traceback" not in r.stderr, r.stderr
+        # TL_DEVICE=cuda on the CPU image (the GPU override left out): exit 2 naming TL_DEVICE, no traceback
+        r = subprocess.run(["docker", "run", "--rm", "-e", "TL_EMBEDDED=false", "-e", "TL_HOST=0.0.0.0",
+                            "-e", f"TL_API_TOKEN={SETTINGS['TL_API_TOKEN']}", "-e", "TL_DEVICE=cuda",
+                            "-e", "TL_REDIS_URL=redis://redis.invalid:6379/0", "-e", "TL_RUN_DIR=/tmp/runs",
+                            image, "tradeloop", "serve", "trainer"], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 2 and "TL_DEVICE cuda but no CUDA device is available here" in r.stderr, (
+            r.returncode, r.stderr)
+        assert "Traceback" not in r.stderr, r.stderr
+
+        # no anonymous volume: every volume mounted is one of the compose file's named volumes
+        named = {f"{stack.project}_checkpoints", f"{stack.project}_redis-data"}
+        for cid in docker("ps", "--all", "--quiet", "--filter", f"label=com.docker.compose.project={stack.project}"
+                          ).split():
+            mounts = json.loads(docker("inspect", "--format", "{{json .Mounts}}", cid))
+            assert all(m["Type"] != "volume" or m["Name"] in named for m in mounts), (cid, mounts)
     except BaseException:
         print(stack.logs())
         raise
@@ -334,17 +364,70 @@ def test_compose_up_runs_the_loop_and_survives_a_killed_evaluator(tmp_path):
     assert not left.strip() and not volumes.strip(), f"left behind: containers {left.split()}, volumes {volumes.split()}"
 
 
+def _config(*files: str, env_file: str = ".env.example", **env_vars: str) -> subprocess.CompletedProcess:
+    """`docker compose config --format json` of `files`, with .env.example and `env_vars` (shell variables take
+    precedence over the env file, as for a user's shell)."""
+    env = {k: os.environ[k] for k in ("PATH", "HOME") if k in os.environ}
+    env.update(env_vars)
+    args = [a for f in files for a in ("-f", f)]
+    return subprocess.run(["docker", "compose", "--env-file", env_file, *args, "config", "--format", "json"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+
+
+SECRETS = {"REDIS_PASSWORD": "a-redis-secret", "TL_API_TOKEN": "an-api-secret"}
+
+
+def test_env_example_as_it_is_is_refused():
+    """`cp .env.example .env && docker compose up`: compose refuses before anything starts, naming the secret."""
+    require_docker(need_daemon=False)
+    r = _config("docker-compose.yml")
+    assert r.returncode != 0 and re.search(r"(REDIS_PASSWORD|TL_API_TOKEN) in \.env", r.stderr), r.stderr
+    for secret in SECRETS:
+        r = _config("docker-compose.yml", **{k: v for k, v in SECRETS.items() if k != secret})
+        assert r.returncode != 0 and f"set {secret} in .env" in r.stderr, (secret, r.stderr)
+    assert _config("docker-compose.yml", **SECRETS).returncode == 0
+
+
+def test_dashboard_address_opens_the_dashboard_alone():
+    """DASHBOARD_ADDRESS=0.0.0.0 publishes the dashboard there; the trainer's control API, the evaluator and
+    feedback stay on the host's loopback (SERVICES_ADDRESS)."""
+    require_docker(need_daemon=False)
+    r = _config("docker-compose.yml", DASHBOARD_ADDRESS="0.0.0.0", **SECRETS)
+    assert r.returncode == 0, r.stderr
+    services = json.loads(r.stdout)["services"]
+    host_ips = {name: {p.get("host_ip") for p in services[name]["ports"]}
+                for name in ("dashboard", "trainer", "evaluator", "feedback")}
+    assert host_ips == {"dashboard": {"0.0.0.0"}, "trainer": {"127.0.0.1"}, "evaluator": {"127.0.0.1"},
+                        "feedback": {"127.0.0.1"}}, host_ips
+    # every service that reads or writes run files mounts the one named volume
+    for name in ("trainer", "evaluator", "feedback", "dashboard"):
+        vols = [(v["type"], v["source"], v["target"]) for v in services[name]["volumes"]]
+        assert vols == [("volume", "checkpoints", "/data/runs")], (name, vols)
+    assert services["dashboard"]["volumes"][0].get("read_only") is True
+
+
+def test_data_override_config():
+    """docker-compose.data.yml mounts DATA_DIR read-only at /data/in in the trainer and the evaluator."""
+    require_docker(need_daemon=False)
+    r = _config("docker-compose.yml", "docker-compose.data.yml", **SECRETS)
+    assert r.returncode != 0 and "DATA_DIR" in r.stderr, r.stderr
+    r = _config("docker-compose.yml", "docker-compose.data.yml", DATA_DIR="/srv/bars", **SECRETS)
+    assert r.returncode == 0, r.stderr
+    services = json.loads(r.stdout)["services"]
+    for name in ("trainer", "evaluator"):
+        bars = [v for v in services[name]["volumes"] if v["target"] == "/data/in"]
+        assert [(v["type"], v["source"], v.get("read_only")) for v in bars] == [("bind", "/srv/bars", True)], bars
+    assert all(v["target"] != "/data/in" for v in services["feedback"]["volumes"])
+
+
 def test_gpu_override_config():
     """The GPU override, merged by compose itself: the trainer reserves an NVIDIA GPU, trains on cuda, and gets its
     own image with a CUDA torch (never the CPU wheel); every other service is as in the base file."""
     require_docker(need_daemon=False)
-    env = {k: os.environ[k] for k in ("PATH", "HOME") if k in os.environ}
-    env["TORCH_WHEEL"] = "docker/wheels/torch-0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl"
+    env = {"TORCH_WHEEL": "docker/wheels/torch-0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl", **SECRETS}
 
     def config(*files: str) -> dict:
-        args = [a for f in files for a in ("-f", f)]
-        r = subprocess.run(["docker", "compose", "--env-file", ".env.example", *args, "config", "--format", "json"],
-                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+        r = _config(*files, **env)
         assert r.returncode == 0, r.stderr
         return json.loads(r.stdout)
 
