@@ -42,6 +42,9 @@ class Rollback:
     """best.val_sharpe − this epoch's validation per-trade Sharpe (un-annualized)."""
     se: float
     """Standard error of that difference."""
+    stopped: bool = False
+    """The epoch had too few validation trades to be selected while the best had enough: the policy all but stopped
+    trading, a fall no standard error of a few trades can show."""
 
 
 def best_point(points: Sequence[HistoryPoint]) -> tuple[HistoryPoint, bool]:
@@ -56,7 +59,7 @@ def new_best(view: FeedbackView, cfg: "FeedbackConfig") -> tuple[bool, HistoryPo
     """(whether the reported epoch's validation per-trade Sharpe beat the best earlier epoch's by more than noise_z
     standard errors of the difference, that epoch or None on the first, that standard error or inf)."""
     s, se = view.val.metric("per_trade_sharpe"), view.val.sharpe_se
-    best = max(view.history, key=lambda h: h.val_sharpe) if view.history else None
+    best = best_point(view.history)[0] if view.history else None
     gain_se = diff_se(se, best.val_sharpe_se) if best is not None else math.inf
     return best is not None and s - best.val_sharpe > cfg.noise_z * gain_se, best, gain_se
 
@@ -76,8 +79,9 @@ def next_lr_decay(view: FeedbackView, cfg: "FeedbackConfig", rolled_back: bool) 
 
 def rollback_target(view: FeedbackView, cfg: "FeedbackConfig") -> Rollback | None:
     """A `Rollback` when this epoch's validation per-trade Sharpe fell below the best earlier epoch's (`best_point`)
-    by more than rollback_z standard errors of the difference; None otherwise (or with no history, no earlier epoch
-    of enough validation trades to be selected, or < 2 trades on a side)."""
+    by more than rollback_z standard errors of the difference, or when this epoch had too few validation trades to
+    be selected (`MIN_SELECTION_TRADES`: the policy all but stopped trading, where the standard error of a few
+    trades hides any fall); None otherwise (or with no history, or no earlier epoch of enough trades)."""
     if not view.history:
         return None
     best, enough = best_point(view.history)
@@ -85,6 +89,8 @@ def rollback_target(view: FeedbackView, cfg: "FeedbackConfig") -> Rollback | Non
         return None
     drop = best.val_sharpe - view.val.metric("per_trade_sharpe")
     se = diff_se(view.val.sharpe_se, best.val_sharpe_se)
+    if view.val.metric("n_trades") < MIN_SELECTION_TRADES:
+        return Rollback(best, drop, se, stopped=True)
     return Rollback(best, drop, se) if drop > cfg.rollback_z * se else None
 
 
@@ -113,8 +119,11 @@ def rollback_reason(view: FeedbackView, rb: Rollback, cfg: "FeedbackConfig") -> 
     g, s = rb.best, view.val.metric("per_trade_sharpe")
     answer = (f"restarts a fresh learner under epoch {g.epoch}'s knobs" if cfg.rollback_restart else
               f"restores epoch {g.epoch}'s weights and optimizer state, and its knobs")
-    why = (f"rollback: val per-trade Sharpe {s:.3f} fell {rb.drop:.3f} below epoch {g.epoch}'s "
-           f"{g.val_sharpe:.3f}, beyond {cfg.rollback_z:g}·SE = {cfg.rollback_z * rb.se:.3f}; the trainer {answer}")
+    why = (f"rollback: {int(view.val.metric('n_trades'))} val trades, below the {MIN_SELECTION_TRADES} a checkpoint "
+           f"needs to be selected, where epoch {g.epoch} had {g.val_n_trades} (val per-trade Sharpe {g.val_sharpe:.3f}): the "
+           f"policy all but stopped trading; the trainer {answer}") if rb.stopped else (
+        f"rollback: val per-trade Sharpe {s:.3f} fell {rb.drop:.3f} below epoch {g.epoch}'s "
+        f"{g.val_sharpe:.3f}, beyond {cfg.rollback_z:g}·SE = {cfg.rollback_z * rb.se:.3f}; the trainer {answer}")
     if cfg.rollback_lr_factor != 1.0:
         why += (f"; learning rates × {cfg.rollback_lr_factor:g} (lr_decay {view.knobs.lr_decay:g} → "
                 f"{view.knobs.lr_decay * cfg.rollback_lr_factor:g})")

@@ -265,7 +265,7 @@ def _stagnant(view: FeedbackView, s: float, se: float, cfg: FeedbackConfig) -> b
         return False
     before = hist[:len(hist) - (k - 1)]
     recent = [(h.val_sharpe, h.val_sharpe_se) for h in hist[len(hist) - (k - 1):]] + [(s, se)]
-    best = max(before, key=lambda h: h.val_sharpe)
+    best = best_point(before)[0]
     return all(best.val_sharpe - r > cfg.noise_z * diff_se(r_se, best.val_sharpe_se) for r, r_se in recent)
 
 
