@@ -20,10 +20,11 @@ BRANCHES = ("direction", "size", "exit")
 
 @dataclass
 class Knobs:
-    epsilon: float = 0.10
-    """E2 — exploration rate of the ε-greedy policy during collection (per branch, independently)."""
-    gamma: float = 0.97
-    """E3 — discount factor per bar for bootstrap targets."""
+    epsilon: float = field(default_factory=lambda: FixedSchedule().epsilon(1))
+    """E2 — exploration rate of the ε-greedy policy during collection (per branch, independently); by default the
+    fixed schedule's first epoch's (`FixedSchedule`, the one source of both)."""
+    gamma: float = field(default_factory=lambda: FixedSchedule().gamma)
+    """E3 — discount factor per bar for bootstrap targets; by default the fixed schedule's."""
     q_bias: float = 0.0
     """E1 — subtracted from bootstrap targets (return units): positive when Q over-predicts realised trades."""
     lr_scale: dict[str, float] = field(default_factory=lambda: {b: 1.0 for b in BRANCHES})
@@ -116,12 +117,12 @@ class FixedSchedule:
     gamma: float = 0.98
     """γ of every epoch: a horizon 1/(1 − γ) of 50 bars, about five times the 9 bars the selected policies hold a
     trade at `full`. Against 0.99, on the H200 (synthetic, `full`, 5 seeds × 3 folds × 8 epochs, side by side in one
-    study, docs/study-h200-gamma/): OOS of the checkpoint chosen on validation +0.098 [+0.015, +0.195] (higher in
-    12 of 15), validation +0.077 [+0.012, +0.133]; on a CPU at `small` +0.043 [+0.003, +0.084] (docs/study-cpu-gamma/).
+    study, docs/study-h200-gamma/): OOS of the checkpoint chosen on validation +0.098 [−0.002, +0.209] (higher in
+    12 of 15), validation +0.077 [+0.002, +0.144]; on a CPU at `small` +0.043 [+0.003, +0.084] (docs/study-cpu-gamma/).
     E3's γ from the holding time settled near it (0.980–0.985) and scored below it (−0.036 [−0.105, +0.029]).
     Set against 0.99 again on seeds no γ study had used (one H100, docs/study-h100-gamma-confirm/): OOS +0.037
     [−0.072, +0.133] (11 of 15), validation +0.072 [+0.008, +0.137]; both studies pooled, 30 units: OOS +0.068
-    [−0.001, +0.136] (23 of 30), validation +0.074 [+0.029, +0.117]."""
+    [−0.001, +0.137] (23 of 30), validation +0.074 [+0.029, +0.119] (`tradeloop study-compare`)."""
     lr_epoch_factor: float = 1.0
     """Every learning rate of epoch e + 1 is this times epoch e's: epoch e trains at `lr_epoch_factor`^(e − 1) of
     the preset's rates (the warm-up and the branches' cosine cycle inside an epoch unchanged); 1: the same rates in
