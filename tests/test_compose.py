@@ -9,7 +9,8 @@ variable passed through without a value) is documented in .env.example. The secr
 (compose refuses to start until they are set) and the services refuse a placeholder; only the dashboard's port
 follows DASHBOARD_ADDRESS (the service APIs stay on loopback); every service reads and writes the run directory on
 the one named volume, and the Dockerfile declares no VOLUME (no anonymous volume piles up); the trainer service
-refuses TL_DEVICE=cuda where torch sees no CUDA device. tests/test_compose_e2e.py runs the files on a Docker
+refuses TL_DEVICE=cuda where torch sees no CUDA device, and a restart of its run (compose keeps TL_RUN_ID and the
+volume) given other values of the settings the run keeps. tests/test_compose_e2e.py runs the files on a Docker
 engine.
 """
 from __future__ import annotations
@@ -484,3 +485,32 @@ def test_dashboard_app_serves_the_page_and_its_config(tmp_path):
     assert r.status_code == 503 and any(m.endswith("charts.js") for m in r.json()["missing"])
     assert set(PAGE_FILES) == {"index.html", "app.js", "charts.js", "style.css", "vendor/uPlot.iife.min.js",
                                "vendor/uPlot.min.css"}
+
+
+def test_trainer_service_refuses_changed_settings_of_its_run(monkeypatch, tmp_path):
+    """compose keeps TL_RUN_ID and the volume: `up` again after editing .env restarts the same run. The run records
+    the settings it keeps for good; a restart given another value of one exits 2 naming each variable with both
+    values (as `tradeloop up --resume` refuses), and the same settings resume it."""
+    from typer.testing import CliRunner
+
+    from services.trainer.app import create_app
+    from tradeloop.cli import app
+
+    base = {"TL_REDIS_URL": "redis://redis.invalid:6379/0", "TL_RUN_DIR": str(tmp_path), "TL_RUN_ID": "same",
+            "TL_DATA_BARS": "1000", "TL_TRAIN_ITERATIONS": "6", "TL_TRAIN_LEARNING_STARTS": "32",
+            "TL_TRAIN_BATCH_SIZE": "32", "TL_TRAIN_N_ENVS": "4"}
+    settings = settings_from(monkeypatch, settings_class("trainer"), base)
+    create_app(settings).state.worker._build()      # the run as its first start opens it: run.json written
+    recorded = json.loads((tmp_path / "same" / "trainer" / "run.json").read_text())["service_settings"]
+    assert recorded["config"] == "small" and recorded["train_iterations"] == 6 and recorded["seed"] == 0, recorded
+
+    create_app(settings_from(monkeypatch, settings_class("trainer"), base))     # the same settings: accepted
+    settings_from(monkeypatch, settings_class("trainer"),
+                  {**base, "TL_CONFIG": "full", "TL_SEED": "1", "TL_TRAIN_ITERATIONS": "12"})
+    result = CliRunner().invoke(app, ["serve", "trainer"])
+    assert result.exit_code == 2, result.output
+    assert ("run same keeps TL_CONFIG=small, TL_SEED=0, TL_TRAIN_ITERATIONS=6 (it was started so; given "
+            "TL_CONFIG=full, TL_SEED=1, TL_TRAIN_ITERATIONS=12); set them back, or set another TL_RUN_ID") in (
+        result.output), result.output
+    assert create_app(settings_from(monkeypatch, settings_class("trainer"),
+                                    {**base, "TL_RUN_ID": "other", "TL_CONFIG": "full"}))   # a new run: any settings

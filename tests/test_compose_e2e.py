@@ -256,6 +256,8 @@ def test_compose_up_runs_the_loop_and_survives_a_killed_evaluator(tmp_path):
             status = poll_until(lambda: (s := get_json(client, f"{trainer}/status"))["phase"] == "done" and s,
                                 "the trainer done", timeout_s=120, interval_s=1)
             timings["run done"] = time.monotonic() - t0
+            trainer_log = stack.compose("logs", "--no-color", "trainer", timeout=60).stdout
+            assert f"run {SETTINGS['TL_RUN_ID']} done: {EPOCHS} of TL_EPOCHS={EPOCHS} epochs trained" in trainer_log
             probe = stack.probe()
 
             # every service's /status through its published port

@@ -18,9 +18,10 @@
         Redis   ← checkpoint bytes (RunStore.put_checkpoint), the epoch record (history hash), then
         publish   checkpoint.published
 
-The run directory is `TL_RUN_DIR/TL_RUN_ID/trainer` (run.json, checkpoints, history.jsonl). A restarted
-trainer resumes from its latest complete checkpoint on disk; an epoch saved but not yet published (a crash
-between the two) is published again — consumers are idempotent on (run, epoch).
+The run directory is `TL_RUN_DIR/TL_RUN_ID/trainer` (run.json, checkpoints, history.jsonl). run.json records the
+settings a run keeps for good (`RUN_SETTINGS`); a restart given other values of them is refused at start (exit 2,
+naming each). A restarted trainer resumes from its latest complete checkpoint on disk; an epoch saved but not yet
+published (a crash between the two) is published again — consumers are idempotent on (run, epoch).
 
 Shutdown (SIGTERM / Ctrl-C, `interrupt()`): an epoch in training stops at the next iteration boundary and saves
 its state there (`checkpoints/interrupted.safetensors`: weights, trainer state, the epoch's sums, the knobs and
@@ -53,7 +54,7 @@ from shared.knobs import FixedSchedule, Knobs
 from shared import runfiles
 from shared.store import run_key
 from services.trainer.bundles import BundleWaiter, rollback_request
-from services.trainer.rundir import HISTORY, append_history, checkpoint_path, finite
+from services.trainer.rundir import HISTORY, append_history, checkpoint_path, finite, read_run_json
 
 log = logging.getLogger("tradeloop.trainer")
 
@@ -69,6 +70,24 @@ class TrainerServiceSettings(TrainerSettings):
     train_batch_size: int | None = Field(default=None, ge=2, description="transitions per update (None: preset)")
     train_n_envs: int | None = Field(default=None, ge=1, description="parallel accounts (None: preset)")
     data_seed: int = Field(default=0, ge=0, description="seed of the synthetic dataset (shared by all services)")
+
+
+RUN_SETTINGS = ("config", "seed", "data_bars", "train_iterations", "train_learning_starts", "train_batch_size",
+                "train_n_envs")
+"""The trainer settings a run keeps for good (run.json records them as `service_settings`): a restart of the run
+given another value of one is refused (`refuse_changed_settings`), as `tradeloop up --resume` refuses its own."""
+
+
+def refuse_changed_settings(settings: TrainerServiceSettings, meta: dict | None) -> None:
+    """ValueError naming each TL_ variable whose value differs from the one run.json (`meta`) records, with both
+    values and the way out; a run without a record (new, or written by `tradeloop train`) passes."""
+    recorded = (meta or {}).get("service_settings") or {}
+    clash = [k for k in RUN_SETTINGS if k in recorded and recorded[k] != getattr(settings, k)]
+    if clash:
+        name = {k: f"TL_{k.upper()}" for k in clash}
+        raise ValueError(f"run {settings.run_id} keeps " + ", ".join(f"{name[k]}={recorded[k]}" for k in clash)
+                         + " (it was started so; given " + ", ".join(f"{name[k]}={getattr(settings, k)}" for k in clash)
+                         + "); set them back, or set another TL_RUN_ID for a new run")
 
 
 history_key = trainer_history_key
@@ -93,6 +112,11 @@ class TrainerWorker:
         check_cuda(settings.device, "TL_DEVICE")    # no CUDA here (a CPU image): refused at once, not mid-loop
         self.settings, self.bus, self.state = settings, bus, state
         self.run_dir = settings.check_run_dir(runfiles.TRAINER_DIR)
+        try:
+            meta = read_run_json(self.run_dir)
+        except ValueError:                          # an unreadable run.json: the loop reports it (`open_run`)
+            meta = None
+        refuse_changed_settings(settings, meta)
         self._resume = asyncio.Event()
         self._resume.set()
         self._stop = asyncio.Event()
@@ -201,7 +225,8 @@ class TrainerWorker:
                                       ("batch_size", s.train_batch_size), ("n_envs", s.train_n_envs)) if v is not None}
             return dataclasses.replace(cfg, **over)
         meta, cfg, split, seed = open_run(self.run_dir, bars, s.data, seed=s.seed, new_config=new_config,
-                                          where="TL_RUN_ID", extra={"data_seed": s.data_seed})
+                                          where="TL_RUN_ID", extra={"data_seed": s.data_seed, "service_settings": {
+                                              k: getattr(s, k) for k in RUN_SETTINGS}})
         device = s.device if s.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         tstate = build_state(cfg, bars, split, seed, device, features=feats, accel=s.accel)
         tstate.runner.on_compile = self._compiling
@@ -530,6 +555,9 @@ class TrainerWorker:
                     waiter.cancel()             # no epoch left to apply it to: nothing to wait for
         if self.phase != "interrupted":
             self.set_phase("stopped" if self._stop.is_set() and tstate.epoch < self.settings.epochs else "done")
+            if self.phase == "done":
+                log.info("run %s done: %d of TL_EPOCHS=%d epochs trained (raise TL_EPOCHS to train on, or set another "
+                         "TL_RUN_ID for a new run)", self.bus.run_id, tstate.epoch, self.settings.epochs)
 
     async def _save_interrupted(self, tstate, progress, rec: dict, resumed) -> None:
         """Save an epoch interrupted at an iteration boundary (unless it did no iteration since it (re)started:
