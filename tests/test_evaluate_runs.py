@@ -278,6 +278,13 @@ def test_the_trials_variance_is_of_the_checkpoints_selection_could_choose_and_n_
     runs = [{"epochs": [{"val_sharpe": x, "val_trades": n} for x, n in zip(sharpes[:3], trades[:3])]},
             {"epochs": [{"val_sharpe": x, "val_trades": n} for x, n in zip(sharpes[3:], trades[3:])]}]
     assert study_trials(runs, 20) == (5, pytest.approx(v))
+    # the evaluator's report of a checkpoint (its val DSR over the run's checkpoints so far) takes the same V
+    from services.evaluator.report_builder import trial_sharpe_variance
+    from shared.metrics import MIN_SELECTION_TRADES
+
+    assert trial_sharpe_variance(sharpes[1:], 0.1, trades[1:], 40) == pytest.approx(
+        trials_variance([*sharpes[1:], 0.1], [*trades[1:], 40], MIN_SELECTION_TRADES)) == pytest.approx(v)
+    assert trial_sharpe_variance(sharpes[1:], 0.1) == pytest.approx(np.var([*sharpes[1:], 0.1], ddof=1))
 
 
 def test_up_summary_names_the_best_checkpoint_on_disk_and_its_command(tmp_path):

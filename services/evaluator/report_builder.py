@@ -17,7 +17,7 @@ import numpy as np
 import pandas as pd
 
 from services.evaluator import autopsy as ap
-from shared.metrics import compute_metrics, per_trade_sharpe, val_oos_gap
+from shared.metrics import compute_metrics, per_trade_sharpe, trials_variance, val_oos_gap
 from shared.report import (EvalReport, SplitDefinition, SplitName, SplitReport, bars_window_hash)
 
 
@@ -26,17 +26,20 @@ def _row(a: Any, account: int) -> np.ndarray:
     return a[account] if a.ndim == 2 else a
 
 
-def trial_sharpe_variance(prior_sharpes: Sequence[float], current: float) -> float | None:
-    """Variance (ddof=1) of the per-trade Sharpes of the run's checkpoints, this one included; None with < 2."""
-    s = np.array([*prior_sharpes, current], dtype=np.float64)
-    return float(s.var(ddof=1)) if s.size >= 2 else None
+def trial_sharpe_variance(prior_sharpes: Sequence[float], current: float, prior_trades: Sequence[int] | None = None,
+                          current_trades: int = 0) -> float | None:
+    """V of the val DSR's trials: `shared.metrics.trials_variance` of the per-trade Sharpes of the run's
+    checkpoints, this one included — over those of enough validation trades to be selected where `prior_trades`
+    (the earlier checkpoints' validation trades) says, of all of them where it does not; None with < 2."""
+    trades = None if prior_trades is None else [*prior_trades, current_trades]
+    return trials_variance([*prior_sharpes, current], trades)
 
 
 def build_split_report(split: SplitName, *, window: tuple[int, int], window_hash: str, ledger: pd.DataFrame,
                        bar_returns: Any, positions: Any, equity: Any, preds: ap.Predictions, regimes: Any,
                        close: Any, cost_rate: float, n_trials: int = 1, prior_sharpes: Sequence[float] = (),
-                       account: int = 0, top_frac: float = 0.1, material: float | None = None,
-                       engine: str = "") -> SplitReport:
+                       prior_trades: Sequence[int] | None = None, account: int = 0, top_frac: float = 0.1,
+                       material: float | None = None, engine: str = "") -> SplitReport:
     """One window's report: metrics (PSR, DSR over `n_trials`), trades with entry predictions, equity, autopsy.
 
     ledger / bar_returns / positions / equity: the simulator's outputs over the window (local indices, [T] or
@@ -52,7 +55,7 @@ def build_split_report(split: SplitName, *, window: tuple[int, int], window_hash
     trades = ap.build_trades(ledger, preds, regimes, close, cost_rate=cost_rate, offset=start, account=account,
                              hindsight=split == "insample", material=material)
     tr, tb = trades.net_return, trades.bars.astype(np.float64)
-    var = trial_sharpe_variance(prior_sharpes, per_trade_sharpe(tr)) if prior_sharpes else None
+    var = trial_sharpe_variance(prior_sharpes, per_trade_sharpe(tr), prior_trades, tr.size) if prior_sharpes else None
     metrics = compute_metrics(tr, br, pos, tb, n_trials=max(1, n_trials), sharpe_var_trials=var)
     dis_w, dis_l = ap.disagreement(trades)
     sample = split == "insample"

@@ -348,7 +348,8 @@ def insample_window(split: Split, n_bars: int | None) -> tuple[int, int] | None:
 
 
 def split_reports(named: Sequence[tuple[str, tuple[int, int]]], runs: Sequence[SplitRun], bars: Bars,
-                  costs: CostModel, n_trials: int, prior_sharpes: Sequence[float]) -> dict:
+                  costs: CostModel, n_trials: int, prior_sharpes: Sequence[float],
+                  prior_trades: Sequence[int] | None = None) -> dict:
     """name → `SplitReport` of each named window's run (the val DSR deflated by `n_trials` with `prior_sharpes` as
     the trials' variance; the other windows' DSR by `n_trials` alone)."""
     from services.evaluator.report_builder import build_split_report
@@ -360,19 +361,22 @@ def split_reports(named: Sequence[tuple[str, tuple[int, int]]], runs: Sequence[S
             name, window=w, window_hash=bars_window_hash(bars, *w), ledger=run.ledger,
             bar_returns=run.bar_returns, positions=run.positions, equity=run.equity, preds=run.preds,
             regimes=run.regimes, close=np.asarray(bars.close)[w[0]:w[1]], cost_rate=costs.rate,
-            n_trials=n_trials, prior_sharpes=prior_sharpes if name == "val" else (), engine=run.engine)
+            n_trials=n_trials, prior_sharpes=prior_sharpes if name == "val" else (), prior_trades=prior_trades,
+            engine=run.engine)
     return out
 
 
 def evaluate_checkpoint(ckpt_bytes_or_path: str | os.PathLike | bytes, *, expected_sha256: str | None,
                         bars: Bars, split: Split, run_id: str, epoch: int, n_trials: int = 1,
-                        prior_sharpes: Sequence[float] = (), insample_bars: int | None = -1,
+                        prior_sharpes: Sequence[float] = (), prior_trades: Sequence[int] | None = None,
+                        insample_bars: int | None = -1,
                         device: str | torch.device = "cpu", costs: CostModel | None = None, dataset: str = "",
                         oos: bool = True, features: np.ndarray | None = None,
                         knobs: Knobs | None = None, shaping: bool = True) -> EvalReport:
     """The full report of one checkpoint: val and OOS backtests (every metric, PSR, DSR deflated by `n_trials`
     = checkpoints evaluated in the run so far, this one included, with `prior_sharpes` = the earlier
-    checkpoints' val per-trade Sharpes as the trials' variance), the val/OOS gap, ledgers with predictions,
+    checkpoints' val per-trade Sharpes as the trials' variance, over those of enough validation trades to be
+    selected where `prior_trades` gives their trades), the val/OOS gap, ledgers with predictions,
     equity curves and the autopsy, plus an in-sample backtest of the training split for E6/E7.
 
     insample_bars: bars of the in-sample window at the end of the train split; −1 (default) = as many as the
@@ -399,7 +403,7 @@ def evaluate_checkpoint(ckpt_bytes_or_path: str | os.PathLike | bytes, *, expect
     feats = compute_features(bars) if features is None else features
     runs = run_windows(agent, bars, [w for _, w in named], controls=eval_controls(knobs, device, shaping), costs=costs,
                        features=feats, device=device)
-    sreps = split_reports(named, runs, bars, costs, n_trials, prior_sharpes)
+    sreps = split_reports(named, runs, bars, costs, n_trials, prior_sharpes, prior_trades)
     return build_eval_report(
         run_id=run_id, epoch=epoch, split=split_definition(split, bars), val=sreps["val"], oos=sreps.get("oos"),
         insample=sreps.get("insample"), n_trials=n_trials, knobs=None if knobs is None else knobs.to_dict(),
@@ -411,9 +415,10 @@ def evaluate_checkpoint(ckpt_bytes_or_path: str | os.PathLike | bytes, *, expect
 # ---------------------------------------------------------------------------------------------------------
 # The command line's entry point
 # ---------------------------------------------------------------------------------------------------------
-def val_sharpe_of(raw: bytes | str | None) -> float | None:
-    """The validation per-trade Sharpe of a stored report's JSON (None when absent)."""
+def val_sharpe_of(raw: bytes | str | None) -> tuple[float, int] | None:
+    """(validation per-trade Sharpe, validation trades) of a stored report's JSON (None when absent)."""
     if raw is None:
         return None
-    s = ((json.loads(raw).get("val") or {}).get("metrics") or {}).get("per_trade_sharpe")
-    return None if s is None else float(s)
+    m = (json.loads(raw).get("val") or {}).get("metrics") or {}
+    s = m.get("per_trade_sharpe")
+    return None if s is None else (float(s), int(m.get("n_trades") or 0))

@@ -95,7 +95,7 @@ class EvaluatorWorker(ConsumerWorker):
                                  block_ms=int(min(1000, bus.socket_timeout_s * 500)))
         # the loaded series, its features and its window hashes, kept between events (one dataset at a time)
         self._data: dict[tuple, dict] = {}
-        self._val_sharpes: dict[int, float | None] = {}   # epoch → val per-trade Sharpe of the stored reports
+        self._val_sharpes: dict[int, tuple[float, int] | None] = {}   # epoch → (val per-trade Sharpe, trades)
         self._warm: asyncio.Task | None = None
         # evaluating: the epoch whose checkpoint this replica is evaluating (taken from the stream, not acked yet)
         state.extra.update(consumer=settings.consumer_name, evaluated=[], evaluating=None, last_eval_s=None)
@@ -149,8 +149,9 @@ class EvaluatorWorker(ConsumerWorker):
                                           mark={run_key(self.bus.run_id, "evaluated_by"): self.consumer.name}):
                     self.state.extra["evaluated"] = [*self.state.extra["evaluated"], epoch][-100:]
                     self.state.count("reports_stored")
-                    s = report.val.metrics.get("per_trade_sharpe")
-                    self._val_sharpes[epoch] = None if s is None else float(s)
+                    m = report.val.metrics
+                    s = m.get("per_trade_sharpe")
+                    self._val_sharpes[epoch] = None if s is None else (float(s), int(m.get("n_trades") or 0))
                     self._report_gauges(event, report)
                     # what the event carries, from the report in hand (not read back: tens of MB of JSON)
                     doc = {w: {"metrics": dict(getattr(report, w).metrics)} if getattr(report, w) is not None
@@ -194,12 +195,13 @@ class EvaluatorWorker(ConsumerWorker):
         for e in earlier:
             if e not in self._val_sharpes:
                 self._val_sharpes[e] = val_sharpe_of(await self.bus.store.get_raw("report", e))
-        prior = [float(self._val_sharpes[e]) for e in earlier if self._val_sharpes[e] is not None]
+        known = [self._val_sharpes[e] for e in earlier if self._val_sharpes[e] is not None]
+        prior, prior_n = [s for s, _ in known], [n for _, n in known]
         rec = await self.bus.redis.hget(trainer_history_key(self.bus.run_id), str(event.epoch))
         knobs = Knobs.from_dict(json.loads(rec)["knobs"]) if rec and "knobs" in json.loads(rec) else None
         t0 = time.perf_counter()
-        report = await asyncio.to_thread(_run_eval, data, event, bars, split, len(earlier) + 1, prior, knobs,
-                                         feats, self.settings.device, dataset)
+        report = await asyncio.to_thread(_run_eval, data, event, bars, split, len(earlier) + 1, prior, prior_n,
+                                         knobs, feats, self.settings.device, dataset)
         dt = time.perf_counter() - t0
         self.state.extra["last_eval_s"] = round(dt, 3)
         self.state.gauges["last_eval_seconds"] = dt
@@ -272,9 +274,9 @@ def _write_market(files, name: str, bars, window, cost_bps: float) -> None:
     files.write_market(name, np.arange(s, e), ts, np.asarray(sub.close, dtype=np.float64), res.equity[0])
 
 
-def _run_eval(data, event, bars, split, n_trials, prior, knobs, feats, device, dataset) -> EvalReport:
+def _run_eval(data, event, bars, split, n_trials, prior, prior_n, knobs, feats, device, dataset) -> EvalReport:
     from services.evaluator.runner import evaluate_checkpoint
 
     return evaluate_checkpoint(data, expected_sha256=event.sha256, bars=bars, split=split, run_id=event.run_id,
-                               epoch=event.epoch, n_trials=n_trials, prior_sharpes=prior, device=device,
-                               dataset=dataset, features=feats, knobs=knobs)
+                               epoch=event.epoch, n_trials=n_trials, prior_sharpes=prior, prior_trades=prior_n,
+                               device=device, dataset=dataset, features=feats, knobs=knobs)

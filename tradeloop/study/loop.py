@@ -162,10 +162,11 @@ def run_closed_loop(bars: Bars, dataset: str, run_dir: Path, epochs: int, *, con
         statistics (`store_epoch`)."""
         knobs = knobs_for(e)
         prior = [records[k]["history"]["val_sharpe"] for k in range(1, e)]
+        prior_n = [records[k]["history"]["val_n_trades"] for k in range(1, e)]
         t0 = time.perf_counter()
         rep = evaluate_checkpoint(checkpoint_path(run_dir, e), expected_sha256=None, bars=bars, split=split,
-                                  run_id=run_id, epoch=e, n_trials=e, prior_sharpes=prior, device=device,
-                                  dataset=dataset, oos=False, features=feats, knobs=knobs)
+                                  run_id=run_id, epoch=e, n_trials=e, prior_sharpes=prior, prior_trades=prior_n,
+                                  device=device, dataset=dataset, oos=False, features=feats, knobs=knobs)
         t1 = time.perf_counter()
         if box["split_def"] is None:
             box["split_def"] = rep.split
@@ -281,13 +282,14 @@ def evaluate_selected(run_dir: Path, epoch: int, records: list[dict], *, bars: B
     run_dir = Path(run_dir)
     rec = records[epoch - 1]
     prior = [r["history"]["val_sharpe"] for r in records[:epoch - 1]]
+    prior_n = [r["history"]["val_n_trades"] for r in records[:epoch - 1]]
     knobs = Knobs.from_dict(rec["knobs"])
 
     def backtest(shaping: bool):
         return evaluate_checkpoint(checkpoint_path(run_dir, epoch), expected_sha256=None, bars=bars, split=split,
                                    run_id=run_id or run_dir.name, epoch=epoch, n_trials=epoch, prior_sharpes=prior,
-                                   insample_bars=0, device=device, dataset=dataset, oos=True, features=features,
-                                   knobs=knobs, shaping=shaping)
+                                   prior_trades=prior_n, insample_bars=0, device=device, dataset=dataset, oos=True,
+                                   features=features, knobs=knobs, shaping=shaping)
 
     rep = backtest(True)
     plain = backtest(False) if shapes_policy(knobs) else None
