@@ -146,7 +146,8 @@ def test_reports_and_signals_match_redis(services, redis_url, run_id):
         assert rows[0]["metrics"] == {"val": report["val"]["metrics"], "oos": report["oos"]["metrics"]}
         assert c.get(f"{ev}/reports").json() == rows          # the second poll: the cached row
         got = c.get(f"{ev}/reports/2/trades").json()
-        assert got["trades"] == rows_in and (got["n_trades"], got["listed"]) == (2, True)   # packed in Redis, an object a trade here
+        # packed in Redis, an object a trade here
+        assert got["trades"] == rows_in and (got["n_trades"], got["listed"]) == (2, True)
         assert c.get(f"{ev}/reports/2/trades", params={"offset": 1, "limit": 5}).json()["trades"] == rows_in[1:]
         eq = c.get(f"{ev}/reports/2/equity").json()
         assert eq["equity"] == [1.0, 1.01] and eq["x"] == [0, 1] and eq["n_bars"] == 2

@@ -255,8 +255,8 @@ def register(app) -> None:
         dataset: str = typer.Option(None, "--dataset", help="Dataset name (synthetic, sp500, eurusd) or file; "
                                     "default: the agent's training data (synthetic for a baseline)."),
         split: str = typer.Option("val", "--split", help="val or test (OOS)."),
-        seed: int = typer.Option(None, "--seed", min=0, help="Seed of the synthetic data (default: the run's) and of the "
-                                 "random policy (default 0)."),
+        seed: int = typer.Option(None, "--seed", min=0, help="Seed of the synthetic data (default: the run's) and "
+                                 "of the random policy (default 0)."),
         device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
         as_json: bool = typer.Option(False, "--json", help="Print the metrics as one JSON object."),
         report: bool = typer.Option(False, "--report", help="Agent only: the evaluator's full report (val, OOS, "

@@ -166,8 +166,8 @@ def train(
     device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
     config: str = typer.Option(None, "--config", help="Preset: small (CPU; the default) or full (GPU) (a resumed "
                                                       "run: its own)."),
-    seed: int = typer.Option(None, "--seed", min=0, help="Seed of the run and of the synthetic data (default 0; a resumed "
-                                                  "run: its own)."),
+    seed: int = typer.Option(None, "--seed", min=0, help="Seed of the run and of the synthetic data (default 0; a "
+                                                         "resumed run: its own)."),
     accel: str = typer.Option("auto", "--accel",
                               help="auto (compile+graph on a GPU, eager on CPU), eager, compile, graph or "
                                    "compile+graph. Compiled kernels are cached (TORCHINDUCTOR_CACHE_DIR, default "

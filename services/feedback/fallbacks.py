@@ -120,8 +120,8 @@ def rollback_reason(view: FeedbackView, rb: Rollback, cfg: "FeedbackConfig") -> 
     answer = (f"restarts a fresh learner under epoch {g.epoch}'s knobs" if cfg.rollback_restart else
               f"restores epoch {g.epoch}'s weights and optimizer state, and its knobs")
     why = (f"rollback: {int(view.val.metric('n_trades'))} val trades, below the {MIN_SELECTION_TRADES} a checkpoint "
-           f"needs to be selected, where epoch {g.epoch} had {g.val_n_trades} (val per-trade Sharpe {g.val_sharpe:.3f}): the "
-           f"policy all but stopped trading; the trainer {answer}") if rb.stopped else (
+           f"needs to be selected, where epoch {g.epoch} had {g.val_n_trades} (val per-trade Sharpe "
+           f"{g.val_sharpe:.3f}): the policy all but stopped trading; the trainer {answer}") if rb.stopped else (
         f"rollback: val per-trade Sharpe {s:.3f} fell {rb.drop:.3f} below epoch {g.epoch}'s "
         f"{g.val_sharpe:.3f}, beyond {cfg.rollback_z:g}·SE = {cfg.rollback_z * rb.se:.3f}; the trainer {answer}")
     if cfg.rollback_lr_factor != 1.0:
