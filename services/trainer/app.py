@@ -49,11 +49,13 @@ def create_app(settings: TrainerServiceSettings | None = None) -> FastAPI:
                 log.error("trainer loop failed: %s", exc)
                 state.error(f"{type(exc).__name__}: {exc}")
                 worker.set_phase("failed")
+                state.ready = False            # /ready 503: compose's healthcheck marks the container unhealthy
                 return
             except Exception as exc:  # noqa: BLE001 — reported on /status
                 log.exception("trainer loop failed")
                 state.error(f"{type(exc).__name__}: {exc}")
                 worker.set_phase("failed")
+                state.ready = False
                 return
 
     async def refresh_lag() -> None:
