@@ -42,6 +42,20 @@ _DEVICE_RE = re.compile(r"^(cpu|auto|cuda(:\d+)?)$")
 _PLACEHOLDER_RE = re.compile(r"^\s*change[-_ ]?me", re.IGNORECASE)
 
 
+def cli_command() -> str:
+    """`tradeloop` as a printed hint should call it: `tradeloop` where that is on PATH (or this process did not start
+    as the `tradeloop` script), else the path it started by — `.venv/bin/tradeloop` under `make up`, whose virtual
+    environment is not activated, so a pasted `tradeloop …` would not be found."""
+    import shutil
+    import sys
+
+    argv0 = sys.argv[0] if sys.argv else ""
+    if Path(argv0).name != "tradeloop" or shutil.which("tradeloop"):
+        return "tradeloop"
+    rel = os.path.relpath(argv0)
+    return rel if not rel.startswith("..") else str(Path(argv0).resolve())
+
+
 def is_placeholder(secret: str) -> bool:
     """True for a secret that is a placeholder to replace ("change-me…", "changeme…", any case): the one rule by
     which the settings refuse a placeholder TL_API_TOKEN or TL_REDIS_PASSWORD."""

@@ -303,3 +303,26 @@ def test_up_summary_names_the_best_checkpoint_on_disk_and_its_command(tmp_path):
     assert best["selected_among"] == 2 and "(none had" not in best["rule"]
     assert best["command"] == f"tradeloop evaluate --policy {tmp_path / 'run'} --checkpoint best --split test"
     assert best_of_summary(rows[3:], tmp_path / "run") is None
+
+
+def test_printed_commands_name_the_script_that_ran_when_it_is_not_on_path(tmp_path, monkeypatch):
+    """`make up` runs `.venv/bin/tradeloop` without activating the venv: its hints (evaluate the best checkpoint,
+    resume the run) name that path, which a user can paste; `tradeloop` where it is on PATH."""
+    import sys
+
+    from shared.config import cli_command
+    from tradeloop.up.runs import resume_hint
+
+    script = tmp_path / ".venv" / "bin" / "tradeloop"
+    script.parent.mkdir(parents=True)
+    script.write_text("#!/bin/sh\n")
+    script.chmod(0o755)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", [str(script), "up"])
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    assert cli_command() == ".venv/bin/tradeloop"
+    assert resume_hint("r1", tmp_path / "elsewhere").startswith(".venv/bin/tradeloop up --resume r1 --run-dir ")
+    monkeypatch.setenv("PATH", f"{script.parent}:/usr/bin:/bin")                 # the venv activated
+    assert cli_command() == "tradeloop"
+    monkeypatch.setattr(sys, "argv", ["/x/tradeloop/cli.py"])                    # python -m tradeloop.cli
+    assert cli_command() == "tradeloop"

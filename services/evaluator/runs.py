@@ -237,10 +237,12 @@ def best_of_summary(rows: list[dict], run_path: Path, *, min_trades: int = MIN_S
     i, enough = select_best([float(r["val_per_trade_sharpe"]) for r in rows], [int(r["val_n_trades"]) for r in rows],
                             min_trades)
     r = rows[i]
+    from shared.config import cli_command
+
     return {"epoch": r["epoch"], "path": str(ck_dir / f"epoch-{int(r['epoch']):04d}.safetensors"),
             "sha256": r.get("checkpoint_sha256"), "val_per_trade_sharpe": r["val_per_trade_sharpe"],
             "val_n_trades": r["val_n_trades"], "oos_per_trade_sharpe": r.get("oos_per_trade_sharpe"),
             "oos_n_trades": r.get("oos_n_trades"), "selected_among": len(rows),
             "rule": f"highest val per-trade Sharpe (un-annualized) among checkpoints with >= {min_trades} val trades"
                     + ("" if enough else f" (none had {min_trades}: the best of all)"),
-            "command": f"tradeloop evaluate --policy {run_path} --checkpoint best --split test"}
+            "command": f"{cli_command()} evaluate --policy {run_path} --checkpoint best --split test"}

@@ -62,7 +62,9 @@ def resume_hint(run_id: str, run_dir: Path) -> str:
     """The command that continues run `run_id` under `run_dir`."""
     default = default_run_dir()
     where = "" if Path(run_dir) == default or Path(run_dir).resolve() == default.resolve() else f" --run-dir {run_dir}"
-    return f"tradeloop up --resume {run_id}{where} (make up ARGS='--resume {run_id}{where}')"
+    from shared.config import cli_command
+
+    return f"{cli_command()} up --resume {run_id}{where} (make up ARGS='--resume {run_id}{where}')"
 
 
 def is_run(run_path: Path) -> bool:
