@@ -121,6 +121,9 @@ class StepResult:
     """Sum of the net returns of trades closed during the step (0 where none): the trade-level reward."""
     n_closed: torch.Tensor
     """Number of trades closed during the step (0, 1 or 2: a flip then a stop on the new trade)."""
+    trade_return_sq: torch.Tensor
+    """Sum of the squared net returns of the trades closed during the step: with `trade_return` and `n_closed`, the
+    moments of every trade though two close in one step."""
     opened: torch.Tensor
     """A trade opened at this step's open."""
     position: torch.Tensor
@@ -346,6 +349,7 @@ class Simulator:
             bar_return=torch.where(live & (eq0 > 0), eq / eq0 - 1.0, zero),
             trade_return=torch.where(live, closed_ret1 + closed_ret2, zero),
             n_closed=n_closed,
+            trade_return_sq=torch.where(live, closed_ret1 * closed_ret1 + closed_ret2 * closed_ret2, zero),
             opened=opens & live,
             position=self.position,
         )

@@ -194,6 +194,31 @@ def test_a_fixed_fee_opens_nothing_it_cannot_pay_for_and_never_leaves_a_debt():
     assert (res.equity[:, -1] < 0.05).all() and len(res.ledger) > 100     # worn down to what a round trip costs
 
 
+def test_a_steps_closed_trades_keep_their_count_sum_and_squares_though_two_close_in_one_bar():
+    """A flip closes the old trade at the open and a stop closes the new one in the same bar: `n_closed` is 2, and
+    `trade_return` / `trade_return_sq` are the sum and the sum of squares of both ledger returns (the trainer's trade
+    statistics read them)."""
+    rng = np.random.default_rng(3)
+    T, B = 300, 6
+    walk = 100 * np.exp(np.cumsum(rng.normal(0, 0.01, T)))
+    wick = rng.uniform(0.0, 0.01, T)                          # a 0.5 % stop is hit in about half the bars
+    p = prices(walk, h=walk * (1 + wick), l=walk * (1 - wick), c=walk)
+    sim = Simulator(p, B, CostModel(cost_bps=5), record_ledger=True)
+    sim.reset(torch.zeros(B, dtype=torch.long))
+    tg = torch.as_tensor(rng.choice([-1.0, 1.0], size=(T, B)), dtype=torch.float64)   # a flip at nearly every bar
+    n = s1 = s2 = 0.0
+    two = 0
+    for t in range(T - 1):
+        r = sim.step(tg[t], stop_loss=torch.full((B,), 0.005, dtype=torch.float64))
+        n, s1, s2 = n + float(r.n_closed.sum()), s1 + float(r.trade_return.sum()), s2 + float(r.trade_return_sq.sum())
+        two += int((r.n_closed == 2).sum())
+    led = sim.ledger()
+    assert two > 10                                              # flips stopped out in their own bar
+    assert n == len(led)
+    assert s1 == pytest.approx(led.net_return.sum(), abs=1e-12)
+    assert s2 == pytest.approx((led.net_return ** 2).sum(), abs=1e-12)
+
+
 def test_position_open_at_the_end_is_closed_at_the_last_close():
     p = prices([100, 101, 102, 103])
     res = run_positions(p, [0, 1, 1, 1], CostModel(cost_bps=10))

@@ -127,11 +127,9 @@ class TrainEnv:
         flat = res.position == 0
         done = flat & ((self.steps_in_episode >= rc.episode_bars) | (self.sim.t >= T - 2) | (self.sim.equity <= 0))
         self.replay.add(rec.t, rec.portfolio, a.branches, rec.regime, reward, done)
-        closed = res.n_closed > 0
-        tr = res.trade_return
-        self.trade_sum += torch.where(closed, tr, torch.zeros_like(tr)).sum()
-        self.trade_sq += torch.where(closed, tr * tr, torch.zeros_like(tr)).sum()
-        self.trade_n += closed.double().sum()
+        self.trade_sum += res.trade_return.sum()        # 0 where no trade closed; two closes in a step: each
+        self.trade_sq += res.trade_return_sq.sum()      # counts, with its own square
+        self.trade_n += res.n_closed.double().sum()
         # soft reset of ended episodes
         self.sim.reset(self.sample_starts(self.E, u_start), mask=done)
         self.tracker.soft_reset(done)
