@@ -480,7 +480,11 @@ def _read_csv_fast(path: Path, name: str | None) -> Bars | None:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", pd.errors.ParserWarning)   # a row longer than the header
-            df = pd.read_csv(path, low_memory=False, **opts)
+            # the timestamp column as text: the epoch rule is about the cells as written ("1.6e9", "+1600000000"
+            # and 20200101 are not epochs); the header alone says which column it is
+            head = pd.read_csv(path, nrows=0, **opts)
+            stamp = _normalise_columns(head, _Collector(str(path), np.zeros(0, dtype=np.int64), "row"))["timestamp"]
+            df = pd.read_csv(path, low_memory=False, dtype={stamp: str}, **opts)
     except Exception:  # noqa: BLE001 — any trouble: the validating reader says what it is
         return None
     if bool(df.isna().to_numpy().any()):    # an empty or NaN cell, or a row shorter than the header
@@ -502,13 +506,6 @@ def _read_csv_fast(path: Path, name: str | None) -> Bars | None:
             if not np.isfinite(px[c]).all():
                 return None
     t = df[mapping["timestamp"]]
-    if pd.api.types.is_numeric_dtype(t) and not pd.api.types.is_bool_dtype(t):
-        try:   # the cells as text: the epoch rule is about them ("1.6e9", "+1600000000" and 20200101 are not epochs)
-            t = pd.read_csv(path, usecols=[mapping["timestamp"]], dtype=str, **opts).iloc[:, 0]
-        except Exception:  # noqa: BLE001
-            return None
-        if len(t) != len(df):
-            return None
     if not (pd.api.types.is_object_dtype(t) or pd.api.types.is_string_dtype(t)) or not isinstance(t.iat[0], str):
         return None
     if _EPOCH_RE.match(t.iat[0].strip()):
