@@ -52,7 +52,7 @@ print('\n'.join(p['project']['dependencies'] + p['build-system']['requires']))" 
     && sh /usr/local/bin/drop-tests
 
 # The project, installed editable so the dashboard's static files (dashboard/) stay next to the code.
-COPY README.md /app/
+COPY README.md LICENSE /app/
 COPY dashboard /app/dashboard
 COPY tradeloop /app/tradeloop
 COPY shared /app/shared
