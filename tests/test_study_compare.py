@@ -122,6 +122,25 @@ def test_a_replication_pools_its_units_with_the_first_pairs(tmp_path):
         compare_pooled([pairs[0][:2] + pairs[1][2:]], n_boot=200)
 
 
+def test_pairs_of_studies_on_the_same_data_count_each_test_period_once(tmp_path):
+    """A replication on the same seeds, folds and bars trades the very OOS bars of the first pair: each (seed, fold)
+    test period is one unit of the bootstrap, the mean of the two pairs' differences there — not two units; the
+    per-seed count of last-epoch validation stays per (pair, seed)."""
+    a = study(tmp_path, "a", "rb", dict(zip(UNITS, [0.50, 0.40, 0.30, 0.20])), dict(zip(UNITS, [0.3] * 4)))
+    b = study(tmp_path, "b", "off", dict(zip(UNITS, [0.45, 0.45, 0.10, 0.20])), dict(zip(UNITS, [0.2] * 4)))
+    a2 = study(tmp_path, "a2", "rb", dict(zip(UNITS, [0.30, 0.40, 0.10, 0.60])), dict(zip(UNITS, [0.1] * 4)))
+    b2 = study(tmp_path, "b2", "off", dict(zip(UNITS, [0.25, 0.35, 0.20, 0.20])), dict(zip(UNITS, [0.2] * 4)))
+    pairs = [(load_side(f"{a}:rb")[0], "rb", load_side(f"{b}:off")[0], "off"),
+             (load_side(f"{a2}:rb")[0], "rb", load_side(f"{b2}:off")[0], "off")]
+    c = compare_pooled(pairs, n_boot=2000, seed=0)
+    d = c["metrics"]["oos_sharpe"]["a_minus_b"]
+    per_period = (np.array([0.05, -0.05, 0.20, 0.0]) + np.array([0.05, 0.05, -0.10, 0.40])) / 2
+    assert (d["n"], c["units"], c["runs"]) == (4, 4, 8)
+    assert d["mean"] == pytest.approx(per_period.mean()) and d["wins"] == int((per_period > 0).sum())
+    assert c["last_val_seeds"] == {"a_at_least_b": 2, "seeds": 4}
+    assert "the 8 paired (seed, fold) runs trade 4 test periods" in markdown(c, "a:rb + a2:rb", "b:off + b2:off")
+
+
 def test_a_population_variant_is_compared_over_its_populations(tmp_path):
     """A side whose variant is a population (`feedback.population`, seeds on market seed // 2): the differences are
     over the populations' means — (market, fold) — not over the (seed, fold) units."""
@@ -136,7 +155,7 @@ def test_a_population_variant_is_compared_over_its_populations(tmp_path):
     d = c["metrics"]["oos_sharpe"]["a_minus_b"]
     assert (d["n"], d["wins"]) == (2, 2) and d["mean"] == pytest.approx(0.25)   # 0.4 − 0.2 and 0.8 − 0.5
     plain = compare(*load_side(f"{b}:off")[:2], *load_side(f"{b}:off")[:2], n_boot=500)
-    assert plain["metrics"]["oos_sharpe"]["a_minus_b"]["n"] == 4                # no population: per unit
+    assert plain["metrics"]["oos_sharpe"]["a_minus_b"]["n"] == 2                # two seeds a market: one period
 
 
 def test_any_epochs_pairs_studies_that_differ_in_epochs_alone_and_says_so(tmp_path):

@@ -107,26 +107,33 @@ def test_the_figure_draws_each_family_interval(tmp_path, monkeypatch):
     assert any("grey: as one of 2, Bonferroni" in t for t in titles)
 
 
-def test_units_that_share_a_test_period_are_also_read_over_the_periods():
+def test_units_that_share_a_test_period_are_read_over_the_periods():
     """A real series: every seed of a fold trades the same test bars, so 2 seeds × 3 folds are 6 units but 3 periods.
     OOS on (seed 0, 1): fold 0 0.2, 0.4 → 0.3; fold 1 0.1, 0.1 → 0.1; fold 2 0.6, 0.2 → 0.4; off 0.1 on every unit: the
-    periods' means 0.3, 0.1, 0.4 and on − off 0.2, 0.0, 0.3, each CI over those 3 (with its t interval at 2 df)."""
+    periods' means 0.3, 0.1, 0.4 and on − off 0.2, 0.0, 0.3 — the headline CIs are over those 3 (with the t interval
+    at 2 df), not over the 6 units; a deterministic baseline's 6 copies of 3 numbers are 3 periods too."""
     oos = {(0, 0): 0.2, (1, 0): 0.4, (0, 1): 0.1, (1, 1): 0.1, (0, 2): 0.6, (1, 2): 0.2}
     runs = [_summary("on", s, f, [0.1, 0.2], 2, x) for (s, f), x in oos.items()] + \
            [_summary("off", s, f, [0.1, 0.2], 2, 0.1) for (s, f) in oos]
-    res = aggregate(runs, [], ["on", "off"], "off", n_boot=2000, seed=0, cluster_of=lambda s, f: (None, f))
-    per = res["periods"]
-    assert (per["periods"], per["units"]) == (3, 6)
-    assert per["variants"]["on"]["mean"] == pytest.approx(0.8 / 3) and per["variants"]["on"]["n"] == 3
+    flat = [{"policy": "buy_and_hold", "seed": s, "fold": f, "oos_sharpe": 0.1 * (f + 1), "val_sharpe": 0.2,
+             "val_trades": 1, "oos_trades": 1, "oos_bar_sharpe": 0.01} for (s, f) in oos]
+    res = aggregate(runs, flat, ["on", "off"], "off", n_boot=2000, seed=0, cluster_of=lambda s, f: (None, f))
+    assert res["periods"] == {"periods": 3, "units": 6}
+    on = res["variants"]["on"]["oos_sharpe"]
+    assert on["mean"] == pytest.approx(0.8 / 3) and on["n"] == 3
     lo, hi = t_interval([0.3, 0.1, 0.4])
-    assert per["variants"]["on"]["lo"] <= lo and per["variants"]["on"]["hi"] >= hi
-    d = per["paired"]["on"]
+    assert on["lo"] <= lo and on["hi"] >= hi
+    d = res["paired"]["on"]["oos_sharpe"]
     assert (d["n"], d["wins"]) == (3, 2) and d["mean"] == pytest.approx(0.5 / 3)
     assert (d["lo"], d["hi"]) == pytest.approx(t_interval([0.2, 0.0, 0.3]))   # wider than the percentile one here
+    b = res["baselines"]["buy_and_hold"]["oos_sharpe"]
+    assert b["n"] == 3 and (b["lo"], b["hi"]) == pytest.approx(t_interval([0.1, 0.2, 0.3]))
+    assert res["choice"] is None                                               # a unit-by-unit reading: none here
     md = _markdown_of_on_off(res)
-    assert "the 6 (seed, fold) units share 3 test periods" in md and "paired on − off +0.167 [" in md
-    own = aggregate(runs, [], ["on", "off"], "off", n_boot=2000, seed=0)            # a market each: no such reading
+    assert "the 6 (seed, fold) units share 3 test periods" in md and "bootstrap over the 3 test periods" in md
+    own = aggregate(runs, [], ["on", "off"], "off", n_boot=2000, seed=0)            # a market each: units
     assert "periods" not in own and "test periods" not in _markdown_of_on_off(own)
+    assert own["variants"]["on"]["oos_sharpe"]["n"] == 6 and own["paired"]["on"]["oos_sharpe"]["n"] == 6
 
 
 def test_bench_periods_reads_a_stored_study_over_its_test_periods(capsys):

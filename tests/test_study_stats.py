@@ -13,7 +13,7 @@ from services.trainer.train import TrainConfig
 from shared.metrics import dsr
 from tradeloop.study.spec import (StudyError, StudySpec, apply_settings, parse_value, parse_variants, resolve_key,
                                   synthetic_bars_for, variants_from_toml)
-from tradeloop.study.stats import aggregate, power_cells, select_epoch
+from tradeloop.study.stats import aggregate, power_cells, select_epoch, verdict
 from tradeloop.study.intervals import bootstrap_ci, detectable, expanded_tail, gap_ci, paired, percentile_ci, t_quantile, units_to_detect
 
 
@@ -187,8 +187,7 @@ def test_aggregate_deflates_by_every_checkpoint_of_the_study_and_pairs_by_seed_a
     assert res["paired"]["on"]["last_val_sharpe"]["mean"] == pytest.approx(((0.4 - 0.2) + (0.5 - 0.1)) / 2)
     assert res["variants"]["on"]["oos_sharpe"]["mean"] == pytest.approx(0.40)
     assert res["variants"]["on"]["gap"]["mean"] == pytest.approx(1 - 0.40 / 0.45)
-    assert res["variants"]["on"]["verdict"] == ("validated edge" if res["variants"]["on"]["dsr"]["mean"] >= 0.95
-                                                else "no validated edge")
+    assert res["variants"]["on"]["verdict"] == verdict(res["variants"]["on"]["dsr"])
     assert res["pairing"] == {"groups": 2, "identical_checkpoints": 2, "max_epoch1_val_spread": 0.0,
                               "mean_epoch1_val_spread": 0.0, "later_epochs": {}}     # no knobs_key: epoch 1 alone
 
@@ -358,8 +357,9 @@ def test_rollbacks_count_the_epochs_that_began_from_one_not_the_last_epochs_bund
 
 def test_a_population_variant_is_judged_over_its_populations_not_its_runs():
     """With `on` a population variant whose runs form populations by (market = seed // 2, fold): its mean and CI, and
-    every paired difference it takes part in, are over the means of its populations; a variant that is no population
-    against a reference that is no population stays over units. Hand case: 4 seeds, 1 fold, markets {0, 1} and {2, 3}."""
+    every paired difference it takes part in, are over the means of its populations; a variant that is no population,
+    against a reference that is none, is over the test periods its seeds share (the same markets) all the same. Hand
+    case: 4 seeds, 1 fold, markets {0, 1} and {2, 3}."""
     from tradeloop.study.report import markdown
 
     oos = {"on": [0.5, 0.3, 0.9, 0.7], "off": [0.2, 0.2, 0.4, 0.6], "alt": [0.1, 0.4, 0.2, 0.5]}
@@ -371,8 +371,8 @@ def test_a_population_variant_is_judged_over_its_populations_not_its_runs():
     # population means: on 0.4, 0.8; off 0.2, 0.5 → differences 0.2 and 0.3, both won
     assert (p["n"], p["wins"]) == (2, 2) and p["mean"] == pytest.approx(0.25)
     assert res["paired"]["on"]["over_populations"] is True
-    alt = res["paired"]["alt"]["oos_sharpe"]                         # no population on either side: over units
-    assert alt["n"] == 4 and alt["mean"] == pytest.approx(np.mean([-0.1, 0.2, -0.2, -0.1]))
+    alt = res["paired"]["alt"]["oos_sharpe"]                         # no population: over the shared markets
+    assert alt["n"] == 2 and alt["mean"] == pytest.approx(np.mean([-0.1, 0.2, -0.2, -0.1]))
     assert "over_populations" not in res["paired"]["alt"] and "populations" not in res["variants"]["off"]
     assert res["choice"] is None                 # its units are not independent: no unit-by-unit choice
     res["study"] = {"dataset": "synthetic", "variants": [{"name": n, "settings": []} for n in oos],
@@ -650,3 +650,13 @@ def test_the_accounts_worst_fall_and_its_ruin_out_of_sample_by_hand():
     assert "oos_max_drawdown" not in res["variants"]["on"] and "oos_ruined" not in res["variants"]["on"]
     line = next(x for x in _markdown_of_on_off(res).splitlines() if "worst fall out of sample" in x)
     assert "units): off 0.750" in line and "; on " not in line                 # only the variant that has it
+
+
+def test_the_verdict_needs_the_mean_dsrs_interval_at_the_bar_not_its_mean():
+    """14 runs at DSR 1.0 and one at 0.30: the mean 0.953 reaches 0.95, but its interval does not (one run far below
+    the bar is no validated edge); 15 runs at 0.99 ± 0.005 are; a single unit has no interval and no verdict of one."""
+    mixed = bootstrap_ci([1.0] * 14 + [0.30], n_boot=2000, seed=0, bounds=(0.0, 1.0))
+    assert mixed["mean"] >= 0.95 and mixed["lo"] < 0.95 and verdict(mixed) == "no validated edge"
+    tight = bootstrap_ci([0.99 + 0.005 * (-1) ** i for i in range(15)], n_boot=2000, seed=0, bounds=(0.0, 1.0))
+    assert tight["lo"] >= 0.95 and verdict(tight) == "validated edge"
+    assert verdict(bootstrap_ci([1.0], n_boot=200, seed=0)) == "no validated edge"

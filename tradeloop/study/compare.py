@@ -71,19 +71,17 @@ def load_side(text: str) -> tuple[dict, str, str]:
     return res, v, f"{d.name}:{v}"
 
 
-def population_units(a: dict, va: str, b: dict, vb: str):
-    """(seed, fold) → the unit a pair's differences are taken over: the (seed, fold) itself, or, when either variant
-    is a population (`feedback.population`: its runs share weights), the population's (market, fold)."""
-    specs = []
-    for res in (a, b):
-        try:
-            specs.append(StudySpec.from_dict(res["study"]))
-        except (KeyError, TypeError, ValueError, StudyError):
-            specs.append(None)                 # a results.json of other keys: no population known
-    for spec, v in zip(specs, (va, vb)):
-        if spec is not None and v in spec.populations():
-            return spec.cluster_of
-    return lambda s, f: (s, f)
+def period_key(a: dict):
+    """(seed, fold) → the test period a pair's unit trades, as a key that two pairs of studies on the same data share:
+    (dataset, bars, folds, *`StudySpec.cluster_of(seed, fold)`) — the synthetic market and fold, or the real series'
+    fold (every seed of a fold trades its bars). None where a results.json has no study `StudySpec` reads (each
+    (pair, seed, fold) is then a unit of its own)."""
+    try:
+        spec = StudySpec.from_dict(a["study"])
+    except (KeyError, TypeError, ValueError, StudyError):
+        return None
+    data = (unit_key(a["study"], "dataset"), json.dumps(unit_key(a["study"], "bars")), unit_key(a["study"], "folds"))
+    return lambda s, f: (*data, *spec.cluster_of(s, f))
 
 
 def compare(a: dict, va: str, b: dict, vb: str, *, n_boot: int = 10_000, seed: int = 0,
@@ -100,10 +98,13 @@ def compare_pooled(pairs: list[tuple[dict, str, dict, str]], *, n_boot: int = 10
     """`compare` over several pairs of studies at once (a replication: the same two variants run again in another
     study), their units pooled: each pair's studies must pair with each other (`SAME_UNITS`; not in epochs with
     `any_epochs`, and then `epochs` lists each pair's (a, b) epochs; not in base settings with `any_settings`, and
-    then `settings` lists each pair's), a unit is (pair, seed, fold), and one bootstrap runs over all of them; the
-    per-seed count is over (pair, seed). `detect`: a difference to plan for; each metric's `a_minus_b` then says in
-    `units_for_detect` the units it would take to resolve it (`units_to_detect`; None below 2 units)."""
-    xs: dict[str, tuple[dict, dict]] = {key: ({}, {}) for key, _ in COMPARED}
+    then `settings` lists each pair's). A unit of the bootstrap is a test period (`period_key`): the (pair, seed,
+    fold) units that trade the same bars — the seeds of a real series' fold, a population's market, the same seed and
+    fold in two pairs of studies on the same data — count once, as their mean. The per-seed count is over (pair,
+    seed). `detect`: a difference to plan for; each metric's `a_minus_b` then says in `units_for_detect` the units
+    it would take to resolve it (`units_to_detect`; None below 2 units)."""
+    raw: dict[str, tuple[dict, dict]] = {key: ({}, {}) for key, _ in COMPARED}   # (pair, seed, fold) → value
+    period_of: dict[tuple, tuple] = {}                                           # (pair, seed, fold) → period
     free = {k for k, on in (("epochs", any_epochs), ("settings", any_settings)) if on}
     sides: dict[str, list[tuple]] = {"epochs": [], "settings": []}
     for i, (a, va, b, vb) in enumerate(pairs):
@@ -114,16 +115,14 @@ def compare_pooled(pairs: list[tuple[dict, str, dict, str]], *, n_boot: int = 10
         if diff:
             raise StudyError(f"the studies' units do not pair: they differ in {', '.join(diff)} "
                              f"({'; '.join(f'{k}: {unit_key(sa, k)!r} vs {unit_key(sb, k)!r}' for k in diff)})")
-        unit = population_units(a, va, b, vb)
+        period = period_key(a) or (lambda s, f, i=i: (i, s, f))
         for key, _ in COMPARED:
             ra, rb = ({(r["seed"], r["fold"]): r[key] for r in res["runs"] if r["variant"] == v and r.get(key) is not None}
                       for res, v in ((a, va), (b, vb)))
-            groups: dict = {}
             for u in set(ra) & set(rb):
-                groups.setdefault(unit(*u), []).append(u)
-            for g, us in groups.items():        # a population: the mean over the (seed, fold) units both sides hold
-                xs[key][0][(i, *g)] = float(np.mean([ra[u] for u in us]))
-                xs[key][1][(i, *g)] = float(np.mean([rb[u] for u in us]))
+                raw[key][0][(i, *u)], raw[key][1][(i, *u)] = ra[u], rb[u]
+                period_of[(i, *u)] = period(*u)
+    xs = {key: (by_period(xa, period_of), by_period(xb, period_of)) for key, (xa, xb) in raw.items()}
     same = lambda a, b: json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)  # noqa: E731
     out: dict = {"metrics": {}, "pairs": len(pairs), "one_study": all(same(a, b) for a, _, b, _ in pairs)}
     for k, both in sides.items():
@@ -131,7 +130,7 @@ def compare_pooled(pairs: list[tuple[dict, str, dict, str]], *, n_boot: int = 10
             out[k] = both
     for key, _ in COMPARED:
         xa, xb = xs[key]
-        units = sorted(set(xa) & set(xb))
+        units = sorted(set(xa) & set(xb), key=repr)
         if not units:
             raise StudyError(f"no (seed, fold) unit has {key} in both sides of any pair")
         out["metrics"][key] = {"a": bootstrap_ci([xa[u] for u in units], n_boot=n_boot, seed=seed),
@@ -143,28 +142,37 @@ def compare_pooled(pairs: list[tuple[dict, str, dict, str]], *, n_boot: int = 10
             d["units_for_detect"] = None if d["sd"] is None else units_to_detect(detect, d["sd"])
     if detect is not None:
         out["detect"] = detect
-    first = first_epoch(pairs, xs["oos_sharpe"])
+    first = first_epoch(pairs, raw["oos_sharpe"][0])
     if first is not None:
-        out["first_val"] = paired(*first, n_boot=n_boot, seed=seed)
-    la, lb = xs["last_val_sharpe"]
+        out["first_val"] = paired(*(by_period(x, period_of) for x in first), n_boot=n_boot, seed=seed)
+    la, lb = raw["last_val_sharpe"]
     seeds = sorted({u[:2] for u in set(la) & set(lb)})
     out["last_val_seeds"] = {"a_at_least_b": sum(
         np.mean([la[u] for u in la if u[:2] == s and u in lb]) >= np.mean([lb[u] for u in lb if u[:2] == s and u in la])
         for s in seeds), "seeds": len(seeds)}
     out["units"] = out["metrics"]["oos_sharpe"]["a_minus_b"]["n"]
+    out["runs"] = len(set(raw["oos_sharpe"][0]) & set(raw["oos_sharpe"][1]))
     return out
 
 
-def first_epoch(pairs: list[tuple[dict, str, dict, str]], shared: tuple[dict, dict]) -> tuple[dict, dict] | None:
-    """({unit: a's epoch-1 val per-trade Sharpe}, {unit: b's}) over the units of `shared` (xs' keys: (pair, seed,
-    fold), or a population's (pair, market, fold)) where both sides' curves have it; None without curves."""
+def by_period(values: dict, period_of: dict) -> dict:
+    """(pair, seed, fold) → value, as each test period's mean."""
+    groups: dict = {}
+    for u, v in values.items():
+        groups.setdefault(period_of[u], []).append(v)
+    return {g: float(np.mean(vs)) for g, vs in groups.items()}
+
+
+def first_epoch(pairs: list[tuple[dict, str, dict, str]], shared: dict) -> tuple[dict, dict] | None:
+    """({(pair, seed, fold): a's epoch-1 val per-trade Sharpe}, {…: b's}) over the units of `shared` where both
+    sides' curves have it; None without curves."""
     xa, xb = {}, {}
     for i, (a, va, b, vb) in enumerate(pairs):
         ca, cb = (res.get("curves", {}).get(v, {}) for res, v in ((a, va), (b, vb)))
         for key, curve in ca.items():
-            if (i, *map(int, key.split("/"))) in shared[0] and curve and cb.get(key) \
-                    and curve[0] is not None and cb[key][0] is not None:
-                xa[(i, key)], xb[(i, key)] = float(curve[0]), float(cb[key][0])
+            u = (i, *map(int, key.split("/")))
+            if u in shared and curve and cb.get(key) and curve[0] is not None and cb[key][0] is not None:
+                xa[u], xb[u] = float(curve[0]), float(cb[key][0])
     return (xa, xb) if xa else None
 
 
@@ -174,7 +182,11 @@ def settings_text(settings) -> str:
 
 
 def markdown(c: dict, la: str, lb: str) -> str:
+    runs = c.get("runs", c["units"])
     over = f"{c['units']} units" + (f" of {c['pairs']} pairs of studies, pooled" if c.get("pairs", 1) > 1 else "")
+    if runs != c["units"]:
+        over += (f" — the {runs} paired (seed, fold) runs trade {c['units']} test periods, and the runs of one period "
+                 "count once, as their mean")
     lines = [f"{la} − {lb}, paired by (seed, fold) over {over} (mean [95 % CI]; expanded percentile bootstrap; "
              "resolvable: the smallest difference these units tell from 0 with 80 % power, a paired t-test at 5 %, "
              "and the units it would take to tell the observed one so):",

@@ -102,6 +102,15 @@ def choice_lines(c: dict) -> list[str]:
     return lines
 
 
+def over_what(res: dict, units: int) -> str:
+    """What a study's intervals resample: its (seed, fold) units, or the test periods they share."""
+    per = res.get("periods")
+    if per:
+        return f"{per['periods']} test periods (each the mean of its {per['units'] // per['periods']} units)" \
+            if per["units"] % per["periods"] == 0 else f"{per['periods']} test periods (each the mean of its units)"
+    return f"{units} (seed, fold) units"
+
+
 def markdown(res: dict) -> str:
     s, t = res["study"], res["timing"]
     units = len(s["seeds"]) * s["folds"]
@@ -113,11 +122,11 @@ def markdown(res: dict) -> str:
              f"bars {s['bars'] or 'dataset default'}; rolling walk-forward folds (train | embargo | val | embargo | "
              f"test). Each run's checkpoint is selected on validation only (best val per-trade Sharpe among epochs with "
              f"≥ {s['min_val_trades']} val trades); OOS is read for that checkpoint alone. Sharpes are un-annualized, "
-             f"per trade. Mean [95 % CI]: expanded percentile bootstrap over the {units} (seed, fold) units, "
+             f"per trade. Mean [95 % CI]: expanded percentile bootstrap over the {over_what(res, units)}, "
              f"{s['n_boot']} resamples, rng seed {s['ci_seed']}. DSR: the selected checkpoint's validation trades "
              f"deflated by all N = {res['n_trials']} checkpoints of the study (variance of their val Sharpes "
-             f"{_n(res['trial_sharpe_var'], '.4f')}); verdict \"validated edge\" only when the mean DSR reaches "
-             f"{DSR_BAR}.",
+             f"{_n(res['trial_sharpe_var'], '.4f')}); verdict \"validated edge\" only when the 95 % CI of the mean DSR "
+             f"lies at or above {DSR_BAR}.",
              "",
              f"Timing: {fmt_timing(t)}.",
              "",
@@ -232,11 +241,8 @@ def markdown(res: dict) -> str:
     if per:
         lines += ["", f"Test periods: the {per['units']} (seed, fold) units share {per['periods']} test periods (the "
                   "seeds of a fold trade one market's same bars), so what holds for another period rests on "
-                  f"{per['periods']}, not {per['units']}. OOS per-trade Sharpe over the periods (each period's mean "
-                  "over its units; mean [95 % CI] over periods): "
-                  + "; ".join(f"{n} {describe(d)}" for n, d in per["variants"].items())
-                  + "".join(f"; paired {n} − {res['reference']} {describe(p)} ({p['wins']}/{p['n']})"
-                            for n, p in per["paired"].items()) + "."]
+                  f"{per['periods']}, not {per['units']}: every CI, gap and paired difference above is over the "
+                  "periods (each period's mean over its units), and \"wins\" counts periods."]
     bar = [f"{n} {describe(d['oos_bar_sharpe'])}" for n, d in res["variants"].items() if d.get("oos_bar_sharpe")]
     bar += [f"{n} (baseline) {describe(d['oos_bar_sharpe'])}" for n, d in res["baselines"].items()
             if bar and d.get("oos_bar_sharpe")]

@@ -412,8 +412,8 @@ class StudySpec:
 
     def cluster_of(self, seed: int, fold: int) -> tuple:
         """The runs on the same data and fold (a synthetic market, or the one real series): one test period. A
-        population variant's statistics count them as one unit, and every study where several units share one also
-        reads OOS over the periods (`tradeloop.study.stats.over_periods`)."""
+        population variant's statistics count them as one unit, and so does every study where several units share
+        one (`tradeloop.study.stats.aggregate`)."""
         return (self.data_seed_of(seed) if self.dataset == "synthetic" else None, fold)
 
     def acting_on_nothing(self) -> list[str]:

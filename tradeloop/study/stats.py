@@ -28,8 +28,12 @@ deflated by every trial of the study, and the results table. Pure numpy over the
 - DSR (`shared.metrics.dsr`): a selected checkpoint's validation trades against the expected maximum Sharpe of N
   trials, N = every checkpoint of every variant of the study (variants × seeds × folds × epochs), with the
   variance of the validation Sharpes of those selection could choose (≥ `min_val_trades` trades:
-  `shared.metrics.trials_variance`; a Sharpe of a few trades is mostly its own noise). Verdict per variant:
-  "validated edge" only when the mean of its runs' DSRs reaches 0.95, else "no validated edge".
+  `shared.metrics.trials_variance`; a Sharpe of a few trades is mostly its own noise). Verdict per variant
+  (`verdict`): "validated edge" only when the 95 % CI of its runs' mean DSR lies at or above 0.95, else "no
+  validated edge".
+- Test periods: where units share one (every seed of a fold on a real series, or seeds that share a synthetic market:
+  `cluster_of`), they are not independent draws of what another period would give. Every mean's CI, gap and paired
+  difference is then over the periods — each period's mean over its units — not over the units.
 Sharpes are un-annualized, per trade.
 """
 from __future__ import annotations
@@ -68,6 +72,14 @@ def study_trials(summaries: Sequence[dict], min_trades: int = 20) -> tuple[int, 
 def study_dsr(val_trade_returns: Sequence[float], n_trials: int, sharpe_var: float | None) -> float:
     """DSR of a selected checkpoint's validation trades deflated by the study's N trials of variance V."""
     return dsr(val_trade_returns, n_trials=max(1, n_trials), sharpe_var_trials=sharpe_var)
+
+
+def verdict(dsr_ci: dict) -> str:
+    """"validated edge" when the 95 % CI of a variant's mean DSR lies at or above `DSR_BAR` (its lower end: a few runs
+    far below the bar cannot hide in the mean of many at 1.0; a single unit has no interval and no verdict of
+    one), else "no validated edge"."""
+    lo = dsr_ci.get("lo")
+    return "validated edge" if lo is not None and dsr_ci.get("n", 0) > 1 and lo >= DSR_BAR else "no validated edge"
 
 
 def describe(ci: dict, spec: str = "+.3f") -> str:
@@ -149,10 +161,14 @@ def aggregate(summaries: Sequence[dict], baselines: Sequence[dict], variants: Se
                             bounds=BOUNDS.get(key, (None, None)))
     cluster = cluster_of or (lambda s, f: (s, f))
     pops = set(populations)
+    units = {(r["seed"], r["fold"]) for r in rows}
+    n_periods = len({cluster(*u) for u in units})
+    shared = n_periods < len(units)            # units that trade one test period are not independent
 
-    def pooled(name: str, values: dict) -> dict:
-        """unit → value, as the units a CI of `name` resamples: its populations' means for a population variant."""
-        return by_cluster(values, cluster) if name in pops else values
+    def pooled(name: str | None, values: dict) -> dict:
+        """unit → value, as the units a CI of `name` resamples: each test period's (or population's) mean where units
+        share one (every variant and baseline then), else the units themselves."""
+        return by_cluster(values, cluster) if shared or name in pops else values
 
     out_v, best_by = {}, {}
     for name in variants:
@@ -162,11 +178,12 @@ def aggregate(summaries: Sequence[dict], baselines: Sequence[dict], variants: Se
         d = {k: ci(list(pooled(name, {(r["seed"], r["fold"]): r[k] for r in rs}).values()), k) for k, _ in METRICS}
         if name in pops:
             d["populations"] = len({cluster(r["seed"], r["fold"]) for r in rs})
-        d["gap"] = gap_ci([r["val_sharpe"] for r in rs], [r["oos_sharpe"] for r in rs], n_boot=n_boot, seed=seed)
+        gv, go = (pooled(name, {(r["seed"], r["fold"]): r[k] for r in rs}) for k in ("val_sharpe", "oos_sharpe"))
+        d["gap"] = gap_ci([gv[c] for c in gv], [go[c] for c in gv], n_boot=n_boot, seed=seed)
         d["n_runs"] = len(rs)
         d["selectable"] = sum(r["selectable"] for r in rs)
         d["dsr_at_bar"] = sum(r["dsr"] >= DSR_BAR for r in rs)
-        d["verdict"] = "validated edge" if d["dsr"]["mean"] >= DSR_BAR else "no validated edge"
+        d["verdict"] = verdict(d["dsr"])
         d["rollbacks"] = sum(r["rollbacks"] for r in rs)
         d["exploits"] = sum(r["exploits"] for r in rs)
         d["rollback_chances"] = sum(len(m["epochs"]) - 1 for m in summaries if m["variant"] == name)
@@ -193,9 +210,10 @@ def aggregate(summaries: Sequence[dict], baselines: Sequence[dict], variants: Se
             d["oos_max_drawdown"] = ci(list(dds.values()), "oos_max_drawdown")
             d["oos_ruined"] = [r["run_id"] for r in rs if ruined(r["oos_max_drawdown"])]
         if all(r["oos_sharpe_unshaped"] is not None for r in rs):
+            per_unit = lambda f: list(pooled(name, {(r["seed"], r["fold"]): f(r) for r in rs}).values())  # noqa: E731
             d["unshaped"] = {"shaped_runs": sum(bool(r["shaped"]) for r in rs),
-                             **{k: ci([r[f"{k}_unshaped"] for r in rs]) for k in ("oos_sharpe", "val_sharpe")},
-                             "shaping_oos": ci([r["oos_sharpe"] - r["oos_sharpe_unshaped"] for r in rs])}
+                             **{k: ci(per_unit(lambda r: r[f"{k}_unshaped"])) for k in ("oos_sharpe", "val_sharpe")},
+                             "shaping_oos": ci(per_unit(lambda r: r["oos_sharpe"] - r["oos_sharpe_unshaped"]))}
         best = best_validated(rs, cluster)
         if best:
             best_by[name] = best["oos"]
@@ -207,10 +225,11 @@ def aggregate(summaries: Sequence[dict], baselines: Sequence[dict], variants: Se
     for name in dict.fromkeys(b["policy"] for b in baselines):
         bs = sorted((b for b in baselines if b["policy"] == name), key=lambda b: (b["seed"], b["fold"]))
         # a per-trade Sharpe of < 2 trades is undefined (None): left out, "n/a" where no unit has one
-        d = {k: ci([b[k] for b in bs if b.get(k) is not None], k)
+        d = {k: ci(list(pooled(None, {(b["seed"], b["fold"]): b[k] for b in bs if b.get(k) is not None}).values()), k)
              for k in ("oos_sharpe", "val_sharpe", "val_trades", "oos_trades", "oos_bar_sharpe")}
         both = [b for b in bs if b["val_sharpe"] is not None and b["oos_sharpe"] is not None]
-        d["gap"] = gap_ci([b["val_sharpe"] for b in both], [b["oos_sharpe"] for b in both], n_boot=n_boot, seed=seed)
+        gv, go = (pooled(None, {(b["seed"], b["fold"]): b[k] for b in both}) for k in ("val_sharpe", "oos_sharpe"))
+        d["gap"] = gap_ci([gv[c] for c in gv], [go[c] for c in gv], n_boot=n_boot, seed=seed)
         d["n_runs"] = len(bs)
         out_b[name] = d
     out_p = {}
@@ -244,17 +263,17 @@ def aggregate(summaries: Sequence[dict], baselines: Sequence[dict], variants: Se
             out_p[name]["oos_sharpe_unshaped"] = pair("oos_sharpe_unshaped")
         if "oos_bar_sharpe" in out_v[name] and "oos_bar_sharpe" in out_v[reference]:
             out_p[name]["oos_bar_sharpe"] = pair("oos_bar_sharpe")
-    periods = over_periods(rows, variants, reference, cluster, pops, n_boot=n_boot, seed=seed)
     curves = {name: {str(m["seed"]) + "/" + str(m["fold"]): [x if np.isfinite(x) else None for x in epoch_sharpes(m)]
                      for m in summaries if m["variant"] == name} for name in variants}   # None: < 2 val trades
-    return {"n_trials": n_trials, **({"periods": periods} if periods else {}), "trial_sharpe_var": var,
+    return {"n_trials": n_trials, **({"periods": {"periods": n_periods, "units": len(units)}} if shared else {}),
+            "trial_sharpe_var": var,
             "reference": reference, "variants": out_v,
             "baselines": out_b, "paired": out_p, "runs": rows, "curves": curves,
             "curves_insample": insample_curves(summaries, variants), "knob_paths": knob_paths(summaries, variants),
             "pairing": pairing_check(summaries),
             # a population's units are not independent: no unit-by-unit choice where one is among the variants
             "choice": choice_by_validation(rows, reference, n_boot=n_boot, seed=seed)
-            if len(out_v) > 1 and not pops & set(out_v) else None}
+            if len(out_v) > 1 and not shared and not pops & set(out_v) else None}
 
 
 def by_cluster(values: dict, cluster: Callable[[int, int], Any]) -> dict:
@@ -269,9 +288,9 @@ def by_cluster(values: dict, cluster: Callable[[int, int], Any]) -> dict:
 def over_periods(rows: Sequence[dict], variants: Sequence[str], reference: str, cluster: Callable[[int, int], Any],
                  populations: set, *, n_boot: int, seed: int) -> dict | None:
     """Where (seed, fold) units share a test period (`cluster`: one market and fold — every seed of a fold on a real
-    series, or `--seeds-per-market` > 1), OOS per-trade Sharpe over the periods instead of the units: each period's
-    mean over its units, then the CI over the periods, per variant and paired against `reference`. A claim about
-    another period rests on this many, not on the units; None where every unit has its own period (or a population
+    series, or `--seeds-per-market` > 1), OOS per-trade Sharpe over the periods: each period's mean over its units,
+    then the CI over the periods, per variant and paired against `reference` — `aggregate`'s headline reading, from
+    a stored study's run rows alone (`bench/periods.py`). None where every unit has its own period (or a population
     variant, already over its populations, is in the study)."""
     units = {(r["seed"], r["fold"]) for r in rows}
     n = len({cluster(*u) for u in units})
