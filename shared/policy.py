@@ -90,6 +90,14 @@ class Action:
     """A new entry was blocked by the protection stack (CVaR limit, E5 gate, regime confidence 0)."""
 
 
+def in_commitment(side: torch.Tensor, bars_in_trade: torch.Tensor, min_hold: int, maturity: torch.Tensor
+                  ) -> torch.Tensor:
+    """Whether an open trade (side ±1; 0: flat) is still inside its commitment — fewer than min_hold · m bars old,
+    m the risk head's maturity floored at `MATURITY_FLOOR` — so that no signal exits it: `act` holds it whatever
+    direction is chosen, and the update's targets (`TrainConfig.feasible_targets`) choose only that one there."""
+    return (side != 0) & (bars_in_trade < min_hold * maturity.clamp(MATURITY_FLOOR, 1.0))
+
+
 @torch.no_grad()
 def act(agent: Agent, view: MarketView, portfolio: torch.Tensor, *, position: torch.Tensor,
         bars_in_trade: torch.Tensor, vol: torch.Tensor, regime: torch.Tensor, controls: PolicyControls,
@@ -146,7 +154,7 @@ def act(agent: Agent, view: MarketView, portfolio: torch.Tensor, *, position: to
 
     cur_side = torch.sign(position)
     entering = (side != 0) & (side != cur_side)
-    committed = (cur_side != 0) & (side != cur_side) & (bars_in_trade.float() < cfg.min_hold * m)
+    committed = in_commitment(cur_side, bars_in_trade.float(), cfg.min_hold, m) & (side != cur_side)
     # commitment comes first: a young trade is held whatever the signal, so no entry is blocked there
     blocked = entering & ~committed & ((cvar < -cfg.cvar_limit / m) | (q_std > controls.gate_threshold)
                                        | (conf <= 0))

@@ -48,7 +48,7 @@ def test_the_shipped_study_files_build(path: Path, tmp_path: Path):
         assert set(offs.get("on", offs.get("pop")).off) == signals
     # variants of the fixed schedule: feedback off
     schedule_only = ("ema", "fresh", "recent", "lowlr", "lr", "decay", "fewer", "dropout", "ratio", "gamma",
-                     "cosine", "swa", "sp")
+                     "cosine", "swa", "sp", "feasible")
     assert all(fb.enabled for n, fb in offs.items() if n != "off" and not n.startswith(schedule_only))
 
     for name, fb in offs.items():
@@ -167,6 +167,11 @@ def test_the_shipped_study_files_build(path: Path, tmp_path: Path):
         assert (spec.seeds, spec.folds, spec.bars) == (swa["seeds"], swa["folds"], swa["bars"])   # it pairs
         ran = json.loads((path.parents[1] / "docs/study-h100-shrink-perturb/results.json").read_text())["study"]
         assert spec.to_dict()["variants"] == ran["variants"]            # the file is the study that was run
+    elif path.name == "targets.toml":       # the update's target and priority corrections, on fresh seeds
+        cfgs = {v.name: spec.configs(v, 14)[0] for v in spec.variants}
+        assert {n: (c.feasible_targets, c.kl_priority, c.schedule.gamma) for n, c in cfgs.items()} == {
+            "off": (False, False, 0.98), "feasible-kl": (True, True, 0.98)}
+        assert spec.seeds == [20, 21, 22, 23, 24]
     elif path.name == "regularise.toml":    # weight decay and dropout together against the widening gap
         cfgs = {v.name: spec.configs(v, 14)[0] for v in spec.variants}
         assert {n: (c.weight_decay, c.dropout, c.schedule.gamma, c.updates_per_iter) for n, c in cfgs.items()} == {

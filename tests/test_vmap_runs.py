@@ -4,7 +4,9 @@ runs' updates can be one batched computation. What makes it hold: the custom aut
 (`layers._DenseGrad`, `losses._ShiftGather`) have a vmap rule (`generate_vmap_rule`, `setup_context`), and the C51
 projection adds its mass out of place."""
 import copy
+import dataclasses
 
+import pytest
 import torch
 from torch.func import stack_module_state, vmap
 
@@ -17,10 +19,15 @@ from tests.test_train import tiny_config
 R = 3
 
 
-def runs(tmp_path, seed: int):
+FIXES = [{}, {"feasible_targets": True, "kl_priority": True}]
+"""The configurations the equalities are checked under: the default, and the learning options that add work to the
+targets and the priority."""
+
+
+def runs(tmp_path, seed: int, **kw):
     """A trained tiny state, R copies of its online and target networks made different, and a batch with its
     noise."""
-    cfg = tiny_config()
+    cfg = dataclasses.replace(tiny_config(), **kw)
     st = train_run(generate(700, seed=3).bars, "synthetic", tmp_path / "run", 1, config=cfg, seed=5)
     gen = torch.Generator().manual_seed(seed)
     online, target = [copy.deepcopy(st.agent) for _ in range(R)], [copy.deepcopy(st.target) for _ in range(R)]
@@ -33,8 +40,9 @@ def runs(tmp_path, seed: int):
     return cfg, st, online, target, b, torch.rand(B, noise_width(cfg), generator=gen)
 
 
-def test_the_objective_of_stacked_runs_equals_each_runs_own(tmp_path):
-    cfg, st, online, _, b, noise = runs(tmp_path, 0)
+@pytest.mark.parametrize("kw", FIXES)
+def test_the_objective_of_stacked_runs_equals_each_runs_own(tmp_path, kw):
+    cfg, st, online, _, b, noise = runs(tmp_path, 0, **kw)
     tg = st.targets(b, noise)
     params, buffers = stack_module_state(online)
     objective = make_objective(st.agent, st.env.market.windows, st.buffers, cfg)
@@ -54,8 +62,9 @@ def test_the_objective_of_stacked_runs_equals_each_runs_own(tmp_path):
             assert torch.allclose(params[n].grad[r], want, rtol=1e-4, atol=1e-5), (r, n)
 
 
-def test_the_targets_of_stacked_runs_equal_each_runs_own(tmp_path):
-    cfg, st, online, target, b, noise = runs(tmp_path, 1)
+@pytest.mark.parametrize("kw", FIXES)
+def test_the_targets_of_stacked_runs_equal_each_runs_own(tmp_path, kw):
+    cfg, st, online, target, b, noise = runs(tmp_path, 1, **kw)
     (po, bo), (pt, bt) = stack_module_state(online), stack_module_state(target)
 
     def targets(po: dict, bo: dict, pt: dict, bt: dict) -> tuple[torch.Tensor, ...]:

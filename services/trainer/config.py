@@ -56,7 +56,7 @@ CHURN_SMALL = 1e-3  # small preset: reward cost per opened trade (return units, 
 
 
 NEUTRAL_UNLISTED = {"policy_ema": 0.0, "policy_swa": 0, "restart_every": 0, "restart_replay": False,
-                    "shrink_perturb": 0.0,
+                    "shrink_perturb": 0.0, "feasible_targets": False, "kl_priority": False,
                     "support_at_start": False, "dropout": 0.0, "lockstep_graphs": 2}
 """Fields that `TrainConfig.to_dict` leaves out at their neutral value, so that the configs (and hashes) of runs
 stored before the field existed still match."""
@@ -103,6 +103,15 @@ class TrainConfig:
     probability: h ← h · m / (1 − p), m drawn from the update's noise (`targets.dropout_columns`), so a captured
     or vmapped update stays a function of its inputs (DroQ, Hiraoka et al. 2022: dropout in the Q-network against
     overfitting the replay). The targets, the double-Q selection, acting and evaluation run the network whole."""
+    feasible_targets: bool = False
+    """The targets' double-Q selection chooses, at a bootstrap state that holds a trade inside its commitment
+    (`shared.policy.in_commitment`: fewer than `min_hold` × maturity bars old), only the held direction: acting holds
+    such a trade whatever is chosen, and the replay records the held side, so the other directions' Q there is never
+    trained. Off: the maximum over all three, which values a young trade as if it could be cut at once."""
+    kl_priority: bool = False
+    """The replay priority of a sample is the KL divergence of its direction prediction from the target (the
+    cross-entropy less the target's entropy, as Rainbow prioritises); off: the cross-entropy, whose entropy part no
+    learning removes, so that sampling stays near uniform (weights within a few % on a short `small` run)."""
     lr_warmup: int = 200
     """Updates of linear LR warm-up of a parameter group from its creation."""
     cosine_period: int = 1000
@@ -325,6 +334,9 @@ class TrainConfig:
             raise ValueError("train config: policy_swa and policy_ema both set: a checkpoint holds one average")
         if not isinstance(self.restart_replay, bool):
             raise ValueError(f"train config: restart_replay must be true or false, got {self.restart_replay!r}")
+        for flag in ("feasible_targets", "kl_priority"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"train config: {flag} must be true or false, got {getattr(self, flag)!r}")
         if not isinstance(self.support_at_start, bool):
             raise ValueError(f"train config: support_at_start must be true or false, got {self.support_at_start!r}")
         if self.lockstep_graphs not in (1, 2):

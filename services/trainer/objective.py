@@ -19,7 +19,7 @@ from shared.agent import Agent
 from services.trainer.buffers import UpdateBuffers
 from services.trainer.config import TrainConfig
 from services.trainer.fused_c51 import available as fused_c51_available
-from services.trainer.losses import (batch_sum, c51_branch_losses, c51_branch_losses_q, expectile_loss,
+from services.trainer.losses import (C51_EPS, batch_sum, c51_branch_losses, c51_branch_losses_q, expectile_loss,
                                      quantile_huber_loss, top_two)
 from services.trainer.replay import Batch
 from services.trainer.targets import Targets, dropout_columns, iqn_rows, sample_horizons
@@ -98,6 +98,9 @@ def make_objective(agent: Agent, windows: torch.Tensor, buf: UpdateBuffers, cfg:
         member = (noise[:, :n_ens] < cfg.ensemble_mask_p).float()                          # N × K
         c51 = ((ce * member.unsqueeze(1)).sum(2) / member.sum(1, keepdim=True).clamp(min=1.0)).sum(1)  # N
         priority = ce[:, 0].mean(1).detach()
+        if cfg.kl_priority:             # the KL: the cross-entropy less the target's own entropy (Rainbow)
+            m = tg.dist[:, 0].float()                                                      # N × A
+            priority = (priority + (m * torch.log(m.clamp(min=C51_EPS))).sum(-1)).clamp(min=0.0)
         # --- IQN quantile Huber on the direction branch (in units of v_max, κ = 1), blended over horizons ---
         qh = quantile_huber_loss((th / v_max).repeat_interleave(Hs, 0), (tg.quantiles / v_max).reshape(n_q * Hs, M),
                                  taus.repeat_interleave(Hs, 0))                            # n_q·H'

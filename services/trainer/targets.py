@@ -2,8 +2,8 @@
 each branch, the target network evaluates it), the n-step returns, and from them the C51, IQN and scalar targets.
 
 Owns: `Targets`, how many horizons and IQN rows a sample has, the layout of an update's uniforms (`noise_width`)
-and `make_targets`. Imports: torch, `shared.agent`, `services.trainer.{config, buffers, losses, fused_c51,
-replay}`. Reads parameters, tables and the batch; writes nothing.
+and `make_targets`. Imports: torch, `shared.{agent, policy, portfolio}`, `services.trainer.{config, buffers, losses,
+fused_c51, replay}`. Reads parameters, tables and the batch; writes nothing.
 """
 from __future__ import annotations
 
@@ -13,11 +13,36 @@ from typing import Callable
 import torch
 
 from shared.agent import Agent
+from shared.policy import FLAT, in_commitment
+from shared.portfolio import BARS_SCALE
 from services.trainer.buffers import UpdateBuffers
 from services.trainer.config import TrainConfig
 from services.trainer.fused_c51 import available as fused_c51_available
 from services.trainer.losses import evaluate_columns, greedy_columns, greedy_next, nstep_returns, project_distribution
 from services.trainer.replay import Batch
+
+
+INFEASIBLE_Q = 1e6
+"""Subtracted from the online Q of a direction the policy cannot take at a bootstrap state
+(`TrainConfig.feasible_targets`), so that the double-Q selection never picks it (Q is in return units)."""
+
+
+def infeasible_directions(agent: Agent, portfolio: torch.Tensor) -> torch.Tensor:
+    """R × 3 (short, flat, long): INFEASIBLE_Q where the state's trade is inside its commitment
+    (`shared.policy.in_commitment`, the rule `act` applies) and the direction is not the held one, else 0;
+    portfolio R × P (the replay's vectors: position, …, bars in trade / BARS_SCALE, …)."""
+    side = torch.sign(portfolio[:, 0])
+    young = in_commitment(side, torch.round(portfolio[:, 2] * BARS_SCALE), agent.cfg.min_hold, agent.maturity)
+    held = (side + FLAT).long().unsqueeze(1)                                               # R × 1
+    other = torch.arange(3, device=portfolio.device).unsqueeze(0) != held                  # R × 3
+    return (young.unsqueeze(1) & other).to(torch.float32) * INFEASIBLE_Q
+
+
+def mask_directions(x: torch.Tensor, penalty: torch.Tensor | None) -> torch.Tensor:
+    """x (R × ≥ 3: the direction branch's columns first) less `penalty` (R × 3) on those columns; x if None."""
+    if penalty is None:
+        return x
+    return torch.cat([x[:, :3] - penalty.to(x.dtype), x[:, 3:]], dim=1)
 
 
 @dataclass
@@ -99,6 +124,8 @@ def make_targets(agent: Agent, target: Agent, buf: UpdateBuffers, cfg: TrainConf
             next_pf = next_pf.gather(1, h.unsqueeze(-1).expand(-1, -1, next_pf.shape[2]))
             w_h = torch.ones_like(R)                                                       # N × 1
         nb, npf = next_bar.reshape(-1), next_pf.reshape(N * Hs, -1)                        # n-major: N·H' rows
+        # only the held direction where acting would hold a young trade whatever it chose (`feasible_targets`)
+        pen = infeasible_directions(agent, npf) if cfg.feasible_targets else None          # N·H' × 3
         tg_n = target.head(buf.emb_target[nb], npf)                                         # cached embeddings
         # the greedy next action of each branch (as a column among the NB actions), chosen by the online network;
         # the ensemble shares one target: the target members' mean next distribution at the greedy action (the
@@ -108,13 +135,13 @@ def make_targets(agent: Agent, target: Agent, buf: UpdateBuffers, cfg: TrainConf
             # the online selection reads the cached market view of the next bars (as stale as the cached
             # embeddings it would otherwise run the heads on) plus the current portfolio shift
             vn = buf.view_online.rows(nb)
-            q_on = vn.q + agent.delta(vn.code, npf)[:, :agent.cfg.n_actions]              # N·H' × NB
+            q_on = mask_directions(vn.q + agent.delta(vn.code, npf)[:, :agent.cfg.n_actions], pen)  # N·H' × NB
             col = greedy_columns(q_on, agent.cfg.branch_sizes)                             # N·H' × NBR
             p_next, d_star = evaluate_columns(tg_n.logits, tg_n.delta, col)
         else:
             on_n = agent.head(buf.emb_online[nb], npf)
-            col, p_next, d_star = greedy_next(on_n.logits, on_n.delta, tg_n.logits, tg_n.delta, z,
-                                              agent.cfg.branch_sizes, fused=fused)
+            col, p_next, d_star = greedy_next(on_n.logits, mask_directions(on_n.delta, pen), tg_n.logits,
+                                              tg_n.delta, z, agent.cfg.branch_sizes, fused=fused)
         p_next = p_next.view(N, Hs, NBR, -1).transpose(1, 2)                               # N × NBR × H' × A
         d_star = d_star.view(N, Hs, NBR).transpose(1, 2)                                   # N × NBR × H'
         # blended over horizons before the projection (Φ is linear in the probabilities)
