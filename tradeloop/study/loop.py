@@ -278,18 +278,20 @@ def evaluate_selected(run_dir: Path, epoch: int, records: list[dict], *, bars: B
 
     "unshaped": where the knobs the checkpoint trained under shape the greedy policy (E5 gate, E9 regime confidence:
     `shapes_policy`), the same backtests without them — the policy as learned — so a study tells what the feedback
-    taught the agent from what its knobs did to the evaluated policy; None where they do not (the two are equal)."""
+    taught the agent from what its knobs did to the evaluated policy; None where they do not (the two are equal).
+    The DSRs are deflated by every epoch of `records`, those it was chosen among (an epoch's own record has the
+    DSR as of that epoch: deflated by it and the ones before)."""
     run_dir = Path(run_dir)
     rec = records[epoch - 1]
-    prior = [r["history"]["val_sharpe"] for r in records[:epoch - 1]]
-    prior_n = [r["history"]["val_n_trades"] for r in records[:epoch - 1]]
+    others = [r["history"] for i, r in enumerate(records) if i != epoch - 1]
+    prior, prior_n = [h["val_sharpe"] for h in others], [h["val_n_trades"] for h in others]
     knobs = Knobs.from_dict(rec["knobs"])
 
     def backtest(shaping: bool):
         return evaluate_checkpoint(checkpoint_path(run_dir, epoch), expected_sha256=None, bars=bars, split=split,
-                                   run_id=run_id or run_dir.name, epoch=epoch, n_trials=epoch, prior_sharpes=prior,
-                                   prior_trades=prior_n, insample_bars=0, device=device, dataset=dataset, oos=True,
-                                   features=features, knobs=knobs, shaping=shaping)
+                                   run_id=run_id or run_dir.name, epoch=epoch, n_trials=len(records),
+                                   prior_sharpes=prior, prior_trades=prior_n, insample_bars=0, device=device,
+                                   dataset=dataset, oos=True, features=features, knobs=knobs, shaping=shaping)
 
     rep = backtest(True)
     plain = backtest(False) if shapes_policy(knobs) else None

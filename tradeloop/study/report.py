@@ -261,6 +261,11 @@ def markdown(res: dict) -> str:
                   + (f"Accounts that ran out of equity out of sample (liquidated, then no more trades: their per-trade "
                      f"Sharpe stops there): {', '.join(gone)}." if gone else
                      "No account ran out of equity out of sample.")]
+    idle = [r for d in res["variants"].values() for r in d.get("oos_untraded", [])]
+    if idle:
+        lines += ["", "Runs whose selected checkpoint closed fewer than two trades out of sample (no per-trade Sharpe: "
+                  "each counts as 0.0, no edge shown, in its variant's OOS figures; a baseline's undefined Sharpe — "
+                  f"flat never trades, buy-and-hold once — is left out of its own): {', '.join(idle)}."]
     shaped = {n: d["unshaped"] for n, d in res["variants"].items() if "unshaped" in d}
     if any(u["shaped_runs"] for u in shaped.values()):
         lines += ["", "Policy shaping apart from learning: the selected checkpoints backtested again without the knobs "

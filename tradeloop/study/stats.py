@@ -181,6 +181,8 @@ def aggregate(summaries: Sequence[dict], baselines: Sequence[dict], variants: Se
         gv, go = (pooled(name, {(r["seed"], r["fold"]): r[k] for r in rs}) for k in ("val_sharpe", "oos_sharpe"))
         d["gap"] = gap_ci([gv[c] for c in gv], [go[c] for c in gv], n_boot=n_boot, seed=seed)
         d["n_runs"] = len(rs)
+        # fewer than two OOS trades: no per-trade Sharpe, counted as 0.0 — no edge shown (a baseline's is left out)
+        d["oos_untraded"] = [r["run_id"] for r in rs if r["oos_trades"] < 2]
         d["selectable"] = sum(r["selectable"] for r in rs)
         d["dsr_at_bar"] = sum(r["dsr"] >= DSR_BAR for r in rs)
         d["verdict"] = verdict(d["dsr"])
