@@ -82,3 +82,28 @@ def test_the_kl_priority_is_the_cross_entropy_less_the_targets_entropy():
     assert (kl >= 0).all() and kl.mean() < 0.5 * ce.mean()
     # the ranking that sampling reads: the KL's spread relative to its mean is far wider than the cross-entropy's
     assert kl.std() / kl.mean() > 5 * ce.std() / ce.mean()
+
+
+def test_an_epochs_fresh_episodes_cut_the_windows_that_would_cross_them():
+    """`cut_episodes`: at fresh episodes the last max-horizon rows of the ring, whose n-step windows would run on
+    into the new episodes, get weight 0 and are never drawn, also once their windows are written; without it they
+    stay as they were."""
+    from services.trainer.loop import fresh_episodes
+
+    st = _state()
+    rp, H = st.replay, st.replay.max_h
+    head = rp.head
+    last = [(head - 1 - k) % rp.L for k in range(H)]
+    before = rp.weight.clone()
+    fresh_episodes(st)                                   # off: nothing cut
+    assert torch.equal(rp.weight, before)
+    st.cfg = dataclasses.replace(st.cfg, cut_episodes=True)
+    fresh_episodes(st)
+    assert (rp.weight[last] == 0).all() and (rp.priority[last] == 0).all()
+    others = [r for r in range(rp.L) if r not in last]
+    assert torch.equal(rp.weight[others], before[others])
+    for _ in range(H + 2):                               # the cut rows' windows are written now
+        st.runner.collect()
+    assert rp.valid_rows()[last].all()
+    slots = rp.sample(4096, torch.Generator().manual_seed(1)).slot
+    assert not torch.isin(slots // rp.E, torch.tensor(last)).any()

@@ -19,7 +19,7 @@ from tests.test_train import tiny_config
 R = 3
 
 
-FIXES = [{}, {"feasible_targets": True, "kl_priority": True}]
+FIXES = [{}, {"feasible_targets": True, "kl_priority": True, "cut_episodes": True}]
 """The configurations the equalities are checked under: the default, and the learning options that add work to the
 targets and the priority."""
 

@@ -57,6 +57,7 @@ CHURN_SMALL = 1e-3  # small preset: reward cost per opened trade (return units, 
 
 NEUTRAL_UNLISTED = {"policy_ema": 0.0, "policy_swa": 0, "restart_every": 0, "restart_replay": False,
                     "shrink_perturb": 0.0, "feasible_targets": False, "kl_priority": False,
+                    "cut_episodes": False,
                     "support_at_start": False, "dropout": 0.0, "lockstep_graphs": 2}
 """Fields that `TrainConfig.to_dict` leaves out at their neutral value, so that the configs (and hashes) of runs
 stored before the field existed still match."""
@@ -112,6 +113,10 @@ class TrainConfig:
     """The replay priority of a sample is the KL divergence of its direction prediction from the target (the
     cross-entropy less the target's entropy, as Rainbow prioritises); off: the cross-entropy, whose entropy part no
     learning removes, so that sampling stays near uniform (weights within a few % on a short `small` run)."""
+    cut_episodes: bool = False
+    """At an epoch's fresh episodes, the replay rows whose n-step windows cross the cut are never drawn
+    (`Replay.cut_windows`): nothing in the ring ends the old episodes there, so their windows would sum the next
+    episodes' first rewards and bootstrap from a random new start (the last max horizon rows of every epoch)."""
     lr_warmup: int = 200
     """Updates of linear LR warm-up of a parameter group from its creation."""
     cosine_period: int = 1000
@@ -334,7 +339,7 @@ class TrainConfig:
             raise ValueError("train config: policy_swa and policy_ema both set: a checkpoint holds one average")
         if not isinstance(self.restart_replay, bool):
             raise ValueError(f"train config: restart_replay must be true or false, got {self.restart_replay!r}")
-        for flag in ("feasible_targets", "kl_priority"):
+        for flag in ("feasible_targets", "kl_priority", "cut_episodes"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"train config: {flag} must be true or false, got {getattr(self, flag)!r}")
         if not isinstance(self.support_at_start, bool):

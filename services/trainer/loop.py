@@ -130,7 +130,7 @@ def train_epoch(state: TrainState, knobs: Knobs, progress: Callable[[int, int], 
         if (resume.epoch, resume.iterations) != (state.epoch + 1, cfg.iterations):
             raise ValueError(f"cannot resume epoch {resume.epoch} ({resume.iterations} iterations) on a state after "
                              f"epoch {state.epoch} ({cfg.iterations} iterations an epoch)")
-        env.reset_all()
+        fresh_episodes(state)
         start, n_upd = resume.iteration, resume.updates
         n_env0, t_before, spent_before = state.env_steps - resume.env_steps, resume.seconds, resume.phases
     ready_to_train(state)
@@ -187,6 +187,15 @@ def train_epoch(state: TrainState, knobs: Knobs, progress: Callable[[int, int], 
                      setup_s=setup_s)
 
 
+def fresh_episodes(state: TrainState) -> None:
+    """Every account starts a fresh episode (an epoch's start, or a resumed epoch's). With `cut_episodes` the
+    replay's last rows, whose n-step windows would run on into the new episodes (nothing in the ring marks the cut:
+    it is no terminal), are never drawn (`Replay.cut_windows`)."""
+    if state.cfg.cut_episodes:
+        state.replay.cut_windows()
+    state.env.reset_all()
+
+
 def start_epoch(state: TrainState, knobs: Knobs) -> None:
     """An epoch's set-up before its embedding refresh: the knobs applied, a restart or shrink-and-perturb where due,
     the support adapted, fresh episodes, the epoch's sums zeroed (`train_epoch`, and each run of a lockstep epoch)."""
@@ -196,7 +205,7 @@ def start_epoch(state: TrainState, knobs: Knobs) -> None:
     elif perturb_due(state):
         shrink_perturb(state)
     adapt_support(state)
-    state.env.reset_all()
+    fresh_episodes(state)
     state.env.pop_trade_stats()
     state.buffers.metric_sums.zero_()
 

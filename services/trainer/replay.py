@@ -216,6 +216,16 @@ class Replay:
         self.weight.zero_()
         self.max_priority.fill_(1.0)
 
+    @torch.no_grad()
+    def cut_windows(self) -> None:
+        """Every env's episode is cut after the newest row without an end in the ring (the trainer starts fresh
+        episodes): the n-step windows of the last max_h rows would sum the next episode's first rewards and bootstrap
+        from its start, so they are never drawn (priority and sampling weight 0; a slot never drawn keeps them)."""
+        age = (self.head_t - 1 - self._rows) % self.L                                       # 0 = newest row
+        cut = (age < self.max_h).unsqueeze(1)                                                # L × 1
+        self.priority.masked_fill_(cut, 0.0)
+        self.weight.masked_fill_(cut, 0.0)
+
     def valid_rows(self) -> torch.Tensor:
         """L bool: ring rows whose full n-step window (max horizon steps after them) is written."""
         age = (self.head_t - 1 - self._rows) % self.L                                       # 0 = newest row
