@@ -4,7 +4,8 @@ or what a replication adds: more pairs of studies after the first (`… A2_DIR:V
 
 The two studies must agree on everything that makes their units the same (dataset, seeds, folds, epochs, preset,
 base settings, bars, data seed); the differences are taken on the (seed, fold) units both hold, with the same
-bootstrap as a study's own paired differences (`stats.paired`). Each study's DSR stays deflated by its own
+bootstrap as a study's own paired differences (`stats.paired`), over test periods: runs that trade the same bars
+count once, as their mean (`period_key`). Each study's DSR stays deflated by its own
 checkpoints only, so it is not compared here. `--any-epochs` pairs studies that differ in epochs alone (a variant
 trained for fewer or more epochs than its reference): each run's checkpoint is still chosen on validation among its
 own epochs, and the table says how many each side had. `--any-settings` pairs studies that differ in their base
@@ -122,6 +123,11 @@ def compare_pooled(pairs: list[tuple[dict, str, dict, str]], *, n_boot: int = 10
             for u in set(ra) & set(rb):
                 raw[key][0][(i, *u)], raw[key][1][(i, *u)] = ra[u], rb[u]
                 period_of[(i, *u)] = period(*u)
+    # a period as its rank among the periods by their first (pair, seed, fold): the order the bootstrap draws in
+    ranks: dict = {}
+    for u in sorted(period_of):
+        ranks.setdefault(period_of[u], len(ranks))
+    period_of = {u: ranks[g] for u, g in period_of.items()}
     xs = {key: (by_period(xa, period_of), by_period(xb, period_of)) for key, (xa, xb) in raw.items()}
     same = lambda a, b: json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)  # noqa: E731
     out: dict = {"metrics": {}, "pairs": len(pairs), "one_study": all(same(a, b) for a, _, b, _ in pairs)}
@@ -130,7 +136,7 @@ def compare_pooled(pairs: list[tuple[dict, str, dict, str]], *, n_boot: int = 10
             out[k] = both
     for key, _ in COMPARED:
         xa, xb = xs[key]
-        units = sorted(set(xa) & set(xb), key=repr)
+        units = sorted(set(xa) & set(xb))
         if not units:
             raise StudyError(f"no (seed, fold) unit has {key} in both sides of any pair")
         out["metrics"][key] = {"a": bootstrap_ci([xa[u] for u in units], n_boot=n_boot, seed=seed),
