@@ -5,8 +5,9 @@
 #   CI passes one it built from the host's apt sources (scripts/docker-ci.sh).
 # torch: CPU by default. TORCH_WHEEL names a wheel file under docker/wheels/ to install (CI: the host's CPU wheel);
 #   without it torch comes from TORCH_INDEX_URL (the GPU override points it at a CUDA wheel index).
-# The image runs as the unprivileged user `tradeloop`, which owns /data/runs: docker-compose.yml mounts its named run
-# volume there (a new named volume takes that ownership). No VOLUME line: it would give every container started
+# The image runs as the unprivileged user `tradeloop`, which owns /data/runs and /data/compile-cache: docker-compose.yml
+# mounts its named run volume on the first and the trainer's compile cache on the second (a new named volume takes
+# that ownership). No VOLUME line: it would give every container started
 # without a mount an anonymous volume, left behind by `docker compose down`.
 ARG BASE_IMAGE=python:3.11-slim
 FROM ${BASE_IMAGE}
@@ -28,7 +29,7 @@ RUN apt-get update \
     && rm -rf /var/lib/apt/lists/* \
     && python3 -m venv /opt/venv \
     && useradd --create-home --uid 10001 tradeloop \
-    && mkdir -p /data/runs \
+    && mkdir -p /data/runs /data/compile-cache \
     && chown -R tradeloop:tradeloop /data
 
 # torch first, in its own layer: the largest download, unchanged by code edits. The wheel directory is mounted for

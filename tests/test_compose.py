@@ -285,8 +285,12 @@ def test_environment_is_the_settings_model(compose, compose_env, monkeypatch, na
         assert svc["depends_on"]["redis"]["condition"] == "service_healthy"
     # one run directory for the run: the named volume holds TL_RUN_DIR in every service (the dashboard reads it)
     assert str(settings.run_dir) == "/data/runs", f"{name}: TL_RUN_DIR {settings.run_dir}"
-    mount = "checkpoints:/data/runs" + (":ro" if name == "dashboard" else "")
-    assert svc.get("volumes") == [mount], f"{name}: volumes {svc.get('volumes')}, expected [{mount!r}]"
+    mounts = ["checkpoints:/data/runs" + (":ro" if name == "dashboard" else "")]
+    if name == "trainer":
+        # torch.compile's cache is loaded with pickle: the trainer's alone, never on the volume other services write
+        mounts.append("compile-cache:/data/compile-cache")
+        assert env["TL_COMPILE_CACHE_DIR"] == "/data/compile-cache"
+    assert svc.get("volumes") == mounts, f"{name}: volumes {svc.get('volumes')}, expected {mounts!r}"
     if name == "trainer":
         assert settings.device == "cpu"
         # as `tradeloop up` does: the trainer starts once the consumers are ready
@@ -405,7 +409,7 @@ def test_redis_service(compose):
     assert "ping" in health.lower() and "REDISCLI_AUTH=" in health and " -a " not in health, "no password in argv"
     assert redis["environment"]["REDIS_PASSWORD"].startswith("${REDIS_PASSWORD:?"), "no default password"
     assert "ports" not in redis, "Redis is reachable only inside the compose network"
-    assert {"checkpoints", "redis-data"} <= set(compose["volumes"])
+    assert {"checkpoints", "compile-cache", "redis-data"} <= set(compose["volumes"])
     assert "redis-data:/data" in redis["volumes"], "AOF must live on a volume"
 
 

@@ -347,7 +347,7 @@ def test_compose_up_runs_the_loop_and_survives_a_killed_evaluator(tmp_path):
         assert "Traceback" not in r.stderr, r.stderr
 
         # no anonymous volume: every volume mounted is one of the compose file's named volumes
-        named = {f"{stack.project}_checkpoints", f"{stack.project}_redis-data"}
+        named = {f"{stack.project}_{v}" for v in ("checkpoints", "compile-cache", "redis-data")}
         for cid in docker("ps", "--all", "--quiet", "--filter", f"label=com.docker.compose.project={stack.project}"
                           ).split():
             mounts = json.loads(docker("inspect", "--format", "{{json .Mounts}}", cid))
