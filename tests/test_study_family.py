@@ -1,6 +1,7 @@
 """Several variants against one reference: each Δ OOS beside its Bonferroni interval (`stats.paired`'s `family`),
 by hand from the documented recipe — the resamples `resample_indices` draws, the quantiles `expanded_tail` gives at
 the level 1 − 0.05 / m."""
+import json
 from pathlib import Path
 
 import numpy as np
@@ -175,3 +176,18 @@ def test_an_epoch_of_fewer_than_two_validation_trades_has_no_sharpe_to_average()
     assert res["variants"]["off"]["last_val_sharpe"]["n"] == 1 and res["paired"]["on"]["last_val_sharpe"]["n"] == 1
     # the validation curves (report.png, results.json) hold no Sharpe there either: None, not a drawn 0.0
     assert res["curves"]["off"] == {"0/0": [0.1, 0.3, 0.0], "1/0": [0.1, 0.3, None]}
+
+
+def test_bench_verdicts_reads_the_stored_verdicts_again_under_todays_rule(capsys):
+    """bench/verdicts.py: the SWA study's `gamma97` (mean DSR 0.986, a run far below the bar) was a validated edge by
+    its mean and is none by the mean's interval; its `off` stays as stored."""
+    from bench import verdicts
+
+    root = Path(__file__).resolve().parents[1]
+    res = json.loads((root / "docs" / "study-h200-swa" / "results.json").read_text())
+    got = verdicts.verdicts(res)
+    old, new, ci = got["gamma97"]
+    assert (old, new) == ("validated edge", "no validated edge") and ci["mean"] >= 0.95 > ci["lo"]
+    assert got["off"][0] == got["off"][1]
+    verdicts.main([str(root / "docs" / "study-h200-swa")])
+    assert "study-h200-swa:gamma97: validated edge -> no validated edge" in capsys.readouterr().out
