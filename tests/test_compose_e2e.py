@@ -320,7 +320,7 @@ def test_compose_up_runs_the_loop_and_survives_a_killed_evaluator(tmp_path):
             files = [f"epoch-{e:04d}.json" for e in epochs]
             assert probe["run_files"] == {"reports": files, "bundles": files}, probe["run_files"]
             listed = get_json(client, f"{dashboard}/runs")
-            assert listed["root"] == "/data/runs" and SETTINGS["TL_RUN_ID"] in [r["id"] for r in listed["runs"]], listed
+            assert listed["root"] == "runs" and SETTINGS["TL_RUN_ID"] in [r["id"] for r in listed["runs"]], listed
             on_disk = get_json(client, f"{dashboard}/runs/{SETTINGS['TL_RUN_ID']}/evaluator/reports")
             assert [r["epoch"] for r in on_disk] == epochs, on_disk
             assert client.get(f"{dashboard}/api/redis/info", timeout=5).status_code == 404

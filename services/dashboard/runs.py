@@ -1,7 +1,8 @@
 """The dashboard's run browser: runs on disk (`shared/runfiles.py`), served with the services' own REST shapes, so the
 page reads a finished run exactly as it reads the live one — no Redis needed.
 
-    GET /runs                                          {"live": live run id or null, "root": ..., "runs": [row, ...]}
+    GET /runs                                          {"live": live run id or null, "root": the served directory's
+                                                       name, "runs": [row, ...]}
     GET /runs/{run}/trainer/status                     a run's status on disk (phase "finished", or "unfinished" for
                                                        an up run with no summary yet: live, or its launcher killed)
     GET /runs/{run}/trainer/api/history                the epoch records
@@ -10,7 +11,9 @@ page reads a finished run exactly as it reads the live one — no Redis needed.
     GET /runs/{run}/feedback/signals[/{epoch}]         as the feedback service's
 
 `{run}` is the run directory's path relative to the served directory ("seed-0", "study/seed-1"); only directories
-the catalog found are served (nothing else on disk is reachable). Parsed reports are cached by file (mtime, size).
+the catalog found are served (nothing else on disk is reachable), and no response or error names a path outside the
+served directory (the dashboard is the one service published beyond loopback, its reads unauthenticated): a run's
+"path" is relative to it, "root" is its name alone. Parsed reports are cached by file (mtime, size).
 The views come from `shared.runview`, as the evaluator's do. A study's run (`tradeloop study`) is read from its epoch
 records (`RunFiles.read`): its reports hold metrics and knobs but no trades and no equity curve, and the checkpoint
 flagged is the one the study selected (its summary.json), whose report alone has an OOS backtest.
@@ -63,8 +66,22 @@ class RunCatalog:
             self._scanned = 0.0                       # a run that appeared since the last scan
             path = self.runs().get(run)
         if path is None:
-            raise HTTPException(404, f"no run {run!r} under {self.root}")
+            raise HTTPException(404, f"no run {run!r} in {self.name}")
         return RunFiles(path)
+
+    @property
+    def name(self) -> str:
+        """The served directory's name: what the responses say of it (never its absolute path)."""
+        return self.root.name or "."
+
+    def relative(self, path: Path) -> str:
+        """`path` (a run's directory, or a file in one) relative to the served directory: "." for the directory
+        itself."""
+        return path.relative_to(self.root).as_posix()
+
+    def scrub(self, text: str) -> str:
+        """`text` (an error naming a file) with the served directory's absolute path replaced by its name."""
+        return text.replace(str(self.root), self.name)
 
 
 def _version(p: Path):
@@ -128,13 +145,13 @@ def create_router(catalog: RunCatalog) -> APIRouter:
         src = files.sources(kind, epoch)
         v = _versions(src)
         if v is None:
-            raise HTTPException(404, f"no {kind} of epoch {epoch} in {files.root}")
+            raise HTTPException(404, f"no {kind} of epoch {epoch} in run {catalog.relative(files.root)}")
         try:
             return await docs.aget((str(src[0]), kind), v,
                                    lambda: _load_report(files, epoch) if kind == "report" else files.read(kind, epoch),
                                    weight=v[0][1])
         except ValueError as exc:
-            raise HTTPException(422, str(exc)) from None
+            raise HTTPException(422, catalog.scrub(str(exc))) from None
 
     async def summaries(files: RunFiles, unreadable: list[str] | None = None) -> list[dict]:
         """The /reports rows of a run, each computed once per report file. A report that cannot be read is a 422
@@ -196,7 +213,7 @@ def create_router(catalog: RunCatalog) -> APIRouter:
             srow = next((r for r in reps if r["epoch"] == sel), None)
             hist = await asyncio.to_thread(files.history)
             bundles = await asyncio.to_thread(files.epochs, "bundle")
-            out.append({"id": run_id, "path": str(path), "live": run_id == catalog.live,
+            out.append({"id": run_id, "path": catalog.relative(path), "live": run_id == catalog.live,
                         "dataset": meta.get("dataset"), "seed": meta.get("seed"),
                         "n_epochs": len(hist), "n_reports": len(reps), "n_bundles": len(bundles),
                         "epochs_requested": _epochs_requested(files),
@@ -210,7 +227,7 @@ def create_router(catalog: RunCatalog) -> APIRouter:
             out.append({"id": catalog.live, "path": None, "live": True, "n_epochs": 0, "n_reports": 0,
                         "n_bundles": 0, "selected_epoch": None, "selected": None, "modified": time.time()})
         out.sort(key=lambda r: (not r["live"], r["id"]))
-        return {"live": catalog.live, "root": str(catalog.root), "runs": out}
+        return {"live": catalog.live, "root": catalog.name, "runs": out}
 
     @router.get("/{run:path}/trainer/status", summary="A run's status on disk (finished or unfinished)")
     async def status(run: str) -> RunOnDiskStatus:
@@ -282,7 +299,7 @@ def create_router(catalog: RunCatalog) -> APIRouter:
         files = catalog.files(run)
         d = await asyncio.to_thread(files.read, "bundle", epoch)
         if d is None:
-            raise HTTPException(404, f"no feedback bundle of epoch {epoch} in {files.root}")
+            raise HTTPException(404, f"no feedback bundle of epoch {epoch} in run {run}")
         return JSONResponse(d)
 
     return router
