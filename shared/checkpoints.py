@@ -57,14 +57,19 @@ def sidecar_path(path: str | os.PathLike) -> Path:
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
-    """Write `data` to `path` atomically: temp file in the same directory + fsync + os.replace."""
+    """Write `data` to `path` atomically: temp file in the same directory + fsync + os.replace. A failed write (a
+    full disk) removes the temp file, leaves `path` as it was and raises OSError with the same errno and the
+    strerror "writing <path>: <reason>"."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except OSError as exc:
+            raise OSError(exc.errno, f"writing {path}: {exc.strerror or exc}") from None
     except BaseException:
         try:
             os.unlink(tmp)
@@ -121,6 +126,15 @@ def save_checkpoint(path: str | os.PathLike, tensors: dict[str, torch.Tensor], m
     _atomic_write(sidecar_path(path), f"{digest}  {path.name}\n".encode())
     _fsync_dir(path.parent)
     return digest
+
+
+def load_error_reason(exc: BaseException, limit: int | None = 200) -> str:
+    """The first informative line of a failed load's message (cut to `limit` characters; None: whole): torch's
+    `load_state_dict` opens with a header ending in a colon ("Error(s) in loading state_dict for Agent:") and
+    names what is wrong on the lines after it ("Missing key(s) in state_dict: …", "size mismatch for …")."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    line = next((ln for ln in lines if not ln.endswith(":")), lines[0] if lines else type(exc).__name__)
+    return line if limit is None or len(line) <= limit else line[:limit - 1] + "…"
 
 
 def _read_sidecar(path: Path) -> str | None:
@@ -205,7 +219,8 @@ def load_checkpoint(path_or_bytes: PathOrBytes,
             raise CheckpointError(source, f"cannot read: {exc.strerror or exc}") from None
         expected = expected_sha256 if expected_sha256 is not None else _read_sidecar(path)
         if expected is None:
-            raise CheckpointError(source, f"no sha256 to check against (no expected digest, no {sidecar_path(path).name})")
+            raise CheckpointError(source, "no sha256 to check against (no expected digest, no "
+                                          f"{sidecar_path(path).name})")
     if expected is not None:
         actual = checkpoint_sha256(data)
         if actual != expected.strip().lower():

@@ -71,7 +71,7 @@ def test_an_interrupted_epoch_resumes_at_its_iteration_with_every_update_kept(tm
         train_epoch(b, Knobs.from_dict(q.knobs), resume=q)
 
 
-def test_an_interrupted_file_of_an_earlier_epoch_or_cut_by_a_kill_is_never_loaded(tmp_path):
+def test_an_interrupted_file_of_an_earlier_epoch_or_with_a_bad_sha256_is_never_loaded(tmp_path):
     bars = generate(700, seed=3).bars
     cfg = tiny_config()
     cfg.iterations = 6
@@ -84,6 +84,7 @@ def test_an_interrupted_file_of_an_earlier_epoch_or_cut_by_a_kill_is_never_loade
     save_interrupted(a, run, info.value.progress)
     path.write_bytes(path.read_bytes()[:-10])                  # cut: its sha256 no longer checks
     assert read_interrupted(run, 0, cfg.hash()) is None and not path.exists() and not sidecar_path(path).exists()
+    assert len(list(path.parent.glob(INTERRUPTED + ".bad-*"))) == 2       # set aside with its sidecar, not deleted
     save_interrupted(a, run, info.value.progress)
     a2 = _state(bars, cfg)
     train_epoch(a2, Knobs.fixed_schedule(1))

@@ -238,8 +238,11 @@ def train(
         except (CheckpointError, ValueError) as exc:             # DataError among them
             err.print(f"error: {exc}", markup=False)
             raise typer.Exit(2) from None
-        except OSError as exc:                                  # --out not writable, a full disk
-            err.print(f"error: cannot write {exc.filename or out}: {exc.strerror or exc}", markup=False)
+        except OSError as exc:          # --out not writable, a full disk (a checkpoint's write names its file)
+            why = str(exc.strerror or exc)
+            where = "" if exc.filename is None and why.startswith("writing ") else \
+                f"cannot write {exc.filename or out}: "
+            err.print(f"error: {where}{why}", markup=False)
             raise typer.Exit(2) from None
     console.print(f"done: {state.epoch} epochs in {out} (checkpoints in {out / 'checkpoints'})")
 

@@ -98,9 +98,9 @@ def report_for_cli(checkpoint: str | os.PathLike, *, data: str | None = None, ex
     split is used (metadata "split"); on other data a fresh chronological split.
     The knobs are those the checkpoint trained under — the metadata's, else the run directory's history.jsonl (the
     checkpoint's `<run>/checkpoints/` parent) — as the loop's evaluator applies them; costs: `cost_bps`, else the
-    metadata's (the loop's), else the run's config. The windows are the loop's (validation, OOS and, with `insample`, the
-    in-sample window), evaluated together as the loop's evaluator does; `oos=False`, `insample=False`: validation
-    alone (what choosing a run's best checkpoint needs).
+    metadata's (the loop's), else the run's config. The windows are the loop's (validation, OOS and, with
+    `insample`, the in-sample window), evaluated together as the loop's evaluator does; `oos=False`,
+    `insample=False`: validation alone (what choosing a run's best checkpoint needs).
     trials: (n_trials, the earlier checkpoints' val per-trade Sharpes, where they came from) for the val DSR — the
     loop's reports (`services.evaluator.runs.loop_trials`); default: n_trials = the checkpoint's epoch, the trials'
     variance the null one (`shared.metrics.dsr`).
@@ -116,8 +116,14 @@ def report_for_cli(checkpoint: str | os.PathLike, *, data: str | None = None, ex
                                   device=device, costs=c.costs, dataset=c.dataset, knobs=c.knobs, oos=oos,
                                   shaping=shaping)
     except (CheckpointError, ValueError) as exc:
-        raise EvaluateInputError(str(exc)) from None
+        raise EvaluateInputError(_named(exc, c.path)) from None
     return CliEvaluation.of(c, report=rep)
+
+
+def _named(exc: ValueError, path: Path) -> str:
+    """The message of an error about a checkpoint's bytes, naming its file: a CheckpointError's source (the
+    evaluator loads the verified bytes, "<N bytes>") replaced by `path`."""
+    return f"checkpoint {path}: {exc.reason}" if isinstance(exc, CheckpointError) else str(exc)
 
 
 @dataclass
@@ -166,7 +172,7 @@ def _cli_inputs(checkpoint: str | os.PathLike, *, data: str | None, expected_sha
     try:
         meta = load_checkpoint(blob, expected)[1]
     except CheckpointError as exc:
-        raise EvaluateInputError(str(exc).replace(f"<{len(blob)} bytes>", str(path))) from None
+        raise EvaluateInputError(_named(exc, path)) from None
     sha = checkpoint_sha256(blob)
     run_dir = _run_dir_of(path)
     run_meta = json.loads((run_dir / "run.json").read_text()) if run_dir else {}
@@ -269,8 +275,13 @@ def windows_for_cli(checkpoints: Sequence[str | os.PathLike], *, window: str = "
             if a != b:
                 raise EvaluateInputError(f"checkpoint {c.path}: another {what} than {first.path} ({a} vs {b}): "
                                          "checkpoints evaluated together must share the run's data, split and costs")
+    agents = []
+    for c in ins:
+        try:
+            agents.append(restore_agent(c.blob, expected_sha256=c.expected, device=device)[0])
+        except CheckpointError as exc:
+            raise EvaluateInputError(_named(exc, c.path)) from None
     try:
-        agents = [restore_agent(c.blob, expected_sha256=c.expected, device=device)[0] for c in ins]
         w = tuple(getattr(first.split, "test" if window == "oos" else "val"))
         runs = run_windows_many(agents, first.bars, [w], controls=[eval_controls(c.knobs, device, shaping)
                                                                    for c in ins],

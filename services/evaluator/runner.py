@@ -49,7 +49,7 @@ import pandas as pd
 import torch
 
 from shared.agent import FLAT, Agent, MarketView, PolicyControls, agent_from_checkpoint
-from shared.checkpoints import CheckpointError, checkpoint_sha256, load_checkpoint
+from shared.checkpoints import CheckpointError, checkpoint_sha256, load_checkpoint, load_error_reason
 from shared.execution import CostModel
 from shared.knobs import Knobs
 from shared.market import Bars, Split, compute_features
@@ -90,7 +90,7 @@ def restore_agent(ckpt: str | os.PathLike | bytes, *, expected_sha256: str | Non
     try:
         agent = agent_from_checkpoint(tensors, meta, device)       # the one agent loader (shared.agent)
     except (TypeError, KeyError, RuntimeError, ValueError) as exc:
-        raise CheckpointError(source, f"tensors do not fit the agent config: {str(exc).splitlines()[0]}") from None
+        raise CheckpointError(source, f"tensors do not fit the agent config: {load_error_reason(exc, None)}") from None
     return agent, meta, sha
 
 

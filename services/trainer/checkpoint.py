@@ -7,18 +7,27 @@ Owns: the checkpoint contents and metadata, `EpochProgress`. Imports: torch, `sh
 """
 from __future__ import annotations
 
+import logging
+import os
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 import torch
 
-from shared.checkpoints import load_checkpoint, save_checkpoint, sidecar_path
+from shared.checkpoints import CheckpointError, load_checkpoint, load_error_reason, save_checkpoint, sidecar_path
 from services.trainer.buffers import refresh_embeddings
 from services.trainer.rundir import CHECKPOINTS, checkpoint_path, epoch_of
 from services.trainer.state import TrainState, restart_fresh
+
+log = logging.getLogger("tradeloop.trainer")
+
+AGENT_KIND, STATE_KIND, INTERRUPTED_KIND = "agent", "trainer_state", "interrupted_epoch"
+"""The metadata "kind" of an epoch's weights, of its trainer state and of an interrupted epoch's file."""
 
 
 @dataclass
@@ -48,7 +57,7 @@ def _rng_tensor(state_bytes: torch.Tensor) -> torch.Tensor:
 
 def agent_metadata(state: TrainState, run_meta: dict) -> dict:
     """Metadata of an agent checkpoint: what the evaluator needs to rebuild and trust it."""
-    return {"kind": "agent", "epoch": state.epoch, "agent_config": state.cfg.agent.to_dict(),
+    return {"kind": AGENT_KIND, "epoch": state.epoch, "agent_config": state.cfg.agent.to_dict(),
             "config_hash": state.cfg.hash(), "dataset": run_meta.get("dataset"),
             "split": run_meta.get("split"), "split_hashes": run_meta.get("split_hashes"),
             "seed": run_meta.get("seed"), "update_step": state.update_step,
@@ -111,7 +120,7 @@ def start_save_epoch(state: TrainState, run_dir: Path, run_meta: dict, backgroun
     path.parent.mkdir(parents=True, exist_ok=True)
     sha = save_checkpoint(path, policy_weights(state), agent_metadata(state, run_meta))
     target = checkpoint_path(run_dir, state.epoch, state=True)
-    tensors, meta = _state_tensors(state), {"kind": "trainer_state", **_state_meta(state)}
+    tensors, meta = _state_tensors(state), {"kind": STATE_KIND, **_state_meta(state)}
     return path, sha, StateWrite(lambda: save_checkpoint(target, tensors, meta), background)
 
 
@@ -174,41 +183,87 @@ def save_interrupted(state: TrainState, run_dir: Path, progress: EpochProgress, 
     t["epoch.metric_sums"] = buf.metric_sums.detach().clone()
     t["epoch.trades"] = torch.stack([env.trade_sum, env.trade_sq, env.trade_n]).detach().clone()
     path = Path(run_dir) / CHECKPOINTS / INTERRUPTED
-    save_checkpoint(path, t, {"kind": "interrupted_epoch", **_state_meta(state), "progress": asdict(progress),
+    save_checkpoint(path, t, {"kind": INTERRUPTED_KIND, **_state_meta(state), "progress": asdict(progress),
                               "record": record or {}})
     return path
 
 
 def read_interrupted(run_dir: Path, epoch_done: int, config_hash: str) -> tuple[dict, dict] | None:
     """(tensors, metadata) of DIR/checkpoints/interrupted.safetensors when it continues the last complete epoch
-    `epoch_done` under the same config and its sha256 checks; else None, and a file that cannot be used is
-    removed (it is older than the last complete epoch, or cut by a kill)."""
+    `epoch_done` under the same config and its sha256 checks (the metadata with "path": the file's, for
+    `restore_interrupted`'s errors); else None. A file of another epoch or config is stale
+    (the run went on past it): removed, logged at INFO. A file that cannot be trusted or read (a sha256 mismatch,
+    a bad header, another kind of file: the writes are atomic, so no kill leaves one) is logged as a WARNING with
+    the reason and renamed aside with its sidecar (`set_aside`), never deleted. Either way the run continues from
+    its last complete epoch."""
     path = Path(run_dir) / CHECKPOINTS / INTERRUPTED
     if not path.exists():
         return None
     try:
         tensors, meta = load_checkpoint(path)
-        ok = (meta.get("kind") == "interrupted_epoch" and int(meta["epoch"]) == epoch_done
-              and meta.get("config_hash") == config_hash)
-    except (ValueError, KeyError, TypeError):   # CheckpointError is a ValueError
-        ok = False
-    if ok:
-        return tensors, meta
+        if meta.get("kind") != INTERRUPTED_KIND:
+            raise CheckpointError(str(path), f"its metadata kind is {meta.get('kind')!r}, not an interrupted "
+                                             "epoch's (files swapped?)")
+        try:
+            epoch = int(meta["epoch"])
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(str(path), f"its metadata epoch is {meta.get('epoch')!r}, not a number") from None
+    except CheckpointError as exc:
+        aside = set_aside(path)
+        log.warning("%s: %s; renamed to %s (with its sidecar): the run continues from epoch %d", path, exc.reason,
+                    aside.name, epoch_done)
+        return None
+    if epoch == epoch_done and meta.get("config_hash") == config_hash:
+        return tensors, {**meta, "path": str(path)}
+    log.info("%s continues epoch %d under config %s, not epoch %d under this run's config: removed (stale)",
+             path, epoch, str(meta.get("config_hash"))[:12], epoch_done)
     remove_checkpoint(path)
     return None
 
 
+def set_aside(path: Path) -> Path:
+    """Rename a checkpoint that cannot be trusted, and its sidecar, to `<name>.bad-<UTC time>` (a name nothing
+    loads, prunes or overwrites), keeping it for a look; returns the new path."""
+    path = Path(path)
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    aside, n = path.with_name(f"{path.name}.bad-{stamp}"), 1
+    while aside.exists() or sidecar_path(aside).exists():
+        n += 1
+        aside = path.with_name(f"{path.name}.bad-{stamp}-{n}")
+    side = sidecar_path(path)
+    if side.exists():
+        os.replace(side, sidecar_path(aside))
+    os.replace(path, aside)
+    return aside
+
+
+@contextmanager
+def _loading(path: Path) -> Iterator[None]:
+    """Tensors of `path` that do not fit the state they are loaded into (torch's `load_state_dict` and `copy_`
+    errors, a missing tensor): CheckpointError naming the file and the first informative line of the error."""
+    try:
+        yield
+    except (CheckpointError, torch.OutOfMemoryError):
+        raise
+    except (RuntimeError, KeyError, ValueError, TypeError) as exc:
+        raise CheckpointError(str(path), f"does not fit this run's agent or trainer state: "
+                                         f"{load_error_reason(exc)}") from None
+
+
 def restore_interrupted(state: TrainState, tensors: dict, meta: dict) -> EpochProgress:
     """Load `read_interrupted`'s agent, trainer state and epoch sums into a freshly built `state` (same config);
-    returns the progress to pass to `train_epoch(resume=…)`."""
+    returns the progress to pass to `train_epoch(resume=…)`. CheckpointError naming the file when its tensors do
+    not fit."""
     dev = state.device
-    state.agent.load_state_dict({k[len("agent."):]: v.to(dev) for k, v in tensors.items() if k.startswith("agent.")})
-    _load_state(state, tensors, meta)
-    state.buffers.metric_sums.copy_(tensors["epoch.metric_sums"].to(dev))
-    trades = tensors["epoch.trades"].to(dev)
-    for i, acc in enumerate((state.env.trade_sum, state.env.trade_sq, state.env.trade_n)):
-        acc.copy_(trades[i])
-    return EpochProgress(**meta["progress"])
+    with _loading(Path(meta.get("path") or Path(CHECKPOINTS) / INTERRUPTED)):
+        state.agent.load_state_dict({k[len("agent."):]: v.to(dev) for k, v in tensors.items()
+                                     if k.startswith("agent.")})
+        _load_state(state, tensors, meta)
+        state.buffers.metric_sums.copy_(tensors["epoch.metric_sums"].to(dev))
+        trades = tensors["epoch.trades"].to(dev)
+        for i, acc in enumerate((state.env.trade_sum, state.env.trade_sq, state.env.trade_n)):
+            acc.copy_(trades[i])
+        return EpochProgress(**meta["progress"])
 
 
 def remove_checkpoint(path: Path) -> None:
@@ -240,24 +295,56 @@ def prune_checkpoints(run_dir: Path, epoch: int, keep: int | None, pinned: Itera
 
 
 
+_KIND_NAMES = {AGENT_KIND: "an epoch's weights", STATE_KIND: "a trainer-state file",
+               INTERRUPTED_KIND: "an interrupted epoch's file"}
+
+
+def _check_kind(path: Path, meta: dict, kind: str) -> None:
+    """CheckpointError naming `path` unless its metadata kind is `kind`."""
+    got = meta.get("kind")
+    if got != kind:
+        what = _KIND_NAMES.get(got, f"a file of kind {got!r}")
+        raise CheckpointError(str(path), f"is {what}, not {_KIND_NAMES[kind]} (files swapped?)")
+
+
 def _load_epoch(state: TrainState, run_dir: Path, epoch: int, expected_sha256: str | None = None
-                ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict]:
-    """Epoch `epoch`'s online weights and trainer-state tensors, and the state's metadata, each file checked against
-    its sha256 (the weights against `expected_sha256` when given, else their sidecar). The online weights are the
+                ) -> tuple[dict[str, torch.Tensor], Path, dict[str, torch.Tensor], dict]:
+    """Epoch `epoch`'s online weights and the file they come from, its trainer-state tensors and the state's
+    metadata, each file checked against its sha256 (the weights against `expected_sha256` when given, else their
+    sidecar) and its metadata kind (CheckpointError naming a file of another kind). The online weights are the
     checkpoint's, or the trainer state's where the checkpoint holds their moving average (`policy_ema`)."""
-    w, _ = load_checkpoint(checkpoint_path(run_dir, epoch), expected_sha256)
-    t, meta = load_checkpoint(checkpoint_path(run_dir, epoch, state=True))
-    if meta["config_hash"] != state.cfg.hash():
+    wpath, tpath = checkpoint_path(run_dir, epoch), checkpoint_path(run_dir, epoch, state=True)
+    w, wmeta = load_checkpoint(wpath, expected_sha256)
+    _check_kind(wpath, wmeta, AGENT_KIND)
+    t, meta = load_checkpoint(tpath)
+    _check_kind(tpath, meta, STATE_KIND)
+    if meta.get("config_hash") != state.cfg.hash():
         raise ValueError(f"{run_dir}: the run's config changed since epoch {epoch} (config hash mismatch)")
     online = {k[len("online."):]: v for k, v in t.items() if k.startswith("online.")}
-    return online or w, t, meta
+    return (online, tpath, t, meta) if online else (w, wpath, t, meta)
+
+
+def _check_fits(path: Path, tensors: dict[str, torch.Tensor], current: dict[str, torch.Tensor]) -> None:
+    """CheckpointError naming `path` unless `tensors` has the names and shapes of `current` (a module's state dict):
+    checked before anything is loaded, so a refused rollback leaves the learner as it was."""
+    missing, unexpected = sorted(current.keys() - tensors.keys()), sorted(tensors.keys() - current.keys())
+    sizes = [f"size mismatch for {k}: {tuple(tensors[k].shape)} in the file, {tuple(current[k].shape)} here"
+             for k in sorted(current.keys() & tensors.keys()) if tensors[k].shape != current[k].shape]
+    why = ([f"Missing key(s): {', '.join(missing)}"] if missing else []) + \
+          ([f"Unexpected key(s): {', '.join(unexpected)}"] if unexpected else []) + sizes
+    if why:
+        raise CheckpointError(str(path), f"does not fit this run's agent or trainer state: "
+                                         f"{load_error_reason(RuntimeError(why[0]))}")
 
 
 def restore_state(state: TrainState, run_dir: Path, epoch: int) -> None:
-    """Load epoch `epoch`'s agent and trainer state into a freshly built `state` (same config): resume."""
-    w, t, meta = _load_epoch(state, run_dir, epoch)
-    state.agent.load_state_dict({k: v.to(state.device) for k, v in w.items()})
-    _load_state(state, t, meta)
+    """Load epoch `epoch`'s agent and trainer state into a freshly built `state` (same config): resume.
+    CheckpointError naming the file whose tensors do not fit."""
+    w, wpath, t, meta = _load_epoch(state, run_dir, epoch)
+    with _loading(wpath):
+        state.agent.load_state_dict({k: v.to(state.device) for k, v in w.items()})
+    with _loading(checkpoint_path(run_dir, epoch, state=True)):
+        _load_state(state, t, meta)
 
 
 def roll_back(state: TrainState, run_dir: Path, epoch: int, expected_sha256: str | None = None,
@@ -273,7 +360,8 @@ def roll_back(state: TrainState, run_dir: Path, epoch: int, expected_sha256: str
     `train_epoch`, which recomputes them in its set-up).
     With `restart` (`FeedbackBundle.rollback_restart`) the answer to the drop is a fresh learner instead
     (`state.restart_fresh`: new weights, zeroed optimizer state, and the replay emptied under
-    `TrainConfig.restart_replay`); `epoch`'s files are not read."""
+    `TrainConfig.restart_replay`); `epoch`'s files are not read. CheckpointError naming a file of `epoch` that
+    cannot be trusted or whose tensors do not fit."""
     if not 0.0 <= keep < 1.0:
         raise ValueError(f"rollback keep must be in [0, 1), got {keep}")
     if restart:
@@ -281,15 +369,22 @@ def roll_back(state: TrainState, run_dir: Path, epoch: int, expected_sha256: str
         if refresh:
             refresh_embeddings(state)
         return
-    w, t, _ = _load_epoch(state, run_dir, epoch, expected_sha256)
+    w, wpath, t, _ = _load_epoch(state, run_dir, epoch, expected_sha256)
+    tpath = checkpoint_path(run_dir, epoch, state=True)
+    _check_fits(wpath, w, state.agent.state_dict())
+    _check_fits(tpath, {k[len("target."):]: v for k, v in t.items() if k.startswith("target.")},
+                state.target.state_dict())
     if keep:
         now = {k: v.detach().cpu() for k, v in state.agent.state_dict().items()}
-        w = _blend(now, w, keep)
+        with _loading(wpath):
+            w = _blend(now, w, keep)
         now_t = {f"target.{k}": v.detach().cpu() for k, v in state.target.state_dict().items()}
-        t = {**t, **_blend(now_t, {k: v for k, v in t.items() if k.startswith("target.")}, keep)}
-    with torch.no_grad():
+        with _loading(tpath):
+            t = {**t, **_blend(now_t, {k: v for k, v in t.items() if k.startswith("target.")}, keep)}
+    with torch.no_grad(), _loading(wpath):
         state.agent.load_state_dict({k: v.to(state.device) for k, v in w.items()})
-    _load_learner(state, t)
+    with _loading(tpath):
+        _load_learner(state, t)
     if refresh:
         refresh_embeddings(state)
 
@@ -341,5 +436,6 @@ def _load_state(state: TrainState, t: dict, meta: dict) -> None:
     state.env.tracker.load_state({k[len("tracker."):]: v for k, v in t.items() if k.startswith("tracker.")})
     state.generator.set_state(t["rng.generator"])
     torch.set_rng_state(t["rng.torch"])
-    state.epoch, state.update_step, state.env_steps = int(meta["epoch"]), int(meta["update_step"]), int(meta["env_steps"])
+    state.epoch, state.update_step = int(meta["epoch"]), int(meta["update_step"])
+    state.env_steps = int(meta["env_steps"])
     state.learn_from = int(meta.get("learn_from", 0))         # a state saved before the replay could be emptied: 0

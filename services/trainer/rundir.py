@@ -73,10 +73,11 @@ def latest_epoch(run_dir: Path) -> int:
 
     `save_checkpoint` writes a file atomically and then its sidecar; a trainer killed inside `save_epoch` can leave
     the weights of epoch e without its state, or a file without its sidecar: such an epoch is incomplete and is
-    trained again, never loaded. A file whose sidecar it does not match was changed after it was written, which no
-    kill does: CheckpointError naming it, nothing touched (training again would overwrite the run's checkpoints).
-    Temp files of a killed write are removed (only the trainer writes here)."""
-    from shared.checkpoints import CheckpointError, _read_sidecar, checkpoint_sha256
+    trained again, never loaded. A file whose sidecar it does not match, or a sidecar that does not hold a sha256
+    digest, was changed after it was written, which no kill does (both are written atomically): CheckpointError
+    naming it, nothing touched (training again would overwrite the run's checkpoints). Temp files of a killed
+    write are removed (only the trainer writes here)."""
+    from shared.checkpoints import CheckpointError, _read_sidecar, checkpoint_sha256, sidecar_path
 
     ck = Path(run_dir) / CHECKPOINTS
     for tmp in ck.glob(".epoch-*.tmp"):
@@ -86,7 +87,9 @@ def latest_epoch(run_dir: Path) -> int:
             try:
                 want = _read_sidecar(p) if p.exists() else None
             except CheckpointError:
-                want = None
+                raise CheckpointError(str(p), f"sidecar {sidecar_path(p).name} does not hold a sha256 digest: it was "
+                                      "changed after it was written; restore it (or its run) from a copy, or train "
+                                      "into a new directory — nothing was touched") from None
             if want is None:
                 log.warning("%s is incomplete (no sha256 sidecar: a kill during the checkpoint write?): epoch %d "
                             "is trained again from the latest complete epoch before it", p, e)
