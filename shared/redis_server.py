@@ -18,11 +18,17 @@ its fsync come before the reply. The loop writes a few records an epoch; on the 
 than the 2-core VM's run-to-run spread, and `always` drains ≥ 11 000 msg/s.
 
 The server is restartable on the same directory and address: tests `kill()` it (SIGKILL) and `start()`
-it again on its AOF. Use it as a context manager; `url` is `unix://:password@/…/redis.sock?db=0`
+it again on its AOF, and `tradeloop up` starts it again when it exits (`returncode`, `log_tail` say how it ended).
+Use it as a context manager; `url` is `unix://:password@/…/redis.sock?db=0`
 (`redis://:password@127.0.0.1:port/0` with tcp=True), what redis-py's `from_url` takes.
+
+`RedisOutageLog` is the services' side of an outage: one WARNING when their Redis retries begin and one INFO when
+Redis answers again, instead of a line per retry (`watch_consumer` drives it for a stream consumer's loop).
 """
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
 import re
 import secrets
@@ -188,6 +194,11 @@ class EmbeddedRedis:
         """True while the server process is alive."""
         return self._proc is not None and self._proc.poll() is None
 
+    @property
+    def returncode(self) -> int | None:
+        """The exit status of a server process that has ended (negative: the signal that ended it), else None."""
+        return None if self._proc is None else self._proc.poll()
+
     # -- lifecycle --------------------------------------------------------------------------------
     def _choose_socket(self) -> Path:
         """data_dir/redis.sock, or, when that path is longer than a socket address holds (`SUN_PATH_MAX`), redis.sock
@@ -249,7 +260,7 @@ class EmbeddedRedis:
             while True:
                 if self._proc.poll() is not None:
                     raise RedisServerError(f"redis-server exited with code {self._proc.returncode}; "
-                                           f"log tail:\n{self._log_tail()}")
+                                           f"log tail:\n{self.log_tail()}")
                 try:
                     client.ping()
                     break
@@ -260,7 +271,7 @@ class EmbeddedRedis:
                 if time.monotonic() > deadline:
                     self.kill()
                     raise RedisServerError(f"redis-server on {self.address} did not answer PING within "
-                                           f"{self.startup_timeout_s}s; log tail:\n{self._log_tail()}")
+                                           f"{self.startup_timeout_s}s; log tail:\n{self.log_tail()}")
                 time.sleep(0.02)
             self.version = check_redis_version(client.info("server"), where=f"embedded Redis {self.address}")
         except BaseException:
@@ -271,11 +282,12 @@ class EmbeddedRedis:
             client.close()
         return self
 
-    def _log_tail(self, n: int = 15) -> str:
+    def log_tail(self, n: int = 15) -> str:
+        """The last `n` non-blank lines of the server's log (data_dir/redis.log), "(no log)" where there is none."""
         log = self.data_dir / "redis.log"
         if not log.exists():
             return "(no log)"
-        return "\n".join(log.read_text(errors="replace").splitlines()[-n:])
+        return "\n".join([ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()][-n:])
 
     def _terminate(self, timeout_s: float) -> None:
         if not self.running:
@@ -312,6 +324,57 @@ class EmbeddedRedis:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+class RedisOutageLog:
+    """A service's Redis outage in two log lines: a WARNING at the first failed retry (`failed`), an INFO when Redis
+    answers again (`answered`: how many retries, how long); the retries in between log nothing."""
+
+    def __init__(self, logger: logging.Logger):
+        self.log = logger
+        self.since: float | None = None     # monotonic time of the outage's first failure; None: Redis answers
+        self.retries = 0
+
+    @property
+    def down(self) -> bool:
+        return self.since is not None
+
+    def failed(self, error: str, state=None) -> None:
+        """One failed Redis call that will be retried; with `state` (a `shared.api.ServiceState`) also its /status
+        last_error and its `redis_retries` counter."""
+        if state is not None:
+            state.error(f"Redis unreachable ({error}); retrying")
+            state.count("redis_retries")
+        self.retries += 1
+        if self.since is None:
+            self.since = time.monotonic()
+            self.log.warning("Redis unreachable (%s); retrying until it answers", error)
+
+    def answered(self) -> None:
+        """A Redis call succeeded: ends the outage, if one was logged."""
+        if self.since is not None:
+            self.log.info("Redis answers again after %.1fs (%d failed %s)", time.monotonic() - self.since,
+                          self.retries, "try" if self.retries == 1 else "tries")
+            self.since, self.retries = None, 0
+
+
+async def watch_consumer(consumer, state, outage: RedisOutageLog, interval_s: float = 1.0) -> None:
+    """Drive `outage` for a `shared.bus.Consumer`, whose loop retries Redis errors by itself: each `interval_s`, a
+    reconnect counted since the last look or `state.redis_answers` False (the worker's lag probe failed) is a failure;
+    during an outage, a PING that is answered ends it. Runs until cancelled."""
+    seen = consumer.stats.reconnects
+    while True:
+        await asyncio.sleep(interval_s)
+        st = consumer.stats
+        if st.reconnects > seen or not state.redis_answers:
+            outage.failed(st.last_error or state.last_error or "no error recorded")
+        elif outage.down:
+            try:
+                await consumer.bus.redis.ping()
+                outage.answered()
+            except Exception as exc:  # noqa: BLE001 — not answered yet
+                outage.failed(f"{type(exc).__name__}: {exc}")
+        seen = st.reconnects
 
 
 def _conf_str(value: object) -> str:

@@ -32,6 +32,7 @@ from shared.bus import Bus, Consumer
 from shared.config import EvaluatorSettings
 from shared.events import CheckpointPublished, EvalCompleted, Event
 from shared.knobs import Knobs
+from shared.redis_server import RedisOutageLog, watch_consumer
 from shared.report import EvalReport
 from shared.store import run_key
 
@@ -97,13 +98,16 @@ class EvaluatorWorker(ConsumerWorker):
         self._data: dict[tuple, dict] = {}
         self._val_sharpes: dict[int, tuple[float, int] | None] = {}   # epoch → (val per-trade Sharpe, trades)
         self._warm: asyncio.Task | None = None
+        self._outage: asyncio.Task | None = None      # logs a Redis outage the consumer retries through, once
         # evaluating: the epoch whose checkpoint this replica is evaluating (taken from the stream, not acked yet)
         state.extra.update(consumer=settings.consumer_name, evaluated=[], evaluating=None, last_eval_s=None)
 
     async def run(self) -> None:
-        """Consume (`ConsumerWorker.run`), warming up beside it (`warm_up`)."""
+        """Consume (`ConsumerWorker.run`), warming up (`warm_up`) and logging a Redis outage (`watch_consumer`)
+        beside it."""
         if self._warm is None:                         # once per process (run() is retried while Redis is down)
             self._warm = asyncio.create_task(self.warm_up())
+            self._outage = asyncio.create_task(watch_consumer(self.consumer, self.state, RedisOutageLog(log)))
         await super().run()
 
     async def warm_up(self) -> None:

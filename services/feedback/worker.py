@@ -20,6 +20,7 @@ from shared.api import ConsumerWorker, ServiceState, bundle_id, knob_gauges, rep
 from shared.bus import Bus, Consumer
 from shared.config import FeedbackSettings
 from shared.events import EvalCompleted, Event, FeedbackReady
+from shared.redis_server import RedisOutageLog, watch_consumer
 from shared.report import EvalReport
 
 log = logging.getLogger("tradeloop.feedback")
@@ -42,6 +43,13 @@ class FeedbackWorker(ConsumerWorker):
                                  block_ms=int(min(1000, bus.socket_timeout_s * 500)))
         state.extra.update(consumer=name, enabled=settings.enabled, off=list(settings.off), bundled=[])
         self._history: dict[int, object] = {}     # epoch → guard.HistoryEntry of this run's earlier reports
+        self._outage: asyncio.Task | None = None  # logs a Redis outage the consumer retries through, once
+
+    async def run(self) -> None:
+        """Consume (`ConsumerWorker.run`), a Redis outage logged beside it (`watch_consumer`)."""
+        if self._outage is None:                   # once per process (run() is retried while Redis is down)
+            self._outage = asyncio.create_task(watch_consumer(self.consumer, self.state, RedisOutageLog(log)))
+        await super().run()
 
     async def handle(self, event: Event) -> None:
         """Handle one eval.completed (see the module docstring)."""

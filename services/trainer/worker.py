@@ -52,6 +52,7 @@ from shared.config import TrainerSettings, check_cuda
 from shared.events import CheckpointPublished, EventError, FeedbackReady, decode_event
 from shared.knobs import FixedSchedule, Knobs
 from shared import runfiles
+from shared.redis_server import RedisOutageLog
 from shared.store import run_key
 from services.trainer.bundles import BundleWaiter, rollback_request
 from services.trainer.rundir import HISTORY, append_history, checkpoint_path, finite, read_run_json
@@ -128,6 +129,7 @@ class TrainerWorker:
         self._carry: dict = {}                  # overlap: the wait between two epochs, for the next record
         self.schedule = FixedSchedule()          # the run's config's, once built: knobs without a bundle
         self._tstate = None                      # the training state, once built (a mid-epoch rollback's target)
+        self.outage = RedisOutageLog(log)        # a Redis outage logged once when it starts, once when it ends
         state.extra.update(epochs=settings.epochs, feedback=None, paused=False, training_epoch=None, iteration=None,
                            iterations=None, updates_per_s=None, env_steps_per_s=None)
 
@@ -263,6 +265,7 @@ class TrainerWorker:
                 resp = await self.bus.redis.xread({stream: last_id}, count=100,
                                                   block=max(1, min(block_ms, int(left * 1000))))
                 backoff.reset()
+                self.outage.answered()
             except REDIS_DOWN as exc:  # Redis down: keep waiting (the timeout still bounds the wait)
                 self._redis_down(exc)
                 if left <= 0:
@@ -454,8 +457,7 @@ class TrainerWorker:
 
     # -- publishing -----------------------------------------------------------------------------------------
     def _redis_down(self, exc: BaseException) -> None:
-        self.state.error(f"Redis unreachable ({type(exc).__name__}: {exc}); retrying")
-        self.state.count("redis_retries")
+        self.outage.failed(f"{type(exc).__name__}: {exc}", self.state)   # /status; a WARNING at the first
 
     async def _publish(self, epoch: int, path: Path, meta: dict, record: dict) -> None:
         """`_publish_once`, retried with backoff while Redis is unreachable (every step is idempotent)."""
@@ -479,6 +481,7 @@ class TrainerWorker:
             run_id=self.bus.run_id, epoch=epoch, checkpoint_id=cid, sha256=sha, key=key, size_bytes=len(data),
             config_hash=meta["config_hash"], split_hashes=meta["split_hashes"], path=str(path.resolve())))
         self.state.count("checkpoints_published")
+        self.outage.answered()
 
     # -- the loop -------------------------------------------------------------------------------------------
     async def run(self) -> None:

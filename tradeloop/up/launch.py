@@ -2,9 +2,10 @@
 
 In order: plan the run (`runs`), bind every service's port (`endpoints`), claim or lock the run directory and write
 up.json, start or reach Redis, write the API token and services.json, start the services (`supervisor`), show
-progress until N epochs are in, the timeout, or Ctrl-C / SIGTERM (`progress`), stop them saying what the stop waits
-for and what was saved (`stopping`), write the summary with the run's best checkpoint, stop the embedded Redis and
-release the lock. An unfinished run prints the command that resumes it.
+progress until N epochs are in, the timeout, or Ctrl-C / SIGTERM (`progress`; an embedded Redis that exits is started
+again on its AOF, `RedisWatch`), stop them saying what the stop waits for and what was saved (`stopping`), write the
+summary with the run's best checkpoint, stop the embedded Redis and release the lock. An unfinished run prints the
+command that resumes it.
 """
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ from pathlib import Path
 
 from tradeloop.up.endpoints import (HOST, PortTaken, api_token, bind_listeners, close_listeners, port_holder,
                                     start_redis, wanted_ports, write_services_file)
-from tradeloop.up.progress import (Progress, collect_summary, dead_letter_line, fmt, loop_done, new_dead_letters,
-                                   redis_client, trainer_failure, write_line)
+from tradeloop.up.progress import (Progress, RedisWatch, collect_summary, dead_letter_line, fmt, loop_done,
+                                   new_dead_letters, redis_client, trainer_failure, write_line)
 from tradeloop.up.runs import (RunError, claim_run, default_run_dir, lock_resumed, plan_run, resume_hint,
                                write_run_file)
 from tradeloop.up.stopping import interrupted_note, stopping_note
@@ -140,10 +141,11 @@ def run_up(*, epochs: int, dataset: str, device: str, summary: Path | None, eval
     else:
         say("services " + ", ".join(f"{name} {url}" for name, url in urls.items()) + f" ; {where_token}")
     t0 = time.monotonic()
-    status, failure, dead_after = "completed", None, "0"
+    status, failure, dead_after, redis_watch = "completed", None, "0", None
     try:
         sup.start_all(abort=lambda: bool(stop["why"]))
         with Progress(urls, epochs, live) as prog, redis_client(redis_url) as watch:   # one connection for the poll
+            redis_watch = RedisWatch(server, watch)
             last = 0.0
             while True:
                 if stop["why"]:
@@ -157,6 +159,12 @@ def run_up(*, epochs: int, dataset: str, device: str, summary: Path | None, eval
                 now = time.monotonic()
                 if now - last >= 1.0:
                     last = now
+                    for msg in redis_watch.poll():
+                        prog.note(msg)
+                    if redis_watch.failure is not None:
+                        prog.note(f"the loop cannot go on: {redis_watch.failure}")
+                        failure, status = redis_watch.failure, "failed"
+                        break
                     prog.refresh()
                     failure = trainer_failure(prog.snapshot.get("trainer"))
                     if failure is not None:
@@ -200,6 +208,8 @@ def run_up(*, epochs: int, dataset: str, device: str, summary: Path | None, eval
                "redis": "embedded" if server else "external", "evaluators": evaluators,
                "wall_seconds": round(time.monotonic() - t0, 1), "resumed": resuming, "stopped": ended,
                "restarts": {p.name: p.restarts for p in procs}}
+        if server is not None:
+            doc["restarts"]["redis"] = redis_watch.restarts if redis_watch is not None else 0
         if failure is not None:
             doc["loop_error"] = failure
         best, unwritten = write_summary(doc, redis_url, run_path, summary)

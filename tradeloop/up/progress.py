@@ -3,13 +3,17 @@ epoch, loss, the validation per-trade Sharpe (un-annualized), trades and DSR, th
 health with rich (a live table on a terminal, one line per event otherwise). OOS is shown for the checkpoint validation
 selects alone, as on the dashboard: a per-epoch OOS column invites choosing an epoch by its test result.
 `loop_done`, `collect_summary` and `new_dead_letters` read Redis; `trainer_failure` reads the trainer's /status: the
-launcher ends a run that cannot finish (a failed trainer, a last epoch's message given up) at once.
+launcher ends a run that cannot finish (a failed trainer, a last epoch's message given up) at once. `RedisWatch`
+starts an embedded Redis that exited again on its AOF (within `REDIS_RESTARTS`), and says when an external one stops
+and starts answering.
 """
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
+import time
 from contextlib import contextmanager
 from typing import Any, Iterator
 
@@ -264,6 +268,127 @@ class Progress:
                       fmt(k.get("gamma")), fmt(k.get("q_bias")),
                       "-" if applied is None else f"epoch {applied}")
         return Group(svc, t)
+
+
+REDIS_RESTARTS = 5
+"""How many times in a row the launcher starts an embedded Redis that exited again (after 1 s, 2 s, 4 s, … as a
+service's restart): a server that then runs `REDIS_STEADY_S` clears the count; one more exit stops the run."""
+REDIS_STEADY_S = 60.0
+REDIS_QUIET_S = 10.0
+"""How long Redis may go unanswered in the launcher's poll before it says so (an external Redis; the embedded one is
+watched through its process)."""
+
+
+class RedisWatch:
+    """The run's Redis, looked at in each of the launcher's polls (`poll`, returning lines to print). An embedded
+    `server` (`shared.redis_server.EmbeddedRedis`) that exited is started again, after a backoff, on the same
+    directory, socket and config: it replays its AOF, so every write it acknowledged is there again. After
+    `REDIS_RESTARTS` restarts in a row `failure` says why the run cannot go on. For an external Redis (`server`
+    None), `client` is PINGed: `REDIS_QUIET_S` of errors are reported once, and so is the answer that ends them."""
+
+    def __init__(self, server: Any, client: Any, *, restarts: int = REDIS_RESTARTS, steady_s: float = REDIS_STEADY_S,
+                 quiet_s: float = REDIS_QUIET_S):
+        self.server, self.client = server, client
+        self.budget, self.steady_s, self.quiet_s = restarts, steady_s, quiet_s
+        self.restarts = 0                  # restarts done in the run (the summary's)
+        self.in_a_row = 0                  # restarts since the server last ran `steady_s`
+        self.backoff_s = 1.0
+        self.next_start: float | None = None
+        self.started_at = time.monotonic()
+        self.failure: str | None = None
+        self.silent_since: float | None = None
+        self.reported = False
+
+    def poll(self) -> list[str]:
+        """Look at Redis once (a restart, when one is due, happens here); the lines to print."""
+        if self.failure is not None:
+            return []
+        if self.server is not None:
+            return self._embedded(time.monotonic())
+        return self._external(time.monotonic())
+
+    def _embedded(self, now: float) -> list[str]:
+        from shared.redis_server import RedisServerError
+
+        srv = self.server
+        if srv.running:
+            if self.in_a_row and now - self.started_at >= self.steady_s:
+                self.in_a_row, self.backoff_s = 0, 1.0
+            return []
+        if self.next_start is None:              # it has just exited
+            return [self._again(now, f"the embedded Redis exited ({exit_words(srv.returncode)}); its log ends: "
+                                     f"{log_end(srv)}")]
+        if now < self.next_start:
+            return []
+        self.next_start = None
+        self.restarts += 1
+        self.in_a_row += 1
+        srv.startup_timeout_s = max(srv.startup_timeout_s, 60.0)    # a long AOF takes its time to replay
+        try:
+            srv.start()
+        except RedisServerError as exc:
+            return [self._again(time.monotonic(), f"the embedded Redis did not start again (restart "
+                                                  f"#{self.restarts}): {str(exc).splitlines()[0]}")]
+        self.started_at = time.monotonic()
+        return [f"the embedded Redis was restarted on {srv.address} (restart #{self.restarts}, "
+                f"{self.budget - self.in_a_row} more in a row allowed), its AOF replayed; the services reconnect"]
+
+    def _again(self, now: float, line: str) -> str:
+        """`line`, and what comes next: the next start after the backoff, or, the budget spent, the run's end."""
+        log = self.server.data_dir / "redis.log"
+        if self.in_a_row >= self.budget:
+            self.failure = f"the embedded Redis stopped again after {self.budget} restarts in a row (its log: {log})"
+            return line
+        self.next_start = now + self.backoff_s
+        line += f"; restarting it in {self.backoff_s:.0f}s on its AOF (log: {log})"
+        self.backoff_s = min(30.0, self.backoff_s * 2)
+        return line
+
+    def _external(self, now: float) -> list[str]:
+        from redis import RedisError
+
+        from shared.redis_server import redact_url
+
+        where = redact_url(_url_of(self.client))
+        try:
+            self.client.ping()
+        except RedisError as exc:
+            if self.silent_since is None:
+                self.silent_since = now
+            if not self.reported and now - self.silent_since >= self.quiet_s:
+                self.reported = True
+                return [f"Redis at {where} has not answered for {now - self.silent_since:.0f}s "
+                        f"({type(exc).__name__}: {exc}); the services retry until it does"]
+            return []
+        lines = []
+        if self.reported:
+            lines.append(f"Redis at {where} answers again after {now - self.silent_since:.0f}s")
+        self.silent_since, self.reported = None, False
+        return lines
+
+
+def _url_of(client: Any) -> str:
+    """The address a redis-py client connects to, as a URL for messages."""
+    kw = client.connection_pool.connection_kwargs
+    if kw.get("path"):
+        return f"unix://{kw['path']}"
+    return f"redis://{kw.get('host', '?')}:{kw.get('port', '?')}/{kw.get('db', 0)}"
+
+
+def exit_words(code: int | None) -> str:
+    """A process's exit status in words: "killed by SIGKILL", "exit code 1"."""
+    if code is not None and code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def log_end(server: Any, n: int = 3, width: int = 100) -> str:
+    """The last `n` lines of an embedded Redis's log, each cut to `width` characters, on one line."""
+    lines = [ln.strip() for ln in server.log_tail(n).splitlines()]
+    return " | ".join(ln if len(ln) <= width else ln[:width - 1] + "…" for ln in lines) or "(empty)"
 
 
 def fmt(x: Any) -> str:
