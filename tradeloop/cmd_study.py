@@ -21,6 +21,8 @@ from typing import Any, Optional
 import typer
 
 CLI_ONLY = ("config", "redis", "report_only")
+REDIS_ENV = ("TL_REDIS_URL", "REDIS_URL")
+"""Where `--redis` comes from when not given, the first set (the services' variables: `tradeloop.study.remote`)."""
 """Options of `tradeloop study` that a study file does not hold; every other option is a key of it (`study`'s
 parameter names, `set_` as `set`: `TOML_KEYS`, defined after `study`)."""
 
@@ -264,9 +266,11 @@ def study(
     lockstep: Optional[str] = typer.Option(None, "--lockstep", help="Runs a worker trains as one batched "
                                            "computation: up to K runs of one market and trainer config, or auto "
                                            "(default: 2 on CUDA, 1 on a CPU or with --redis)."),
-    redis: Optional[str] = typer.Option(None, "--redis", help="Redis URL: runs go through its stream, where "
-                                        "`tradeloop study-worker` on other hosts take them too (--parallel 0: "
-                                        "none here)."),
+    redis: Optional[str] = typer.Option(None, "--redis", envvar=list(REDIS_ENV), show_envvar=True,
+                                        help="Redis URL: runs go through its stream, where `tradeloop "
+                                        "study-worker` on other hosts take them too (--parallel 0: none here); "
+                                        "its password in the URL or in TL_REDIS_PASSWORD. Default: the "
+                                        "environment; '' runs here without Redis."),
     report_only: bool = typer.Option(False, "--report-only", help="Aggregate the finished study in --out again "
                                      "(results.json, report.md, report.png) without running anything."),
 ) -> None:
@@ -284,6 +288,8 @@ def study(
     if report_only:
         _report_only(out, err)
         return
+    redis = redis or None                          # --redis '': no Redis, whatever the environment says
+    warn_password_on_command_line(redis, err)
     try:
         spec, out_dir = build_spec(cli, remote=redis is not None)
         check_runnable(spec, local=spec.parallel > 0)
@@ -332,6 +338,19 @@ TOML_KEYS = tuple(k for k in map(_key, inspect.signature(study).parameters) if k
 """The keys of a study file: the options of `tradeloop study` but `CLI_ONLY`."""
 
 
+def warn_password_on_command_line(url: str | None, err) -> None:
+    """One warning line when the Redis URL, with a password in it, is on this process's command line (`--redis`,
+    which every local user reads in /proc/PID/cmdline) rather than in the environment."""
+    import sys
+
+    from tradeloop.study.remote import has_password
+
+    if url and has_password(url) and any(url in arg for arg in sys.argv[1:]):
+        err.print("warning: --redis holds a password, which every user of this host can read in the process list; "
+                  "give the URL in TL_REDIS_URL (or the password in TL_REDIS_PASSWORD) instead",
+                  markup=False, highlight=False)
+
+
 def unwritable(out, exc: OSError) -> str:
     """What an OSError met while writing a study's files says: the folder, the file and the system's reason."""
     where = f" ({exc.filename})" if getattr(exc, "filename", None) else ""
@@ -364,7 +383,9 @@ def _report_only(out, err) -> None:
 
 
 def study_worker(
-    redis: str = typer.Option(..., "--redis", help="The study's Redis URL."),
+    redis: Optional[str] = typer.Option(None, "--redis", envvar=list(REDIS_ENV), show_envvar=True,
+                                        help="The study's Redis URL (its password in it or in TL_REDIS_PASSWORD). "
+                                        "Default: the environment."),
     study_id: str = typer.Option(..., "--study", help="The study's id (printed by `tradeloop study --redis`)."),
     out: Path = typer.Option(..., "--out", help="This host's directory for the runs it does."),
     parallel: str = typer.Option("auto", "--parallel", help="Runs at once on this host (GPUs round-robin): N or "
@@ -375,18 +396,21 @@ def study_worker(
     from rich.console import Console
 
     from shared.redis_server import RedisServerError
-    from tradeloop.study.runner import work_for
     from tradeloop.study.capacity import parse_parallel
+    from tradeloop.study.host import WorkersDied, work_for
     from tradeloop.study.spec import StudyError, StudyInterrupted
 
     err = Console(stderr=True, soft_wrap=True)
+    warn_password_on_command_line(redis, err)
     try:
+        if not redis:
+            raise StudyError(f"the study's Redis URL is required: set {REDIS_ENV[0]} (or give --redis URL)")
         if parse_parallel(parallel, "cpu") < 1:
             raise StudyError(f"--parallel must be ≥ 1 on a worker host, got {parallel}")
         work_for(redis, study_id, out, parallel, threads, Console(soft_wrap=True))
     except (StudyError, RedisServerError) as exc:
         err.print(f"error: {exc}", markup=False, highlight=False)
-        raise typer.Exit(1 if isinstance(exc, StudyInterrupted) else 2) from None
+        raise typer.Exit(1 if isinstance(exc, (StudyInterrupted, WorkersDied)) else 2) from None
 
 
 def study_compare(

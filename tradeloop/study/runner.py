@@ -3,6 +3,7 @@ and, when every run is done, the statistics and the report.
 
 Layout of the out directory:
     study.json                 what the study is (a resume must ask for the same)
+    study.lock                 flock'ed by the study process while it lives (`guard.StudyLock`: one at a time)
     runs/<variant>-s<S>-f<K>/  one run: train_run's run.json, history.jsonl, checkpoints/; the loop's loop/epoch-N.json;
                                summary.json, written atomically when the run is done (the done marker); .lock;
                                attempts.jsonl (a line per start, with the epoch it started from)
@@ -14,10 +15,11 @@ Layout of the out directory:
 
 The workers (`multiprocessing`, spawn; `tradeloop.study.worker`) run the runs; a done run (summary.json) is never
 run again. With `--redis` the runs go through a Redis stream instead of the local queue (`tradeloop.study.remote`),
-and `tradeloop study-worker` processes on other hosts take them too (`work_for`).
+and `tradeloop study-worker` processes on other hosts take them too (`tradeloop.study.host`).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -33,7 +35,8 @@ from redis.exceptions import RedisError
 from tradeloop.study.interrupt import sigterm_interrupts, stopped_how
 from tradeloop.study.loop import write_json_atomic
 from tradeloop.study.report import BackgroundBaselines, write_results
-from tradeloop.study.capacity import parse_parallel, usable_cores
+from tradeloop.study.capacity import usable_cores
+from tradeloop.study.guard import StudyLock
 from tradeloop.study.spec import StudyError, StudyInterrupted, StudySpec
 from tradeloop.study.worker import WARM_FILE, first_fills_cache, start_workers, visible_gpus
 
@@ -195,14 +198,24 @@ def share_gpus(spec: StudySpec, P: int, gpus: list[str], console, status: "Statu
 def run_study(spec: StudySpec, out: Path, console=None, redis_url: str | None = None) -> dict:
     """Run every run of the study not done yet (P at once here; with `redis_url` through that Redis, where
     `tradeloop study-worker` processes on other hosts take runs too), then write the results; returns them.
-    Raises StudyError when runs failed (they are retried by running the same study again)."""
-    import multiprocessing as mp
-
+    Holds `OUT/study.lock` meanwhile (StudyError naming the holder when another study process has it). Raises
+    StudyError when runs failed (they are retried by running the same study again)."""
     from rich.console import Console
 
     console = console or Console()
     out = Path(out)
     prepare(spec, out)
+    lock = StudyLock(out)
+    try:
+        return _run_study(spec, out, console, redis_url)
+    finally:
+        lock.release()
+
+
+def _run_study(spec: StudySpec, out: Path, console, redis_url: str | None) -> dict:
+    """`run_study` under the study's lock."""
+    import multiprocessing as mp
+
     runs = spec.runs()
     r = sid = None
     if redis_url is not None:
@@ -247,9 +260,10 @@ def run_study(spec: StudySpec, out: Path, console=None, redis_url: str | None = 
 
             events = RedisEvents(redis_url, sid)
             publish(r, sid, json.loads((out / "study.json").read_text()), pending)
-            source: tuple = ("redis", redis_url, sid, len(runs))
+            source: tuple = ("redis", sid, len(runs))
             console.print(f"study {sid} in {redact_url(redis_url)}: workers elsewhere join with `tradeloop "
-                          f"study-worker --redis URL --study {sid} --out DIR`", markup=False, highlight=False)
+                          f"study-worker --study {sid} --out DIR`, the URL in TL_REDIS_URL (its password there or "
+                          "in TL_REDIS_PASSWORD)", markup=False, highlight=False)
         else:
             tasks, events = ctx.Queue(), ctx.Queue()
             work = lockstep_groups(spec, pending)
@@ -264,7 +278,10 @@ def run_study(spec: StudySpec, out: Path, console=None, redis_url: str | None = 
     with sigterm_interrupts() as term:
         if pending:
             try:
-                workers = start_workers(ctx, spec, out, source, P, worker_gpus, threads, extra_env)
+                from tradeloop.study.remote import url_in_env
+
+                with url_in_env(redis_url) if r is not None else contextlib.nullcontext():
+                    workers = start_workers(ctx, spec, out, source, P, worker_gpus, threads, extra_env)
                 epochs_here = _follow(spec, out, runs, workers, events, status, failed, r, sid, P, before,
                                       len(done), t_start, console)
             except RedisError as exc:          # the study's Redis went away (`--redis`): stop, keep what is done
@@ -325,6 +342,8 @@ def _results(spec: StudySpec, out: Path, status: Status, baseline_job: Backgroun
     baseline_job.join()
     if r is not None:
         _copy_remote_summaries(r, sid, out)
+    for rid in done_runs(spec, out):            # a run with a summary is done, whatever else reported it failed
+        failed.pop(rid, None)
     if failed:
         status.update(force=True, state="failed", runs_failed=sorted(failed))
         join_workers(workers, 30.0)
@@ -397,8 +416,9 @@ def report_only(out: Path) -> dict:
         raise StudyError(f"--out {out}: study.json is unreadable ({exc})") from None
     missing = [r.run_id for r in spec.runs() if r.run_id not in done_runs(spec, out)]
     if missing:
-        raise StudyError(f"--out {out}: {len(missing)} of {len(spec.runs())} runs are not done ({', '.join(missing[:5])}"
-                         f"{' …' if len(missing) > 5 else ''}); run the study's command again to finish them")
+        raise StudyError(f"--out {out}: {len(missing)} of {len(spec.runs())} runs are not done "
+                         f"({', '.join(missing[:5])}{' …' if len(missing) > 5 else ''}); run the study's command "
+                         "again to finish them")
     st = _read_status(out / "status.json")
     timing = {"wall_s": st.get("wall_s"), "runs_at_once": st.get("parallel", spec.parallel),
               "epochs_trained": st.get("epochs_this_start"), "epochs_per_s": st.get("epochs_per_s") or None,
@@ -433,6 +453,8 @@ def _follow(spec: StudySpec, out: Path, runs: list, workers: list, events, statu
                     ok, bad = accounted(r, sid)
                     if len(ok | set(bad)) >= len(runs) and time.monotonic() - t_event > 1.0:
                         failed.update(bad)         # (and its last events read: a second without any)
+                        for rid in ok:             # done by a worker, whatever another reported of it
+                            failed.pop(rid, None)
                         break
                 elif len(exited) >= P:
                     break
@@ -493,6 +515,11 @@ def _follow(spec: StudySpec, out: Path, runs: list, workers: list, events, statu
                 failed[rid] = ev["error"]
                 prog.console.print(f"[red]{rid} failed: {ev['error']}")
                 _event_log(out, {"type": "error", "run": rid, "error": ev["error"], "traceback": ev["traceback"]})
+            elif ev["type"] == "handed-over":     # another worker has the run now (through Redis)
+                current.get(who, set()).discard(rid)
+                status.doc["running"].pop(rid, None)
+                prog.console.print(f"{rid}: {where} leaves it to another ({ev['why']})", markup=False,
+                                   highlight=False)
             elif ev["type"] == "stand-down":
                 gib = 2.0 ** 30
                 what = ("workers", f"a worker of up to {spec.lockstep} runs in lockstep") if spec.lockstep > 1 else \
@@ -517,55 +544,6 @@ def _follow(spec: StudySpec, out: Path, runs: list, workers: list, events, statu
             status.doc["peak_running"] = max(status.doc.get("peak_running", 0), len(status.doc["running"]))
             status.update(force=ev["type"] != "epoch", runs_failed=sorted(failed))
     return epochs_here
-
-
-def work_for(url: str, sid: str, out: Path, parallel: int | str, threads: int | None, console) -> int:
-    """`tradeloop study-worker`: P worker processes on this host take the study's runs from Redis until every run
-    is accounted for (`parallel`: P or auto, `parse_parallel` for the study's device); returns how many runs this
-    host did."""
-    import multiprocessing as mp
-
-    from tradeloop.study.remote import CLAIM_IDLE_S, accounted, client, fetch_spec
-
-    doc = fetch_spec(url, sid)
-    spec = StudySpec.from_dict(doc["spec"])
-    parallel = parse_parallel(parallel, spec.device)
-    if doc.get("resolved") not in (None, spec.resolved()):
-        raise StudyError(f"study {sid}: its variants resolve to other trainer or feedback configs with this host's "
-                         "tradeloop than with the one that started it; run the same tradeloop on every host")
-    out = Path(out)
-    prepare(spec, out)
-    n_runs = len(spec.runs())
-    gpus = visible_gpus() if spec.device != "cpu" else []
-    if spec.device != "cpu" and not gpus:
-        raise StudyError("the study runs on cuda but no CUDA device is visible here")
-    threads = threads or spec.threads or max(1, usable_cores() // parallel)
-    before = done_runs(spec, out)
-    console.print(f"study {sid}: {n_runs} runs of {spec.epochs} epochs; {parallel} worker(s) here in {out}",
-                  markup=False, highlight=False)
-    daemon, worker_gpus, extra_env = share_gpus(spec, parallel, gpus, console)
-    workers: list = []
-    with sigterm_interrupts() as term:
-        try:
-            workers = start_workers(mp.get_context("spawn"), spec, out, ("redis", url, sid, n_runs), parallel,
-                                    worker_gpus, threads, extra_env)
-            for p in workers:
-                p.join()
-        except KeyboardInterrupt as exc:
-            term.stopping()
-            how = stop_workers(workers, stopped_by=exc)
-            raise StudyInterrupted(f"{how}: the runs this host held go back to the study {CLAIM_IDLE_S:.0f} s "
-                                   "after their last heartbeat, for any worker to take (this command run again "
-                                   "resumes them from their last epoch on this disk)") from None
-        finally:
-            if daemon is not None:
-                with term.held():
-                    daemon.stop()
-    ok, bad = accounted(client(url), sid)
-    mine = done_runs(spec, out) - before
-    console.print(f"done here: {len(mine)} run(s); the study: {len(ok)} of {n_runs} runs done, {len(bad)} failed",
-                  markup=False, highlight=False)
-    return len(mine)
 
 
 def _event_log(out: Path, doc: dict) -> None:

@@ -23,6 +23,7 @@ import json
 import multiprocessing.util
 import os
 import signal
+import socket
 import time
 import traceback
 from pathlib import Path
@@ -30,7 +31,9 @@ from typing import Callable
 
 from shared.redis_server import die_with_parent
 from services.trainer.sm_partition import ENV_SLOT, ENV_SMS
+from tradeloop.study.guard import code_fingerprint
 from tradeloop.study.loop import PARTS, write_json_atomic
+from tradeloop.study.remote import RunHandedOver
 from tradeloop.study.spec import RunSpec, StudyError, StudySpec
 
 WARM_FILE = ".cache/warm"
@@ -59,7 +62,8 @@ def record_run_memory(out: Path, gpu: str | None) -> None:
 
     if not (out / RUN_MEMORY_FILE).exists():
         free, total = torch.cuda.mem_get_info()
-        write_json_atomic(out / RUN_MEMORY_FILE, {"run_bytes": int(total - free), "total_bytes": int(total), "gpu": gpu})
+        write_json_atomic(out / RUN_MEMORY_FILE, {"run_bytes": int(total - free), "total_bytes": int(total),
+                                                  "gpu": gpu})
 
 
 def gpu_slots(out: Path) -> tuple[int, dict] | None:
@@ -174,7 +178,7 @@ def execute_run(spec: StudySpec, out: Path, rs: RunSpec, data: DataCache,
         "feedback": fb.to_dict(),
         "epochs_trained_here": spec.epochs - trained_before, "wall_s": time.perf_counter() - t0,
         "device": spec.device, "gpu": os.environ.get("CUDA_VISIBLE_DEVICES") if spec.device != "cpu" else None,
-        "pid": os.getpid(),
+        "pid": os.getpid(), "host": socket.gethostname(), "code": code_fingerprint(),
         # torch's threads in this run: on a CPU a run's numbers depend on them (a float sum's order), so a study
         # resumed or shared across hosts with another --parallel or --threads pairs runs trained alike only where
         # these agree
@@ -185,8 +189,13 @@ def execute_run(spec: StudySpec, out: Path, rs: RunSpec, data: DataCache,
     return summary
 
 
+class RunBusy(StudyError):
+    """The run's directory is locked by another live process (`RunLock`)."""
+
+
 class RunLock:
-    """An exclusive, non-blocking `flock` on a run directory's .lock, released when the process ends (even killed)."""
+    """An exclusive, non-blocking `flock` on a run directory's .lock, released when the process ends (even killed);
+    RunBusy naming the holder when another process holds it."""
 
     def __init__(self, run_dir: Path):
         import fcntl
@@ -199,7 +208,7 @@ class RunLock:
             self.f.seek(0)
             holder = self.f.read().strip()
             self.f.close()
-            raise StudyError(f"{run_dir} is being run by another process ({holder or 'unknown'})") from None
+            raise RunBusy(f"{run_dir} is being run by another process ({holder or 'unknown'})") from None
         self.f.seek(0)
         self.f.truncate()
         self.f.write(f"pid {os.getpid()}\n")
@@ -207,7 +216,6 @@ class RunLock:
 
     def release(self) -> None:
         self.f.close()
-
 
 
 def worker_env(out: Path, gpu: str | None, deterministic: bool, iteration_sms: int = 0,
@@ -240,6 +248,12 @@ class LocalSource:
     def failed(self, run_id: str, error: str) -> None:
         pass                                  # the study process records it from the event
 
+    def check(self) -> None:
+        pass                                  # a queued run is this worker's alone
+
+    def hand_over(self) -> bool:
+        return False                          # a run locked by another process fails: this study cannot finish it
+
     def close(self) -> None:
         pass
 
@@ -261,7 +275,8 @@ def exit_on_sigterm(signum, frame) -> None:
 def worker_main(index: int, gpu: str | None, out: str, source: tuple, threads: int, wait_warm: float,
                 delay: float, parent_pid: int, extra_env: dict[str, str] | None = None, slot: int = 0,
                 spread: float = 0.0) -> None:
-    """A worker process: take run ids from its source (("local", tasks, events) or ("redis", url, sid, n_runs))
+    """A worker process: take run ids from its source (("local", tasks, events) or ("redis", sid, n_runs), the Redis
+    URL from its environment: `remote.url_in_env`)
     until there is none left, run each, report progress as events. `slot`: its place among the workers of its GPU;
     a worker whose slot is past the runs that fit the GPU's memory (`gpu_slots`) stands down before its next run,
     and a run that meets CUDA out of memory waits for memory to free and resumes (`OOM_RETRIES` times)."""
@@ -293,9 +308,9 @@ def worker_main(index: int, gpu: str | None, out: str, source: tuple, threads: i
     if spread > 0:
         time.sleep(spread)
     if source[0] == "redis":
-        from tradeloop.study.remote import RedisSource
+        from tradeloop.study.remote import RedisSource, env_url
 
-        src = RedisSource(*source[1:])
+        src = RedisSource(env_url(), *source[1:])
     else:
         src = LocalSource(*source[1:])
     data = DataCache(spec)
@@ -320,8 +335,10 @@ def worker_main(index: int, gpu: str | None, out: str, source: tuple, threads: i
 def run_task(spec: StudySpec, out: Path, run_id: str, data: DataCache, src, index: int, gpu: str | None,
              train_fn: Callable | None = None) -> None:
     """One run in this worker, start to end, its progress and its end (done or error) reported as events; under its
-    directory's lock. Alone (`train_fn` None) a run that meets CUDA out of memory resumes (`run_with_memory_retries`);
-    a lockstep member fails instead (the study run again resumes it)."""
+    directory's lock. A run another worker took over (`RunHandedOver`, at an epoch's end) or that a live process
+    on this disk holds (`RunBusy`) is left to it where the source allows (`hand_over`: through Redis), reported as
+    "handed-over", not as an error. Alone (`train_fn` None) a run that meets CUDA out of memory resumes
+    (`run_with_memory_retries`); a lockstep member fails instead (the study run again resumes it)."""
     import torch
 
     rs = spec.run(run_id)
@@ -331,6 +348,7 @@ def run_task(spec: StudySpec, out: Path, run_id: str, data: DataCache, src, inde
         lock = RunLock(out / "runs" / run_id)
 
         def on_epoch(rec: dict) -> None:
+            src.check()                              # RunHandedOver: another worker has the run now
             warm = out / WARM_FILE
             if not warm.exists():
                 warm.parent.mkdir(parents=True, exist_ok=True)
@@ -357,14 +375,24 @@ def run_task(spec: StudySpec, out: Path, run_id: str, data: DataCache, src, inde
                                                    "epochs_trained_here")},
                               "exploited": [f"{x['run']} e{x['epoch']}" for e in s["epochs"][:-1]
                                             if (x := e.get("exploit"))]}})
+    except (RunBusy, RunHandedOver) as exc:
+        if not src.hand_over():
+            _report_failure(src, run_id, index, exc)
+        else:
+            src.emit({"type": "handed-over", "worker": index, "run": run_id, "why": str(exc), "t": time.time()})
     except Exception as exc:  # noqa: BLE001 — reported to the study process, which decides
-        err = f"{type(exc).__name__}: {exc}"
-        src.failed(run_id, err)
-        src.emit({"type": "error", "worker": index, "run": run_id, "t": time.time(), "error": err,
-                  "traceback": traceback.format_exc()})
+        _report_failure(src, run_id, index, exc)
     finally:
         if lock is not None:
             lock.release()
+
+
+def _report_failure(src, run_id: str, index: int, exc: Exception) -> None:
+    """A run's failure to its source (stored through Redis) and to the study process (an "error" event)."""
+    err = f"{type(exc).__name__}: {exc}"
+    src.failed(run_id, err)
+    src.emit({"type": "error", "worker": index, "run": run_id, "t": time.time(), "error": err,
+              "traceback": "".join(traceback.format_exception(exc))})
 
 
 def run_group(spec: StudySpec, out: Path, run_ids: list[str], data: DataCache, src, index: int,
