@@ -157,12 +157,10 @@ def test_a_run_line_says_when_no_epoch_had_the_trades_to_be_selected(tiny, tmp_p
 
 
 def _pids(out: Path) -> list[int]:
-    pids = []
-    for lock in (out / "runs").glob("*/.lock"):
-        text = lock.read_text().split()
-        if len(text) == 2 and text[1].isdigit():
-            pids.append(int(text[1]))
-    return pids
+    """The pids that hold (or last held) a run's lock, from what each wrote into it (`tradeloop.locks`)."""
+    from tradeloop.locks import read_holder
+
+    return [pid for lock in (out / "runs").glob("*/.lock") if isinstance(pid := read_holder(lock).get("pid"), int)]
 
 
 def test_killed_study_resumes_without_doing_a_run_twice(tiny, reference):

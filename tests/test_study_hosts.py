@@ -179,8 +179,8 @@ def test_a_worker_host_running_other_code_is_refused_in_one_line(tmp_path, redis
 def _held_lock(run_dir: Path) -> subprocess.Popen:
     """A live process holding a run directory's lock (as a worker running it on this disk does) until its stdin
     closes."""
-    code = ("import sys; from pathlib import Path; from tradeloop.study.worker import RunLock; "
-            f"lock = RunLock(Path({str(run_dir)!r})); print('locked', flush=True); sys.stdin.read()")
+    code = ("import sys; from pathlib import Path; from tradeloop.study.worker import lock_run; "
+            f"lock = lock_run(Path({str(run_dir)!r})); print('locked', flush=True); sys.stdin.read()")
     p = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=_env(), stdin=subprocess.PIPE,
                          stdout=subprocess.PIPE, text=True)
     assert p.stdout.readline().strip() == "locked"

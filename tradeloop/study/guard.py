@@ -1,18 +1,14 @@
-"""What keeps a study's runs from being mixed: one study process per out directory (`StudyLock`, an exclusive
+"""What keeps a study's runs from being mixed: one study process per out directory (`lock_study`, an exclusive
 `flock` on `OUT/study.lock` held for the study's life) and one code on every host (`code_fingerprint`, published
 with the study in Redis and recorded in every run's summary.json).
 """
 from __future__ import annotations
 
-import fcntl
 import functools
 import hashlib
-import json
-import os
-import socket
-import time
 from pathlib import Path
 
+from tradeloop.locks import FileLock, Locked, describe_holder
 from tradeloop.study.spec import StudyError
 
 LOCK_FILE = "study.lock"
@@ -48,35 +44,11 @@ def describe(fp: dict | None) -> str:
     return f"tradeloop {fp.get('version', '?')}, sources {str(fp.get('sources', '?'))[:12]}"
 
 
-class StudyLock:
-    """An exclusive, non-blocking `flock` on `OUT/study.lock`, held by the study process for its life (released when
-    it exits, even killed); the file names the holder (pid, host, start time). StudyError naming the holder's pid when
-    another study process holds it."""
-
-    def __init__(self, out: Path):
-        self.path = Path(out) / LOCK_FILE
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self.fd)
-            self.fd = -1
-            raise StudyError(f"--out {out} is in use by another study process ({holder(self.path)}); one study "
-                             "process at a time runs a study directory (wait for it, or stop it)") from None
-        os.ftruncate(self.fd, 0)
-        os.pwrite(self.fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                                       "started_at": time.time()}).encode(), 0)
-
-    def release(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-
-
-def holder(path: Path) -> str:
-    """Who holds a study's lock, from what it wrote there: "pid N on HOST"."""
+def lock_study(out: Path) -> FileLock:
+    """The study process's lock on `OUT/study.lock` (`tradeloop.locks.FileLock`), held for its life; StudyError
+    naming the holder when another study process has it."""
     try:
-        doc = json.loads(Path(path).read_text() or "{}")
-    except (OSError, ValueError):
-        doc = {}
-    return f"pid {doc.get('pid', '?')} on {doc.get('host', '?')}"
+        return FileLock.acquire(Path(out) / LOCK_FILE, mode=0o644)
+    except Locked as exc:
+        raise StudyError(f"--out {out} is in use by another study process ({describe_holder(exc.holder)}); one "
+                         "study process at a time runs a study directory (wait for it, or stop it)") from None

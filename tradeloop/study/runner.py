@@ -3,7 +3,7 @@ and, when every run is done, the statistics and the report.
 
 Layout of the out directory:
     study.json                 what the study is (a resume must ask for the same)
-    study.lock                 flock'ed by the study process while it lives (`guard.StudyLock`: one at a time)
+    study.lock                 flock'ed by the study process while it lives (`guard.lock_study`: one at a time)
     runs/<variant>-s<S>-f<K>/  one run: train_run's run.json, history.jsonl, checkpoints/; the loop's loop/epoch-N.json;
                                summary.json, written atomically when the run is done (the done marker); .lock;
                                attempts.jsonl (a line per start, with the epoch it started from)
@@ -36,7 +36,7 @@ from tradeloop.study.interrupt import sigterm_interrupts, stopped_how
 from tradeloop.study.loop import write_json_atomic
 from tradeloop.study.report import BackgroundBaselines, write_results
 from tradeloop.study.capacity import usable_cores
-from tradeloop.study.guard import StudyLock
+from tradeloop.study.guard import lock_study
 from tradeloop.study.spec import StudyError, StudyInterrupted, StudySpec
 from tradeloop.study.worker import WARM_FILE, first_fills_cache, start_workers, visible_gpus
 
@@ -205,7 +205,7 @@ def run_study(spec: StudySpec, out: Path, console=None, redis_url: str | None = 
     console = console or Console()
     out = Path(out)
     prepare(spec, out)
-    lock = StudyLock(out)
+    lock = lock_study(out)
     try:
         return _run_study(spec, out, console, redis_url)
     finally:

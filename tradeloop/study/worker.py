@@ -31,6 +31,7 @@ from typing import Callable
 
 from shared.redis_server import die_with_parent
 from services.trainer.sm_partition import ENV_SLOT, ENV_SMS
+from tradeloop.locks import FileLock, Locked, describe_holder
 from tradeloop.study.guard import code_fingerprint
 from tradeloop.study.loop import PARTS, write_json_atomic
 from tradeloop.study.remote import RunHandedOver
@@ -190,32 +191,17 @@ def execute_run(spec: StudySpec, out: Path, rs: RunSpec, data: DataCache,
 
 
 class RunBusy(StudyError):
-    """The run's directory is locked by another live process (`RunLock`)."""
+    """The run's directory is locked by another live process (`lock_run`)."""
 
 
-class RunLock:
-    """An exclusive, non-blocking `flock` on a run directory's .lock, released when the process ends (even killed);
-    RunBusy naming the holder when another process holds it."""
-
-    def __init__(self, run_dir: Path):
-        import fcntl
-
-        run_dir.mkdir(parents=True, exist_ok=True)
-        self.f = open(run_dir / ".lock", "a+")
-        try:
-            fcntl.flock(self.f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self.f.seek(0)
-            holder = self.f.read().strip()
-            self.f.close()
-            raise RunBusy(f"{run_dir} is being run by another process ({holder or 'unknown'})") from None
-        self.f.seek(0)
-        self.f.truncate()
-        self.f.write(f"pid {os.getpid()}\n")
-        self.f.flush()
-
-    def release(self) -> None:
-        self.f.close()
+def lock_run(run_dir: Path) -> FileLock:
+    """The exclusive lock on a run directory's .lock (`tradeloop.locks.FileLock`), held while this process trains
+    the run, released when it ends (even killed); RunBusy naming the holder when another process holds it."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        return FileLock.acquire(run_dir / ".lock", mode=0o644)
+    except Locked as exc:
+        raise RunBusy(f"{run_dir} is being run by another process ({describe_holder(exc.holder)})") from None
 
 
 def worker_env(out: Path, gpu: str | None, deterministic: bool, iteration_sms: int = 0,
@@ -345,7 +331,7 @@ def run_task(spec: StudySpec, out: Path, run_id: str, data: DataCache, src, inde
     src.emit({"type": "start", "worker": index, "run": run_id, "gpu": gpu, "t": time.time()})
     lock = None
     try:
-        lock = RunLock(out / "runs" / run_id)
+        lock = lock_run(out / "runs" / run_id)
 
         def on_epoch(rec: dict) -> None:
             src.check()                              # RunHandedOver: another worker has the run now

@@ -8,16 +8,14 @@ every process it starts.
 """
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import secrets
-import socket
-import sys
 import time
 from pathlib import Path
 
 from shared.runfiles import UP_FILE as RUN_FILE
+from tradeloop.locks import FileLock, Locked, read_holder
 
 LOCK_FILE = "up.lock"
 FIXED = ("dataset", "config", "data_bars", "iterations")
@@ -111,48 +109,25 @@ def plan_run(run_id: str | None, run_dir: Path, resume: str | None) -> tuple[str
     return run_id, path, False
 
 
-class RunLock:
-    """An exclusive `flock` on `<run dir>/up.lock`. The launcher takes it for the whole run and passes the
-    descriptor to every process it starts (the services, the embedded Redis): a lock lives as long as any
-    descriptor of it, so the run stays locked until the last of them has exited, even when the launcher itself
-    is killed. The file names its holder (pid, host, start time, command)."""
-
-    def __init__(self, fd: int, path: Path):
-        self.fd, self.path = fd, path
+class RunLock(FileLock):
+    """The exclusive lock on `<run dir>/up.lock` (`tradeloop.locks.FileLock`). The launcher takes it for the whole
+    run and passes the descriptor to every process it starts (the services, the embedded Redis): a lock lives as
+    long as any descriptor of it, so the run stays locked until the last of them has exited, even when the launcher
+    itself is killed."""
 
     @classmethod
-    def acquire(cls, run_path: Path, wait_s: float = 0.0) -> "RunLock":
+    def acquire(cls, run_path: Path, wait_s: float = 0.0, mode: int = 0o600) -> "RunLock":
         path = Path(run_path) / LOCK_FILE
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        deadline = time.monotonic() + wait_s
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    os.close(fd)
-                    raise RunError(f"run {Path(run_path).name} is in use: {lock_holder(path)}; two processes "
-                                   "never write one run") from None
-                time.sleep(0.05)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started_at": timestamp(),
-                                  "command": " ".join(sys.argv)}).encode(), 0)
-        return cls(fd, path)
-
-    def release(self) -> None:
-        """Close the launcher's descriptor (a service still running keeps the run locked until it exits)."""
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        try:
+            return super().acquire(path, wait_s, mode)
+        except Locked as exc:
+            raise RunError(f"run {Path(run_path).name} is in use: {lock_holder(path, exc.holder)}; two processes "
+                           "never write one run") from None
 
 
-def lock_holder(path: Path) -> str:
-    """Who holds a run's lock, in words, from what the holder wrote into it."""
-    try:
-        doc = json.loads(Path(path).read_text() or "{}")
-    except (OSError, ValueError):
-        doc = {}
+def lock_holder(path: Path, holder: dict | None = None) -> str:
+    """Who holds a run's lock, in words, from what the holder wrote into it (`holder`, else read from `path`)."""
+    doc = read_holder(path) if holder is None else holder
     pid = doc.get("pid")
     if pid_alive(pid):
         return f"tradeloop up pid {pid} (started {doc.get('started_at', '?')}: {doc.get('command', '?')}) holds it"
