@@ -1,6 +1,8 @@
 """`TrainConfig.feasible_targets`: the double-Q selection at a bootstrap state that holds a young trade (the
 commitment `shared.policy.act` applies) takes the held direction, as acting would; `TrainConfig.kl_priority`: the
-replay priority is the KL of the direction prediction from its target, the cross-entropy less the target's entropy."""
+replay priority is the KL of the direction prediction from its target, the cross-entropy less the target's entropy;
+`TrainConfig.cut_episodes`: the windows an epoch's fresh episodes cut are never drawn; `TrainConfig.iqn_kappa`: the
+IQN loss's κ, which decides whether the risk head learns quantiles or expectiles."""
 import dataclasses
 
 import torch
@@ -107,3 +109,36 @@ def test_an_epochs_fresh_episodes_cut_the_windows_that_would_cross_them():
     assert rp.valid_rows()[last].all()
     slots = rp.sample(4096, torch.Generator().manual_seed(1)).slot
     assert not torch.isin(slots // rp.E, torch.tensor(last)).any()
+
+
+def test_the_iqn_loss_learns_quantiles_at_an_atoms_kappa_and_expectiles_at_one():
+    """`iqn_kappa`: the minimiser of the quantile Huber loss (units of v_max) over samples of a target is their
+    τ-quantile when κ is about an atom, and their τ-expectile at κ = 1, where every error of these samples lies in
+    the quadratic zone; the objective reads the setting."""
+    from services.trainer.losses import quantile_huber_loss
+
+    y = torch.randn(4000, generator=torch.Generator().manual_seed(0)) * 0.3        # targets in v_max units
+    grid = torch.linspace(-1.0, 1.0, 2001).double()
+    tau = 0.05
+
+    def argmin(kappa: float) -> float:
+        rows = []
+        for chunk in grid.split(500):
+            rows.append(quantile_huber_loss(chunk.view(-1, 1), y.double().expand(chunk.shape[0], -1),
+                                            torch.full((chunk.shape[0], 1), tau, dtype=torch.float64), kappa=kappa))
+        return float(grid[torch.cat(rows).argmin()])
+
+    u = y.double().view(1, -1) - grid.view(-1, 1)
+    expectile = float(grid[((tau - (u < 0).double()).abs() * u * u).mean(1).argmin()])
+    quantile = float(torch.quantile(y.double(), tau))
+    assert abs(argmin(2.0 / 50) - quantile) < 0.02
+    assert abs(argmin(1.0) - expectile) < 0.002 and abs(argmin(1.0) - quantile) > 0.1
+    st = _state()
+    b = st.replay.sample(32, torch.Generator().manual_seed(3))
+    noise = torch.rand(32, noise_width(st.cfg), generator=torch.Generator().manual_seed(4))
+    tg = make_targets(st.agent, st.target, st.buffers, st.cfg)(b, noise)
+    windows = st.env.market.windows
+    one = make_objective(st.agent, windows, st.buffers, st.cfg)(b, noise, tg, lambda: None).metrics
+    atom = make_objective(st.agent, windows, st.buffers, dataclasses.replace(st.cfg, iqn_kappa=0.04))(
+        b, noise, tg, lambda: None).metrics
+    assert torch.equal(one["c51"], atom["c51"]) and not torch.equal(one["iqn"], atom["iqn"])

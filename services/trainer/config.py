@@ -22,7 +22,7 @@ RANGES: dict[str, tuple[type, float, bool, float, bool]] = {
         "iqn_quantiles", "emb_refresh", "cosine_period", "maturity_updates")},
     **{k: (int, 0, True, math.inf, False) for k in (
         "learning_starts", "lr_warmup", "encoder_batch", "iqn_batch", "policy_swa", "restart_every")},
-    **{k: (float, 0.0, False, math.inf, False) for k in ("grad_clip", "support_margin")},
+    **{k: (float, 0.0, False, math.inf, False) for k in ("grad_clip", "support_margin", "iqn_kappa")},
     **{k: (float, 0.0, True, math.inf, False) for k in (
         "lr", "weight_decay", "iqn_coef", "expectile_coef", "q_centre_coef", "q_gap_coef", "hindsight_coef",
         "costs_bps", "entropy_init", "entropy_rate")},
@@ -57,7 +57,7 @@ CHURN_SMALL = 1e-3  # small preset: reward cost per opened trade (return units, 
 
 NEUTRAL_UNLISTED = {"policy_ema": 0.0, "policy_swa": 0, "restart_every": 0, "restart_replay": False,
                     "shrink_perturb": 0.0, "feasible_targets": False, "kl_priority": False,
-                    "cut_episodes": False,
+                    "cut_episodes": False, "iqn_kappa": 1.0,
                     "support_at_start": False, "dropout": 0.0, "lockstep_graphs": 2}
 """Fields that `TrainConfig.to_dict` leaves out at their neutral value, so that the configs (and hashes) of runs
 stored before the field existed still match."""
@@ -181,6 +181,11 @@ class TrainConfig:
     """τ samples of the IQN loss (online and target)."""
     iqn_coef: float = 0.5
     """Weight of the IQN loss."""
+    iqn_kappa: float = 1.0
+    """κ of the IQN quantile Huber loss, in units of v_max (the loss compares quantiles divided by v_max). At 1 nearly
+    every TD error lies inside the Huber's quadratic zone, where the loss is an expectile loss: the head learns
+    expectiles, and the CVaR it gives reads a thinner tail than the quantiles'; about one atom, 2 / (n_atoms − 1),
+    gives quantiles (Dabney et al. 2018 take κ = 1 in reward units). The loss's scale changes with it."""
     expectile: float = 0.7
     """Expectile of the IQL value head."""
     expectile_coef: float = 0.25

@@ -101,9 +101,9 @@ def make_objective(agent: Agent, windows: torch.Tensor, buf: UpdateBuffers, cfg:
         if cfg.kl_priority:             # the KL: the cross-entropy less the target's own entropy (Rainbow)
             m = tg.dist[:, 0].float()                                                      # N × A
             priority = (priority + (m * torch.log(m.clamp(min=C51_EPS))).sum(-1)).clamp(min=0.0)
-        # --- IQN quantile Huber on the direction branch (in units of v_max, κ = 1), blended over horizons ---
+        # --- IQN quantile Huber on the direction branch (units of v_max, κ = `iqn_kappa`), blended over horizons ---
         qh = quantile_huber_loss((th / v_max).repeat_interleave(Hs, 0), (tg.quantiles / v_max).reshape(n_q * Hs, M),
-                                 taus.repeat_interleave(Hs, 0))                            # n_q·H'
+                                 taus.repeat_interleave(Hs, 0), kappa=cfg.iqn_kappa)       # n_q·H'
         iqn = (qh.view(n_q, Hs) * tg.blend[:n_q]).sum(1)                                   # n_q
         # --- expectile value head on the blended scalar target of the direction branch ---
         y = tg.value
