@@ -120,7 +120,7 @@ def train_epoch(state: TrainState, knobs: Knobs, progress: Callable[[int, int], 
     raises `EpochInterrupted` at that boundary. `resume` (with the state of `restore_interrupted`) finishes an
     interrupted epoch: its remaining iterations under `knobs` (those in effect when it stopped), with fresh
     episodes, the support as it was, and the epoch's sums carried, so its stats cover the whole epoch."""
-    cfg, env = state.cfg, state.env
+    cfg = state.cfg
     t_setup = time.perf_counter()
     if resume is None:
         start_epoch(state, knobs)
