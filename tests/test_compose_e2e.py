@@ -401,10 +401,12 @@ def test_dashboard_address_opens_the_dashboard_alone():
                 for name in ("dashboard", "trainer", "evaluator", "feedback")}
     assert host_ips == {"dashboard": {"0.0.0.0"}, "trainer": {"127.0.0.1"}, "evaluator": {"127.0.0.1"},
                         "feedback": {"127.0.0.1"}}, host_ips
-    # every service that reads or writes run files mounts the one named volume
+    # every service that reads or writes run files mounts the one named volume; the trainer alone its compile cache
     for name in ("trainer", "evaluator", "feedback", "dashboard"):
         vols = [(v["type"], v["source"], v["target"]) for v in services[name]["volumes"]]
-        assert vols == [("volume", "checkpoints", "/data/runs")], (name, vols)
+        want = [("volume", "checkpoints", "/data/runs")] + (
+            [("volume", "compile-cache", "/data/compile-cache")] if name == "trainer" else [])
+        assert vols == want, (name, vols)
     assert services["dashboard"]["volumes"][0].get("read_only") is True
 
 
