@@ -107,7 +107,7 @@ def test_the_study_takes_its_redis_and_password_from_the_environment_and_its_wor
             coord.kill()
     assert coord.returncode == 0, text[-3000:]
     sid = study_id(json.loads((out / "study.json").read_text())["identity"])
-    assert f"study {sid} in" in text and "TL_REDIS_URL" in text, text[-3000:]
+    assert f"study {sid} in" in text and "goes through the Redis of TL_REDIS_URL" in text, text[-3000:]
     assert password not in worker_cmd and password not in own_cmd and "warning" not in text
     assert f"TL_REDIS_URL={bare}\n" in worker_env
     import redis as redis_py
@@ -296,21 +296,33 @@ def test_a_hosts_worker_process_killed_mid_run_fails_the_study_worker_saying_so(
 
 
 def test_a_second_study_on_the_same_out_is_refused_naming_the_first(tmp_path):
-    """Two `tradeloop study` on one --out: the second is refused at once (exit 1, one line naming the first's pid)
-    while the first runs on; both ran, each reporting the other's runs failed."""
+    """Two `tradeloop study` on one --out: the second is refused at once (exit 2, one line naming the first's pid),
+    study.json untouched although its --parallel differs, while the first runs on."""
     cfg, out = _tiny(tmp_path, epochs=3), tmp_path / "study"
     first = subprocess.Popen(_study(cfg, out), cwd=ROOT, env=_env_with(), stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True)
     try:
         poll_until(lambda: _pids(out), "the first study's run", timeout_s=150, alive=lambda: first.poll() is None)
-        second = subprocess.run(_study(cfg, out), cwd=ROOT, env=_env_with(), capture_output=True, text=True,
-                                timeout=150)
+        before = (out / "study.json").read_bytes()
+        second = subprocess.run(_study(cfg, out, parallel=2), cwd=ROOT, env=_env_with(), capture_output=True,
+                                text=True, timeout=150)
+        assert (out / "study.json").read_bytes() == before      # refused before it read or wrote anything there
         assert first.poll() is None
     finally:
         first.kill()
         first.communicate()
-    assert second.returncode == 1, second.stdout[-2000:] + second.stderr[-2000:]
+    assert second.returncode == 2, second.stdout[-2000:] + second.stderr[-2000:]
     errors = [line for line in second.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and f"pid {first.pid} on {socket.gethostname()}" in errors[0], second.stderr
     assert "Traceback" not in second.stderr
     assert json.loads((out / "status.json").read_text())["pid"] == first.pid
+
+
+def test_a_generic_redis_url_in_the_shell_leaves_a_plain_study_local(tmp_path):
+    """REDIS_URL (which a shell may hold for anything; here a port nothing listens on) does not send `tradeloop
+    study` through a Redis: only TL_REDIS_URL or --redis do, and the study says so when the variable did."""
+    env = {**_env_with(), "REDIS_URL": "redis://127.0.0.1:1/0"}
+    r = subprocess.run(_study(_tiny(tmp_path, epochs=1), tmp_path / "s"), cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "goes through the Redis" not in r.stderr and (tmp_path / "s" / "results.json").exists()

@@ -15,14 +15,15 @@ from __future__ import annotations
 import inspect
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Any, Optional
 
 import typer
 
+from tradeloop.study.remote import URL_VAR
+
 CLI_ONLY = ("config", "redis", "report_only")
-REDIS_ENV = ("TL_REDIS_URL", "REDIS_URL")
-"""Where `--redis` comes from when not given, the first set (the services' variables: `tradeloop.study.remote`)."""
 """Options of `tradeloop study` that a study file does not hold; every other option is a key of it (`study`'s
 parameter names, `set_` as `set`: `TOML_KEYS`, defined after `study`)."""
 
@@ -266,7 +267,7 @@ def study(
     lockstep: Optional[str] = typer.Option(None, "--lockstep", help="Runs a worker trains as one batched "
                                            "computation: up to K runs of one market and trainer config, or auto "
                                            "(default: 2 on CUDA, 1 on a CPU or with --redis)."),
-    redis: Optional[str] = typer.Option(None, "--redis", envvar=list(REDIS_ENV), show_envvar=True,
+    redis: Optional[str] = typer.Option(None, "--redis", envvar=URL_VAR, show_envvar=True,
                                         help="Redis URL: runs go through its stream, where `tradeloop "
                                         "study-worker` on other hosts take them too (--parallel 0: none here); "
                                         "its password in the URL or in TL_REDIS_PASSWORD. Default: the "
@@ -281,6 +282,7 @@ def study(
 
     from shared.redis_server import RedisServerError
     from tradeloop.study.report import counted, markdown
+    from tradeloop.study.guard import lock_study
     from tradeloop.study.runner import prepare, run_study
     from tradeloop.study.spec import StudyError
 
@@ -290,6 +292,11 @@ def study(
         return
     redis = redis or None                          # --redis '': no Redis, whatever the environment says
     warn_password_on_command_line(redis, err)
+    if redis is not None and not any(a == "--redis" or a.startswith("--redis=") for a in sys.argv):
+        from shared.redis_server import redact_url
+
+        err.print(f"the study goes through the Redis of {URL_VAR} ({redact_url(redis)}); --redis '' runs it here "
+                  "without one", markup=False, highlight=False)
     try:
         spec, out_dir = build_spec(cli, remote=redis is not None)
         check_runnable(spec, local=spec.parallel > 0)
@@ -299,6 +306,7 @@ def study(
             from tradeloop.study.remote import client
 
             client(redis)
+        lock = lock_study(out_dir)                 # before study.json is read or written: one study process a dir
         prepare(spec, out_dir)
     except (StudyError, RedisServerError) as exc:
         err.print(f"error: {exc}", markup=False, highlight=False)
@@ -321,7 +329,7 @@ def study(
                       "variant switches one on by leaving it out of `off` (e.g. "
                       "'rollback:off=E1+E2+E3+E4+E5+E6+E7+E8+E9')", markup=False, highlight=False)
     try:
-        res = run_study(spec, out_dir, console, redis_url=redis)
+        res = run_study(spec, out_dir, console, redis_url=redis, lock=lock)
     except (StudyError, RedisServerError) as exc:
         err.print(f"error: {exc}", markup=False, highlight=False)
         raise typer.Exit(1) from None
@@ -383,7 +391,7 @@ def _report_only(out, err) -> None:
 
 
 def study_worker(
-    redis: Optional[str] = typer.Option(None, "--redis", envvar=list(REDIS_ENV), show_envvar=True,
+    redis: Optional[str] = typer.Option(None, "--redis", envvar=URL_VAR, show_envvar=True,
                                         help="The study's Redis URL (its password in it or in TL_REDIS_PASSWORD). "
                                         "Default: the environment."),
     study_id: str = typer.Option(..., "--study", help="The study's id (printed by `tradeloop study --redis`)."),
@@ -404,7 +412,7 @@ def study_worker(
     warn_password_on_command_line(redis, err)
     try:
         if not redis:
-            raise StudyError(f"the study's Redis URL is required: set {REDIS_ENV[0]} (or give --redis URL)")
+            raise StudyError(f"the study's Redis URL is required: set {URL_VAR} (or give --redis URL)")
         if parse_parallel(parallel, "cpu") < 1:
             raise StudyError(f"--parallel must be ≥ 1 on a worker host, got {parallel}")
         work_for(redis, study_id, out, parallel, threads, Console(soft_wrap=True))

@@ -45,8 +45,10 @@ def describe(fp: dict | None) -> str:
 
 
 def lock_study(out: Path) -> FileLock:
-    """The study process's lock on `OUT/study.lock` (`tradeloop.locks.FileLock`), held for its life; StudyError
-    naming the holder when another study process has it."""
+    """The study process's lock on `OUT/study.lock` (`tradeloop.locks.FileLock`; OUT made where missing), held for
+    its life, taken before anything in OUT is written; StudyError naming the holder when another study process has
+    it (OSError where OUT cannot be made)."""
+    Path(out).mkdir(parents=True, exist_ok=True)
     try:
         return FileLock.acquire(Path(out) / LOCK_FILE, mode=0o644)
     except Locked as exc:

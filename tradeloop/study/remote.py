@@ -17,7 +17,7 @@ entries and stops that run at its next epoch (`RunHandedOver`); a run found lock
 disk is left pending for a later claim, never marked failed. An entry is acked after its summary (or failure) is
 stored; a failure is stored only by the entry's owner, and only where the run has no summary.
 
-The Redis URL comes from `--redis` or the environment (`TL_REDIS_URL`, else `REDIS_URL`), its password from the URL
+The Redis URL comes from `--redis` or the environment (`TL_REDIS_URL`), its password from the URL
 or from `TL_REDIS_PASSWORD` (the services' rule: `shared.config.CommonSettings`); the worker processes a study or
 host starts read both from their environment (`url_in_env`), never from their command line.
 """
@@ -69,8 +69,9 @@ def key(sid: str, name: str) -> str:
     return f"tl:study:{sid}:{name}"
 
 
-URL_VARS = ("TL_REDIS_URL", "REDIS_URL")
-"""Where `--redis` comes from when not given (the first set), as for the services."""
+URL_VAR = "TL_REDIS_URL"
+"""Where `--redis` comes from when not given (the services' variable; not the generic REDIS_URL, which a shell may
+hold for anything, and which would send a plain study through a Redis unasked)."""
 PASSWORD_VAR = "TL_REDIS_PASSWORD"
 
 
@@ -125,20 +126,20 @@ def has_password(url: str) -> bool:
 def url_in_env(url: str):
     """`TL_REDIS_URL` set to `url` in this process's environment meanwhile, for the worker processes started in it
     (spawned: they inherit it; `TL_REDIS_PASSWORD` is inherited as it is)."""
-    before = os.environ.get(URL_VARS[0])
-    os.environ[URL_VARS[0]] = url
+    before = os.environ.get(URL_VAR)
+    os.environ[URL_VAR] = url
     try:
         yield
     finally:
         if before is None:
-            os.environ.pop(URL_VARS[0], None)
+            os.environ.pop(URL_VAR, None)
         else:
-            os.environ[URL_VARS[0]] = before
+            os.environ[URL_VAR] = before
 
 
 def env_url() -> str:
     """The Redis URL a worker process was given through its environment (`url_in_env`)."""
-    return os.environ[URL_VARS[0]]
+    return os.environ[URL_VAR]
 
 
 def client(url: str):

@@ -36,7 +36,7 @@ from tradeloop.study.interrupt import sigterm_interrupts, stopped_how
 from tradeloop.study.loop import write_json_atomic
 from tradeloop.study.report import BackgroundBaselines, write_results
 from tradeloop.study.capacity import usable_cores
-from tradeloop.study.guard import lock_study
+from tradeloop.study.guard import LOCK_FILE, lock_study
 from tradeloop.study.spec import StudyError, StudyInterrupted, StudySpec
 from tradeloop.study.worker import WARM_FILE, first_fills_cache, start_workers, visible_gpus
 
@@ -103,7 +103,7 @@ def prepare(spec: StudySpec, out: Path) -> None:
                              "start it again in another --out (a variant that spells out its settings is immune)")
     elif out.exists() and not out.is_dir():
         raise StudyError(f"--out {out} exists and is not a directory")
-    elif out.exists() and any(out.iterdir()):
+    elif out.exists() and any(p.name != LOCK_FILE for p in out.iterdir()):
         raise StudyError(f"--out {out} is not empty and holds no study.json; use an empty or new directory")
     write_json_atomic(sj, {"identity": spec.identity(), "spec": spec.to_dict(), "resolved": spec.resolved()})
 
@@ -195,18 +195,19 @@ def share_gpus(spec: StudySpec, P: int, gpus: list[str], console, status: "Statu
     return None, gpus, {}
 
 
-def run_study(spec: StudySpec, out: Path, console=None, redis_url: str | None = None) -> dict:
+def run_study(spec: StudySpec, out: Path, console=None, redis_url: str | None = None, lock=None) -> dict:
     """Run every run of the study not done yet (P at once here; with `redis_url` through that Redis, where
     `tradeloop study-worker` processes on other hosts take runs too), then write the results; returns them.
-    Holds `OUT/study.lock` meanwhile (StudyError naming the holder when another study process has it). Raises
-    StudyError when runs failed (they are retried by running the same study again)."""
+    Holds `OUT/study.lock` meanwhile (`lock`, where the caller took it already; StudyError naming the holder when
+    another study process has it), taken before study.json is checked or written. Raises StudyError when runs
+    failed (they are retried by running the same study again)."""
     from rich.console import Console
 
     console = console or Console()
     out = Path(out)
-    prepare(spec, out)
-    lock = lock_study(out)
+    lock = lock or lock_study(out)
     try:
+        prepare(spec, out)
         return _run_study(spec, out, console, redis_url)
     finally:
         lock.release()
