@@ -12,7 +12,7 @@ from services.trainer.objective import make_objective
 from services.trainer.targets import INFEASIBLE_Q, infeasible_directions, mask_directions
 from services.trainer.train import make_targets, noise_width
 from shared.policy import FLAT, LONG, SHORT
-from shared.portfolio import BARS_SCALE
+from shared.portfolio import BARS_CAP, BARS_SCALE
 from tests.test_iqn_batch import _state
 
 
@@ -142,3 +142,18 @@ def test_the_iqn_loss_learns_quantiles_at_an_atoms_kappa_and_expectiles_at_one()
     atom = make_objective(st.agent, windows, st.buffers, dataclasses.replace(st.cfg, iqn_kappa=0.04))(
         b, noise, tg, lambda: None).metrics
     assert torch.equal(one["c51"], atom["c51"]) and not torch.equal(one["iqn"], atom["iqn"])
+
+
+def test_feasible_targets_refuse_a_commitment_longer_than_the_portfolio_vector_counts():
+    """The targets read a trade's age from the portfolio vector, capped at BARS_SCALE · BARS_CAP bars; a longer
+    commitment would mask directions that acting allows there, so the config refuses it."""
+    import pytest
+
+    from services.trainer.config import TrainConfig
+    from shared.agent import AgentConfig
+
+    cap = int(BARS_SCALE * BARS_CAP)
+    TrainConfig(agent=AgentConfig(n_features=8, min_hold=cap), feasible_targets=True)
+    with pytest.raises(ValueError, match=f"stops at {cap} bars; agent.min_hold {cap + 1} is longer"):
+        TrainConfig(agent=AgentConfig(n_features=8, min_hold=cap + 1), feasible_targets=True)
+    TrainConfig(agent=AgentConfig(n_features=8, min_hold=cap + 1))                      # off: no such reading

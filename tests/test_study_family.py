@@ -132,6 +132,7 @@ def test_units_that_share_a_test_period_are_read_over_the_periods():
     assert res["choice"] is None                                               # a unit-by-unit reading: none here
     md = _markdown_of_on_off(res)
     assert "the 6 (seed, fold) units share 3 test periods" in md and "bootstrap over the 3 test periods" in md
+    assert "over units" not in md and "mean [95 % CI] over test periods" in md
     own = aggregate(runs, [], ["on", "off"], "off", n_boot=2000, seed=0)            # a market each: units
     assert "periods" not in own and "test periods" not in _markdown_of_on_off(own)
     assert own["variants"]["on"]["oos_sharpe"]["n"] == 6 and own["paired"]["on"]["oos_sharpe"]["n"] == 6

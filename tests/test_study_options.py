@@ -170,7 +170,8 @@ def test_the_shipped_study_files_build(path: Path, tmp_path: Path):
     elif path.name == "targets.toml":       # the update's target and priority corrections, on fresh seeds
         cfgs = {v.name: spec.configs(v, 14)[0] for v in spec.variants}
         assert {n: (c.feasible_targets, c.kl_priority, c.cut_episodes, c.schedule.gamma)
-                for n, c in cfgs.items()} == {"off": (False, False, False, 0.98), "feasible-kl": (True, True, True, 0.98)}
+                for n, c in cfgs.items()} == {"off": (False, False, False, 0.98),
+                                              "feasible-kl": (True, True, True, 0.98)}
         assert spec.seeds == [20, 21, 22, 23, 24]
     elif path.name == "regularise.toml":    # weight decay and dropout together against the widening gap
         cfgs = {v.name: spec.configs(v, 14)[0] for v in spec.variants}

@@ -13,6 +13,7 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from shared.agent import AgentConfig
+from shared.portfolio import BARS_CAP, BARS_SCALE
 from shared.knobs import FixedSchedule, unlisted_at_neutral
 from services.trainer.env import RewardConfig
 
@@ -347,6 +348,9 @@ class TrainConfig:
         for flag in ("feasible_targets", "kl_priority", "cut_episodes"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"train config: {flag} must be true or false, got {getattr(self, flag)!r}")
+        if self.feasible_targets and self.agent.min_hold > BARS_SCALE * BARS_CAP:
+            raise ValueError(f"train config: feasible_targets reads a trade's age from the portfolio vector, which "
+                             f"stops at {BARS_SCALE * BARS_CAP:g} bars; agent.min_hold {self.agent.min_hold} is longer")
         if not isinstance(self.support_at_start, bool):
             raise ValueError(f"train config: support_at_start must be true or false, got {self.support_at_start!r}")
         if self.lockstep_graphs not in (1, 2):

@@ -113,6 +113,7 @@ def over_what(res: dict, units: int) -> str:
 
 def markdown(res: dict) -> str:
     s, t = res["study"], res["timing"]
+    over = "test periods" if res.get("periods") else "units"          # what the intervals below resample
     units = len(s["seeds"]) * s["folds"]
     lines = [f"# Study: {s['dataset']} — {counted(len(s['variants']), 'variant')} × {counted(len(s['seeds']), 'seed')} "
              f"× {counted(s['folds'], 'fold')} × {counted(s['epochs'], 'epoch')}",
@@ -167,14 +168,14 @@ def markdown(res: dict) -> str:
     steps = [f"{name} {describe(d['val_step'])}" for name, d in res["variants"].items() if d.get("val_step")]
     if steps:
         lines += ["", "How far the policy moves from one epoch to the next (mean |Δ val per-trade Sharpe| between a "
-                  f"run's consecutive epochs; mean [95 % CI] over units): {'; '.join(steps)}."]
+                  f"run's consecutive epochs; mean [95 % CI] over {over}): {'; '.join(steps)}."]
     typical = [f"{name} {describe(d['epochs_val']['mean'])}, sd {describe(d['epochs_val']['sd'])}"
                for name, d in res["variants"].items() if d.get("epochs_val")]
     if typical:
         pairs = paired_list(res, "val_epochs_mean")
         lines += ["", "The typical epoch beside the selected one (a run's mean val per-trade Sharpe over its epochs, "
-                  "and their standard deviation within the run; mean [95 % CI] over units — the choice on validation "
-                  f"keeps the best draw, so the spread counts as much as the mean): {'; '.join(typical)}"
+                  f"and their standard deviation within the run; mean [95 % CI] over {over} — the choice on "
+                  f"validation keeps the best draw, so the spread counts as much as the mean): {'; '.join(typical)}"
                   + (f"; paired {', '.join(pairs)}." if pairs else ".")]
     first, later = paired_list(res, "val_epoch1"), paired_list(res, "val_later_mean")
     if first:
@@ -195,7 +196,7 @@ def markdown(res: dict) -> str:
         lines += ["", "In sample beside validation (the same greedy policy on the training split's last bars, as many "
                   "as validation's; mean over the runs, epoch 1 → the mean of epochs 2–E — in sample rising while "
                   "validation falls is overfitting the training split; the widening of the gap, in sample − "
-                  "validation, mean [95 % CI] over units and how many widened): "
+                  f"validation, mean [95 % CI] over {over} and how many widened): "
                   f"{'; '.join(fit)}" + (f"; paired widening {', '.join(pairs)}." if pairs else ".")]
     best = {name: d["best_validated"] for name, d in res["variants"].items() if d.get("best_validated")}
     if best:
@@ -250,13 +251,13 @@ def markdown(res: dict) -> str:
         pairs = paired_list(res, "oos_bar_sharpe")
         lines += ["", "The account beside its trades: OOS per-bar Sharpe of the selected checkpoints (the equity "
                   "curve's bar returns, flat bars included, un-annualized; a policy that raises its per-trade Sharpe "
-                  "by trading less can lower it; mean [95 % CI] over units): " + "; ".join(bar)
+                  f"by trading less can lower it; mean [95 % CI] over {over}): " + "; ".join(bar)
                   + (f"; paired {', '.join(pairs)}." if pairs else ".")]
     dd = {n: d for n, d in res["variants"].items() if d.get("oos_max_drawdown")}
     if dd:
         gone = [r for d in dd.values() for r in d["oos_ruined"]]
         lines += ["", "The account's worst fall out of sample: max drawdown of the selected checkpoints' OOS equity "
-                  "(a fraction of its running peak; mean [95 % CI] over units): "
+                  f"(a fraction of its running peak; mean [95 % CI] over {over}): "
                   + "; ".join(f"{n} {describe(d['oos_max_drawdown'], '.3f')}" for n, d in dd.items()) + ". "
                   + (f"Accounts that ran out of equity out of sample (liquidated, then no more trades: their per-trade "
                      f"Sharpe stops there): {', '.join(gone)}." if gone else
