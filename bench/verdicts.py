@@ -1,6 +1,7 @@
 """Each stored study's verdicts under today's rule (`tradeloop.study.stats.verdict`: the 95 % CI of a variant's mean
 DSR at or above the bar), beside the verdict its results.json holds, from the runs' stored DSRs and the study's own
-bootstrap settings; prints the variants whose verdict differs, then the count.
+bootstrap settings, over its test periods where units share them (and over a population's groups), as a study's
+report reads it today; prints the variants whose verdict differs, then the count.
 
     python3 -m bench.verdicts docs/study-*/
 """
@@ -11,15 +12,25 @@ import json
 from pathlib import Path
 
 from tradeloop.study.intervals import bootstrap_ci
-from tradeloop.study.stats import BOUNDS, verdict
+from tradeloop.study.spec import StudyError, StudySpec
+from tradeloop.study.stats import BOUNDS, by_cluster, verdict
 
 
 def verdicts(res: dict) -> dict[str, tuple[str | None, str, dict]]:
     """variant → (stored verdict, today's, the mean DSR's CI) of one results.json."""
     s = res.get("study", {})
+    try:
+        spec = StudySpec.from_dict(s)
+        cluster, pops = spec.cluster_of, set(spec.populations())
+    except (KeyError, TypeError, ValueError, StudyError):
+        cluster, pops = (lambda seed, fold: (seed, fold)), set()
+    units = {(r["seed"], r["fold"]) for r in res["runs"]}
+    shared = len({cluster(*u) for u in units}) < len(units)
     out = {}
     for name, d in res.get("variants", {}).items():
-        xs = [r["dsr"] for r in res["runs"] if r["variant"] == name and r.get("dsr") is not None]
+        per = {(r["seed"], r["fold"]): r["dsr"] for r in res["runs"]
+               if r["variant"] == name and r.get("dsr") is not None}
+        xs = list((by_cluster(per, cluster) if shared or name in pops else per).values())
         if xs:
             ci = bootstrap_ci(xs, n_boot=s.get("n_boot", 10_000), seed=s.get("ci_seed", 0), bounds=BOUNDS["dsr"])
             out[name] = (d.get("verdict"), verdict(ci), ci)

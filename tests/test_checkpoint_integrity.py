@@ -145,10 +145,12 @@ def test_an_interrupted_file_with_a_bad_sha256_is_set_aside_with_a_warning_and_a
     assert kept.read_bytes() == bytes(raw) and sidecar_path(kept).read_text() == side
     warned = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warned) == 1 and str(path) in warned[0].getMessage() and "sha256 mismatch" in warned[0].getMessage()
-    save_interrupted(a, run, info.value.progress)                # a second bad file keeps the first one
+    save_interrupted(a, run, info.value.progress)                # a second bad file takes the first one's place
+    raw[-2] ^= 0xFF
     path.write_bytes(bytes(raw))
     assert read_interrupted(run, 0, cfg.hash()) is None
-    assert len([p for p in (run / "checkpoints").iterdir() if ".bad-" in p.name]) == 4
+    aside = [p for p in (run / "checkpoints").iterdir() if ".bad-" in p.name]
+    assert len(aside) == 2 and next(p for p in aside if not p.name.endswith(".sha256")).read_bytes() == bytes(raw)
     caplog.clear()
     save_interrupted(a, run, info.value.progress)                # another config's file: stale, removed at INFO
     with caplog.at_level(logging.INFO, logger="tradeloop.trainer"):

@@ -192,9 +192,10 @@ def read_interrupted(run_dir: Path, epoch_done: int, config_hash: str) -> tuple[
     """(tensors, metadata) of DIR/checkpoints/interrupted.safetensors when it continues the last complete epoch
     `epoch_done` under the same config and its sha256 checks (the metadata with "path": the file's, for
     `restore_interrupted`'s errors); else None. A file of another epoch or config is stale
-    (the run went on past it): removed, logged at INFO. A file that cannot be trusted or read (a sha256 mismatch,
-    a bad header, another kind of file: the writes are atomic, so no kill leaves one) is logged as a WARNING with
-    the reason and renamed aside with its sidecar (`set_aside`), never deleted. Either way the run continues from
+    (the run went on past it): removed, logged at INFO. A file that cannot be trusted or read (a sha256 mismatch —
+    a change after the file and its sidecar were written, or a kill between those two writes —, a bad header,
+    another kind of file) is logged as a WARNING with the reason and renamed aside with its sidecar (`set_aside`;
+    the one set aside before it is deleted then: at most one stays, the latest). Either way the run continues from
     its last complete epoch."""
     path = Path(run_dir) / CHECKPOINTS / INTERRUPTED
     if not path.exists():
@@ -209,6 +210,8 @@ def read_interrupted(run_dir: Path, epoch_done: int, config_hash: str) -> tuple[
         except (KeyError, TypeError, ValueError):
             raise CheckpointError(str(path), f"its metadata epoch is {meta.get('epoch')!r}, not a number") from None
     except CheckpointError as exc:
+        for old in path.parent.glob(f"{INTERRUPTED}.bad-*"):      # one set aside at most: each holds a replay
+            old.unlink(missing_ok=True)
         aside = set_aside(path)
         log.warning("%s: %s; renamed to %s (with its sidecar): the run continues from epoch %d", path, exc.reason,
                     aside.name, epoch_done)

@@ -518,7 +518,8 @@ def _follow(spec: StudySpec, out: Path, runs: list, workers: list, events, statu
                 _event_log(out, {"type": "error", "run": rid, "error": ev["error"], "traceback": ev["traceback"]})
             elif ev["type"] == "handed-over":     # another worker has the run now (through Redis)
                 current.get(who, set()).discard(rid)
-                status.doc["running"].pop(rid, None)
+                if status.doc["running"].get(rid, {}).get("worker") == where:    # not the new holder's entry
+                    status.doc["running"].pop(rid, None)
                 prog.console.print(f"{rid}: {where} leaves it to another ({ev['why']})", markup=False,
                                    highlight=False)
             elif ev["type"] == "stand-down":
