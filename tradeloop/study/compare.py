@@ -116,7 +116,7 @@ def compare_pooled(pairs: list[tuple[dict, str, dict, str]], *, n_boot: int = 10
         if diff:
             raise StudyError(f"the studies' units do not pair: they differ in {', '.join(diff)} "
                              f"({'; '.join(f'{k}: {unit_key(sa, k)!r} vs {unit_key(sb, k)!r}' for k in diff)})")
-        period = period_key(a) or (lambda s, f, i=i: (i, s, f))
+        period = period_key(a) or period_key(b) or (lambda s, f, i=i: (i, s, f))
         for key, _ in COMPARED:
             ra, rb = ({(r["seed"], r["fold"]): r[key] for r in res["runs"] if r["variant"] == v and r.get(key) is not None}
                       for res, v in ((a, va), (b, vb)))
