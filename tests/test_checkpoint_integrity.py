@@ -107,15 +107,18 @@ def test_tensors_that_do_not_fit_are_a_checkpoint_error_with_torchs_line_and_a_r
     assert all(torch.equal(before[k], v) for k, v in b.agent.state_dict().items())   # left as it was
 
 
+def _interrupted(cfg, run):
+    """A state of `cfg` whose first epoch was interrupted at once, its interrupted file saved in `run`, and the
+    epoch's progress."""
+    a = _state(cfg)
+    with pytest.raises(EpochInterrupted) as info:
+        train_epoch(a, Knobs.fixed_schedule(1), interrupt=lambda: True)
+    return a, save_interrupted(a, run, info.value.progress), info.value.progress
+
+
 def test_an_interrupted_file_whose_tensors_do_not_fit_is_a_checkpoint_error_naming_it(tmp_path):
     cfg = _small_cfg()
-    a = _state(cfg)
-
-    def stop():
-        return True
-    with pytest.raises(EpochInterrupted) as info:
-        train_epoch(a, Knobs.fixed_schedule(1), interrupt=stop)
-    path = save_interrupted(a, tmp_path / "run", info.value.progress)
+    _, path, _ = _interrupted(cfg, tmp_path / "run")
     _rewrite(path, lambda t: t.update({"agent.value_b": torch.zeros(3, 3)}))
     tensors, meta = read_interrupted(tmp_path / "run", 0, cfg.hash())
     with pytest.raises(CheckpointError, match="size mismatch for value_b") as info:
@@ -125,14 +128,8 @@ def test_an_interrupted_file_whose_tensors_do_not_fit_is_a_checkpoint_error_nami
 
 def test_an_interrupted_file_with_a_bad_sha256_is_set_aside_with_a_warning_and_a_stale_one_removed(tmp_path, caplog):
     cfg = _small_cfg()
-    a = _state(cfg)
-
-    def stop():
-        return True
-    with pytest.raises(EpochInterrupted) as info:
-        train_epoch(a, Knobs.fixed_schedule(1), interrupt=stop)
     run = tmp_path / "run"
-    path = save_interrupted(a, run, info.value.progress)
+    a, path, progress = _interrupted(cfg, run)
     raw = bytearray(path.read_bytes())
     raw[-1] ^= 0xFF
     path.write_bytes(bytes(raw))
@@ -145,14 +142,14 @@ def test_an_interrupted_file_with_a_bad_sha256_is_set_aside_with_a_warning_and_a
     assert kept.read_bytes() == bytes(raw) and sidecar_path(kept).read_text() == side
     warned = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warned) == 1 and str(path) in warned[0].getMessage() and "sha256 mismatch" in warned[0].getMessage()
-    save_interrupted(a, run, info.value.progress)                # a second bad file takes the first one's place
+    save_interrupted(a, run, progress)                # a second bad file takes the first one's place
     raw[-2] ^= 0xFF
     path.write_bytes(bytes(raw))
     assert read_interrupted(run, 0, cfg.hash()) is None
     aside = [p for p in (run / "checkpoints").iterdir() if ".bad-" in p.name]
     assert len(aside) == 2 and next(p for p in aside if not p.name.endswith(".sha256")).read_bytes() == bytes(raw)
     caplog.clear()
-    save_interrupted(a, run, info.value.progress)                # another config's file: stale, removed at INFO
+    save_interrupted(a, run, progress)                # another config's file: stale, removed at INFO
     with caplog.at_level(logging.INFO, logger="tradeloop.trainer"):
         assert read_interrupted(run, 0, "another config") is None
     assert not path.exists() and not sidecar_path(path).exists()

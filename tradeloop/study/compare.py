@@ -191,8 +191,8 @@ def markdown(c: dict, la: str, lb: str) -> str:
     runs = c.get("runs", c["units"])
     over = f"{c['units']} units" + (f" of {c['pairs']} pairs of studies, pooled" if c.get("pairs", 1) > 1 else "")
     if runs != c["units"]:
-        over += (f" — the {runs} paired (seed, fold) runs trade {c['units']} test periods, and the runs of one period "
-                 "count once, as their mean")
+        over += (f" — the {runs} paired (seed, fold) runs trade {c['units']} test periods, and the runs of one "
+                 "period count once, as their mean")
     lines = [f"{la} − {lb}, paired by (seed, fold) over {over} (mean [95 % CI]; expanded percentile bootstrap; "
              "resolvable: the smallest difference these units tell from 0 with 80 % power, a paired t-test at 5 %, "
              "and the units it would take to tell the observed one so):",
