@@ -47,11 +47,11 @@ class Rollback:
     trading, a fall no standard error of a few trades can show."""
 
 
-def best_point(points: Sequence[HistoryPoint]) -> tuple[HistoryPoint, bool]:
+def best_point(points: Sequence[HistoryPoint], min_trades: int = MIN_SELECTION_TRADES) -> tuple[HistoryPoint, bool]:
     """The best of these epochs by the rule that selects a run's checkpoint (`shared.metrics.select_best`): the
-    highest validation per-trade Sharpe among the epochs with enough validation trades (the best of all when none
-    has), the earliest of equal Sharpes; and whether it has enough trades."""
-    i, enough = select_best([p.val_sharpe for p in points], [p.val_n_trades for p in points])
+    highest validation per-trade Sharpe among the epochs with ≥ `min_trades` validation trades (the best of all when
+    none has), the earliest of equal Sharpes; and whether it has enough trades."""
+    i, enough = select_best([p.val_sharpe for p in points], [p.val_n_trades for p in points], min_trades)
     return points[i], enough
 
 
@@ -59,9 +59,21 @@ def new_best(view: FeedbackView, cfg: "FeedbackConfig") -> tuple[bool, HistoryPo
     """(whether the reported epoch's validation per-trade Sharpe beat the best earlier epoch's by more than noise_z
     standard errors of the difference, that epoch or None on the first, that standard error or inf)."""
     s, se = view.val.metric("per_trade_sharpe"), view.val.sharpe_se
-    best = best_point(view.history)[0] if view.history else None
+    best = best_point(view.history, cfg.min_selection_trades)[0] if view.history else None
     gain_se = diff_se(se, best.val_sharpe_se) if best is not None else math.inf
     return best is not None and s - best.val_sharpe > cfg.noise_z * gain_se, best, gain_se
+
+
+def is_stagnant(view: FeedbackView, s: float, se: float, cfg: "FeedbackConfig") -> bool:
+    """E2's stagnation: the last `patience` epochs (this one included) each fell below the best epoch before them by
+    more than noise_z standard errors of the difference."""
+    hist, k = view.history, cfg.patience
+    if len(hist) < k:
+        return False
+    before = hist[:len(hist) - (k - 1)]
+    recent = [(h.val_sharpe, h.val_sharpe_se) for h in hist[len(hist) - (k - 1):]] + [(s, se)]
+    best = best_point(before, cfg.min_selection_trades)[0]
+    return all(best.val_sharpe - r > cfg.noise_z * diff_se(r_se, best.val_sharpe_se) for r, r_se in recent)
 
 
 def next_lr_decay(view: FeedbackView, cfg: "FeedbackConfig", rolled_back: bool) -> tuple[float, str]:
@@ -80,16 +92,16 @@ def next_lr_decay(view: FeedbackView, cfg: "FeedbackConfig", rolled_back: bool) 
 def rollback_target(view: FeedbackView, cfg: "FeedbackConfig") -> Rollback | None:
     """A `Rollback` when this epoch's validation per-trade Sharpe fell below the best earlier epoch's (`best_point`)
     by more than rollback_z standard errors of the difference, or when this epoch had too few validation trades to
-    be selected (`MIN_SELECTION_TRADES`: the policy all but stopped trading, where the standard error of a few
-    trades hides any fall); None otherwise (or with no history, or no earlier epoch of enough trades)."""
+    be selected (`FeedbackConfig.min_selection_trades`: the policy all but stopped trading, where the standard error
+    of a few trades hides any fall); None otherwise (or with no history, or no earlier epoch of enough trades)."""
     if not view.history:
         return None
-    best, enough = best_point(view.history)
+    best, enough = best_point(view.history, cfg.min_selection_trades)
     if not enough:
         return None
     drop = best.val_sharpe - view.val.metric("per_trade_sharpe")
     se = diff_se(view.val.sharpe_se, best.val_sharpe_se)
-    if view.val.metric("n_trades") < MIN_SELECTION_TRADES:
+    if view.val.metric("n_trades") < cfg.min_selection_trades:
         return Rollback(best, drop, se, stopped=True)
     return Rollback(best, drop, se) if drop > cfg.rollback_z * se else None
 
@@ -119,8 +131,8 @@ def rollback_reason(view: FeedbackView, rb: Rollback, cfg: "FeedbackConfig") -> 
     g, s = rb.best, view.val.metric("per_trade_sharpe")
     answer = (f"restarts a fresh learner under epoch {g.epoch}'s knobs" if cfg.rollback_restart else
               f"restores epoch {g.epoch}'s weights and optimizer state, and its knobs")
-    why = (f"rollback: {int(view.val.metric('n_trades'))} val trades, below the {MIN_SELECTION_TRADES} a checkpoint "
-           f"needs to be selected, where epoch {g.epoch} had {g.val_n_trades} (val per-trade Sharpe "
+    why = (f"rollback: {int(view.val.metric('n_trades'))} val trades, below the {cfg.min_selection_trades} a "
+           f"checkpoint needs to be selected, where epoch {g.epoch} had {g.val_n_trades} (val per-trade Sharpe "
            f"{g.val_sharpe:.3f}): the policy all but stopped trading; the trainer {answer}") if rb.stopped else (
         f"rollback: val per-trade Sharpe {s:.3f} fell {rb.drop:.3f} below epoch {g.epoch}'s "
         f"{g.val_sharpe:.3f}, beyond {cfg.rollback_z:g}·SE = {cfg.rollback_z * rb.se:.3f}; the trainer {answer}")
@@ -139,14 +151,14 @@ def exploit_target(own: Sequence[HistoryPoint], peers: Sequence[PeerPoint], cfg:
     none (or no own epoch of enough trades, or the population switched off)."""
     if not (cfg.enabled and cfg.population and own and peers):
         return None
-    mine, enough = best_point(own)
+    mine, enough = best_point(own, cfg.min_selection_trades)
     if not enough:
         return None
     beyond = []
     for p in peers:
         gain = p.point.val_sharpe - mine.val_sharpe
         se = diff_se(p.point.val_sharpe_se, mine.val_sharpe_se)
-        if p.point.val_n_trades >= MIN_SELECTION_TRADES and gain > cfg.population_z * se:
+        if p.point.val_n_trades >= cfg.min_selection_trades and gain > cfg.population_z * se:
             beyond.append(Exploit(p, gain, se))
     return max(beyond, key=lambda x: x.peer.point.val_sharpe, default=None)
 

@@ -40,11 +40,12 @@ import math
 from dataclasses import dataclass, fields, replace
 from typing import Any, Sequence
 
-from services.feedback.fallbacks import (KNOB_OF, best_point, diff_se, disabled_bundle, fixed_signals, new_best,
+from services.feedback.fallbacks import (KNOB_OF, best_point, disabled_bundle, fixed_signals, is_stagnant, new_best,
                                         next_lr_decay, knobs_from_signals, rollback_reason, rollback_target)
 from services.feedback.bounds import _clamp, _fin, _ratio_limit, _w, beyond_noise, project_weights
 from services.feedback.guard import FeedbackView, HistoryEntry, HistoryPoint, build_view, check_train_indices
 from shared.knobs import BRANCHES, N_REGIMES, FixedSchedule, unlisted_at_neutral
+from shared.metrics import MIN_SELECTION_TRADES
 from shared.report import SIGNAL_IDS, EvalReport, FeedbackBundle, Provenance, Signal, parse_off
 
 CONTINUOUS = ("E1", "E2", "E3", "E4", "E5", "E8", "E9")
@@ -131,6 +132,8 @@ class FeedbackConfig:
     """The share of the current learner's weights a rollback keeps: every floating-point weight of the network and
     its target becomes `keep·w_now + (1 − keep)·w_best` (a point on the line between the two, as weight averaging
     and the Lookahead optimizer take); 0: the best epoch's weights bit for bit."""
+    min_selection_trades: int = MIN_SELECTION_TRADES
+    """Fewest validation trades of an epoch the rollback and the exploit may choose (a study sets its own)."""
     rollback_restart: bool = False
     """Answer the drop with a fresh learner (`state.restart_fresh`: new weights, zeroed optimizer state, and the
     replay emptied under `train.restart_replay`) instead of the best epoch's; the knobs are the best epoch's either
@@ -154,6 +157,10 @@ class FeedbackConfig:
                 raise ValueError(f"feedback config: {name} must be in (0, 1], got {getattr(self, name)}")
         if not 0.0 <= self.rollback_keep < 1.0:
             raise ValueError(f"feedback config: rollback_keep must be in [0, 1), got {self.rollback_keep}")
+        if isinstance(self.min_selection_trades, bool) or not isinstance(self.min_selection_trades, int) \
+                or self.min_selection_trades < 0:
+            raise ValueError(f"feedback config: min_selection_trades must be an integer ≥ 0, got "
+                             f"{self.min_selection_trades!r}")
         if not isinstance(self.rollback_restart, bool):
             raise ValueError(f"feedback config: rollback_restart must be true or false, got {self.rollback_restart!r}")
         object.__setattr__(self, "schedule", FixedSchedule.coerce(self.schedule, "feedback config: schedule"))
@@ -163,7 +170,8 @@ class FeedbackConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON form, which `coerce` reads back: `off` a list, the schedule a table of its fields."""
-        d = unlisted_at_neutral({f.name: getattr(self, f.name) for f in fields(self)}, {"plateau_lr_factor": 1.0})
+        d = unlisted_at_neutral({f.name: getattr(self, f.name) for f in fields(self)},
+                                {"plateau_lr_factor": 1.0, "min_selection_trades": MIN_SELECTION_TRADES})
         return {**d, "off": list(self.off), "schedule": self.schedule.to_dict()}
 
     def is_on(self, name: str) -> bool:
@@ -257,18 +265,6 @@ def _epsilon(m: float, epoch: int, cfg: FeedbackConfig) -> float:
     return _clamp(cfg.schedule.epsilon(epoch) * m, cfg.eps_min, cfg.eps_max)
 
 
-def _stagnant(view: FeedbackView, s: float, se: float, cfg: FeedbackConfig) -> bool:
-    """The last `patience` epochs (this one included) each fell below the best epoch before them by more than
-    noise_z standard errors of the difference."""
-    hist, k = view.history, cfg.patience
-    if len(hist) < k:
-        return False
-    before = hist[:len(hist) - (k - 1)]
-    recent = [(h.val_sharpe, h.val_sharpe_se) for h in hist[len(hist) - (k - 1):]] + [(s, se)]
-    best = best_point(before)[0]
-    return all(best.val_sharpe - r > cfg.noise_z * diff_se(r_se, best.val_sharpe_se) for r, r_se in recent)
-
-
 def e2_epsilon(view: FeedbackView, cfg: FeedbackConfig) -> Signal:
     """E2 — ε as a multiplier m of the fixed schedule's, moved only by validation changes beyond their noise.
 
@@ -288,7 +284,7 @@ def e2_epsilon(view: FeedbackView, cfg: FeedbackConfig) -> Signal:
     last = view.history[-1] if view.history else None
     improving = last is not None and s > last.val_sharpe
     beat, best, gain_se = new_best(view, cfg)
-    stagnant = _stagnant(view, s, se, cfg)
+    stagnant = is_stagnant(view, s, se, cfg)
     if beat:
         factor, why = 1.0 / cfg.eps_improve, (f"validation per-trade Sharpe {s:.3f} beats the best {best.val_sharpe:.3f}"
                                               f" beyond noise ({cfg.noise_z:g}·SE = {cfg.noise_z * gain_se:.3f}): "
@@ -588,7 +584,7 @@ def compute_bundle(report: EvalReport, history: Sequence[EvalReport | HistoryEnt
     reason += why
     this = HistoryPoint(view.epoch, view.val.metric("per_trade_sharpe"), _n_val(view), view.knobs)
     keep_best = cfg.is_on("rollback") or cfg.population      # a rollback restores it, or a peer exploits it
-    best_epoch = best_point([*view.history, this])[0].epoch if keep_best else None
+    best_epoch = best_point([*view.history, this], cfg.min_selection_trades)[0].epoch if keep_best else None
     return FeedbackBundle(run_id=report.run_id, epoch=report.epoch, for_epoch=report.epoch + 1, enabled=True,
                           rollback=rb is not None, rollback_to_epoch=None if rb is None else rb.best.epoch,
                           rollback_checkpoint_sha256="" if rb is None else rb.best.checkpoint_sha256,

@@ -355,6 +355,8 @@ class StudySpec:
         fbd = fb.to_dict() if fb.enabled else {"enabled": False, "schedule": fb.schedule.to_dict()}
         if not fbd.get("population"):              # with the population off its two fields decide nothing
             fbd.pop("population", None), fbd.pop("population_z", None)
+        if fbd.get("min_selection_trades") == self.min_val_trades:     # the study's own: implied by its identity
+            fbd.pop("min_selection_trades")
         return [cfg.to_dict(), fbd]
 
     @property
@@ -372,7 +374,9 @@ class StudySpec:
         cfg = TrainConfig.preset(self.preset, n_features)
         # every variant starts from the feedback the product ships (`DEFAULT_OFF` switched off)
         try:
-            return apply_settings(cfg, FeedbackConfig(off=DEFAULT_OFF), [*self.settings, *variant.settings])
+            # the rollback and the exploit choose among the epochs the study's selection could choose
+            fb = FeedbackConfig(off=DEFAULT_OFF, min_selection_trades=self.min_val_trades)
+            return apply_settings(cfg, fb, [*self.settings, *variant.settings])
         except StudyError as exc:
             raise StudyError(f"variant {variant.name!r}: {exc}") from None
 
