@@ -165,7 +165,8 @@ def _summary(variant, seed, fold, vals, sel, oos, trades=30):
             "selected_epoch": sel, "selectable": True, "val_sharpe": vals[sel - 1], "oos_sharpe": oos,
             "val_trades": trades, "oos_trades": trades, "run_dsr": 0.5, "first_epoch_key": "k",
             "selected_val_trade_returns": list(rng.normal(0.01, 0.02, trades)),
-            "epochs": [{"epoch": i + 1, "val_sharpe": v, "checkpoint_sha256": "same" if i == 0 else f"{variant}{i}"}
+            "epochs": [{"epoch": i + 1, "val_sharpe": v,
+                        "checkpoint_sha256": f"same-{seed}-{fold}" if i == 0 else f"{variant}-{seed}-{fold}-{i}"}
                        for i, v in enumerate(vals)]}
 
 
@@ -175,13 +176,14 @@ def _two_units():
             _summary("on", 1, 0, [0.2, 0.5], 2, 0.50), _summary("off", 1, 0, [0.2, 0.1], 1, 0.20)]
 
 
-def test_aggregate_deflates_by_every_checkpoint_of_the_study_and_pairs_by_seed_and_fold():
+def test_aggregate_deflates_by_every_distinct_checkpoint_of_the_study_and_pairs_by_seed_and_fold():
+    """8 checkpoints, of which each unit's epoch 1 is one file in both variants (the same sha256): 6 trials."""
     runs = _two_units()
     res = aggregate(runs, [], ["on", "off"], "off", n_boot=2000, seed=0)
-    allv = [0.1, 0.4, 0.1, 0.2, 0.2, 0.5, 0.2, 0.1]
-    assert res["n_trials"] == 8 and res["trial_sharpe_var"] == pytest.approx(np.var(allv, ddof=1))
+    allv = [0.1, 0.4, 0.2, 0.2, 0.5, 0.1]                 # on-s0 1, 2; off-s0 2; on-s1 1, 2; off-s1 2
+    assert res["n_trials"] == 6 and res["trial_sharpe_var"] == pytest.approx(np.var(allv, ddof=1))
     row = next(r for r in res["runs"] if r["run_id"] == "on-s1-f0")
-    assert row["dsr"] == pytest.approx(dsr(runs[2]["selected_val_trade_returns"], 8, np.var(allv, ddof=1)))
+    assert row["dsr"] == pytest.approx(dsr(runs[2]["selected_val_trade_returns"], 6, np.var(allv, ddof=1)))
     p = res["paired"]["on"]["oos_sharpe"]
     assert p["mean"] == pytest.approx(((0.30 - 0.10) + (0.50 - 0.20)) / 2) and p["wins"] == 2 and p["n"] == 2
     assert res["paired"]["on"]["last_val_sharpe"]["mean"] == pytest.approx(((0.4 - 0.2) + (0.5 - 0.1)) / 2)

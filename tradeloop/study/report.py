@@ -125,7 +125,7 @@ def markdown(res: dict) -> str:
              f"≥ {s['min_val_trades']} val trades); OOS is read for that checkpoint alone. Sharpes are un-annualized, "
              f"per trade. Mean [95 % CI]: expanded percentile bootstrap over the {over_what(res, units)}, "
              f"{s['n_boot']} resamples, rng seed {s['ci_seed']}. DSR: the selected checkpoint's validation trades "
-             f"deflated by all N = {res['n_trials']} checkpoints of the study (variance of their val Sharpes "
+             f"deflated by all N = {res['n_trials']} distinct checkpoints of the study (variance of their val Sharpes "
              f"{_n(res['trial_sharpe_var'], '.4f')}); verdict \"validated edge\" only when the 95 % CI of the mean DSR "
              f"lies at or above {DSR_BAR}.",
              "",

@@ -26,7 +26,8 @@ deflated by every trial of the study, and the results table. Pure numpy over the
 - The val/OOS gap of a variant is the gap of its means, 1 − mean OOS / mean val (a per-run gap explodes where val is
   near 0), with its CI from the same resamples (those whose mean val > 0; "n/a" when fewer than 95 % are).
 - DSR (`shared.metrics.dsr`): a selected checkpoint's validation trades against the expected maximum Sharpe of N
-  trials, N = every checkpoint of every variant of the study (variants × seeds × folds × epochs), with the
+  trials, N = every distinct checkpoint of every variant of the study (variants × seeds × folds × epochs, a
+  byte-identical checkpoint of two variants counted once), with the
   variance of the validation Sharpes of those selection could choose (≥ `min_val_trades` trades:
   `shared.metrics.trials_variance`; a Sharpe of a few trades is mostly its own noise). Verdict per variant
   (`verdict`): "validated edge" only when the 95 % CI of its runs' mean DSR lies at or above 0.95, else "no
@@ -62,10 +63,18 @@ def select_epoch(val_sharpes: Sequence[float], val_trades: Sequence[int], min_tr
 
 
 def study_trials(summaries: Sequence[dict], min_trades: int = 20) -> tuple[int, float | None]:
-    """(N, V): N every checkpoint of every run of the study, V the variance of the validation Sharpes of those with
-    ≥ `min_trades` validation trades, the checkpoints selection could choose (`shared.metrics.trials_variance`)."""
-    s = [float(r["val_sharpe"]) for m in summaries for r in m["epochs"]]
-    n = [int(r.get("val_trades", min_trades)) for m in summaries for r in m["epochs"]]
+    """(N, V): N every distinct checkpoint of every run of the study — byte-identical ones (by sha256: variants
+    that trained an epoch alike, as on and off do while no act differs) are one trial, not one a run —, V the
+    variance of the validation Sharpes of those with ≥ `min_trades` validation trades, the checkpoints selection
+    could choose (`shared.metrics.trials_variance`)."""
+    s, n, seen = [], [], set()
+    for r in (r for m in summaries for r in m["epochs"]):
+        sha = r.get("checkpoint_sha256")
+        if sha and sha in seen:
+            continue
+        seen.add(sha)
+        s.append(float(r["val_sharpe"]))
+        n.append(int(r.get("val_trades", min_trades)))
     return len(s), trials_variance(s, n, min_trades)
 
 
