@@ -298,7 +298,7 @@ def test_a_hosts_worker_process_killed_mid_run_fails_the_study_worker_saying_so(
 def test_a_second_study_on_the_same_out_is_refused_naming_the_first(tmp_path):
     """Two `tradeloop study` on one --out: the second is refused at once (exit 2, one line naming the first's pid),
     study.json untouched although its --parallel differs, while the first runs on."""
-    cfg, out = _tiny(tmp_path, epochs=3), tmp_path / "study"
+    cfg, out = _tiny(tmp_path, epochs=40), tmp_path / "study"   # still running when the second starts
     first = subprocess.Popen(_study(cfg, out), cwd=ROOT, env=_env_with(), stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True)
     try:
