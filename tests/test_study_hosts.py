@@ -278,7 +278,7 @@ def test_a_run_with_a_summary_is_never_counted_failed(redis_url):
 def test_a_hosts_worker_process_killed_mid_run_fails_the_study_worker_saying_so(tmp_path, redis_url):
     """`study-worker --parallel 1`, its worker process killed by SIGKILL mid-run: the command names it ("killed by
     SIGKILL (out of memory?)") and exits 1 (it said "done here: 0 run(s)" and exited 0)."""
-    _, sid, _ = _published(redis_url, _tiny(tmp_path, epochs=3), tmp_path / "coord")
+    _, sid, _ = _published(redis_url, _tiny(tmp_path, epochs=40), tmp_path / "coord")   # mid-run when killed
     host = tmp_path / "host"
     w = subprocess.Popen(_worker(sid, host, "--parallel", "1"), cwd=ROOT, env=_env_with(redis_url),
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
