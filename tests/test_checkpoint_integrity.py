@@ -4,7 +4,6 @@ disk) are each one clear error naming the file, and nothing on disk is lost or o
 test_train.py, on the CPU; the command-line tests resume a one-epoch run trained once for the module."""
 from __future__ import annotations
 
-import dataclasses
 import errno
 import logging
 import os
@@ -15,11 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_train import TINY_AGENT, tiny_config
-from test_train_out import _tree
+from test_train import tiny_config
+from test_train_out import _tree, use_tiny_presets
 from typer.testing import CliRunner
 
-from services.trainer.train import (INTERRUPTED, EpochInterrupted, TrainConfig, build_state, latest_epoch,
+from services.trainer.train import (INTERRUPTED, EpochInterrupted, build_state, latest_epoch,
                                     read_interrupted, restore_interrupted, restore_state, roll_back, save_epoch,
                                     save_interrupted, train_epoch)
 from shared.checkpoints import (CheckpointError, checkpoint_sha256, load_checkpoint, save_checkpoint,
@@ -171,20 +170,9 @@ def test_a_garbled_sidecar_is_refused_and_only_a_missing_one_is_incomplete(epoch
     assert latest_epoch(run) == 0 and st.exists()                 # a kill before the sidecar: trained again
 
 
-def _tiny_presets(mp: pytest.MonkeyPatch) -> None:
-    """Both presets as the tiny config (test_train_out.py's `tiny_presets`)."""
-    def preset(cls, name: str, n_features: int) -> TrainConfig:
-        if name not in ("small", "full"):
-            raise ValueError(f"unknown config preset {name!r}")
-        return dataclasses.replace(tiny_config(), agent=dataclasses.replace(TINY_AGENT, n_features=n_features),
-                                   batch_size=16 if name == "small" else 8)
-
-    mp.setattr(TrainConfig, "preset", classmethod(preset))
-
-
 @pytest.fixture
 def tiny_presets(monkeypatch):
-    _tiny_presets(monkeypatch)
+    use_tiny_presets(monkeypatch)
 
 
 @pytest.fixture(scope="module")
@@ -192,7 +180,7 @@ def trained(tmp_path_factory):
     """One epoch of `tradeloop train` under the tiny presets, copied by each test that resumes it."""
     out = tmp_path_factory.mktemp("template") / "run"
     with pytest.MonkeyPatch.context() as mp:
-        _tiny_presets(mp)
+        use_tiny_presets(mp)
         r = CliRunner().invoke(app, ["train", "--epochs", "1", "--dataset", "synthetic", "--out", str(out)])
     assert r.exit_code == 0, r.output
     return out

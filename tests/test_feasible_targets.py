@@ -69,15 +69,23 @@ def test_the_targets_change_only_where_a_bootstrap_state_holds_a_young_trade():
     assert not (moved & ~young).any()                    # no sample without a young trade ahead changes
 
 
-def test_the_kl_priority_is_the_cross_entropy_less_the_targets_entropy():
+def _objectives(changes: dict) -> tuple:
+    """The update's objective on one batch of a tiny state, under its config and under `changes` to it, with the
+    batch's targets."""
     st = _state()
     b = st.replay.sample(32, torch.Generator().manual_seed(3))
     noise = torch.rand(32, noise_width(st.cfg), generator=torch.Generator().manual_seed(4))
     tg = make_targets(st.agent, st.target, st.buffers, st.cfg)(b, noise)
     windows = st.env.market.windows
-    ce = make_objective(st.agent, windows, st.buffers, st.cfg)(b, noise, tg, lambda: None).priority
-    cfg = dataclasses.replace(st.cfg, kl_priority=True)
-    kl = make_objective(st.agent, windows, st.buffers, cfg)(b, noise, tg, lambda: None).priority
+    base = make_objective(st.agent, windows, st.buffers, st.cfg)(b, noise, tg, lambda: None)
+    changed = make_objective(st.agent, windows, st.buffers, dataclasses.replace(st.cfg, **changes))(
+        b, noise, tg, lambda: None)
+    return base, changed, tg
+
+
+def test_the_kl_priority_is_the_cross_entropy_less_the_targets_entropy():
+    base, changed, tg = _objectives({"kl_priority": True})
+    ce, kl = base.priority, changed.priority
     m = tg.dist[:, 0]
     entropy = -(m * torch.log(m.clamp(min=1e-6))).sum(-1)
     torch.testing.assert_close(kl, (ce - entropy).clamp(min=0.0), rtol=1e-5, atol=1e-6)
@@ -133,14 +141,8 @@ def test_the_iqn_loss_learns_quantiles_at_an_atoms_kappa_and_expectiles_at_one()
     quantile = float(torch.quantile(y.double(), tau))
     assert abs(argmin(2.0 / 50) - quantile) < 0.02
     assert abs(argmin(1.0) - expectile) < 0.002 and abs(argmin(1.0) - quantile) > 0.1
-    st = _state()
-    b = st.replay.sample(32, torch.Generator().manual_seed(3))
-    noise = torch.rand(32, noise_width(st.cfg), generator=torch.Generator().manual_seed(4))
-    tg = make_targets(st.agent, st.target, st.buffers, st.cfg)(b, noise)
-    windows = st.env.market.windows
-    one = make_objective(st.agent, windows, st.buffers, st.cfg)(b, noise, tg, lambda: None).metrics
-    atom = make_objective(st.agent, windows, st.buffers, dataclasses.replace(st.cfg, iqn_kappa=0.04))(
-        b, noise, tg, lambda: None).metrics
+    base, changed, _ = _objectives({"iqn_kappa": 0.04})
+    one, atom = base.metrics, changed.metrics
     assert torch.equal(one["c51"], atom["c51"]) and not torch.equal(one["iqn"], atom["iqn"])
 
 

@@ -28,8 +28,7 @@ def _train(*args: str):
     return CliRunner().invoke(app, ["train", "--epochs", "1", *args])
 
 
-@pytest.fixture
-def tiny_presets(monkeypatch):
+def use_tiny_presets(mp: pytest.MonkeyPatch) -> None:
     """Both presets as the tests' tiny config (an epoch in seconds), each remembering its name in its batch size."""
     def preset(cls, name: str, n_features: int) -> TrainConfig:
         if name not in ("small", "full"):
@@ -37,7 +36,12 @@ def tiny_presets(monkeypatch):
         return dataclasses.replace(tiny_config(), agent=dataclasses.replace(TINY_AGENT, n_features=n_features),
                                    batch_size=16 if name == "small" else 8)
 
-    monkeypatch.setattr(TrainConfig, "preset", classmethod(preset))
+    mp.setattr(TrainConfig, "preset", classmethod(preset))
+
+
+@pytest.fixture
+def tiny_presets(monkeypatch):
+    use_tiny_presets(monkeypatch)
 
 
 def _up_run(runs: Path, run_id: str) -> Path:
