@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from tradeloop.study.spec import StudyError, StudySpec
-from tradeloop.study.stats import describe, power_cells, units_text
+from tradeloop.study.stats import by_cluster, describe, power_cells, units_text
 from tradeloop.study.intervals import bootstrap_ci, paired, units_to_detect
 
 SAME_UNITS = {"dataset": None, "seeds": None, "folds": None, "epochs": None, "preset": None, "settings": None,
@@ -128,7 +128,8 @@ def compare_pooled(pairs: list[tuple[dict, str, dict, str]], *, n_boot: int = 10
     for u in sorted(period_of):
         ranks.setdefault(period_of[u], len(ranks))
     period_of = {u: ranks[g] for u, g in period_of.items()}
-    xs = {key: (by_period(xa, period_of), by_period(xb, period_of)) for key, (xa, xb) in raw.items()}
+    by_period = lambda values: by_cluster(values, lambda *u: period_of[u])  # noqa: E731 — each period's mean
+    xs = {key: (by_period(xa), by_period(xb)) for key, (xa, xb) in raw.items()}
     same = lambda a, b: json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)  # noqa: E731
     out: dict = {"metrics": {}, "pairs": len(pairs), "one_study": all(same(a, b) for a, _, b, _ in pairs)}
     for k, both in sides.items():
@@ -150,7 +151,7 @@ def compare_pooled(pairs: list[tuple[dict, str, dict, str]], *, n_boot: int = 10
         out["detect"] = detect
     first = first_epoch(pairs, raw["oos_sharpe"][0])
     if first is not None:
-        out["first_val"] = paired(*(by_period(x, period_of) for x in first), n_boot=n_boot, seed=seed)
+        out["first_val"] = paired(*(by_period(x) for x in first), n_boot=n_boot, seed=seed)
     la, lb = raw["last_val_sharpe"]
     seeds = sorted({u[:2] for u in set(la) & set(lb)})
     out["last_val_seeds"] = {"a_at_least_b": sum(
@@ -159,14 +160,6 @@ def compare_pooled(pairs: list[tuple[dict, str, dict, str]], *, n_boot: int = 10
     out["units"] = out["metrics"]["oos_sharpe"]["a_minus_b"]["n"]
     out["runs"] = len(set(raw["oos_sharpe"][0]) & set(raw["oos_sharpe"][1]))
     return out
-
-
-def by_period(values: dict, period_of: dict) -> dict:
-    """(pair, seed, fold) → value, as each test period's mean."""
-    groups: dict = {}
-    for u, v in values.items():
-        groups.setdefault(period_of[u], []).append(v)
-    return {g: float(np.mean(vs)) for g, vs in groups.items()}
 
 
 def first_epoch(pairs: list[tuple[dict, str, dict, str]], shared: dict) -> tuple[dict, dict] | None:
